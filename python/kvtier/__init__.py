@@ -1,0 +1,27 @@
+"""kvtier: a host-memory and disk tier for the KV caches of LLM inference engines.
+
+The Rust core (``kvtier._native``) owns aligned host memory, page allocation and transfer plans; this
+package adds torch views, CUDA pinning policy and HiCache-compatible KV pools.
+"""
+
+from ._errors import (
+    ClosedError,
+    CudaError,
+    CudaUnavailableError,
+    HugePagesUnavailableError,
+    InvalidArgumentError,
+    KvtierError,
+)
+from ._native import __version__
+from .buffer import HostBuffer
+
+__all__ = [
+    "ClosedError",
+    "CudaError",
+    "CudaUnavailableError",
+    "HostBuffer",
+    "HugePagesUnavailableError",
+    "InvalidArgumentError",
+    "KvtierError",
+    "__version__",
+]

@@ -1,0 +1,42 @@
+"""The one place kvtier reads environment variables. Each has a documented default (README, "Environment
+variables"); the rest of the package takes these values as arguments."""
+
+from __future__ import annotations
+
+import os
+
+from ._errors import InvalidArgumentError
+
+GiB = 1 << 30
+
+
+def _int_env(name: str, default: int, minimum: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise InvalidArgumentError(f"environment variable {name}={raw!r} is not an integer") from None
+    if value < minimum:
+        raise InvalidArgumentError(f"environment variable {name}={value} must be >= {minimum}")
+    return value
+
+
+def register_chunk_bytes() -> int:
+    """Largest single CUDA host registration: ``KVTIER_REGISTER_CHUNK_GB`` GiB (default 1, at most 64).
+    Small chunks let several threads pin in parallel; chunk boundaries never split a KV page."""
+    return min(_int_env("KVTIER_REGISTER_CHUNK_GB", 1, 1), 64) * GiB
+
+
+def register_threads() -> int:
+    """Threads that register (pin) a buffer's chunks: ``KVTIER_REGISTER_THREADS`` (default 8)."""
+    return _int_env("KVTIER_REGISTER_THREADS", 8, 1)
+
+
+def pin_default() -> str:
+    """``KVTIER_PIN``: ``auto`` (pin when torch sees a CUDA device; default), ``1`` (always), ``0`` (never)."""
+    raw = os.environ.get("KVTIER_PIN", "auto").strip().lower()
+    if raw not in ("auto", "0", "1"):
+        raise InvalidArgumentError(f"environment variable KVTIER_PIN={raw!r} must be 'auto', '0' or '1'")
+    return raw

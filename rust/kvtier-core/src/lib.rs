@@ -1,0 +1,20 @@
+//! kvtier's pure-Rust core: the memory and IO half of a host/disk tier for LLM KV caches.
+//!
+//! - [`buffer`]: aligned, pre-faulted anonymous host memory ([`buffer::HostRegion`]), optionally on huge
+//!   pages and registered (pinned) with the CUDA driver.
+//! - [`cuda`]: the CUDA driver, loaded at run time; absent drivers are an error value, never a link failure.
+//! - [`alloc`]: whole-page token-slot allocation with HiCache's semantics and checked frees.
+//! - [`plan`]: validation of transfer indices and the byte-range plans that copy engines execute.
+//!
+//! Threading model: every type here is `Send + Sync` with interior locks; long operations (pre-faulting,
+//! registration, copies) use scoped threads and never call back into a caller. No Python, no torch: the
+//! binding crate `kvtier-py` converts and calls, the Python package owns policy.
+#![deny(missing_docs)]
+
+pub mod alloc;
+pub mod buffer;
+pub mod cuda;
+pub mod error;
+pub mod plan;
+
+pub use error::{Error, Result};

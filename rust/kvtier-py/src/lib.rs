@@ -1,0 +1,22 @@
+//! `kvtier._native`: the pyo3 binding of `kvtier-core`. Registration only; conversions live in one file
+//! per core module, the public API in `python/kvtier`.
+
+mod buffer;
+mod dlpack;
+mod errors;
+mod transfer;
+
+use pyo3::prelude::*;
+
+/// The private native module; import `kvtier` instead.
+#[pymodule(gil_used = false)]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<buffer::PyHostRegion>()?;
+    m.add_class::<transfer::PyPageAllocator>()?;
+    m.add_function(wrap_pyfunction!(buffer::cuda_host_registered, m)?)?;
+    m.add_function(wrap_pyfunction!(buffer::cuda_driver_available, m)?)?;
+    m.add_function(wrap_pyfunction!(transfer::validate_transfer, m)?)?;
+    m.add_function(wrap_pyfunction!(transfer::copy_cpu, m)?)?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

@@ -1,0 +1,138 @@
+//! Page allocation and transfer validation/copy bindings (`kvtier_core::{alloc, plan}`).
+
+use kvtier_core::alloc::PageAllocator;
+use kvtier_core::plan::{self, Direction, HostGeometry, IndexRules, Layout, RawRange};
+use kvtier_core::Error;
+use pyo3::buffer::PyBuffer;
+use pyo3::prelude::*;
+
+use crate::buffer::PyHostRegion;
+use crate::errors::KvResult;
+
+fn indices(py: Python<'_>, name: &str, obj: &Bound<'_, PyAny>) -> KvResult<Vec<i64>> {
+    let buf = PyBuffer::<i64>::get(obj)
+        .map_err(|e| Error::arg(name, format!("must be a 1-D int64 buffer ({e})")))?;
+    if buf.dimensions() != 1 {
+        return Err(Error::arg(name, format!("must be 1-D, got {} dimensions", buf.dimensions())).into());
+    }
+    buf.to_vec(py).map_err(|e| Error::arg(name, format!("cannot be read: {e}")).into())
+}
+
+/// Whole-page token-slot allocator (thread-safe).
+#[pyclass(name = "PageAllocator", module = "kvtier._native", frozen)]
+pub struct PyPageAllocator(PageAllocator);
+
+#[pymethods]
+impl PyPageAllocator {
+    #[new]
+    fn new(page_num: usize, page_size: usize) -> KvResult<Self> {
+        Ok(Self(PageAllocator::new(page_num, page_size)?))
+    }
+    /// Token slots (whole pages) or None when there is not enough room.
+    fn alloc(&self, need_size: i64) -> KvResult<Option<Vec<i64>>> {
+        if need_size < 0 {
+            return Err(Error::arg("need_size", format!("must be >= 0, got {need_size}")).into());
+        }
+        Ok(self.0.alloc(need_size as usize)?)
+    }
+    /// Frees whole pages; returns the slot count.
+    fn free(&self, py: Python<'_>, indices_: &Bound<'_, PyAny>) -> KvResult<usize> {
+        let v = indices(py, "indices", indices_)?;
+        Ok(self.0.free(&v)?)
+    }
+    fn available(&self) -> usize {
+        self.0.available()
+    }
+    fn is_allocated(&self, slot: usize) -> bool {
+        self.0.is_allocated(slot)
+    }
+    fn clear(&self) {
+        self.0.clear()
+    }
+}
+
+fn rules(host_slots: usize, device_rows: usize, page_size: usize, host_pages: bool, device_runs: bool, to_host: bool) -> IndexRules {
+    IndexRules {
+        host_slots,
+        device_rows,
+        page_size,
+        host_pages,
+        device_runs,
+        destination_is_host: to_host,
+    }
+}
+
+/// Validates transfer indices (ranges, page structure, distinct destinations). Raises ValueError naming
+/// the argument.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+pub fn validate_transfer(
+    py: Python<'_>,
+    host_indices: &Bound<'_, PyAny>,
+    device_indices: &Bound<'_, PyAny>,
+    host_slots: usize,
+    device_rows: usize,
+    page_size: usize,
+    host_pages: bool,
+    device_runs: bool,
+    to_host: bool,
+) -> KvResult<()> {
+    let h = indices(py, "host_indices", host_indices)?;
+    let d = indices(py, "device_indices", device_indices)?;
+    let r = rules(host_slots, device_rows, page_size, host_pages, device_runs, to_host);
+    Ok(py.detach(|| plan::validate(&h, &d, &r))?)
+}
+
+/// Copies K or V bytes between a host region laid out as `layout` and per-layer CPU tensors, after
+/// validating every index. `device_layers` are contiguous CPU tensors (anything with `data_ptr()` and
+/// `nbytes`), kept alive by this call for its duration.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+pub fn copy_cpu(
+    py: Python<'_>,
+    to_host: bool,
+    region: &PyHostRegion,
+    layout: &str,
+    slots: usize,
+    page_size: usize,
+    row_bytes: usize,
+    device_layers: Vec<Bound<'_, PyAny>>,
+    host_indices: &Bound<'_, PyAny>,
+    device_indices: &Bound<'_, PyAny>,
+    layer_begin: usize,
+    layer_end: usize,
+    host_pages: bool,
+    device_runs: bool,
+) -> KvResult<()> {
+    let region = region.get()?;
+    let layers = device_layers.len();
+    let geo = HostGeometry::new(Layout::parse(layout)?, layers, slots, page_size, row_bytes)?;
+    if geo.nbytes() > region.len() {
+        return Err(Error::arg("size", format!("geometry needs {} bytes, buffer has {}", geo.nbytes(), region.len())).into());
+    }
+    if layer_begin >= layer_end || layer_end > layers {
+        return Err(Error::arg("layer_id", format!("layers [{layer_begin}, {layer_end}) not in [0, {layers})")).into());
+    }
+    let mut dev = Vec::with_capacity(layers);
+    let mut rows = usize::MAX;
+    for t in &device_layers {
+        let ptr: usize = t.call_method0("data_ptr")?.extract()?;
+        let len: usize = t.getattr("nbytes")?.extract()?;
+        rows = rows.min(len / row_bytes);
+        dev.push(RawRange { ptr, len });
+    }
+    let h = indices(py, "host_indices", host_indices)?;
+    let d = indices(py, "device_indices", device_indices)?;
+    let r = rules(slots, rows, page_size, host_pages, device_runs, to_host);
+    let host = RawRange { ptr: region.as_ptr() as usize, len: region.len() };
+    let dir = if to_host { Direction::DeviceToHost } else { Direction::HostToDevice };
+    py.detach(|| {
+        plan::validate(&h, &d, &r)?;
+        let chunks = plan::plan(&geo, &h, &d, layer_begin..layer_end, usize::MAX);
+        // SAFETY: `host` is the live region (Arc held above); each device range is a live tensor held by
+        // `device_layers` for this call; host memory is Rust-owned anonymous memory, so it cannot overlap a
+        // torch CPU tensor's storage. copy_cpu bounds-checks every chunk.
+        unsafe { plan::copy_cpu(dir, host, &dev, &chunks) }
+    })?;
+    Ok(())
+}
