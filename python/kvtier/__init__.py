@@ -14,8 +14,13 @@ from ._errors import (
 )
 from ._native import __version__
 from .buffer import HostBuffer
+from .pools import AsymmetricMHAHostPool, DeviceKVPool, MHAHostPool, host_pool_for
 
 __all__ = [
+    "AsymmetricMHAHostPool",
+    "DeviceKVPool",
+    "MHAHostPool",
+    "host_pool_for",
     "ClosedError",
     "CudaError",
     "CudaUnavailableError",

@@ -144,17 +144,22 @@ impl HostRegion {
             return Err(Error::arg("nbytes", format!("{nbytes} is too large")));
         }
         let mut fallback = None;
-        let want_explicit = matches!(opts.huge_pages, HugePages::Auto | HugePages::Required);
+        // Under one huge page, `auto` means base pages: rounding a small buffer up to 2 MiB only wastes memory.
+        let policy = match opts.huge_pages {
+            HugePages::Auto if nbytes < HUGE_PAGE => HugePages::Off,
+            p => p,
+        };
+        let want_explicit = matches!(policy, HugePages::Auto | HugePages::Required);
         if want_explicit {
             match Self::map_explicit(nbytes, a) {
                 Ok(r) => return r.finish(opts),
-                Err(e) if opts.huge_pages == HugePages::Required => {
+                Err(e) if policy == HugePages::Required => {
                     return Err(Error::HugePagesUnavailable(e))
                 }
                 Err(e) => fallback = Some(format!("explicit huge pages unavailable ({e})")),
             }
         }
-        let want_thp = matches!(opts.huge_pages, HugePages::Auto | HugePages::Transparent);
+        let want_thp = matches!(policy, HugePages::Auto | HugePages::Transparent);
         let thp = want_thp && thp_enabled();
         if want_thp && !thp {
             let msg = "transparent huge pages are disabled";

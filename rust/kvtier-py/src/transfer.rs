@@ -62,6 +62,16 @@ fn rules(host_slots: usize, device_rows: usize, page_size: usize, host_pages: bo
     }
 }
 
+/// Page numbers of whole-page token-slot `indices` in a pool of `page_num` pages (ValueError otherwise).
+#[pyfunction]
+pub fn page_numbers(py: Python<'_>, indices_: &Bound<'_, PyAny>, page_size: usize, page_num: usize) -> KvResult<Vec<usize>> {
+    if page_size == 0 {
+        return Err(Error::arg("page_size", "must be positive, got 0").into());
+    }
+    let v = indices(py, "indices", indices_)?;
+    Ok(kvtier_core::alloc::page_starts(&v, page_size, page_num, "indices")?)
+}
+
 /// Validates transfer indices (ranges, page structure, distinct destinations). Raises ValueError naming
 /// the argument.
 #[pyfunction]
@@ -92,6 +102,7 @@ pub fn copy_cpu(
     py: Python<'_>,
     to_host: bool,
     region: &PyHostRegion,
+    host_offset: usize,
     layout: &str,
     slots: usize,
     page_size: usize,
@@ -107,8 +118,12 @@ pub fn copy_cpu(
     let region = region.get()?;
     let layers = device_layers.len();
     let geo = HostGeometry::new(Layout::parse(layout)?, layers, slots, page_size, row_bytes)?;
-    if geo.nbytes() > region.len() {
-        return Err(Error::arg("size", format!("geometry needs {} bytes, buffer has {}", geo.nbytes(), region.len())).into());
+    if host_offset.checked_add(geo.nbytes()).is_none_or(|end| end > region.len()) {
+        return Err(Error::arg(
+            "size",
+            format!("geometry needs {} bytes at offset {host_offset}, buffer has {}", geo.nbytes(), region.len()),
+        )
+        .into());
     }
     if layer_begin >= layer_end || layer_end > layers {
         return Err(Error::arg("layer_id", format!("layers [{layer_begin}, {layer_end}) not in [0, {layers})")).into());
@@ -124,7 +139,7 @@ pub fn copy_cpu(
     let h = indices(py, "host_indices", host_indices)?;
     let d = indices(py, "device_indices", device_indices)?;
     let r = rules(slots, rows, page_size, host_pages, device_runs, to_host);
-    let host = RawRange { ptr: region.as_ptr() as usize, len: region.len() };
+    let host = RawRange { ptr: region.as_ptr() as usize + host_offset, len: geo.nbytes() };
     let dir = if to_host { Direction::DeviceToHost } else { Direction::HostToDevice };
     py.detach(|| {
         plan::validate(&h, &d, &r)?;

@@ -1,0 +1,63 @@
+# kvtier — run `make help` for the targets. Everything runs inside ./.venv, created on first use.
+.DEFAULT_GOAL := help
+SHELL := /bin/bash
+
+PYTHON ?= python3
+VENV ?= .venv
+VPY := $(VENV)/bin/python
+export VIRTUAL_ENV := $(abspath $(VENV))
+DEPS_STAMP := $(VENV)/.kvtier-deps
+BUILD_STAMP := $(VENV)/.kvtier-build
+RUST_SRC := $(shell find rust -name '*.rs' -o -name Cargo.toml) Cargo.toml pyproject.toml
+# Runtime and test dependencies of the Python side (torch's PyPI build is a CUDA build; it runs on CPU too).
+PY_DEPS := "maturin>=1.9.4,<2" "torch>=2.4" "numpy>=1.24" "pytest>=8" "pytest-timeout>=2" "hypothesis>=6"
+
+.PHONY: help install build build-profiling demo test test-rust test-python test-gpu bench bench-rust gpu-wheel lint clean
+
+help: ## Show this help
+	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-16s\033[0m %s\n", $$1, $$2}'
+
+$(DEPS_STAMP): Makefile
+	@test -x $(VPY) || $(PYTHON) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q $(PY_DEPS)
+	@touch $@
+
+install: $(DEPS_STAMP) ## Create .venv and install build/runtime/test dependencies
+
+$(BUILD_STAMP): $(DEPS_STAMP) $(RUST_SRC)
+	$(VENV)/bin/maturin develop --release -q
+	@touch $@
+
+build: $(BUILD_STAMP) ## Build the extension in release mode into .venv (maturin develop --release)
+
+build-profiling: $(DEPS_STAMP) ## Release build with debug symbols, for perf/flamegraphs
+	$(VENV)/bin/maturin develop --profile profiling -q
+
+demo: build ## Run the main job (kvtier demo)
+	$(VPY) -m kvtier demo
+
+test: test-rust test-python ## cargo test over the workspace, then pytest (CUDA tests skip without a GPU)
+
+test-rust:
+	cargo test --workspace --quiet
+
+test-python: build
+	$(VPY) -m pytest
+
+bench-rust: ## criterion benches of the core (KVTIER_BENCH_SMALL=1 for small sizes)
+	cargo bench -p kvtier-bench
+
+gpu-wheel: $(DEPS_STAMP) ## Build the abi3 wheel into .wheel/ for the GPU machine (see README)
+	rm -rf .wheel && $(VENV)/bin/maturin build --release -q -o .wheel
+
+test-gpu: build ## Run the CUDA tests here (needs a GPU)
+	$(VPY) -m pytest -m cuda -p no:cacheprovider
+
+lint: ## cargo fmt --check and clippy
+	cargo fmt --all --check
+	cargo clippy --workspace --all-targets -- -D warnings
+
+clean: ## Remove build outputs (keeps .venv)
+	cargo clean
+	rm -rf .wheel $(BUILD_STAMP)

@@ -1,0 +1,451 @@
+"""KV pools with SGLang HiCache's semantics: a device pool (per-layer K and V tensors) and host pools whose K
+and V data live in Rust-owned, aligned, pinned :class:`~kvtier.HostBuffer` memory.
+
+Host shapes (outer to inner), exactly as HiCache:
+
+=====================  ======================  =======================
+layout                 K                       V
+=====================  ======================  =======================
+``layer_first``        ``(L, S, H, D)``        ``(L, S, H, Dv)``
+``page_first``         ``(S, L, H, D)``        ``(S, L, H, Dv)``
+``page_first_direct``  ``(P, L, ps, H, D)``    ``(P, L, ps, H, Dv)``
+=====================  ======================  =======================
+
+Everything is addressed by token-slot indices (int64) on both sides. K and V are separate geometries
+everywhere: every transfer moves K and V with separate calls, each with its own row size and strides, so V
+is never copied with K's geometry (SGLang issue #28396).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from . import _native
+from ._errors import ClosedError, InvalidArgumentError
+from .buffer import HostBuffer
+from .transfer import Side, TransferEngine
+
+LAYOUTS = ("layer_first", "page_first", "page_first_direct")
+IO_BACKENDS = ("kernel", "direct")
+# Layouts each backend can move (HiCache: direct needs whole contiguous chunks, kernel gathers tokens).
+BACKEND_LAYOUTS = {"direct": ("layer_first", "page_first_direct"), "kernel": ("layer_first", "page_first")}
+GB = 10**9
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise InvalidArgumentError(f"invalid argument `{name}`: must be a positive int, got {value!r}")
+    return value
+
+
+class DeviceKVPool:
+    """Per-layer K and V tensors ``k_buffer[l]`` ``(size + page_size, H, D)`` and ``v_buffer[l]``
+    ``(size + page_size, H, Dv)`` on any torch device (rows ``[0, page_size)`` are the padding page, as in
+    SGLang). Host pools accept any object with these attributes, SGLang's own device pool included."""
+
+    def __init__(
+        self,
+        size: int,
+        page_size: int,
+        layer_num: int,
+        head_num: int,
+        head_dim: int,
+        v_head_dim: int | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+        device: str | torch.device = "cuda",
+    ) -> None:
+        self.size = _positive_int("size", size)
+        self.page_size = _positive_int("page_size", page_size)
+        self.layer_num = _positive_int("layer_num", layer_num)
+        self.head_num = _positive_int("head_num", head_num)
+        self.head_dim = _positive_int("head_dim", head_dim)
+        self.v_head_dim = self.head_dim if v_head_dim is None else _positive_int("v_head_dim", v_head_dim)
+        if not isinstance(dtype, torch.dtype):
+            raise InvalidArgumentError(f"invalid argument `dtype`: expected a torch.dtype, got {dtype!r}")
+        self.dtype = self.store_dtype = dtype
+        self.device = torch.device(device)
+        rows = self.size + self.page_size
+        self.k_buffer = [torch.zeros(rows, self.head_num, self.head_dim, dtype=dtype, device=self.device) for _ in range(self.layer_num)]
+        self.v_buffer = [torch.zeros(rows, self.head_num, self.v_head_dim, dtype=dtype, device=self.device) for _ in range(self.layer_num)]
+        self.row_dim = self.head_num * self.head_dim
+        self.v_row_dim = self.head_num * self.v_head_dim
+
+
+@dataclass(frozen=True)
+class _Geometry:
+    layer_num: int
+    head_num: int
+    head_dim: int
+    v_head_dim: int
+    dtype: torch.dtype
+    page_size: int
+
+    @classmethod
+    def of(cls, device_pool: Any) -> "_Geometry":
+        try:
+            head_dim = device_pool.head_dim
+            dtype = getattr(device_pool, "store_dtype", None) or device_pool.dtype
+            g = cls(
+                layer_num=device_pool.layer_num,
+                head_num=device_pool.head_num,
+                head_dim=head_dim,
+                v_head_dim=getattr(device_pool, "v_head_dim", None) or head_dim,
+                dtype=dtype,
+                page_size=device_pool.page_size,
+            )
+            device_pool.k_buffer, device_pool.v_buffer  # noqa: B018 - presence check
+        except AttributeError as exc:
+            raise InvalidArgumentError(
+                f"invalid argument `device_pool`: {type(device_pool).__name__} lacks {exc.name!r}; expected "
+                "layer_num, head_num, head_dim, v_head_dim, dtype, page_size, k_buffer and v_buffer"
+            ) from None
+        for name in ("layer_num", "head_num", "head_dim", "v_head_dim", "page_size"):
+            _positive_int(f"device_pool.{name}", getattr(g, name))
+        return g
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+
+def _host_memory_available() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 1 << 62
+
+
+class _HostKVPool:
+    """Shared machinery of the symmetric and asymmetric host pools (see the module docs)."""
+
+    supported_layouts: tuple[str, ...] = LAYOUTS
+    _model_kind = ""
+    #: Host memory kept free when sizing a pool (HiCache keeps 10 GiB; see ``KVTIER_HOST_MEMORY_RESERVE``).
+    memory_reserve_bytes = 10 << 30
+
+    def __init__(
+        self,
+        device_pool: Any,
+        host_to_device_ratio: float = 2.0,
+        host_size_gb: float = 0,
+        layout: str = "page_first_direct",
+        pin_memory: bool = True,
+    ) -> None:
+        geo = _Geometry.of(device_pool)
+        if layout not in self.supported_layouts:
+            raise InvalidArgumentError(self._layout_error(layout))
+        if not isinstance(host_to_device_ratio, (int, float)) or host_to_device_ratio <= 0:
+            raise InvalidArgumentError(f"invalid argument `host_to_device_ratio`: must be > 0, got {host_to_device_ratio!r}")
+        if not isinstance(host_size_gb, (int, float)) or host_size_gb < 0:
+            raise InvalidArgumentError(f"invalid argument `host_size_gb`: must be >= 0, got {host_size_gb!r}")
+        self.layout = layout
+        self.page_size = ps = geo.page_size
+        self.layer_num = geo.layer_num
+        self.head_num = geo.head_num
+        self.head_dim = geo.head_dim
+        self.v_head_dim = geo.v_head_dim
+        self.dtype = geo.dtype
+        self._geo = geo
+        it = geo.itemsize
+        self.k_token_stride = geo.head_num * geo.head_dim * it  # bytes of one token of one layer
+        self.v_token_stride = geo.head_num * geo.v_head_dim * it
+        size_per_token = self.get_size_per_token()
+        if host_size_gb > 0:
+            size = int(host_size_gb * GB // size_per_token)
+        else:
+            size = int(device_pool.size * host_to_device_ratio)
+        # HiCache's sizing: whole pages, always one spare page.
+        self.page_num = size // ps + 1
+        self.size = self.page_num * ps
+        requested = self.size * size_per_token
+        available = _host_memory_available()
+        if requested > available - min(self.memory_reserve_bytes, available // 4):
+            raise InvalidArgumentError(
+                f"invalid argument `host_size_gb`: not enough host memory for {self.size} tokens "
+                f"({requested / GB:.2f} GB requested, {available / GB:.2f} GB available)"
+            )
+        self._alloc = _native.PageAllocator(self.page_num, ps)
+        self._lock = threading.RLock()
+        self._closed = False
+        self._engine = TransferEngine()
+        self._allocate_buffers(pin_memory)
+
+    # ---------------------------------------------------------------- shapes and buffers
+    def _shape(self, dim: int) -> tuple[int, ...]:
+        L, S, H, P, ps = self.layer_num, self.size, self.head_num, self.page_num, self.page_size
+        return {
+            "layer_first": (L, S, H, dim),
+            "page_first": (S, L, H, dim),
+            "page_first_direct": (P, L, ps, H, dim),
+        }[self.layout]
+
+    def _granularity(self, token_stride: int) -> int:
+        """Bytes of the unit a page transfer or page store moves in one piece (never split by pinning)."""
+        if self.layout == "layer_first":
+            return self.page_size * token_stride
+        return self.page_size * self.layer_num * token_stride
+
+    def _allocate_buffers(self, pin_memory: bool) -> None:
+        raise NotImplementedError
+
+    def _sides(self) -> tuple[Side, Side]:
+        return self._k_side, self._v_side
+
+    # ---------------------------------------------------------------- sizes
+    def get_size_per_token(self) -> int:
+        """Bytes of one token across all layers, K and V: ``(D + Dv)·H·L·itemsize``."""
+        return (self.head_dim + self.v_head_dim) * self.head_num * self.layer_num * self._geo.itemsize
+
+    def get_ksize_per_token(self) -> int:
+        """Bytes of one token's K across all layers: ``D·H·L·itemsize``."""
+        return self.head_dim * self.head_num * self.layer_num * self._geo.itemsize
+
+    # ---------------------------------------------------------------- allocation
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError(f"{type(self).__name__} is closed")
+
+    def alloc(self, need_size: int) -> torch.Tensor | None:
+        """``need_size`` token slots as whole pages (int64 CPU tensor), or ``None`` when the pool is full."""
+        self._check_open()
+        if isinstance(need_size, bool) or not isinstance(need_size, int):
+            raise InvalidArgumentError(f"invalid argument `need_size`: must be an int, got {need_size!r}")
+        got = self._alloc.alloc(need_size)
+        return None if got is None else torch.tensor(got, dtype=torch.int64)
+
+    def free(self, indices: torch.Tensor) -> int:
+        """Frees whole pages; returns the slot count. Double frees and foreign indices raise ValueError and
+        free nothing."""
+        self._check_open()
+        return self._alloc.free(_index_array("indices", indices))
+
+    def available_size(self) -> int:
+        return self._alloc.available()
+
+    def clear(self) -> None:
+        """Marks every slot free (data is left in place)."""
+        self._alloc.clear()
+
+    # ---------------------------------------------------------------- zero-copy page access
+    def get_page_buffer_meta(self, indices: torch.Tensor) -> tuple[list[int], list[int]]:
+        """Addresses and sizes of whole pages for zero-copy storage backends: ``[k0, v0, k1, v1, …]`` with
+        sizes ``[L·ps·H·D·it, L·ps·H·Dv·it, …]`` for page-first layouts; for ``layer_first`` one pair per
+        page per layer of ``ps·H·D·it`` / ``ps·H·Dv·it`` bytes."""
+        self._check_open()
+        pages = _native.page_numbers(_index_array("indices", indices), self.page_size, self.page_num)
+        k, v = self._sides()
+        ptrs: list[int] = []
+        sizes: list[int] = []
+        if self.layout == "layer_first":
+            for p in pages:
+                for layer in range(self.layer_num):
+                    for side in (k, v):
+                        ptrs.append(side.base + (layer * self.size + p * self.page_size) * side.row_bytes)
+                        sizes.append(self.page_size * side.row_bytes)
+            return ptrs, sizes
+        for p in pages:
+            for side in (k, v):
+                ptrs.append(side.base + p * side.page_bytes)
+                sizes.append(side.page_bytes)
+        return ptrs, sizes
+
+    def is_stride_page_aligned(self, page_size_bytes: int = 4096) -> bool:
+        """True when both base addresses and both page strides are multiples of ``page_size_bytes`` (what
+        O_DIRECT zero-copy IO needs). Page-first layouts only; ``layer_first`` pages are not contiguous."""
+        self._check_open()
+        if self.layout == "layer_first":
+            return False
+        return all(s.base % page_size_bytes == 0 and s.page_bytes % page_size_bytes == 0 for s in self._sides())
+
+    # ---------------------------------------------------------------- transfers
+    def _check_backend(self, io_backend: str) -> None:
+        if io_backend not in IO_BACKENDS:
+            raise InvalidArgumentError(self._backend_error(io_backend))
+        if self.layout not in BACKEND_LAYOUTS[io_backend]:
+            allowed = [x for x in BACKEND_LAYOUTS[io_backend] if x in self.supported_layouts]
+            raise InvalidArgumentError(
+                f"Unsupported layout for {self._model_kind}io_backend={io_backend!r}: {self.layout}; expected "
+                + " or ".join(repr(x) for x in allowed)
+                + "."
+            )
+
+    def _backend_error(self, io_backend: Any) -> str:
+        return f"Unsupported IO backend: {io_backend!r}; expected 'kernel' or 'direct'."
+
+    def _layout_error(self, layout: Any) -> str:
+        return f"Unsupported layout: {layout!r}; expected " + ", ".join(repr(x) for x in self.supported_layouts) + "."
+
+    def _check_device_pool(self, device_pool: Any) -> tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]:
+        geo = _Geometry.of(device_pool)
+        mine = self._geo
+        for name in ("layer_num", "head_num", "head_dim", "v_head_dim", "dtype"):
+            if getattr(geo, name) != getattr(mine, name):
+                raise InvalidArgumentError(
+                    f"invalid argument `device_pool`: {name} is {getattr(geo, name)}, the host pool has {getattr(mine, name)}"
+                )
+        ks, vs = list(device_pool.k_buffer), list(device_pool.v_buffer)
+        if len(ks) != mine.layer_num or len(vs) != mine.layer_num:
+            raise InvalidArgumentError(
+                f"invalid argument `device_pool`: expected {mine.layer_num} K and V layer tensors, got {len(ks)} and {len(vs)}"
+            )
+        device = ks[0].device
+        for side, tensors, dim in (("k_buffer", ks, mine.head_dim), ("v_buffer", vs, mine.v_head_dim)):
+            rows = tensors[0].shape[0]
+            for layer, t in enumerate(tensors):
+                if (
+                    not isinstance(t, torch.Tensor)
+                    or t.dim() != 3
+                    or tuple(t.shape[1:]) != (mine.head_num, dim)
+                    or t.shape[0] != rows
+                    or t.dtype != mine.dtype
+                    or t.device != device
+                    or not t.is_contiguous()
+                ):
+                    got = f"{tuple(t.shape)} {t.dtype} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+                    raise InvalidArgumentError(
+                        f"invalid argument `device_pool`: {side}[{layer}] must be a contiguous "
+                        f"({rows}, {mine.head_num}, {dim}) {mine.dtype} tensor on {device}, got {got}"
+                    )
+        if vs[0].shape[0] != ks[0].shape[0]:
+            raise InvalidArgumentError("invalid argument `device_pool`: K and V layer tensors have different row counts")
+        return ks, vs
+
+    def _prepare(self, device_pool, host_indices, device_indices, io_backend, to_host):
+        self._check_open()
+        self._check_backend(io_backend)
+        ks, vs = self._check_device_pool(device_pool)
+        h = _index_array("host_indices", host_indices)
+        d = _index_array("device_indices", device_indices)
+        paged = self.layout == "page_first_direct"
+        if io_backend == "direct" and self.layout == "layer_first" and len(h) % self.page_size:
+            raise InvalidArgumentError(
+                f"invalid argument `host_indices`: length {len(h)} is not a multiple of page_size {self.page_size}"
+            )
+        _native.validate_transfer(h, d, self.size, ks[0].shape[0], self.page_size, paged, paged, to_host)
+        return ks, vs, h, d, paged
+
+    def load_to_device_per_layer(self, device_pool, host_indices, device_indices, layer_id: int, io_backend: str) -> None:
+        """Host → device for one layer: ``device.k_buffer[layer_id][device_indices[i]] =
+        host K[layer_id][host_indices[i]]``, then V with its own geometry (a separate call)."""
+        ks, vs, h, d, paged = self._prepare(device_pool, host_indices, device_indices, io_backend, to_host=False)
+        if isinstance(layer_id, bool) or not isinstance(layer_id, int) or not 0 <= layer_id < self.layer_num:
+            raise InvalidArgumentError(f"invalid argument `layer_id`: must be an int in [0, {self.layer_num}), got {layer_id!r}")
+        for side, tensors in zip(self._sides(), (ks, vs)):
+            self._engine.copy(side, tensors, h, d, layer_id, layer_id + 1, paged, to_host=False)
+
+    def backup_from_device_all_layer(self, device_pool, host_indices, device_indices, io_backend: str) -> None:
+        """Device → host for every layer, K then V (separate calls, separate geometries)."""
+        ks, vs, h, d, paged = self._prepare(device_pool, host_indices, device_indices, io_backend, to_host=True)
+        for side, tensors in zip(self._sides(), (ks, vs)):
+            self._engine.copy(side, tensors, h, d, 0, self.layer_num, paged, to_host=True)
+
+    # ---------------------------------------------------------------- lifetime
+    def close(self) -> None:
+        """Releases the host memory (tensors handed out keep it alive until they are dropped)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            # Drop the pool's own views so the memory goes as soon as the caller holds none.
+            self.k_buffer = self.v_buffer = self.kv_buffer = None
+            self._k_side = self._v_side = None
+            for b in self._buffers:
+                b.close()
+            self._buffers = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(layout={self.layout!r}, size={self.size}, page_size={self.page_size}, "
+            f"layers={self.layer_num}, heads={self.head_num}, head_dim={self.head_dim}, "
+            f"v_head_dim={self.v_head_dim}, dtype={self.dtype})"
+        )
+
+
+def _index_array(name: str, t: Any):
+    """A 1-D int64 numpy view (CPU) of an index tensor; CUDA tensors are copied to the host."""
+    if not isinstance(t, torch.Tensor):
+        raise InvalidArgumentError(f"invalid argument `{name}`: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != torch.int64:
+        raise InvalidArgumentError(f"invalid argument `{name}`: dtype must be torch.int64, got {t.dtype}")
+    if t.dim() != 1:
+        raise InvalidArgumentError(f"invalid argument `{name}`: must be 1-D, got shape {tuple(t.shape)}")
+    return t.detach().to("cpu").contiguous().numpy()
+
+
+class MHAHostPool(_HostKVPool):
+    """Host pool for models with ``head_dim == v_head_dim``. K and V share one Rust-owned buffer,
+    ``kv_buffer`` of shape ``(2, …)`` (K block then V block, as HiCache's), so ``v_ptr = k_ptr + L·S·H·D·it``
+    in :meth:`get_page_buffer_meta`."""
+
+    supported_layouts = LAYOUTS
+
+    def _allocate_buffers(self, pin_memory: bool) -> None:
+        k_shape = self._shape(self.head_dim)
+        half = self.size * self.layer_num * self.k_token_stride
+        buf = HostBuffer(2 * half, pin="auto" if pin_memory else False, pin_granularity=self._granularity(self.k_token_stride))
+        self._buffers = [buf]
+        self.kv_buffer = buf.as_tensor(self.dtype, (2, *k_shape))
+        self.k_buffer, self.v_buffer = self.kv_buffer[0], self.kv_buffer[1]
+        self._k_side = Side.of(self, buf, 0, self.k_token_stride, self.k_buffer)
+        self._v_side = Side.of(self, buf, half, self.v_token_stride, self.v_buffer)
+
+
+class AsymmetricMHAHostPool(_HostKVPool):
+    """Host pool for models whose K and V head dims differ (MiMo-V2: K 192, V 128). K and V are two
+    independent Rust-owned buffers; only ``page_first`` and ``page_first_direct`` are supported (as in
+    HiCache), and every transfer moves K and V with separate calls."""
+
+    supported_layouts = ("page_first", "page_first_direct")
+    _model_kind = "models with head_dim != v_head_dim and "
+
+    def _layout_error(self, layout: Any) -> str:
+        return (
+            f"Unsupported layout for models with head_dim != v_head_dim: {layout!r}; "
+            "expected 'page_first' or 'page_first_direct'."
+        )
+
+    def _backend_error(self, io_backend: Any) -> str:
+        return (
+            f"Unsupported IO backend for models with head_dim != v_head_dim: {io_backend!r}; "
+            "expected 'kernel' or 'direct'."
+        )
+
+    def _allocate_buffers(self, pin_memory: bool) -> None:
+        pin = "auto" if pin_memory else False
+        kb = HostBuffer(self.size * self.layer_num * self.k_token_stride, pin=pin, pin_granularity=self._granularity(self.k_token_stride))
+        vb = HostBuffer(self.size * self.layer_num * self.v_token_stride, pin=pin, pin_granularity=self._granularity(self.v_token_stride))
+        self._buffers = [kb, vb]
+        self.k_buffer = kb.as_tensor(self.dtype, self._shape(self.head_dim))
+        self.v_buffer = vb.as_tensor(self.dtype, self._shape(self.v_head_dim))
+        self.kv_buffer = (self.k_buffer, self.v_buffer)
+        self._k_side = Side.of(self, kb, 0, self.k_token_stride, self.k_buffer)
+        self._v_side = Side.of(self, vb, 0, self.v_token_stride, self.v_buffer)
+
+
+def host_pool_for(
+    device_pool: Any,
+    *,
+    host_to_device_ratio: float = 2.0,
+    host_size_gb: float = 0,
+    layout: str = "page_first_direct",
+    pin_memory: bool = True,
+) -> _HostKVPool:
+    """The host pool class HiCache would pick for ``device_pool``: :class:`AsymmetricMHAHostPool` when
+    ``head_dim != v_head_dim``, else :class:`MHAHostPool`."""
+    geo = _Geometry.of(device_pool)
+    cls = AsymmetricMHAHostPool if geo.head_dim != geo.v_head_dim else MHAHostPool
+    return cls(device_pool, host_to_device_ratio=host_to_device_ratio, host_size_gb=host_size_gb, layout=layout, pin_memory=pin_memory)
