@@ -103,8 +103,11 @@ class TransferEngine:
         h = torch.from_numpy(host)
         d = torch.from_numpy(device).to(dev, non_blocking=True)
         for layer in range(layer_begin, layer_end):
+            # Move raw bytes (uint8 views of the last dim): exact for every dtype, float8 included.
             view, index = side.layer_view(layer, h)
+            view = view.view(torch.uint8)
+            target = device_layers[layer].view(torch.uint8)
             if to_host:
-                view[index] = device_layers[layer].index_select(0, d).to("cpu")
+                view[index] = target.index_select(0, d).to("cpu")
             else:
-                device_layers[layer].index_copy_(0, d, view[index].to(dev, non_blocking=True))
+                target.index_copy_(0, d, view[index].to(dev, non_blocking=True))
