@@ -245,3 +245,18 @@ def test_cuda_unregister_on_close():
 
     gc.collect()
     assert not kvtier._native.cuda_host_registered(ptr)
+
+
+@pytest.mark.cuda
+def test_cuda_whole_buffer_copy_with_default_registration():
+    """A copy over the whole of a large pinned buffer works with the default registration (one chunk up to
+    64 GiB): a copy spanning two registrations is rejected by CUDA with "invalid argument"."""
+    n = 3 << 30
+    with HostBuffer(n) as b:
+        assert len(b.registered_chunks) == 1
+        h = b.as_tensor()
+        h[:: 1 << 20] = 7
+        d = torch.empty(n, dtype=torch.uint8, device="cuda")
+        d.copy_(h, non_blocking=True)
+        torch.cuda.synchronize()
+        assert int(d[:: 1 << 20].sum()) == 7 * (n >> 20)

@@ -60,7 +60,7 @@ def main() -> None:
     torch.empty(1, device="cuda")
     variants = {
         "kvtier default": dict(),
-        "kvtier 1 register thread, 1 chunk": dict(register_chunk_bytes=64 << 30, _threads=1),
+        "kvtier 1 GiB chunks, 8 threads": dict(register_chunk_bytes=1 << 30, _threads=8),
         "kvtier base pages": dict(huge_pages="off"),
     }
 
@@ -96,6 +96,8 @@ def main() -> None:
             b.close()
             gc.collect()
     med = {k: statistics.median(v) for k, v in times.items()}
+    for k, v in med.items():
+        print(f"  {k:<36} median {v:.3f} s  {[round(x, 3) for x in times[k]]}", flush=True)
     # Both really pinned? Copy 2 GiB from each at the pinned ceiling.
     with kvtier.HostBuffer(n, pin=True) as b:
         kv_h2d = h2d_gbps(b.as_tensor(), 2 << 30)
