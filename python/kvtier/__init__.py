@@ -14,11 +14,15 @@ from ._errors import (
 )
 from ._native import __version__
 from .buffer import HostBuffer
+from .overlap import LayerLoad, LayerLoader, backup_async
 from .pools import AsymmetricMHAHostPool, DeviceKVPool, MHAHostPool, host_pool_for
 
 __all__ = [
     "AsymmetricMHAHostPool",
     "DeviceKVPool",
+    "LayerLoad",
+    "LayerLoader",
+    "backup_async",
     "MHAHostPool",
     "host_pool_for",
     "ClosedError",

@@ -176,6 +176,7 @@ class _HostKVPool:
         self._lock = threading.RLock()
         self._closed = False
         self._engine = TransferEngine()
+        self._prepared: tuple | None = None
         self._allocate_buffers(pin_memory)
 
     # ---------------------------------------------------------------- shapes and buffers
@@ -322,6 +323,16 @@ class _HostKVPool:
         self._check_open()
         self._check_backend(io_backend)
         ks, vs = self._check_device_pool(device_pool)
+        rows = ks[0].shape[0]
+        # A per-layer load calls this once per layer with the same index tensors: validate once, and reuse
+        # while neither tensor has been modified (torch bumps ``_version`` on every in-place write).
+        key = (
+            id(host_indices), getattr(host_indices, "_version", None), id(device_indices),
+            getattr(device_indices, "_version", None), io_backend, to_host, rows,
+        )
+        cached = self._prepared
+        if cached is not None and cached[0] == key:
+            return ks, vs, cached[2]
         h = _index_array("host_indices", host_indices)
         d = _index_array("device_indices", device_indices)
         paged = self.layout == "page_first_direct"
@@ -329,23 +340,36 @@ class _HostKVPool:
             raise InvalidArgumentError(
                 f"invalid argument `host_indices`: length {len(h)} is not a multiple of page_size {self.page_size}"
             )
-        _native.validate_transfer(h, d, self.size, ks[0].shape[0], self.page_size, paged, paged, to_host)
-        return ks, vs, h, d, paged
+        _native.validate_transfer(h, d, self.size, rows, self.page_size, paged, paged, to_host)
+        prepared = _Prepared(h, d, paged)
+        if isinstance(host_indices, torch.Tensor) and isinstance(device_indices, torch.Tensor):
+            # keep the tensors referenced so their ids cannot be reused while cached
+            self._prepared = (key, (host_indices, device_indices), prepared)
+        return ks, vs, prepared
 
     def load_to_device_per_layer(self, device_pool, host_indices, device_indices, layer_id: int, io_backend: str) -> None:
         """Host → device for one layer: ``device.k_buffer[layer_id][device_indices[i]] =
-        host K[layer_id][host_indices[i]]``, then V with its own geometry (a separate call)."""
-        ks, vs, h, d, paged = self._prepare(device_pool, host_indices, device_indices, io_backend, to_host=False)
+        host K[layer_id][host_indices[i]]``, then V with its own geometry (a separate call). Enqueued on the
+        current CUDA stream for CUDA device pools; synchronous for CPU ones."""
         if isinstance(layer_id, bool) or not isinstance(layer_id, int) or not 0 <= layer_id < self.layer_num:
             raise InvalidArgumentError(f"invalid argument `layer_id`: must be an int in [0, {self.layer_num}), got {layer_id!r}")
+        ks, vs, p = self._prepare(device_pool, host_indices, device_indices, io_backend, to_host=False)
         for side, tensors in zip(self._sides(), (ks, vs)):
-            self._engine.copy(side, tensors, h, d, layer_id, layer_id + 1, paged, to_host=False)
+            self._engine.copy(side, tensors, p.host, p.device, layer_id, layer_id + 1, p.paged, to_host=False,
+                              backend=io_backend, gpu_indices=p.gpu(tensors[0].device, io_backend))
 
     def backup_from_device_all_layer(self, device_pool, host_indices, device_indices, io_backend: str) -> None:
-        """Device → host for every layer, K then V (separate calls, separate geometries)."""
-        ks, vs, h, d, paged = self._prepare(device_pool, host_indices, device_indices, io_backend, to_host=True)
+        """Device → host for every layer, K then V (separate calls, separate geometries). Enqueued on the
+        current CUDA stream for CUDA device pools: order it after the producer of the device KV (see
+        :func:`kvtier.backup_async`)."""
+        ks, vs, p = self._prepare(device_pool, host_indices, device_indices, io_backend, to_host=True)
         for side, tensors in zip(self._sides(), (ks, vs)):
-            self._engine.copy(side, tensors, h, d, 0, self.layer_num, paged, to_host=True)
+            self._engine.copy(side, tensors, p.host, p.device, 0, self.layer_num, p.paged, to_host=True,
+                              backend=io_backend, gpu_indices=p.gpu(tensors[0].device, io_backend))
+
+    def synchronize(self) -> None:
+        """Wait until every transfer this pool issued has completed."""
+        self._engine.synchronize()
 
     # ---------------------------------------------------------------- lifetime
     def close(self) -> None:
@@ -354,6 +378,8 @@ class _HostKVPool:
             if self._closed:
                 return
             self._closed = True
+            self._engine.synchronize()  # never unmap memory a copy still reads or writes
+            self._prepared = None
             # Drop the pool's own views so the memory goes as soon as the caller holds none.
             self.k_buffer = self.v_buffer = self.kv_buffer = None
             self._k_side = self._v_side = None
@@ -373,6 +399,25 @@ class _HostKVPool:
             f"layers={self.layer_num}, heads={self.head_num}, head_dim={self.head_dim}, "
             f"v_head_dim={self.v_head_dim}, dtype={self.dtype})"
         )
+
+
+class _Prepared:
+    """Validated indices of one transfer call (host numpy copies, and GPU copies made on demand)."""
+
+    __slots__ = ("host", "device", "paged", "_gpu")
+
+    def __init__(self, host, device, paged: bool) -> None:
+        self.host, self.device, self.paged = host, device, paged
+        self._gpu: tuple | None = None
+
+    def gpu(self, device: torch.device, io_backend: str):
+        if io_backend != "kernel" or device.type != "cuda":
+            return None
+        if self._gpu is None or self._gpu[0] != device:
+            h = torch.from_numpy(self.host).pin_memory().to(device, non_blocking=True)
+            d = torch.from_numpy(self.device).pin_memory().to(device, non_blocking=True)
+            self._gpu = (device, (h, d))
+        return self._gpu[1]
 
 
 def _index_array(name: str, t: Any):

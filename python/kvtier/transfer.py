@@ -5,20 +5,28 @@ once for K and once for V. Which engine runs depends on where the device tensors
 
 - CPU tensors: the Rust core plans byte chunks (contiguous on both sides) and copies them with the GIL
   released, re-checking every chunk against both buffers' extents.
-- CUDA tensors: a torch gather/scatter (indexing on the host view, ``index_copy_`` on the device), on the
-  caller's current stream. This is the correctness path; the batched-DMA and SM-bounded kernel fast paths
-  replace it without touching the pools.
+- CUDA tensors and a pinned host buffer, on the caller's current stream:
+  - ``direct``: the Rust core plans chunks contiguous on both sides (one per page and layer for
+    page_first_direct) and submits them to the copy engine with one ``cuMemcpyBatchAsync`` per call (no SM
+    is used), or one ``cuMemcpyAsync`` each where the batch API is missing or the stream is the legacy
+    default stream.
+  - ``kernel``: a Triton gather/scatter (:mod:`kvtier.kernels`) that reads/writes pinned host memory from
+    the GPU with a bounded number of thread blocks.
+  Host buffers and index tensors are kept alive until a CUDA event recorded after the copy has completed.
+- CUDA tensors with an unpinned host buffer (pinning failed): a torch gather/scatter, correct but slow.
 """
 
 from __future__ import annotations
 
+import collections
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 import torch
 
-from . import _native
+from . import _native, kernels
 
 if TYPE_CHECKING:
     from .buffer import HostBuffer
@@ -36,10 +44,14 @@ class Side:
     layers: int
     row_bytes: int  # one token of one layer
     tensor: torch.Tensor  # the host view, shaped as the layout says
+    split: int = 1 << 62  # a DMA chunk never crosses a multiple of this many bytes from the buffer start
 
     @classmethod
     def of(cls, pool: Any, buffer: "HostBuffer", offset: int, row_bytes: int, tensor: torch.Tensor) -> "Side":
-        return cls(buffer, offset, pool.layout, pool.size, pool.page_size, pool.layer_num, row_bytes, tensor)
+        chunks = buffer.registered_chunks
+        # Registrations start at multiples of the first chunk's size; a copy must not straddle two.
+        split = chunks[0][1] if len(chunks) > 1 else 1 << 62
+        return cls(buffer, offset, pool.layout, pool.size, pool.page_size, pool.layer_num, row_bytes, tensor, split)
 
     @property
     def base(self) -> int:
@@ -60,8 +72,49 @@ class Side:
         return t[:, layer], (host // self.page_size, host % self.page_size)
 
 
+def kernel_blocks() -> int:
+    """Thread blocks of the kernel backend: ``KVTIER_KERNEL_BLOCKS`` (default 8)."""
+    return max(1, int(os.environ.get("KVTIER_KERNEL_BLOCKS", "8")))
+
+
+def kernel_warps() -> int:
+    """Warps per block of the kernel backend: ``KVTIER_KERNEL_WARPS`` (default 16)."""
+    return max(1, int(os.environ.get("KVTIER_KERNEL_WARPS", "16")))
+
+
 class TransferEngine:
-    """Executes validated K-or-V copies; see the module docs."""
+    """Executes validated K-or-V copies; see the module docs. Thread-safe for distinct streams."""
+
+    def __init__(self) -> None:
+        self._inflight: collections.deque[tuple[Any, tuple]] = collections.deque()
+        self._ptr_tables: collections.OrderedDict[tuple, torch.Tensor] = collections.OrderedDict()
+        self.blocks = kernel_blocks()
+        self.num_warps = kernel_warps()
+
+    # -- lifetime of in-flight copies ----------------------------------------------------------------
+    def _hold(self, refs: tuple) -> None:
+        """Keep ``refs`` alive until the current stream passes this point."""
+        ev = torch.cuda.Event()
+        ev.record()
+        self._inflight.append((ev, refs))
+        while self._inflight and self._inflight[0][0].query():
+            self._inflight.popleft()
+
+    def synchronize(self) -> None:
+        """Wait for every copy this engine issued (used before a pool releases its memory)."""
+        while self._inflight:
+            ev, _ = self._inflight.popleft()
+            ev.synchronize()
+
+    def _ptr_table(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        key = (tensors[0].device, *(t.data_ptr() for t in tensors))
+        tab = self._ptr_tables.get(key)
+        if tab is None:
+            tab = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64).to(tensors[0].device)
+            self._ptr_tables[key] = tab
+            if len(self._ptr_tables) > 16:
+                self._ptr_tables.popitem(last=False)
+        return tab
 
     def copy(
         self,
@@ -74,29 +127,44 @@ class TransferEngine:
         paged: bool,
         *,
         to_host: bool,
+        backend: str = "direct",
+        gpu_indices: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         if len(host) == 0:
             return
-        if device_layers[0].device.type == "cpu":
+        dev = device_layers[0].device
+        if dev.type == "cpu":
             _native.copy_cpu(
-                to_host,
-                side.buffer._region,
-                side.offset,
-                side.layout,
-                side.slots,
-                side.page_size,
-                side.row_bytes,
-                list(device_layers),
-                host,
-                device,
-                layer_begin,
-                layer_end,
-                paged,
-                paged,
+                to_host, side.buffer._region, side.offset, side.layout, side.slots, side.page_size,
+                side.row_bytes, list(device_layers), host, device, layer_begin, layer_end, paged, paged,
             )
             return
-        self._copy_torch(side, device_layers, host, device, layer_begin, layer_end, to_host)
-
+        if dev.type != "cuda" or not side.buffer.pinned:
+            self._copy_torch(side, device_layers, host, device, layer_begin, layer_end, to_host)
+            return
+        if backend == "kernel" and kernels.available():
+            if gpu_indices is None:
+                gpu_indices = (
+                    torch.from_numpy(host).pin_memory().to(dev, non_blocking=True),
+                    torch.from_numpy(device).pin_memory().to(dev, non_blocking=True),
+                )
+            hidx, didx = gpu_indices
+            kernels.launch_rows(
+                host_base=side.base, layout=side.layout, slots=side.slots, layers=side.layers,
+                page_size=side.page_size, row_bytes=side.row_bytes, dev_ptrs=self._ptr_table(device_layers),
+                host_idx=hidx, dev_idx=didx, layer_begin=layer_begin, layer_end=layer_end, to_host=to_host,
+                blocks=self.blocks, num_warps=self.num_warps,
+            )
+            self._hold((side.buffer._region, hidx, didx))
+            return
+        stream = torch.cuda.current_stream(dev)
+        _native.copy_cuda(
+            to_host, side.buffer._region, side.offset, side.layout, side.slots, side.page_size, side.row_bytes,
+            list(device_layers), host, device, layer_begin, layer_end, paged, paged,
+            dev.index if dev.index is not None else torch.cuda.current_device(), stream.cuda_stream,
+            side.split, True,
+        )
+        self._hold((side.buffer._region,))
     @staticmethod
     def _copy_torch(side, device_layers, host, device, layer_begin, layer_end, to_host) -> None:
         dev = device_layers[0].device

@@ -20,7 +20,43 @@ type CuContext = *mut c_void;
 const CU_MEMHOSTREGISTER_PORTABLE: u32 = 0x01;
 const CU_MEMHOSTREGISTER_DEVICEMAP: u32 = 0x02;
 
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct CuMemLocation {
+    ty: i32,
+    id: i32,
+}
+
+/// `CUmemcpyAttributes` (cuda.h, CUDA 12.8+).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct CuMemcpyAttributes {
+    src_access_order: u32,
+    src_loc_hint: CuMemLocation,
+    dst_loc_hint: CuMemLocation,
+    flags: u32,
+}
+
+const CU_MEMCPY_SRC_ACCESS_ORDER_STREAM: u32 = 0x1;
+const CUDA_ERROR_NOT_SUPPORTED: i32 = 801;
+/// Descriptors per `cuMemcpyBatchAsync` call; larger calls are split (SGLang caps its workspace at 65,536).
+const BATCH_LIMIT: usize = 16384;
+
+/// CUDA 13's `cuMemcpyBatchAsync_v2`: no `failIdx` out-parameter (12.8's unsuffixed symbol has one).
+type BatchV2 = unsafe extern "C" fn(
+    *mut u64,
+    *mut u64,
+    *mut usize,
+    usize,
+    *mut CuMemcpyAttributes,
+    *mut usize,
+    usize,
+    *mut c_void,
+) -> CuResult;
+
 struct Driver {
+    memcpy_async: unsafe extern "C" fn(u64, u64, usize, *mut c_void) -> CuResult,
+    batch_v2: Option<BatchV2>,
     device_get: unsafe extern "C" fn(*mut CuDevice, i32) -> CuResult,
     primary_ctx_retain: unsafe extern "C" fn(*mut CuContext, CuDevice) -> CuResult,
     ctx_push: unsafe extern "C" fn(CuContext) -> CuResult,
@@ -67,6 +103,8 @@ fn load() -> std::result::Result<Driver, String> {
             return Err(format!("cuInit failed with CUresult {rc}"));
         }
         Driver {
+            memcpy_async: sym(lib, c"cuMemcpyAsync")?,
+            batch_v2: sym::<BatchV2>(lib, c"cuMemcpyBatchAsync_v2").ok(),
             device_get: sym(lib, c"cuDeviceGet")?,
             primary_ctx_retain: sym(lib, c"cuDevicePrimaryCtxRetain")?,
             ctx_push: sym(lib, c"cuCtxPushCurrent_v2")?,
@@ -242,4 +280,87 @@ pub fn is_host_registered(device: i32, addr: usize) -> Result<bool> {
         let rc = unsafe { (d.host_get_flags)(&mut flags, addr as *mut c_void) };
         Ok(rc == 0)
     })
+}
+
+/// How a batch of copies was submitted.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Submitted {
+    /// Copies submitted.
+    pub copies: usize,
+    /// `cuMemcpyBatchAsync` calls made (0 when every copy went through `cuMemcpyAsync`).
+    pub batch_calls: usize,
+}
+
+static BATCH_UNSUPPORTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// True when this process can submit copies with `cuMemcpyBatchAsync_v2`.
+pub fn batch_supported() -> bool {
+    driver().is_ok_and(|d| d.batch_v2.is_some()) && !BATCH_UNSUPPORTED.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Enqueues `copies` (`(src, dst, len)` addresses, host or device, unified addressing) on `stream` of
+/// `device`: one `cuMemcpyBatchAsync_v2` per [`BATCH_LIMIT`] copies where the driver has it and the
+/// stream is not the legacy NULL stream (which the batch API rejects), else one `cuMemcpyAsync` each.
+/// Returns once submitted; completion is stream-ordered.
+///
+/// # Safety
+/// Every range must be valid for the copy (device memory, or host memory registered with CUDA or
+/// allocated pinned, or pageable host memory for `cuMemcpyAsync`), stay alive until the stream reaches
+/// the copies, and destinations must not overlap each other or any source.
+pub unsafe fn copy_async(device: i32, stream: usize, copies: &[(usize, usize, usize)], batch: bool) -> Result<Submitted> {
+    let d = driver()?;
+    let mut out = Submitted { copies: copies.len(), batch_calls: 0 };
+    if copies.is_empty() {
+        return Ok(out);
+    }
+    let hstream = stream as *mut c_void;
+    with_primary_ctx(d, device, || {
+        let use_batch = batch && stream != 0 && !BATCH_UNSUPPORTED.load(std::sync::atomic::Ordering::Relaxed);
+        if let (true, Some(batch_fn)) = (use_batch, d.batch_v2) {
+            let mut attrs = CuMemcpyAttributes {
+                src_access_order: CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+                src_loc_hint: CuMemLocation { ty: 0, id: 0 },
+                dst_loc_hint: CuMemLocation { ty: 0, id: 0 },
+                flags: 0,
+            };
+            let mut done = 0;
+            for part in copies.chunks(BATCH_LIMIT) {
+                let mut srcs: Vec<u64> = part.iter().map(|c| c.0 as u64).collect();
+                let mut dsts: Vec<u64> = part.iter().map(|c| c.1 as u64).collect();
+                let mut sizes: Vec<usize> = part.iter().map(|c| c.2).collect();
+                let mut attr_idx = 0usize;
+                // SAFETY: the arrays hold `part.len()` entries and live across the call (the driver reads
+                // them during submission only); the ranges are valid per this function's contract.
+                let rc = unsafe {
+                    batch_fn(
+                        dsts.as_mut_ptr(),
+                        srcs.as_mut_ptr(),
+                        sizes.as_mut_ptr(),
+                        part.len(),
+                        &mut attrs,
+                        &mut attr_idx,
+                        1,
+                        hstream,
+                    )
+                };
+                if rc == CUDA_ERROR_NOT_SUPPORTED && done == 0 {
+                    BATCH_UNSUPPORTED.store(true, std::sync::atomic::Ordering::Relaxed);
+                    break;
+                }
+                check("cuMemcpyBatchAsync_v2", rc, || format!(" ({} copies)", part.len()))?;
+                out.batch_calls += 1;
+                done += part.len();
+            }
+            if done == copies.len() {
+                return Ok(());
+            }
+        }
+        for (i, &(src, dst, len)) in copies.iter().enumerate() {
+            // SAFETY: the range is valid per this function's contract.
+            let rc = unsafe { (d.memcpy_async)(dst as u64, src as u64, len, hstream) };
+            check("cuMemcpyAsync", rc, || format!(" (copy {i}: {len} bytes {src:#x} -> {dst:#x})"))?;
+        }
+        Ok(())
+    })?;
+    Ok(out)
 }

@@ -211,16 +211,19 @@ pub struct Chunk {
 
 /// Plans the copies of `layers` for validated index lists: one chunk per maximal run where both the host
 /// and device byte offsets advance by exactly one row. A chunk never crosses a multiple of `split` bytes on
-/// the host side (pass the CUDA registration granularity, or `usize::MAX`).
+/// the host side, counted from `origin` bytes before the buffer (pass the CUDA registration unit and the
+/// buffer's offset inside its registered region, or `usize::MAX` and 0).
 pub fn plan(
     geo: &HostGeometry,
     host: &[i64],
     device: &[i64],
     layers: std::ops::Range<usize>,
     split: usize,
+    origin: usize,
 ) -> Vec<Chunk> {
     let row = geo.row_bytes as u64;
     let split = split.max(1) as u64;
+    let origin = origin as u64;
     let mut out = Vec::new();
     for l in layers {
         let mut cur: Option<Chunk> = None;
@@ -228,7 +231,7 @@ pub fn plan(
             let ho = geo.offset(l, h as usize) as u64;
             let dof = d as u64 * row;
             if let Some(c) = cur.as_mut() {
-                let same_split = (c.host_off / split) == ((ho + row - 1) / split);
+                let same_split = (origin + c.host_off) / split == (origin + ho + row - 1) / split;
                 if ho == c.host_off + c.len && dof == c.device_off + c.len && same_split {
                     c.len += row;
                     continue;
@@ -265,12 +268,8 @@ pub struct RawRange {
     pub len: usize,
 }
 
-/// Executes `chunks` with CPU `memcpy`, after checking every chunk against the ranges.
-///
-/// # Safety
-/// `host` and every entry of `device` must be live, writable (on the destination side) allocations of at
-/// least their stated length for the whole call, and the host range must not overlap any device range.
-pub unsafe fn copy_cpu(dir: Direction, host: RawRange, device: &[RawRange], chunks: &[Chunk]) -> Result<()> {
+/// Checks that every chunk lies inside `host` and its layer's `device` range.
+pub fn check_chunks(host: RawRange, device: &[RawRange], chunks: &[Chunk]) -> Result<()> {
     for (i, c) in chunks.iter().enumerate() {
         let dev = device.get(c.layer as usize).ok_or_else(|| {
             Error::arg("layer_id", format!("chunk {i} names layer {} of {}", c.layer, device.len()))
@@ -284,16 +283,35 @@ pub unsafe fn copy_cpu(dir: Direction, host: RawRange, device: &[RawRange], chun
             ));
         }
     }
-    for c in chunks {
-        let h = (host.ptr + c.host_off as usize) as *mut u8;
-        let d = (device[c.layer as usize].ptr + c.device_off as usize) as *mut u8;
-        let (src, dst) = match dir {
-            Direction::HostToDevice => (h as *const u8, d),
-            Direction::DeviceToHost => (d as *const u8, h),
-        };
+    Ok(())
+}
+
+/// `(source, destination, len)` addresses of every chunk for `dir`.
+pub fn addresses(dir: Direction, host: RawRange, device: &[RawRange], chunks: &[Chunk]) -> Vec<(usize, usize, usize)> {
+    chunks
+        .iter()
+        .map(|c| {
+            let h = host.ptr + c.host_off as usize;
+            let d = device[c.layer as usize].ptr + c.device_off as usize;
+            match dir {
+                Direction::HostToDevice => (h, d, c.len as usize),
+                Direction::DeviceToHost => (d, h, c.len as usize),
+            }
+        })
+        .collect()
+}
+
+/// Executes `chunks` with CPU `memcpy`, after checking every chunk against the ranges.
+///
+/// # Safety
+/// `host` and every entry of `device` must be live, writable (on the destination side) allocations of at
+/// least their stated length for the whole call, and the host range must not overlap any device range.
+pub unsafe fn copy_cpu(dir: Direction, host: RawRange, device: &[RawRange], chunks: &[Chunk]) -> Result<()> {
+    check_chunks(host, device, chunks)?;
+    for (src, dst, len) in addresses(dir, host, device, chunks) {
         // SAFETY: both ranges were checked above to lie inside live allocations (caller contract), and the
         // host and device allocations do not overlap, so source and destination are disjoint.
-        unsafe { std::ptr::copy_nonoverlapping(src, dst, c.len as usize) };
+        unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, len) };
     }
     Ok(())
 }
@@ -362,19 +380,22 @@ mod tests {
         // pages 1 and 0 of the host to device rows 8.. and 12.. : one chunk per page and layer
         let host = [4i64, 5, 6, 7, 0, 1, 2, 3];
         let dev = [8i64, 9, 10, 11, 12, 13, 14, 15];
-        let c = plan(&g, &host, &dev, 0..2, usize::MAX);
+        let c = plan(&g, &host, &dev, 0..2, usize::MAX, 0);
         assert_eq!(c.len(), 4);
         assert!(c.iter().all(|c| c.len == 64));
         assert_eq!(c[0], Chunk { layer: 0, host_off: g.offset(0, 4) as u64, device_off: 128, len: 64 });
         // page_first is contiguous across layers, not tokens: one chunk per token per layer
         let g = HostGeometry::new(Layout::PageFirst, 2, 8, 4, 16).unwrap();
-        assert_eq!(plan(&g, &host, &dev, 1..2, usize::MAX).len(), 8);
+        assert_eq!(plan(&g, &host, &dev, 1..2, usize::MAX, 0).len(), 8);
         // layer_first with consecutive indices coalesces everything
         let g = HostGeometry::new(Layout::LayerFirst, 2, 8, 4, 16).unwrap();
-        let c = plan(&g, &[0, 1, 2, 3, 4, 5, 6, 7], &dev, 0..1, usize::MAX);
+        let c = plan(&g, &[0, 1, 2, 3, 4, 5, 6, 7], &dev, 0..1, usize::MAX, 0);
         assert_eq!(c.len(), 1);
         // ... unless asked to split at a registration boundary
-        assert_eq!(plan(&g, &[0, 1, 2, 3, 4, 5, 6, 7], &dev, 0..1, 64).len(), 2);
+        assert_eq!(plan(&g, &[0, 1, 2, 3, 4, 5, 6, 7], &dev, 0..1, 64, 0).len(), 2);
+        // the boundary is counted from the registration's start: 32 bytes in, the split falls mid-run
+        let c = plan(&g, &[0, 1, 2, 3, 4, 5, 6, 7], &dev, 0..1, 64, 32);
+        assert_eq!(c.iter().map(|c| c.len).collect::<Vec<_>>(), vec![32, 64, 32]);
     }
 
     #[test]

@@ -93,6 +93,84 @@ pub fn validate_transfer(
     Ok(py.detach(|| plan::validate(&h, &d, &r))?)
 }
 
+/// A validated-on-demand transfer request: geometry, buffers and indices extracted from Python.
+struct Request {
+    geo: HostGeometry,
+    host: RawRange,
+    device: Vec<RawRange>,
+    h: Vec<i64>,
+    d: Vec<i64>,
+    rules: IndexRules,
+    layers: std::ops::Range<usize>,
+    dir: Direction,
+    host_offset: usize,
+    _region: std::sync::Arc<kvtier_core::buffer::HostRegion>,
+}
+
+impl Request {
+    #[allow(clippy::too_many_arguments)]
+    fn extract(
+        py: Python<'_>,
+        to_host: bool,
+        region: &PyHostRegion,
+        host_offset: usize,
+        layout: &str,
+        slots: usize,
+        page_size: usize,
+        row_bytes: usize,
+        device_layers: &[Bound<'_, PyAny>],
+        host_indices: &Bound<'_, PyAny>,
+        device_indices: &Bound<'_, PyAny>,
+        layer_begin: usize,
+        layer_end: usize,
+        host_pages: bool,
+        device_runs: bool,
+    ) -> KvResult<Self> {
+        let region = region.get()?;
+        let layers = device_layers.len();
+        let geo = HostGeometry::new(Layout::parse(layout)?, layers, slots, page_size, row_bytes)?;
+        if host_offset.checked_add(geo.nbytes()).is_none_or(|end| end > region.len()) {
+            return Err(Error::arg(
+                "size",
+                format!("geometry needs {} bytes at offset {host_offset}, buffer has {}", geo.nbytes(), region.len()),
+            )
+            .into());
+        }
+        if layer_begin >= layer_end || layer_end > layers {
+            return Err(Error::arg("layer_id", format!("layers [{layer_begin}, {layer_end}) not in [0, {layers})")).into());
+        }
+        let mut device = Vec::with_capacity(layers);
+        let mut rows = usize::MAX;
+        for t in device_layers {
+            let ptr: usize = t.call_method0("data_ptr")?.extract()?;
+            let len: usize = t.getattr("nbytes")?.extract()?;
+            rows = rows.min(len / row_bytes);
+            device.push(RawRange { ptr, len });
+        }
+        Ok(Self {
+            geo,
+            host: RawRange { ptr: region.as_ptr() as usize + host_offset, len: geo.nbytes() },
+            device,
+            h: indices(py, "host_indices", host_indices)?,
+            d: indices(py, "device_indices", device_indices)?,
+            rules: rules(slots, rows, page_size, host_pages, device_runs, to_host),
+            layers: layer_begin..layer_end,
+            dir: if to_host { Direction::DeviceToHost } else { Direction::HostToDevice },
+            host_offset,
+            _region: region,
+        })
+    }
+
+    /// Validates the indices, plans the chunks (never crossing a multiple of `split` host bytes) and
+    /// checks every chunk against both buffers.
+    fn plan(&self, split: usize) -> kvtier_core::Result<Vec<plan::Chunk>> {
+        plan::validate(&self.h, &self.d, &self.rules)?;
+        let chunks = plan::plan(&self.geo, &self.h, &self.d, self.layers.clone(), split, self.host_offset);
+        plan::check_chunks(self.host, &self.device, &chunks)?;
+        Ok(chunks)
+    }
+}
+
 /// Copies K or V bytes between a host region laid out as `layout` and per-layer CPU tensors, after
 /// validating every index. `device_layers` are contiguous CPU tensors (anything with `data_ptr()` and
 /// `nbytes`), kept alive by this call for its duration.
@@ -115,39 +193,65 @@ pub fn copy_cpu(
     host_pages: bool,
     device_runs: bool,
 ) -> KvResult<()> {
-    let region = region.get()?;
-    let layers = device_layers.len();
-    let geo = HostGeometry::new(Layout::parse(layout)?, layers, slots, page_size, row_bytes)?;
-    if host_offset.checked_add(geo.nbytes()).is_none_or(|end| end > region.len()) {
-        return Err(Error::arg(
-            "size",
-            format!("geometry needs {} bytes at offset {host_offset}, buffer has {}", geo.nbytes(), region.len()),
-        )
-        .into());
-    }
-    if layer_begin >= layer_end || layer_end > layers {
-        return Err(Error::arg("layer_id", format!("layers [{layer_begin}, {layer_end}) not in [0, {layers})")).into());
-    }
-    let mut dev = Vec::with_capacity(layers);
-    let mut rows = usize::MAX;
-    for t in &device_layers {
-        let ptr: usize = t.call_method0("data_ptr")?.extract()?;
-        let len: usize = t.getattr("nbytes")?.extract()?;
-        rows = rows.min(len / row_bytes);
-        dev.push(RawRange { ptr, len });
-    }
-    let h = indices(py, "host_indices", host_indices)?;
-    let d = indices(py, "device_indices", device_indices)?;
-    let r = rules(slots, rows, page_size, host_pages, device_runs, to_host);
-    let host = RawRange { ptr: region.as_ptr() as usize + host_offset, len: geo.nbytes() };
-    let dir = if to_host { Direction::DeviceToHost } else { Direction::HostToDevice };
+    let req = Request::extract(
+        py, to_host, region, host_offset, layout, slots, page_size, row_bytes, &device_layers, host_indices,
+        device_indices, layer_begin, layer_end, host_pages, device_runs,
+    )?;
     py.detach(|| {
-        plan::validate(&h, &d, &r)?;
-        let chunks = plan::plan(&geo, &h, &d, layer_begin..layer_end, usize::MAX);
-        // SAFETY: `host` is the live region (Arc held above); each device range is a live tensor held by
-        // `device_layers` for this call; host memory is Rust-owned anonymous memory, so it cannot overlap a
-        // torch CPU tensor's storage. copy_cpu bounds-checks every chunk.
-        unsafe { plan::copy_cpu(dir, host, &dev, &chunks) }
+        let chunks = req.plan(usize::MAX)?;
+        // SAFETY: `req.host` is inside the live region (Arc held by `req`); each device range is a live
+        // tensor held by `device_layers` for this call; host memory is Rust-owned anonymous memory, so it
+        // cannot overlap a torch CPU tensor's storage; copy_cpu re-checks every chunk.
+        unsafe { plan::copy_cpu(req.dir, req.host, &req.device, &chunks) }
     })?;
     Ok(())
+}
+
+/// Enqueues the same copy on CUDA `stream` of `device` with the copy engine (no SM kernel):
+/// `cuMemcpyBatchAsync` where available (`batch=True`), else one `cuMemcpyAsync` per chunk. Chunks never
+/// cross a multiple of `split` host bytes (the pin-registration granularity). Returns
+/// `(chunks, batch_calls)`. The caller keeps the host buffer and device tensors alive until the stream has
+/// passed the copies (kvtier.transfer does this with an event).
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+pub fn copy_cuda(
+    py: Python<'_>,
+    to_host: bool,
+    region: &PyHostRegion,
+    host_offset: usize,
+    layout: &str,
+    slots: usize,
+    page_size: usize,
+    row_bytes: usize,
+    device_layers: Vec<Bound<'_, PyAny>>,
+    host_indices: &Bound<'_, PyAny>,
+    device_indices: &Bound<'_, PyAny>,
+    layer_begin: usize,
+    layer_end: usize,
+    host_pages: bool,
+    device_runs: bool,
+    device: i32,
+    stream: usize,
+    split: usize,
+    batch: bool,
+) -> KvResult<(usize, usize)> {
+    let req = Request::extract(
+        py, to_host, region, host_offset, layout, slots, page_size, row_bytes, &device_layers, host_indices,
+        device_indices, layer_begin, layer_end, host_pages, device_runs,
+    )?;
+    let sub = py.detach(|| {
+        let chunks = req.plan(split.max(1))?;
+        let copies = plan::addresses(req.dir, req.host, &req.device, &chunks);
+        // SAFETY: every chunk was checked to lie inside the live host region and its device tensor
+        // (Request::plan); destinations are distinct (validate rejects duplicate destination indices);
+        // host and device memory never overlap; the caller keeps both alive until the stream completes.
+        unsafe { kvtier_core::cuda::copy_async(device, stream, &copies, batch) }
+    })?;
+    Ok((sub.copies, sub.batch_calls))
+}
+
+/// True when `cuMemcpyBatchAsync_v2` can be used in this process.
+#[pyfunction]
+pub fn cuda_batch_supported() -> bool {
+    kvtier_core::cuda::batch_supported()
 }
