@@ -15,7 +15,7 @@ python3 -c "import kvtier, torch; print('kvtier', kvtier.__version__, 'from', kv
 rc=0
 python3 -m pytest tests -p no:cacheprovider -q -rs 2>&1 | tee "$out/pytest.log" || rc=1
 python3 -m kvtier demo 2>&1 | tee "$out/demo.log" || rc=1
-for b in ${KVTIER_GPU_BENCHES:-pin}; do
-  python3 "benches/python/bench_$b.py" --json "$out/bench_$b.json" 2>&1 | tee "$out/bench_$b.log" || rc=1
+for b in ${KVTIER_GPU_BENCHES:-pin transfer}; do
+  python3 "benches/python/bench_$b.py" --out "$out" 2>&1 | tee "$out/bench_$b.log" || rc=1
 done
 exit $rc

@@ -54,6 +54,7 @@ def main() -> None:
     ap.add_argument("--gib", type=int, default=16)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--out", default=None, help="directory for pin.json (alternative to --json)")
     args = ap.parse_args()
     n = args.gib << 30
     torch.cuda.init()
@@ -126,6 +127,11 @@ def main() -> None:
         print(f"  {r['what']:<36} {r['median_s']:8.3f} s  {r['GB_per_s']:7.2f} GB/s  torch/this = {r['torch_over_this']:.2f}x  {r['all_s']}")
     print(f"pinned H2D 2 GiB: kvtier {kv_h2d:.1f} GB/s, torch {torch_h2d:.1f} GB/s; kvtier tensor is_pinned={kv_is_pinned}")
     print(f"ratio torch / kvtier default: {result['ratio_torch_over_kvtier_default']}x (goal >= 2x)")
+    if args.out and not args.json:
+        import os
+
+        os.makedirs(args.out, exist_ok=True)
+        args.json = os.path.join(args.out, "pin.json")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
