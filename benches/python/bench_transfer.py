@@ -143,8 +143,8 @@ def block_sweep(dp, stream, reps, ceil_up, ceil_down):
     h, d = page_idx(hpages), page_idx(dpages)
     L = hp.layer_num
     nb_layer = 256 * PS * hp.head_num * (hp.head_dim + hp.v_head_dim) * 2
-    for blocks in (2, 4, 8, 16, 32):
-        for warps in (8, 16, 32):
+    for blocks in (2, 4, 8, 16):
+        for warps in (8, 16):
             hp._engine.blocks, hp._engine.num_warps = blocks, warps
             with torch.cuda.stream(stream):
                 t_load = event_time(lambda: [hp.load_to_device_per_layer(dp, h, d, l, "kernel") for l in range(L)], reps) / L

@@ -177,6 +177,7 @@ class _HostKVPool:
         self._closed = False
         self._engine = TransferEngine()
         self._prepared: tuple | None = None
+        self._checked_device: tuple | None = None
         self._allocate_buffers(pin_memory)
 
     # ---------------------------------------------------------------- shapes and buffers
@@ -285,6 +286,20 @@ class _HostKVPool:
         return f"Unsupported layout: {layout!r}; expected " + ", ".join(repr(x) for x in self.supported_layouts) + "."
 
     def _check_device_pool(self, device_pool: Any) -> tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]:
+        try:
+            ks, vs = list(device_pool.k_buffer), list(device_pool.v_buffer)
+            key = (id(device_pool), *(id(t) for t in ks), None, *(id(t) for t in vs),
+                   *(t.data_ptr() for t in ks), *(t.data_ptr() for t in vs))
+        except (AttributeError, TypeError):
+            key = None
+        if key is not None and self._checked_device is not None and self._checked_device[0] == key:
+            return self._checked_device[2]
+        checked = self._check_device_pool_uncached(device_pool)
+        if key is not None:
+            self._checked_device = (key, (device_pool, ks, vs), checked)  # holds refs: ids stay unique
+        return checked
+
+    def _check_device_pool_uncached(self, device_pool: Any) -> tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]:
         geo = _Geometry.of(device_pool)
         mine = self._geo
         for name in ("layer_num", "head_num", "head_dim", "v_head_dim", "dtype"):
@@ -355,8 +370,7 @@ class _HostKVPool:
             raise InvalidArgumentError(f"invalid argument `layer_id`: must be an int in [0, {self.layer_num}), got {layer_id!r}")
         ks, vs, p = self._prepare(device_pool, host_indices, device_indices, io_backend, to_host=False)
         for side, tensors in zip(self._sides(), (ks, vs)):
-            self._engine.copy(side, tensors, p.host, p.device, layer_id, layer_id + 1, p.paged, to_host=False,
-                              backend=io_backend, gpu_indices=p.gpu(tensors[0].device, io_backend))
+            self._engine.copy(side, tensors, p, layer_id, layer_id + 1, to_host=False, backend=io_backend)
 
     def backup_from_device_all_layer(self, device_pool, host_indices, device_indices, io_backend: str) -> None:
         """Device → host for every layer, K then V (separate calls, separate geometries). Enqueued on the
@@ -364,8 +378,7 @@ class _HostKVPool:
         :func:`kvtier.backup_async`)."""
         ks, vs, p = self._prepare(device_pool, host_indices, device_indices, io_backend, to_host=True)
         for side, tensors in zip(self._sides(), (ks, vs)):
-            self._engine.copy(side, tensors, p.host, p.device, 0, self.layer_num, p.paged, to_host=True,
-                              backend=io_backend, gpu_indices=p.gpu(tensors[0].device, io_backend))
+            self._engine.copy(side, tensors, p, 0, self.layer_num, to_host=True, backend=io_backend)
 
     def synchronize(self) -> None:
         """Wait until every transfer this pool issued has completed."""
@@ -380,6 +393,7 @@ class _HostKVPool:
             self._closed = True
             self._engine.synchronize()  # never unmap memory a copy still reads or writes
             self._prepared = None
+            self._checked_device = None
             # Drop the pool's own views so the memory goes as soon as the caller holds none.
             self.k_buffer = self.v_buffer = self.kv_buffer = None
             self._k_side = self._v_side = None
@@ -404,15 +418,15 @@ class _HostKVPool:
 class _Prepared:
     """Validated indices of one transfer call (host numpy copies, and GPU copies made on demand)."""
 
-    __slots__ = ("host", "device", "paged", "_gpu")
+    __slots__ = ("host", "device", "paged", "_gpu", "plans")
 
     def __init__(self, host, device, paged: bool) -> None:
         self.host, self.device, self.paged = host, device, paged
         self._gpu: tuple | None = None
+        self.plans: dict = {}  # DMA plans per (side, direction, device tensors)
 
-    def gpu(self, device: torch.device, io_backend: str):
-        if io_backend != "kernel" or device.type != "cuda":
-            return None
+    def gpu(self, device: torch.device):
+        """The indices as int64 tensors on ``device`` (uploaded once, from pinned staging)."""
         if self._gpu is None or self._gpu[0] != device:
             h = torch.from_numpy(self.host).pin_memory().to(device, non_blocking=True)
             d = torch.from_numpy(self.device).pin_memory().to(device, non_blocking=True)

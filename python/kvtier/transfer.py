@@ -106,11 +106,11 @@ class TransferEngine:
             ev, _ = self._inflight.popleft()
             ev.synchronize()
 
-    def _ptr_table(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-        key = (tensors[0].device, *(t.data_ptr() for t in tensors))
+    def _offsets(self, tensors: Sequence[torch.Tensor], word: int) -> torch.Tensor:
+        key = (tensors[0].device, word, *(t.data_ptr() for t in tensors))
         tab = self._ptr_tables.get(key)
         if tab is None:
-            tab = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64).to(tensors[0].device)
+            tab = kernels.layer_offsets(tensors, word)
             self._ptr_tables[key] = tab
             if len(self._ptr_tables) > 16:
                 self._ptr_tables.popitem(last=False)
@@ -120,16 +120,16 @@ class TransferEngine:
         self,
         side: Side,
         device_layers: Sequence[torch.Tensor],
-        host: np.ndarray,
-        device: np.ndarray,
+        prepared: Any,
         layer_begin: int,
         layer_end: int,
-        paged: bool,
         *,
         to_host: bool,
         backend: str = "direct",
-        gpu_indices: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
+        """Copy layers ``[layer_begin, layer_end)`` of one side for validated indices ``prepared``
+        (``kvtier.pools._Prepared``: host/device numpy indices, page rules, cached GPU indices and plans)."""
+        host, device, paged = prepared.host, prepared.device, prepared.paged
         if len(host) == 0:
             return
         dev = device_layers[0].device
@@ -143,28 +143,30 @@ class TransferEngine:
             self._copy_torch(side, device_layers, host, device, layer_begin, layer_end, to_host)
             return
         if backend == "kernel" and kernels.available():
-            if gpu_indices is None:
-                gpu_indices = (
-                    torch.from_numpy(host).pin_memory().to(dev, non_blocking=True),
-                    torch.from_numpy(device).pin_memory().to(dev, non_blocking=True),
-                )
-            hidx, didx = gpu_indices
+            hidx, didx = prepared.gpu(dev)
             kernels.launch_rows(
-                host_base=side.base, layout=side.layout, slots=side.slots, layers=side.layers,
-                page_size=side.page_size, row_bytes=side.row_bytes, dev_ptrs=self._ptr_table(device_layers),
+                host=side.tensor, layout=side.layout, slots=side.slots, layers=side.layers,
+                page_size=side.page_size, row_bytes=side.row_bytes, device_layers=device_layers,
+                dev_offsets=self._offsets(device_layers, kernels.word_of(side.row_bytes)),
                 host_idx=hidx, dev_idx=didx, layer_begin=layer_begin, layer_end=layer_end, to_host=to_host,
                 blocks=self.blocks, num_warps=self.num_warps,
             )
             self._hold((side.buffer._region, hidx, didx))
             return
+        key = (side.offset, id(side.buffer), to_host, tuple(t.data_ptr() for t in device_layers))
+        plan = prepared.plans.get(key)
+        if plan is None:
+            # Plan every layer once; per-layer loads then submit one layer per native call.
+            plan = _native.TransferPlan(
+                to_host, side.buffer._region, side.offset, side.layout, side.slots, side.page_size, side.row_bytes,
+                list(device_layers), host, device, 0, len(device_layers), paged, paged, side.split,
+            )
+            prepared.plans[key] = plan
         stream = torch.cuda.current_stream(dev)
-        _native.copy_cuda(
-            to_host, side.buffer._region, side.offset, side.layout, side.slots, side.page_size, side.row_bytes,
-            list(device_layers), host, device, layer_begin, layer_end, paged, paged,
-            dev.index if dev.index is not None else torch.cuda.current_device(), stream.cuda_stream,
-            side.split, True,
-        )
-        self._hold((side.buffer._region,))
+        plan.submit(layer_begin, layer_end, dev.index if dev.index is not None else torch.cuda.current_device(),
+                    stream.cuda_stream, True)
+        self._hold((side.buffer._region, plan))
+
     @staticmethod
     def _copy_torch(side, device_layers, host, device, layer_begin, layer_end, to_host) -> None:
         dev = device_layers[0].device

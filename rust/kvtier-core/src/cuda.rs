@@ -39,6 +39,12 @@ struct CuMemcpyAttributes {
 
 const CU_MEMCPY_SRC_ACCESS_ORDER_STREAM: u32 = 0x1;
 const CUDA_ERROR_NOT_SUPPORTED: i32 = 801;
+const CUDA_ERROR_INVALID_VALUE: i32 = 1;
+/// Ask the driver to keep batched copies on the copy engines rather than SM copy kernels, so they overlap
+/// with compute instead of competing with it.
+const CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE: u32 = 0x1;
+/// Flags in use: starts with PREFER_OVERLAP_WITH_COMPUTE, drops to 0 if a driver rejects it.
+static BATCH_FLAGS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE);
 /// Descriptors per `cuMemcpyBatchAsync` call; larger calls are split (SGLang caps its workspace at 65,536).
 const BATCH_LIMIT: usize = 16384;
 
@@ -321,10 +327,11 @@ pub unsafe fn copy_async(device: i32, stream: usize, copies: &[(usize, usize, us
                 src_access_order: CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
                 src_loc_hint: CuMemLocation { ty: 0, id: 0 },
                 dst_loc_hint: CuMemLocation { ty: 0, id: 0 },
-                flags: 0,
+                flags: BATCH_FLAGS.load(std::sync::atomic::Ordering::Relaxed),
             };
             let mut done = 0;
-            for part in copies.chunks(BATCH_LIMIT) {
+            let mut parts = copies.chunks(BATCH_LIMIT).peekable();
+            while let Some(part) = parts.next() {
                 let mut srcs: Vec<u64> = part.iter().map(|c| c.0 as u64).collect();
                 let mut dsts: Vec<u64> = part.iter().map(|c| c.1 as u64).collect();
                 let mut sizes: Vec<usize> = part.iter().map(|c| c.2).collect();
@@ -343,6 +350,13 @@ pub unsafe fn copy_async(device: i32, stream: usize, copies: &[(usize, usize, us
                         hstream,
                     )
                 };
+                if rc == CUDA_ERROR_INVALID_VALUE && done == 0 && attrs.flags != 0 {
+                    // A driver that does not know the overlap flag: retry this part without it, for good.
+                    BATCH_FLAGS.store(0, std::sync::atomic::Ordering::Relaxed);
+                    attrs.flags = 0;
+                    parts = copies.chunks(BATCH_LIMIT).peekable();
+                    continue;
+                }
                 if rc == CUDA_ERROR_NOT_SUPPORTED && done == 0 {
                     BATCH_UNSUPPORTED.store(true, std::sync::atomic::Ordering::Relaxed);
                     break;

@@ -13,6 +13,7 @@ use pyo3::prelude::*;
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<buffer::PyHostRegion>()?;
     m.add_class::<transfer::PyPageAllocator>()?;
+    m.add_class::<transfer::PyTransferPlan>()?;
     m.add_function(wrap_pyfunction!(buffer::cuda_host_registered, m)?)?;
     m.add_function(wrap_pyfunction!(buffer::cuda_driver_available, m)?)?;
     m.add_function(wrap_pyfunction!(transfer::validate_transfer, m)?)?;

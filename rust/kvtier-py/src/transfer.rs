@@ -255,3 +255,82 @@ pub fn copy_cuda(
 pub fn cuda_batch_supported() -> bool {
     kvtier_core::cuda::batch_supported()
 }
+
+/// A validated, planned copy of one side (K or V) for a fixed index pair, reusable across calls: per-layer
+/// loads plan once and then submit one layer at a time with a single native call each.
+#[pyclass(name = "TransferPlan", module = "kvtier._native", frozen)]
+pub struct PyTransferPlan {
+    req: Request,
+    /// Copy addresses `(src, dst, len)` grouped by layer (index `layer - layers.start`).
+    per_layer: Vec<Vec<(usize, usize, usize)>>,
+    /// Keeps the device tensors alive as long as the plan can be submitted.
+    _owners: Py<PyAny>,
+}
+
+#[pymethods]
+impl PyTransferPlan {
+    #[new]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        to_host: bool,
+        region: &PyHostRegion,
+        host_offset: usize,
+        layout: &str,
+        slots: usize,
+        page_size: usize,
+        row_bytes: usize,
+        device_layers: Vec<Bound<'_, PyAny>>,
+        host_indices: &Bound<'_, PyAny>,
+        device_indices: &Bound<'_, PyAny>,
+        layer_begin: usize,
+        layer_end: usize,
+        host_pages: bool,
+        device_runs: bool,
+        split: usize,
+    ) -> KvResult<Self> {
+        let req = Request::extract(
+            py, to_host, region, host_offset, layout, slots, page_size, row_bytes, &device_layers, host_indices,
+            device_indices, layer_begin, layer_end, host_pages, device_runs,
+        )?;
+        let per_layer = py.detach(|| -> kvtier_core::Result<_> {
+            let chunks = req.plan(split.max(1))?;
+            let mut per_layer = vec![Vec::new(); req.layers.len()];
+            for (c, a) in chunks.iter().zip(plan::addresses(req.dir, req.host, &req.device, &chunks)) {
+                per_layer[c.layer as usize - req.layers.start].push(a);
+            }
+            Ok(per_layer)
+        })?;
+        let owners = pyo3::types::PyList::new(py, device_layers)?.into_any().unbind();
+        Ok(Self { req, per_layer, _owners: owners })
+    }
+
+    /// Number of copies planned for `[layer_begin, layer_end)`.
+    fn copies(&self, layer_begin: usize, layer_end: usize) -> KvResult<usize> {
+        Ok(self.slice(layer_begin, layer_end)?.iter().map(|v| v.len()).sum())
+    }
+
+    /// Enqueue layers `[layer_begin, layer_end)` on CUDA `stream` (see `copy_cuda`). Returns
+    /// `(copies, batch_calls)`.
+    fn submit(&self, py: Python<'_>, layer_begin: usize, layer_end: usize, device: i32, stream: usize, batch: bool) -> KvResult<(usize, usize)> {
+        let parts = self.slice(layer_begin, layer_end)?;
+        let sub = py.detach(|| {
+            let copies: Vec<(usize, usize, usize)> = parts.iter().flat_map(|v| v.iter().copied()).collect();
+            // SAFETY: the addresses were checked against the live host region (held by `req`) and device
+            // tensors (held by `_owners`) when the plan was built; the caller keeps both alive until the
+            // stream has passed the copies.
+            unsafe { kvtier_core::cuda::copy_async(device, stream, &copies, batch) }
+        })?;
+        Ok((sub.copies, sub.batch_calls))
+    }
+}
+
+impl PyTransferPlan {
+    fn slice(&self, layer_begin: usize, layer_end: usize) -> KvResult<&[Vec<(usize, usize, usize)>]> {
+        let r = &self.req.layers;
+        if layer_begin < r.start || layer_end > r.end || layer_begin >= layer_end {
+            return Err(Error::arg("layer_id", format!("layers [{layer_begin}, {layer_end}) not in the plan's [{}, {})", r.start, r.end)).into());
+        }
+        Ok(&self.per_layer[layer_begin - r.start..layer_end - r.start])
+    }
+}
