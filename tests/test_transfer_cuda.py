@@ -74,15 +74,15 @@ def test_freed_index_tensors_do_not_corrupt_an_inflight_load(backend, layout):
     for t in dp.k_buffer + dp.v_buffer:
         t.zero_()
     side = torch.cuda.Stream()
+    dflip = d.view(-1, PS).flip(0).reshape(-1)  # pages in reverse order, tokens in order
     with torch.cuda.stream(side):
-        hd, dd = h.cuda(), d.flip(0).cuda()
+        hd, dd = h.cuda(), dflip.cuda()
         for layer in range(L):
             hp.load_to_device_per_layer(dp, hd, dd, layer, backend)
     del hd, dd
     junk = [torch.full((1 << 20,), 7, dtype=torch.int64, device="cuda") for _ in range(8)]  # reuse freed memory
     side.synchronize()
     del junk
-    dflip = d.flip(0)
     for layer in range(L):
         assert torch.equal(u8(dp.k_buffer[layer][dflip]), u8(ref[layer][d]))
         assert torch.equal(u8(dp.v_buffer[layer][dflip]), u8(ref[L + layer][d]))

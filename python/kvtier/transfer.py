@@ -73,8 +73,10 @@ class Side:
 
 
 def kernel_blocks() -> int:
-    """Thread blocks of the kernel backend: ``KVTIER_KERNEL_BLOCKS`` (default 8)."""
-    return max(1, int(os.environ.get("KVTIER_KERNEL_BLOCKS", "8")))
+    """Thread blocks of the kernel backend: ``KVTIER_KERNEL_BLOCKS`` (default 16 of the H200's 132 SMs:
+    the block sweep in benches/RESULTS.md shows per-layer loads at 75% of the PCIe ceiling with 8 blocks and
+    90% with 16)."""
+    return max(1, int(os.environ.get("KVTIER_KERNEL_BLOCKS", "16")))
 
 
 def kernel_warps() -> int:
@@ -90,6 +92,8 @@ class TransferEngine:
         self._ptr_tables: collections.OrderedDict[tuple, torch.Tensor] = collections.OrderedDict()
         self.blocks = kernel_blocks()
         self.num_warps = kernel_warps()
+        # ``KVTIER_DIRECT_BATCH=0`` submits one cuMemcpyAsync per chunk instead of cuMemcpyBatchAsync.
+        self.batch = os.environ.get("KVTIER_DIRECT_BATCH", "1") != "0"
 
     # -- lifetime of in-flight copies ----------------------------------------------------------------
     def _hold(self, refs: tuple) -> None:
@@ -164,7 +168,7 @@ class TransferEngine:
             prepared.plans[key] = plan
         stream = torch.cuda.current_stream(dev)
         plan.submit(layer_begin, layer_end, dev.index if dev.index is not None else torch.cuda.current_device(),
-                    stream.cuda_stream, True)
+                    stream.cuda_stream, self.batch)
         self._hold((side.buffer._region, plan))
 
     @staticmethod

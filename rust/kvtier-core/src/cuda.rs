@@ -299,6 +299,11 @@ pub struct Submitted {
 
 static BATCH_UNSUPPORTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
+/// The `CUmemcpyFlags` batched copies use now (1 = prefer copy engines, 0 after a driver rejected that).
+pub fn batch_flags() -> u32 {
+    BATCH_FLAGS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// True when this process can submit copies with `cuMemcpyBatchAsync_v2`.
 pub fn batch_supported() -> bool {
     driver().is_ok_and(|d| d.batch_v2.is_some()) && !BATCH_UNSUPPORTED.load(std::sync::atomic::Ordering::Relaxed)

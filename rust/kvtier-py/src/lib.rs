@@ -21,6 +21,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(transfer::page_numbers, m)?)?;
     m.add_function(wrap_pyfunction!(transfer::copy_cuda, m)?)?;
     m.add_function(wrap_pyfunction!(transfer::cuda_batch_supported, m)?)?;
+    m.add_function(wrap_pyfunction!(transfer::cuda_batch_flags, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -334,3 +334,9 @@ impl PyTransferPlan {
         Ok(&self.per_layer[layer_begin - r.start..layer_end - r.start])
     }
 }
+
+/// The `CUmemcpyFlags` in use for batched copies (diagnostics).
+#[pyfunction]
+pub fn cuda_batch_flags() -> u32 {
+    kvtier_core::cuda::batch_flags()
+}
