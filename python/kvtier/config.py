@@ -44,3 +44,21 @@ def pin_default() -> str:
     if raw not in ("auto", "0", "1"):
         raise InvalidArgumentError(f"environment variable KVTIER_PIN={raw!r} must be 'auto', '0' or '1'")
     return raw
+
+
+def kernel_blocks() -> int:
+    """Thread blocks of the ``kernel`` IO backend: ``KVTIER_KERNEL_BLOCKS`` (default 16 of the H200's 132
+    SMs; the block sweep in benches/RESULTS.md measured per-layer loads at 75% of the PCIe ceiling with 8
+    blocks and 90% with 16)."""
+    return _int_env("KVTIER_KERNEL_BLOCKS", 16, 1)
+
+
+def kernel_warps() -> int:
+    """Warps per block of the ``kernel`` IO backend: ``KVTIER_KERNEL_WARPS`` (default 16)."""
+    return _int_env("KVTIER_KERNEL_WARPS", 16, 1)
+
+
+def direct_batch() -> bool:
+    """``KVTIER_DIRECT_BATCH`` (default 1): submit ``direct`` copies with ``cuMemcpyBatchAsync``; 0 issues
+    one ``cuMemcpyAsync`` per chunk (slower: host-bound)."""
+    return _int_env("KVTIER_DIRECT_BATCH", 1, 0) != 0

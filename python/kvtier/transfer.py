@@ -19,14 +19,13 @@ once for K and once for V. Which engine runs depends on where the device tensors
 from __future__ import annotations
 
 import collections
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 import torch
 
-from . import _native, kernels
+from . import _native, config, kernels
 
 if TYPE_CHECKING:
     from .buffer import HostBuffer
@@ -73,15 +72,11 @@ class Side:
 
 
 def kernel_blocks() -> int:
-    """Thread blocks of the kernel backend: ``KVTIER_KERNEL_BLOCKS`` (default 16 of the H200's 132 SMs:
-    the block sweep in benches/RESULTS.md shows per-layer loads at 75% of the PCIe ceiling with 8 blocks and
-    90% with 16)."""
-    return max(1, int(os.environ.get("KVTIER_KERNEL_BLOCKS", "16")))
+    return config.kernel_blocks()
 
 
 def kernel_warps() -> int:
-    """Warps per block of the kernel backend: ``KVTIER_KERNEL_WARPS`` (default 16)."""
-    return max(1, int(os.environ.get("KVTIER_KERNEL_WARPS", "16")))
+    return config.kernel_warps()
 
 
 class TransferEngine:
@@ -92,8 +87,7 @@ class TransferEngine:
         self._ptr_tables: collections.OrderedDict[tuple, torch.Tensor] = collections.OrderedDict()
         self.blocks = kernel_blocks()
         self.num_warps = kernel_warps()
-        # ``KVTIER_DIRECT_BATCH=0`` submits one cuMemcpyAsync per chunk instead of cuMemcpyBatchAsync.
-        self.batch = os.environ.get("KVTIER_DIRECT_BATCH", "1") != "0"
+        self.batch = config.direct_batch()
 
     # -- lifetime of in-flight copies ----------------------------------------------------------------
     def _hold(self, refs: tuple) -> None:
