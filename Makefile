@@ -39,7 +39,7 @@ demo: build ## Run the main job (kvtier demo)
 
 test: test-rust test-python ## cargo test over the workspace, then pytest (CUDA tests skip without a GPU)
 
-test-rust:
+test-rust: $(DEPS_STAMP)
 	cargo test --workspace --quiet
 
 test-python: build
