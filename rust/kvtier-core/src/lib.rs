@@ -5,6 +5,9 @@
 //! - [`cuda`]: the CUDA driver, loaded at run time; absent drivers are an error value, never a link failure.
 //! - [`alloc`]: whole-page token-slot allocation with HiCache's semantics and checked frees.
 //! - [`plan`]: validation of transfer indices and the byte-range plans that copy engines execute.
+//! - [`store`]: the durable, checksummed, capacity-bounded page store (O_DIRECT), with its [`journal`].
+//! - [`hash`]: SGLang-compatible chained SHA-256 page keys.
+//! - [`fault`]: IO fault injection points for tests.
 //!
 //! Threading model: every type here is `Send + Sync` with interior locks; long operations (pre-faulting,
 //! registration, copies) use scoped threads and never call back into a caller. No Python, no torch: the
@@ -15,6 +18,10 @@ pub mod alloc;
 pub mod buffer;
 pub mod cuda;
 pub mod error;
+pub mod fault;
+pub mod hash;
+pub mod journal;
 pub mod plan;
+pub mod store;
 
 pub use error::{Error, Result};
