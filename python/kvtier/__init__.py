@@ -16,6 +16,7 @@ from ._native import __version__
 from .buffer import HostBuffer
 from .overlap import LayerLoad, LayerLoader, backup_async
 from .pools import AsymmetricMHAHostPool, DeviceKVPool, MHAHostPool, host_pool_for
+from .store import PageStore, page_hashes
 
 __all__ = [
     "AsymmetricMHAHostPool",
@@ -24,6 +25,8 @@ __all__ = [
     "LayerLoader",
     "backup_async",
     "MHAHostPool",
+    "PageStore",
+    "page_hashes",
     "host_pool_for",
     "ClosedError",
     "CudaError",

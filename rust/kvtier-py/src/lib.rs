@@ -4,6 +4,7 @@
 mod buffer;
 mod dlpack;
 mod errors;
+mod store;
 mod transfer;
 
 use pyo3::prelude::*;
@@ -14,6 +15,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<buffer::PyHostRegion>()?;
     m.add_class::<transfer::PyPageAllocator>()?;
     m.add_class::<transfer::PyTransferPlan>()?;
+    m.add_class::<store::PyPageStore>()?;
+    m.add_function(wrap_pyfunction!(store::namespace_dir, m)?)?;
+    m.add_function(wrap_pyfunction!(store::page_hashes, m)?)?;
     m.add_function(wrap_pyfunction!(buffer::cuda_host_registered, m)?)?;
     m.add_function(wrap_pyfunction!(buffer::cuda_driver_available, m)?)?;
     m.add_function(wrap_pyfunction!(transfer::validate_transfer, m)?)?;

@@ -1,0 +1,229 @@
+"""``PageStore``: the L3 tier — KV pages on a local disk or shared file system, in HiCache's zero-copy v1
+shape (``batch_set_v1`` / ``batch_get_v1`` on host-pool indices).
+
+One page is two objects, ``<key>.k`` and ``<key>.v``, of the pool's K and V page sizes (different for
+asymmetric models), written from and read into the pinned host pool directly (O_DIRECT when the file
+system allows it; otherwise buffered IO with fdatasync, reported once). Every page lives in a namespace
+derived from the model name, the parallel ranks and the registered pool's geometry, so a page written under
+one geometry is never returned to a pool of another: that is a miss. The Rust core makes a page durable
+before ``batch_set_v1`` reports it, checksums every object, and keeps the directory under
+``capacity_bytes`` by evicting least-recently-used pages.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+from typing import Any, Sequence
+
+import torch
+
+from . import _native
+from ._errors import ClosedError, InvalidArgumentError, KvtierError
+
+#: Default hard limit of one namespace's data (bytes).
+DEFAULT_CAPACITY = 64 << 30
+PAGE_LAYOUTS = ("page_first", "page_first_direct")
+
+
+def page_hashes(token_ids: Sequence[int], page_size: int, prior_hash: str | None = None) -> list[str]:
+    """SGLang HiCache's chained SHA-256 page keys (64 lowercase hex characters each) of the full pages of
+    ``token_ids``: page i hashes the previous page's digest followed by its token ids as 4-byte little-endian
+    integers. Computed in Rust."""
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
+        raise InvalidArgumentError(f"invalid argument `page_size`: must be a positive int, got {page_size!r}")
+    if isinstance(token_ids, torch.Tensor):
+        token_ids = token_ids.tolist()
+    try:
+        return _native.page_hashes(list(token_ids), page_size, prior_hash)
+    except OverflowError:
+        raise InvalidArgumentError("invalid argument `token_ids`: token ids must be in [0, 2**32)") from None
+
+
+class PageStore:
+    """Durable page store for one model and rank.
+
+    Args:
+        path: the store's root directory (created owner-only); namespaces are subdirectories.
+        capacity_bytes: hard limit on this namespace's stored bytes (default 64 GiB); least-recently-used
+            pages are evicted to stay under it.
+        model_name, tp_rank, tp_size, pp_rank, pp_size, cp_rank, cp_size: identify the KV this store holds;
+            with the registered pool's geometry they form the namespace.
+        io_threads: IO requests in flight per batch (default 16).
+        direct: ``None`` probes O_DIRECT and falls back to buffered IO (with a warning); ``False`` disables
+            it; ``True`` requires it.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        capacity_bytes: int = DEFAULT_CAPACITY,
+        model_name: str = "default",
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        pp_rank: int = 0,
+        pp_size: int = 1,
+        cp_rank: int = 0,
+        cp_size: int = 1,
+        io_threads: int = 16,
+        direct: bool | None = None,
+    ) -> None:
+        if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes < 4096:
+            raise InvalidArgumentError(f"invalid argument `capacity_bytes`: must be an int >= 4096, got {capacity_bytes!r}")
+        if isinstance(io_threads, bool) or not isinstance(io_threads, int) or io_threads < 1:
+            raise InvalidArgumentError(f"invalid argument `io_threads`: must be an int >= 1, got {io_threads!r}")
+        for name, rank, size in (("tp", tp_rank, tp_size), ("pp", pp_rank, pp_size), ("cp", cp_rank, cp_size)):
+            if not (isinstance(size, int) and size >= 1 and isinstance(rank, int) and 0 <= rank < size):
+                raise InvalidArgumentError(f"invalid argument `{name}_rank`: {rank!r} is not in [0, {name}_size={size!r})")
+        self.path = os.fspath(path)
+        self.capacity_bytes = capacity_bytes
+        self.model_name = str(model_name)
+        self.ranks = dict(tp=(tp_rank, tp_size), pp=(pp_rank, pp_size), cp=(cp_rank, cp_size))
+        self.io_threads = io_threads
+        self.direct = direct
+        self._native: Any = None
+        self._pool: Any = None
+        self._closed = False
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ registration
+    def namespace_for(self, pool: Any) -> str:
+        """The namespace string for ``pool`` (model, ranks, dtype, layout, page size, layers, heads, dims)."""
+        r = self.ranks
+        return (
+            f"kvtier-v1|model={self.model_name}|tp={r['tp'][0]}/{r['tp'][1]}|pp={r['pp'][0]}/{r['pp'][1]}"
+            f"|cp={r['cp'][0]}/{r['cp'][1]}|dtype={str(pool.dtype).removeprefix('torch.')}|layout={pool.layout}"
+            f"|page={pool.page_size}|layers={pool.layer_num}|heads={pool.head_num}|k={pool.head_dim}|v={pool.v_head_dim}"
+        )
+
+    def register_mem_pool_host(self, pool: Any) -> None:
+        """Attach the host pool whose pages this store reads and writes. Its layout must keep each page's K
+        and V contiguous (``page_first`` or ``page_first_direct``); the namespace is derived from it."""
+        if self._closed:
+            raise ClosedError("PageStore is closed")
+        layout = getattr(pool, "layout", None)
+        if layout not in PAGE_LAYOUTS:
+            raise InvalidArgumentError(
+                f"invalid argument `pool`: layout {layout!r} cannot be served zero-copy; supported layouts: "
+                + ", ".join(repr(x) for x in PAGE_LAYOUTS)
+            )
+        regions = [b._region for b in getattr(pool, "_buffers", [])]
+        if not regions:
+            raise InvalidArgumentError("invalid argument `pool`: expected a kvtier host pool (with Rust-owned buffers)")
+        with self._lock:
+            if self._native is not None:
+                self._native.close()
+            self._native = _native.PageStore(self.path, self.namespace_for(pool), self.capacity_bytes, self.io_threads, self.direct)
+            for r in regions:
+                self._native.register_region(r)
+            self._pool = pool
+        note = self._native.direct_note
+        if note and self.direct is None:
+            warnings.warn(f"kvtier.PageStore at {self.path}: {note}", RuntimeWarning, stacklevel=2)
+
+    def _store(self):
+        if self._closed:
+            raise ClosedError("PageStore is closed")
+        if self._native is None:
+            raise KvtierError("PageStore: call register_mem_pool_host(pool) first")
+        return self._native
+
+    # ------------------------------------------------------------------ zero-copy v1
+    def _objects(self, keys: Sequence[str], host_indices: torch.Tensor):
+        keys = _keys(keys)
+        pool = self._pool
+        if not isinstance(host_indices, torch.Tensor) or host_indices.dtype != torch.int64 or host_indices.dim() != 1:
+            raise InvalidArgumentError("invalid argument `host_indices`: expected a 1-D torch.int64 tensor")
+        if host_indices.numel() != len(keys) * pool.page_size:
+            raise InvalidArgumentError(
+                f"invalid argument `host_indices`: {host_indices.numel()} slots for {len(keys)} keys of "
+                f"{pool.page_size}-token pages (expected {len(keys) * pool.page_size})"
+            )
+        ptrs, sizes = pool.get_page_buffer_meta(host_indices)  # validates whole pages in range
+        names = [f"{k}.{side}" for k in keys for side in ("k", "v")]
+        return keys, names, ptrs, sizes
+
+    def batch_set_v1(self, keys: Sequence[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
+        """Write the pages at ``host_indices`` (``page_size`` slots per key) under ``keys``; returns per key
+        whether the page (K and V) is durably stored. Keys already stored are kept and reported True."""
+        store = self._store()
+        keys, names, ptrs, sizes = self._objects(keys, host_indices)
+        if not keys:
+            return []
+        ok = store.put(names, ptrs, sizes)
+        result = [ok[2 * i] and ok[2 * i + 1] for i in range(len(keys))]
+        half = [names[2 * i + j] for i in range(len(keys)) if not result[i] for j in (0, 1) if ok[2 * i + j]]
+        if half:
+            store.delete(half)  # never leave a page with only one of K and V
+        return result
+
+    def batch_get_v1(self, keys: Sequence[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
+        """Read pages into the host pool at ``host_indices``; returns per key whether K and V were found with
+        the pool's sizes and their checksums verified (a False page's host bytes are unspecified)."""
+        store = self._store()
+        keys, names, ptrs, sizes = self._objects(keys, host_indices)
+        if not keys:
+            return []
+        ok = store.get(names, ptrs, sizes)
+        return [ok[2 * i] and ok[2 * i + 1] for i in range(len(keys))]
+
+    def batch_exists(self, keys: Sequence[str], extra_info: Any = None) -> int:
+        """Length of the leading run of keys whose page (K and V) is stored."""
+        keys = _keys(keys)
+        ex = self._store().exists([f"{k}.{s}" for k in keys for s in ("k", "v")])
+        n = 0
+        while n < len(keys) and ex[2 * n] and ex[2 * n + 1]:
+            n += 1
+        return n
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    def delete(self, keys: Sequence[str]) -> int:
+        """Delete pages; returns how many pages existed."""
+        keys = _keys(keys)
+        return self._store().delete([f"{k}.{s}" for k in keys for s in ("k", "v")]) // 2
+
+    def clear(self) -> None:
+        """Delete every page of this namespace."""
+        self._store().clear()
+
+    def get_stats(self) -> dict:
+        """Counters: pages and bytes stored, hits, misses, evictions, corrupt reads, write failures, read and
+        write throughput (GB/s over the time spent in batches), O_DIRECT status."""
+        st = dict(self._store().stats())
+        st["pages"] = st["objects"] // 2
+        st["write_GBps"] = st["bytes_written"] / st["put_ns"] if st["put_ns"] else 0.0
+        st["read_GBps"] = st["bytes_read"] / st["get_ns"] if st["get_ns"] else 0.0
+        return st
+
+    def verify(self, drop: bool = False) -> tuple[int, list[str]]:
+        """Re-read every object and check its checksum: ``(objects checked, corrupt object keys)``."""
+        return self._store().verify(drop)
+
+    def close(self) -> None:
+        """Release the namespace (and its lock). Idempotent."""
+        with self._lock:
+            if self._native is not None:
+                self._native.close()
+            self._native = None
+            self._pool = None
+            self._closed = True
+
+    def __enter__(self) -> "PageStore":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _keys(keys: Sequence[str]) -> list[str]:
+    if isinstance(keys, str):
+        raise InvalidArgumentError("invalid argument `keys`: expected a sequence of str, got one str")
+    out = list(keys)
+    for k in out:
+        if not isinstance(k, str) or not k:
+            raise InvalidArgumentError(f"invalid argument `keys`: every key must be a non-empty str, got {k!r}")
+    return out

@@ -1,0 +1,196 @@
+//! `kvtier._native.PageStore`: the binding of `kvtier_core::store::PageStore`, plus `page_hashes`.
+//!
+//! Objects are given as `(key, address, length)`; every range must lie inside a host region registered
+//! with the store (the store holds those regions alive), and a batch's destination ranges must not
+//! overlap, so no raw pointer from Python reaches the IO without being proven in bounds.
+
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, RwLock};
+
+use kvtier_core::buffer::HostRegion;
+use kvtier_core::store::{PageStore, StoreOptions};
+use kvtier_core::Error;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::buffer::PyHostRegion;
+use crate::errors::KvResult;
+
+/// A page store namespace (see kvtier.PageStore for the public API).
+#[pyclass(name = "PageStore", module = "kvtier._native", frozen)]
+pub struct PyPageStore {
+    inner: RwLock<Option<Arc<PageStore>>>,
+    regions: Mutex<Vec<Arc<HostRegion>>>,
+}
+
+impl PyPageStore {
+    fn store(&self) -> KvResult<Arc<PageStore>> {
+        self.inner.read().unwrap_or_else(|p| p.into_inner()).clone().ok_or_else(|| Error::Closed("PageStore").into())
+    }
+
+    /// Checks every `(ptr, len)` against the registered regions; with `disjoint`, also that no two overlap.
+    fn check_ranges(&self, ptrs: &[usize], sizes: &[u64], disjoint: bool) -> KvResult<Vec<Arc<HostRegion>>> {
+        let regions = self.regions.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        for (i, (&p, &n)) in ptrs.iter().zip(sizes).enumerate() {
+            let inside = regions.iter().any(|r| {
+                let (b, l) = (r.as_ptr() as usize, r.len());
+                p >= b && (p as u128 + n as u128) <= (b as u128 + l as u128)
+            });
+            if !inside {
+                return Err(Error::arg("host_indices", format!("object {i} ({n} bytes at {p:#x}) is outside every registered host buffer")).into());
+            }
+        }
+        if disjoint {
+            let mut v: Vec<(usize, u64)> = ptrs.iter().copied().zip(sizes.iter().copied()).collect();
+            v.sort_unstable();
+            for w in v.windows(2) {
+                if (w[0].0 as u128 + w[0].1 as u128) > w[1].0 as u128 {
+                    return Err(Error::arg("host_indices", "two objects of one batch would be read into overlapping memory").into());
+                }
+            }
+        }
+        Ok(regions)
+    }
+
+    fn objs<'a>(keys: &'a [String], ptrs: &[usize], sizes: &[u64]) -> KvResult<Vec<(&'a str, usize, u64)>> {
+        if keys.len() != ptrs.len() || keys.len() != sizes.len() {
+            return Err(Error::arg("keys", format!("{} keys, {} addresses and {} sizes", keys.len(), ptrs.len(), sizes.len())).into());
+        }
+        Ok(keys.iter().zip(ptrs).zip(sizes).map(|((k, &p), &n)| (k.as_str(), p, n)).collect())
+    }
+}
+
+#[pymethods]
+impl PyPageStore {
+    #[new]
+    #[pyo3(signature = (root, namespace, capacity_bytes, io_threads=16, direct=None))]
+    fn new(py: Python<'_>, root: PathBuf, namespace: String, capacity_bytes: u64, io_threads: usize, direct: Option<bool>) -> KvResult<Self> {
+        let opts = StoreOptions { capacity_bytes, io_threads, direct };
+        let s = py.detach(|| PageStore::open(&root, &namespace, opts))?;
+        Ok(Self { inner: RwLock::new(Some(Arc::new(s))), regions: Mutex::new(Vec::new()) })
+    }
+
+    /// Allows IO into and out of `region` (the store keeps it alive).
+    fn register_region(&self, region: &PyHostRegion) -> KvResult<()> {
+        let r = region.get()?;
+        let mut regs = self.regions.lock().unwrap_or_else(|p| p.into_inner());
+        if !regs.iter().any(|x| Arc::ptr_eq(x, &r)) {
+            regs.push(r);
+        }
+        Ok(())
+    }
+
+    /// Stores objects; returns per object whether it is durably stored.
+    fn put(&self, py: Python<'_>, keys: Vec<String>, ptrs: Vec<usize>, sizes: Vec<u64>) -> KvResult<Vec<bool>> {
+        let s = self.store()?;
+        let objs = Self::objs(&keys, &ptrs, &sizes)?;
+        let _alive = self.check_ranges(&ptrs, &sizes, false)?;
+        // SAFETY: every range lies inside a registered region kept alive by `_alive` for the call; the
+        // caller (kvtier.PageStore) does not write those pages while a write of them is in flight.
+        Ok(py.detach(|| unsafe { s.put(&objs) })?)
+    }
+
+    /// Reads objects into memory; returns per object whether it was found and verified.
+    fn get(&self, py: Python<'_>, keys: Vec<String>, ptrs: Vec<usize>, sizes: Vec<u64>) -> KvResult<Vec<bool>> {
+        let s = self.store()?;
+        let objs = Self::objs(&keys, &ptrs, &sizes)?;
+        let _alive = self.check_ranges(&ptrs, &sizes, true)?;
+        // SAFETY: every destination lies inside a registered, live region and no two overlap.
+        Ok(py.detach(|| unsafe { s.get(&objs) })?)
+    }
+
+    fn exists(&self, keys: Vec<String>) -> KvResult<Vec<bool>> {
+        let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+        Ok(self.store()?.exists(&refs))
+    }
+
+    fn delete(&self, py: Python<'_>, keys: Vec<String>) -> KvResult<usize> {
+        let s = self.store()?;
+        let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+        Ok(py.detach(|| s.delete(&refs))?)
+    }
+
+    fn clear(&self, py: Python<'_>) -> KvResult<usize> {
+        let s = self.store()?;
+        Ok(py.detach(|| s.clear())?)
+    }
+
+    /// (objects checked, corrupt keys); with drop=True corrupt objects are deleted.
+    fn verify(&self, py: Python<'_>, drop: bool) -> KvResult<(usize, Vec<String>)> {
+        let s = self.store()?;
+        Ok(py.detach(|| s.verify(drop))?)
+    }
+
+    fn keys(&self) -> KvResult<Vec<String>> {
+        Ok(self.store()?.keys())
+    }
+
+    fn stats<'py>(&self, py: Python<'py>) -> KvResult<Bound<'py, PyDict>> {
+        let s = self.store()?;
+        let d = PyDict::new(py);
+        let st = &s.stats;
+        let ld = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
+        let (objects, used) = s.usage();
+        for (k, v) in [
+            ("puts", ld(&st.puts)),
+            ("bytes_written", ld(&st.bytes_written)),
+            ("put_ns", ld(&st.put_ns)),
+            ("hits", ld(&st.hits)),
+            ("misses", ld(&st.misses)),
+            ("bytes_read", ld(&st.bytes_read)),
+            ("get_ns", ld(&st.get_ns)),
+            ("evictions", ld(&st.evictions)),
+            ("corrupt_reads", ld(&st.corrupt_reads)),
+            ("write_failures", ld(&st.write_failures)),
+            ("read_failures", ld(&st.read_failures)),
+            ("objects", objects as u64),
+            ("bytes_used", used),
+            ("capacity_bytes", s.capacity()),
+            ("recovered_tail_bytes", s.recovered_tail()),
+        ] {
+            d.set_item(k, v)?;
+        }
+        d.set_item("o_direct", s.direct())?;
+        d.set_item("o_direct_note", s.direct_note())?;
+        d.set_item("dir", s.dir().to_string_lossy().to_string())?;
+        d.set_item("namespace", s.namespace())?;
+        Ok(d)
+    }
+
+    #[getter]
+    fn dir(&self) -> KvResult<String> {
+        Ok(self.store()?.dir().to_string_lossy().to_string())
+    }
+    #[getter]
+    fn direct(&self) -> KvResult<bool> {
+        Ok(self.store()?.direct())
+    }
+    #[getter]
+    fn direct_note(&self) -> KvResult<Option<String>> {
+        Ok(self.store()?.direct_note().map(str::to_owned))
+    }
+    #[getter]
+    fn closed(&self) -> bool {
+        self.inner.read().unwrap_or_else(|p| p.into_inner()).is_none()
+    }
+
+    /// Releases the namespace (and its LOCK) once no call is in flight.
+    fn close(&self, py: Python<'_>) {
+        let s = self.inner.write().unwrap_or_else(|p| p.into_inner()).take();
+        self.regions.lock().unwrap_or_else(|p| p.into_inner()).clear();
+        py.detach(move || drop(s));
+    }
+}
+
+/// The namespace directory name for a namespace string.
+#[pyfunction]
+pub fn namespace_dir(namespace: &str) -> String {
+    kvtier_core::store::namespace_dir(namespace)
+}
+
+/// SGLang-compatible chained SHA-256 page keys of `token_ids`, `page_size` tokens a page (full pages only).
+#[pyfunction]
+#[pyo3(signature = (token_ids, page_size, prior_hash=None))]
+pub fn page_hashes(py: Python<'_>, token_ids: Vec<u32>, page_size: usize, prior_hash: Option<String>) -> KvResult<Vec<String>> {
+    Ok(py.detach(|| kvtier_core::hash::page_hashes(&token_ids, page_size, prior_hash.as_deref()))?)
+}
