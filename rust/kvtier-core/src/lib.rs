@@ -22,6 +22,7 @@ pub mod fault;
 pub mod hash;
 pub mod journal;
 pub mod plan;
+pub mod roofline;
 pub mod store;
 
 pub use error::{Error, Result};

@@ -194,3 +194,10 @@ pub fn namespace_dir(namespace: &str) -> String {
 pub fn page_hashes(py: Python<'_>, token_ids: Vec<u32>, page_size: usize, prior_hash: Option<String>) -> KvResult<Vec<String>> {
     Ok(py.detach(|| kvtier_core::hash::page_hashes(&token_ids, page_size, prior_hash.as_deref()))?)
 }
+
+/// The disk's O_DIRECT ceiling for `count` objects of `size` bytes with `threads` in flight, measured in
+/// `dir`: `(write GB/s durable, read GB/s, O_DIRECT used)`.
+#[pyfunction]
+pub fn disk_roofline(py: Python<'_>, dir: PathBuf, size: usize, count: usize, threads: usize) -> KvResult<(f64, f64, bool)> {
+    Ok(py.detach(|| kvtier_core::roofline::odirect_roofline(&dir, size, count, threads))?)
+}
