@@ -1,0 +1,21 @@
+"""The main job runs and verifies itself; the command line reports errors in one line."""
+
+import subprocess
+import sys
+
+from kvtier.demo import run
+
+
+def test_demo_verifies_everything(capsys):
+    assert run(layers=2, pages=4, page_size=16, heads=2) == 0
+    out = capsys.readouterr().out
+    assert "restored bit-exact: True" in out and "restored from disk bit-exact: True" in out
+    assert "all checks passed" in out
+
+
+def test_cli_bad_arguments_exit_nonzero_without_traceback():
+    r = subprocess.run([sys.executable, "-m", "kvtier", "demo", "--layers", "0"], capture_output=True, text=True)
+    assert r.returncode != 0
+    assert "Traceback" not in r.stderr and "layer_num" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "kvtier", "nope"], capture_output=True, text=True)
+    assert r.returncode == 2 and "invalid choice" in r.stderr
