@@ -10,7 +10,12 @@ DEPS_STAMP := $(VENV)/.kvtier-deps
 BUILD_STAMP := $(VENV)/.kvtier-build
 RUST_SRC := $(shell find rust -name '*.rs' -o -name Cargo.toml) Cargo.toml pyproject.toml
 # Runtime and test dependencies of the Python side (torch's PyPI build is a CUDA build; it runs on CPU too).
-PY_DEPS := "maturin>=1.9.4,<2" "torch>=2.4" "numpy>=1.24" "pytest>=8" "pytest-timeout>=2" "hypothesis>=6"
+PY_DEPS := "maturin>=1.9.4,<2" "torch>=2.4" torchvision "numpy>=1.24" "pytest>=8" "pytest-timeout>=2" "hypothesis>=6"
+# The SGLang release the integration tests run against, installed without its dependency tree, plus only
+# what its HiCache modules import on a CPU machine (ninja: it JIT-builds its page-hash extension).
+SGLANG := sglang==0.5.23
+SGLANG_IMPORT_DEPS := orjson psutil pybase64 requests pillow starlette msgspec pydantic pyzmq tqdm ipython \
+	aiohttp transformers dill apache-tvm-ffi sentencepiece compressed-tensors gguf ninja
 
 .PHONY: help install build build-profiling demo test test-rust test-python test-gpu bench bench-rust gpu-wheel lint clean
 
@@ -21,6 +26,9 @@ $(DEPS_STAMP): Makefile
 	@test -x $(VPY) || $(PYTHON) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q $(PY_DEPS)
+	$(VPY) -m pip install -q --no-deps $(SGLANG)
+	$(VPY) -m pip install -q $(SGLANG_IMPORT_DEPS) 2>&1 | grep -v -e "requires" -e "dependency resolver" -e "dependency conflicts" || true
+	$(VPY) -c "import torch; from sglang.srt.mem_cache.hicache_storage import HiCacheStorage"
 	@touch $@
 
 install: $(DEPS_STAMP) ## Create .venv and install build/runtime/test dependencies

@@ -28,9 +28,9 @@ PAGE_LAYOUTS = ("page_first", "page_first_direct")
 
 
 def page_hashes(token_ids: Sequence[int], page_size: int, prior_hash: str | None = None) -> list[str]:
-    """SGLang HiCache's chained SHA-256 page keys (64 lowercase hex characters each) of the full pages of
-    ``token_ids``: page i hashes the previous page's digest followed by its token ids as 4-byte little-endian
-    integers. Computed in Rust."""
+    """SGLang HiCache's chained SHA-256 page keys (64 lowercase hex characters each) of ``token_ids``: page i
+    hashes the previous page's digest followed by its token ids as 4-byte little-endian integers; a trailing
+    partial page is hashed over the tokens it has, exactly as SGLang's ``get_hash_str``. Computed in Rust."""
     if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
         raise InvalidArgumentError(f"invalid argument `page_size`: must be a positive int, got {page_size!r}")
     if isinstance(token_ids, torch.Tensor):
@@ -95,12 +95,15 @@ class PageStore:
         return (
             f"kvtier-v1|model={self.model_name}|tp={r['tp'][0]}/{r['tp'][1]}|pp={r['pp'][0]}/{r['pp'][1]}"
             f"|cp={r['cp'][0]}/{r['cp'][1]}|dtype={str(pool.dtype).removeprefix('torch.')}|layout={pool.layout}"
-            f"|page={pool.page_size}|layers={pool.layer_num}|heads={pool.head_num}|k={pool.head_dim}|v={pool.v_head_dim}"
+            f"|page={pool.page_size}|layers={pool.layer_num}|heads={pool.head_num}|k={pool.head_dim}"
+            f"|v={getattr(pool, 'v_head_dim', None) or pool.head_dim}"
         )
 
     def register_mem_pool_host(self, pool: Any) -> None:
-        """Attach the host pool whose pages this store reads and writes. Its layout must keep each page's K
-        and V contiguous (``page_first`` or ``page_first_direct``); the namespace is derived from it."""
+        """Attach the host pool whose pages this store reads and writes: a kvtier pool, or an engine's own
+        (SGLang's ``MHATokenToKVPoolHost`` / ``AsymmetricMHATokenToKVPoolHost``: contiguous CPU tensors and
+        ``get_page_buffer_meta``). Its layout must keep each page's K and V contiguous (``page_first`` or
+        ``page_first_direct``); the namespace is derived from it."""
         if self._closed:
             raise ClosedError("PageStore is closed")
         layout = getattr(pool, "layout", None)
@@ -110,14 +113,23 @@ class PageStore:
                 + ", ".join(repr(x) for x in PAGE_LAYOUTS)
             )
         regions = [b._region for b in getattr(pool, "_buffers", [])]
+        tensors: list = []
         if not regions:
-            raise InvalidArgumentError("invalid argument `pool`: expected a kvtier host pool (with Rust-owned buffers)")
+            kv = getattr(pool, "kv_buffer", None)
+            tensors = list(kv) if isinstance(kv, (tuple, list)) else [kv]
+            if not all(isinstance(t, torch.Tensor) for t in tensors) or not hasattr(pool, "get_page_buffer_meta"):
+                raise InvalidArgumentError(
+                    "invalid argument `pool`: expected a kvtier host pool or an SGLang MHA host pool "
+                    "(kv_buffer tensors and get_page_buffer_meta)"
+                )
         with self._lock:
             if self._native is not None:
                 self._native.close()
             self._native = _native.PageStore(self.path, self.namespace_for(pool), self.capacity_bytes, self.io_threads, self.direct)
             for r in regions:
                 self._native.register_region(r)
+            for t in tensors:
+                self._native.register_tensor(t)
             self._pool = pool
         note = self._native.direct_note
         if note and self.direct is None:
@@ -141,7 +153,9 @@ class PageStore:
                 f"invalid argument `host_indices`: {host_indices.numel()} slots for {len(keys)} keys of "
                 f"{pool.page_size}-token pages (expected {len(keys) * pool.page_size})"
             )
-        ptrs, sizes = pool.get_page_buffer_meta(host_indices)  # validates whole pages in range
+        page_num = getattr(pool, "page_num", None) or pool.size // pool.page_size
+        _native.page_numbers(host_indices.detach().cpu().numpy(), pool.page_size, page_num)  # whole pages, in range
+        ptrs, sizes = pool.get_page_buffer_meta(host_indices)
         names = [f"{k}.{side}" for k in keys for side in ("k", "v")]
         return keys, names, ptrs, sizes
 

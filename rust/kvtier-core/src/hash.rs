@@ -1,6 +1,7 @@
 //! SHA-256 page keys, byte-compatible with SGLang HiCache's chained page hashes: page i's key is
 //! `sha256(bytes.fromhex(key[i-1]) ‖ tokens of page i as 4-byte little-endian)` in lowercase hex, with no
-//! prefix for page 0 unless a prior hash is given. Only full pages are hashed.
+//! prefix for page 0 unless a prior hash is given. A trailing partial page is hashed like a full one over
+//! the tokens it has, as SGLang's `get_hash_str` does (HiCache itself only stores full pages).
 
 use sha2::{Digest, Sha256};
 
@@ -28,7 +29,8 @@ fn unhex(s: &str) -> Option<Vec<u8>> {
     (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).ok()).collect()
 }
 
-/// Chained page keys of `tokens` (each a u32 token id) with `page_size` tokens a page.
+/// Chained page keys of `tokens` (each a u32 token id) with `page_size` tokens a page (the last page may be
+/// partial).
 pub fn page_hashes(tokens: &[u32], page_size: usize, prior: Option<&str>) -> Result<Vec<String>> {
     if page_size == 0 {
         return Err(Error::arg("page_size", "must be positive, got 0"));
@@ -37,8 +39,8 @@ pub fn page_hashes(tokens: &[u32], page_size: usize, prior: Option<&str>) -> Res
         Some(p) => Some(unhex(p).ok_or_else(|| Error::arg("prior_hash", format!("{p:?} is not a hex string")))?),
         None => None,
     };
-    let mut out = Vec::with_capacity(tokens.len() / page_size);
-    for page in tokens.chunks_exact(page_size) {
+    let mut out = Vec::with_capacity(tokens.len().div_ceil(page_size));
+    for page in tokens.chunks(page_size) {
         let mut h = Sha256::new();
         if let Some(p) = &prev {
             h.update(p);
@@ -61,7 +63,7 @@ mod tests {
     fn known_vectors() {
         assert_eq!(sha256_hex(b"abc"), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
         let h = page_hashes(&[1, 2, 3, 4, 5], 2, None).unwrap();
-        assert_eq!(h.len(), 2);
+        assert_eq!(h.len(), 3); // two full pages and the partial one
         let mut first = Vec::new();
         for t in [1u32, 2] {
             first.extend_from_slice(&t.to_le_bytes());

@@ -16,11 +16,28 @@ use pyo3::types::PyDict;
 use crate::buffer::PyHostRegion;
 use crate::errors::KvResult;
 
+/// Memory the store may read and write: a Rust-owned region, or a torch tensor's storage (an engine's own
+/// host pool), kept alive by a reference to its owner.
+#[derive(Clone)]
+enum Region {
+    Rust(Arc<HostRegion>),
+    Foreign { ptr: usize, len: usize, _owner: Arc<Py<PyAny>> },
+}
+
+impl Region {
+    fn range(&self) -> (usize, usize) {
+        match self {
+            Region::Rust(r) => (r.as_ptr() as usize, r.len()),
+            Region::Foreign { ptr, len, .. } => (*ptr, *len),
+        }
+    }
+}
+
 /// A page store namespace (see kvtier.PageStore for the public API).
 #[pyclass(name = "PageStore", module = "kvtier._native", frozen)]
 pub struct PyPageStore {
     inner: RwLock<Option<Arc<PageStore>>>,
-    regions: Mutex<Vec<Arc<HostRegion>>>,
+    regions: Mutex<Vec<Region>>,
 }
 
 impl PyPageStore {
@@ -29,11 +46,11 @@ impl PyPageStore {
     }
 
     /// Checks every `(ptr, len)` against the registered regions; with `disjoint`, also that no two overlap.
-    fn check_ranges(&self, ptrs: &[usize], sizes: &[u64], disjoint: bool) -> KvResult<Vec<Arc<HostRegion>>> {
+    fn check_ranges(&self, ptrs: &[usize], sizes: &[u64], disjoint: bool) -> KvResult<Vec<Region>> {
         let regions = self.regions.lock().unwrap_or_else(|p| p.into_inner()).clone();
         for (i, (&p, &n)) in ptrs.iter().zip(sizes).enumerate() {
             let inside = regions.iter().any(|r| {
-                let (b, l) = (r.as_ptr() as usize, r.len());
+                let (b, l) = r.range();
                 p >= b && (p as u128 + n as u128) <= (b as u128 + l as u128)
             });
             if !inside {
@@ -74,9 +91,24 @@ impl PyPageStore {
     fn register_region(&self, region: &PyHostRegion) -> KvResult<()> {
         let r = region.get()?;
         let mut regs = self.regions.lock().unwrap_or_else(|p| p.into_inner());
-        if !regs.iter().any(|x| Arc::ptr_eq(x, &r)) {
-            regs.push(r);
+        if !regs.iter().any(|x| matches!(x, Region::Rust(y) if Arc::ptr_eq(y, &r))) {
+            regs.push(Region::Rust(r));
         }
+        Ok(())
+    }
+
+    /// Allows IO into and out of a contiguous CPU tensor's bytes (`tensor.data_ptr()`, `tensor.nbytes`);
+    /// the store keeps the tensor alive. For engines whose host pool memory is not kvtier's.
+    fn register_tensor(&self, tensor: Bound<'_, PyAny>) -> KvResult<()> {
+        let contiguous: bool = tensor.call_method0("is_contiguous")?.extract()?;
+        let device: String = tensor.getattr("device")?.getattr("type")?.extract()?;
+        if !contiguous || device != "cpu" {
+            return Err(Error::arg("pool", format!("host buffers must be contiguous CPU tensors (got device {device:?}, contiguous={contiguous})")).into());
+        }
+        let ptr: usize = tensor.call_method0("data_ptr")?.extract()?;
+        let len: usize = tensor.getattr("nbytes")?.extract()?;
+        let owner = Arc::new(tensor.unbind());
+        self.regions.lock().unwrap_or_else(|p| p.into_inner()).push(Region::Foreign { ptr, len, _owner: owner });
         Ok(())
     }
 

@@ -1,0 +1,148 @@
+"""kvtier as an SGLang HiCache L3 storage backend (``--hicache-storage-backend dynamic``).
+
+    --enable-hierarchical-cache --hicache-mem-layout page_first_direct --hicache-io-backend direct
+    --hicache-storage-backend dynamic
+    --hicache-storage-backend-extra-config '{"backend_name": "kvtier",
+        "module_path": "kvtier.integrations.sglang", "class_name": "KvtierStorage", "interface_v1": 1,
+        "path": "/nvme/kvtier", "capacity_bytes": 549755813888}'
+
+Importable only where ``sglang`` is installed; kvtier itself does not depend on it. Pages move zero-copy
+between SGLang's host pool (``get_page_buffer_meta``) and the disk, one object for K and one for V, so
+models whose K and V head dims differ (MiMo-V2) work — SGLang's own file backend refuses them.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, List, Optional
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
+
+from .._errors import InvalidArgumentError
+from ..buffer import HostBuffer
+from ..store import DEFAULT_CAPACITY, PageStore
+
+#: Options read from ``--hicache-storage-backend-extra-config`` (with defaults).
+OPTIONS = {
+    "path": "/tmp/kvtier-hicache",  # the store's root directory (one namespace per model/rank/geometry)
+    "capacity_bytes": DEFAULT_CAPACITY,  # hard limit per namespace (i.e. per rank), LRU-evicted
+    "io_threads": 16,  # IO requests in flight per batch
+    "direct": None,  # None: O_DIRECT if the file system allows it (warns otherwise); False: buffered
+}
+#: Keys SGLang itself reads from the extra config; accepted and ignored here.
+SGLANG_KEYS = {
+    "backend_name",
+    "module_path",
+    "class_name",
+    "interface_v1",
+    "interface_v2",
+    "prefetch_threshold",
+    "prefetch_timeout_base",
+    "prefetch_timeout_per_ki_token",
+    "hicache_storage_pass_prefix_keys",
+    "tp_lcm_size",
+}
+
+
+class KvtierStorage(HiCacheStorage):
+    """HiCache storage backend over :class:`kvtier.PageStore`. Constructed by SGLang as
+    ``KvtierStorage(storage_config, kwargs)``."""
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None) -> None:
+        extra = dict(storage_config.extra_config or {})
+        unknown = sorted(set(extra) - set(OPTIONS) - SGLANG_KEYS)
+        if unknown:
+            raise InvalidArgumentError(
+                f"invalid argument `extra_config`: unknown key(s) {unknown}; kvtier accepts "
+                f"{sorted(OPTIONS)} and SGLang's own {sorted(SGLANG_KEYS)}"
+            )
+        opts = {k: extra.get(k, v) for k, v in OPTIONS.items()}
+        self.storage_config = storage_config
+        self.is_mla = bool(storage_config.is_mla_model)
+        # Rank-replicated KV (MLA): every rank reads the same pages, one rank writes them.
+        writer = getattr(storage_config, "is_storage_writer", None)
+        self.is_writer = bool(writer) if writer is not None else (not self.is_mla or storage_config.tp_rank == 0)
+        tp_rank, tp_size = (0, 1) if self.is_mla else (storage_config.tp_rank, storage_config.tp_size)
+        self.store = PageStore(
+            os.path.expanduser(str(opts["path"])),
+            capacity_bytes=int(opts["capacity_bytes"]),
+            model_name=(storage_config.model_name or "default") + ("|mla" if self.is_mla else ""),
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            pp_rank=storage_config.pp_rank,
+            pp_size=storage_config.pp_size,
+            cp_rank=getattr(storage_config, "attn_cp_rank", 0),
+            cp_size=getattr(storage_config, "attn_cp_size", 1),
+            io_threads=int(opts["io_threads"]),
+            direct=opts["direct"],
+        )
+        self._scratch: HostBuffer | None = None
+
+    # -- registration ---------------------------------------------------------------------------------
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        super().register_mem_pool_host(mem_pool_host)
+        self.store.register_mem_pool_host(mem_pool_host)
+
+    # -- zero-copy v1 ---------------------------------------------------------------------------------
+    def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor, extra_info: Any = None) -> List[bool]:
+        return self.store.batch_get_v1(keys, host_indices)
+
+    def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor, extra_info: Any = None) -> List[bool]:
+        if not self.is_writer:
+            return [True] * len(keys)  # another rank writes the replicated pages
+        return self.store.batch_set_v1(keys, host_indices)
+
+    def batch_exists(self, keys: List[str], extra_info: Any = None) -> int:
+        return self.store.batch_exists(keys)
+
+    def exists(self, key: str) -> bool:
+        return self.store.exists(key)
+
+    # -- flat-page interface (symmetric pools; a copy through a pinned scratch buffer) -------------------
+    def _scratch_for(self, nbytes: int) -> HostBuffer:
+        if self._scratch is None or self._scratch.nbytes < nbytes:
+            if self._scratch is not None:
+                self._scratch.close()
+            self._scratch = HostBuffer(max(nbytes, 1 << 20), pin=False)
+            self.store._store().register_region(self._scratch._region)
+        return self._scratch
+
+    def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
+        if not self.is_writer:
+            return True
+        if not isinstance(value, torch.Tensor):
+            raise InvalidArgumentError("invalid argument `value`: expected a torch.Tensor (a flat page)")
+        raw = value.detach().contiguous().view(torch.uint8).reshape(-1).cpu()
+        buf = self._scratch_for(raw.numel())
+        buf.as_tensor(torch.uint8, (raw.numel(),)).copy_(raw)
+        return self.store._store().put([f"{key}.flat"], [buf.ptr], [raw.numel()])[0]
+
+    def batch_set(self, keys: List[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None) -> bool:
+        return all(self.set(k, v) for k, v in zip(keys, values))
+
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
+        if not isinstance(target_location, torch.Tensor):
+            raise InvalidArgumentError("invalid argument `target_location`: expected the destination flat-page tensor")
+        dst = target_location.view(torch.uint8).reshape(-1)
+        buf = self._scratch_for(dst.numel())
+        if not self.store._store().get([f"{key}.flat"], [buf.ptr], [dst.numel()])[0]:
+            return None
+        dst.copy_(buf.as_tensor(torch.uint8, (dst.numel(),)))
+        return target_location
+
+    def batch_get(self, keys: List[str], target_locations: Any = None, target_sizes: Any = None) -> List[torch.Tensor | None]:
+        return [self.get(k, t) for k, t in zip(keys, target_locations)]
+
+    # -- housekeeping ---------------------------------------------------------------------------------
+    def clear(self) -> None:
+        self.store.clear()
+
+    def get_stats(self):
+        return self.store.get_stats()
+
+    def close(self) -> None:
+        self.store.close()
+        if self._scratch is not None:
+            self._scratch.close()
+

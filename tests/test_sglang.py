@@ -1,0 +1,166 @@
+"""Conformance with the real SGLang package (installed by `make test`): kvtier's HiCache storage backend is
+loaded by SGLang's own factory, serves SGLang's own host pools (asymmetric and symmetric) zero-copy, and
+kvtier's page hashes equal SGLang's. These tests do not skip: an SGLang release that changes these
+interfaces must fail them."""
+
+import random
+
+import pytest
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
+from sglang.srt.mem_cache.pool_host.mha import AsymmetricMHATokenToKVPoolHost, MHATokenToKVPoolHost
+from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+import kvtier
+from kvtier.integrations.sglang import KvtierStorage
+
+PS, L, H = 4, 3, 2
+
+
+def config(path, *, tp_rank=0, tp_size=1, mla=False, layout="page_first_direct", **extra):
+    return HiCacheStorageConfig(
+        tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+        is_mla_model=mla, enable_storage_metrics=False, is_page_first_layout=(layout == "page_first"),
+        model_name="XiaomiMiMo/MiMo-V2-Flash",
+        extra_config={"backend_name": "kvtier", "module_path": "kvtier.integrations.sglang",
+                      "class_name": "KvtierStorage", "interface_v1": 1, "path": str(path), **extra},
+    )
+
+
+def sglang_pool(layout, dk=192, dv=128, pages=8, dtype=torch.bfloat16, seed=0):
+    """SGLang's own host pool built on the CPU the way its unit tests do (no CUDA, no allocator)."""
+    asym = dk != dv
+    cls = AsymmetricMHATokenToKVPoolHost if asym else MHATokenToKVPoolHost
+    pool = cls.__new__(cls)
+    pool.page_size, pool.layer_num, pool.head_num, pool.head_dim, pool.v_head_dim = PS, L, H, dk, dv
+    pool.dtype, pool.layout, pool.page_num, pool.size = dtype, layout, pages, pages * PS
+    shape = {"page_first": lambda d: (pages * PS, L, H, d), "page_first_direct": lambda d: (pages, L, PS, H, d)}[layout]
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(s):
+        return torch.randint(0, 256, (torch.Size(s).numel() * 2,), generator=g, dtype=torch.uint8).view(dtype).view(s)
+
+    pool.kv_buffer = (rand(shape(dk)), rand(shape(dv))) if asym else rand((2, *shape(dk)))
+    return pool
+
+
+def page_bytes(pool, page):
+    ptrs, sizes = pool.get_page_buffer_meta(torch.arange(page * PS, (page + 1) * PS))
+    out = []
+    for t, ptr, n in ((pool.k_buffer, ptrs[0], sizes[0]), (pool.v_buffer, ptrs[1], sizes[1])):
+        base = t.data_ptr() if not isinstance(pool.kv_buffer, torch.Tensor) else pool.kv_buffer.data_ptr()
+        flat = (t if not isinstance(pool.kv_buffer, torch.Tensor) else pool.kv_buffer).view(torch.uint8).reshape(-1)
+        out.append(flat[ptr - base : ptr - base + n].clone())
+    return out
+
+
+def idx(pages):
+    return torch.tensor([p * PS + i for p in pages for i in range(PS)], dtype=torch.int64)
+
+
+def test_factory_loads_kvtier_as_a_dynamic_backend(tmp_path):
+    pool = sglang_pool("page_first_direct")
+    be = StorageBackendFactory.create_backend("dynamic", config(tmp_path), pool)
+    assert isinstance(be, HiCacheStorage)
+    inner = getattr(be, "_backend", be)  # SGLang may wrap backends in a failure injector
+    assert isinstance(be, KvtierStorage) or isinstance(inner, KvtierStorage)
+    be.register_mem_pool_host(pool)
+    assert be.batch_set_v1(["a" * 64], idx([0])) == [True]
+    assert be.batch_exists(["a" * 64, "b" * 64]) == 1
+    be.close()
+
+
+@pytest.mark.parametrize("layout", ["page_first_direct", "page_first"])
+@pytest.mark.parametrize("dims", [(192, 128), (128, 128)], ids=["asymmetric", "symmetric"])
+def test_sglang_pool_round_trip_bit_exact(tmp_path, layout, dims):
+    pool = sglang_pool(layout, *dims)
+    keys = [f"{i:064x}" for i in range(4)]
+    want = [page_bytes(pool, p) for p in range(4)]
+    be = KvtierStorage(config(tmp_path, layout=layout))
+    be.register_mem_pool_host(pool)
+    assert be.batch_set_v1(keys, idx(range(4))) == [True] * 4
+    for t in ((pool.k_buffer, pool.v_buffer) if isinstance(pool.kv_buffer, tuple) else (pool.kv_buffer,)):
+        t.zero_()
+    assert be.batch_get_v1(keys, idx([4, 5, 6, 7])) == [True] * 4
+    for i in range(4):
+        got = page_bytes(pool, 4 + i)
+        assert torch.equal(got[0], want[i][0]) and torch.equal(got[1], want[i][1])
+    assert be.batch_exists(keys + ["f" * 64] + keys) == 4
+    assert be.exists(keys[0]) and not be.exists("e" * 64)
+    stats = be.get_stats()
+    assert stats["pages"] == 4 and stats["corrupt_reads"] == 0
+    be.close()
+    # a restarted server (new backend over the same directory) finds the pages
+    pool2 = sglang_pool(layout, *dims, seed=5)
+    be2 = KvtierStorage(config(tmp_path, layout=layout))
+    be2.register_mem_pool_host(pool2)
+    assert be2.batch_exists(keys) == 4
+    assert be2.batch_get_v1(keys[:1], idx([0])) == [True] and torch.equal(page_bytes(pool2, 0)[0], want[0][0])
+    be2.close()
+    # a pool of another geometry misses
+    other = sglang_pool(layout, dims[0], 64)
+    be3 = KvtierStorage(config(tmp_path, layout=layout))
+    be3.register_mem_pool_host(other)
+    assert be3.batch_exists(keys) == 0 and be3.batch_get_v1(keys[:1], idx([0])) == [False]
+    be3.close()
+
+
+def test_layer_first_is_refused_at_registration(tmp_path):
+    pool = sglang_pool("page_first_direct", 128, 128)
+    pool.layout = "layer_first"
+    be = KvtierStorage(config(tmp_path))
+    with pytest.raises(ValueError, match="supported layouts: 'page_first', 'page_first_direct'"):
+        be.register_mem_pool_host(pool)
+
+
+def test_unknown_extra_config_key_is_rejected(tmp_path):
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['pathh'\].*capacity_bytes"):
+        KvtierStorage(config(tmp_path, pathh="/x"))
+    be = KvtierStorage(config(tmp_path, prefetch_threshold=256, capacity_bytes=1 << 24, io_threads=4))
+    be.close()
+
+
+def test_rank_replicated_models_write_from_one_rank_only(tmp_path):
+    pool = sglang_pool("page_first_direct")
+    reader = KvtierStorage(config(tmp_path, tp_rank=1, tp_size=2, mla=True))
+    reader.register_mem_pool_host(pool)
+    assert reader.batch_set_v1(["k" * 64], idx([0])) == [True]  # skipped: not the writer
+    assert reader.batch_exists(["k" * 64]) == 0
+    reader.close()
+    writer = KvtierStorage(config(tmp_path, tp_rank=0, tp_size=2, mla=True))
+    writer.register_mem_pool_host(pool)
+    assert writer.batch_set_v1(["k" * 64], idx([0])) == [True]
+    writer.close()
+    reader = KvtierStorage(config(tmp_path, tp_rank=1, tp_size=2, mla=True))
+    reader.register_mem_pool_host(sglang_pool("page_first_direct", seed=3))
+    assert reader.batch_exists(["k" * 64]) == 1  # same namespace for every rank of a replicated model
+    reader.close()
+
+
+def test_flat_page_interface(tmp_path):
+    pool = sglang_pool("page_first_direct", 128, 128)
+    be = KvtierStorage(config(tmp_path))
+    be.register_mem_pool_host(pool)
+    page = torch.randint(0, 256, (12345,), dtype=torch.uint8)
+    assert be.set("flat", page) and be.batch_set(["f2"], [page[:100]])
+    out = torch.zeros_like(page)
+    assert be.get("flat", out) is out and torch.equal(out, page)
+    assert be.get("missing", out) is None
+    assert be.batch_get(["f2"], [torch.zeros(100, dtype=torch.uint8)])[0] is not None
+    be.close()
+
+
+def test_page_hashes_equal_sglang():
+    from sglang.srt.mem_cache.utils import get_hash_str
+
+    rng = random.Random(3)
+    for _ in range(10):
+        ps = rng.choice([1, 4, 16, 64])
+        toks = [rng.randrange(0, 200_000) for _ in range(rng.randrange(ps, 400))]
+        ours = kvtier.page_hashes(toks, ps)
+        theirs = get_hash_str(toks, None, page_size=ps)
+        theirs = [theirs] if isinstance(theirs, str) else list(theirs)
+        assert ours == theirs
+        tail = get_hash_str(toks[ps:], ours[0], page_size=ps)
+        tail = [tail] if isinstance(tail, str) else list(tail)
+        assert kvtier.page_hashes(toks[ps:], ps, prior_hash=ours[0]) == tail
