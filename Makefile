@@ -28,7 +28,7 @@ $(DEPS_STAMP): Makefile
 	$(VPY) -m pip install -q $(PY_DEPS)
 	$(VPY) -m pip install -q --no-deps $(SGLANG)
 	$(VPY) -m pip install -q $(SGLANG_IMPORT_DEPS) 2>&1 | grep -v -e "requires" -e "dependency resolver" -e "dependency conflicts" || true
-	$(VPY) -c "import torch; from sglang.srt.mem_cache.hicache_storage import HiCacheStorage"
+	$(VPY) -c "import torch, sglang.srt.mem_cache.hicache_storage, sglang.srt.mem_cache.pool_host.mha, sglang.srt.mem_cache.storage.backend_factory"
 	@touch $@
 
 install: $(DEPS_STAMP) ## Create .venv and install build/runtime/test dependencies
