@@ -64,6 +64,9 @@ def run(layers: int = 8, pages: int = 32, page_size: int = 64, heads: int = 4, s
             host_idx = hp.alloc(pages * page_size)
             dev_idx = torch.arange(page_size, (pages + 1) * page_size)  # skip the padding page
             sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+            hp.backup_from_device_all_layer(dp, host_idx, dev_idx, backend)  # warm-up (kernel compilation)
+            hp.load_to_device_per_layer(dp, host_idx, dev_idx, 0, backend)
+            sync()
             t0 = time.perf_counter()
             hp.backup_from_device_all_layer(dp, host_idx, dev_idx, backend)
             sync()
