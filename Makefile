@@ -6,6 +6,8 @@ PYTHON ?= python3
 VENV ?= .venv
 VPY := $(VENV)/bin/python
 export VIRTUAL_ENV := $(abspath $(VENV))
+# The venv's tools (ninja, which SGLang's page-hash extension needs to build) must be on PATH.
+export PATH := $(VIRTUAL_ENV)/bin:$(PATH)
 DEPS_STAMP := $(VENV)/.kvtier-deps
 BUILD_STAMP := $(VENV)/.kvtier-build
 RUST_SRC := $(shell find rust -name '*.rs' -o -name Cargo.toml) Cargo.toml pyproject.toml

@@ -7,10 +7,11 @@ from kvtier.demo import run
 
 
 def test_demo_verifies_everything(capsys):
-    assert run(layers=2, pages=4, page_size=16, heads=2) == 0
+    assert run(layers=2, pages=4, page_size=16, heads=2, conversations=2, turns=2) == 0
     out = capsys.readouterr().out
     assert "restored bit-exact: True" in out and "restored from disk bit-exact: True" in out
     assert "all checks passed" in out
+    assert "outputs equal for all 4 requests: True" in out and "host hit" in out
 
 
 def test_cli_bad_arguments_exit_nonzero_without_traceback():

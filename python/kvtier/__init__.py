@@ -14,6 +14,7 @@ from ._errors import (
 )
 from ._native import __version__
 from .buffer import HostBuffer
+from .controller import TierController
 from .overlap import LayerLoad, LayerLoader, backup_async
 from .pools import AsymmetricMHAHostPool, DeviceKVPool, MHAHostPool, host_pool_for
 from .store import PageStore, page_hashes
@@ -26,6 +27,7 @@ __all__ = [
     "backup_async",
     "MHAHostPool",
     "PageStore",
+    "TierController",
     "page_hashes",
     "host_pool_for",
     "ClosedError",

@@ -6,6 +6,9 @@
    backends HiCache offers for asymmetric models, and checks every byte.
 3. Spills the host pages to a PageStore on disk (keyed by SGLang-compatible page hashes), wipes host and
    device, reads them back from disk, loads them to the device, and checks every byte again.
+4. Serves a multi-turn workload with a tiny transformer through TierController (kvtier.workload): TTFT by
+   source (recomputed / host hit / disk hit), hit rates, bytes moved, and a bit-for-bit check of every
+   restored prefix and every output against recomputation.
 
 Runs on the GPU when torch sees one, on the CPU otherwise; exits non-zero if any check fails.
 """
@@ -27,7 +30,8 @@ def _gbps(nbytes: int, seconds: float) -> str:
     return f"{nbytes / max(seconds, 1e-9) / 1e9:6.2f} GB/s"
 
 
-def run(layers: int = 8, pages: int = 32, page_size: int = 64, heads: int = 4, seed: int = 0) -> int:
+def run(layers: int = 8, pages: int = 32, page_size: int = 64, heads: int = 4, seed: int = 0, *,
+        conversations: int = 3, turns: int = 3, keep: bool = False, store_dir: str | None = None) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     print(f"kvtier {__version__} demo on {device} (torch {torch.__version__})")
 
@@ -89,6 +93,15 @@ def run(layers: int = 8, pages: int = 32, page_size: int = 64, heads: int = 4, s
                 f"load {_gbps(nbytes, t3 - t2)}, restored bit-exact: {exact}"
             )
     failures += _spill_round_trip(dp, ref, pages, page_size, layers, device)
+    if conversations > 0 and turns > 0:
+        from .workload import run_workload
+
+        print(f"\nServing {conversations} conversations x {turns} turns with a tiny asymmetric transformer "
+              f"(K 48 / V 32 head dims) through TierController; device pool < working set, host pool < working set:")
+        out = run_workload(device=device, n_conv=conversations, turns=turns, seed=seed, keep=keep, store_dir=store_dir)
+        failures += len(out["failures"])
+        if out["root"]:
+            print(f"store kept at {out['root']}")
     print("demo:", "all checks passed" if not failures else f"{failures} check(s) FAILED")
     return 1 if failures else 0
 

@@ -1,0 +1,292 @@
+"""Host<->device KV transfer throughput against the PCIe ceiling measured in the same run.
+
+    kvtier bench transfer [--out DIR] [--geoms A,B,C] [--pages 16,64,256,1024] [--reps 7]
+
+1. Ceiling: pinned contiguous H2D and D2H copies of 2 GiB (torch, median of 5).
+2. For each geometry, backend and page count:
+   - load: ``load_to_device_per_layer`` for every layer back to back on a side stream (as LayerLoader issues
+     them); reported as µs per layer and GB/s, median over repetitions;
+   - backup: ``backup_from_device_all_layer`` (ms and GB/s);
+   each as a percentage of the ceiling, and checked bit-exact.
+   Baseline row: a naive loop of one torch ``copy_(non_blocking=True)`` per (page, layer, K/V).
+3. Kernel-backend block sweep (geometry A, 256 pages).
+4. Overlap: a synthetic per-layer compute kernel sized like one layer's load, run with LayerLoader.
+
+Geometries (bf16, page 64): A = MiMo-V2-like 48 layers, 4 KV heads, K 192 / V 128; B = Llama-3.1-8B-like
+32 layers, 8 heads, 128 / 128; C = MiMo at TP 8: 48 layers, 1 head, 192 / 128.
+Writes ``transfer.json`` and ``transfer.md`` into --out. Needs a CUDA GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+import kvtier
+from kvtier import DeviceKVPool, LayerLoader, host_pool_for
+from kvtier import transfer as kt
+
+GEOMS = {
+    "A": dict(layers=48, heads=4, dk=192, dv=128),
+    "B": dict(layers=32, heads=8, dk=128, dv=128),
+    "C": dict(layers=48, heads=1, dk=192, dv=128),
+}
+PS = 64
+DT = torch.bfloat16
+
+
+def event_time(fn, reps: int, warm: int = 2) -> float:
+    """Median seconds of ``fn`` between two events on the current stream."""
+    for _ in range(warm):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        ts.append(s.elapsed_time(e) / 1e3)
+    return statistics.median(ts)
+
+
+def ceiling() -> tuple[float, float]:
+    n = 2 << 30
+    g = torch.empty(n, dtype=torch.uint8, device="cuda")
+    h = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    up = n / event_time(lambda: g.copy_(h, non_blocking=True), 5) / 1e9
+    down = n / event_time(lambda: h.copy_(g, non_blocking=True), 5) / 1e9
+    del g, h
+    return up, down
+
+
+def page_idx(pages: torch.Tensor) -> torch.Tensor:
+    return (pages[:, None] * PS + torch.arange(PS)[None]).reshape(-1)
+
+
+def naive_load(hp, dp, hpages, dpages, layer):
+    for p, q in zip(hpages.tolist(), dpages.tolist()):
+        dp.k_buffer[layer][q * PS : (q + 1) * PS].copy_(hp.k_buffer[p, layer], non_blocking=True)
+        dp.v_buffer[layer][q * PS : (q + 1) * PS].copy_(hp.v_buffer[p, layer], non_blocking=True)
+
+
+def naive_backup(hp, dp, hpages, dpages):
+    for layer in range(hp.layer_num):
+        for p, q in zip(hpages.tolist(), dpages.tolist()):
+            hp.k_buffer[p, layer].copy_(dp.k_buffer[layer][q * PS : (q + 1) * PS], non_blocking=True)
+            hp.v_buffer[p, layer].copy_(dp.v_buffer[layer][q * PS : (q + 1) * PS], non_blocking=True)
+
+
+def check_exact(hp, dp, h, d) -> bool:
+    hc = h.cpu()
+    ok = True
+    for layer in (0, hp.layer_num - 1):
+        for host, dev in ((hp.k_buffer, dp.k_buffer), (hp.v_buffer, dp.v_buffer)):
+            rows = host[hc // PS, layer, hc % PS] if hp.layout == "page_first_direct" else host[hc, layer]
+            ok &= torch.equal(rows.view(torch.uint8), dev[layer][d].view(torch.uint8).cpu())
+    return bool(ok)
+
+
+def run_geometry(name, g, pages_list, reps, ceil_up, ceil_down, rows_out, stream):
+    max_pages = max(pages_list)
+    dp = DeviceKVPool((max_pages + 8) * PS, PS, g["layers"], g["heads"], g["dk"], g["dv"], DT, "cuda")
+    for t in dp.k_buffer + dp.v_buffer:
+        t.view(torch.uint8).random_(0, 256)
+    per_layer = PS * g["heads"] * (g["dk"] + g["dv"]) * 2  # bytes per page per layer, K+V
+    for layout, backend in (("page_first_direct", "direct"), ("page_first", "kernel"), ("page_first_direct", "naive")):
+        hp = host_pool_for(dp, layout=layout, host_to_device_ratio=1.0)
+        assert hp.k_buffer.is_pinned()
+        for npages in pages_list:
+            if backend == "naive" and npages > 256:
+                continue
+            hpages = torch.randperm(hp.page_num)[:npages]
+            dpages = torch.randperm(max_pages + 7)[:npages] + 1
+            h, d = page_idx(hpages), page_idx(dpages)
+            nb_layer = npages * per_layer
+            with torch.cuda.stream(stream):
+                if backend == "naive":
+                    t_load = event_time(lambda: [naive_load(hp, dp, hpages, dpages, l) for l in range(g["layers"])], max(3, reps // 2)) / g["layers"]
+                    t_back = event_time(lambda: naive_backup(hp, dp, hpages, dpages), max(3, reps // 2))
+                    exact = None
+                else:
+                    t_back = event_time(lambda: hp.backup_from_device_all_layer(dp, h, d, backend), reps)
+                    exact = check_exact(hp, dp, h, d)
+                    t_load = event_time(lambda: [hp.load_to_device_per_layer(dp, h, d, l, backend) for l in range(g["layers"])], reps) / g["layers"]
+                    exact = exact and check_exact(hp, dp, h, d)
+            up = nb_layer / t_load / 1e9
+            down = nb_layer * g["layers"] / t_back / 1e9
+            row = {
+                "geometry": name, "backend": backend, "layout": layout, "pages": npages,
+                "load_us_per_layer": round(t_load * 1e6, 1), "load_GBps": round(up, 2),
+                "load_pct": round(100 * up / ceil_up, 1), "backup_ms": round(t_back * 1e3, 3),
+                "backup_GBps": round(down, 2), "backup_pct": round(100 * down / ceil_down, 1), "bit_exact": exact,
+            }
+            if backend == "kernel":
+                row["kernel_blocks"] = kt.kernel_blocks()
+            rows_out.append(row)
+            print(json.dumps(row), flush=True)
+        hp.close()
+    return dp
+
+
+def block_sweep(dp, stream, reps, ceil_up, ceil_down):
+    out = []
+    hp = host_pool_for(dp, layout="page_first", host_to_device_ratio=1.0)
+    hpages = torch.randperm(hp.page_num)[:256]
+    dpages = torch.randperm(256)[:256] + 1
+    h, d = page_idx(hpages), page_idx(dpages)
+    L = hp.layer_num
+    nb_layer = 256 * PS * hp.head_num * (hp.head_dim + hp.v_head_dim) * 2
+    for blocks in (4, 8, 16, 24, 32):
+        for warps in (16,):
+            hp._engine.blocks, hp._engine.num_warps = blocks, warps
+            with torch.cuda.stream(stream):
+                t_load = event_time(lambda: [hp.load_to_device_per_layer(dp, h, d, l, "kernel") for l in range(L)], reps) / L
+                t_back = event_time(lambda: hp.backup_from_device_all_layer(dp, h, d, "kernel"), reps)
+            r = {"blocks": blocks, "warps": warps, "load_pct": round(100 * nb_layer / t_load / 1e9 / ceil_up, 1),
+                 "backup_pct": round(100 * nb_layer * L / t_back / 1e9 / ceil_down, 1)}
+            out.append(r)
+            print("sweep", json.dumps(r), flush=True)
+    hp.close()
+    return out
+
+
+def overlap(dp, reps):
+    """Per-layer compute sized like one layer's load, with and without LayerLoader overlap."""
+    out = {}
+    L = dp.layer_num
+    a = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
+    for layout, backend, batch in (("page_first_direct", "direct", True), ("page_first_direct", "direct", False),
+                                   ("page_first", "kernel", True)):
+        hp = host_pool_for(dp, layout=layout, host_to_device_ratio=1.0)
+        hp._engine.batch = batch
+        h, d = page_idx(torch.arange(256)), page_idx(torch.arange(256) + 1)
+        loader = LayerLoader(hp, dp, backend)
+        t_xfer = event_time(lambda: loader.load(h, d).synchronize(), reps)
+        # calibrate: matmuls per layer so that one layer of compute ~ one layer of transfer
+        one = event_time(lambda: a @ a, reps)
+        k = max(1, round(t_xfer / L / one))
+
+        def compute_only():
+            for _ in range(L):
+                for _ in range(k):
+                    a @ a
+
+        t_comp = event_time(compute_only, reps)
+
+        def both():
+            load = loader.load(h, d)
+            for layer in range(L):
+                load.wait(layer)
+                for _ in range(k):
+                    a @ a
+
+        t_both = event_time(both, reps)
+        torch.cuda.synchronize()
+        out[backend if batch else backend + " (one cuMemcpyAsync per chunk)"] = {
+            "transfer_ms": round(t_xfer * 1e3, 3), "compute_ms": round(t_comp * 1e3, 3),
+            "overlapped_ms": round(t_both * 1e3, 3),
+            "ratio_to_max": round(t_both / max(t_comp, t_xfer), 3), "matmuls_per_layer": k,
+        }
+        print("overlap", backend, batch, flush=True)
+        hp.close()
+    out["kernel_vs_direct_overlapped_time"] = round(out["kernel"]["overlapped_ms"] / out["direct"]["overlapped_ms"], 3)
+    return out
+
+
+def markdown(res) -> str:
+    lines = [
+        f"# kvtier transfer bench — {res['date']} — {res['gpu']}",
+        "",
+        f"Ceiling (pinned contiguous 2 GiB): H2D {res['ceiling_h2d_GBps']:.1f} GB/s, D2H {res['ceiling_d2h_GBps']:.1f} GB/s. "
+        f"Batched DMA available: {res['batch_supported']} (flags {res.get('batch_flags')}). Kernel blocks: {res['kernel_blocks']}, warps {res['kernel_warps']}.",
+        "",
+        "| geom | backend | layout | pages | load µs/layer | load GB/s | load % | backup ms | backup GB/s | backup % | exact |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in res["rows"]:
+        lines.append(
+            f"| {r['geometry']} | {r['backend']} | {r['layout']} | {r['pages']} | {r['load_us_per_layer']} | {r['load_GBps']} | "
+            f"{r['load_pct']} | {r['backup_ms']} | {r['backup_GBps']} | {r['backup_pct']} | {r['bit_exact']} |"
+        )
+    if res.get("overlap"):
+        lines += ["", "Overlap (geometry A, 256 pages): " + json.dumps(res["overlap"])]
+    if res.get("sweep"):
+        lines += ["", "Kernel block sweep (A, 256 pages): " + json.dumps(res["sweep"])]
+    return "\n".join(lines) + "\n"
+
+
+def plot(res, path: str) -> None:
+    """Load and backup GB/s against pages, one line per (geometry, backend), the ceilings as dashed lines."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("kvtier bench transfer --plot needs matplotlib (pip install matplotlib)") from None
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, what, ceil in ((axes[0], "load", res["ceiling_h2d_GBps"]), (axes[1], "backup", res["ceiling_d2h_GBps"])):
+        series = {}
+        for r in res["rows"]:
+            series.setdefault((r["geometry"], r["backend"]), []).append((r["pages"], r[f"{what}_GBps"]))
+        for (geom, backend), pts in sorted(series.items()):
+            xs, ys = zip(*sorted(pts))
+            ax.plot(xs, ys, marker="o", label=f"{geom} {backend}")
+        ax.axhline(ceil, linestyle="--", color="k", label="pinned copy ceiling")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("pages")
+        ax.set_ylabel("GB/s")
+        ax.set_title(f"{what} ({res['gpu']})")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="kvtier bench transfer")
+    ap.add_argument("--out", default="benches/results")
+    ap.add_argument("--geoms", default="A,B,C")
+    ap.add_argument("--pages", default="16,64,256,1024")
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--plot", default=None, help="write a PNG of GB/s against pages per backend (needs matplotlib)")
+    args = ap.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    pages_list = [int(x) for x in args.pages.split(",")]
+    up, down = ceiling()
+    print(f"ceiling H2D {up:.1f} GB/s, D2H {down:.1f} GB/s", flush=True)
+    res = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+        "kvtier": kvtier.__version__, "ceiling_h2d_GBps": up, "ceiling_d2h_GBps": down,
+        "batch_supported": kvtier._native.cuda_batch_supported(), "kernel_blocks": kt.kernel_blocks(),
+        "kernel_warps": kt.kernel_warps(), "rows": [],
+    }
+    stream = torch.cuda.Stream()
+    for name in args.geoms.split(","):
+        dp = run_geometry(name, GEOMS[name], pages_list, args.reps, up, down, res["rows"], stream)
+        if name == "A":
+            if not args.no_sweep:
+                res["sweep"] = block_sweep(dp, stream, 5, up, down)
+            res["overlap"] = overlap(dp, 5)
+        del dp
+        torch.cuda.empty_cache()
+    res["batch_flags"] = kvtier._native.cuda_batch_flags()
+    with open(os.path.join(args.out, "transfer.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    if args.plot:
+        plot(res, args.plot)
+    md = markdown(res)
+    with open(os.path.join(args.out, "transfer.md"), "w") as f:
+        f.write(md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,315 @@
+"""``TierController``: the HiCache workflow for any engine — GPU pool, host pool and page store tied together.
+
+Pages are identified by their keys (``kvtier.page_hashes``). The controller tracks which pages are in the
+host pool, keeps reference counts so a page being backed up, loaded or written is never evicted, evicts
+least-recently-used host pages when it needs room (spilling them to the store first under ``write_back``),
+and writes finished host pages to the store in the background under ``write_through`` (or once a page has
+been hit ``hit_threshold`` times under ``write_through_selective``).
+
+Errors of any tier become misses for the pages concerned, never wrong data: a page whose backup or store
+read failed is not in the host index, so it is never reported as loadable.
+
+Threading: public methods may be called from any thread (one lock guards the state); store IO runs on one
+background thread (:meth:`wait_idle` waits for it).
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from ._errors import InvalidArgumentError
+from .overlap import LayerLoad, LayerLoader, backup_async
+
+POLICIES = ("write_through", "write_back", "write_through_selective")
+
+
+@dataclass
+class _HostPage:
+    start: int  # first host token slot
+    refs: int = 0  # transfers or writes in flight that use this page
+    ready: bool = False  # backup (or store read) finished
+    event: Any = None  # CUDA event of the backup, until it is seen complete
+    hits: int = 0
+    in_store: bool = False
+
+
+@dataclass
+class Stats:
+    """Counters a demo or an engine can report."""
+
+    backed_up_pages: int = 0
+    loaded_pages: int = 0
+    store_writes: int = 0
+    store_write_failures: int = 0
+    prefetched_pages: int = 0
+    prefetch_misses: int = 0
+    host_evictions: int = 0
+    spills: int = 0
+    bytes_device_to_host: int = 0
+    bytes_host_to_device: int = 0
+    bytes_to_store: int = 0
+    bytes_from_store: int = 0
+    seconds: dict = field(default_factory=lambda: collections.defaultdict(float))
+
+
+class TierController:
+    """See the module docs.
+
+    Args:
+        device_pool: the engine's device KV pool (kvtier or SGLang attribute names).
+        host_pool: a kvtier host pool built for it.
+        store: an optional :class:`kvtier.PageStore` already registered with ``host_pool``.
+        io_backend: ``"direct"`` or ``"kernel"`` for device↔host transfers.
+        write_policy: ``"write_through"`` (default), ``"write_back"`` or ``"write_through_selective"``.
+        hit_threshold: hits before a page is written under ``write_through_selective`` (default 2).
+        prefetch_budget_pages: most pages one :meth:`prefetch` may bring in (default: half the host pool).
+    """
+
+    def __init__(
+        self,
+        device_pool: Any,
+        host_pool: Any,
+        store: Any = None,
+        *,
+        io_backend: str = "direct",
+        write_policy: str = "write_through",
+        hit_threshold: int = 2,
+        prefetch_budget_pages: int | None = None,
+    ) -> None:
+        if write_policy not in POLICIES:
+            raise InvalidArgumentError(f"invalid argument `write_policy`: {write_policy!r}; expected one of {POLICIES}")
+        self.device_pool, self.host, self.store = device_pool, host_pool, store
+        self.io_backend, self.write_policy, self.hit_threshold = io_backend, write_policy, hit_threshold
+        self.ps = host_pool.page_size
+        self.prefetch_budget = prefetch_budget_pages if prefetch_budget_pages is not None else host_pool.page_num // 2
+        self.pages: collections.OrderedDict[str, _HostPage] = collections.OrderedDict()  # LRU: oldest first
+        self.lock = threading.RLock()
+        self.stats = Stats()
+        self.loader = LayerLoader(host_pool, device_pool, io_backend)
+        self._io = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-store")
+        self._pending: list[concurrent.futures.Future] = []
+        self.page_bytes = host_pool.get_size_per_token() * self.ps
+
+    # ------------------------------------------------------------------ helpers
+    def _slots(self, starts: Sequence[int]) -> torch.Tensor:
+        return (torch.tensor(starts, dtype=torch.int64)[:, None] + torch.arange(self.ps)[None]).reshape(-1)
+
+    def _poll_locked(self) -> None:
+        for key, pg in self.pages.items():
+            if pg.event is not None and pg.event.query():
+                pg.event = None
+                pg.ready = True
+                pg.refs -= 1
+
+    def _alloc_pages(self, n: int) -> list[int] | None:
+        """Host page starts for ``n`` pages, evicting LRU unreferenced pages as needed (lock held)."""
+        while self.host.available_size() < n * self.ps:
+            victim = next((k for k, p in self.pages.items() if p.refs == 0 and p.ready), None)
+            if victim is None:
+                return None
+            self._evict_locked(victim)
+        got = self.host.alloc(n * self.ps)
+        return None if got is None else got[:: self.ps].tolist()
+
+    def _evict_locked(self, key: str) -> None:
+        pg = self.pages.pop(key)
+        if self.write_policy == "write_back" and self.store is not None and not pg.in_store:
+            ok = self._store_write([key], [pg.start])  # spill before the memory is reused
+            self.stats.spills += sum(ok)
+        self.host.free(self._slots([pg.start]))
+        self.stats.host_evictions += 1
+
+    def _store_write(self, keys: list[str], starts: list[int]) -> list[bool]:
+        try:
+            ok = self.store.batch_set_v1(keys, self._slots(starts))
+        except Exception:  # an IO failure is a miss later, never an engine crash
+            ok = [False] * len(keys)
+        self.stats.store_writes += sum(ok)
+        self.stats.store_write_failures += len(ok) - sum(ok)
+        self.stats.bytes_to_store += sum(ok) * self.page_bytes
+        return ok
+
+    def _write_async(self, keys: list[str], events: list[Any]) -> None:
+        """Background: wait for the backups, write the pages, release their references."""
+
+        def work():
+            for ev in {id(e): e for e in events if e is not None}.values():
+                ev.synchronize()
+            with self.lock:
+                live = [(k, self.pages[k].start) for k in keys if k in self.pages]
+            ok = self._store_write([k for k, _ in live], [s for _, s in live]) if live else []
+            with self.lock:
+                self._poll_locked()
+                for (k, _), good in zip(live, ok):
+                    pg = self.pages.get(k)
+                    if pg is not None:
+                        pg.in_store = pg.in_store or good
+                for k in keys:
+                    if k in self.pages:
+                        self.pages[k].refs -= 1
+
+        self._pending.append(self._io.submit(work))
+
+    # ------------------------------------------------------------------ the workflow
+    def backup(self, device_indices: torch.Tensor, page_keys: Sequence[str], *, after: Any = None) -> Any:
+        """Back pages up from the device (``page_size`` device slots per key): host pages are allocated,
+        one device→host copy is issued after ``after`` (an event; default: the current stream), and
+        completion is reported by the returned event (``None`` on CPU or when nothing was new). Pages already
+        on the host are only touched. Pages that find no host room are skipped (a later miss)."""
+        keys = list(page_keys)
+        if len(device_indices) != len(keys) * self.ps:
+            raise InvalidArgumentError(
+                f"invalid argument `device_indices`: {len(device_indices)} slots for {len(keys)} pages of {self.ps}"
+            )
+        with self.lock:
+            self._poll_locked()
+            new = [i for i, k in enumerate(keys) if k not in self.pages]
+            for k in keys:
+                if k in self.pages:
+                    self.pages.move_to_end(k)
+            if not new:
+                return None
+            starts = self._alloc_pages(len(new))
+            while starts is None and new:
+                new = new[:-1]  # not enough room: back up what fits
+                starts = self._alloc_pages(len(new)) if new else None
+            if not new:
+                return None
+            for i, s in zip(new, starts):
+                self.pages[keys[i]] = _HostPage(start=s, refs=1)
+        dev = torch.cat([device_indices[i * self.ps : (i + 1) * self.ps] for i in new])
+        try:
+            ev = backup_async(self.host, self.device_pool, self._slots(starts), dev, self.io_backend, after=after)
+        except Exception:
+            with self.lock:
+                for i in new:
+                    pg = self.pages.pop(keys[i], None)
+                    if pg is not None:
+                        self.host.free(self._slots([pg.start]))
+            raise
+        with self.lock:
+            for i in new:
+                pg = self.pages[keys[i]]
+                if ev is None:
+                    pg.ready, pg.refs = True, 0
+                else:
+                    pg.event = ev
+            self.stats.backed_up_pages += len(new)
+            self.stats.bytes_device_to_host += len(new) * self.page_bytes
+            if self.store is not None and self.write_policy == "write_through":
+                for i in new:
+                    self.pages[keys[i]].refs += 1
+                self._write_async([keys[i] for i in new], [ev] * len(new))
+        return ev
+
+    def match(self, page_keys: Sequence[str]) -> tuple[int, int]:
+        """``(host_hits, store_hits)``: the leading run of keys on the host, then how many of the following
+        keys are in the store (the store part of the prefix)."""
+        keys = list(page_keys)
+        with self.lock:
+            self._poll_locked()
+            n = 0
+            while n < len(keys) and keys[n] in self.pages:
+                n += 1
+        m = self.store.batch_exists(keys[n:]) if self.store is not None and n < len(keys) else 0
+        return n, m
+
+    def prefetch(self, page_keys: Sequence[str]) -> concurrent.futures.Future:
+        """Bring the pages of ``page_keys`` that are not on the host in from the store, in the background
+        (at most the prefetch budget of pages per call); the pages already on the host are touched so making
+        room never evicts them. The future's result is the number of ``page_keys`` now on the host."""
+        keys = list(page_keys)
+
+        def work():
+            with self.lock:
+                for k in keys:  # the part already on the host must not be evicted to make room for the rest
+                    if k in self.pages:
+                        self.pages.move_to_end(k)
+                want = [k for k in keys if k not in self.pages][: self.prefetch_budget]
+                starts = self._alloc_pages(len(want)) if want else []
+                if starts is None:
+                    return 0
+                for k, s in zip(want, starts):
+                    self.pages[k] = _HostPage(start=s, refs=1)
+            ok = []
+            if want:
+                try:
+                    ok = self.store.batch_get_v1(want, self._slots(starts))
+                except Exception:
+                    ok = [False] * len(want)
+            with self.lock:
+                for k, good in zip(want, ok):
+                    pg = self.pages[k]
+                    if good:
+                        pg.ready, pg.refs, pg.in_store = True, 0, True
+                    else:  # a miss: never leave unverified bytes reachable
+                        del self.pages[k]
+                        self.host.free(self._slots([pg.start]))
+                self.stats.prefetched_pages += sum(ok)
+                self.stats.prefetch_misses += len(ok) - sum(ok)
+                self.stats.bytes_from_store += sum(ok) * self.page_bytes
+                return sum(1 for k in keys if k in self.pages)
+
+        fut = self._io.submit(work)
+        self._pending.append(fut)
+        return fut
+
+    def load(self, page_keys: Sequence[str], device_indices: torch.Tensor) -> LayerLoad:
+        """Load host pages into ``device_indices`` layer by layer (a :class:`kvtier.LayerLoad`). Every key
+        must be on the host (see :meth:`match`); the pages are pinned until the load completes."""
+        keys = list(page_keys)
+        with self.lock:
+            self._poll_locked()
+            missing = [k for k in keys if k not in self.pages]
+            if missing:
+                raise InvalidArgumentError(f"invalid argument `page_keys`: {len(missing)} page(s) are not on the host")
+            events = [self.pages[k].event for k in keys if self.pages[k].event is not None]
+            for k in keys:
+                pg = self.pages[k]
+                pg.refs += 1
+                pg.hits += 1
+                self.pages.move_to_end(k)
+            starts = [self.pages[k].start for k in keys]
+            selective = [k for k in keys if self.write_policy == "write_through_selective" and self.store is not None
+                         and not self.pages[k].in_store and self.pages[k].hits == self.hit_threshold]
+        after = None
+        if events:
+            for ev in events:  # a page still being backed up: the load follows its backup
+                torch.cuda.current_stream().wait_event(ev)
+            after = torch.cuda.current_stream().record_event()
+        load = self.loader.load(self._slots(starts), device_indices, after=after)
+
+        def release():
+            load.synchronize()
+            with self.lock:
+                for k in keys:
+                    if k in self.pages:
+                        self.pages[k].refs -= 1
+
+        if self.device_pool.k_buffer[0].device.type == "cuda":
+            self._pending.append(self._io.submit(release))
+        else:
+            release()
+        with self.lock:
+            self.stats.loaded_pages += len(keys)
+            self.stats.bytes_host_to_device += len(keys) * self.page_bytes
+            if selective:
+                for k in selective:
+                    self.pages[k].refs += 1
+                self._write_async(selective, [None] * len(selective))
+        return load
+
+    def wait_idle(self) -> None:
+        """Wait for every background store write, prefetch and reference release."""
+        while self._pending:
+            self._pending.pop(0).result()
+
+    def close(self) -> None:
+        self.wait_idle()
+        self._io.shutdown(wait=True)

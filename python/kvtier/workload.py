@@ -1,0 +1,225 @@
+"""A small transformer with real attention and asymmetric K/V head dims, serving a multi-turn workload with
+shared prefixes through :class:`kvtier.TierController` — the main part of ``kvtier demo``.
+
+The model processes a prompt one token at a time (each token attends to the cache of all earlier ones), so
+computing a token's KV is the same sequence of operations whether its prefix came from the cache or was
+recomputed: restored KV and outputs can be compared bit for bit with a fresh recomputation.
+
+The device pool holds one request at a time and the host pool less than the working set, so pages flow
+GPU → host → disk and back: a request's prefix is found on the host (a host hit), in the store (a disk hit,
+prefetched to the host first), or recomputed.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from . import DeviceKVPool, PageStore, TierController, host_pool_for, page_hashes
+
+
+@dataclass
+class Geometry:
+    layers: int = 4
+    heads: int = 2
+    k_dim: int = 48  # MiMo-V2's 192 / 128, scaled down by 4
+    v_dim: int = 32
+    hidden: int = 128
+    vocab: int = 512
+    page_size: int = 16
+
+
+class TinyModel:
+    """Random-weight decoder (deterministic seed): embeddings, per layer q/k/v projections with K and V of
+    different head dims, softmax attention over the KV cache, an output projection and a residual MLP."""
+
+    def __init__(self, g: Geometry, device: str, seed: int = 0) -> None:
+        gen = torch.Generator().manual_seed(seed)
+
+        def w(*shape, scale=1.0):
+            return (torch.randn(*shape, generator=gen) * scale / math.sqrt(shape[0])).to(device)
+
+        self.g, self.device = g, device
+        self.emb = w(g.vocab, g.hidden, scale=math.sqrt(g.vocab))
+        self.wq = [w(g.hidden, g.heads * g.k_dim) for _ in range(g.layers)]
+        self.wk = [w(g.hidden, g.heads * g.k_dim) for _ in range(g.layers)]
+        self.wv = [w(g.hidden, g.heads * g.v_dim) for _ in range(g.layers)]
+        self.wo = [w(g.heads * g.v_dim, g.hidden) for _ in range(g.layers)]
+        self.w1 = [w(g.hidden, 2 * g.hidden) for _ in range(g.layers)]
+        self.w2 = [w(2 * g.hidden, g.hidden) for _ in range(g.layers)]
+        self.head = w(g.hidden, g.vocab)
+
+    def step(self, token: int, pos: int, pool: DeviceKVPool, rows: torch.Tensor) -> torch.Tensor:
+        """Process the token at position ``pos`` whose KV goes to device row ``rows[pos]``; attends to rows
+        ``rows[: pos + 1]``. Returns the logits."""
+        g = self.g
+        x = self.emb[token][None]  # (1, hidden)
+        r = rows[pos : pos + 1]
+        ctx = rows[: pos + 1]
+        for layer in range(g.layers):
+            q = (x @ self.wq[layer]).view(g.heads, g.k_dim)
+            pool.k_buffer[layer][r] = (x @ self.wk[layer]).view(1, g.heads, g.k_dim)
+            pool.v_buffer[layer][r] = (x @ self.wv[layer]).view(1, g.heads, g.v_dim)
+            k = pool.k_buffer[layer][ctx]  # (T, H, Dk)
+            v = pool.v_buffer[layer][ctx]  # (T, H, Dv)
+            att = torch.softmax(torch.einsum("hd,thd->ht", q, k) / math.sqrt(g.k_dim), dim=-1)
+            o = torch.einsum("ht,thd->hd", att, v).reshape(1, -1)
+            x = x + o @ self.wo[layer]
+            x = x + torch.relu(x @ self.w1[layer]) @ self.w2[layer]
+        return (x @ self.head)[0]
+
+
+class _Progress:
+    """A one-line progress bar on stderr, shown once the work has taken more than a second."""
+
+    def __init__(self, total: int, label: str) -> None:
+        self.total, self.label, self.t0, self.shown = total, label, time.perf_counter(), False
+
+    def update(self, done: int) -> None:
+        if time.perf_counter() - self.t0 < 1.0 and done < self.total:
+            return
+        self.shown = True
+        width = 30
+        fill = int(width * done / self.total)
+        sys.stderr.write(f"\r{self.label} [{'#' * fill}{'.' * (width - fill)}] {done}/{self.total}")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.shown:
+            sys.stderr.write("\n")
+
+
+def conversations(n_conv: int, turns: int, g: Geometry, seed: int) -> list[list[int]]:
+    """Requests (token lists): ``n_conv`` conversations sharing a system prompt, each turn extending its
+    conversation; interleaved across conversations so the host pool cannot keep them all."""
+    gen = torch.Generator().manual_seed(seed + 1)
+
+    def toks(n):
+        return torch.randint(1, g.vocab, (n,), generator=gen).tolist()
+
+    system = toks(3 * g.page_size)
+    ctx = [system + toks(2 * g.page_size) for _ in range(n_conv)]
+    out = []
+    for _ in range(turns):
+        for c in range(n_conv):
+            ctx[c] = ctx[c] + toks(2 * g.page_size + 5)  # the user's turn (+ last answer)
+            out.append(list(ctx[c]))
+    return out
+
+
+def run_workload(
+    *,
+    device: str,
+    n_conv: int = 3,
+    turns: int = 3,
+    host_pages: int = 12,
+    seed: int = 0,
+    store_dir: str | None = None,
+    keep: bool = False,
+    io_backend: str = "direct",
+    quiet: bool = False,
+) -> dict:
+    """Serve the workload; verify every reused prefix bit for bit; return the measurements."""
+    g = Geometry()
+    reqs = conversations(n_conv, turns, g, seed)
+    max_tokens = max(len(r) for r in reqs)
+    dev_pages = max_tokens // g.page_size + 2
+    model = TinyModel(g, device, seed)
+    dp = DeviceKVPool(dev_pages * g.page_size, g.page_size, g.layers, g.heads, g.k_dim, g.v_dim, torch.float32, device)
+    scratch = DeviceKVPool(dev_pages * g.page_size, g.page_size, g.layers, g.heads, g.k_dim, g.v_dim, torch.float32, device)
+    hp = host_pool_for(dp, host_size_gb=host_pages * g.page_size * (g.k_dim + g.v_dim) * g.heads * g.layers * 4 / 1e9 * 0.999,
+                       layout="page_first_direct")
+    root = store_dir or tempfile.mkdtemp(prefix="kvtier-demo-", dir=os.getcwd())
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        store = PageStore(root, capacity_bytes=1 << 30, model_name="demo/tiny-mimo")
+        store.register_mem_pool_host(hp)
+    ctrl = TierController(dp, hp, store, io_backend=io_backend, write_policy="write_through")
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    rows = torch.arange(g.page_size, (dev_pages) * g.page_size, device=device)  # skip the padding page
+    rows_cpu = rows.cpu()
+    results = []
+    failures = []
+    bar = _Progress(len(reqs), "serving")
+    try:
+        for i, tokens in enumerate(reqs):
+            n_pages = len(tokens) // g.page_size
+            keys = page_hashes(tokens[: n_pages * g.page_size], g.page_size)
+            sync()
+            t0 = time.perf_counter()
+            host_hit, disk_hit = ctrl.match(keys)
+            if disk_hit:
+                ctrl.prefetch(keys[: host_hit + disk_hit]).result()
+            have, _ = ctrl.match(keys)
+            cached = have * g.page_size
+            if have:
+                load = ctrl.load(keys[:have], rows_cpu[:cached])
+                for layer in range(g.layers):
+                    load.wait(layer)
+            logits = None
+            for pos in range(cached, len(tokens)):
+                logits = model.step(tokens[pos], pos, dp, rows)
+            sync()
+            ttft = time.perf_counter() - t0
+            source = "disk hit" if disk_hit and have > host_hit else "host hit" if have else "recomputed"
+            # verification: a fresh recomputation of the whole prompt, compared bit for bit
+            for pos in range(len(tokens)):
+                ref = model.step(tokens[pos], pos, scratch, rows)
+            ok_kv = all(
+                torch.equal(dp.k_buffer[l][rows[:cached]], scratch.k_buffer[l][rows[:cached]])
+                and torch.equal(dp.v_buffer[l][rows[:cached]], scratch.v_buffer[l][rows[:cached]])
+                for l in range(g.layers)
+            )
+            ok_out = torch.equal(logits, ref)
+            if not (ok_kv and ok_out):
+                failures.append((i, source, ok_kv, ok_out))
+            results.append(dict(request=i, tokens=len(tokens), cached_pages=have, host_hit=min(host_hit, have),
+                                disk_hit=max(0, have - host_hit), source=source, ttft_s=ttft, kv_exact=ok_kv, output_exact=ok_out))
+            # back the request's full pages up (device -> host -> disk, write-through)
+            ctrl.backup(rows_cpu[: n_pages * g.page_size], keys)
+            ctrl.wait_idle()
+            bar.update(i + 1)
+    finally:
+        bar.close()
+        ctrl.close()
+        store_stats = store.get_stats()
+        store.close()
+        hp.close()
+        if not keep and store_dir is None:
+            shutil.rmtree(root, ignore_errors=True)
+    out = dict(results=results, failures=failures, stats=ctrl.stats, store=store_stats, root=root if keep else None,
+               page_bytes=ctrl.page_bytes, page_size=g.page_size)
+    if not quiet:
+        print_report(out)
+    return out
+
+
+def print_report(out: dict) -> None:
+    res = out["results"]
+    by = {}
+    for r in res:
+        by.setdefault(r["source"], []).append(r["ttft_s"])
+    print(f"\n{'source':<12} {'requests':>8} {'mean TTFT':>11}")
+    for src in ("recomputed", "host hit", "disk hit"):
+        if src in by:
+            print(f"{src:<12} {len(by[src]):>8} {1e3 * sum(by[src]) / len(by[src]):>9.1f} ms")
+    total_pages = sum(r["tokens"] // out["page_size"] for r in res)
+    host = sum(r["host_hit"] for r in res)
+    disk = sum(r["disk_hit"] for r in res)
+    print(f"pages needed {total_pages}: {host} from host ({100 * host / total_pages:.0f}%), "
+          f"{disk} from disk ({100 * disk / total_pages:.0f}%), {total_pages - host - disk} recomputed")
+    st = out["stats"]
+    s = out["store"]
+    print(f"bytes moved: device->host {st.bytes_device_to_host / 1e6:.1f} MB, host->device {st.bytes_host_to_device / 1e6:.1f} MB, "
+          f"host->disk {s['bytes_written'] / 1e6:.1f} MB at {1e3 * s['write_GBps']:.0f} MB/s (durable, small pages), "
+          f"disk->host {s['bytes_read'] / 1e6:.1f} MB at {1e3 * s['read_GBps']:.0f} MB/s; host evictions {st.host_evictions}")
+    ok = not out["failures"]
+    print(f"verification: restored KV bit-identical to recomputed KV and outputs equal for all {len(res)} requests: {ok}")

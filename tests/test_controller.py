@@ -1,0 +1,170 @@
+"""TierController on CPU pools: write policies, eviction never takes referenced pages, store errors become
+misses, prefetch budget; the CLI's inspect and verify on a real (and a corrupted) store."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kvtier import DeviceKVPool, PageStore, TierController, host_pool_for, page_hashes
+
+PS = 4
+
+
+def setup(tmp_path, policy="write_through", host_pages=6, store=True, **kw):
+    dp = DeviceKVPool(16 * PS, PS, 2, 2, 8, 6, torch.float32, "cpu")
+    for t in dp.k_buffer + dp.v_buffer:
+        t.copy_(torch.randn_like(t))
+    per_page = PS * 2 * (8 + 6) * 2 * 4
+    hp = host_pool_for(dp, host_size_gb=(host_pages - 1) * per_page / 1e9 + 1e-12, layout="page_first_direct")
+    st = None
+    if store:
+        st = PageStore(tmp_path, capacity_bytes=1 << 26)
+        st.register_mem_pool_host(hp)
+    return dp, hp, st, TierController(dp, hp, st, write_policy=policy, **kw)
+
+
+def rows(pages):
+    return torch.tensor([p * PS + i for p in pages for i in range(PS)], dtype=torch.int64)
+
+
+def keys_for(n, seed=0):
+    return page_hashes(list(range(seed, seed + n * PS)), PS)
+
+
+def test_write_through_backup_match_load(tmp_path):
+    dp, hp, st, c = setup(tmp_path)
+    ref = [t.clone() for t in dp.k_buffer + dp.v_buffer]
+    keys = keys_for(3)
+    c.backup(rows([1, 2, 3]), keys)
+    c.wait_idle()
+    assert c.match(keys) == (3, 0)
+    assert st.batch_exists(keys) == 3  # written through
+    for t in dp.k_buffer + dp.v_buffer:
+        t.zero_()
+    load = c.load(keys, rows([5, 6, 7]))
+    for layer in range(2):
+        load.wait(layer)
+    c.wait_idle()
+    for a, b in zip(dp.k_buffer + dp.v_buffer, ref):
+        assert torch.equal(a[rows([5, 6, 7])], b[rows([1, 2, 3])])
+    assert c.stats.backed_up_pages == 3 and c.stats.loaded_pages == 3 and c.stats.store_writes == 3
+    c.close()
+
+
+def test_write_back_spills_on_eviction_and_prefetch_restores(tmp_path):
+    dp, hp, st, c = setup(tmp_path, policy="write_back", host_pages=4, prefetch_budget_pages=3)
+    ref = [t.clone() for t in dp.k_buffer + dp.v_buffer]
+    a, b = keys_for(3, 0), keys_for(3, 1000)
+    c.backup(rows([1, 2, 3]), a)
+    assert st.batch_exists(a) == 0  # write_back: nothing written yet
+    c.backup(rows([4, 5, 6]), b)  # needs room: evicts a's pages, spilling them first
+    c.wait_idle()
+    assert c.stats.host_evictions >= 2 and c.stats.spills >= 2
+    # LRU evicted a's first two pages (spilled to disk); its third is still on the host
+    assert c.match(a) == (0, 2)
+    c.prefetch(a).result()
+    assert c.match(a)[0] == 3
+    load = c.load(a, rows([8, 9, 10]))
+    load.synchronize()
+    c.wait_idle()
+    for x, y in zip(dp.k_buffer + dp.v_buffer, ref):
+        assert torch.equal(x[rows([8, 9, 10])], y[rows([1, 2, 3])])
+    c.close()
+
+
+def test_selective_writes_after_enough_hits(tmp_path):
+    dp, hp, st, c = setup(tmp_path, policy="write_through_selective", hit_threshold=2)
+    keys = keys_for(2)
+    c.backup(rows([1, 2]), keys)
+    c.wait_idle()
+    assert st.batch_exists(keys) == 0
+    c.load(keys, rows([3, 4])).synchronize()
+    c.wait_idle()
+    assert st.batch_exists(keys) == 0
+    c.load(keys, rows([3, 4])).synchronize()
+    c.wait_idle()
+    assert st.batch_exists(keys) == 2
+    c.close()
+
+
+def test_eviction_never_takes_a_referenced_page(tmp_path):
+    dp, hp, st, c = setup(tmp_path, host_pages=3, store=False)
+    a = keys_for(2)
+    c.backup(rows([1, 2]), a)
+    with c.lock:
+        for k in a:
+            c.pages[k].refs += 1  # e.g. a load in flight
+    b = keys_for(2, 500)
+    c.backup(rows([3, 4]), b)  # only one free page: one of b fits, a is untouchable
+    assert all(k in c.pages for k in a)
+    assert sum(k in c.pages for k in b) == 1
+    with c.lock:
+        for k in a:
+            c.pages[k].refs -= 1
+    c.backup(rows([3, 4]), b)
+    assert all(k in c.pages for k in b)
+    c.close()
+
+
+def test_store_errors_are_misses(tmp_path):
+    dp, hp, st, c = setup(tmp_path, policy="write_through", host_pages=3)
+    keys = keys_for(2)
+    c.backup(rows([1, 2]), keys)
+    c.wait_idle()
+    # corrupt every data file: the prefetch must report misses, never load wrong bytes
+    for d, _, files in os.walk(tmp_path):
+        for f in files:
+            if f.endswith(".dat"):
+                with open(os.path.join(d, f), "r+b") as fh:
+                    fh.write(b"\xff" * 64)
+    with c.lock:
+        for k in keys:
+            c._evict_locked(k)
+    assert c.match(keys)[0] == 0
+    assert c.prefetch(keys).result() == 0
+    assert c.stats.prefetch_misses >= 1
+    assert c.match(keys)[0] == 0
+    with pytest.raises(ValueError, match="not on the host"):
+        c.load(keys, rows([5, 6]))
+    c.close()
+
+
+def test_prefetch_budget_and_bad_policy(tmp_path):
+    dp, hp, st, c = setup(tmp_path, prefetch_budget_pages=1)
+    keys = keys_for(3)
+    c.backup(rows([1, 2, 3]), keys)
+    c.wait_idle()
+    with c.lock:
+        for k in list(keys):
+            c._evict_locked(k)
+    assert c.prefetch(keys).result() == 1  # one page fetched: the budget
+    assert c.prefetch(keys).result() == 2  # the next call brings the next one, keeping the first
+    c.close()
+    with pytest.raises(ValueError, match="write_policy"):
+        TierController(dp, hp, st, write_policy="write_sometimes")
+
+
+def test_cli_inspect_and_verify(tmp_path):
+    dp, hp, st, c = setup(tmp_path)
+    c.backup(rows([1, 2]), keys_for(2))
+    c.close()
+    st.close()
+    run = lambda *a: subprocess.run([sys.executable, "-m", "kvtier", *a], capture_output=True, text=True)
+    r = run("inspect", str(tmp_path))
+    assert r.returncode == 0 and "4 objects" in r.stdout.replace("objects 4", "4 objects") and "journal.log" in r.stdout
+    r = run("verify", str(tmp_path))
+    assert r.returncode == 0 and "ok" in r.stdout
+    data = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path) for f in fs if f.endswith(".dat")]
+    with open(data[0], "r+b") as fh:
+        fh.write(b"\x00\xff" * 32)
+    r = run("verify", str(tmp_path))
+    assert r.returncode == 1 and "corrupt" in r.stdout
+    r = run("verify", "--drop", str(tmp_path))
+    assert r.returncode == 0 and "dropped" in r.stdout
+    assert "ok" in run("verify", str(tmp_path)).stdout
+    for bad in (["inspect", str(tmp_path / "nope")], ["verify", str(tmp_path / "nope")]):
+        r = run(*bad)
+        assert r.returncode == 1 and r.stderr.startswith("kvtier: error:") and "Traceback" not in r.stderr
