@@ -24,7 +24,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(transfer::validate_transfer, m)?)?;
     m.add_function(wrap_pyfunction!(transfer::copy_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(transfer::page_numbers, m)?)?;
-    m.add_function(wrap_pyfunction!(transfer::copy_cuda, m)?)?;
     m.add_function(wrap_pyfunction!(transfer::cuda_batch_supported, m)?)?;
     m.add_function(wrap_pyfunction!(transfer::cuda_batch_flags, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

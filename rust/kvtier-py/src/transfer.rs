@@ -207,49 +207,6 @@ pub fn copy_cpu(
     Ok(())
 }
 
-/// Enqueues the same copy on CUDA `stream` of `device` with the copy engine (no SM kernel):
-/// `cuMemcpyBatchAsync` where available (`batch=True`), else one `cuMemcpyAsync` per chunk. Chunks never
-/// cross a multiple of `split` host bytes (the pin-registration granularity). Returns
-/// `(chunks, batch_calls)`. The caller keeps the host buffer and device tensors alive until the stream has
-/// passed the copies (kvtier.transfer does this with an event).
-#[pyfunction]
-#[allow(clippy::too_many_arguments)]
-pub fn copy_cuda(
-    py: Python<'_>,
-    to_host: bool,
-    region: &PyHostRegion,
-    host_offset: usize,
-    layout: &str,
-    slots: usize,
-    page_size: usize,
-    row_bytes: usize,
-    device_layers: Vec<Bound<'_, PyAny>>,
-    host_indices: &Bound<'_, PyAny>,
-    device_indices: &Bound<'_, PyAny>,
-    layer_begin: usize,
-    layer_end: usize,
-    host_pages: bool,
-    device_runs: bool,
-    device: i32,
-    stream: usize,
-    split: usize,
-    batch: bool,
-) -> KvResult<(usize, usize)> {
-    let req = Request::extract(
-        py, to_host, region, host_offset, layout, slots, page_size, row_bytes, &device_layers, host_indices,
-        device_indices, layer_begin, layer_end, host_pages, device_runs,
-    )?;
-    let sub = py.detach(|| {
-        let chunks = req.plan(split.max(1))?;
-        let copies = plan::addresses(req.dir, req.host, &req.device, &chunks);
-        // SAFETY: every chunk was checked to lie inside the live host region and its device tensor
-        // (Request::plan); destinations are distinct (validate rejects duplicate destination indices);
-        // host and device memory never overlap; the caller keeps both alive until the stream completes.
-        unsafe { kvtier_core::cuda::copy_async(device, stream, &copies, batch) }
-    })?;
-    Ok((sub.copies, sub.batch_calls))
-}
-
 /// True when `cuMemcpyBatchAsync_v2` can be used in this process.
 #[pyfunction]
 pub fn cuda_batch_supported() -> bool {
@@ -310,8 +267,11 @@ impl PyTransferPlan {
         Ok(self.slice(layer_begin, layer_end)?.iter().map(|v| v.len()).sum())
     }
 
-    /// Enqueue layers `[layer_begin, layer_end)` on CUDA `stream` (see `copy_cuda`). Returns
-    /// `(copies, batch_calls)`.
+    /// Enqueue layers `[layer_begin, layer_end)` on CUDA `stream` of `device` with the copy engine (no SM
+    /// kernel): `cuMemcpyBatchAsync` where available (`batch=True`) and the stream is not the legacy default
+    /// stream, else one `cuMemcpyAsync` per chunk. Returns `(copies, batch_calls)`. The caller keeps the
+    /// host buffer and device tensors alive until the stream has passed the copies (kvtier.transfer records
+    /// an event for that).
     fn submit(&self, py: Python<'_>, layer_begin: usize, layer_end: usize, device: i32, stream: usize, batch: bool) -> KvResult<(usize, usize)> {
         let parts = self.slice(layer_begin, layer_end)?;
         let sub = py.detach(|| {
