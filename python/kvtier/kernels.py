@@ -33,7 +33,9 @@ def available() -> bool:
 
 if triton is not None:
 
-    @triton.jit
+    # Sizes and the layer range are runtime values: without do_not_specialize Triton compiles a new variant
+    # when one of them happens to be 1 or a multiple of 16 (seen as a 0.7 s stall on the first load of layer 1).
+    @triton.jit(do_not_specialize=["n_tok", "layer0", "n_layers", "S", "L", "PS"])
     def _rows_kernel(
         host_ptr,  # host buffer of this side, typed as WORD-byte words (pinned, device-accessible)
         dev_ptr,  # device layer 0, typed the same way
