@@ -168,3 +168,13 @@ def test_cli_inspect_and_verify(tmp_path):
     for bad in (["inspect", str(tmp_path / "nope")], ["verify", str(tmp_path / "nope")]):
         r = run(*bad)
         assert r.returncode == 1 and r.stderr.startswith("kvtier: error:") and "Traceback" not in r.stderr
+
+
+def test_cli_bench(tmp_path):
+    run = lambda *a: subprocess.run([sys.executable, "-m", "kvtier", *a], capture_output=True, text=True, cwd=tmp_path)
+    r = run("bench", "store", "--reps", "1", "--pages", "8", "--cases", "small", "--out", str(tmp_path / "out"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "| small |" in r.stdout and (tmp_path / "out" / "store.json").exists()
+    if not torch.cuda.is_available():
+        r = run("bench", "transfer")
+        assert r.returncode == 1 and "needs a CUDA GPU" in r.stderr and "Traceback" not in r.stderr

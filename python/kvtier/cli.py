@@ -79,6 +79,12 @@ def cmd_demo(args) -> int:
 def cmd_bench(args, rest: list[str]) -> int:
     import importlib
 
+    if args.which in ("pin", "transfer"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise KvtierError(f"kvtier bench {args.which} needs a CUDA GPU (torch.cuda.is_available() is False)")
+
     importlib.import_module(f"kvtier.benchmarks.{args.which}").main(rest)
     return 0
 

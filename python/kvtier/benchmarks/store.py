@@ -113,6 +113,7 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out", default="benches/results")
     ap.add_argument("--cases", default="mimo,small")
+    ap.add_argument("--pages", type=int, default=None, help="override the page count of every case (quick runs)")
     a = ap.parse_args(argv)
     root = a.dir or tempfile.mkdtemp(prefix="kvtier-bench-store-", dir=os.getcwd())
     os.makedirs(root, exist_ok=True)
@@ -120,7 +121,11 @@ def main(argv=None):
     print(f"disk: {res['fs']} ({root})", flush=True)
     try:
         for name in a.cases.split(","):
-            res["rows"].append(run_case(name, CASES[name], root, a.reps))
+            case = dict(CASES[name])
+            if a.pages:
+                case["pages"] = a.pages
+                case["batch"] = min(case["batch"], a.pages)
+            res["rows"].append(run_case(name, case, root, a.reps))
     finally:
         if a.dir is None:
             shutil.rmtree(root, ignore_errors=True)
