@@ -86,9 +86,13 @@ class LayerLoader:
             after = torch.cuda.current_stream(self.device).record_event()
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(after)
-            for layer in range(self.layer_num):
-                self.host_pool.load_to_device_per_layer(self.device_pool, host_indices, device_indices, layer, self.io_backend)
-                events[layer].record(self.stream)
+            fused = getattr(self.host_pool, "_load_layers", None)
+            if fused is not None:  # kvtier pools: validate and plan once, then one submission per layer
+                fused(self.device_pool, host_indices, device_indices, self.io_backend, lambda l: events[l].record(self.stream))
+            else:
+                for layer in range(self.layer_num):
+                    self.host_pool.load_to_device_per_layer(self.device_pool, host_indices, device_indices, layer, self.io_backend)
+                    events[layer].record(self.stream)
         if isinstance(device_indices, torch.Tensor) and device_indices.is_cuda:
             device_indices.record_stream(self.stream)
         if isinstance(host_indices, torch.Tensor) and host_indices.is_cuda:

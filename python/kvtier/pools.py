@@ -372,6 +372,19 @@ class _HostKVPool:
         for side, tensors in zip(self._sides(), (ks, vs)):
             self._engine.copy(side, tensors, p, layer_id, layer_id + 1, to_host=False, backend=io_backend)
 
+    def _load_layers(self, device_pool, host_indices, device_indices, io_backend: str, on_layer) -> None:
+        """Every layer host → device, calling ``on_layer(layer)`` after each is enqueued (LayerLoader records
+        its per-layer event there). Validation and planning happen once for all layers, so the per-layer
+        cost is two native submissions; the same copies as ``load_to_device_per_layer`` for each layer."""
+        ks, vs, p = self._prepare(device_pool, host_indices, device_indices, io_backend, to_host=False)
+        sides = self._sides()
+        for layer in range(self.layer_num):
+            for side, tensors in zip(sides, (ks, vs)):
+                self._engine.copy(side, tensors, p, layer, layer + 1, to_host=False, backend=io_backend, hold=False)
+            on_layer(layer)
+        if ks[0].device.type == "cuda":
+            self._engine._hold((tuple(s.buffer._region for s in sides), p))
+
     def backup_from_device_all_layer(self, device_pool, host_indices, device_indices, io_backend: str) -> None:
         """Device → host for every layer, K then V (separate calls, separate geometries). Enqueued on the
         current CUDA stream for CUDA device pools: order it after the producer of the device KV (see

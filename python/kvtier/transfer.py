@@ -124,6 +124,7 @@ class TransferEngine:
         *,
         to_host: bool,
         backend: str = "direct",
+        hold: bool = True,
     ) -> None:
         """Copy layers ``[layer_begin, layer_end)`` of one side for validated indices ``prepared``
         (``kvtier.pools._Prepared``: host/device numpy indices, page rules, cached GPU indices and plans)."""
@@ -149,21 +150,26 @@ class TransferEngine:
                 host_idx=hidx, dev_idx=didx, layer_begin=layer_begin, layer_end=layer_end, to_host=to_host,
                 blocks=self.blocks, num_warps=self.num_warps,
             )
-            self._hold((side.buffer._region, hidx, didx))
+            if hold:
+                self._hold((side.buffer._region, hidx, didx))
             return
-        key = (side.offset, id(side.buffer), to_host, tuple(t.data_ptr() for t in device_layers))
-        plan = prepared.plans.get(key)
+        # Plans are cached per device-layer list; the entry keeps that list, so the identity check below
+        # cannot be fooled by a recycled id.
+        key = (side.offset, id(side.buffer), to_host, id(device_layers))
+        entry = prepared.plans.get(key)
+        plan = entry[1] if entry is not None and entry[0] is device_layers else None
         if plan is None:
             # Plan every layer once; per-layer loads then submit one layer per native call.
             plan = _native.TransferPlan(
                 to_host, side.buffer._region, side.offset, side.layout, side.slots, side.page_size, side.row_bytes,
                 list(device_layers), host, device, 0, len(device_layers), paged, paged, side.split,
             )
-            prepared.plans[key] = plan
+            prepared.plans[key] = (device_layers, plan)
         stream = torch.cuda.current_stream(dev)
         plan.submit(layer_begin, layer_end, dev.index if dev.index is not None else torch.cuda.current_device(),
                     stream.cuda_stream, self.batch)
-        self._hold((side.buffer._region, plan))
+        if hold:
+            self._hold((side.buffer._region, plan))
 
     @staticmethod
     def _copy_torch(side, device_layers, host, device, layer_begin, layer_end, to_host) -> None:

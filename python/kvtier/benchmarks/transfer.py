@@ -4,8 +4,9 @@
 
 1. Ceiling: pinned contiguous H2D and D2H copies of 2 GiB (torch, median of 5).
 2. For each geometry, backend and page count:
-   - load: ``load_to_device_per_layer`` for every layer back to back on a side stream (as LayerLoader issues
-     them); reported as µs per layer and GB/s, median over repetitions;
+   - load: ``load_to_device_per_layer`` for every layer back to back on a side stream; reported as µs per
+     layer and GB/s, median over repetitions; and the same through ``LayerLoader`` (validation and planning
+     once per load, one native submission per layer and side);
    - backup: ``backup_from_device_all_layer`` (ms and GB/s);
    each as a percentage of the ceiling, and checked bit-exact.
    Baseline row: a naive loop of one torch ``copy_(non_blocking=True)`` per (page, layer, K/V).
@@ -119,6 +120,9 @@ def run_geometry(name, g, pages_list, reps, ceil_up, ceil_down, rows_out, stream
                     exact = check_exact(hp, dp, h, d)
                     t_load = event_time(lambda: [hp.load_to_device_per_layer(dp, h, d, l, backend) for l in range(g["layers"])], reps) / g["layers"]
                     exact = exact and check_exact(hp, dp, h, d)
+                    loader = LayerLoader(hp, dp, backend, stream=stream)
+                    t_loader = event_time(lambda: loader.load(h, d).synchronize(), reps) / g["layers"]
+                    exact = exact and check_exact(hp, dp, h, d)
             up = nb_layer / t_load / 1e9
             down = nb_layer * g["layers"] / t_back / 1e9
             row = {
@@ -127,6 +131,9 @@ def run_geometry(name, g, pages_list, reps, ceil_up, ceil_down, rows_out, stream
                 "load_pct": round(100 * up / ceil_up, 1), "backup_ms": round(t_back * 1e3, 3),
                 "backup_GBps": round(down, 2), "backup_pct": round(100 * down / ceil_down, 1), "bit_exact": exact,
             }
+            if backend != "naive":
+                row["loader_us_per_layer"] = round(t_loader * 1e6, 1)
+                row["loader_pct"] = round(100 * nb_layer / t_loader / 1e9 / ceil_up, 1)
             if backend == "kernel":
                 row["kernel_blocks"] = kt.kernel_blocks()
             rows_out.append(row)
@@ -207,13 +214,14 @@ def markdown(res) -> str:
         f"Ceiling (pinned contiguous 2 GiB): H2D {res['ceiling_h2d_GBps']:.1f} GB/s, D2H {res['ceiling_d2h_GBps']:.1f} GB/s. "
         f"Batched DMA available: {res['batch_supported']} (flags {res.get('batch_flags')}). Kernel blocks: {res['kernel_blocks']}, warps {res['kernel_warps']}.",
         "",
-        "| geom | backend | layout | pages | load µs/layer | load GB/s | load % | backup ms | backup GB/s | backup % | exact |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| geom | backend | layout | pages | load µs/layer | load GB/s | load % | LayerLoader µs/layer | LayerLoader % | backup ms | backup GB/s | backup % | exact |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in res["rows"]:
         lines.append(
             f"| {r['geometry']} | {r['backend']} | {r['layout']} | {r['pages']} | {r['load_us_per_layer']} | {r['load_GBps']} | "
-            f"{r['load_pct']} | {r['backup_ms']} | {r['backup_GBps']} | {r['backup_pct']} | {r['bit_exact']} |"
+            f"{r['load_pct']} | {r.get('loader_us_per_layer', '-')} | {r.get('loader_pct', '-')} | {r['backup_ms']} | "
+            f"{r['backup_GBps']} | {r['backup_pct']} | {r['bit_exact']} |"
         )
     if res.get("overlap"):
         lines += ["", "Overlap (geometry A, 256 pages): " + json.dumps(res["overlap"])]
