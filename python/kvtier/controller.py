@@ -18,7 +18,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -55,7 +55,6 @@ class Stats:
     bytes_host_to_device: int = 0
     bytes_to_store: int = 0
     bytes_from_store: int = 0
-    seconds: dict = field(default_factory=lambda: collections.defaultdict(float))
 
 
 class TierController:
