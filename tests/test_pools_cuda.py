@@ -5,18 +5,11 @@ geometry (K 192 / V 128, page 16, 3 layers)."""
 import pytest
 import torch
 
+from test_pools import COMBOS  # every (pool kind, layout, backend) the pools support
+
 from kvtier import DeviceKVPool, host_pool_for
 
 pytestmark = pytest.mark.cuda
-
-COMBOS = [
-    ("asym", "page_first", "kernel"),
-    ("asym", "page_first_direct", "direct"),
-    ("sym", "layer_first", "kernel"),
-    ("sym", "layer_first", "direct"),
-    ("sym", "page_first", "kernel"),
-    ("sym", "page_first_direct", "direct"),
-]
 DTYPES = [torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.uint8]
 
 

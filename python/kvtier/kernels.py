@@ -90,7 +90,8 @@ if triton is not None:
 _WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
-def _word(row_bytes: int) -> int:
+def word_of(row_bytes: int) -> int:
+    """The widest word (8, 4, 2 or 1 bytes) that divides a row."""
     for w in (8, 4, 2, 1):
         if row_bytes % w == 0:
             return w
@@ -141,7 +142,7 @@ def launch_rows(
     n = host_idx.numel()
     if n == 0:
         return
-    word = _word(row_bytes)
+    word = word_of(row_bytes)
     wdt = _WORD_DTYPES[word]
     row_words = row_bytes // word
     bt, bw = _tile(row_words)
@@ -172,6 +173,3 @@ def layer_offsets(device_layers, word: int) -> torch.Tensor:
         offs.append(delta // word)
     return torch.tensor(offs, dtype=torch.int64).to(device_layers[0].device)
 
-
-def word_of(row_bytes: int) -> int:
-    return _word(row_bytes)

@@ -3,8 +3,8 @@
 The host pools validate every argument (the index checks run in Rust) before calling :meth:`TransferEngine.copy`,
 once for K and once for V. Which engine runs depends on where the device tensors live:
 
-- CPU tensors: the Rust core plans byte chunks (contiguous on both sides) and copies them with the GIL
-  released, re-checking every chunk against both buffers' extents.
+- CPU tensors: the Rust core plans byte chunks (contiguous on both sides) once per index pair and copies
+  them with the GIL released, re-checking every chunk against both buffers' extents.
 - CUDA tensors and a pinned host buffer, on the caller's current stream:
   - ``direct``: the Rust core plans chunks contiguous on both sides (one per page and layer for
     page_first_direct) and submits them to the copy engine with one ``cuMemcpyBatchAsync`` per call (no SM
@@ -71,22 +71,14 @@ class Side:
         return t[:, layer], (host // self.page_size, host % self.page_size)
 
 
-def kernel_blocks() -> int:
-    return config.kernel_blocks()
-
-
-def kernel_warps() -> int:
-    return config.kernel_warps()
-
-
 class TransferEngine:
     """Executes validated K-or-V copies; see the module docs. Thread-safe for distinct streams."""
 
     def __init__(self) -> None:
         self._inflight: collections.deque[tuple[Any, tuple]] = collections.deque()
         self._ptr_tables: collections.OrderedDict[tuple, torch.Tensor] = collections.OrderedDict()
-        self.blocks = kernel_blocks()
-        self.num_warps = kernel_warps()
+        self.blocks = config.kernel_blocks()
+        self.num_warps = config.kernel_warps()
         self.batch = config.direct_batch()
 
     # -- lifetime of in-flight copies ----------------------------------------------------------------
@@ -132,16 +124,10 @@ class TransferEngine:
         if len(host) == 0:
             return
         dev = device_layers[0].device
-        if dev.type == "cpu":
-            _native.copy_cpu(
-                to_host, side.buffer._region, side.offset, side.layout, side.slots, side.page_size,
-                side.row_bytes, list(device_layers), host, device, layer_begin, layer_end, paged, paged,
-            )
-            return
-        if dev.type != "cuda" or not side.buffer.pinned:
+        if dev.type != "cpu" and (dev.type != "cuda" or not side.buffer.pinned):
             self._copy_torch(side, device_layers, host, device, layer_begin, layer_end, to_host)
             return
-        if backend == "kernel" and kernels.available():
+        if backend == "kernel" and dev.type == "cuda" and kernels.available():
             hidx, didx = prepared.gpu(dev)
             kernels.launch_rows(
                 host=side.tensor, layout=side.layout, slots=side.slots, layers=side.layers,
@@ -165,6 +151,9 @@ class TransferEngine:
                 list(device_layers), host, device, 0, len(device_layers), paged, paged, side.split,
             )
             prepared.plans[key] = (device_layers, plan)
+        if dev.type == "cpu":
+            plan.copy_cpu(layer_begin, layer_end)
+            return
         stream = torch.cuda.current_stream(dev)
         plan.submit(layer_begin, layer_end, dev.index if dev.index is not None else torch.cuda.current_device(),
                     stream.cuda_stream, self.batch)

@@ -30,7 +30,7 @@ import torch
 
 import kvtier
 from kvtier import DeviceKVPool, LayerLoader, host_pool_for
-from kvtier import transfer as kt
+from kvtier import config
 
 GEOMS = {
     "A": dict(layers=48, heads=4, dk=192, dv=128),
@@ -135,7 +135,7 @@ def run_geometry(name, g, pages_list, reps, ceil_up, ceil_down, rows_out, stream
                 row["loader_us_per_layer"] = round(t_loader * 1e6, 1)
                 row["loader_pct"] = round(100 * nb_layer / t_loader / 1e9 / ceil_up, 1)
             if backend == "kernel":
-                row["kernel_blocks"] = kt.kernel_blocks()
+                row["kernel_blocks"] = config.kernel_blocks()
             rows_out.append(row)
             print(json.dumps(row), flush=True)
         hp.close()
@@ -273,8 +273,8 @@ def main(argv=None):
     res = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
         "kvtier": kvtier.__version__, "ceiling_h2d_GBps": up, "ceiling_d2h_GBps": down,
-        "batch_supported": kvtier._native.cuda_batch_supported(), "kernel_blocks": kt.kernel_blocks(),
-        "kernel_warps": kt.kernel_warps(), "rows": [],
+        "batch_supported": kvtier._native.cuda_batch_supported(), "kernel_blocks": config.kernel_blocks(),
+        "kernel_warps": config.kernel_warps(), "rows": [],
     }
     stream = torch.cuda.Stream()
     for name in args.geoms.split(","):

@@ -171,42 +171,6 @@ impl Request {
     }
 }
 
-/// Copies K or V bytes between a host region laid out as `layout` and per-layer CPU tensors, after
-/// validating every index. `device_layers` are contiguous CPU tensors (anything with `data_ptr()` and
-/// `nbytes`), kept alive by this call for its duration.
-#[pyfunction]
-#[allow(clippy::too_many_arguments)]
-pub fn copy_cpu(
-    py: Python<'_>,
-    to_host: bool,
-    region: &PyHostRegion,
-    host_offset: usize,
-    layout: &str,
-    slots: usize,
-    page_size: usize,
-    row_bytes: usize,
-    device_layers: Vec<Bound<'_, PyAny>>,
-    host_indices: &Bound<'_, PyAny>,
-    device_indices: &Bound<'_, PyAny>,
-    layer_begin: usize,
-    layer_end: usize,
-    host_pages: bool,
-    device_runs: bool,
-) -> KvResult<()> {
-    let req = Request::extract(
-        py, to_host, region, host_offset, layout, slots, page_size, row_bytes, &device_layers, host_indices,
-        device_indices, layer_begin, layer_end, host_pages, device_runs,
-    )?;
-    py.detach(|| {
-        let chunks = req.plan(usize::MAX)?;
-        // SAFETY: `req.host` is inside the live region (Arc held by `req`); each device range is a live
-        // tensor held by `device_layers` for this call; host memory is Rust-owned anonymous memory, so it
-        // cannot overlap a torch CPU tensor's storage; copy_cpu re-checks every chunk.
-        unsafe { plan::copy_cpu(req.dir, req.host, &req.device, &chunks) }
-    })?;
-    Ok(())
-}
-
 /// True when `cuMemcpyBatchAsync_v2` can be used in this process.
 #[pyfunction]
 pub fn cuda_batch_supported() -> bool {
@@ -214,12 +178,15 @@ pub fn cuda_batch_supported() -> bool {
 }
 
 /// A validated, planned copy of one side (K or V) for a fixed index pair, reusable across calls: per-layer
-/// loads plan once and then submit one layer at a time with a single native call each.
+/// loads plan once and then copy one layer at a time with a single native call each — with CPU `memcpy`
+/// for CPU device tensors, or on a CUDA stream with the copy engine.
 #[pyclass(name = "TransferPlan", module = "kvtier._native", frozen)]
 pub struct PyTransferPlan {
     req: Request,
-    /// Copy addresses `(src, dst, len)` grouped by layer (index `layer - layers.start`).
-    per_layer: Vec<Vec<(usize, usize, usize)>>,
+    /// Every chunk, in layer order (`plan::plan` emits them layer by layer).
+    chunks: Vec<plan::Chunk>,
+    /// `chunks[layer_start[i]..layer_start[i + 1]]` are the chunks of layer `layers.start + i`.
+    layer_start: Vec<usize>,
     /// Keeps the device tensors alive as long as the plan can be submitted.
     _owners: Py<PyAny>,
 }
@@ -250,21 +217,28 @@ impl PyTransferPlan {
             py, to_host, region, host_offset, layout, slots, page_size, row_bytes, &device_layers, host_indices,
             device_indices, layer_begin, layer_end, host_pages, device_runs,
         )?;
-        let per_layer = py.detach(|| -> kvtier_core::Result<_> {
-            let chunks = req.plan(split.max(1))?;
-            let mut per_layer = vec![Vec::new(); req.layers.len()];
-            for (c, a) in chunks.iter().zip(plan::addresses(req.dir, req.host, &req.device, &chunks)) {
-                per_layer[c.layer as usize - req.layers.start].push(a);
-            }
-            Ok(per_layer)
-        })?;
+        let chunks = py.detach(|| req.plan(split.max(1)))?;
+        let layer_start = (req.layers.start..=req.layers.end)
+            .map(|l| chunks.partition_point(|c| (c.layer as usize) < l))
+            .collect();
         let owners = pyo3::types::PyList::new(py, device_layers)?.into_any().unbind();
-        Ok(Self { req, per_layer, _owners: owners })
+        Ok(Self { req, chunks, layer_start, _owners: owners })
     }
 
     /// Number of copies planned for `[layer_begin, layer_end)`.
     fn copies(&self, layer_begin: usize, layer_end: usize) -> KvResult<usize> {
-        Ok(self.slice(layer_begin, layer_end)?.iter().map(|v| v.len()).sum())
+        Ok(self.slice(layer_begin, layer_end)?.len())
+    }
+
+    /// Copy layers `[layer_begin, layer_end)` now with CPU `memcpy` (CPU device tensors), GIL released.
+    fn copy_cpu(&self, py: Python<'_>, layer_begin: usize, layer_end: usize) -> KvResult<()> {
+        let part = self.slice(layer_begin, layer_end)?;
+        let req = &self.req;
+        // SAFETY: `req.host` is inside the live region (Arc held by `req`); each device range is a live CPU
+        // tensor held by `_owners`; host memory is Rust-owned anonymous memory, so it cannot overlap a torch
+        // tensor's storage; copy_cpu re-checks every chunk against both ranges.
+        py.detach(|| unsafe { plan::copy_cpu(req.dir, req.host, &req.device, part) })?;
+        Ok(())
     }
 
     /// Enqueue layers `[layer_begin, layer_end)` on CUDA `stream` of `device` with the copy engine (no SM
@@ -273,9 +247,9 @@ impl PyTransferPlan {
     /// host buffer and device tensors alive until the stream has passed the copies (kvtier.transfer records
     /// an event for that).
     fn submit(&self, py: Python<'_>, layer_begin: usize, layer_end: usize, device: i32, stream: usize, batch: bool) -> KvResult<(usize, usize)> {
-        let parts = self.slice(layer_begin, layer_end)?;
+        let part = self.slice(layer_begin, layer_end)?;
         let sub = py.detach(|| {
-            let copies: Vec<(usize, usize, usize)> = parts.iter().flat_map(|v| v.iter().copied()).collect();
+            let copies = plan::addresses(self.req.dir, self.req.host, &self.req.device, part);
             // SAFETY: the addresses were checked against the live host region (held by `req`) and device
             // tensors (held by `_owners`) when the plan was built; the caller keeps both alive until the
             // stream has passed the copies.
@@ -286,12 +260,12 @@ impl PyTransferPlan {
 }
 
 impl PyTransferPlan {
-    fn slice(&self, layer_begin: usize, layer_end: usize) -> KvResult<&[Vec<(usize, usize, usize)>]> {
+    fn slice(&self, layer_begin: usize, layer_end: usize) -> KvResult<&[plan::Chunk]> {
         let r = &self.req.layers;
         if layer_begin < r.start || layer_end > r.end || layer_begin >= layer_end {
             return Err(Error::arg("layer_id", format!("layers [{layer_begin}, {layer_end}) not in the plan's [{}, {})", r.start, r.end)).into());
         }
-        Ok(&self.per_layer[layer_begin - r.start..layer_end - r.start])
+        Ok(&self.chunks[self.layer_start[layer_begin - r.start]..self.layer_start[layer_end - r.start]])
     }
 }
 
