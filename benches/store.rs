@@ -14,7 +14,9 @@ static NEXT: AtomicU64 = AtomicU64::new(0);
 fn store_bench(c: &mut Criterion) {
     let root = std::env::var_os("KVTIER_BENCH_DIR")
         .map(std::path::PathBuf::from)
-        .unwrap_or_else(|| std::env::temp_dir().join(format!("kvtier-bench-store-{}", std::process::id())));
+        .unwrap_or_else(|| {
+            std::env::temp_dir().join(format!("kvtier-bench-store-{}", std::process::id()))
+        });
     let mut g = c.benchmark_group("page_store");
     g.sample_size(10);
     for &(size, count) in &[(64usize << 10, 256usize), (4608 << 10, 16)] {
@@ -22,16 +24,30 @@ fn store_bench(c: &mut Criterion) {
         for &qd in &[1usize, 4, 16] {
             let dir = root.join(format!("s{size}-q{qd}"));
             let _ = std::fs::remove_dir_all(&dir);
-            let store = PageStore::open(&dir, "bench", StoreOptions { capacity_bytes: 64 << 30, io_threads: qd, direct: None })
-                .expect("store");
+            let store = PageStore::open(
+                &dir,
+                "bench",
+                StoreOptions {
+                    capacity_bytes: 64 << 30,
+                    io_threads: qd,
+                    direct: None,
+                },
+            )
+            .expect("store");
             g.throughput(Throughput::Bytes((size * count) as u64));
             let id = format!("{}KiB-x{count}-qd{qd}", size >> 10);
             let mut last: Vec<String> = Vec::new();
             g.bench_function(BenchmarkId::new("write", &id), |b| {
                 b.iter(|| {
                     let base = NEXT.fetch_add(count as u64, Ordering::Relaxed);
-                    last = (0..count as u64).map(|i| format!("k{}", base + i)).collect();
-                    let objs: Vec<(&str, usize, u64)> = last.iter().enumerate().map(|(i, k)| (k.as_str(), buf.as_ptr() as usize + i * size, size as u64)).collect();
+                    last = (0..count as u64)
+                        .map(|i| format!("k{}", base + i))
+                        .collect();
+                    let objs: Vec<(&str, usize, u64)> = last
+                        .iter()
+                        .enumerate()
+                        .map(|(i, k)| (k.as_str(), buf.as_ptr() as usize + i * size, size as u64))
+                        .collect();
                     // SAFETY: every object lies inside `buf`, alive for the call.
                     let ok = unsafe { store.put(&objs) }.expect("put");
                     assert!(ok.iter().all(|&x| x));
@@ -39,7 +55,11 @@ fn store_bench(c: &mut Criterion) {
             });
             g.bench_function(BenchmarkId::new("read", &id), |b| {
                 b.iter(|| {
-                    let objs: Vec<(&str, usize, u64)> = last.iter().enumerate().map(|(i, k)| (k.as_str(), buf.as_ptr() as usize + i * size, size as u64)).collect();
+                    let objs: Vec<(&str, usize, u64)> = last
+                        .iter()
+                        .enumerate()
+                        .map(|(i, k)| (k.as_str(), buf.as_ptr() as usize + i * size, size as u64))
+                        .collect();
                     // SAFETY: disjoint destinations inside `buf`.
                     let ok = unsafe { store.get(&objs) }.expect("get");
                     assert!(ok.iter().all(|&x| x));

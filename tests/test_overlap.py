@@ -19,8 +19,9 @@ KERNEL_CHECK = textwrap.dedent(
     import itertools, torch
     from kvtier import kernels
     L, S, PS, H = 3, 16, 4, 2
-    for dtype, D, layout in itertools.product(
-        (torch.float16, torch.float32, torch.uint8), (6, 5), ("layer_first", "page_first", "page_first_direct")
+    for dtype, D, layout, (tile, prefetch) in itertools.product(
+        (torch.float16, torch.float32, torch.uint8), (6, 5), ("layer_first", "page_first", "page_first_direct"),
+        ((4096, True), (8, True), (8, False)),  # one tile per program, and many tiles with and without prefetch
     ):
         shape = {"layer_first": (L, S, H, D), "page_first": (S, L, H, D), "page_first_direct": (S // PS, L, PS, H, D)}[layout]
         host = torch.randint(1, 100, shape).to(dtype)
@@ -29,10 +30,11 @@ KERNEL_CHECK = textwrap.dedent(
         row = H * D * host.element_size()
         def rows(t, l):
             return t[l][h] if layout == "layer_first" else t[h, l] if layout == "page_first" else t[h // PS, l, h % PS]
-        kw = dict(layout=layout, slots=S, layers=L, page_size=PS, row_bytes=row, device_layers=dev, host_idx=h, dev_idx=d)
+        kw = dict(layout=layout, slots=S, layers=L, page_size=PS, row_bytes=row, device_layers=dev, host_idx=h, dev_idx=d,
+                  tile_words=tile, prefetch=prefetch)
         kernels.launch_rows(host=host, layer_begin=0, layer_end=L, to_host=False, blocks=3, num_warps=4, **kw)
         for l in range(L):
-            assert torch.equal(dev[l][d], rows(host, l)), (dtype, D, layout, l)
+            assert torch.equal(dev[l][d], rows(host, l)), (dtype, D, layout, tile, prefetch, l)
             mask = torch.ones(20, dtype=torch.bool); mask[d] = False
             assert not dev[l][mask].any()
         back = torch.zeros_like(host)

@@ -204,9 +204,10 @@ def test_load_splits_k_and_v_with_separate_strides(monkeypatch, backend, layout)
     calls = []
     real = TransferEngine.copy
 
-    def spy(self, side, layers, prepared, begin, end, *, to_host, **kw):
-        calls.append((side.row_bytes, side.layers * side.row_bytes, layers, begin, end, to_host))
-        return real(self, side, layers, prepared, begin, end, to_host=to_host, **kw)
+    def spy(self, pairs, prepared, begin, end, *, to_host, **kw):
+        for side, layers in pairs:  # K and V: separate copies, each with its own geometry
+            calls.append((side.row_bytes, side.layers * side.row_bytes, layers, begin, end, to_host))
+        return real(self, pairs, prepared, begin, end, to_host=to_host, **kw)
 
     monkeypatch.setattr(TransferEngine, "copy", spy)
     dp = filled_device_pool()

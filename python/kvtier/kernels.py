@@ -1,11 +1,20 @@
 """The ``kernel`` IO backend on CUDA: a Triton gather/scatter that reads and writes pinned host memory
-directly from the GPU (unified addressing), one work item per (token, layer) row.
+directly from the GPU (unified addressing).
 
 - K and V are separate launches, each with its own row size (``heads * dim * itemsize``) and host layout.
-- The grid is a small, fixed number of programs (``KVTIER_KERNEL_BLOCKS``, default 8) that loop over the
-  rows, so a transfer never occupies more than that many SMs beside a concurrent forward pass.
-- Rows move as 8/4/2/1-byte words (the widest that divides the row), in tiles of ``BLOCK_T`` rows and
-  ``BLOCK_W`` words, ``BLOCK_W`` dividing the row so accesses need no column mask and vectorise.
+- The grid is a small, fixed number of programs (``KVTIER_KERNEL_BLOCKS``, default 16) that loop over the
+  work, so a transfer never occupies more than that many SMs beside a concurrent forward pass.
+- Rows move as 8/4/2/1-byte words (the widest that divides the row). A row is cut into sub-rows of
+  ``BLOCK_W`` words (the largest power of two dividing it, so no column mask is needed and accesses
+  vectorise to 16 bytes); one work item is one sub-row of one token in one layer, and a program moves a tile
+  of ``BLOCK_T`` items with one load and one store. With ``PREFETCH`` the next tile's load is issued before
+  the current tile is stored, so two tiles per program are in flight across PCIe.
+
+After the first launch of a variant (which goes through Triton's launcher and compiles it), launches go
+through ``kvtier._native.launch_layers``: one native call enqueues K and V for every layer of a load, with the
+per-layer events in between, without Triton's per-launch Python cost. The parameter list of the compiled
+code is read from its PTX and checked against what is passed; any mismatch (another Triton version's ABI)
+keeps that variant on Triton's launcher.
 
 Every index was validated on the host (``kvtier._native.validate_transfer``) before a launch: the kernel
 computes addresses from indices it may trust.
@@ -14,8 +23,12 @@ computes addresses from indices it may trust.
 from __future__ import annotations
 
 import functools
+import re
+from dataclasses import dataclass
 
 import torch
+
+from . import _native
 
 try:
     import triton
@@ -25,6 +38,10 @@ except ImportError:  # pragma: no cover - torch's CUDA wheels ship triton
     tl = None
 
 LAYOUT_CODES = {"layer_first": 0, "page_first": 1, "page_first_direct": 2}
+# runtime parameters of _rows_kernel, in order; LAYER_PARAM is the index of ``layer0``
+_PARAMS = ("host_ptr", "dev_ptr", "dev_offs", "host_idx", "dev_idx", "n_tok", "layer0", "n_layers", "S", "L", "PS")
+_POINTERS = 5
+LAYER_PARAM = 6
 
 
 def available() -> bool:
@@ -32,6 +49,33 @@ def available() -> bool:
 
 
 if triton is not None:
+
+    @triton.jit
+    def _tile(start, host_idx, dev_idx, dev_offs, n_items, n_tok, layer0, S, L, PS,
+              ROW_WORDS: tl.constexpr, LAYOUT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr,
+              ALIGN: tl.constexpr):
+        """Word offsets (host, device) and the live mask of the tile of items starting at ``start``."""
+        SUB: tl.constexpr = ROW_WORDS // BLOCK_W
+        items = start + tl.arange(0, BLOCK_T)
+        live = items < n_items
+        sub = items % SUB
+        r = items // SUB
+        # layer-major order: consecutive items are consecutive sub-rows of consecutive tokens of one layer, so
+        # the rows of a page are read back to back.
+        t = r % n_tok
+        layer = layer0 + r // n_tok
+        h = tl.load(host_idx + t, mask=live, other=0)
+        d = tl.load(dev_idx + t, mask=live, other=0)
+        if LAYOUT == 0:
+            hrow = layer.to(tl.int64) * S + h
+        elif LAYOUT == 1:
+            hrow = h * L + layer
+        else:
+            hrow = ((h // PS) * L + layer) * PS + h % PS
+        hbase = tl.multiple_of(hrow * ROW_WORDS + sub * BLOCK_W, ALIGN)
+        dbase = tl.multiple_of(tl.load(dev_offs + layer, mask=live, other=0) + d * ROW_WORDS + sub * BLOCK_W, ALIGN)
+        cols = tl.arange(0, BLOCK_W)
+        return hbase[:, None] + cols[None, :], dbase[:, None] + cols[None, :], live[:, None]
 
     # Sizes and the layer range are runtime values: without do_not_specialize Triton compiles a new variant
     # when one of them happens to be 1 or a multiple of 16 (seen as a 0.7 s stall on the first load of layer 1).
@@ -51,40 +95,41 @@ if triton is not None:
         ROW_WORDS: tl.constexpr,
         LAYOUT: tl.constexpr,
         TO_HOST: tl.constexpr,
-        BLOCK_T: tl.constexpr,
-        BLOCK_W: tl.constexpr,  # divides ROW_WORDS, so columns need no mask and accesses vectorise
-        ALIGN: tl.constexpr,  # known divisibility (in words) of every row's start offset
+        BLOCK_T: tl.constexpr,  # sub-rows per tile
+        BLOCK_W: tl.constexpr,  # words per sub-row; divides ROW_WORDS
+        ALIGN: tl.constexpr,  # known divisibility (in words) of every sub-row's start offset
+        PREFETCH: tl.constexpr,  # issue the next tile's load before storing this one
     ):
         pid = tl.program_id(0)
-        nprog = tl.num_programs(0)
-        n_items = n_tok * n_layers
-        cols = tl.arange(0, BLOCK_W)
-        for start in range(pid * BLOCK_T, n_items, nprog * BLOCK_T):
-            items = start + tl.arange(0, BLOCK_T)
-            live = items < n_items
-            # layer-major order: consecutive items are consecutive tokens of one layer, so the rows of a
-            # page are read back to back.
-            t = items % n_tok
-            layer = layer0 + items // n_tok
-            h = tl.load(host_idx + t, mask=live, other=0)
-            d = tl.load(dev_idx + t, mask=live, other=0)
-            if LAYOUT == 0:
-                hrow = layer.to(tl.int64) * S + h
-            elif LAYOUT == 1:
-                hrow = h * L + layer
+        step = tl.num_programs(0) * BLOCK_T
+        n_items = n_tok * n_layers * (ROW_WORDS // BLOCK_W)
+        start = pid * BLOCK_T
+        if PREFETCH:
+            ho, do, m = _tile(start, host_idx, dev_idx, dev_offs, n_items, n_tok, layer0, S, L, PS,
+                              ROW_WORDS, LAYOUT, BLOCK_T, BLOCK_W, ALIGN)
+            if TO_HOST:
+                x = tl.load(dev_ptr + do, mask=m)
             else:
-                hrow = ((h // PS) * L + layer) * PS + h % PS
-            hbase = tl.multiple_of(hrow * ROW_WORDS, ALIGN)
-            dbase = tl.multiple_of(tl.load(dev_offs + layer, mask=live, other=0) + d * ROW_WORDS, ALIGN)
-            m = live[:, None]
-            for w0 in tl.static_range(0, ROW_WORDS, BLOCK_W):
-                c = w0 + cols
-                hp = host_ptr + (hbase[:, None] + c[None, :])
-                dp = dev_ptr + (dbase[:, None] + c[None, :])
+                x = tl.load(host_ptr + ho, mask=m)
+            while start < n_items:
+                nho, ndo, nm = _tile(start + step, host_idx, dev_idx, dev_offs, n_items, n_tok, layer0, S, L, PS,
+                                     ROW_WORDS, LAYOUT, BLOCK_T, BLOCK_W, ALIGN)
                 if TO_HOST:
-                    tl.store(hp, tl.load(dp, mask=m), mask=m)
+                    nx = tl.load(dev_ptr + ndo, mask=nm)
+                    tl.store(host_ptr + ho, x, mask=m)
                 else:
-                    tl.store(dp, tl.load(hp, mask=m), mask=m)
+                    nx = tl.load(host_ptr + nho, mask=nm)
+                    tl.store(dev_ptr + do, x, mask=m)
+                x, ho, do, m = nx, nho, ndo, nm
+                start += step
+        else:
+            for s in range(start, n_items, step):
+                ho, do, m = _tile(s, host_idx, dev_idx, dev_offs, n_items, n_tok, layer0, S, L, PS,
+                                  ROW_WORDS, LAYOUT, BLOCK_T, BLOCK_W, ALIGN)
+                if TO_HOST:
+                    tl.store(host_ptr + ho, tl.load(dev_ptr + do, mask=m), mask=m)
+                else:
+                    tl.store(dev_ptr + do, tl.load(host_ptr + ho, mask=m), mask=m)
 
 
 _WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
@@ -106,64 +151,182 @@ def _pow2_divisor(n: int, cap: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _tile(row_words: int) -> tuple[int, int]:
-    """(BLOCK_T, BLOCK_W): BLOCK_W the largest power of two ≤ 256 dividing the row, ~4096 words a tile."""
-    bw = _pow2_divisor(row_words, 256)
-    bt = max(1, 4096 // max(bw, row_words))
+def _tile_shape(row_words: int, tile_words: int) -> tuple[int, int]:
+    """(BLOCK_T, BLOCK_W): BLOCK_W the largest power of two ≤ 128 dividing the row, BLOCK_T a power of two
+    with BLOCK_T * BLOCK_W ≈ ``tile_words``."""
+    bw = _pow2_divisor(row_words, 128)
+    bt = max(1, tile_words // bw)
     p = 1
     while p * 2 <= bt:
         p *= 2
     return p, bw
 
 
-def launch_rows(
-    *,
-    host: torch.Tensor,
-    layout: str,
-    slots: int,
-    layers: int,
-    page_size: int,
-    row_bytes: int,
-    device_layers,
-    dev_offsets: torch.Tensor | None = None,
-    host_idx: torch.Tensor,
-    dev_idx: torch.Tensor,
-    layer_begin: int,
-    layer_end: int,
-    to_host: bool,
-    blocks: int,
-    num_warps: int,
-) -> None:
-    """Launch one K-or-V gather/scatter on the current stream (indices already validated, on the GPU).
+@dataclass
+class _Abi:
+    """How to launch one compiled variant natively (or why not: ``function == 0``, ``reason`` set)."""
 
-    ``host`` is a tensor over this side's whole host buffer (any dtype; pinned for a GPU launch),
-    ``device_layers`` the per-layer device tensors, ``dev_offsets`` (optional, cached by the caller) the
-    int64 word offsets of each layer from layer 0 (see :func:`layer_offsets`)."""
-    n = host_idx.numel()
-    if n == 0:
-        return
+    function: int
+    block: int
+    shared: int
+    widths: tuple[int, ...]
+    reason: str = ""
+    memory_ops: tuple[str, ...] = ()  # the global load/store instructions in the PTX (are they 16 bytes wide?)
+
+
+# compiled variant key -> _Abi, filled on each variant's first (Triton-launched) run
+_ABIS: dict[tuple, _Abi] = {}
+_native_enabled = True
+
+
+def set_native(enabled: bool) -> None:
+    """Launch compiled variants natively (default) or always through Triton's launcher (benches compare)."""
+    global _native_enabled
+    _native_enabled = bool(enabled)
+
+
+def native_status() -> dict:
+    """For diagnostics: each compiled variant and whether it launches natively (else why not)."""
+    return {
+        str(k): (a.reason or f"native: block {a.block}, shared {a.shared}, {len(a.widths)} params") + f"; {' '.join(a.memory_ops)}"
+        for k, a in _ABIS.items()
+    }
+
+
+_ENTRY = re.compile(r"\.entry\s+(\w+)\s*\((.*?)\)", re.S)
+_PARAM = re.compile(r"\.param\s+\.([busf])(\d+)\b")
+
+
+def _abi_of(compiled) -> _Abi:
+    """Reads the launch ABI of a Triton ``CompiledKernel`` and checks it against ``_rows_kernel``'s runtime
+    parameters (5 pointers, 6 32-bit integers, then only null scratch pointers)."""
+    try:
+        md = compiled.metadata
+        ptx = compiled.asm["ptx"]
+        if getattr(md, "num_ctas", 1) != 1 or getattr(md, "launch_pdl", False) or getattr(md, "launch_cooperative_grid", False):
+            return _Abi(0, 0, 0, (), "needs a launch attribute (clusters, PDL or cooperative grid)")
+        for name in ("global_scratch_size", "profile_scratch_size"):
+            if getattr(md, name, 0):
+                return _Abi(0, 0, 0, (), f"{name} is {getattr(md, name)}")
+        entries = [m for m in _ENTRY.finditer(ptx) if m.group(1).startswith("_rows_kernel")]
+        if len(entries) != 1:
+            return _Abi(0, 0, 0, (), f"{len(entries)} _rows_kernel entries in the PTX")
+        widths = tuple(int(bits) // 8 for _, bits in _PARAM.findall(entries[0].group(2)))
+        want = (8,) * _POINTERS + (4,) * (len(_PARAMS) - _POINTERS)
+        extra = widths[len(want):]
+        if widths[: len(want)] != want or any(w != 8 for w in extra) or len(extra) > 2:
+            return _Abi(0, 0, 0, (), f"parameter widths {widths} do not match {want} + scratch pointers")
+        if hasattr(compiled, "_init_handles"):
+            compiled._init_handles()
+        function = int(compiled.function or 0)
+        if not function:
+            return _Abi(0, 0, 0, (), "no CUfunction handle")
+        ops = tuple(sorted(set(re.findall(r"\b(?:ld|st)\.global[\w.]*", ptx))))
+        return _Abi(function, 32 * int(md.num_warps), int(md.shared), widths, memory_ops=ops)
+    except Exception as e:  # noqa: BLE001 - any surprise keeps Triton's own launcher
+        return _Abi(0, 0, 0, (), f"{type(e).__name__}: {e}")
+
+
+@dataclass
+class RowsLaunch:
+    """One K-or-V launch, fully determined except for the layer range."""
+
+    host: torch.Tensor  # word view of the host side
+    dev: torch.Tensor  # word view of device layer 0
+    dev_offsets: torch.Tensor  # see layer_offsets
+    host_idx: torch.Tensor
+    dev_idx: torch.Tensor
+    ints: tuple[int, int, int, int]  # n_tok, S, L, PS
+    consts: dict
+    blocks: int
+    num_warps: int
+    key: tuple
+
+    def grid(self, n_layers: int) -> int:
+        bt, bw = self.consts["BLOCK_T"], self.consts["BLOCK_W"]
+        n_items = self.ints[0] * n_layers * (self.consts["ROW_WORDS"] // bw)
+        return max(1, min(self.blocks, triton.cdiv(n_items, bt)))
+
+    def run_triton(self, layer0: int, n_layers: int):
+        n_tok, S, L, PS = self.ints
+        return _rows_kernel[(self.grid(n_layers),)](
+            self.host, self.dev, self.dev_offsets, self.host_idx, self.dev_idx, n_tok, layer0, n_layers, S, L, PS,
+            **self.consts, num_warps=self.num_warps,
+        )
+
+    def native(self, n_layers: int):
+        """``launch_layers`` tuple for ``n_layers`` layers per launch, or None (not compiled / not native)."""
+        abi = _ABIS.get(self.key)
+        if abi is None or not abi.function or not _native_enabled:
+            return None
+        n_tok, S, L, PS = self.ints
+        values = [self.host.data_ptr(), self.dev.data_ptr(), self.dev_offsets.data_ptr(), self.host_idx.data_ptr(),
+                  self.dev_idx.data_ptr(), n_tok, 0, n_layers, S, L, PS]
+        values += [0] * (len(abi.widths) - len(values))
+        return (abi.function, self.grid(n_layers), abi.block, abi.shared, list(abi.widths), values, LAYER_PARAM)
+
+
+def prepare_rows(
+    *, host, layout, slots, layers, page_size, row_bytes, device_layers, dev_offsets: tuple | None = None, host_idx, dev_idx,
+    to_host, blocks, num_warps, tile_words: int = 4096, prefetch: bool = True,
+) -> RowsLaunch:
+    """Everything one K-or-V launch needs except its layer range (indices already validated)."""
     word = word_of(row_bytes)
     wdt = _WORD_DTYPES[word]
     row_words = row_bytes // word
-    bt, bw = _tile(row_words)
-    if dev_offsets is None:
-        dev_offsets = layer_offsets(device_layers, word)
+    bt, bw = _tile_shape(row_words, tile_words)
+    dev_offsets, dev_align = dev_offsets if dev_offsets is not None else layer_offsets(device_layers, word)
     hw = host.reshape(-1).view(torch.uint8).view(wdt)
     dw = device_layers[0].reshape(-1).view(torch.uint8).view(wdt)
-    # every row start is a multiple of this many words: the row size's power-of-two part, capped by the
-    # 256-byte alignment torch guarantees for device tensors and kvtier for host buffers
-    align = _pow2_divisor(row_words, 256 // word)
-    n_items = n * (layer_end - layer_begin)
-    grid = (max(1, min(blocks, triton.cdiv(n_items, bt))),)
-    _rows_kernel[grid](
-        hw, dw, dev_offsets, host_idx, dev_idx, n, layer_begin, layer_end - layer_begin, slots, layers, page_size,
-        ROW_WORDS=row_words, LAYOUT=LAYOUT_CODES[layout], TO_HOST=to_host, BLOCK_T=bt, BLOCK_W=bw, ALIGN=align,
-        num_warps=num_warps,
-    )
+    # every sub-row start is a multiple of this many words (offsets from the buffer starts): host offsets
+    # are multiples of the sub-row size, device ones also include the layer tensors' relative offsets
+    align = min(bw, dev_align)
+    consts = dict(ROW_WORDS=row_words, LAYOUT=LAYOUT_CODES[layout], TO_HOST=bool(to_host), BLOCK_T=bt, BLOCK_W=bw,
+                  ALIGN=align, PREFETCH=bool(prefetch))
+    ints = (int(host_idx.numel()), int(slots), int(layers), int(page_size))
+    aligned = tuple(t.data_ptr() % 16 == 0 for t in (hw, dw, dev_offsets, host_idx, dev_idx))
+    key = (hw.device.index, tuple(sorted(consts.items())), num_warps, aligned)
+    return RowsLaunch(hw, dw, dev_offsets, host_idx, dev_idx, ints, consts, blocks, num_warps, key)
 
 
-def layer_offsets(device_layers, word: int) -> torch.Tensor:
-    """int64 offsets, in ``word``-byte units, of each layer tensor from the first one, on their device."""
+def run_rows(launches, layer_begin: int, layer_end: int, *, per_layer: bool, events=None) -> None:
+    """Enqueue ``launches`` on the current stream for layers ``[layer_begin, layer_end)``: one launch each
+    covering all of them, or (``per_layer``) one launch each per layer, recording ``events[i]`` (torch
+    events) after layer ``layer_begin + i``."""
+    launches = [x for x in launches if x.ints[0] > 0]
+    if not launches or layer_begin >= layer_end:
+        return
+    n_layers = 1 if per_layer else layer_end - layer_begin
+    cuda = launches[0].host_idx.is_cuda
+    small = all(v < 2**31 for x in launches for v in x.ints) and layer_end < 2**31
+    natives = [x.native(n_layers) for x in launches] if cuda and small else [None]
+    if all(n is not None for n in natives):
+        handles = []
+        if events is not None:
+            handles = [int(ev.cuda_event) for ev in events]
+        stream = torch.cuda.current_stream(launches[0].host_idx.device)
+        last = layer_end if per_layer else layer_begin + 1
+        _native.launch_layers(launches[0].host_idx.device.index, stream.cuda_stream, natives, layer_begin, last, handles)
+        return
+    steps = range(layer_begin, layer_end) if per_layer else (layer_begin,)
+    for i, layer in enumerate(steps):
+        for x in launches:
+            compiled = x.run_triton(layer, n_layers)
+            if cuda and x.key not in _ABIS:
+                _ABIS[x.key] = _abi_of(compiled)
+        if events is not None:
+            events[i].record()
+
+
+def launch_rows(*, layer_begin: int, layer_end: int, **kw) -> None:
+    """One K-or-V gather/scatter over layers ``[layer_begin, layer_end)`` on the current stream (indices
+    already validated, on the device of the tensors). See :func:`prepare_rows` for the arguments."""
+    run_rows([prepare_rows(**kw)], layer_begin, layer_end, per_layer=False)
+
+
+def layer_offsets(device_layers, word: int) -> tuple[torch.Tensor, int]:
+    """``(offsets, align)``: int64 offsets, in ``word``-byte units, of each layer tensor from the first one, on
+    their device, and the largest power of two (≤ 1024) dividing all of them."""
     base = device_layers[0].data_ptr()
     offs = []
     for t in device_layers:
@@ -171,5 +334,7 @@ def layer_offsets(device_layers, word: int) -> torch.Tensor:
         if delta % word:
             raise ValueError(f"device layer tensors are not {word}-byte aligned relative to each other")
         offs.append(delta // word)
-    return torch.tensor(offs, dtype=torch.int64).to(device_layers[0].device)
-
+    align = 1024
+    for o in offs:
+        align = min(align, _pow2_divisor(o, 1024) if o else 1024)
+    return torch.tensor(offs, dtype=torch.int64).to(device_layers[0].device), align

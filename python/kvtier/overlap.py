@@ -66,6 +66,10 @@ class LayerLoader:
         if self.cuda:
             self.stream = stream if stream is not None else torch.cuda.Stream(self.device)
             self._sets = [[torch.cuda.Event() for _ in range(self.layer_num)] for _ in range(event_sets)]
+            with torch.cuda.stream(self.stream):  # create the events (torch does so on first record)
+                for events in self._sets:
+                    for ev in events:
+                        ev.record()
             self._used = [False] * event_sets
         self._next = 0
 
@@ -87,8 +91,8 @@ class LayerLoader:
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(after)
             fused = getattr(self.host_pool, "_load_layers", None)
-            if fused is not None:  # kvtier pools: validate and plan once, then one submission per layer
-                fused(self.device_pool, host_indices, device_indices, self.io_backend, lambda l: events[l].record(self.stream))
+            if fused is not None:  # kvtier pools: validate and plan once, one native call for every layer
+                fused(self.device_pool, host_indices, device_indices, self.io_backend, events)
             else:
                 for layer in range(self.layer_num):
                     self.host_pool.load_to_device_per_layer(self.device_pool, host_indices, device_indices, layer, self.io_backend)

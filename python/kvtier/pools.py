@@ -369,29 +369,23 @@ class _HostKVPool:
         if isinstance(layer_id, bool) or not isinstance(layer_id, int) or not 0 <= layer_id < self.layer_num:
             raise InvalidArgumentError(f"invalid argument `layer_id`: must be an int in [0, {self.layer_num}), got {layer_id!r}")
         ks, vs, p = self._prepare(device_pool, host_indices, device_indices, io_backend, to_host=False)
-        for side, tensors in zip(self._sides(), (ks, vs)):
-            self._engine.copy(side, tensors, p, layer_id, layer_id + 1, to_host=False, backend=io_backend)
+        self._engine.copy(tuple(zip(self._sides(), (ks, vs))), p, layer_id, layer_id + 1, to_host=False, backend=io_backend)
 
-    def _load_layers(self, device_pool, host_indices, device_indices, io_backend: str, on_layer) -> None:
-        """Every layer host → device, calling ``on_layer(layer)`` after each is enqueued (LayerLoader records
-        its per-layer event there). Validation and planning happen once for all layers, so the per-layer
-        cost is two native submissions; the same copies as ``load_to_device_per_layer`` for each layer."""
+    def _load_layers(self, device_pool, host_indices, device_indices, io_backend: str, events) -> None:
+        """Every layer host → device, recording ``events[layer]`` (torch CUDA events, recorded at least once
+        before) on the current stream after each layer is enqueued. Validation and planning happen once for
+        all layers and one native call enqueues them all; the same copies as ``load_to_device_per_layer``
+        for each layer."""
         ks, vs, p = self._prepare(device_pool, host_indices, device_indices, io_backend, to_host=False)
-        sides = self._sides()
-        for layer in range(self.layer_num):
-            for side, tensors in zip(sides, (ks, vs)):
-                self._engine.copy(side, tensors, p, layer, layer + 1, to_host=False, backend=io_backend, hold=False)
-            on_layer(layer)
-        if ks[0].device.type == "cuda":
-            self._engine._hold((tuple(s.buffer._region for s in sides), p))
+        self._engine.copy(tuple(zip(self._sides(), (ks, vs))), p, 0, self.layer_num, to_host=False,
+                          backend=io_backend, per_layer=True, events=events)
 
     def backup_from_device_all_layer(self, device_pool, host_indices, device_indices, io_backend: str) -> None:
         """Device → host for every layer, K then V (separate calls, separate geometries). Enqueued on the
         current CUDA stream for CUDA device pools: order it after the producer of the device KV (see
         :func:`kvtier.backup_async`)."""
         ks, vs, p = self._prepare(device_pool, host_indices, device_indices, io_backend, to_host=True)
-        for side, tensors in zip(self._sides(), (ks, vs)):
-            self._engine.copy(side, tensors, p, 0, self.layer_num, to_host=True, backend=io_backend)
+        self._engine.copy(tuple(zip(self._sides(), (ks, vs))), p, 0, self.layer_num, to_host=True, backend=io_backend)
 
     def synchronize(self) -> None:
         """Wait until every transfer this pool issued has completed."""

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from . import _native, config, kernels
+from ._errors import InvalidArgumentError
 
 if TYPE_CHECKING:
     from .buffer import HostBuffer
@@ -80,6 +81,8 @@ class TransferEngine:
         self.blocks = config.kernel_blocks()
         self.num_warps = config.kernel_warps()
         self.batch = config.direct_batch()
+        self.tile_words = 4096  # words per kernel tile (see kvtier.kernels); benches sweep it
+        self.prefetch = True
 
     # -- lifetime of in-flight copies ----------------------------------------------------------------
     def _hold(self, refs: tuple) -> None:
@@ -96,7 +99,7 @@ class TransferEngine:
             ev, _ = self._inflight.popleft()
             ev.synchronize()
 
-    def _offsets(self, tensors: Sequence[torch.Tensor], word: int) -> torch.Tensor:
+    def _offsets(self, tensors: Sequence[torch.Tensor], word: int) -> tuple[torch.Tensor, int]:
         key = (tensors[0].device, word, *(t.data_ptr() for t in tensors))
         tab = self._ptr_tables.get(key)
         if tab is None:
@@ -108,57 +111,88 @@ class TransferEngine:
 
     def copy(
         self,
-        side: Side,
-        device_layers: Sequence[torch.Tensor],
+        pairs: Sequence[tuple[Side, Sequence[torch.Tensor]]],
         prepared: Any,
         layer_begin: int,
         layer_end: int,
         *,
         to_host: bool,
         backend: str = "direct",
+        per_layer: bool = False,
+        events: Sequence[Any] | None = None,
         hold: bool = True,
     ) -> None:
-        """Copy layers ``[layer_begin, layer_end)`` of one side for validated indices ``prepared``
-        (``kvtier.pools._Prepared``: host/device numpy indices, page rules, cached GPU indices and plans)."""
+        """Copy layers ``[layer_begin, layer_end)`` of each ``(side, device_layers)`` pair (K, then V: separate
+        copies with their own geometry) for validated indices ``prepared`` (``kvtier.pools._Prepared``: host and
+        device numpy indices, page rules, cached GPU indices and plans).
+
+        ``per_layer``: enqueue layer by layer (every pair's layer l, then ``events[l - layer_begin]`` is
+        recorded on the current stream when ``events`` is given); otherwise each pair's layers in one go."""
         host, device, paged = prepared.host, prepared.device, prepared.paged
-        if len(host) == 0:
+        if len(host) == 0 or not pairs:
+            if events is not None:
+                for ev in events:
+                    ev.record()
             return
-        dev = device_layers[0].device
-        if dev.type != "cpu" and (dev.type != "cuda" or not side.buffer.pinned):
-            self._copy_torch(side, device_layers, host, device, layer_begin, layer_end, to_host)
+        dev = pairs[0][1][0].device
+        if dev.type != "cpu" and (dev.type != "cuda" or not all(side.buffer.pinned for side, _ in pairs)):
+            for i, layer in enumerate(range(layer_begin, layer_end) if per_layer else (layer_begin,)):
+                last = layer + 1 if per_layer else layer_end
+                for side, tensors in pairs:
+                    self._copy_torch(side, tensors, host, device, layer, last, to_host)
+                if events is not None:
+                    events[i].record()
             return
+        regions = tuple(side.buffer._region for side, _ in pairs)
         if backend == "kernel" and dev.type == "cuda" and kernels.available():
             hidx, didx = prepared.gpu(dev)
-            kernels.launch_rows(
-                host=side.tensor, layout=side.layout, slots=side.slots, layers=side.layers,
-                page_size=side.page_size, row_bytes=side.row_bytes, device_layers=device_layers,
-                dev_offsets=self._offsets(device_layers, kernels.word_of(side.row_bytes)),
-                host_idx=hidx, dev_idx=didx, layer_begin=layer_begin, layer_end=layer_end, to_host=to_host,
-                blocks=self.blocks, num_warps=self.num_warps,
-            )
+            launches = [
+                kernels.prepare_rows(
+                    host=side.tensor, layout=side.layout, slots=side.slots, layers=side.layers,
+                    page_size=side.page_size, row_bytes=side.row_bytes, device_layers=tensors,
+                    dev_offsets=self._offsets(tensors, kernels.word_of(side.row_bytes)),
+                    host_idx=hidx, dev_idx=didx, to_host=to_host, blocks=self.blocks, num_warps=self.num_warps,
+                    tile_words=self.tile_words, prefetch=self.prefetch,
+                )
+                for side, tensors in pairs
+            ]
+            kernels.run_rows(launches, layer_begin, layer_end, per_layer=per_layer, events=events)
             if hold:
-                self._hold((side.buffer._region, hidx, didx))
+                self._hold((regions, hidx, didx))
             return
-        # Plans are cached per device-layer list; the entry keeps that list, so the identity check below
-        # cannot be fooled by a recycled id.
-        key = (side.offset, id(side.buffer), to_host, id(device_layers))
-        entry = prepared.plans.get(key)
-        plan = entry[1] if entry is not None and entry[0] is device_layers else None
-        if plan is None:
-            # Plan every layer once; per-layer loads then submit one layer per native call.
-            plan = _native.TransferPlan(
-                to_host, side.buffer._region, side.offset, side.layout, side.slots, side.page_size, side.row_bytes,
-                list(device_layers), host, device, 0, len(device_layers), paged, paged, side.split,
-            )
-            prepared.plans[key] = (device_layers, plan)
+        plans = [self._plan(side, tensors, prepared, to_host) for side, tensors in pairs]
         if dev.type == "cpu":
-            plan.copy_cpu(layer_begin, layer_end)
+            for i, layer in enumerate(range(layer_begin, layer_end) if per_layer else (layer_begin,)):
+                last = layer + 1 if per_layer else layer_end
+                for plan in plans:
+                    plan.copy_cpu(layer, last)
             return
         stream = torch.cuda.current_stream(dev)
-        plan.submit(layer_begin, layer_end, dev.index if dev.index is not None else torch.cuda.current_device(),
-                    stream.cuda_stream, self.batch)
+        handles = [int(ev.cuda_event) for ev in events] if events is not None else []
+        if events is not None and not all(handles):
+            raise InvalidArgumentError("invalid argument `events`: record each event once before passing it")
+        _native.submit_layers(plans, layer_begin, layer_end,
+                              dev.index if dev.index is not None else torch.cuda.current_device(),
+                              stream.cuda_stream, self.batch, per_layer, handles)
         if hold:
-            self._hold((side.buffer._region, plan))
+            self._hold((regions, plans))
+
+    @staticmethod
+    def _plan(side: Side, device_layers: Sequence[torch.Tensor], prepared: Any, to_host: bool):
+        """The DMA plan of one side for ``prepared``'s indices, made once (every layer) and cached there.
+        Cached per device-layer list; the entry keeps that list, so the identity check cannot be fooled by a
+        recycled id."""
+        key = (side.offset, id(side.buffer), to_host, id(device_layers))
+        entry = prepared.plans.get(key)
+        if entry is not None and entry[0] is device_layers:
+            return entry[1]
+        plan = _native.TransferPlan(
+            to_host, side.buffer._region, side.offset, side.layout, side.slots, side.page_size, side.row_bytes,
+            list(device_layers), prepared.host, prepared.device, 0, len(device_layers), prepared.paged,
+            prepared.paged, side.split,
+        )
+        prepared.plans[key] = (device_layers, plan)
+        return plan
 
     @staticmethod
     def _copy_torch(side, device_layers, host, device, layer_begin, layer_end, to_host) -> None:

@@ -33,9 +33,15 @@ impl PageAllocator {
             return Err(Error::arg("page_size", "must be positive, got 0"));
         }
         if page_num == 0 || page_num > u32::MAX as usize {
-            return Err(Error::arg("page_num", format!("must be in [1, 2^32), got {page_num}")));
+            return Err(Error::arg(
+                "page_num",
+                format!("must be in [1, 2^32), got {page_num}"),
+            ));
         }
-        if page_num.checked_mul(page_size).is_none_or(|s| s > i64::MAX as usize) {
+        if page_num
+            .checked_mul(page_size)
+            .is_none_or(|s| s > i64::MAX as usize)
+        {
             return Err(Error::arg("page_num", "page_num * page_size overflows"));
         }
         Ok(Self {
@@ -96,7 +102,11 @@ impl PageAllocator {
             if !st.used[p] || !seen.insert(p) {
                 return Err(Error::arg(
                     "indices",
-                    format!("page {p} (slots {}..{}) is not allocated (double free?)", p * ps, (p + 1) * ps),
+                    format!(
+                        "page {p} (slots {}..{}) is not allocated (double free?)",
+                        p * ps,
+                        (p + 1) * ps
+                    ),
                 ));
             }
         }
@@ -131,12 +141,20 @@ impl State {
 /// Checks that `indices` are whole pages of a pool of `page_num` pages — length a multiple of `page_size`,
 /// each group starting at a multiple of `page_size`, consecutive inside the group — and returns the page
 /// numbers. `name` is the argument name used in errors.
-pub fn page_starts(indices: &[i64], page_size: usize, page_num: usize, name: &str) -> Result<Vec<usize>> {
+pub fn page_starts(
+    indices: &[i64],
+    page_size: usize,
+    page_num: usize,
+    name: &str,
+) -> Result<Vec<usize>> {
     let ps = page_size;
     if indices.len() % ps != 0 {
         return Err(Error::arg(
             name,
-            format!("length {} is not a multiple of page_size {ps}", indices.len()),
+            format!(
+                "length {} is not a multiple of page_size {ps}",
+                indices.len()
+            ),
         ));
     }
     let limit = (page_num * ps) as i64;
@@ -152,7 +170,10 @@ pub fn page_starts(indices: &[i64], page_size: usize, page_num: usize, name: &st
         if first % ps as i64 != 0 {
             return Err(Error::arg(
                 name,
-                format!("{name}[{}] = {first} does not start a page (page_size {ps})", g * ps),
+                format!(
+                    "{name}[{}] = {first} does not start a page (page_size {ps})",
+                    g * ps
+                ),
             ));
         }
         for (k, &v) in grp.iter().enumerate() {
@@ -196,12 +217,24 @@ mod tests {
     fn free_rejects_and_changes_nothing() {
         let a = PageAllocator::new(4, 2).unwrap();
         let got = a.alloc(4).unwrap().unwrap();
-        for bad in [vec![0i64], vec![1, 2], vec![0, 2], vec![8, 9], vec![-2, -1], vec![4, 5], vec![0, 1, 0, 1]] {
+        for bad in [
+            vec![0i64],
+            vec![1, 2],
+            vec![0, 2],
+            vec![8, 9],
+            vec![-2, -1],
+            vec![4, 5],
+            vec![0, 1, 0, 1],
+        ] {
             assert!(a.free(&bad).is_err(), "{bad:?}");
             assert_eq!(a.available(), 4);
         }
         a.free(&got).unwrap();
-        assert!(a.free(&got).unwrap_err().to_string().contains("double free"));
+        assert!(a
+            .free(&got)
+            .unwrap_err()
+            .to_string()
+            .contains("double free"));
     }
 
     #[test]

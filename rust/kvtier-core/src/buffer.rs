@@ -194,7 +194,8 @@ impl HostRegion {
 
     fn map_explicit(nbytes: usize, align: usize) -> std::result::Result<Self, String> {
         let len = round_up(nbytes, HUGE_PAGE).ok_or("size overflows")?;
-        let mut r = Self::map_aligned(len, align.max(HUGE_PAGE), libc::MAP_HUGETLB).map_err(|e| e.to_string())?;
+        let mut r = Self::map_aligned(len, align.max(HUGE_PAGE), libc::MAP_HUGETLB)
+            .map_err(|e| e.to_string())?;
         r.kind = PageKind::Explicit;
         r.alignment = align;
         Ok(r)
@@ -373,7 +374,11 @@ pub fn default_prefault_threads(len: usize) -> usize {
 
 /// Splits `[0, len)` into chunks of at most `max_chunk` bytes whose boundaries are multiples of
 /// `granularity`. The last chunk takes the remainder.
-pub fn registration_chunks(len: usize, granularity: usize, max_chunk: usize) -> Result<Vec<(usize, usize)>> {
+pub fn registration_chunks(
+    len: usize,
+    granularity: usize,
+    max_chunk: usize,
+) -> Result<Vec<(usize, usize)>> {
     if granularity == 0 {
         return Err(Error::arg("granularity", "must be positive, got 0"));
     }
@@ -433,7 +438,10 @@ mod tests {
         }
         let e = HostRegion::new(usize::MAX, &RegionOptions::default()).unwrap_err();
         assert!(e.to_string().contains("`nbytes`"), "{e}");
-        assert!(HugePages::parse("yes").unwrap_err().to_string().contains("huge_pages"));
+        assert!(HugePages::parse("yes")
+            .unwrap_err()
+            .to_string()
+            .contains("huge_pages"));
     }
 
     #[test]
@@ -462,7 +470,9 @@ mod tests {
             for t in 0..8 {
                 s.spawn(move || {
                     for i in 0..20 {
-                        let r = HostRegion::new((t + 1) * (i + 1) * 65536, &RegionOptions::default()).unwrap();
+                        let r =
+                            HostRegion::new((t + 1) * (i + 1) * 65536, &RegionOptions::default())
+                                .unwrap();
                         // SAFETY: inside the region.
                         unsafe { *r.as_ptr().add(r.len() - 1) = t as u8 };
                     }
@@ -474,7 +484,16 @@ mod tests {
     #[test]
     fn chunks_respect_granularity() {
         let c = registration_chunks(10 * 3000, 3000, 7000).unwrap();
-        assert_eq!(c, vec![(0, 6000), (6000, 6000), (12000, 6000), (18000, 6000), (24000, 6000)]);
+        assert_eq!(
+            c,
+            vec![
+                (0, 6000),
+                (6000, 6000),
+                (12000, 6000),
+                (18000, 6000),
+                (24000, 6000)
+            ]
+        );
         let c = registration_chunks(10_000, 3000, 1 << 30).unwrap();
         assert_eq!(c, vec![(0, 10_000)]);
         assert!(registration_chunks(10, 3000, 2000).is_err());

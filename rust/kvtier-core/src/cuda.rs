@@ -44,9 +44,13 @@ const CUDA_ERROR_INVALID_VALUE: i32 = 1;
 /// with compute instead of competing with it.
 const CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE: u32 = 0x1;
 /// Flags in use: starts with PREFER_OVERLAP_WITH_COMPUTE, drops to 0 if a driver rejects it.
-static BATCH_FLAGS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE);
-/// Descriptors per `cuMemcpyBatchAsync` call; larger calls are split (SGLang caps its workspace at 65,536).
+static BATCH_FLAGS: std::sync::atomic::AtomicU32 =
+    std::sync::atomic::AtomicU32::new(CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE);
+/// Descriptors per `cuMemcpyBatchAsync` call by default; larger calls are split (SGLang caps its workspace
+/// at 65,536). Adjustable with [`set_batch_limit`] (diagnostics and benches).
 const BATCH_LIMIT: usize = 16384;
+static BATCH_LIMIT_NOW: std::sync::atomic::AtomicUsize =
+    std::sync::atomic::AtomicUsize::new(BATCH_LIMIT);
 
 /// CUDA 13's `cuMemcpyBatchAsync_v2`: no `failIdx` out-parameter (12.8's unsuffixed symbol has one).
 type BatchV2 = unsafe extern "C" fn(
@@ -70,7 +74,25 @@ struct Driver {
     host_register: unsafe extern "C" fn(*mut c_void, usize, u32) -> CuResult,
     host_unregister: unsafe extern "C" fn(*mut c_void) -> CuResult,
     host_get_flags: unsafe extern "C" fn(*mut u32, *mut c_void) -> CuResult,
+    launch_kernel: LaunchKernel,
+    event_record: unsafe extern "C" fn(*mut c_void, *mut c_void) -> CuResult,
 }
+
+/// `cuLaunchKernel`: function, grid x/y/z, block x/y/z, dynamic shared bytes, stream, parameter pointers,
+/// extra options.
+type LaunchKernel = unsafe extern "C" fn(
+    *mut c_void,
+    u32,
+    u32,
+    u32,
+    u32,
+    u32,
+    u32,
+    u32,
+    *mut c_void,
+    *mut *mut c_void,
+    *mut *mut c_void,
+) -> CuResult;
 
 // SAFETY: Driver holds only function pointers into a library that stays loaded for the process lifetime.
 unsafe impl Send for Driver {}
@@ -118,6 +140,8 @@ fn load() -> std::result::Result<Driver, String> {
             host_register: sym(lib, c"cuMemHostRegister_v2")?,
             host_unregister: sym(lib, c"cuMemHostUnregister")?,
             host_get_flags: sym(lib, c"cuMemHostGetFlags")?,
+            launch_kernel: sym(lib, c"cuLaunchKernel")?,
+            event_record: sym(lib, c"cuEventRecord")?,
         }
     };
     Ok(drv)
@@ -147,16 +171,37 @@ fn check(call: &'static str, rc: CuResult, detail: impl FnOnce() -> String) -> R
     }
 }
 
-/// Runs `f` with device `device`'s primary context current on this thread.
-fn with_primary_ctx<T>(d: &Driver, device: i32, f: impl FnOnce() -> Result<T>) -> Result<T> {
+/// Primary contexts retained so far, by device ordinal (retained once per process, never released: torch
+/// keeps the same contexts alive for the life of the process).
+static PRIMARY: std::sync::Mutex<Vec<(i32, usize)>> = std::sync::Mutex::new(Vec::new());
+
+fn primary_ctx(d: &Driver, device: i32) -> Result<CuContext> {
+    let mut known = PRIMARY.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(&(_, ctx)) = known.iter().find(|(dev, _)| *dev == device) {
+        return Ok(ctx as CuContext);
+    }
     let mut dev: CuDevice = 0;
     let mut ctx: CuContext = std::ptr::null_mut();
     // SAFETY: out-pointers refer to live locals; the driver was initialised by `load`.
     unsafe {
-        check("cuDeviceGet", (d.device_get)(&mut dev, device), || format!(" (device {device})"))?;
-        check("cuDevicePrimaryCtxRetain", (d.primary_ctx_retain)(&mut ctx, dev), String::new)?;
-        check("cuCtxPushCurrent", (d.ctx_push)(ctx), String::new)?;
+        check("cuDeviceGet", (d.device_get)(&mut dev, device), || {
+            format!(" (device {device})")
+        })?;
+        check(
+            "cuDevicePrimaryCtxRetain",
+            (d.primary_ctx_retain)(&mut ctx, dev),
+            String::new,
+        )?;
     }
+    known.push((device, ctx as usize));
+    Ok(ctx)
+}
+
+/// Runs `f` with device `device`'s primary context current on this thread.
+fn with_primary_ctx<T>(d: &Driver, device: i32, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    let ctx = primary_ctx(d, device)?;
+    // SAFETY: ctx is a retained primary context (never released).
+    unsafe { check("cuCtxPushCurrent", (d.ctx_push)(ctx), String::new)? };
     let out = f();
     let mut popped: CuContext = std::ptr::null_mut();
     // SAFETY: pops the context pushed above on this same thread.
@@ -201,43 +246,48 @@ pub fn register_ranges(
     let d = driver()?;
     let base = base as usize;
     let threads = threads.clamp(1, chunks.len().max(1));
-    let results: Vec<Result<Registration>> = std::thread::scope(|s| {
-        let handles: Vec<_> = (0..threads)
-            .map(|t| {
-                s.spawn(move || {
-                    with_primary_ctx(d, device, || {
-                        let mut mine = Vec::new();
-                        for (i, &(off, len)) in chunks.iter().enumerate() {
-                            if i % threads != t {
-                                continue;
-                            }
-                            let addr = base + off;
-                            // SAFETY: the range lies inside a mapping owned by the caller (see fn docs).
-                            let rc = unsafe {
-                                (d.host_register)(
-                                    addr as *mut c_void,
-                                    len,
-                                    CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP,
-                                )
-                            };
-                            mine.push(check("cuMemHostRegister", rc, || {
-                                format!(" (chunk {i}: offset {off}, {len} bytes)")
+    let results: Vec<Result<Registration>> =
+        std::thread::scope(|s| {
+            let handles: Vec<_> =
+                (0..threads)
+                    .map(|t| {
+                        s.spawn(move || {
+                            with_primary_ctx(d, device, || {
+                                let mut mine = Vec::new();
+                                for (i, &(off, len)) in chunks.iter().enumerate() {
+                                    if i % threads != t {
+                                        continue;
+                                    }
+                                    let addr = base + off;
+                                    // SAFETY: the range lies inside a mapping owned by the caller (see fn docs).
+                                    let rc = unsafe {
+                                        (d.host_register)(
+                                            addr as *mut c_void,
+                                            len,
+                                            CU_MEMHOSTREGISTER_PORTABLE
+                                                | CU_MEMHOSTREGISTER_DEVICEMAP,
+                                        )
+                                    };
+                                    mine.push(
+                                        check("cuMemHostRegister", rc, || {
+                                            format!(" (chunk {i}: offset {off}, {len} bytes)")
+                                        })
+                                        .map(|()| Registration { addr, len, device }),
+                                    );
+                                }
+                                Ok(mine)
                             })
-                            .map(|()| Registration { addr, len, device }));
-                        }
-                        Ok(mine)
+                        })
                     })
+                    .collect();
+            handles
+                .into_iter()
+                .flat_map(|h| match h.join().expect("registration thread panicked") {
+                    Ok(v) => v,
+                    Err(e) => vec![Err(e)],
                 })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .flat_map(|h| match h.join().expect("registration thread panicked") {
-                Ok(v) => v,
-                Err(e) => vec![Err(e)],
-            })
-            .collect()
-    });
+                .collect()
+        });
     let mut ok = Vec::new();
     let mut first_err = None;
     for r in results {
@@ -268,7 +318,9 @@ pub fn unregister_all(regs: Vec<Registration>) -> Result<()> {
             // SAFETY: r.addr is the base of a range registered by `register_ranges` and not yet unregistered
             // (each Registration is consumed here exactly once).
             let rc = unsafe { (d.host_unregister)(r.addr as *mut c_void) };
-            check("cuMemHostUnregister", rc, || format!(" (address {:#x})", r.addr))
+            check("cuMemHostUnregister", rc, || {
+                format!(" (address {:#x})", r.addr)
+            })
         });
         if let Err(e) = res {
             first_err.get_or_insert(e);
@@ -304,29 +356,100 @@ pub fn batch_flags() -> u32 {
     BATCH_FLAGS.load(std::sync::atomic::Ordering::Relaxed)
 }
 
-/// True when this process can submit copies with `cuMemcpyBatchAsync_v2`.
-pub fn batch_supported() -> bool {
-    driver().is_ok_and(|d| d.batch_v2.is_some()) && !BATCH_UNSUPPORTED.load(std::sync::atomic::Ordering::Relaxed)
+/// Descriptors per `cuMemcpyBatchAsync` call now.
+pub fn batch_limit() -> usize {
+    BATCH_LIMIT_NOW.load(std::sync::atomic::Ordering::Relaxed)
 }
 
-/// Enqueues `copies` (`(src, dst, len)` addresses, host or device, unified addressing) on `stream` of
-/// `device`: one `cuMemcpyBatchAsync_v2` per [`BATCH_LIMIT`] copies where the driver has it and the
-/// stream is not the legacy NULL stream (which the batch API rejects), else one `cuMemcpyAsync` each.
-/// Returns once submitted; completion is stream-ordered.
-///
-/// # Safety
-/// Every range must be valid for the copy (device memory, or host memory registered with CUDA or
-/// allocated pinned, or pageable host memory for `cuMemcpyAsync`), stay alive until the stream reaches
-/// the copies, and destinations must not overlap each other or any source.
-pub unsafe fn copy_async(device: i32, stream: usize, copies: &[(usize, usize, usize)], batch: bool) -> Result<Submitted> {
+/// Sets the descriptors per `cuMemcpyBatchAsync` call (at least 1; the default is 16,384). Returns the
+/// previous value. For benches that measure how the batch size changes throughput.
+pub fn set_batch_limit(limit: usize) -> usize {
+    BATCH_LIMIT_NOW.swap(limit.max(1), std::sync::atomic::Ordering::Relaxed)
+}
+
+/// True when this process can submit copies with `cuMemcpyBatchAsync_v2`.
+pub fn batch_supported() -> bool {
+    driver().is_ok_and(|d| d.batch_v2.is_some())
+        && !BATCH_UNSUPPORTED.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// The primary context of one device, current on this thread for a sequence of driver calls (popped when
+/// dropped). Not `Send`: a context is current per thread.
+pub struct Current {
+    d: &'static Driver,
+    _not_send: std::marker::PhantomData<*const ()>,
+}
+
+/// Makes `device`'s primary context (torch's context) current on this thread until the guard drops.
+pub fn make_current(device: i32) -> Result<Current> {
     let d = driver()?;
-    let mut out = Submitted { copies: copies.len(), batch_calls: 0 };
-    if copies.is_empty() {
-        return Ok(out);
+    let ctx = primary_ctx(d, device)?;
+    // SAFETY: ctx is a retained primary context (never released).
+    unsafe { check("cuCtxPushCurrent", (d.ctx_push)(ctx), String::new)? };
+    Ok(Current {
+        d,
+        _not_send: std::marker::PhantomData,
+    })
+}
+
+impl Drop for Current {
+    fn drop(&mut self) {
+        let mut popped: CuContext = std::ptr::null_mut();
+        // SAFETY: pops the context pushed by `make_current` on this same thread (the guard is not Send).
+        unsafe { (self.d.ctx_pop)(&mut popped) };
     }
-    let hstream = stream as *mut c_void;
-    with_primary_ctx(d, device, || {
-        let use_batch = batch && stream != 0 && !BATCH_UNSUPPORTED.load(std::sync::atomic::Ordering::Relaxed);
+}
+
+/// One kernel parameter, passed by value (`cuLaunchKernel` reads each through a pointer).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Param {
+    /// A 32-bit integer parameter.
+    U32(u32),
+    /// A 64-bit integer or pointer parameter.
+    U64(u64),
+}
+
+/// A kernel loaded in the primary context (`CUfunction`) and the shape it is launched with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Kernel {
+    /// The `CUfunction` handle.
+    pub function: usize,
+    /// Thread blocks (1-D grid).
+    pub grid: u32,
+    /// Threads per block.
+    pub block: u32,
+    /// Dynamic shared memory in bytes.
+    pub shared: u32,
+}
+
+impl Current {
+    /// Enqueues `copies` (`(src, dst, len)` addresses, host or device, unified addressing) on `stream`:
+    /// one `cuMemcpyBatchAsync_v2` per [`batch_limit`] copies where the driver has it and the stream is not
+    /// the legacy NULL stream (which the batch API rejects), else one `cuMemcpyAsync` each. Returns once
+    /// submitted; completion is stream-ordered.
+    ///
+    /// # Safety
+    /// Every range must be valid for the copy (device memory, or host memory registered with CUDA or
+    /// allocated pinned, or pageable host memory for `cuMemcpyAsync`), stay alive until the stream reaches
+    /// the copies, and destinations must not overlap each other or any source. `stream` must be a live
+    /// stream of this context (or 0).
+    pub unsafe fn copy_async(
+        &self,
+        stream: usize,
+        copies: &[(usize, usize, usize)],
+        batch: bool,
+    ) -> Result<Submitted> {
+        let d = self.d;
+        let mut out = Submitted {
+            copies: copies.len(),
+            batch_calls: 0,
+        };
+        if copies.is_empty() {
+            return Ok(out);
+        }
+        let hstream = stream as *mut c_void;
+        let use_batch =
+            batch && stream != 0 && !BATCH_UNSUPPORTED.load(std::sync::atomic::Ordering::Relaxed);
         if let (true, Some(batch_fn)) = (use_batch, d.batch_v2) {
             let mut attrs = CuMemcpyAttributes {
                 src_access_order: CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
@@ -335,7 +458,8 @@ pub unsafe fn copy_async(device: i32, stream: usize, copies: &[(usize, usize, us
                 flags: BATCH_FLAGS.load(std::sync::atomic::Ordering::Relaxed),
             };
             let mut done = 0;
-            let mut parts = copies.chunks(BATCH_LIMIT).peekable();
+            let limit = batch_limit();
+            let mut parts = copies.chunks(limit).peekable();
             while let Some(part) = parts.next() {
                 let mut srcs: Vec<u64> = part.iter().map(|c| c.0 as u64).collect();
                 let mut dsts: Vec<u64> = part.iter().map(|c| c.1 as u64).collect();
@@ -359,27 +483,110 @@ pub unsafe fn copy_async(device: i32, stream: usize, copies: &[(usize, usize, us
                     // A driver that does not know the overlap flag: retry this part without it, for good.
                     BATCH_FLAGS.store(0, std::sync::atomic::Ordering::Relaxed);
                     attrs.flags = 0;
-                    parts = copies.chunks(BATCH_LIMIT).peekable();
+                    parts = copies.chunks(limit).peekable();
                     continue;
                 }
                 if rc == CUDA_ERROR_NOT_SUPPORTED && done == 0 {
                     BATCH_UNSUPPORTED.store(true, std::sync::atomic::Ordering::Relaxed);
                     break;
                 }
-                check("cuMemcpyBatchAsync_v2", rc, || format!(" ({} copies)", part.len()))?;
+                check("cuMemcpyBatchAsync_v2", rc, || {
+                    format!(" ({} copies)", part.len())
+                })?;
                 out.batch_calls += 1;
                 done += part.len();
             }
             if done == copies.len() {
-                return Ok(());
+                return Ok(out);
             }
         }
         for (i, &(src, dst, len)) in copies.iter().enumerate() {
             // SAFETY: the range is valid per this function's contract.
             let rc = unsafe { (d.memcpy_async)(dst as u64, src as u64, len, hstream) };
-            check("cuMemcpyAsync", rc, || format!(" (copy {i}: {len} bytes {src:#x} -> {dst:#x})"))?;
+            check("cuMemcpyAsync", rc, || {
+                format!(" (copy {i}: {len} bytes {src:#x} -> {dst:#x})")
+            })?;
         }
-        Ok(())
-    })?;
-    Ok(out)
+        Ok(out)
+    }
+
+    /// Enqueues one launch of `kernel` on `stream` with `params` in the kernel's parameter order.
+    ///
+    /// # Safety
+    /// `kernel.function` must be a live `CUfunction` of this context whose parameters are exactly `params`
+    /// (count, order and widths), every address in `params` must be valid for what the kernel does with it
+    /// until the stream passes the launch, and `stream` must be a live stream of this context (or 0).
+    pub unsafe fn launch(&self, stream: usize, kernel: &Kernel, params: &[Param]) -> Result<()> {
+        if kernel.function == 0 || kernel.grid == 0 || kernel.block == 0 || kernel.block > 1024 {
+            return Err(Error::arg("kernel", format!("bad launch shape {kernel:?}")));
+        }
+        // Values live in these two vectors, which are never resized after the pointers are taken.
+        let mut narrow: Vec<u32> = Vec::with_capacity(params.len());
+        let mut wide: Vec<u64> = Vec::with_capacity(params.len());
+        for p in params {
+            match *p {
+                Param::U32(v) => narrow.push(v),
+                Param::U64(v) => wide.push(v),
+            }
+        }
+        let (mut n, mut w) = (0, 0);
+        let mut ptrs: Vec<*mut c_void> = Vec::with_capacity(params.len());
+        for p in params {
+            match p {
+                Param::U32(_) => {
+                    ptrs.push(&mut narrow[n] as *mut u32 as *mut c_void);
+                    n += 1;
+                }
+                Param::U64(_) => {
+                    ptrs.push(&mut wide[w] as *mut u64 as *mut c_void);
+                    w += 1;
+                }
+            }
+        }
+        // SAFETY: `ptrs` points at one value per parameter, alive across the call (the driver copies the
+        // values during the call); the function, parameter list and addresses are valid per the contract.
+        let rc = unsafe {
+            (self.d.launch_kernel)(
+                kernel.function as *mut c_void,
+                kernel.grid,
+                1,
+                1,
+                kernel.block,
+                1,
+                1,
+                kernel.shared,
+                stream as *mut c_void,
+                ptrs.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        };
+        check("cuLaunchKernel", rc, || {
+            format!(" (grid {}, block {})", kernel.grid, kernel.block)
+        })
+    }
+
+    /// Records `event` on `stream` (both of this context).
+    ///
+    /// # Safety
+    /// `event` must be a live `CUevent` and `stream` a live stream (or 0) of this context.
+    pub unsafe fn record_event(&self, event: usize, stream: usize) -> Result<()> {
+        // SAFETY: per the contract.
+        let rc = unsafe { (self.d.event_record)(event as *mut c_void, stream as *mut c_void) };
+        check("cuEventRecord", rc, || format!(" (event {event:#x})"))
+    }
+}
+
+/// [`Current::copy_async`] with `device`'s primary context made current for the call.
+///
+/// # Safety
+/// As [`Current::copy_async`].
+pub unsafe fn copy_async(
+    device: i32,
+    stream: usize,
+    copies: &[(usize, usize, usize)],
+    batch: bool,
+) -> Result<Submitted> {
+    let cur = make_current(device)?;
+    // SAFETY: forwarded contract.
+    unsafe { cur.copy_async(stream, copies, batch) }
 }

@@ -10,12 +10,15 @@ mod imp {
     use std::io;
     use std::sync::Mutex;
 
-    /// point -> (calls to let through before failing, failures left, errno)
-    static POINTS: Mutex<Option<HashMap<String, (u64, u64, i32)>>> = Mutex::new(None);
+    /// (calls to let through before failing, failures left, errno)
+    type Point = (u64, u64, i32);
+    /// point name -> its schedule
+    static POINTS: Mutex<Option<HashMap<String, Point>>> = Mutex::new(None);
 
     pub fn set(point: &str, skip: u64, times: u64, errno: i32) {
         let mut g = POINTS.lock().unwrap_or_else(|p| p.into_inner());
-        g.get_or_insert_with(HashMap::new).insert(point.to_owned(), (skip, times, errno));
+        g.get_or_insert_with(HashMap::new)
+            .insert(point.to_owned(), (skip, times, errno));
     }
 
     pub fn clear() {
@@ -25,7 +28,9 @@ mod imp {
     pub fn check(point: &str) -> io::Result<()> {
         let mut g = POINTS.lock().unwrap_or_else(|p| p.into_inner());
         let Some(map) = g.as_mut() else { return Ok(()) };
-        let Some(st) = map.get_mut(point) else { return Ok(()) };
+        let Some(st) = map.get_mut(point) else {
+            return Ok(());
+        };
         if st.0 > 0 {
             st.0 -= 1;
             return Ok(());

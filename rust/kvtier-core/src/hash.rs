@@ -26,7 +26,10 @@ fn unhex(s: &str) -> Option<Vec<u8>> {
     if s.len() % 2 != 0 {
         return None;
     }
-    (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).ok()).collect()
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).ok())
+        .collect()
 }
 
 /// Chained page keys of `tokens` (each a u32 token id) with `page_size` tokens a page (the last page may be
@@ -36,7 +39,10 @@ pub fn page_hashes(tokens: &[u32], page_size: usize, prior: Option<&str>) -> Res
         return Err(Error::arg("page_size", "must be positive, got 0"));
     }
     let mut prev = match prior {
-        Some(p) => Some(unhex(p).ok_or_else(|| Error::arg("prior_hash", format!("{p:?} is not a hex string")))?),
+        Some(p) => Some(
+            unhex(p)
+                .ok_or_else(|| Error::arg("prior_hash", format!("{p:?} is not a hex string")))?,
+        ),
         None => None,
     };
     let mut out = Vec::with_capacity(tokens.len().div_ceil(page_size));
@@ -61,7 +67,10 @@ mod tests {
 
     #[test]
     fn known_vectors() {
-        assert_eq!(sha256_hex(b"abc"), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+        assert_eq!(
+            sha256_hex(b"abc"),
+            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+        );
         let h = page_hashes(&[1, 2, 3, 4, 5], 2, None).unwrap();
         assert_eq!(h.len(), 3); // two full pages and the partial one
         let mut first = Vec::new();

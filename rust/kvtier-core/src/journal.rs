@@ -45,7 +45,13 @@ impl Record {
     pub fn encode(&self, out: &mut Vec<u8>) {
         let start = out.len();
         let (kind, key, class, slot, len, crc) = match self {
-            Record::Put { key, class, slot, len, crc } => (1u8, key, *class, *slot, *len, *crc),
+            Record::Put {
+                key,
+                class,
+                slot,
+                len,
+                crc,
+            } => (1u8, key, *class, *slot, *len, *crc),
             Record::Del { key } => (2u8, key, 0, 0, 0, 0),
         };
         debug_assert!(key.len() <= MAX_KEY);
@@ -100,7 +106,9 @@ fn parse_one(b: &[u8]) -> Option<(Record, usize)> {
     if crc32c::crc32c(&b[..FIXED + key_len]) != u32_at(b, FIXED + key_len) {
         return None;
     }
-    let key = std::str::from_utf8(&b[FIXED..FIXED + key_len]).ok()?.to_owned();
+    let key = std::str::from_utf8(&b[FIXED..FIXED + key_len])
+        .ok()?
+        .to_owned();
     let rec = match kind {
         1 => Record::Put {
             key,
@@ -123,9 +131,21 @@ mod tests {
     #[test]
     fn round_trip_and_torn_tail() {
         let recs = vec![
-            Record::Put { key: "a".repeat(64), class: 8192, slot: 3, len: 5000, crc: 77 },
+            Record::Put {
+                key: "a".repeat(64),
+                class: 8192,
+                slot: 3,
+                len: 5000,
+                crc: 77,
+            },
             Record::Del { key: "b".into() },
-            Record::Put { key: "../../etc/x".into(), class: 4096, slot: 0, len: 1, crc: 1 },
+            Record::Put {
+                key: "../../etc/x".into(),
+                class: 4096,
+                slot: 0,
+                len: 1,
+                crc: 1,
+            },
         ];
         let mut buf = Vec::new();
         for r in &recs {

@@ -58,14 +58,28 @@ pub struct HostGeometry {
 
 impl HostGeometry {
     /// Checks the geometry and that its byte size fits in memory.
-    pub fn new(layout: Layout, layers: usize, slots: usize, page_size: usize, row_bytes: usize) -> Result<Self> {
-        for (n, v) in [("layer_num", layers), ("size", slots), ("page_size", page_size), ("row_bytes", row_bytes)] {
+    pub fn new(
+        layout: Layout,
+        layers: usize,
+        slots: usize,
+        page_size: usize,
+        row_bytes: usize,
+    ) -> Result<Self> {
+        for (n, v) in [
+            ("layer_num", layers),
+            ("size", slots),
+            ("page_size", page_size),
+            ("row_bytes", row_bytes),
+        ] {
             if v == 0 {
                 return Err(Error::arg(n, "must be positive, got 0"));
             }
         }
         if slots % page_size != 0 {
-            return Err(Error::arg("size", format!("{slots} is not a multiple of page_size {page_size}")));
+            return Err(Error::arg(
+                "size",
+                format!("{slots} is not a multiple of page_size {page_size}"),
+            ));
         }
         let g = Self {
             layout,
@@ -127,7 +141,10 @@ pub struct IndexRules {
 fn check_range(name: &str, idx: &[i64], limit: usize) -> Result<()> {
     for (i, &v) in idx.iter().enumerate() {
         if v < 0 || v as u64 >= limit as u64 {
-            return Err(Error::arg(name, format!("{name}[{i}] = {v} is out of range [0, {limit})")));
+            return Err(Error::arg(
+                name,
+                format!("{name}[{i}] = {v} is out of range [0, {limit})"),
+            ));
         }
     }
     Ok(())
@@ -171,7 +188,10 @@ pub fn validate(host: &[i64], device: &[i64], rules: &IndexRules) -> Result<()> 
         if device.len() % ps != 0 {
             return Err(Error::arg(
                 "device_indices",
-                format!("length {} is not a multiple of page_size {ps}", device.len()),
+                format!(
+                    "length {} is not a multiple of page_size {ps}",
+                    device.len()
+                ),
             ));
         }
         for (g, grp) in device.chunks_exact(ps).enumerate() {
@@ -272,14 +292,22 @@ pub struct RawRange {
 pub fn check_chunks(host: RawRange, device: &[RawRange], chunks: &[Chunk]) -> Result<()> {
     for (i, c) in chunks.iter().enumerate() {
         let dev = device.get(c.layer as usize).ok_or_else(|| {
-            Error::arg("layer_id", format!("chunk {i} names layer {} of {}", c.layer, device.len()))
+            Error::arg(
+                "layer_id",
+                format!("chunk {i} names layer {} of {}", c.layer, device.len()),
+            )
         })?;
         let host_end = c.host_off.checked_add(c.len);
         let dev_end = c.device_off.checked_add(c.len);
-        if host_end.is_none_or(|e| e > host.len as u64) || dev_end.is_none_or(|e| e > dev.len as u64) {
+        if host_end.is_none_or(|e| e > host.len as u64)
+            || dev_end.is_none_or(|e| e > dev.len as u64)
+        {
             return Err(Error::arg(
                 "indices",
-                format!("chunk {i} {c:?} falls outside its buffers (host {} B, device {} B)", host.len, dev.len),
+                format!(
+                    "chunk {i} {c:?} falls outside its buffers (host {} B, device {} B)",
+                    host.len, dev.len
+                ),
             ));
         }
     }
@@ -287,7 +315,12 @@ pub fn check_chunks(host: RawRange, device: &[RawRange], chunks: &[Chunk]) -> Re
 }
 
 /// `(source, destination, len)` addresses of every chunk for `dir`.
-pub fn addresses(dir: Direction, host: RawRange, device: &[RawRange], chunks: &[Chunk]) -> Vec<(usize, usize, usize)> {
+pub fn addresses(
+    dir: Direction,
+    host: RawRange,
+    device: &[RawRange],
+    chunks: &[Chunk],
+) -> Vec<(usize, usize, usize)> {
     chunks
         .iter()
         .map(|c| {
@@ -306,7 +339,12 @@ pub fn addresses(dir: Direction, host: RawRange, device: &[RawRange], chunks: &[
 /// # Safety
 /// `host` and every entry of `device` must be live, writable (on the destination side) allocations of at
 /// least their stated length for the whole call, and the host range must not overlap any device range.
-pub unsafe fn copy_cpu(dir: Direction, host: RawRange, device: &[RawRange], chunks: &[Chunk]) -> Result<()> {
+pub unsafe fn copy_cpu(
+    dir: Direction,
+    host: RawRange,
+    device: &[RawRange],
+    chunks: &[Chunk],
+) -> Result<()> {
     check_chunks(host, device, chunks)?;
     for (src, dst, len) in addresses(dir, host, device, chunks) {
         // SAFETY: both ranges were checked above to lie inside live allocations (caller contract), and the
@@ -334,7 +372,11 @@ mod tests {
     #[test]
     fn offsets_match_the_shapes() {
         let (l, s, ps, row) = (3, 8, 2, 10);
-        for layout in [Layout::LayerFirst, Layout::PageFirst, Layout::PageFirstDirect] {
+        for layout in [
+            Layout::LayerFirst,
+            Layout::PageFirst,
+            Layout::PageFirstDirect,
+        ] {
             let g = HostGeometry::new(layout, l, s, ps, row).unwrap();
             let mut seen = std::collections::HashSet::new();
             for li in 0..l {
@@ -358,13 +400,29 @@ mod tests {
         validate(&ok, &[9, 10, 11, 12], &r).unwrap();
         let cases: Vec<(Vec<i64>, Vec<i64>, &str)> = vec![
             (vec![0, 1, 2, 3], vec![0, 1, 2], "same length"),
-            (vec![16, 17, 18, 19], vec![0, 1, 2, 3], "host_indices[0] = 16 is out of range"),
-            (vec![0, 1, 2, 3], vec![17, 18, 19, 20], "device_indices[3] = 20 is out of range"),
+            (
+                vec![16, 17, 18, 19],
+                vec![0, 1, 2, 3],
+                "host_indices[0] = 16 is out of range",
+            ),
+            (
+                vec![0, 1, 2, 3],
+                vec![17, 18, 19, 20],
+                "device_indices[3] = 20 is out of range",
+            ),
             (vec![0, 1, 2, -1], vec![0, 1, 2, 3], "host_indices[3] = -1"),
             (vec![1, 2, 3, 4], vec![0, 1, 2, 3], "does not start a page"),
             (vec![0, 1, 3, 2], vec![0, 1, 2, 3], "consecutive"),
-            (vec![0, 1, 2, 3], vec![0, 1, 3, 4], "device slots must be consecutive"),
-            (vec![0, 1, 2, 3, 4, 5, 6, 7], vec![0, 1, 2, 3, 0, 1, 2, 3], "appears twice"),
+            (
+                vec![0, 1, 2, 3],
+                vec![0, 1, 3, 4],
+                "device slots must be consecutive",
+            ),
+            (
+                vec![0, 1, 2, 3, 4, 5, 6, 7],
+                vec![0, 1, 2, 3, 0, 1, 2, 3],
+                "appears twice",
+            ),
         ];
         for (h, d, msg) in cases {
             let e = validate(&h, &d, &r).unwrap_err().to_string();
@@ -383,7 +441,15 @@ mod tests {
         let c = plan(&g, &host, &dev, 0..2, usize::MAX, 0);
         assert_eq!(c.len(), 4);
         assert!(c.iter().all(|c| c.len == 64));
-        assert_eq!(c[0], Chunk { layer: 0, host_off: g.offset(0, 4) as u64, device_off: 128, len: 64 });
+        assert_eq!(
+            c[0],
+            Chunk {
+                layer: 0,
+                host_off: g.offset(0, 4) as u64,
+                device_off: 128,
+                len: 64
+            }
+        );
         // page_first is contiguous across layers, not tokens: one chunk per token per layer
         let g = HostGeometry::new(Layout::PageFirst, 2, 8, 4, 16).unwrap();
         assert_eq!(plan(&g, &host, &dev, 1..2, usize::MAX, 0).len(), 8);
@@ -392,26 +458,53 @@ mod tests {
         let c = plan(&g, &[0, 1, 2, 3, 4, 5, 6, 7], &dev, 0..1, usize::MAX, 0);
         assert_eq!(c.len(), 1);
         // ... unless asked to split at a registration boundary
-        assert_eq!(plan(&g, &[0, 1, 2, 3, 4, 5, 6, 7], &dev, 0..1, 64, 0).len(), 2);
+        assert_eq!(
+            plan(&g, &[0, 1, 2, 3, 4, 5, 6, 7], &dev, 0..1, 64, 0).len(),
+            2
+        );
         // the boundary is counted from the registration's start: 32 bytes in, the split falls mid-run
         let c = plan(&g, &[0, 1, 2, 3, 4, 5, 6, 7], &dev, 0..1, 64, 32);
-        assert_eq!(c.iter().map(|c| c.len).collect::<Vec<_>>(), vec![32, 64, 32]);
+        assert_eq!(
+            c.iter().map(|c| c.len).collect::<Vec<_>>(),
+            vec![32, 64, 32]
+        );
     }
 
     #[test]
     fn copy_cpu_checks_bounds() {
         let mut host = vec![0u8; 64];
         let mut dev = vec![0u8; 32];
-        let h = RawRange { ptr: host.as_mut_ptr() as usize, len: 64 };
-        let d = [RawRange { ptr: dev.as_mut_ptr() as usize, len: 32 }];
-        let bad = [Chunk { layer: 0, host_off: 0, device_off: 16, len: 32 }];
+        let h = RawRange {
+            ptr: host.as_mut_ptr() as usize,
+            len: 64,
+        };
+        let d = [RawRange {
+            ptr: dev.as_mut_ptr() as usize,
+            len: 32,
+        }];
+        let bad = [Chunk {
+            layer: 0,
+            host_off: 0,
+            device_off: 16,
+            len: 32,
+        }];
         // SAFETY: the ranges are the two live Vecs above.
         assert!(unsafe { copy_cpu(Direction::HostToDevice, h, &d, &bad) }.is_err());
-        let bad_layer = [Chunk { layer: 1, host_off: 0, device_off: 0, len: 1 }];
+        let bad_layer = [Chunk {
+            layer: 1,
+            host_off: 0,
+            device_off: 0,
+            len: 1,
+        }];
         // SAFETY: as above.
         assert!(unsafe { copy_cpu(Direction::HostToDevice, h, &d, &bad_layer) }.is_err());
         host.iter_mut().enumerate().for_each(|(i, b)| *b = i as u8);
-        let ok = [Chunk { layer: 0, host_off: 8, device_off: 4, len: 8 }];
+        let ok = [Chunk {
+            layer: 0,
+            host_off: 8,
+            device_off: 4,
+            len: 8,
+        }];
         // SAFETY: as above.
         unsafe { copy_cpu(Direction::HostToDevice, h, &d, &ok) }.unwrap();
         assert_eq!(&dev[4..12], &host[8..16]);

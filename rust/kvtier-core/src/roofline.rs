@@ -13,9 +13,17 @@ use crate::buffer::{HostRegion, RegionOptions};
 use crate::error::{Error, Result};
 
 /// `(write GB/s, read GB/s, O_DIRECT used)`.
-pub fn odirect_roofline(dir: &Path, size: usize, count: usize, threads: usize) -> Result<(f64, f64, bool)> {
+pub fn odirect_roofline(
+    dir: &Path,
+    size: usize,
+    count: usize,
+    threads: usize,
+) -> Result<(f64, f64, bool)> {
     if size == 0 || size % 4096 != 0 {
-        return Err(Error::arg("size", format!("must be a positive multiple of 4096, got {size}")));
+        return Err(Error::arg(
+            "size",
+            format!("must be a positive multiple of 4096, got {size}"),
+        ));
     }
     if count == 0 || threads == 0 {
         return Err(Error::arg("count", "count and threads must be positive"));
@@ -32,14 +40,23 @@ pub fn odirect_roofline(dir: &Path, size: usize, count: usize, threads: usize) -
     };
     let (f, direct) = match open(true) {
         Ok(f) => (f, true),
-        Err(_) => (open(false).map_err(|e| Error::Os { what: format!("creating {}", path.display()), source: e })?, false),
+        Err(_) => (
+            open(false).map_err(|e| Error::Os {
+                what: format!("creating {}", path.display()),
+                source: e,
+            })?,
+            false,
+        ),
     };
     let total = size as u64 * count as u64;
     // Allocate the whole file up front, as the store does for its slots: measuring block allocation of a
     // sparse file would understate the disk.
     // SAFETY: fallocate on a descriptor we own with non-negative offsets.
     if unsafe { libc::fallocate(std::os::fd::AsRawFd::as_raw_fd(&f), 0, 0, total as i64) } != 0 {
-        f.set_len(total).map_err(|e| Error::Os { what: "sizing the roofline file".into(), source: e })?;
+        f.set_len(total).map_err(|e| Error::Os {
+            what: "sizing the roofline file".into(),
+            source: e,
+        })?;
     }
     let bufs: Vec<HostRegion> = (0..threads)
         .map(|_| HostRegion::new(size, &RegionOptions::default()))
@@ -61,7 +78,11 @@ pub fn odirect_roofline(dir: &Path, size: usize, count: usize, threads: usize) -
                                 return None;
                             }
                             let off = i as u64 * size as u64;
-                            let r = if write { f.write_all_at(buf, off) } else { f.read_exact_at(buf, off) };
+                            let r = if write {
+                                f.write_all_at(buf, off)
+                            } else {
+                                f.read_exact_at(buf, off)
+                            };
                             if let Err(e) = r {
                                 return Some(e);
                             }
@@ -69,13 +90,21 @@ pub fn odirect_roofline(dir: &Path, size: usize, count: usize, threads: usize) -
                     })
                 })
                 .collect();
-            hs.into_iter().map(|h| h.join().expect("roofline thread panicked")).collect()
+            hs.into_iter()
+                .map(|h| h.join().expect("roofline thread panicked"))
+                .collect()
         });
         if let Some(e) = errs.into_iter().flatten().next() {
-            return Err(Error::Os { what: "roofline IO".into(), source: e });
+            return Err(Error::Os {
+                what: "roofline IO".into(),
+                source: e,
+            });
         }
         if write {
-            f.sync_data().map_err(|e| Error::Os { what: "fdatasync".into(), source: e })?;
+            f.sync_data().map_err(|e| Error::Os {
+                what: "fdatasync".into(),
+                source: e,
+            })?;
         }
         Ok(total as f64 / t0.elapsed().as_secs_f64() / 1e9)
     };

@@ -199,7 +199,10 @@ pub struct PageStore {
 }
 
 fn io_err(what: impl Into<String>, e: std::io::Error) -> Error {
-    Error::Os { what: what.into(), source: e }
+    Error::Os {
+        what: what.into(),
+        source: e,
+    }
 }
 
 /// The directory name of `namespace` under the store root.
@@ -219,7 +222,13 @@ fn owner_only_dir(p: &Path) -> Result<()> {
 }
 
 fn open_rw(p: &Path, extra: i32) -> std::io::Result<File> {
-    OpenOptions::new().read(true).write(true).create(true).mode(0o600).custom_flags(extra).open(p)
+    OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .mode(0o600)
+        .custom_flags(extra)
+        .open(p)
 }
 
 /// Probes whether `dir`'s file system accepts O_DIRECT for an aligned write and read.
@@ -227,8 +236,15 @@ fn probe_direct(dir: &Path) -> std::result::Result<(), String> {
     let p = dir.join(".odirect-probe");
     let r = (|| -> std::io::Result<()> {
         let f = open_rw(&p, libc::O_DIRECT)?;
-        let buf = crate::buffer::HostRegion::new(4096, &crate::buffer::RegionOptions { prefault_threads: Some(0), huge_pages: crate::buffer::HugePages::Off, ..Default::default() })
-            .map_err(|e| std::io::Error::other(e.to_string()))?;
+        let buf = crate::buffer::HostRegion::new(
+            4096,
+            &crate::buffer::RegionOptions {
+                prefault_threads: Some(0),
+                huge_pages: crate::buffer::HugePages::Off,
+                ..Default::default()
+            },
+        )
+        .map_err(|e| std::io::Error::other(e.to_string()))?;
         // SAFETY: the region owns 4096 bytes at as_ptr().
         let s = unsafe { std::slice::from_raw_parts_mut(buf.as_ptr(), 4096) };
         f.write_all_at(s, 0)?;
@@ -246,12 +262,16 @@ impl PageStore {
             return Err(Error::arg("namespace", "must not be empty"));
         }
         if opts.capacity_bytes < ALIGN {
-            return Err(Error::arg("capacity_bytes", format!("must be >= {ALIGN}, got {}", opts.capacity_bytes)));
+            return Err(Error::arg(
+                "capacity_bytes",
+                format!("must be >= {ALIGN}, got {}", opts.capacity_bytes),
+            ));
         }
         if opts.io_threads == 0 {
             return Err(Error::arg("io_threads", "must be >= 1"));
         }
-        std::fs::create_dir_all(root).map_err(|e| io_err(format!("creating {}", root.display()), e))?;
+        std::fs::create_dir_all(root)
+            .map_err(|e| io_err(format!("creating {}", root.display()), e))?;
         let dir = root.join(namespace_dir(namespace));
         owner_only_dir(&dir)?;
         let ns_file = dir.join("NAMESPACE");
@@ -260,7 +280,10 @@ impl PageStore {
             Ok(s) => {
                 return Err(Error::arg(
                     "namespace",
-                    format!("directory {} belongs to namespace {s:?}, not {namespace:?}", dir.display()),
+                    format!(
+                        "directory {} belongs to namespace {s:?}, not {namespace:?}",
+                        dir.display()
+                    ),
                 ))
             }
             Err(_) => {
@@ -271,40 +294,87 @@ impl PageStore {
         }
         let lock = open_rw(&dir.join("LOCK"), 0).map_err(|e| io_err("opening LOCK", e))?;
         // SAFETY: flock on a file descriptor we own.
-        if unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&lock), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        if unsafe {
+            libc::flock(
+                std::os::fd::AsRawFd::as_raw_fd(&lock),
+                libc::LOCK_EX | libc::LOCK_NB,
+            )
+        } != 0
+        {
             return Err(Error::Os {
-                what: format!("namespace {namespace:?} at {} is already open for writing (LOCK held)", dir.display()),
+                what: format!(
+                    "namespace {namespace:?} at {} is already open for writing (LOCK held)",
+                    dir.display()
+                ),
                 source: std::io::Error::last_os_error(),
             });
         }
         let (direct, direct_note) = match opts.direct {
-            Some(false) => (false, Some("O_DIRECT disabled by the caller; using buffered IO".to_owned())),
+            Some(false) => (
+                false,
+                Some("O_DIRECT disabled by the caller; using buffered IO".to_owned()),
+            ),
             _ => match probe_direct(&dir) {
                 Ok(()) => (true, None),
                 Err(e) if opts.direct == Some(true) => {
-                    return Err(Error::Os { what: format!("O_DIRECT required but refused here: {e}"), source: std::io::Error::from_raw_os_error(libc::EINVAL) })
+                    return Err(Error::Os {
+                        what: format!("O_DIRECT required but refused here: {e}"),
+                        source: std::io::Error::from_raw_os_error(libc::EINVAL),
+                    })
                 }
-                Err(e) => (false, Some(format!("the file system refused O_DIRECT ({e}); using buffered IO with fdatasync"))),
+                Err(e) => (
+                    false,
+                    Some(format!(
+                        "the file system refused O_DIRECT ({e}); using buffered IO with fdatasync"
+                    )),
+                ),
             },
         };
         let jpath = dir.join("journal.log");
-        let mut journal = OpenOptions::new().read(true).append(true).create(true).mode(0o600).open(&jpath)
+        let mut journal = OpenOptions::new()
+            .read(true)
+            .append(true)
+            .create(true)
+            .mode(0o600)
+            .open(&jpath)
             .map_err(|e| io_err("opening journal.log", e))?;
         let mut bytes = Vec::new();
-        journal.read_to_end(&mut bytes).map_err(|e| io_err("reading journal.log", e))?;
+        journal
+            .read_to_end(&mut bytes)
+            .map_err(|e| io_err("reading journal.log", e))?;
         let (records, valid) = journal::parse(&bytes);
         let recovered_tail = (bytes.len() - valid) as u64;
         if recovered_tail > 0 {
-            journal.set_len(valid as u64).map_err(|e| io_err("truncating a torn journal tail", e))?;
-            journal.sync_all().map_err(|e| io_err("syncing journal.log", e))?;
+            journal
+                .set_len(valid as u64)
+                .map_err(|e| io_err("truncating a torn journal tail", e))?;
+            journal
+                .sync_all()
+                .map_err(|e| io_err("syncing journal.log", e))?;
         }
         let mut index = Index::default();
         for r in records {
             match r {
-                Record::Put { key, class, slot, len, crc } => {
+                Record::Put {
+                    key,
+                    class,
+                    slot,
+                    len,
+                    crc,
+                } => {
                     let n = index.next.entry(class).or_insert(0);
                     *n = (*n).max(slot + 1);
-                    index.insert(key, Entry { class, slot, len, crc, tick: 0, pins: 0 });
+                    index.insert(
+                        key,
+                        Entry {
+                            class,
+                            slot,
+                            len,
+                            crc,
+                            tick: 0,
+                            pins: 0,
+                        },
+                    );
                 }
                 Record::Del { key } => {
                     index.remove(&key);
@@ -319,7 +389,10 @@ impl PageStore {
         index.free.clear();
         for (&class, &next) in &index.next {
             let u = used.get(&class);
-            let free: Vec<u32> = (0..next).rev().filter(|s| u.is_none_or(|u| !u.contains(s))).collect();
+            let free: Vec<u32> = (0..next)
+                .rev()
+                .filter(|s| u.is_none_or(|u| !u.contains(s)))
+                .collect();
             index.free.insert(class, free);
         }
         // Compaction at open: a journal much larger than its live records (every put and delete is appended)
@@ -343,7 +416,12 @@ impl PageStore {
         };
         // Honour a capacity smaller than what is stored (reopened with a lower limit).
         let evicted = store.evict_to(0)?;
-        store.append(&evicted.iter().map(|k| Record::Del { key: k.clone() }).collect::<Vec<_>>())?;
+        store.append(
+            &evicted
+                .iter()
+                .map(|k| Record::Del { key: k.clone() })
+                .collect::<Vec<_>>(),
+        )?;
         Ok(store)
     }
 
@@ -391,14 +469,23 @@ impl PageStore {
             return Ok(c.clone());
         }
         let path = self.dir.join(format!("class-{class}.dat"));
-        let buffered = open_rw(&path, 0).map_err(|e| io_err(format!("opening {}", path.display()), e))?;
+        let buffered =
+            open_rw(&path, 0).map_err(|e| io_err(format!("opening {}", path.display()), e))?;
         let direct = if self.direct {
-            Some(open_rw(&path, libc::O_DIRECT).map_err(|e| io_err(format!("opening {} with O_DIRECT", path.display()), e))?)
+            Some(
+                open_rw(&path, libc::O_DIRECT)
+                    .map_err(|e| io_err(format!("opening {} with O_DIRECT", path.display()), e))?,
+            )
         } else {
             None
         };
         let len = buffered.metadata().map_err(|e| io_err("stat", e))?.len();
-        let c = Arc::new(Class { buffered, direct, path, allocated: Mutex::new(len) });
+        let c = Arc::new(Class {
+            buffered,
+            direct,
+            path,
+            allocated: Mutex::new(len),
+        });
         cs.insert(class, c.clone());
         Ok(c)
     }
@@ -412,7 +499,10 @@ impl PageStore {
             r.encode(&mut buf);
         }
         let mut j = self.journal.lock().unwrap_or_else(|p| p.into_inner());
-        let before = j.metadata().map_err(|e| io_err("stat journal.log", e))?.len();
+        let before = j
+            .metadata()
+            .map_err(|e| io_err("stat journal.log", e))?
+            .len();
         let res = crate::fault::check("journal_write")
             .and_then(|()| j.write_all(&buf))
             .and_then(|()| crate::fault::check("journal_sync"))
@@ -430,12 +520,18 @@ impl PageStore {
         let mut ix = self.lock_index();
         let mut out = Vec::new();
         while ix.used + need > self.opts.capacity_bytes {
-            let victim = ix.lru.iter().find(|(_, k)| ix.map.get(*k).is_some_and(|e| e.pins == 0)).map(|(_, k)| k.clone());
+            let victim = ix
+                .lru
+                .iter()
+                .find(|(_, k)| ix.map.get(*k).is_some_and(|e| e.pins == 0))
+                .map(|(_, k)| k.clone());
             let Some(k) = victim else { break };
             ix.remove(&k);
             out.push(k);
         }
-        self.stats.evictions.fetch_add(out.len() as u64, Ordering::Relaxed);
+        self.stats
+            .evictions
+            .fetch_add(out.len() as u64, Ordering::Relaxed);
         Ok(out)
     }
 
@@ -462,7 +558,14 @@ impl PageStore {
 
     fn check_key(key: &str) -> Result<()> {
         if key.is_empty() || key.len() > journal::MAX_KEY {
-            return Err(Error::arg("keys", format!("a key must have 1..={} bytes, got {}", journal::MAX_KEY, key.len())));
+            return Err(Error::arg(
+                "keys",
+                format!(
+                    "a key must have 1..={} bytes, got {}",
+                    journal::MAX_KEY,
+                    key.len()
+                ),
+            ));
         }
         Ok(())
     }
@@ -476,7 +579,10 @@ impl PageStore {
         for (k, _, len) in objs {
             Self::check_key(k)?;
             if *len == 0 || *len > MAX_OBJECT {
-                return Err(Error::arg("sizes", format!("object {k:?}: length must be in 1..=2^32, got {len}")));
+                return Err(Error::arg(
+                    "sizes",
+                    format!("object {k:?}: length must be in 1..=2^32, got {len}"),
+                ));
             }
         }
         let t0 = std::time::Instant::now();
@@ -516,9 +622,16 @@ impl PageStore {
             }
         };
         // 2. deletions of evicted objects are durable before their slots are rewritten
-        if let Err(e) = self.append(&evicted.iter().map(|k| Record::Del { key: k.clone() }).collect::<Vec<_>>()) {
+        if let Err(e) = self.append(
+            &evicted
+                .iter()
+                .map(|k| Record::Del { key: k.clone() })
+                .collect::<Vec<_>>(),
+        ) {
             release(&plan);
-            self.stats.write_failures.fetch_add(plan.len() as u64, Ordering::Relaxed);
+            self.stats
+                .write_failures
+                .fetch_add(plan.len() as u64, Ordering::Relaxed);
             return Err(e);
         }
         // 3. make room on disk, then write every object in parallel
@@ -543,12 +656,18 @@ impl PageStore {
             if *alloc < end {
                 // Grow in steps of at least 64 MiB so every batch does not pay a fallocate; fall back to the
                 // exact size when the step does not fit (a nearly full disk).
-                let target = end.max(alloc.saturating_add(64 << 20).min(end.saturating_add(1 << 30)));
+                let target = end.max(
+                    alloc
+                        .saturating_add(64 << 20)
+                        .min(end.saturating_add(1 << 30)),
+                );
                 let grown = crate::fault::check("fallocate")
                     .and_then(|()| fallocate(&c.buffered, *alloc, target - *alloc))
                     .map(|()| target)
                     .or_else(|_| {
-                        crate::fault::check("fallocate").and_then(|()| fallocate(&c.buffered, *alloc, end - *alloc)).map(|()| end)
+                        crate::fault::check("fallocate")
+                            .and_then(|()| fallocate(&c.buffered, *alloc, end - *alloc))
+                            .map(|()| end)
                     });
                 match grown {
                     Ok(n) => *alloc = n,
@@ -591,28 +710,52 @@ impl PageStore {
                 continue;
             }
             let (k, _, len) = objs[i];
-            recs.push(Record::Put { key: k.to_owned(), class, slot, len, crc: crc as u32 });
+            recs.push(Record::Put {
+                key: k.to_owned(),
+                class,
+                slot,
+                len,
+                crc: crc as u32,
+            });
             good.push((j, i, class, slot, len, crc as u32));
         }
         release(&bad);
-        self.stats.write_failures.fetch_add(bad.len() as u64, Ordering::Relaxed);
+        self.stats
+            .write_failures
+            .fetch_add(bad.len() as u64, Ordering::Relaxed);
         if let Err(_e) = self.append(&recs) {
             release(&good.iter().map(|g| (g.1, g.2, g.3)).collect::<Vec<_>>());
-            self.stats.write_failures.fetch_add(good.len() as u64, Ordering::Relaxed);
+            self.stats
+                .write_failures
+                .fetch_add(good.len() as u64, Ordering::Relaxed);
             return Ok(ok);
         }
         let mut ix = self.lock_index();
         let mut bytes = 0;
         for (_, i, class, slot, len, crc) in good {
             ix.used -= class as u64; // the reservation becomes the entry's
-            ix.insert(objs[i].0.to_owned(), Entry { class, slot, len, crc, tick: 0, pins: 0 });
+            ix.insert(
+                objs[i].0.to_owned(),
+                Entry {
+                    class,
+                    slot,
+                    len,
+                    crc,
+                    tick: 0,
+                    pins: 0,
+                },
+            );
             ok[i] = true;
             bytes += len;
         }
         drop(ix);
-        self.stats.puts.fetch_add(ok.iter().filter(|&&b| b).count() as u64, Ordering::Relaxed);
+        self.stats
+            .puts
+            .fetch_add(ok.iter().filter(|&&b| b).count() as u64, Ordering::Relaxed);
         self.stats.bytes_written.fetch_add(bytes, Ordering::Relaxed);
-        self.stats.put_ns.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        self.stats
+            .put_ns
+            .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
         Ok(ok)
     }
 
@@ -684,9 +827,13 @@ impl PageStore {
                     }
                     2 => {
                         // drop it only if it is still the object we read
-                        if ix.map.get(key).is_some_and(|x| x.slot == e.slot && x.class == e.class && x.crc == e.crc) {
+                        if ix.map.get(key).is_some_and(|x| {
+                            x.slot == e.slot && x.class == e.class && x.crc == e.crc
+                        }) {
                             ix.remove(key);
-                            corrupt.push(Record::Del { key: key.to_owned() });
+                            corrupt.push(Record::Del {
+                                key: key.to_owned(),
+                            });
                         }
                         self.stats.corrupt_reads.fetch_add(1, Ordering::Relaxed);
                     }
@@ -697,9 +844,13 @@ impl PageStore {
             }
         }
         let _ = self.append(&corrupt);
-        self.stats.hits.fetch_add(ok.iter().filter(|&&b| b).count() as u64, Ordering::Relaxed);
+        self.stats
+            .hits
+            .fetch_add(ok.iter().filter(|&&b| b).count() as u64, Ordering::Relaxed);
         self.stats.bytes_read.fetch_add(bytes, Ordering::Relaxed);
-        self.stats.get_ns.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        self.stats
+            .get_ns
+            .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
         Ok(ok)
     }
 
@@ -721,7 +872,9 @@ impl PageStore {
             let mut ix = self.lock_index();
             for k in keys {
                 if ix.remove(k).is_some() {
-                    recs.push(Record::Del { key: (*k).to_owned() });
+                    recs.push(Record::Del {
+                        key: (*k).to_owned(),
+                    });
                 }
             }
         }
@@ -739,12 +892,20 @@ impl PageStore {
     /// Re-reads every object and checks its checksum; returns `(checked, corrupt keys)`; with `drop`,
     /// corrupt objects are deleted.
     pub fn verify(&self, drop: bool) -> Result<(usize, Vec<String>)> {
-        let entries: Vec<(String, Entry)> = self.lock_index().map.iter().map(|(k, e)| (k.clone(), e.clone())).collect();
+        let entries: Vec<(String, Entry)> = self
+            .lock_index()
+            .map
+            .iter()
+            .map(|(k, e)| (k.clone(), e.clone()))
+            .collect();
         let mut bad = Vec::new();
         for (k, e) in &entries {
             let c = self.class(e.class)?;
             let mut buf = vec![0u8; e.len as usize];
-            let ok = c.buffered.read_exact_at(&mut buf, e.slot as u64 * e.class as u64).is_ok()
+            let ok = c
+                .buffered
+                .read_exact_at(&mut buf, e.slot as u64 * e.class as u64)
+                .is_ok()
                 && crc32c::crc32c_append(crc32c::crc32c(&buf), k.as_bytes()) == e.crc;
             if !ok {
                 bad.push(k.clone());
@@ -759,7 +920,12 @@ impl PageStore {
 
     /// Data files of this namespace (for tests and inspection).
     pub fn data_files(&self) -> Vec<PathBuf> {
-        self.classes.lock().unwrap_or_else(|p| p.into_inner()).values().map(|c| c.path.clone()).collect()
+        self.classes
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .map(|c| c.path.clone())
+            .collect()
     }
 }
 
@@ -769,18 +935,34 @@ fn compact(dir: &Path, jpath: &Path, index: &Index) -> Result<File> {
     // oldest first, so the LRU order survives a reopen
     for key in index.lru.values() {
         let e = &index.map[key];
-        Record::Put { key: key.clone(), class: e.class, slot: e.slot, len: e.len, crc: e.crc }.encode(&mut buf);
+        Record::Put {
+            key: key.clone(),
+            class: e.class,
+            slot: e.slot,
+            len: e.len,
+            crc: e.crc,
+        }
+        .encode(&mut buf);
     }
     let tmp = dir.join("journal.compact");
     let r = (|| -> std::io::Result<()> {
-        let mut f = OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&tmp)?;
+        let mut f = OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(&tmp)?;
         f.write_all(&buf)?;
         f.sync_all()?;
         std::fs::rename(&tmp, jpath)?;
         File::open(dir)?.sync_all()
     })();
     r.map_err(|e| io_err("compacting journal.log", e))?;
-    OpenOptions::new().read(true).append(true).open(jpath).map_err(|e| io_err("reopening journal.log", e))
+    OpenOptions::new()
+        .read(true)
+        .append(true)
+        .open(jpath)
+        .map_err(|e| io_err("reopening journal.log", e))
 }
 
 fn fallocate(f: &File, off: u64, len: u64) -> std::io::Result<()> {
@@ -788,7 +970,14 @@ fn fallocate(f: &File, off: u64, len: u64) -> std::io::Result<()> {
         return Ok(());
     }
     // SAFETY: fallocate on a file descriptor we own, with in-range non-negative offsets.
-    let rc = unsafe { libc::fallocate(std::os::fd::AsRawFd::as_raw_fd(f), 0, off as i64, len as i64) };
+    let rc = unsafe {
+        libc::fallocate(
+            std::os::fd::AsRawFd::as_raw_fd(f),
+            0,
+            off as i64,
+            len as i64,
+        )
+    };
     if rc == 0 {
         return Ok(());
     }
@@ -832,7 +1021,11 @@ mod tests {
     static SERIAL: StdMutex<()> = StdMutex::new(());
 
     fn tmp() -> PathBuf {
-        let d = std::env::temp_dir().join(format!("kvtier-store-{}-{}", std::process::id(), rand_u64()));
+        let d = std::env::temp_dir().join(format!(
+            "kvtier-store-{}-{}",
+            std::process::id(),
+            rand_u64()
+        ));
         std::fs::create_dir_all(&d).unwrap();
         d
     }
@@ -840,17 +1033,30 @@ mod tests {
     fn rand_u64() -> u64 {
         use std::hash::{BuildHasher, Hasher};
         let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-        h.write_u64(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64);
+        h.write_u64(
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos() as u64,
+        );
         h.finish()
     }
 
     fn opts(cap: u64) -> StoreOptions {
-        StoreOptions { capacity_bytes: cap, io_threads: 4, direct: None }
+        StoreOptions {
+            capacity_bytes: cap,
+            io_threads: 4,
+            direct: None,
+        }
     }
 
     /// An aligned buffer holding `n` objects of `len` bytes with distinct contents.
     fn payload(n: usize, len: usize, seed: u8) -> crate::buffer::HostRegion {
-        let r = crate::buffer::HostRegion::new(n * len.div_ceil(4096) * 4096 + 4096, &Default::default()).unwrap();
+        let r = crate::buffer::HostRegion::new(
+            n * len.div_ceil(4096) * 4096 + 4096,
+            &Default::default(),
+        )
+        .unwrap();
         // SAFETY: the region owns its bytes.
         let s = unsafe { std::slice::from_raw_parts_mut(r.as_ptr(), r.len()) };
         for (i, b) in s.iter_mut().enumerate() {
@@ -879,7 +1085,14 @@ mod tests {
         {
             let s = PageStore::open(&root, "model|geo", opts(1 << 30)).unwrap();
             // SAFETY: three 8192-byte objects inside `src`.
-            let ok = unsafe { s.put(&[("a", base, 8192), ("b", base + 8192, 5000), ("c", base + 16384, 8192)]) }.unwrap();
+            let ok = unsafe {
+                s.put(&[
+                    ("a", base, 8192),
+                    ("b", base + 8192, 5000),
+                    ("c", base + 16384, 8192),
+                ])
+            }
+            .unwrap();
             assert_eq!(ok, vec![true, true, true]);
             assert_eq!(s.exists(&["a", "b", "zz"]), vec![true, true, false]);
         }
@@ -887,7 +1100,12 @@ mod tests {
         let d = dst.as_ptr() as usize;
         assert!(get1(&s, "b", d, 5000));
         // SAFETY: both regions hold at least 5000 bytes at these offsets.
-        unsafe { assert_eq!(std::slice::from_raw_parts(d as *const u8, 5000), std::slice::from_raw_parts((base + 8192) as *const u8, 5000)) };
+        unsafe {
+            assert_eq!(
+                std::slice::from_raw_parts(d as *const u8, 5000),
+                std::slice::from_raw_parts((base + 8192) as *const u8, 5000)
+            )
+        };
         assert!(!get1(&s, "b", d, 4096), "a length mismatch is a miss");
         assert!(!get1(&s, "nope", d, 8192));
         std::fs::remove_dir_all(root).unwrap();
@@ -898,7 +1116,9 @@ mod tests {
         let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
         let root = tmp();
         let a = PageStore::open(&root, "ns-a", opts(1 << 30)).unwrap();
-        let e = PageStore::open(&root, "ns-a", opts(1 << 30)).err().expect("second open must fail");
+        let e = PageStore::open(&root, "ns-a", opts(1 << 30))
+            .err()
+            .expect("second open must fail");
         assert!(e.to_string().contains("already open"), "{e}");
         let b = PageStore::open(&root, "ns-b", opts(1 << 30)).unwrap();
         let src = payload(1, 4096, 3);
@@ -921,12 +1141,21 @@ mod tests {
         }
         assert!(get1(&s, "../../etc/x", p + 3 * 4096, 4096)); // touch: now most recent
         assert!(put1(&s, "k4", p + 3 * 4096, 4096));
-        assert_eq!(s.exists(&["../../etc/x", "/abs", "k3", "k4"]), vec![true, false, true, true]);
+        assert_eq!(
+            s.exists(&["../../etc/x", "/abs", "k3", "k4"]),
+            vec![true, false, true, true]
+        );
         assert_eq!(s.stats.evictions.load(Ordering::Relaxed), 1);
         assert!(s.usage().1 <= 3 * 4096);
         // nothing was created outside the namespace directory
-        let names: Vec<_> = std::fs::read_dir(s.dir()).unwrap().map(|e| e.unwrap().file_name()).collect();
-        assert!(names.iter().all(|n| !n.to_string_lossy().contains("etc")), "{names:?}");
+        let names: Vec<_> = std::fs::read_dir(s.dir())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert!(
+            names.iter().all(|n| !n.to_string_lossy().contains("etc")),
+            "{names:?}"
+        );
         assert!(!root.join("etc").exists() && !Path::new("/abs").exists());
         // an object larger than the capacity fails alone
         let big = payload(1, 16384, 5);
@@ -959,23 +1188,45 @@ mod tests {
     #[test]
     fn injected_io_failures_fail_only_those_pages_and_lose_nothing() {
         let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
-        for point in ["fallocate", "data_write", "data_sync", "journal_write", "journal_sync"] {
+        for point in [
+            "fallocate",
+            "data_write",
+            "data_sync",
+            "journal_write",
+            "journal_sync",
+        ] {
             let root = tmp();
             let src = payload(6, 4096, 7);
             let p = src.as_ptr() as usize;
             let s = PageStore::open(&root, "ns", opts(1 << 30)).unwrap();
             assert!(put1(&s, "before", p, 4096));
             // 8 KiB objects: a new size class, so the batch must allocate space (the fallocate point)
-            crate::fault::set(point, 0, if point == "fallocate" { 2 } else { 1 }, libc::ENOSPC);
+            crate::fault::set(
+                point,
+                0,
+                if point == "fallocate" { 2 } else { 1 },
+                libc::ENOSPC,
+            );
             // SAFETY: objects inside `src` (6 pages of 4096 bytes).
             let r = unsafe { s.put(&[("f1", p + 4096, 8192), ("f2", p + 8192, 8192)]) };
             crate::fault::clear();
             let ok = r.unwrap_or_else(|_| vec![false, false]);
-            assert_eq!(s.exists(&["f1", "f2"]), ok, "{point}: reported result and index disagree");
+            assert_eq!(
+                s.exists(&["f1", "f2"]),
+                ok,
+                "{point}: reported result and index disagree"
+            );
             if point == "data_write" || point == "fallocate" {
-                assert_eq!(ok.iter().filter(|b| !**b).count(), 1, "{point}: only the object hit fails: {ok:?}");
+                assert_eq!(
+                    ok.iter().filter(|b| !**b).count(),
+                    1,
+                    "{point}: only the object hit fails: {ok:?}"
+                );
             } else {
-                assert!(ok.iter().all(|b| !b), "{point}: a batch-wide failure must fail every object: {ok:?}");
+                assert!(
+                    ok.iter().all(|b| !b),
+                    "{point}: a batch-wide failure must fail every object: {ok:?}"
+                );
             }
             // the store keeps serving and nothing stored before is lost
             assert!(put1(&s, "after", p + 12288, 4096), "{point}");
@@ -983,9 +1234,17 @@ mod tests {
             let s = PageStore::open(&root, "ns", opts(1 << 30)).unwrap();
             let dst = payload(1, 4096, 0);
             for (k, off) in [("before", 0), ("after", 12288)] {
-                assert!(get1(&s, k, dst.as_ptr() as usize, 4096), "{point}: {k} lost");
+                assert!(
+                    get1(&s, k, dst.as_ptr() as usize, 4096),
+                    "{point}: {k} lost"
+                );
                 // SAFETY: both 4096-byte ranges are inside live regions.
-                unsafe { assert_eq!(std::slice::from_raw_parts(dst.as_ptr(), 4096), std::slice::from_raw_parts((p + off) as *const u8, 4096)) };
+                unsafe {
+                    assert_eq!(
+                        std::slice::from_raw_parts(dst.as_ptr(), 4096),
+                        std::slice::from_raw_parts((p + off) as *const u8, 4096)
+                    )
+                };
             }
             for (k, stored) in ["f1", "f2"].iter().zip(&ok) {
                 assert_eq!(s.exists(&[k])[0], *stored, "{point}: {k} after reopen");
@@ -1008,7 +1267,12 @@ mod tests {
         }
         let j = dir.join("journal.log");
         let len = std::fs::metadata(&j).unwrap().len();
-        OpenOptions::new().write(true).open(&j).unwrap().set_len(len - 3).unwrap();
+        OpenOptions::new()
+            .write(true)
+            .open(&j)
+            .unwrap()
+            .set_len(len - 3)
+            .unwrap();
         let s = PageStore::open(&root, "ns", opts(1 << 20)).unwrap();
         assert_eq!(s.exists(&["a", "b"]), vec![true, false]);
         assert!(s.recovered_tail() > 0);
@@ -1026,32 +1290,47 @@ mod tests {
             let s = PageStore::open(&root, "ns", opts(1 << 30)).unwrap();
             // churn: 16,000 put+delete pairs (in batches of 1,000) leave two live objects behind a ~1.4 MB journal
             for b in 0..16 {
-                let keys: Vec<String> = (0..1000).map(|i| format!("churn-{}", b * 1000 + i)).collect();
-                let objs: Vec<(&str, usize, u64)> = keys.iter().map(|k| (k.as_str(), p, 4096)).collect();
+                let keys: Vec<String> = (0..1000)
+                    .map(|i| format!("churn-{}", b * 1000 + i))
+                    .collect();
+                let objs: Vec<(&str, usize, u64)> =
+                    keys.iter().map(|k| (k.as_str(), p, 4096)).collect();
                 // SAFETY: every object is the first 4096 bytes of `src`.
                 assert!(unsafe { s.put(&objs) }.unwrap().iter().all(|&x| x));
                 let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
                 s.delete(&refs).unwrap();
             }
             assert!(put1(&s, "keep-a", p, 4096) && put1(&s, "keep-b", p + 4096, 4096));
-            jlen = std::fs::metadata(s.dir().join("journal.log")).unwrap().len();
+            jlen = std::fs::metadata(s.dir().join("journal.log"))
+                .unwrap()
+                .len();
             assert!(jlen > 1 << 20);
         }
         let s = PageStore::open(&root, "ns", opts(1 << 30)).unwrap();
-        let after = std::fs::metadata(s.dir().join("journal.log")).unwrap().len();
+        let after = std::fs::metadata(s.dir().join("journal.log"))
+            .unwrap()
+            .len();
         assert!(after < 1024, "journal not compacted: {jlen} -> {after}");
         let dst = payload(1, 4096, 0);
         for (k, off) in [("keep-a", 0), ("keep-b", 4096)] {
             assert!(get1(&s, k, dst.as_ptr() as usize, 4096));
             // SAFETY: 4096 bytes inside live regions.
-            unsafe { assert_eq!(std::slice::from_raw_parts(dst.as_ptr(), 4096), std::slice::from_raw_parts((p + off) as *const u8, 4096)) };
+            unsafe {
+                assert_eq!(
+                    std::slice::from_raw_parts(dst.as_ptr(), 4096),
+                    std::slice::from_raw_parts((p + off) as *const u8, 4096)
+                )
+            };
         }
         assert_eq!(s.exists(&["churn-5"]), vec![false]);
         // appends after compaction land in the new journal and survive another reopen
         assert!(put1(&s, "new", p, 4096));
         drop(s);
         let s = PageStore::open(&root, "ns", opts(1 << 30)).unwrap();
-        assert_eq!(s.exists(&["keep-a", "keep-b", "new"]), vec![true, true, true]);
+        assert_eq!(
+            s.exists(&["keep-a", "keep-b", "new"]),
+            vec![true, true, true]
+        );
         std::fs::remove_dir_all(root).unwrap();
     }
 

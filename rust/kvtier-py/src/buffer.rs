@@ -26,15 +26,27 @@ impl PyHostRegion {
 impl PyHostRegion {
     #[new]
     #[pyo3(signature = (nbytes, alignment=4096, huge_pages="auto", prefault_threads=None))]
-    fn new(py: Python<'_>, nbytes: i64, alignment: i64, huge_pages: &str, prefault_threads: Option<i64>) -> KvResult<Self> {
+    fn new(
+        py: Python<'_>,
+        nbytes: i64,
+        alignment: i64,
+        huge_pages: &str,
+        prefault_threads: Option<i64>,
+    ) -> KvResult<Self> {
         if nbytes <= 0 {
             return Err(Error::arg("nbytes", format!("must be positive, got {nbytes}")).into());
         }
         if alignment <= 0 {
-            return Err(Error::arg("alignment", format!("must be a power of two >= 4096, got {alignment}")).into());
+            return Err(Error::arg(
+                "alignment",
+                format!("must be a power of two >= 4096, got {alignment}"),
+            )
+            .into());
         }
         let prefault_threads = match prefault_threads {
-            Some(t) if t < 0 => return Err(Error::arg("prefault_threads", format!("must be >= 0, got {t}")).into()),
+            Some(t) if t < 0 => {
+                return Err(Error::arg("prefault_threads", format!("must be >= 0, got {t}")).into())
+            }
             t => t.map(|t| t as usize),
         };
         let opts = RegionOptions {
@@ -43,7 +55,9 @@ impl PyHostRegion {
             prefault_threads,
         };
         let region = py.detach(|| HostRegion::new(nbytes as usize, &opts))?;
-        Ok(Self { inner: RwLock::new(Some(Arc::new(region))) })
+        Ok(Self {
+            inner: RwLock::new(Some(Arc::new(region))),
+        })
     }
 
     /// Base address.
@@ -74,24 +88,47 @@ impl PyHostRegion {
     /// True after close().
     #[getter]
     fn closed(&self) -> bool {
-        self.inner.read().unwrap_or_else(|p| p.into_inner()).is_none()
+        self.inner
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_none()
     }
 
     /// DLPack capsule of `[offset, offset+nbytes)` as 1-D uint8; keeps the memory alive.
-    fn dlpack<'py>(&self, py: Python<'py>, offset: i64, nbytes: i64) -> KvResult<Bound<'py, PyAny>> {
+    fn dlpack<'py>(
+        &self,
+        py: Python<'py>,
+        offset: i64,
+        nbytes: i64,
+    ) -> KvResult<Bound<'py, PyAny>> {
         let r = self.get()?;
         if offset < 0 || nbytes < 0 || (offset as u128 + nbytes as u128) > r.len() as u128 {
             return Err(Error::arg(
                 "shape",
-                format!("bytes [{offset}, {offset}+{nbytes}) do not fit in the buffer's {} bytes", r.len()),
+                format!(
+                    "bytes [{offset}, {offset}+{nbytes}) do not fit in the buffer's {} bytes",
+                    r.len()
+                ),
             )
             .into());
         }
-        Ok(crate::dlpack::capsule(py, r, offset as usize, nbytes as usize)?)
+        Ok(crate::dlpack::capsule(
+            py,
+            r,
+            offset as usize,
+            nbytes as usize,
+        )?)
     }
 
     /// Registers the region with the CUDA driver (see kvtier_core::buffer::HostRegion::register_cuda).
-    fn register_cuda(&self, py: Python<'_>, device: i32, granularity: usize, max_chunk: usize, threads: usize) -> KvResult<usize> {
+    fn register_cuda(
+        &self,
+        py: Python<'_>,
+        device: i32,
+        granularity: usize,
+        max_chunk: usize,
+        threads: usize,
+    ) -> KvResult<usize> {
         let r = self.get()?;
         Ok(py.detach(|| r.register_cuda(device, granularity, max_chunk, threads))?)
     }

@@ -86,17 +86,31 @@ unsafe extern "C" fn capsule_destructor(cap: *mut ffi::PyObject) {
 
 /// A DLPack capsule viewing `[offset, offset + nbytes)` of `region` as a 1-D uint8 CPU tensor.
 /// The caller has checked the range against `region.len()`.
-pub fn capsule<'py>(py: Python<'py>, region: Arc<HostRegion>, offset: usize, nbytes: usize) -> PyResult<Bound<'py, PyAny>> {
-    debug_assert!(offset.checked_add(nbytes).is_some_and(|e| e <= region.len()));
+pub fn capsule<'py>(
+    py: Python<'py>,
+    region: Arc<HostRegion>,
+    offset: usize,
+    nbytes: usize,
+) -> PyResult<Bound<'py, PyAny>> {
+    debug_assert!(offset
+        .checked_add(nbytes)
+        .is_some_and(|e| e <= region.len()));
     // SAFETY: offset <= region.len() (checked by the caller), so the pointer stays inside the mapping.
     let data = unsafe { region.as_ptr().add(offset) } as *mut c_void;
     let ctx = Box::new(Ctx {
         managed: DLManagedTensor {
             dl_tensor: DLTensor {
                 data,
-                device: DLDevice { device_type: K_DL_CPU, device_id: 0 },
+                device: DLDevice {
+                    device_type: K_DL_CPU,
+                    device_id: 0,
+                },
                 ndim: 1,
-                dtype: DLDataType { code: K_DL_UINT, bits: 8, lanes: 1 },
+                dtype: DLDataType {
+                    code: K_DL_UINT,
+                    bits: 8,
+                    lanes: 1,
+                },
                 shape: std::ptr::null_mut(),
                 strides: std::ptr::null_mut(),
                 byte_offset: 0,
@@ -120,7 +134,11 @@ pub fn capsule<'py>(py: Python<'py>, region: Arc<HostRegion>, offset: usize, nby
     // SAFETY: PyCapsule_New with a non-null pointer, a static name and a destructor that handles both the
     // consumed and unconsumed cases; on failure we free the context ourselves.
     unsafe {
-        let cap = ffi::PyCapsule_New(managed as *mut c_void, NAME.as_ptr(), Some(capsule_destructor));
+        let cap = ffi::PyCapsule_New(
+            managed as *mut c_void,
+            NAME.as_ptr(),
+            Some(capsule_destructor),
+        );
         if cap.is_null() {
             deleter(managed);
             return Err(PyErr::fetch(py));

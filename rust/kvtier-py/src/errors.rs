@@ -35,7 +35,9 @@ fn build(py: Python<'_>, e: &Error) -> PyResult<PyErr> {
             let errno = source.raw_os_error().unwrap_or(0);
             errors.getattr("_os_error")?.call1((errno, msg))?
         }
-        Error::HugePagesUnavailable(_) => errors.getattr("HugePagesUnavailableError")?.call1((msg,))?,
+        Error::HugePagesUnavailable(_) => {
+            errors.getattr("HugePagesUnavailableError")?.call1((msg,))?
+        }
         Error::CudaUnavailable(_) => errors.getattr("CudaUnavailableError")?.call1((msg,))?,
         Error::Cuda { .. } => errors.getattr("CudaError")?.call1((msg,))?,
         Error::Closed(_) => errors.getattr("ClosedError")?.call1((msg,))?,
@@ -50,7 +52,9 @@ impl From<PyKvErr> for PyErr {
             PyKvErr::Py(e) => e,
             PyKvErr::Core(e) => Python::attach(|py| {
                 build(py, &e).unwrap_or_else(|import_err| {
-                    PyRuntimeError::new_err(format!("{e} (and kvtier._errors failed: {import_err})"))
+                    PyRuntimeError::new_err(format!(
+                        "{e} (and kvtier._errors failed: {import_err})"
+                    ))
                 })
             }),
         }

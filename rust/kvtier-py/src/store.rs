@@ -21,7 +21,11 @@ use crate::errors::KvResult;
 #[derive(Clone)]
 enum Region {
     Rust(Arc<HostRegion>),
-    Foreign { ptr: usize, len: usize, _owner: Arc<Py<PyAny>> },
+    Foreign {
+        ptr: usize,
+        len: usize,
+        _owner: Arc<Py<PyAny>>,
+    },
 }
 
 impl Region {
@@ -42,38 +46,75 @@ pub struct PyPageStore {
 
 impl PyPageStore {
     fn store(&self) -> KvResult<Arc<PageStore>> {
-        self.inner.read().unwrap_or_else(|p| p.into_inner()).clone().ok_or_else(|| Error::Closed("PageStore").into())
+        self.inner
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+            .ok_or_else(|| Error::Closed("PageStore").into())
     }
 
     /// Checks every `(ptr, len)` against the registered regions; with `disjoint`, also that no two overlap.
     fn check_ranges(&self, ptrs: &[usize], sizes: &[u64], disjoint: bool) -> KvResult<Vec<Region>> {
-        let regions = self.regions.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let regions = self
+            .regions
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
         for (i, (&p, &n)) in ptrs.iter().zip(sizes).enumerate() {
             let inside = regions.iter().any(|r| {
                 let (b, l) = r.range();
                 p >= b && (p as u128 + n as u128) <= (b as u128 + l as u128)
             });
             if !inside {
-                return Err(Error::arg("host_indices", format!("object {i} ({n} bytes at {p:#x}) is outside every registered host buffer")).into());
+                return Err(Error::arg(
+                    "host_indices",
+                    format!(
+                        "object {i} ({n} bytes at {p:#x}) is outside every registered host buffer"
+                    ),
+                )
+                .into());
             }
         }
         if disjoint {
-            let mut v: Vec<(usize, u64)> = ptrs.iter().copied().zip(sizes.iter().copied()).collect();
+            let mut v: Vec<(usize, u64)> =
+                ptrs.iter().copied().zip(sizes.iter().copied()).collect();
             v.sort_unstable();
             for w in v.windows(2) {
                 if (w[0].0 as u128 + w[0].1 as u128) > w[1].0 as u128 {
-                    return Err(Error::arg("host_indices", "two objects of one batch would be read into overlapping memory").into());
+                    return Err(Error::arg(
+                        "host_indices",
+                        "two objects of one batch would be read into overlapping memory",
+                    )
+                    .into());
                 }
             }
         }
         Ok(regions)
     }
 
-    fn objs<'a>(keys: &'a [String], ptrs: &[usize], sizes: &[u64]) -> KvResult<Vec<(&'a str, usize, u64)>> {
+    fn objs<'a>(
+        keys: &'a [String],
+        ptrs: &[usize],
+        sizes: &[u64],
+    ) -> KvResult<Vec<(&'a str, usize, u64)>> {
         if keys.len() != ptrs.len() || keys.len() != sizes.len() {
-            return Err(Error::arg("keys", format!("{} keys, {} addresses and {} sizes", keys.len(), ptrs.len(), sizes.len())).into());
+            return Err(Error::arg(
+                "keys",
+                format!(
+                    "{} keys, {} addresses and {} sizes",
+                    keys.len(),
+                    ptrs.len(),
+                    sizes.len()
+                ),
+            )
+            .into());
         }
-        Ok(keys.iter().zip(ptrs).zip(sizes).map(|((k, &p), &n)| (k.as_str(), p, n)).collect())
+        Ok(keys
+            .iter()
+            .zip(ptrs)
+            .zip(sizes)
+            .map(|((k, &p), &n)| (k.as_str(), p, n))
+            .collect())
     }
 }
 
@@ -81,17 +122,34 @@ impl PyPageStore {
 impl PyPageStore {
     #[new]
     #[pyo3(signature = (root, namespace, capacity_bytes, io_threads=16, direct=None))]
-    fn new(py: Python<'_>, root: PathBuf, namespace: String, capacity_bytes: u64, io_threads: usize, direct: Option<bool>) -> KvResult<Self> {
-        let opts = StoreOptions { capacity_bytes, io_threads, direct };
+    fn new(
+        py: Python<'_>,
+        root: PathBuf,
+        namespace: String,
+        capacity_bytes: u64,
+        io_threads: usize,
+        direct: Option<bool>,
+    ) -> KvResult<Self> {
+        let opts = StoreOptions {
+            capacity_bytes,
+            io_threads,
+            direct,
+        };
         let s = py.detach(|| PageStore::open(&root, &namespace, opts))?;
-        Ok(Self { inner: RwLock::new(Some(Arc::new(s))), regions: Mutex::new(Vec::new()) })
+        Ok(Self {
+            inner: RwLock::new(Some(Arc::new(s))),
+            regions: Mutex::new(Vec::new()),
+        })
     }
 
     /// Allows IO into and out of `region` (the store keeps it alive).
     fn register_region(&self, region: &PyHostRegion) -> KvResult<()> {
         let r = region.get()?;
         let mut regs = self.regions.lock().unwrap_or_else(|p| p.into_inner());
-        if !regs.iter().any(|x| matches!(x, Region::Rust(y) if Arc::ptr_eq(y, &r))) {
+        if !regs
+            .iter()
+            .any(|x| matches!(x, Region::Rust(y) if Arc::ptr_eq(y, &r)))
+        {
             regs.push(Region::Rust(r));
         }
         Ok(())
@@ -108,12 +166,25 @@ impl PyPageStore {
         let ptr: usize = tensor.call_method0("data_ptr")?.extract()?;
         let len: usize = tensor.getattr("nbytes")?.extract()?;
         let owner = Arc::new(tensor.unbind());
-        self.regions.lock().unwrap_or_else(|p| p.into_inner()).push(Region::Foreign { ptr, len, _owner: owner });
+        self.regions
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(Region::Foreign {
+                ptr,
+                len,
+                _owner: owner,
+            });
         Ok(())
     }
 
     /// Stores objects; returns per object whether it is durably stored.
-    fn put(&self, py: Python<'_>, keys: Vec<String>, ptrs: Vec<usize>, sizes: Vec<u64>) -> KvResult<Vec<bool>> {
+    fn put(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        ptrs: Vec<usize>,
+        sizes: Vec<u64>,
+    ) -> KvResult<Vec<bool>> {
         let s = self.store()?;
         let objs = Self::objs(&keys, &ptrs, &sizes)?;
         let _alive = self.check_ranges(&ptrs, &sizes, false)?;
@@ -123,7 +194,13 @@ impl PyPageStore {
     }
 
     /// Reads objects into memory; returns per object whether it was found and verified.
-    fn get(&self, py: Python<'_>, keys: Vec<String>, ptrs: Vec<usize>, sizes: Vec<u64>) -> KvResult<Vec<bool>> {
+    fn get(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        ptrs: Vec<usize>,
+        sizes: Vec<u64>,
+    ) -> KvResult<Vec<bool>> {
         let s = self.store()?;
         let objs = Self::objs(&keys, &ptrs, &sizes)?;
         let _alive = self.check_ranges(&ptrs, &sizes, true)?;
@@ -203,13 +280,19 @@ impl PyPageStore {
     }
     #[getter]
     fn closed(&self) -> bool {
-        self.inner.read().unwrap_or_else(|p| p.into_inner()).is_none()
+        self.inner
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_none()
     }
 
     /// Releases the namespace (and its LOCK) once no call is in flight.
     fn close(&self, py: Python<'_>) {
         let s = self.inner.write().unwrap_or_else(|p| p.into_inner()).take();
-        self.regions.lock().unwrap_or_else(|p| p.into_inner()).clear();
+        self.regions
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clear();
         py.detach(move || drop(s));
     }
 }
@@ -223,13 +306,24 @@ pub fn namespace_dir(namespace: &str) -> String {
 /// SGLang-compatible chained SHA-256 page keys of `token_ids`, `page_size` tokens a page (full pages only).
 #[pyfunction]
 #[pyo3(signature = (token_ids, page_size, prior_hash=None))]
-pub fn page_hashes(py: Python<'_>, token_ids: Vec<u32>, page_size: usize, prior_hash: Option<String>) -> KvResult<Vec<String>> {
+pub fn page_hashes(
+    py: Python<'_>,
+    token_ids: Vec<u32>,
+    page_size: usize,
+    prior_hash: Option<String>,
+) -> KvResult<Vec<String>> {
     Ok(py.detach(|| kvtier_core::hash::page_hashes(&token_ids, page_size, prior_hash.as_deref()))?)
 }
 
 /// The disk's O_DIRECT ceiling for `count` objects of `size` bytes with `threads` in flight, measured in
 /// `dir`: `(write GB/s durable, read GB/s, O_DIRECT used)`.
 #[pyfunction]
-pub fn disk_roofline(py: Python<'_>, dir: PathBuf, size: usize, count: usize, threads: usize) -> KvResult<(f64, f64, bool)> {
+pub fn disk_roofline(
+    py: Python<'_>,
+    dir: PathBuf,
+    size: usize,
+    count: usize,
+    threads: usize,
+) -> KvResult<(f64, f64, bool)> {
     Ok(py.detach(|| kvtier_core::roofline::odirect_roofline(&dir, size, count, threads))?)
 }

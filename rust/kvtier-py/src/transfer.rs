@@ -13,9 +13,14 @@ fn indices(py: Python<'_>, name: &str, obj: &Bound<'_, PyAny>) -> KvResult<Vec<i
     let buf = PyBuffer::<i64>::get(obj)
         .map_err(|e| Error::arg(name, format!("must be a 1-D int64 buffer ({e})")))?;
     if buf.dimensions() != 1 {
-        return Err(Error::arg(name, format!("must be 1-D, got {} dimensions", buf.dimensions())).into());
+        return Err(Error::arg(
+            name,
+            format!("must be 1-D, got {} dimensions", buf.dimensions()),
+        )
+        .into());
     }
-    buf.to_vec(py).map_err(|e| Error::arg(name, format!("cannot be read: {e}")).into())
+    buf.to_vec(py)
+        .map_err(|e| Error::arg(name, format!("cannot be read: {e}")).into())
 }
 
 /// Whole-page token-slot allocator (thread-safe).
@@ -51,7 +56,14 @@ impl PyPageAllocator {
     }
 }
 
-fn rules(host_slots: usize, device_rows: usize, page_size: usize, host_pages: bool, device_runs: bool, to_host: bool) -> IndexRules {
+fn rules(
+    host_slots: usize,
+    device_rows: usize,
+    page_size: usize,
+    host_pages: bool,
+    device_runs: bool,
+    to_host: bool,
+) -> IndexRules {
     IndexRules {
         host_slots,
         device_rows,
@@ -64,12 +76,19 @@ fn rules(host_slots: usize, device_rows: usize, page_size: usize, host_pages: bo
 
 /// Page numbers of whole-page token-slot `indices` in a pool of `page_num` pages (ValueError otherwise).
 #[pyfunction]
-pub fn page_numbers(py: Python<'_>, indices_: &Bound<'_, PyAny>, page_size: usize, page_num: usize) -> KvResult<Vec<usize>> {
+pub fn page_numbers(
+    py: Python<'_>,
+    indices_: &Bound<'_, PyAny>,
+    page_size: usize,
+    page_num: usize,
+) -> KvResult<Vec<usize>> {
     if page_size == 0 {
         return Err(Error::arg("page_size", "must be positive, got 0").into());
     }
     let v = indices(py, "indices", indices_)?;
-    Ok(kvtier_core::alloc::page_starts(&v, page_size, page_num, "indices")?)
+    Ok(kvtier_core::alloc::page_starts(
+        &v, page_size, page_num, "indices",
+    )?)
 }
 
 /// Validates transfer indices (ranges, page structure, distinct destinations). Raises ValueError naming
@@ -89,7 +108,14 @@ pub fn validate_transfer(
 ) -> KvResult<()> {
     let h = indices(py, "host_indices", host_indices)?;
     let d = indices(py, "device_indices", device_indices)?;
-    let r = rules(host_slots, device_rows, page_size, host_pages, device_runs, to_host);
+    let r = rules(
+        host_slots,
+        device_rows,
+        page_size,
+        host_pages,
+        device_runs,
+        to_host,
+    );
     Ok(py.detach(|| plan::validate(&h, &d, &r))?)
 }
 
@@ -129,15 +155,26 @@ impl Request {
         let region = region.get()?;
         let layers = device_layers.len();
         let geo = HostGeometry::new(Layout::parse(layout)?, layers, slots, page_size, row_bytes)?;
-        if host_offset.checked_add(geo.nbytes()).is_none_or(|end| end > region.len()) {
+        if host_offset
+            .checked_add(geo.nbytes())
+            .is_none_or(|end| end > region.len())
+        {
             return Err(Error::arg(
                 "size",
-                format!("geometry needs {} bytes at offset {host_offset}, buffer has {}", geo.nbytes(), region.len()),
+                format!(
+                    "geometry needs {} bytes at offset {host_offset}, buffer has {}",
+                    geo.nbytes(),
+                    region.len()
+                ),
             )
             .into());
         }
         if layer_begin >= layer_end || layer_end > layers {
-            return Err(Error::arg("layer_id", format!("layers [{layer_begin}, {layer_end}) not in [0, {layers})")).into());
+            return Err(Error::arg(
+                "layer_id",
+                format!("layers [{layer_begin}, {layer_end}) not in [0, {layers})"),
+            )
+            .into());
         }
         let mut device = Vec::with_capacity(layers);
         let mut rows = usize::MAX;
@@ -149,13 +186,20 @@ impl Request {
         }
         Ok(Self {
             geo,
-            host: RawRange { ptr: region.as_ptr() as usize + host_offset, len: geo.nbytes() },
+            host: RawRange {
+                ptr: region.as_ptr() as usize + host_offset,
+                len: geo.nbytes(),
+            },
             device,
             h: indices(py, "host_indices", host_indices)?,
             d: indices(py, "device_indices", device_indices)?,
             rules: rules(slots, rows, page_size, host_pages, device_runs, to_host),
             layers: layer_begin..layer_end,
-            dir: if to_host { Direction::DeviceToHost } else { Direction::HostToDevice },
+            dir: if to_host {
+                Direction::DeviceToHost
+            } else {
+                Direction::HostToDevice
+            },
             host_offset,
             _region: region,
         })
@@ -165,7 +209,14 @@ impl Request {
     /// checks every chunk against both buffers.
     fn plan(&self, split: usize) -> kvtier_core::Result<Vec<plan::Chunk>> {
         plan::validate(&self.h, &self.d, &self.rules)?;
-        let chunks = plan::plan(&self.geo, &self.h, &self.d, self.layers.clone(), split, self.host_offset);
+        let chunks = plan::plan(
+            &self.geo,
+            &self.h,
+            &self.d,
+            self.layers.clone(),
+            split,
+            self.host_offset,
+        );
         plan::check_chunks(self.host, &self.device, &chunks)?;
         Ok(chunks)
     }
@@ -214,15 +265,35 @@ impl PyTransferPlan {
         split: usize,
     ) -> KvResult<Self> {
         let req = Request::extract(
-            py, to_host, region, host_offset, layout, slots, page_size, row_bytes, &device_layers, host_indices,
-            device_indices, layer_begin, layer_end, host_pages, device_runs,
+            py,
+            to_host,
+            region,
+            host_offset,
+            layout,
+            slots,
+            page_size,
+            row_bytes,
+            &device_layers,
+            host_indices,
+            device_indices,
+            layer_begin,
+            layer_end,
+            host_pages,
+            device_runs,
         )?;
         let chunks = py.detach(|| req.plan(split.max(1)))?;
         let layer_start = (req.layers.start..=req.layers.end)
             .map(|l| chunks.partition_point(|c| (c.layer as usize) < l))
             .collect();
-        let owners = pyo3::types::PyList::new(py, device_layers)?.into_any().unbind();
-        Ok(Self { req, chunks, layer_start, _owners: owners })
+        let owners = pyo3::types::PyList::new(py, device_layers)?
+            .into_any()
+            .unbind();
+        Ok(Self {
+            req,
+            chunks,
+            layer_start,
+            _owners: owners,
+        })
     }
 
     /// Number of copies planned for `[layer_begin, layer_end)`.
@@ -246,7 +317,15 @@ impl PyTransferPlan {
     /// stream, else one `cuMemcpyAsync` per chunk. Returns `(copies, batch_calls)`. The caller keeps the
     /// host buffer and device tensors alive until the stream has passed the copies (kvtier.transfer records
     /// an event for that).
-    fn submit(&self, py: Python<'_>, layer_begin: usize, layer_end: usize, device: i32, stream: usize, batch: bool) -> KvResult<(usize, usize)> {
+    fn submit(
+        &self,
+        py: Python<'_>,
+        layer_begin: usize,
+        layer_end: usize,
+        device: i32,
+        stream: usize,
+        batch: bool,
+    ) -> KvResult<(usize, usize)> {
         let part = self.slice(layer_begin, layer_end)?;
         let sub = py.detach(|| {
             let copies = plan::addresses(self.req.dir, self.req.host, &self.req.device, part);
@@ -263,10 +342,202 @@ impl PyTransferPlan {
     fn slice(&self, layer_begin: usize, layer_end: usize) -> KvResult<&[plan::Chunk]> {
         let r = &self.req.layers;
         if layer_begin < r.start || layer_end > r.end || layer_begin >= layer_end {
-            return Err(Error::arg("layer_id", format!("layers [{layer_begin}, {layer_end}) not in the plan's [{}, {})", r.start, r.end)).into());
+            return Err(Error::arg(
+                "layer_id",
+                format!(
+                    "layers [{layer_begin}, {layer_end}) not in the plan's [{}, {})",
+                    r.start, r.end
+                ),
+            )
+            .into());
         }
-        Ok(&self.chunks[self.layer_start[layer_begin - r.start]..self.layer_start[layer_end - r.start]])
+        Ok(&self.chunks
+            [self.layer_start[layer_begin - r.start]..self.layer_start[layer_end - r.start]])
     }
+}
+
+fn check_events(events: &[usize], layer_begin: usize, layer_end: usize) -> KvResult<()> {
+    if !events.is_empty() && events.len() != layer_end.saturating_sub(layer_begin) {
+        return Err(Error::arg(
+            "events",
+            format!(
+                "need one per layer ({}), got {}",
+                layer_end.saturating_sub(layer_begin),
+                events.len()
+            ),
+        )
+        .into());
+    }
+    if events.contains(&0) {
+        return Err(Error::arg(
+            "events",
+            "an event handle is 0 (record a torch event once to create it)",
+        )
+        .into());
+    }
+    Ok(())
+}
+
+/// Enqueues layers `[layer_begin, layer_end)` of every plan in `plans` on CUDA `stream` of `device`, each
+/// plan's copies as their own batch (K and V stay separate submissions). With `per_layer`, layer by layer:
+/// every plan's copies of layer l, then `events[l - layer_begin]` is recorded when `events` is not empty;
+/// without it, each plan's copies of all the layers in one submission (`events` must be empty). GIL
+/// released, one context switch for the whole call. Returns `(copies, batch_calls)`. The caller keeps host
+/// buffers and device tensors alive until the stream passes the copies, and passes live CUDA events
+/// (`torch.cuda.Event.cuda_event`) of that device.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+pub fn submit_layers(
+    py: Python<'_>,
+    plans: Vec<PyRef<'_, PyTransferPlan>>,
+    layer_begin: usize,
+    layer_end: usize,
+    device: i32,
+    stream: usize,
+    batch: bool,
+    per_layer: bool,
+    events: Vec<usize>,
+) -> KvResult<(usize, usize)> {
+    check_events(&events, layer_begin, layer_end)?;
+    if !per_layer && !events.is_empty() {
+        return Err(Error::arg("events", "per-layer events need per_layer=True").into());
+    }
+    // (copies of one submission, event to record after it)
+    type Step = (Vec<(usize, usize, usize)>, Option<usize>);
+    let mut steps: Vec<Step> = Vec::new();
+    if per_layer {
+        for (i, layer) in (layer_begin..layer_end).enumerate() {
+            for (j, p) in plans.iter().enumerate() {
+                let part = p.slice(layer, layer + 1)?;
+                let ev = if j + 1 == plans.len() {
+                    events.get(i).copied()
+                } else {
+                    None
+                };
+                steps.push((
+                    plan::addresses(p.req.dir, p.req.host, &p.req.device, part),
+                    ev,
+                ));
+            }
+        }
+    } else {
+        for p in &plans {
+            let part = p.slice(layer_begin, layer_end)?;
+            steps.push((
+                plan::addresses(p.req.dir, p.req.host, &p.req.device, part),
+                None,
+            ));
+        }
+    }
+    let out = py.detach(|| -> kvtier_core::Result<(usize, usize)> {
+        let cur = kvtier_core::cuda::make_current(device)?;
+        let (mut copies, mut calls) = (0, 0);
+        for (step, ev) in &steps {
+            // SAFETY: the addresses were checked against the live host regions (held by each plan) and
+            // device tensors (held by each plan's `_owners`, alive while `plans` is borrowed) when the plans
+            // were built; the caller keeps both alive until the stream has passed the copies.
+            let sub = unsafe { cur.copy_async(stream, step, batch)? };
+            copies += sub.copies;
+            calls += sub.batch_calls;
+            if let Some(ev) = ev {
+                // SAFETY: the caller passes live events and stream of this device (documented above).
+                unsafe { cur.record_event(*ev, stream)? };
+            }
+        }
+        Ok((copies, calls))
+    })?;
+    Ok(out)
+}
+
+/// Enqueues compiled-kernel launches for layers `[layer_begin, layer_end)`: for each layer, every launch of
+/// `launches` with its parameter `layer_param` set to the layer, then `events[layer - layer_begin]` (when
+/// given). Each launch is `(function, grid, block, shared_bytes, widths, values, layer_param)`: `widths[i]`
+/// is 4 or 8, the byte width of parameter i. GIL released, one context switch for the whole call.
+///
+/// Private to `kvtier.kernels`, which passes only functions it compiled, whose parameter list it checked
+/// against the compiled code, and addresses of buffers it validated and keeps alive.
+#[pyfunction]
+#[allow(clippy::too_many_arguments, clippy::type_complexity)]
+pub fn launch_layers(
+    py: Python<'_>,
+    device: i32,
+    stream: usize,
+    launches: Vec<(usize, u32, u32, u32, Vec<u8>, Vec<u64>, usize)>,
+    layer_begin: usize,
+    layer_end: usize,
+    events: Vec<usize>,
+) -> KvResult<()> {
+    use kvtier_core::cuda::{Kernel, Param};
+    check_events(&events, layer_begin, layer_end)?;
+    if layer_end > u32::MAX as usize {
+        return Err(Error::arg("layer_end", format!("too large: {layer_end}")).into());
+    }
+    let mut prepared = Vec::with_capacity(launches.len());
+    for (i, (function, grid, block, shared, widths, values, layer_param)) in
+        launches.into_iter().enumerate()
+    {
+        if widths.len() != values.len() || layer_param >= widths.len() || widths[layer_param] != 4 {
+            return Err(Error::arg(
+                "launches",
+                format!(
+                    "launch {i}: {} widths, {} values, layer parameter {layer_param}",
+                    widths.len(),
+                    values.len()
+                ),
+            )
+            .into());
+        }
+        let mut params = Vec::with_capacity(values.len());
+        for (j, (&w, &v)) in widths.iter().zip(&values).enumerate() {
+            params.push(match w {
+                4 => Param::U32(u32::try_from(v).map_err(|_| {
+                    Error::arg(
+                        "launches",
+                        format!("launch {i} parameter {j}: {v} does not fit 32 bits"),
+                    )
+                })?),
+                8 => Param::U64(v),
+                _ => {
+                    return Err(Error::arg(
+                        "launches",
+                        format!("launch {i} parameter {j}: width {w} is not 4 or 8"),
+                    )
+                    .into())
+                }
+            });
+        }
+        let kernel = Kernel {
+            function,
+            grid,
+            block,
+            shared,
+        };
+        prepared.push((kernel, params, layer_param));
+    }
+    py.detach(|| -> kvtier_core::Result<()> {
+        let cur = kvtier_core::cuda::make_current(device)?;
+        for (i, layer) in (layer_begin..layer_end).enumerate() {
+            for (kernel, params, layer_param) in prepared.iter_mut() {
+                params[*layer_param] = Param::U32(layer as u32);
+                // SAFETY: kvtier.kernels (the only caller) passes a function it compiled in this context,
+                // whose parameter widths it read from the compiled code, and addresses of validated buffers
+                // and index tensors it keeps alive until the stream has passed the launch.
+                unsafe { cur.launch(stream, kernel, params)? };
+            }
+            if let Some(&ev) = events.get(i) {
+                // SAFETY: the caller passes live events and stream of this device.
+                unsafe { cur.record_event(ev, stream)? };
+            }
+        }
+        Ok(())
+    })?;
+    Ok(())
+}
+
+/// Sets how many descriptors go into one `cuMemcpyBatchAsync` call (benches); returns the previous value.
+#[pyfunction]
+pub fn cuda_set_batch_limit(limit: usize) -> usize {
+    kvtier_core::cuda::set_batch_limit(limit)
 }
 
 /// The `CUmemcpyFlags` in use for batched copies (diagnostics).

@@ -1,0 +1,249 @@
+"""Diagnostics behind the transfer bench's misses: where the time goes, measured, not guessed.
+
+    python -m kvtier.benchmarks.transfer_probe [--out DIR] [--reps 5] [--only kernel,launch,direct,overlap]
+    python -m kvtier.benchmarks.transfer_probe --ncu      # a few kernel launches to profile under Nsight Compute
+
+Parts (each prints JSON lines, all written to ``probe.json`` in --out):
+
+- ``kernel``: the Triton gather/scatter's tile size, prefetch and warps on geometry A at 256 pages (load
+  through LayerLoader and all-layer backup, % of the ceiling), then a block sweep of the best variant.
+- ``launch``: host cost per layer at 16 pages: Triton's Python launcher vs kvtier's native launch, and the
+  direct path, each through per-layer calls and through LayerLoader.
+- ``direct``: copy-engine throughput against chunk size (16–256 KiB per page and layer), for per-layer loads
+  and for all-layer backups submitted as one batch per side, one batch per layer, or 1,024-copy batches; with
+  the host time spent inside the submitting call.
+- ``overlap``: LayerLoader overlap with a per-layer compute loop, three times per backend, with the host time
+  spent issuing the load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+import kvtier
+from kvtier import DeviceKVPool, LayerLoader, host_pool_for, kernels
+
+from .transfer import DT, GEOMS, PS, ceiling, check_exact, event_time, page_idx
+
+
+def _pools(g, pages, layout):
+    dp = DeviceKVPool((pages + 8) * PS, PS, g["layers"], g["heads"], g["dk"], g["dv"], DT, "cuda")
+    for t in dp.k_buffer + dp.v_buffer:
+        t.view(torch.uint8).random_(0, 256)
+    hp = host_pool_for(dp, layout=layout, host_to_device_ratio=1.0)
+    assert hp.k_buffer.is_pinned()
+    h = page_idx(torch.randperm(hp.page_num)[:pages])
+    d = page_idx(torch.randperm(pages + 7)[:pages] + 1)
+    return dp, hp, h, d
+
+
+def _bytes_per_layer(g, pages):
+    return pages * PS * g["heads"] * (g["dk"] + g["dv"]) * 2
+
+
+def _emit(out, part, row):
+    row = {"part": part, **row}
+    out.append(row)
+    print(json.dumps(row), flush=True)
+
+
+def part_kernel(out, reps, up, down, stream):
+    g = GEOMS["A"]
+    dp, hp, h, d = _pools(g, 256, "page_first")
+    nb = _bytes_per_layer(g, 256)
+    L = g["layers"]
+    loader = LayerLoader(hp, dp, "kernel", stream=stream)
+    eng = hp._engine
+
+    def measure():
+        with torch.cuda.stream(stream):
+            t_load = event_time(lambda: loader.load(h, d).synchronize(), reps) / L
+            t_back = event_time(lambda: hp.backup_from_device_all_layer(dp, h, d, "kernel"), reps)
+            exact = check_exact(hp, dp, h, d)
+        return round(100 * nb / t_load / 1e9 / up, 1), round(100 * nb * L / t_back / 1e9 / down, 1), exact
+
+    best = None
+    for tile in (2048, 4096, 8192):
+        for prefetch in (False, True):
+            for warps in (8, 16):
+                eng.tile_words, eng.prefetch, eng.num_warps, eng.blocks = tile, prefetch, warps, 16
+                load, back, exact = measure()
+                _emit(out, "kernel", {"tile_words": tile, "prefetch": prefetch, "warps": warps, "blocks": 16,
+                                      "load_pct": load, "backup_pct": back, "exact": exact})
+                if best is None or load + back > best[0]:
+                    best = (load + back, tile, prefetch, warps)
+    _, tile, prefetch, warps = best
+    for blocks in (8, 12, 16, 24, 32, 64):
+        eng.tile_words, eng.prefetch, eng.num_warps, eng.blocks = tile, prefetch, warps, blocks
+        load, back, exact = measure()
+        _emit(out, "kernel_blocks", {"tile_words": tile, "prefetch": prefetch, "warps": warps, "blocks": blocks,
+                                     "load_pct": load, "backup_pct": back, "exact": exact})
+    _emit(out, "native_status", {"status": kernels.native_status()})
+    hp.close()
+
+
+def part_launch(out, reps, up, stream):
+    for geom in ("A", "B"):
+        g = GEOMS[geom]
+        L = g["layers"]
+        for layout, backend in (("page_first", "kernel"), ("page_first_direct", "direct")):
+            dp, hp, h, d = _pools(g, 16, layout)
+            nb = _bytes_per_layer(g, 16)
+            loader = LayerLoader(hp, dp, backend, stream=stream)
+            for native in ((False, True) if backend == "kernel" else (True,)):
+                kernels.set_native(native)
+                with torch.cuda.stream(stream):
+                    t_calls = event_time(lambda: [hp.load_to_device_per_layer(dp, h, d, l, backend) for l in range(L)], reps) / L
+                    t_loader = event_time(lambda: loader.load(h, d).synchronize(), reps) / L
+                    # host time to issue one LayerLoader load (all layers), GPU idle beforehand
+                    hts = []
+                    for _ in range(reps):
+                        torch.cuda.synchronize()
+                        t0 = time.perf_counter()
+                        ld = loader.load(h, d)
+                        hts.append(time.perf_counter() - t0)
+                        ld.synchronize()
+                    exact = check_exact(hp, dp, h, d)
+                _emit(out, "launch", {
+                    "geometry": geom, "backend": backend, "native_launch": native, "pages": 16,
+                    "calls_us_per_layer": round(t_calls * 1e6, 1), "calls_pct": round(100 * nb / t_calls / 1e9 / up, 1),
+                    "loader_us_per_layer": round(t_loader * 1e6, 1), "loader_pct": round(100 * nb / t_loader / 1e9 / up, 1),
+                    "loader_issue_host_us": round(statistics.median(hts) * 1e6, 1),
+                    "dma_floor_us_per_layer": round(nb / up / 1e3, 1), "exact": exact,
+                })
+            kernels.set_native(True)
+            hp.close()
+            del dp
+            torch.cuda.empty_cache()
+
+
+def part_direct(out, reps, up, down, stream):
+    L = 32
+    for heads in (1, 2, 4, 8, 16):
+        g = dict(layers=L, heads=heads, dk=128, dv=128)
+        dp, hp, h, d = _pools(g, 256, "page_first_direct")
+        nb = _bytes_per_layer(g, 256)
+        chunk = PS * heads * 128 * 2
+        loader = LayerLoader(hp, dp, "direct", stream=stream)
+        row = {"chunk_KiB": chunk // 1024, "copies_per_layer": 512, "layers": L}
+        with torch.cuda.stream(stream):
+            t = event_time(lambda: loader.load(h, d).synchronize(), reps) / L
+            row["load_pct"] = round(100 * nb / t / 1e9 / up, 1)
+            row["load_us_per_copy"] = round(t / 512 * 1e6, 3)
+            ks, vs, p = hp._prepare(dp, h, d, "direct", to_host=True)
+            pairs = tuple(zip(hp._sides(), (ks, vs)))
+            for name, per_layer, limit in (("one_batch_per_side", False, 16384), ("batch_per_layer", True, 16384),
+                                           ("batches_of_1024", False, 1024), ("batches_of_256", False, 256)):
+                old = kvtier._native.cuda_set_batch_limit(limit)
+                t = event_time(lambda: hp._engine.copy(pairs, p, 0, L, to_host=True, backend="direct", per_layer=per_layer), reps)
+                hts = []
+                for _ in range(reps):
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    hp._engine.copy(pairs, p, 0, L, to_host=True, backend="direct", per_layer=per_layer)
+                    hts.append(time.perf_counter() - t0)
+                    torch.cuda.synchronize()
+                kvtier._native.cuda_set_batch_limit(old)
+                row[f"backup_{name}_pct"] = round(100 * nb * L / t / 1e9 / down, 1)
+                row[f"backup_{name}_host_ms"] = round(statistics.median(hts) * 1e3, 2)
+                row[f"backup_{name}_gpu_ms"] = round(t * 1e3, 2)
+            row["exact"] = check_exact(hp, dp, h, d)
+        _emit(out, "direct", row)
+        hp.close()
+        del dp
+        torch.cuda.empty_cache()
+
+
+def part_overlap(out, reps, stream):
+    g = GEOMS["A"]
+    L = g["layers"]
+    a = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
+    for layout, backend in (("page_first_direct", "direct"), ("page_first", "kernel")):
+        dp, hp, h, d = _pools(g, 256, layout)
+        loader = LayerLoader(hp, dp, backend)
+        for trial in range(3):
+            t_xfer = event_time(lambda: loader.load(h, d).synchronize(), reps)
+            one = event_time(lambda: a @ a, reps)
+            k = max(1, round(t_xfer / L / one))
+
+            def compute_only():
+                for _ in range(L):
+                    for _ in range(k):
+                        a @ a
+
+            t_comp = event_time(compute_only, reps)
+            issue = []
+
+            def both():
+                t0 = time.perf_counter()
+                load = loader.load(h, d)
+                issue.append(time.perf_counter() - t0)
+                for layer in range(L):
+                    load.wait(layer)
+                    for _ in range(k):
+                        a @ a
+
+            t_both = event_time(both, reps)
+            torch.cuda.synchronize()
+            _emit(out, "overlap", {"backend": backend, "trial": trial, "transfer_ms": round(t_xfer * 1e3, 2),
+                                   "compute_ms": round(t_comp * 1e3, 2), "overlapped_ms": round(t_both * 1e3, 2),
+                                   "ratio_to_max": round(t_both / max(t_comp, t_xfer), 3),
+                                   "load_issue_host_ms": round(statistics.median(issue) * 1e3, 3), "matmuls_per_layer": k})
+        hp.close()
+        del dp
+        torch.cuda.empty_cache()
+
+
+def ncu_target():
+    """A short run for Nsight Compute: geometry A, 256 pages, kernel backend; 3 warm-up loads and backups,
+    then one LayerLoader load (96 launches) and one backup (2 launches)."""
+    g = GEOMS["A"]
+    dp, hp, h, d = _pools(g, 256, "page_first")
+    loader = LayerLoader(hp, dp, "kernel")
+    for _ in range(3):
+        loader.load(h, d).synchronize()
+        hp.backup_from_device_all_layer(dp, h, d, "kernel")
+    torch.cuda.synchronize()
+    loader.load(h, d).synchronize()
+    hp.backup_from_device_all_layer(dp, h, d, "kernel")
+    torch.cuda.synchronize()
+    print("ncu target done", kernels.native_status(), flush=True)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m kvtier.benchmarks.transfer_probe")
+    ap.add_argument("--out", default="benches/results")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--only", default="kernel,launch,direct,overlap")
+    ap.add_argument("--ncu", action="store_true")
+    args = ap.parse_args(argv)
+    if args.ncu:
+        ncu_target()
+        return
+    os.makedirs(args.out, exist_ok=True)
+    up, down = ceiling()
+    out = [{"part": "ceiling", "h2d_GBps": round(up, 2), "d2h_GBps": round(down, 2), "gpu": torch.cuda.get_device_name(),
+            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S")}]
+    print(json.dumps(out[0]), flush=True)
+    stream = torch.cuda.Stream()
+    parts = args.only.split(",")
+    if "kernel" in parts:
+        part_kernel(out, args.reps, up, down, stream)
+    if "launch" in parts:
+        part_launch(out, args.reps, up, stream)
+    if "direct" in parts:
+        part_direct(out, args.reps, up, down, stream)
+    if "overlap" in parts:
+        part_overlap(out, args.reps, stream)
+    with open(os.path.join(args.out, "probe.json"), "w") as f:
+        json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
