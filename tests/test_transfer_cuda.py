@@ -109,3 +109,71 @@ def test_layer_loader_overlaps_and_is_exact(backend, layout):
         for layer in range(L):
             assert torch.equal(u8(dp.k_buffer[layer][d]), u8(ref[layer][d]))
             assert torch.equal(u8(dp.v_buffer[layer][d]), u8(ref[L + layer][d]))
+
+
+@pytest.mark.parametrize("staging_pages", [1, 3])
+def test_staged_kernel_backup_is_exact_and_touches_nothing_else(staging_pages):
+    """The kernel backend's staged backup (gather into device staging, copy-engine DMA of runs) with tiny
+    staging buffers, so runs alternate between the two buffers many times; arbitrary token slots (not whole
+    pages), so runs are not page-aligned; every unaddressed host byte keeps its poison."""
+    dp, hp = make(layout="page_first", pages=24)
+    eng = hp._engine
+    assert eng.staged_backup
+    eng.staging_bytes = staging_pages * L * DK * H * 2 * PS  # K: staging_pages pages per buffer
+    n = 19 * PS + 5
+    h = torch.randperm(hp.size)[:n]
+    d = torch.randperm(24 * PS)[:n]
+    for buf in (hp.k_buffer, hp.v_buffer):
+        u8(buf).fill_(0xAB)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        hp.backup_from_device_all_layer(dp, h, d, "kernel")
+    side.synchronize()
+    mask = torch.ones(hp.size, dtype=torch.bool)
+    mask[h] = False
+    for host, dev in ((hp.k_buffer, dp.k_buffer), (hp.v_buffer, dp.v_buffer)):
+        for layer in range(L):
+            assert torch.equal(u8(host[h, layer]), u8(dev[layer][d].cpu()))
+        assert bool((u8(host[mask]) == 0xAB).all()), "bytes outside the addressed slots changed"
+    # the same bytes as the kernel writing host memory itself
+    staged = [hp.k_buffer.clone(), hp.v_buffer.clone()]
+    eng.staged_backup = False
+    for buf in (hp.k_buffer, hp.v_buffer):
+        u8(buf).fill_(0xAB)
+    hp.backup_from_device_all_layer(dp, h, d, "kernel")
+    torch.cuda.synchronize()
+    assert torch.equal(u8(staged[0]), u8(hp.k_buffer)) and torch.equal(u8(staged[1]), u8(hp.v_buffer))
+
+
+def test_layer_loader_direct_background_submission_at_scale():
+    """48 layers × 256 pages of MiMo-like K/V: tens of thousands of copies, more than the driver queues
+    without blocking, so LayerLoader's native submission thread is still enqueueing while the compute
+    stream waits layer by layer; every layer must be complete when its wait returns."""
+    layers, pages = 48, 256
+    dp = DeviceKVPool((pages + 4) * PS, PS, layers, 4, 192, 128, torch.bfloat16, "cuda")
+    for t in dp.k_buffer + dp.v_buffer:
+        t.view(torch.uint8).random_(0, 256)
+    hp = host_pool_for(dp, layout="page_first_direct", host_to_device_ratio=1.0)
+    hp_pages = torch.randperm(hp.page_num)[:pages]
+    dv_pages = torch.randperm(pages + 3)[:pages] + 1
+    h = (hp_pages[:, None] * PS + torch.arange(PS)).reshape(-1)
+    d = (dv_pages[:, None] * PS + torch.arange(PS)).reshape(-1)
+    hp.backup_from_device_all_layer(dp, h, d, "direct")
+    torch.cuda.synchronize()
+    ref_k = [t[d].cpu() for t in dp.k_buffer]
+    ref_v = [t[d].cpu() for t in dp.v_buffer]
+    loader = LayerLoader(hp, dp, "direct")
+    for _ in range(2):
+        for t in dp.k_buffer + dp.v_buffer:
+            t.zero_()
+        load = loader.load(h, d)
+        got = []
+        for layer in range(layers):
+            load.wait(layer)
+            got.append((dp.k_buffer[layer][d].clone(), dp.v_buffer[layer][d].clone()))  # ordered after the wait
+        load.synchronize()
+        assert load.done()
+        for layer, (k, v) in enumerate(got):
+            assert torch.equal(u8(k.cpu()), u8(ref_k[layer])), f"layer {layer} K incomplete at its wait"
+            assert torch.equal(u8(v.cpu()), u8(ref_v[layer])), f"layer {layer} V incomplete at its wait"
+    hp.close()

@@ -62,3 +62,20 @@ def direct_batch() -> bool:
     """``KVTIER_DIRECT_BATCH`` (default 1): submit ``direct`` copies with ``cuMemcpyBatchAsync``; 0 issues
     one ``cuMemcpyAsync`` per chunk (slower: host-bound)."""
     return _int_env("KVTIER_DIRECT_BATCH", 1, 0) != 0
+
+
+def kernel_backup() -> str:
+    """``KVTIER_KERNEL_BACKUP``: how the ``kernel`` backend backs up ``page_first`` pools. ``staged`` (default):
+    the kernel gathers each page into a device staging buffer and the copy engine moves whole pages to the
+    host, overlapped; ``direct``: the kernel writes host memory itself. SM writes to host memory travel as
+    128-byte PCIe writes, which caps them at ~94 % of the copy engine's rate (benches/RESULTS.md)."""
+    raw = os.environ.get("KVTIER_KERNEL_BACKUP", "staged").strip().lower()
+    if raw not in ("staged", "direct"):
+        raise InvalidArgumentError(f"environment variable KVTIER_KERNEL_BACKUP={raw!r} must be 'staged' or 'direct'")
+    return raw
+
+
+def staging_bytes() -> int:
+    """``KVTIER_STAGING_MB`` (default 64): size of each of the two device staging buffers a ``kernel`` backup
+    alternates between (allocated on first use, per host pool and device; at least one page)."""
+    return _int_env("KVTIER_STAGING_MB", 64, 1) << 20

@@ -172,6 +172,7 @@ class _Abi:
     widths: tuple[int, ...]
     reason: str = ""
     memory_ops: tuple[str, ...] = ()  # the global load/store instructions in the PTX (are they 16 bytes wide?)
+    registers: int = 0
 
 
 # compiled variant key -> _Abi, filled on each variant's first (Triton-launched) run
@@ -188,7 +189,8 @@ def set_native(enabled: bool) -> None:
 def native_status() -> dict:
     """For diagnostics: each compiled variant and whether it launches natively (else why not)."""
     return {
-        str(k): (a.reason or f"native: block {a.block}, shared {a.shared}, {len(a.widths)} params") + f"; {' '.join(a.memory_ops)}"
+        str(k): (a.reason or f"native: block {a.block}, shared {a.shared}, {a.registers} registers, {len(a.widths)} params")
+        + f"; {' '.join(a.memory_ops)}"
         for k, a in _ABIS.items()
     }
 
@@ -222,7 +224,8 @@ def _abi_of(compiled) -> _Abi:
         if not function:
             return _Abi(0, 0, 0, (), "no CUfunction handle")
         ops = tuple(sorted(set(re.findall(r"\b(?:ld|st)\.global[\w.]*", ptx))))
-        return _Abi(function, 32 * int(md.num_warps), int(md.shared), widths, memory_ops=ops)
+        return _Abi(function, 32 * int(md.num_warps), int(md.shared), widths, memory_ops=ops,
+                    registers=int(getattr(compiled, "n_regs", 0) or 0))
     except Exception as e:  # noqa: BLE001 - any surprise keeps Triton's own launcher
         return _Abi(0, 0, 0, (), f"{type(e).__name__}: {e}")
 

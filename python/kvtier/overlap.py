@@ -21,27 +21,39 @@ from ._errors import InvalidArgumentError
 
 
 class LayerLoad:
-    """One in-flight per-layer load. Keeps its index tensors alive until it completes."""
+    """One in-flight per-layer load. Keeps its index tensors alive until it completes.
 
-    def __init__(self, events: list[Any] | None, refs: tuple) -> None:
+    For the ``direct`` backend the copies are submitted by a native thread (a large load would otherwise
+    hold the calling thread inside the driver until most of it had been transferred); :meth:`wait` then
+    blocks the host only until that thread has enqueued the layer, which is as far ahead of the copy engine
+    as the driver's queue allows."""
+
+    def __init__(self, events: list[Any] | None, refs: tuple, submission: Any = None) -> None:
         self._events = events
         self._refs = refs
+        self._submission = submission
 
     def wait(self, layer: int) -> None:
-        """Make the current stream wait until ``layer`` has arrived on the device (no host blocking)."""
+        """Make the current stream wait until ``layer`` has arrived on the device."""
         if self._events is None:
             return
         if not 0 <= layer < len(self._events):
             raise InvalidArgumentError(f"invalid argument `layer`: must be in [0, {len(self._events)}), got {layer}")
+        if self._submission is not None:
+            self._submission.wait_recorded(layer)
         torch.cuda.current_stream().wait_event(self._events[layer])
 
     def done(self) -> bool:
         """True once every layer has arrived."""
-        return self._events is None or self._events[-1].query()
+        if self._events is None:
+            return True
+        return (self._submission is None or self._submission.finished()) and self._events[-1].query()
 
     def synchronize(self) -> None:
         """Block the host until every layer has arrived."""
         if self._events is not None:
+            if self._submission is not None:
+                self._submission.join()
             self._events[-1].synchronize()
 
 
@@ -70,7 +82,7 @@ class LayerLoader:
                 for events in self._sets:
                     for ev in events:
                         ev.record()
-            self._used = [False] * event_sets
+            self._loads: list[LayerLoad | None] = [None] * event_sets
         self._next = 0
 
     def load(self, host_indices: torch.Tensor, device_indices: torch.Tensor, *, after: Any = None) -> LayerLoad:
@@ -83,16 +95,18 @@ class LayerLoader:
         slot = self._next % len(self._sets)
         self._next += 1
         events = self._sets[slot]
-        if self._used[slot]:
-            events[-1].synchronize()  # the load that used this set must be finished before reuse
-        self._used[slot] = True
+        previous = self._loads[slot]
+        if previous is not None:
+            previous.synchronize()  # the load that used this set must be finished before reuse
+            self._loads[slot] = None
         if after is None:
             after = torch.cuda.current_stream(self.device).record_event()
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(after)
             fused = getattr(self.host_pool, "_load_layers", None)
+            submission = None
             if fused is not None:  # kvtier pools: validate and plan once, one native call for every layer
-                fused(self.device_pool, host_indices, device_indices, self.io_backend, events)
+                submission = fused(self.device_pool, host_indices, device_indices, self.io_backend, events)
             else:
                 for layer in range(self.layer_num):
                     self.host_pool.load_to_device_per_layer(self.device_pool, host_indices, device_indices, layer, self.io_backend)
@@ -101,7 +115,9 @@ class LayerLoader:
             device_indices.record_stream(self.stream)
         if isinstance(host_indices, torch.Tensor) and host_indices.is_cuda:
             host_indices.record_stream(self.stream)
-        return LayerLoad(events, (host_indices, device_indices))
+        load = LayerLoad(events, (host_indices, device_indices), submission)
+        self._loads[slot] = load
+        return load
 
 
 def backup_async(

@@ -371,14 +371,15 @@ class _HostKVPool:
         ks, vs, p = self._prepare(device_pool, host_indices, device_indices, io_backend, to_host=False)
         self._engine.copy(tuple(zip(self._sides(), (ks, vs))), p, layer_id, layer_id + 1, to_host=False, backend=io_backend)
 
-    def _load_layers(self, device_pool, host_indices, device_indices, io_backend: str, events) -> None:
+    def _load_layers(self, device_pool, host_indices, device_indices, io_backend: str, events, background: bool = True):
         """Every layer host → device, recording ``events[layer]`` (torch CUDA events, recorded at least once
         before) on the current stream after each layer is enqueued. Validation and planning happen once for
         all layers and one native call enqueues them all; the same copies as ``load_to_device_per_layer``
-        for each layer."""
+        for each layer. With ``background``, ``direct`` copies are submitted by a native thread and the
+        returned ``Submission`` must be waited on before an event is used (see LayerLoader); else None."""
         ks, vs, p = self._prepare(device_pool, host_indices, device_indices, io_backend, to_host=False)
-        self._engine.copy(tuple(zip(self._sides(), (ks, vs))), p, 0, self.layer_num, to_host=False,
-                          backend=io_backend, per_layer=True, events=events)
+        return self._engine.copy(tuple(zip(self._sides(), (ks, vs))), p, 0, self.layer_num, to_host=False,
+                                 backend=io_backend, per_layer=True, events=events, background=background)
 
     def backup_from_device_all_layer(self, device_pool, host_indices, device_indices, io_backend: str) -> None:
         """Device → host for every layer, K then V (separate calls, separate geometries). Enqueued on the

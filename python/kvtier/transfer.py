@@ -19,6 +19,7 @@ once for K and once for V. Which engine runs depends on where the device tensors
 from __future__ import annotations
 
 import collections
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -83,21 +84,37 @@ class TransferEngine:
         self.batch = config.direct_batch()
         self.tile_words = 4096  # words per kernel tile (see kvtier.kernels); benches sweep it
         self.prefetch = True
+        self.staged_backup = config.kernel_backup() == "staged"
+        self.staging_bytes = config.staging_bytes()
+        self._staging: dict[Any, _Staging] = {}
+        self._stage_lock = threading.Lock()
 
     # -- lifetime of in-flight copies ----------------------------------------------------------------
-    def _hold(self, refs: tuple) -> None:
-        """Keep ``refs`` alive until the current stream passes this point."""
-        ev = torch.cuda.Event()
-        ev.record()
-        self._inflight.append((ev, refs))
-        while self._inflight and self._inflight[0][0].query():
+    def _hold(self, refs: tuple, event: Any = None, submission: Any = None) -> None:
+        """Keep ``refs`` alive until the current stream passes this point — or, for a background
+        submission, until it has finished and ``event`` (its last event) has completed."""
+        if event is None:
+            event = torch.cuda.Event()
+            event.record()
+        self._inflight.append((event, submission, refs))
+        while self._inflight and self._released(self._inflight[0]):
             self._inflight.popleft()
+
+    @staticmethod
+    def _released(entry) -> bool:
+        event, submission, _ = entry
+        return (submission is None or submission.finished()) and event.query()
 
     def synchronize(self) -> None:
         """Wait for every copy this engine issued (used before a pool releases its memory)."""
         while self._inflight:
-            ev, _ = self._inflight.popleft()
-            ev.synchronize()
+            event, submission, _ = self._inflight.popleft()
+            if submission is not None:
+                try:
+                    submission.join()
+                except Exception:  # noqa: BLE001 - the submitter reports its error to its own waiter;
+                    pass  # what matters here is that it no longer touches the buffers
+            event.synchronize()
 
     def _offsets(self, tensors: Sequence[torch.Tensor], word: int) -> tuple[torch.Tensor, int]:
         key = (tensors[0].device, word, *(t.data_ptr() for t in tensors))
@@ -121,13 +138,18 @@ class TransferEngine:
         per_layer: bool = False,
         events: Sequence[Any] | None = None,
         hold: bool = True,
-    ) -> None:
+        background: bool = False,
+    ) -> Any:
         """Copy layers ``[layer_begin, layer_end)`` of each ``(side, device_layers)`` pair (K, then V: separate
         copies with their own geometry) for validated indices ``prepared`` (``kvtier.pools._Prepared``: host and
         device numpy indices, page rules, cached GPU indices and plans).
 
         ``per_layer``: enqueue layer by layer (every pair's layer l, then ``events[l - layer_begin]`` is
-        recorded on the current stream when ``events`` is given); otherwise each pair's layers in one go."""
+        recorded on the current stream when ``events`` is given); otherwise each pair's layers in one go.
+
+        ``background`` (with ``per_layer`` and ``events``): the ``direct`` path's copies are submitted by a
+        native thread and the returned ``kvtier._native.Submission`` says when each event has been recorded
+        (other paths return None: their events are recorded before this returns)."""
         host, device, paged = prepared.host, prepared.device, prepared.paged
         if len(host) == 0 or not pairs:
             if events is not None:
@@ -146,6 +168,10 @@ class TransferEngine:
         regions = tuple(side.buffer._region for side, _ in pairs)
         if backend == "kernel" and dev.type == "cuda" and kernels.available():
             hidx, didx = prepared.gpu(dev)
+            if (to_host and not per_layer and self.staged_backup and layer_begin == 0
+                    and all(side.layout == "page_first" and layer_end == side.layers for side, _ in pairs)):
+                self._staged_backup(pairs, prepared, didx, regions)
+                return None
             launches = [
                 kernels.prepare_rows(
                     host=side.tensor, layout=side.layout, slots=side.slots, layers=side.layers,
@@ -171,11 +197,82 @@ class TransferEngine:
         handles = [int(ev.cuda_event) for ev in events] if events is not None else []
         if events is not None and not all(handles):
             raise InvalidArgumentError("invalid argument `events`: record each event once before passing it")
-        _native.submit_layers(plans, layer_begin, layer_end,
-                              dev.index if dev.index is not None else torch.cuda.current_device(),
-                              stream.cuda_stream, self.batch, per_layer, handles)
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        if background and per_layer and handles:
+            sub = _native.submit_layers_background(plans, layer_begin, layer_end, index, stream.cuda_stream, self.batch, handles)
+            self._hold((regions, plans), events[-1], sub)
+            return sub
+        _native.submit_layers(plans, layer_begin, layer_end, index, stream.cuda_stream, self.batch, per_layer, handles)
         if hold:
             self._hold((regions, plans))
+        return None
+
+    def _staged_backup(self, pairs, prepared, didx: torch.Tensor, regions: tuple) -> None:
+        """Device → host for every layer of ``page_first`` pools: the kernel gathers a run of tokens (all
+        layers) into a device staging buffer in the host's page-first order, then the copy engine moves it
+        to the host as chunks contiguous on both sides (whole pages, or runs of pages). Gathers run on a
+        helper stream, copies on the current stream, alternating between two buffers, so the gather of run
+        k+1 overlaps the copy of run k; the copies wait for their gather and each gather for the copy that last
+        read its buffer. Runs grow 1, 2, 4, … pages up to the buffer size, so the first copy starts early."""
+        dev = didx.device
+        stream = torch.cuda.current_stream(dev)
+        with self._stage_lock:
+            st = self._staging.get(dev)
+            need = max(side.layers * side.row_bytes * side.page_size for side, _ in pairs)
+            if st is None or st.half < need:
+                st = _Staging(dev, max(self.staging_bytes, need))
+                self._staging[dev] = st
+            start = stream.record_event()  # gathers follow the producer of the device KV
+            st.gather.wait_event(start)
+            held = [st]
+            k = 0
+            for side, tensors in pairs:
+                token_bytes = side.layers * side.row_bytes
+                cap = max(1, st.half // (token_bytes * side.page_size)) * side.page_size
+                st.ensure_rows(cap)
+                n = len(prepared.host)
+                size, pos = side.page_size, 0
+                while pos < n:
+                    end = min(n, pos + size)
+                    buf = k % 2
+                    stage = st.buffers[buf][: (end - pos) * token_bytes]
+                    stage_idx = st.arange[: end - pos]
+                    with torch.cuda.stream(st.gather):
+                        st.gather.wait_event(st.copied[buf])
+                        launch = kernels.prepare_rows(
+                            host=stage, layout="page_first", slots=end - pos, layers=side.layers,
+                            page_size=side.page_size, row_bytes=side.row_bytes, device_layers=tensors,
+                            dev_offsets=self._offsets(tensors, kernels.word_of(side.row_bytes)),
+                            host_idx=stage_idx, dev_idx=didx[pos:end], to_host=True, blocks=self.blocks,
+                            num_warps=self.num_warps, tile_words=self.tile_words, prefetch=self.prefetch,
+                        )
+                        kernels.run_rows([launch], 0, side.layers, per_layer=False)
+                        st.gathered[buf].record(st.gather)
+                    stream.wait_event(st.gathered[buf])
+                    plan = self._stage_plan(side, prepared, stage, pos, end, st)
+                    _native.submit_layers([plan], 0, 1, dev.index, stream.cuda_stream, self.batch, False, [])
+                    st.copied[buf].record(stream)
+                    held.append((plan, stage_idx))
+                    k += 1
+                    pos = end
+                    size = min(cap, size * 2)
+            self._hold((regions, held, didx))
+
+    @staticmethod
+    def _stage_plan(side: Side, prepared: Any, stage: torch.Tensor, pos: int, end: int, st: "_Staging"):
+        """DMA plan from a staging buffer (one row = one token's every layer) to the host slots
+        ``prepared.host[pos:end]``, validated in Rust like every plan; cached per run for repeated calls."""
+        key = ("stage", side.offset, id(side.buffer), pos, end, stage.data_ptr(), id(st))
+        entry = prepared.plans.get(key)
+        if entry is not None and entry[0] is st:
+            return entry[1]
+        plan = _native.TransferPlan(
+            True, side.buffer._region, side.offset, "page_first", side.slots, side.page_size,
+            side.layers * side.row_bytes, [stage], prepared.host[pos:end], st.arange_np[: end - pos], 0, 1,
+            False, False, side.split,
+        )
+        prepared.plans[key] = (st, plan)
+        return plan
 
     @staticmethod
     def _plan(side: Side, device_layers: Sequence[torch.Tensor], prepared: Any, to_host: bool):
@@ -208,3 +305,27 @@ class TransferEngine:
                 view[index] = target.index_select(0, d).to("cpu")
             else:
                 target.index_copy_(0, d, view[index].to(dev, non_blocking=True))
+
+
+class _Staging:
+    """Two device staging buffers of ``half`` bytes each, the helper stream that gathers into them, and the
+    events that order gathers and copies (see ``TransferEngine._staged_backup``)."""
+
+    def __init__(self, device: torch.device, half: int) -> None:
+        self.half = half
+        self.buffers = [torch.empty(half, dtype=torch.uint8, device=device) for _ in range(2)]
+        self.gather = torch.cuda.Stream(device)
+        self.gathered = [torch.cuda.Event() for _ in range(2)]
+        self.copied = [torch.cuda.Event() for _ in range(2)]
+        for ev in self.copied:
+            ev.record()  # nothing has read the buffers yet
+        self.device = device
+        self.arange_np = np.arange(0, dtype=np.int64)
+        self.arange = torch.empty(0, dtype=torch.int64, device=device)
+
+    def ensure_rows(self, n: int) -> None:
+        """Make ``arange`` (staging row numbers, host and device copies) at least ``n`` long. In-flight gathers
+        keep the slices they were given alive."""
+        if len(self.arange_np) < n:
+            self.arange_np = np.arange(n, dtype=np.int64)
+            self.arange = torch.from_numpy(self.arange_np).to(self.device)

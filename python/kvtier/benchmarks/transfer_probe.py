@@ -12,8 +12,11 @@ Parts (each prints JSON lines, all written to ``probe.json`` in --out):
 - ``direct``: copy-engine throughput against chunk size (16–256 KiB per page and layer), for per-layer loads
   and for all-layer backups submitted as one batch per side, one batch per layer, or 1,024-copy batches; with
   the host time spent inside the submitting call.
-- ``overlap``: LayerLoader overlap with a per-layer compute loop, three times per backend, with the host time
-  spent issuing the load.
+- ``small``: kernel loads of 16 pages through LayerLoader against tile size, warps and blocks.
+- ``staged``: the kernel backend's staged backup against the kernel writing host memory itself.
+- ``direct_geoms``: the direct backend on B and C at 256 pages.
+- ``overlap``: LayerLoader overlap with a per-layer compute loop, three times per backend (and kernel
+  configuration), with the host time spent issuing the load.
 """
 
 from __future__ import annotations
@@ -160,16 +163,91 @@ def part_direct(out, reps, up, down, stream):
         torch.cuda.empty_cache()
 
 
-def part_overlap(out, reps, stream):
+KERNEL_CONFIGS = ((4096, 16), (2048, 8), (1024, 4), (2048, 16), (1024, 8))  # (tile words, warps)
+
+
+def _set_kernel(hp, tile, warps, blocks, prefetch=True):
+    eng = hp._engine
+    eng.tile_words, eng.num_warps, eng.blocks, eng.prefetch = tile, warps, blocks, prefetch
+
+
+def part_small(out, reps, up, stream):
+    """Kernel loads of 16 pages through LayerLoader: tile, warps and blocks."""
+    for geom in ("A", "B"):
+        g = GEOMS[geom]
+        L = g["layers"]
+        dp, hp, h, d = _pools(g, 16, "page_first")
+        nb = _bytes_per_layer(g, 16)
+        loader = LayerLoader(hp, dp, "kernel", stream=stream)
+        for blocks in (16, 32):
+            for tile, warps in KERNEL_CONFIGS:
+                _set_kernel(hp, tile, warps, blocks)
+                with torch.cuda.stream(stream):
+                    t = event_time(lambda: loader.load(h, d).synchronize(), reps) / L
+                    exact = check_exact(hp, dp, h, d)
+                _emit(out, "small", {"geometry": geom, "blocks": blocks, "tile_words": tile, "warps": warps,
+                                     "loader_us_per_layer": round(t * 1e6, 1),
+                                     "loader_pct": round(100 * nb / t / 1e9 / up, 1), "exact": exact})
+        hp.close()
+        del dp
+        torch.cuda.empty_cache()
+
+
+def part_staged(out, reps, down, stream):
+    """Kernel-backend backups: staged (gather + copy engine) against the kernel writing host memory."""
+    for geom in ("A", "B", "C"):
+        g = GEOMS[geom]
+        for pages in (16, 256):
+            dp, hp, h, d = _pools(g, pages, "page_first")
+            nb = _bytes_per_layer(g, pages) * g["layers"]
+            row = {"geometry": geom, "pages": pages}
+            for staged in (True, False):
+                hp._engine.staged_backup = staged
+                with torch.cuda.stream(stream):
+                    t = event_time(lambda: hp.backup_from_device_all_layer(dp, h, d, "kernel"), reps)
+                    exact = check_exact(hp, dp, h, d)
+                name = "staged" if staged else "sm_writes"
+                row[f"{name}_pct"] = round(100 * nb / t / 1e9 / down, 1)
+                row[f"{name}_exact"] = exact
+            _emit(out, "staged", row)
+            hp.close()
+            del dp
+            torch.cuda.empty_cache()
+
+
+def part_direct_geoms(out, reps, up, down, stream):
+    """Direct backend at 256 pages for B and C with the default batch limit."""
+    for geom in ("B", "C"):
+        g = GEOMS[geom]
+        L = g["layers"]
+        dp, hp, h, d = _pools(g, 256, "page_first_direct")
+        nb = _bytes_per_layer(g, 256)
+        loader = LayerLoader(hp, dp, "direct", stream=stream)
+        with torch.cuda.stream(stream):
+            t_load = event_time(lambda: loader.load(h, d).synchronize(), reps) / L
+            t_back = event_time(lambda: hp.backup_from_device_all_layer(dp, h, d, "direct"), reps)
+            exact = check_exact(hp, dp, h, d)
+        _emit(out, "direct_geoms", {"geometry": geom, "pages": 256, "load_pct": round(100 * nb / t_load / 1e9 / up, 1),
+                                    "backup_pct": round(100 * nb * L / t_back / 1e9 / down, 1), "exact": exact,
+                                    "batch_limit": kvtier._native.cuda_set_batch_limit(kvtier._native.cuda_set_batch_limit(1))})
+        hp.close()
+        del dp
+        torch.cuda.empty_cache()
+
+
+def part_overlap(out, reps, stream, trials=3):
     g = GEOMS["A"]
     L = g["layers"]
     a = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
-    for layout, backend in (("page_first_direct", "direct"), ("page_first", "kernel")):
+    one = event_time(lambda: a @ a, reps)
+    cases = [("page_first_direct", "direct", None)] + [("page_first", "kernel", c) for c in KERNEL_CONFIGS[:3]]
+    for layout, backend, cfg in cases:
         dp, hp, h, d = _pools(g, 256, layout)
+        if cfg is not None:
+            _set_kernel(hp, cfg[0], cfg[1], 16)
         loader = LayerLoader(hp, dp, backend)
-        for trial in range(3):
+        for trial in range(trials):
             t_xfer = event_time(lambda: loader.load(h, d).synchronize(), reps)
-            one = event_time(lambda: a @ a, reps)
             k = max(1, round(t_xfer / L / one))
 
             def compute_only():
@@ -191,7 +269,7 @@ def part_overlap(out, reps, stream):
 
             t_both = event_time(both, reps)
             torch.cuda.synchronize()
-            _emit(out, "overlap", {"backend": backend, "trial": trial, "transfer_ms": round(t_xfer * 1e3, 2),
+            _emit(out, "overlap", {"backend": backend, "kernel_cfg": cfg, "trial": trial, "transfer_ms": round(t_xfer * 1e3, 2),
                                    "compute_ms": round(t_comp * 1e3, 2), "overlapped_ms": round(t_both * 1e3, 2),
                                    "ratio_to_max": round(t_both / max(t_comp, t_xfer), 3),
                                    "load_issue_host_ms": round(statistics.median(issue) * 1e3, 3), "matmuls_per_layer": k})
@@ -220,7 +298,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m kvtier.benchmarks.transfer_probe")
     ap.add_argument("--out", default="benches/results")
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--only", default="kernel,launch,direct,overlap")
+    ap.add_argument("--only", default="kernel,launch,direct,overlap,small,staged,direct_geoms")
     ap.add_argument("--ncu", action="store_true")
     args = ap.parse_args(argv)
     if args.ncu:
@@ -239,6 +317,12 @@ def main(argv=None):
         part_launch(out, args.reps, up, stream)
     if "direct" in parts:
         part_direct(out, args.reps, up, down, stream)
+    if "small" in parts:
+        part_small(out, args.reps, up, stream)
+    if "staged" in parts:
+        part_staged(out, args.reps, down, stream)
+    if "direct_geoms" in parts:
+        part_direct_geoms(out, args.reps, up, down, stream)
     if "overlap" in parts:
         part_overlap(out, args.reps, stream)
     with open(os.path.join(args.out, "probe.json"), "w") as f:

@@ -46,9 +46,11 @@ const CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE: u32 = 0x1;
 /// Flags in use: starts with PREFER_OVERLAP_WITH_COMPUTE, drops to 0 if a driver rejects it.
 static BATCH_FLAGS: std::sync::atomic::AtomicU32 =
     std::sync::atomic::AtomicU32::new(CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE);
-/// Descriptors per `cuMemcpyBatchAsync` call by default; larger calls are split (SGLang caps its workspace
-/// at 65,536). Adjustable with [`set_batch_limit`] (diagnostics and benches).
-const BATCH_LIMIT: usize = 16384;
+/// Descriptors per `cuMemcpyBatchAsync` call by default; larger submissions are split. Measured on an H200
+/// (benches/RESULTS.md, "copy-engine cost per chunk"): all-layer device-to-host backups of 64–128 KiB chunks
+/// ran at 71–80 % of the PCIe ceiling as one 8,192-copy batch per side and at 93–96 % in batches of 256 to
+/// 1,024. Adjustable with [`set_batch_limit`] (benches).
+const BATCH_LIMIT: usize = 1024;
 static BATCH_LIMIT_NOW: std::sync::atomic::AtomicUsize =
     std::sync::atomic::AtomicUsize::new(BATCH_LIMIT);
 
@@ -361,7 +363,7 @@ pub fn batch_limit() -> usize {
     BATCH_LIMIT_NOW.load(std::sync::atomic::Ordering::Relaxed)
 }
 
-/// Sets the descriptors per `cuMemcpyBatchAsync` call (at least 1; the default is 16,384). Returns the
+/// Sets the descriptors per `cuMemcpyBatchAsync` call (at least 1; the default is 1,024). Returns the
 /// previous value. For benches that measure how the batch size changes throughput.
 pub fn set_batch_limit(limit: usize) -> usize {
     BATCH_LIMIT_NOW.swap(limit.max(1), std::sync::atomic::Ordering::Relaxed)

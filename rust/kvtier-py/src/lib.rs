@@ -27,6 +27,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(transfer::cuda_batch_flags, m)?)?;
     m.add_function(wrap_pyfunction!(transfer::cuda_set_batch_limit, m)?)?;
     m.add_function(wrap_pyfunction!(transfer::submit_layers, m)?)?;
+    m.add_function(wrap_pyfunction!(transfer::submit_layers_background, m)?)?;
+    m.add_class::<transfer::PySubmission>()?;
     m.add_function(wrap_pyfunction!(transfer::launch_layers, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

@@ -398,12 +398,24 @@ pub fn submit_layers(
     per_layer: bool,
     events: Vec<usize>,
 ) -> KvResult<(usize, usize)> {
-    check_events(&events, layer_begin, layer_end)?;
+    let steps = build_steps(&plans, layer_begin, layer_end, per_layer, &events)?;
+    Ok(py.detach(|| run_steps(device, stream, batch, &steps, &|| {}))?)
+}
+
+/// One native submission (one plan's copies of one layer, or of all layers) and the event recorded after it.
+type Step = (Vec<(usize, usize, usize)>, Option<usize>);
+
+fn build_steps(
+    plans: &[PyRef<'_, PyTransferPlan>],
+    layer_begin: usize,
+    layer_end: usize,
+    per_layer: bool,
+    events: &[usize],
+) -> KvResult<Vec<Step>> {
+    check_events(events, layer_begin, layer_end)?;
     if !per_layer && !events.is_empty() {
         return Err(Error::arg("events", "per-layer events need per_layer=True").into());
     }
-    // (copies of one submission, event to record after it)
-    type Step = (Vec<(usize, usize, usize)>, Option<usize>);
     let mut steps: Vec<Step> = Vec::new();
     if per_layer {
         for (i, layer) in (layer_begin..layer_end).enumerate() {
@@ -421,7 +433,7 @@ pub fn submit_layers(
             }
         }
     } else {
-        for p in &plans {
+        for p in plans {
             let part = p.slice(layer_begin, layer_end)?;
             steps.push((
                 plan::addresses(p.req.dir, p.req.host, &p.req.device, part),
@@ -429,24 +441,153 @@ pub fn submit_layers(
             ));
         }
     }
-    let out = py.detach(|| -> kvtier_core::Result<(usize, usize)> {
-        let cur = kvtier_core::cuda::make_current(device)?;
-        let (mut copies, mut calls) = (0, 0);
-        for (step, ev) in &steps {
-            // SAFETY: the addresses were checked against the live host regions (held by each plan) and
-            // device tensors (held by each plan's `_owners`, alive while `plans` is borrowed) when the plans
-            // were built; the caller keeps both alive until the stream has passed the copies.
-            let sub = unsafe { cur.copy_async(stream, step, batch)? };
-            copies += sub.copies;
-            calls += sub.batch_calls;
-            if let Some(ev) = ev {
-                // SAFETY: the caller passes live events and stream of this device (documented above).
-                unsafe { cur.record_event(*ev, stream)? };
-            }
+    Ok(steps)
+}
+
+/// Submits `steps` in order on `stream`, calling `recorded` after each event is recorded.
+fn run_steps(
+    device: i32,
+    stream: usize,
+    batch: bool,
+    steps: &[Step],
+    recorded: &dyn Fn(),
+) -> kvtier_core::Result<(usize, usize)> {
+    let cur = kvtier_core::cuda::make_current(device)?;
+    let (mut copies, mut calls) = (0, 0);
+    for (step, ev) in steps {
+        // SAFETY: the addresses were checked against the live host regions and device tensors when the
+        // plans were built; the caller keeps both alive until the stream has passed the copies (for a
+        // background submission: until it has finished and its last event has completed).
+        let sub = unsafe { cur.copy_async(stream, step, batch)? };
+        copies += sub.copies;
+        calls += sub.batch_calls;
+        if let Some(ev) = ev {
+            // SAFETY: the caller passes live events and stream of this device.
+            unsafe { cur.record_event(*ev, stream)? };
+            recorded();
         }
-        Ok((copies, calls))
-    })?;
-    Ok(out)
+    }
+    Ok((copies, calls))
+}
+
+#[derive(Default)]
+struct Progress {
+    recorded: usize,
+    done: bool,
+    error: Option<kvtier_core::Error>,
+}
+
+/// A per-layer submission running on a native thread (see `submit_layers_background`).
+#[pyclass(name = "Submission", module = "kvtier._native", frozen)]
+pub struct PySubmission {
+    state: std::sync::Arc<(std::sync::Mutex<Progress>, std::sync::Condvar)>,
+    events: usize,
+}
+
+impl PySubmission {
+    fn wait_until(
+        &self,
+        py: Python<'_>,
+        enough: impl Fn(&Progress) -> bool + Send + Sync,
+    ) -> KvResult<()> {
+        let state = self.state.clone();
+        py.detach(move || {
+            let (m, cv) = &*state;
+            let mut g = m.lock().unwrap_or_else(|p| p.into_inner());
+            while !enough(&g) && !g.done {
+                g = cv.wait(g).unwrap_or_else(|p| p.into_inner());
+            }
+            match &g.error {
+                Some(kvtier_core::Error::Cuda { call, code, detail }) => {
+                    Err(kvtier_core::Error::Cuda {
+                        call,
+                        code: *code,
+                        detail: detail.clone(),
+                    })
+                }
+                Some(e) => Err(kvtier_core::Error::CudaUnavailable(format!(
+                    "background submission failed: {e}"
+                ))),
+                None => Ok(()),
+            }
+        })?;
+        Ok(())
+    }
+}
+
+#[pymethods]
+impl PySubmission {
+    /// Blocks (GIL released) until the event of step `index` (0-based, in event order) has been recorded;
+    /// raises the submission's error if it failed first.
+    fn wait_recorded(&self, py: Python<'_>, index: usize) -> KvResult<()> {
+        if index >= self.events {
+            return Err(
+                Error::arg("index", format!("must be < {}, got {index}", self.events)).into(),
+            );
+        }
+        self.wait_until(py, move |p| p.recorded > index)
+    }
+    /// Blocks (GIL released) until every copy has been submitted; raises the submission's error if any.
+    fn join(&self, py: Python<'_>) -> KvResult<()> {
+        self.wait_until(py, |p| p.done)
+    }
+    /// True once every copy has been submitted (or the submission failed).
+    fn finished(&self) -> bool {
+        self.state.0.lock().unwrap_or_else(|p| p.into_inner()).done
+    }
+}
+
+/// As `submit_layers` with `per_layer=True`, but submitted by a native thread, so that a caller whose copies
+/// outrun the driver's queue (it blocks inside the submitting call once thousands of copies are pending) is
+/// not held up: LayerLoader returns at once and its compute thread keeps launching. Returns a `Submission`;
+/// wait on `wait_recorded(i)` before making a stream wait on `events[i]`. The caller keeps the plans'
+/// buffers alive until `finished()` and the last event has completed.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+pub fn submit_layers_background(
+    plans: Vec<PyRef<'_, PyTransferPlan>>,
+    layer_begin: usize,
+    layer_end: usize,
+    device: i32,
+    stream: usize,
+    batch: bool,
+    events: Vec<usize>,
+) -> KvResult<PySubmission> {
+    if events.is_empty() {
+        return Err(Error::arg(
+            "events",
+            "a background submission needs one event per layer",
+        )
+        .into());
+    }
+    let steps = build_steps(&plans, layer_begin, layer_end, true, &events)?;
+    let state = std::sync::Arc::new((
+        std::sync::Mutex::new(Progress::default()),
+        std::sync::Condvar::new(),
+    ));
+    let worker = state.clone();
+    std::thread::Builder::new()
+        .name("kvtier-submit".into())
+        .spawn(move || {
+            let (m, cv) = &*worker;
+            let bump = || {
+                m.lock().unwrap_or_else(|p| p.into_inner()).recorded += 1;
+                cv.notify_all();
+            };
+            let res = run_steps(device, stream, batch, &steps, &bump);
+            let mut g = m.lock().unwrap_or_else(|p| p.into_inner());
+            g.done = true;
+            g.error = res.err();
+            cv.notify_all();
+        })
+        .map_err(|e| Error::Os {
+            what: "spawning the submission thread".into(),
+            source: e,
+        })?;
+    Ok(PySubmission {
+        state,
+        events: events.len(),
+    })
 }
 
 /// Enqueues compiled-kernel launches for layers `[layer_begin, layer_end)`: for each layer, every launch of
