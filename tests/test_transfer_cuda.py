@@ -88,9 +88,12 @@ def test_freed_index_tensors_do_not_corrupt_an_inflight_load(backend, layout):
         assert torch.equal(u8(dp.v_buffer[layer][dflip]), u8(ref[L + layer][d]))
 
 
+@pytest.mark.parametrize("lanes", [1, 2])
 @pytest.mark.parametrize("backend, layout", [("direct", "page_first_direct"), ("kernel", "page_first")])
-def test_layer_loader_overlaps_and_is_exact(backend, layout):
+def test_layer_loader_overlaps_and_is_exact(backend, layout, lanes):
+    """With K and V on one stream, or on two lanes (side stream forked from and joined into the caller's)."""
     dp, hp = make(layout=layout, pages=32)
+    hp._engine.lanes = lanes
     h, d = hp.alloc(32 * PS), torch.arange(PS, 33 * PS)
     hp.backup_from_device_all_layer(dp, h, d, backend)
     torch.cuda.synchronize()

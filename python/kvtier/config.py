@@ -54,8 +54,10 @@ def kernel_blocks() -> int:
 
 
 def kernel_warps() -> int:
-    """Warps per block of the ``kernel`` IO backend: ``KVTIER_KERNEL_WARPS`` (default 16)."""
-    return _int_env("KVTIER_KERNEL_WARPS", 16, 1)
+    """Warps per block of the ``kernel`` IO backend: ``KVTIER_KERNEL_WARPS`` (default 8: with 2,048-word tiles
+    the same throughput as 16 warps, and half the registers, so compute kernels share the SMs better —
+    overlap 1.10x against 1.17x in benches/RESULTS.md)."""
+    return _int_env("KVTIER_KERNEL_WARPS", 8, 1)
 
 
 def direct_batch() -> bool:
@@ -79,3 +81,11 @@ def staging_bytes() -> int:
     """``KVTIER_STAGING_MB`` (default 64): size of each of the two device staging buffers a ``kernel`` backup
     alternates between (allocated on first use, per host pool and device; at least one page)."""
     return _int_env("KVTIER_STAGING_MB", 64, 1) << 20
+
+
+def transfer_lanes() -> int:
+    """``KVTIER_TRANSFER_LANES`` (default 2): CUDA streams a transfer spreads its K and V copies over (the
+    caller's stream plus side streams that fork from it and join back), so K and V move concurrently: two
+    copy engines for ``direct``, two concurrent launches sharing ``KVTIER_KERNEL_BLOCKS`` for ``kernel``.
+    1 keeps everything on the caller's stream."""
+    return min(_int_env("KVTIER_TRANSFER_LANES", 2, 1), 2)

@@ -292,10 +292,12 @@ def prepare_rows(
     return RowsLaunch(hw, dw, dev_offsets, host_idx, dev_idx, ints, consts, blocks, num_warps, key)
 
 
-def run_rows(launches, layer_begin: int, layer_end: int, *, per_layer: bool, events=None) -> None:
+def run_rows(launches, layer_begin: int, layer_end: int, *, per_layer: bool, events=None, side_streams=()) -> None:
     """Enqueue ``launches`` on the current stream for layers ``[layer_begin, layer_end)``: one launch each
-    covering all of them, or (``per_layer``) one launch each per layer, recording ``events[i]`` (torch
-    events) after layer ``layer_begin + i``."""
+    covering all of them, or (``per_layer``) one launch each per layer, recording after layer
+    ``layer_begin + i`` the torch events ``events[i]`` (one per lane). Launch j runs on lane j mod (1 +
+    ``side_streams``): the side streams fork from the current stream and join back into it (natively
+    launched variants; Triton-launched ones run everything on the current stream)."""
     launches = [x for x in launches if x.ints[0] > 0]
     if not launches or layer_begin >= layer_end:
         return
@@ -306,10 +308,12 @@ def run_rows(launches, layer_begin: int, layer_end: int, *, per_layer: bool, eve
     if all(n is not None for n in natives):
         handles = []
         if events is not None:
-            handles = [int(ev.cuda_event) for ev in events]
+            handles = [int(ev.cuda_event) for evs in events for ev in evs]
         stream = torch.cuda.current_stream(launches[0].host_idx.device)
         last = layer_end if per_layer else layer_begin + 1
-        _native.launch_layers(launches[0].host_idx.device.index, stream.cuda_stream, natives, layer_begin, last, handles)
+        sides = [s.cuda_stream for s in side_streams]
+        _native.launch_layers(launches[0].host_idx.device.index, stream.cuda_stream, sides, natives, layer_begin,
+                              last, handles)
         return
     steps = range(layer_begin, layer_end) if per_layer else (layer_begin,)
     for i, layer in enumerate(steps):
@@ -318,7 +322,8 @@ def run_rows(launches, layer_begin: int, layer_end: int, *, per_layer: bool, eve
             if cuda and x.key not in _ABIS:
                 _ABIS[x.key] = _abi_of(compiled)
         if events is not None:
-            events[i].record()
+            for ev in events[i]:
+                ev.record()
 
 
 def launch_rows(*, layer_begin: int, layer_end: int, **kw) -> None:

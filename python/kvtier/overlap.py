@@ -41,20 +41,23 @@ class LayerLoad:
             raise InvalidArgumentError(f"invalid argument `layer`: must be in [0, {len(self._events)}), got {layer}")
         if self._submission is not None:
             self._submission.wait_recorded(layer)
-        torch.cuda.current_stream().wait_event(self._events[layer])
+        stream = torch.cuda.current_stream()
+        for ev in self._events[layer]:  # one per lane (K and V may move on separate streams)
+            stream.wait_event(ev)
 
     def done(self) -> bool:
         """True once every layer has arrived."""
         if self._events is None:
             return True
-        return (self._submission is None or self._submission.finished()) and self._events[-1].query()
+        return (self._submission is None or self._submission.finished()) and all(ev.query() for ev in self._events[-1])
 
     def synchronize(self) -> None:
         """Block the host until every layer has arrived."""
         if self._events is not None:
             if self._submission is not None:
                 self._submission.join()
-            self._events[-1].synchronize()
+            for ev in self._events[-1]:
+                ev.synchronize()
 
 
 class LayerLoader:
@@ -77,11 +80,16 @@ class LayerLoader:
         self.layer_num = host_pool.layer_num
         if self.cuda:
             self.stream = stream if stream is not None else torch.cuda.Stream(self.device)
-            self._sets = [[torch.cuda.Event() for _ in range(self.layer_num)] for _ in range(event_sets)]
+            engine = getattr(host_pool, "_engine", None)
+            lanes = engine.lanes if engine is not None else 1
+            # per set, per layer: one event per lane
+            self._sets = [[[torch.cuda.Event() for _ in range(lanes)] for _ in range(self.layer_num)]
+                          for _ in range(event_sets)]
             with torch.cuda.stream(self.stream):  # create the events (torch does so on first record)
                 for events in self._sets:
-                    for ev in events:
-                        ev.record()
+                    for evs in events:
+                        for ev in evs:
+                            ev.record()
             self._loads: list[LayerLoad | None] = [None] * event_sets
         self._next = 0
 
@@ -110,7 +118,8 @@ class LayerLoader:
             else:
                 for layer in range(self.layer_num):
                     self.host_pool.load_to_device_per_layer(self.device_pool, host_indices, device_indices, layer, self.io_backend)
-                    events[layer].record(self.stream)
+                    for ev in events[layer]:
+                        ev.record(self.stream)
         if isinstance(device_indices, torch.Tensor) and device_indices.is_cuda:
             device_indices.record_stream(self.stream)
         if isinstance(host_indices, torch.Tensor) and host_indices.is_cuda:

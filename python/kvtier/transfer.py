@@ -82,8 +82,10 @@ class TransferEngine:
         self.blocks = config.kernel_blocks()
         self.num_warps = config.kernel_warps()
         self.batch = config.direct_batch()
-        self.tile_words = 4096  # words per kernel tile (see kvtier.kernels); benches sweep it
+        self.tile_words = 2048  # words per kernel tile (see kvtier.kernels); benches sweep it
         self.prefetch = True
+        self.lanes = config.transfer_lanes()
+        self._side_streams: dict[Any, list] = {}
         self.staged_backup = config.kernel_backup() == "staged"
         self.staging_bytes = config.staging_bytes()
         self._staging: dict[Any, _Staging] = {}
@@ -103,7 +105,9 @@ class TransferEngine:
     @staticmethod
     def _released(entry) -> bool:
         event, submission, _ = entry
-        return (submission is None or submission.finished()) and event.query()
+        if submission is not None and not submission.finished():
+            return False
+        return all(ev.query() for ev in event) if isinstance(event, (list, tuple)) else event.query()
 
     def synchronize(self) -> None:
         """Wait for every copy this engine issued (used before a pool releases its memory)."""
@@ -114,7 +118,17 @@ class TransferEngine:
                     submission.join()
                 except Exception:  # noqa: BLE001 - the submitter reports its error to its own waiter;
                     pass  # what matters here is that it no longer touches the buffers
-            event.synchronize()
+            for ev in event if isinstance(event, (list, tuple)) else (event,):
+                ev.synchronize()
+
+    def side_streams(self, device: torch.device, lanes: int | None = None) -> list:
+        """The side streams (``lanes`` - 1 of them, default ``self.lanes`` - 1) this engine spreads K and V over
+        on ``device``; made once per device and kept."""
+        want = (self.lanes if lanes is None else lanes) - 1
+        have = self._side_streams.setdefault(device, [])
+        while len(have) < want:
+            have.append(torch.cuda.Stream(device))
+        return have[:want]
 
     def _offsets(self, tensors: Sequence[torch.Tensor], word: int) -> tuple[torch.Tensor, int]:
         key = (tensors[0].device, word, *(t.data_ptr() for t in tensors))
@@ -144,8 +158,10 @@ class TransferEngine:
         copies with their own geometry) for validated indices ``prepared`` (``kvtier.pools._Prepared``: host and
         device numpy indices, page rules, cached GPU indices and plans).
 
-        ``per_layer``: enqueue layer by layer (every pair's layer l, then ``events[l - layer_begin]`` is
-        recorded on the current stream when ``events`` is given); otherwise each pair's layers in one go.
+        ``per_layer``: enqueue layer by layer (every pair's layer l, then the events ``events[l - layer_begin]``,
+        one per lane, when ``events`` is given); otherwise each pair's layers in one go. On CUDA, pair i runs on
+        lane i mod ``self.lanes``: the current stream and side streams that fork from it and join back into
+        it, so K and V move concurrently; each lane records its own event of a layer.
 
         ``background`` (with ``per_layer`` and ``events``): the ``direct`` path's copies are submitted by a
         native thread and the returned ``kvtier._native.Submission`` says when each event has been recorded
@@ -153,8 +169,9 @@ class TransferEngine:
         host, device, paged = prepared.host, prepared.device, prepared.paged
         if len(host) == 0 or not pairs:
             if events is not None:
-                for ev in events:
-                    ev.record()
+                for evs in events:
+                    for ev in evs:
+                        ev.record()
             return
         dev = pairs[0][1][0].device
         if dev.type != "cpu" and (dev.type != "cuda" or not all(side.buffer.pinned for side, _ in pairs)):
@@ -163,7 +180,8 @@ class TransferEngine:
                 for side, tensors in pairs:
                     self._copy_torch(side, tensors, host, device, layer, last, to_host)
                 if events is not None:
-                    events[i].record()
+                    for ev in events[i]:
+                        ev.record()
             return
         regions = tuple(side.buffer._region for side, _ in pairs)
         if backend == "kernel" and dev.type == "cuda" and kernels.available():
@@ -172,17 +190,20 @@ class TransferEngine:
                     and all(side.layout == "page_first" and layer_end == side.layers for side, _ in pairs)):
                 self._staged_backup(pairs, prepared, didx, regions)
                 return None
+            lanes = len(events[0]) if events is not None else min(self.lanes, len(pairs))
+            sides = self.side_streams(dev, lanes)
+            blocks = self._split_blocks([side.row_bytes for side, _ in pairs], lanes)
             launches = [
                 kernels.prepare_rows(
                     host=side.tensor, layout=side.layout, slots=side.slots, layers=side.layers,
                     page_size=side.page_size, row_bytes=side.row_bytes, device_layers=tensors,
                     dev_offsets=self._offsets(tensors, kernels.word_of(side.row_bytes)),
-                    host_idx=hidx, dev_idx=didx, to_host=to_host, blocks=self.blocks, num_warps=self.num_warps,
+                    host_idx=hidx, dev_idx=didx, to_host=to_host, blocks=b, num_warps=self.num_warps,
                     tile_words=self.tile_words, prefetch=self.prefetch,
                 )
-                for side, tensors in pairs
+                for (side, tensors), b in zip(pairs, blocks)
             ]
-            kernels.run_rows(launches, layer_begin, layer_end, per_layer=per_layer, events=events)
+            kernels.run_rows(launches, layer_begin, layer_end, per_layer=per_layer, events=events, side_streams=sides)
             if hold:
                 self._hold((regions, hidx, didx))
             return
@@ -194,18 +215,32 @@ class TransferEngine:
                     plan.copy_cpu(layer, last)
             return
         stream = torch.cuda.current_stream(dev)
-        handles = [int(ev.cuda_event) for ev in events] if events is not None else []
+        handles = [int(ev.cuda_event) for evs in events for ev in evs] if events is not None else []
         if events is not None and not all(handles):
             raise InvalidArgumentError("invalid argument `events`: record each event once before passing it")
         index = dev.index if dev.index is not None else torch.cuda.current_device()
+        lanes = len(events[0]) if events is not None else min(self.lanes, len(pairs))
+        sides = [st.cuda_stream for st in self.side_streams(dev, lanes)]
         if background and per_layer and handles:
-            sub = _native.submit_layers_background(plans, layer_begin, layer_end, index, stream.cuda_stream, self.batch, handles)
-            self._hold((regions, plans), events[-1], sub)
+            sub = _native.submit_layers_background(plans, layer_begin, layer_end, index, stream.cuda_stream, sides,
+                                                   self.batch, handles)
+            self._hold((regions, plans), list(events[-1]), sub)
             return sub
-        _native.submit_layers(plans, layer_begin, layer_end, index, stream.cuda_stream, self.batch, per_layer, handles)
+        _native.submit_layers(plans, layer_begin, layer_end, index, stream.cuda_stream, sides, self.batch, per_layer, handles)
         if hold:
             self._hold((regions, plans))
         return None
+
+    def _split_blocks(self, row_bytes: list[int], lanes: int) -> list[int]:
+        """Thread blocks per launch: all of ``self.blocks`` each when launches run one after another; split in
+        proportion to the bytes each moves when they run concurrently on separate lanes, so the total stays
+        within ``KVTIER_KERNEL_BLOCKS``."""
+        if lanes <= 1 or len(row_bytes) <= 1:
+            return [self.blocks] * len(row_bytes)
+        total = sum(row_bytes)
+        out = [max(1, round(self.blocks * r / total)) for r in row_bytes]
+        out[-1] = max(1, self.blocks - sum(out[:-1]))
+        return out
 
     def _staged_backup(self, pairs, prepared, didx: torch.Tensor, regions: tuple) -> None:
         """Device → host for every layer of ``page_first`` pools: the kernel gathers a run of tokens (all
@@ -213,7 +248,9 @@ class TransferEngine:
         to the host as chunks contiguous on both sides (whole pages, or runs of pages). Gathers run on a
         helper stream, copies on the current stream, alternating between two buffers, so the gather of run
         k+1 overlaps the copy of run k; the copies wait for their gather and each gather for the copy that last
-        read its buffer. Runs grow 1, 2, 4, … pages up to the buffer size, so the first copy starts early."""
+        read its buffer. Runs are as large as a buffer (whole pages), the first at most half the transfer.
+        Every run costs ~0.1 ms of host work, so many small runs starve the copy engine (measured: 1-2-4-8
+        page runs gave 80 % at 16 pages of A, against 94 % for 128-byte SM writes)."""
         dev = didx.device
         stream = torch.cuda.current_stream(dev)
         with self._stage_lock:
@@ -231,7 +268,9 @@ class TransferEngine:
                 cap = max(1, st.half // (token_bytes * side.page_size)) * side.page_size
                 st.ensure_rows(cap)
                 n = len(prepared.host)
-                size, pos = side.page_size, 0
+                # the first run is at most half the transfer, so a second run's gather overlaps its copy
+                half = -(-n // 2)
+                size, pos = min(cap, max(side.page_size, -(-half // side.page_size) * side.page_size)), 0
                 while pos < n:
                     end = min(n, pos + size)
                     buf = k % 2
@@ -250,12 +289,12 @@ class TransferEngine:
                         st.gathered[buf].record(st.gather)
                     stream.wait_event(st.gathered[buf])
                     plan = self._stage_plan(side, prepared, stage, pos, end, st)
-                    _native.submit_layers([plan], 0, 1, dev.index, stream.cuda_stream, self.batch, False, [])
+                    _native.submit_layers([plan], 0, 1, dev.index, stream.cuda_stream, [], self.batch, False, [])
                     st.copied[buf].record(stream)
                     held.append((plan, stage_idx))
                     k += 1
                     pos = end
-                    size = min(cap, size * 2)
+                    size = cap
             self._hold((regions, held, didx))
 
     @staticmethod

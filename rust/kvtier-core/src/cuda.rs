@@ -78,6 +78,9 @@ struct Driver {
     host_get_flags: unsafe extern "C" fn(*mut u32, *mut c_void) -> CuResult,
     launch_kernel: LaunchKernel,
     event_record: unsafe extern "C" fn(*mut c_void, *mut c_void) -> CuResult,
+    event_create: unsafe extern "C" fn(*mut *mut c_void, u32) -> CuResult,
+    event_destroy: unsafe extern "C" fn(*mut c_void) -> CuResult,
+    stream_wait_event: unsafe extern "C" fn(*mut c_void, *mut c_void, u32) -> CuResult,
 }
 
 /// `cuLaunchKernel`: function, grid x/y/z, block x/y/z, dynamic shared bytes, stream, parameter pointers,
@@ -144,6 +147,9 @@ fn load() -> std::result::Result<Driver, String> {
             host_get_flags: sym(lib, c"cuMemHostGetFlags")?,
             launch_kernel: sym(lib, c"cuLaunchKernel")?,
             event_record: sym(lib, c"cuEventRecord")?,
+            event_create: sym(lib, c"cuEventCreate")?,
+            event_destroy: sym(lib, c"cuEventDestroy_v2")?,
+            stream_wait_event: sym(lib, c"cuStreamWaitEvent")?,
         }
     };
     Ok(drv)
@@ -575,6 +581,115 @@ impl Current {
         // SAFETY: per the contract.
         let rc = unsafe { (self.d.event_record)(event as *mut c_void, stream as *mut c_void) };
         check("cuEventRecord", rc, || format!(" (event {event:#x})"))
+    }
+}
+
+/// `CU_EVENT_DISABLE_TIMING`: events used only for ordering are cheaper without timestamps.
+const CU_EVENT_DISABLE_TIMING: u32 = 0x2;
+
+impl Current {
+    /// Makes `waiter` wait (on the device) for the work enqueued on `stream` so far.
+    ///
+    /// # Safety
+    /// `stream` and `waiter` must be live streams of this context (or 0) and `event` a live event of it.
+    pub unsafe fn stream_after(&self, waiter: usize, stream: usize, event: usize) -> Result<()> {
+        // SAFETY: per the contract.
+        unsafe {
+            self.record_event(event, stream)?;
+            check(
+                "cuStreamWaitEvent",
+                (self.d.stream_wait_event)(waiter as *mut c_void, event as *mut c_void, 0),
+                String::new,
+            )
+        }
+    }
+}
+
+/// Streams that share one submission: lane 0 is the caller's stream, the others are side streams that fork
+/// from it before each group of work ([`Lanes::fork`]) and join back into it after ([`Lanes::join`]), so the
+/// caller's stream orders everything as if it had run there. Owns one ordering event per side stream.
+pub struct Lanes<'a> {
+    cur: &'a Current,
+    streams: Vec<usize>,
+    fork: Vec<usize>,
+    join: Vec<usize>,
+}
+
+impl<'a> Lanes<'a> {
+    /// Lanes over `main` and `sides` (live streams of `cur`'s context, distinct from `main`).
+    ///
+    /// # Safety
+    /// Every stream must be a live stream of the current context for the life of the value.
+    pub unsafe fn new(cur: &'a Current, main: usize, sides: &[usize]) -> Result<Self> {
+        let mut lanes = Lanes {
+            cur,
+            streams: vec![main],
+            fork: Vec::new(),
+            join: Vec::new(),
+        };
+        for &s in sides {
+            for list in [&mut lanes.fork, &mut lanes.join] {
+                let mut ev: *mut c_void = std::ptr::null_mut();
+                // SAFETY: out-pointer to a live local; the context is current.
+                check(
+                    "cuEventCreate",
+                    unsafe { (cur.d.event_create)(&mut ev, CU_EVENT_DISABLE_TIMING) },
+                    String::new,
+                )?;
+                list.push(ev as usize);
+            }
+            lanes.streams.push(s);
+        }
+        Ok(lanes)
+    }
+
+    /// Number of lanes (1 + side streams).
+    pub fn len(&self) -> usize {
+        self.streams.len()
+    }
+
+    /// Always false: lane 0 exists.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// The stream of lane `i`.
+    pub fn stream(&self, i: usize) -> usize {
+        self.streams[i % self.streams.len()]
+    }
+
+    /// Side streams wait for everything enqueued on lane 0 so far.
+    pub fn fork(&self) -> Result<()> {
+        for (i, &s) in self.streams.iter().enumerate().skip(1) {
+            // SAFETY: the streams and events are live (constructor contract, events owned by self).
+            unsafe {
+                self.cur
+                    .stream_after(s, self.streams[0], self.fork[i - 1])?
+            };
+        }
+        Ok(())
+    }
+
+    /// Lane 0 waits for everything enqueued on the side streams so far.
+    pub fn join(&self) -> Result<()> {
+        for (i, &s) in self.streams.iter().enumerate().skip(1) {
+            // SAFETY: as in `fork`.
+            unsafe {
+                self.cur
+                    .stream_after(self.streams[0], s, self.join[i - 1])?
+            };
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Lanes<'_> {
+    fn drop(&mut self) {
+        for &ev in self.fork.iter().chain(&self.join) {
+            // SAFETY: events created by `new`, destroyed once; the driver defers the release of an event
+            // whose recorded work is still pending.
+            unsafe { (self.cur.d.event_destroy)(ev as *mut c_void) };
+        }
     }
 }
 

@@ -356,13 +356,13 @@ impl PyTransferPlan {
     }
 }
 
-fn check_events(events: &[usize], layer_begin: usize, layer_end: usize) -> KvResult<()> {
-    if !events.is_empty() && events.len() != layer_end.saturating_sub(layer_begin) {
+/// Checks `events`: empty, or one live event per (group, lane), group-major.
+fn check_events(events: &[usize], groups: usize, lanes: usize) -> KvResult<()> {
+    if !events.is_empty() && events.len() != groups * lanes {
         return Err(Error::arg(
             "events",
             format!(
-                "need one per layer ({}), got {}",
-                layer_end.saturating_sub(layer_begin),
+                "need one per layer and lane ({groups} x {lanes}), got {}",
                 events.len()
             ),
         )
@@ -378,13 +378,133 @@ fn check_events(events: &[usize], layer_begin: usize, layer_end: usize) -> KvRes
     Ok(())
 }
 
+fn check_sides(stream: usize, sides: &[usize]) -> KvResult<()> {
+    if sides.iter().any(|&s| s == 0 || s == stream)
+        || (1..sides.len()).any(|i| sides[..i].contains(&sides[i]))
+    {
+        return Err(Error::arg(
+            "side_streams",
+            "must be distinct non-default streams other than `stream`",
+        )
+        .into());
+    }
+    Ok(())
+}
+
+/// One group of work (a layer, or all layers at once): one part per plan or launch (part i runs on lane
+/// i % lanes), then the group's events, one per lane, recorded on that lane's stream.
+struct Group<T> {
+    parts: Vec<T>,
+    events: Vec<usize>,
+}
+
+/// Enqueues `groups` on `stream` and the side streams (forked from `stream` once at the start and joined
+/// back at the end, so `stream` orders everything), calling `recorded` after each group's events.
+fn run_groups<T>(
+    device: i32,
+    stream: usize,
+    sides: &[usize],
+    groups: &mut [Group<T>],
+    recorded: &dyn Fn(),
+    mut enqueue: impl FnMut(&kvtier_core::cuda::Current, usize, &mut T) -> kvtier_core::Result<()>,
+) -> kvtier_core::Result<()> {
+    let cur = kvtier_core::cuda::make_current(device)?;
+    // SAFETY: the caller passes live streams of this device (checked distinct by `check_sides`).
+    let lanes = unsafe { kvtier_core::cuda::Lanes::new(&cur, stream, sides)? };
+    lanes.fork()?;
+    for g in groups.iter_mut() {
+        for (i, part) in g.parts.iter_mut().enumerate() {
+            enqueue(&cur, lanes.stream(i), part)?;
+        }
+        for (lane, &ev) in g.events.iter().enumerate() {
+            // SAFETY: the caller passes live events of this device.
+            unsafe { cur.record_event(ev, lanes.stream(lane))? };
+        }
+        if !g.events.is_empty() {
+            recorded();
+        }
+    }
+    lanes.join()
+}
+
+type Copies = Vec<(usize, usize, usize)>;
+
+fn build_groups(
+    plans: &[PyRef<'_, PyTransferPlan>],
+    layer_begin: usize,
+    layer_end: usize,
+    per_layer: bool,
+    lanes: usize,
+    events: &[usize],
+) -> KvResult<Vec<Group<Copies>>> {
+    let groups = if per_layer {
+        layer_end.saturating_sub(layer_begin)
+    } else {
+        1
+    };
+    check_events(events, groups, lanes)?;
+    let mut out = Vec::with_capacity(groups);
+    for g in 0..groups {
+        let (lo, hi) = if per_layer {
+            (layer_begin + g, layer_begin + g + 1)
+        } else {
+            (layer_begin, layer_end)
+        };
+        let mut parts = Vec::with_capacity(plans.len());
+        for p in plans {
+            parts.push(plan::addresses(
+                p.req.dir,
+                p.req.host,
+                &p.req.device,
+                p.slice(lo, hi)?,
+            ));
+        }
+        let events = if events.is_empty() {
+            Vec::new()
+        } else {
+            events[g * lanes..(g + 1) * lanes].to_vec()
+        };
+        out.push(Group { parts, events });
+    }
+    Ok(out)
+}
+
+fn copy_groups(
+    device: i32,
+    stream: usize,
+    sides: &[usize],
+    batch: bool,
+    groups: &mut [Group<Copies>],
+    recorded: &dyn Fn(),
+) -> kvtier_core::Result<(usize, usize)> {
+    let (mut copies, mut calls) = (0, 0);
+    run_groups(
+        device,
+        stream,
+        sides,
+        groups,
+        recorded,
+        |cur, lane, part| {
+            // SAFETY: the addresses were checked against the live host regions and device tensors when the plans
+            // were built; the caller keeps both alive until `stream` has passed the copies (for a background
+            // submission: until it has finished and its last events have completed).
+            let sub = unsafe { cur.copy_async(lane, part, batch)? };
+            copies += sub.copies;
+            calls += sub.batch_calls;
+            Ok(())
+        },
+    )?;
+    Ok((copies, calls))
+}
+
 /// Enqueues layers `[layer_begin, layer_end)` of every plan in `plans` on CUDA `stream` of `device`, each
-/// plan's copies as their own batch (K and V stay separate submissions). With `per_layer`, layer by layer:
-/// every plan's copies of layer l, then `events[l - layer_begin]` is recorded when `events` is not empty;
-/// without it, each plan's copies of all the layers in one submission (`events` must be empty). GIL
-/// released, one context switch for the whole call. Returns `(copies, batch_calls)`. The caller keeps host
-/// buffers and device tensors alive until the stream passes the copies, and passes live CUDA events
-/// (`torch.cuda.Event.cuda_event`) of that device.
+/// plan's copies as their own batch (K and V stay separate submissions); plan i goes to lane i mod (1 +
+/// `side_streams`), the side streams forking from `stream` first and joining back at the end. With
+/// `per_layer`, layer by layer, recording after each layer one event per lane (`events`, layer-major, when
+/// not empty) on that lane's stream; without it, each plan's copies of all the layers in one submission
+/// (`events` must be empty). GIL released, one context switch for the whole call. Returns
+/// `(copies, batch_calls)`. The caller keeps host buffers and device tensors alive until `stream` passes
+/// the copies, and passes live CUDA events (`torch.cuda.Event.cuda_event`) and streams of that device.
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
 pub fn submit_layers(
@@ -394,80 +514,24 @@ pub fn submit_layers(
     layer_end: usize,
     device: i32,
     stream: usize,
+    side_streams: Vec<usize>,
     batch: bool,
     per_layer: bool,
     events: Vec<usize>,
 ) -> KvResult<(usize, usize)> {
-    let steps = build_steps(&plans, layer_begin, layer_end, per_layer, &events)?;
-    Ok(py.detach(|| run_steps(device, stream, batch, &steps, &|| {}))?)
-}
-
-/// One native submission (one plan's copies of one layer, or of all layers) and the event recorded after it.
-type Step = (Vec<(usize, usize, usize)>, Option<usize>);
-
-fn build_steps(
-    plans: &[PyRef<'_, PyTransferPlan>],
-    layer_begin: usize,
-    layer_end: usize,
-    per_layer: bool,
-    events: &[usize],
-) -> KvResult<Vec<Step>> {
-    check_events(events, layer_begin, layer_end)?;
+    check_sides(stream, &side_streams)?;
     if !per_layer && !events.is_empty() {
         return Err(Error::arg("events", "per-layer events need per_layer=True").into());
     }
-    let mut steps: Vec<Step> = Vec::new();
-    if per_layer {
-        for (i, layer) in (layer_begin..layer_end).enumerate() {
-            for (j, p) in plans.iter().enumerate() {
-                let part = p.slice(layer, layer + 1)?;
-                let ev = if j + 1 == plans.len() {
-                    events.get(i).copied()
-                } else {
-                    None
-                };
-                steps.push((
-                    plan::addresses(p.req.dir, p.req.host, &p.req.device, part),
-                    ev,
-                ));
-            }
-        }
-    } else {
-        for p in plans {
-            let part = p.slice(layer_begin, layer_end)?;
-            steps.push((
-                plan::addresses(p.req.dir, p.req.host, &p.req.device, part),
-                None,
-            ));
-        }
-    }
-    Ok(steps)
-}
-
-/// Submits `steps` in order on `stream`, calling `recorded` after each event is recorded.
-fn run_steps(
-    device: i32,
-    stream: usize,
-    batch: bool,
-    steps: &[Step],
-    recorded: &dyn Fn(),
-) -> kvtier_core::Result<(usize, usize)> {
-    let cur = kvtier_core::cuda::make_current(device)?;
-    let (mut copies, mut calls) = (0, 0);
-    for (step, ev) in steps {
-        // SAFETY: the addresses were checked against the live host regions and device tensors when the
-        // plans were built; the caller keeps both alive until the stream has passed the copies (for a
-        // background submission: until it has finished and its last event has completed).
-        let sub = unsafe { cur.copy_async(stream, step, batch)? };
-        copies += sub.copies;
-        calls += sub.batch_calls;
-        if let Some(ev) = ev {
-            // SAFETY: the caller passes live events and stream of this device.
-            unsafe { cur.record_event(*ev, stream)? };
-            recorded();
-        }
-    }
-    Ok((copies, calls))
+    let mut groups = build_groups(
+        &plans,
+        layer_begin,
+        layer_end,
+        per_layer,
+        1 + side_streams.len(),
+        &events,
+    )?;
+    Ok(py.detach(|| copy_groups(device, stream, &side_streams, batch, &mut groups, &|| {}))?)
 }
 
 #[derive(Default)]
@@ -481,7 +545,7 @@ struct Progress {
 #[pyclass(name = "Submission", module = "kvtier._native", frozen)]
 pub struct PySubmission {
     state: std::sync::Arc<(std::sync::Mutex<Progress>, std::sync::Condvar)>,
-    events: usize,
+    groups: usize,
 }
 
 impl PySubmission {
@@ -517,12 +581,12 @@ impl PySubmission {
 
 #[pymethods]
 impl PySubmission {
-    /// Blocks (GIL released) until the event of step `index` (0-based, in event order) has been recorded;
-    /// raises the submission's error if it failed first.
+    /// Blocks (GIL released) until the events of layer `index` (0-based within the submission) have been
+    /// recorded; raises the submission's error if it failed first.
     fn wait_recorded(&self, py: Python<'_>, index: usize) -> KvResult<()> {
-        if index >= self.events {
+        if index >= self.groups {
             return Err(
-                Error::arg("index", format!("must be < {}, got {index}", self.events)).into(),
+                Error::arg("index", format!("must be < {}, got {index}", self.groups)).into(),
             );
         }
         self.wait_until(py, move |p| p.recorded > index)
@@ -540,8 +604,8 @@ impl PySubmission {
 /// As `submit_layers` with `per_layer=True`, but submitted by a native thread, so that a caller whose copies
 /// outrun the driver's queue (it blocks inside the submitting call once thousands of copies are pending) is
 /// not held up: LayerLoader returns at once and its compute thread keeps launching. Returns a `Submission`;
-/// wait on `wait_recorded(i)` before making a stream wait on `events[i]`. The caller keeps the plans'
-/// buffers alive until `finished()` and the last event has completed.
+/// wait on `wait_recorded(i)` before making a stream wait on layer i's events. The caller keeps the plans'
+/// buffers alive until `finished()` and the last events have completed.
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
 pub fn submit_layers_background(
@@ -550,17 +614,27 @@ pub fn submit_layers_background(
     layer_end: usize,
     device: i32,
     stream: usize,
+    side_streams: Vec<usize>,
     batch: bool,
     events: Vec<usize>,
 ) -> KvResult<PySubmission> {
+    check_sides(stream, &side_streams)?;
     if events.is_empty() {
         return Err(Error::arg(
             "events",
-            "a background submission needs one event per layer",
+            "a background submission needs events for every layer",
         )
         .into());
     }
-    let steps = build_steps(&plans, layer_begin, layer_end, true, &events)?;
+    let mut groups = build_groups(
+        &plans,
+        layer_begin,
+        layer_end,
+        true,
+        1 + side_streams.len(),
+        &events,
+    )?;
+    let n = groups.len();
     let state = std::sync::Arc::new((
         std::sync::Mutex::new(Progress::default()),
         std::sync::Condvar::new(),
@@ -574,7 +648,7 @@ pub fn submit_layers_background(
                 m.lock().unwrap_or_else(|p| p.into_inner()).recorded += 1;
                 cv.notify_all();
             };
-            let res = run_steps(device, stream, batch, &steps, &bump);
+            let res = copy_groups(device, stream, &side_streams, batch, &mut groups, &bump);
             let mut g = m.lock().unwrap_or_else(|p| p.into_inner());
             g.done = true;
             g.error = res.err();
@@ -584,16 +658,14 @@ pub fn submit_layers_background(
             what: "spawning the submission thread".into(),
             source: e,
         })?;
-    Ok(PySubmission {
-        state,
-        events: events.len(),
-    })
+    Ok(PySubmission { state, groups: n })
 }
 
 /// Enqueues compiled-kernel launches for layers `[layer_begin, layer_end)`: for each layer, every launch of
-/// `launches` with its parameter `layer_param` set to the layer, then `events[layer - layer_begin]` (when
-/// given). Each launch is `(function, grid, block, shared_bytes, widths, values, layer_param)`: `widths[i]`
-/// is 4 or 8, the byte width of parameter i. GIL released, one context switch for the whole call.
+/// `launches` with its parameter `layer_param` set to the layer (launch i on lane i mod (1 +
+/// `side_streams`), as in `submit_layers`), then the layer's events, one per lane (when given). Each launch
+/// is `(function, grid, block, shared_bytes, widths, values, layer_param)`: `widths[i]` is 4 or 8, the byte
+/// width of parameter i. GIL released, one context switch for the whole call.
 ///
 /// Private to `kvtier.kernels`, which passes only functions it compiled, whose parameter list it checked
 /// against the compiled code, and addresses of buffers it validated and keeps alive.
@@ -603,13 +675,17 @@ pub fn launch_layers(
     py: Python<'_>,
     device: i32,
     stream: usize,
+    side_streams: Vec<usize>,
     launches: Vec<(usize, u32, u32, u32, Vec<u8>, Vec<u64>, usize)>,
     layer_begin: usize,
     layer_end: usize,
     events: Vec<usize>,
 ) -> KvResult<()> {
     use kvtier_core::cuda::{Kernel, Param};
-    check_events(&events, layer_begin, layer_end)?;
+    check_sides(stream, &side_streams)?;
+    let n_groups = layer_end.saturating_sub(layer_begin);
+    let lanes = 1 + side_streams.len();
+    check_events(&events, n_groups, lanes)?;
     if layer_end > u32::MAX as usize {
         return Err(Error::arg("layer_end", format!("too large: {layer_end}")).into());
     }
@@ -647,30 +723,45 @@ pub fn launch_layers(
                 }
             });
         }
-        let kernel = Kernel {
-            function,
-            grid,
-            block,
-            shared,
-        };
-        prepared.push((kernel, params, layer_param));
+        prepared.push((
+            Kernel {
+                function,
+                grid,
+                block,
+                shared,
+            },
+            params,
+            layer_param,
+        ));
     }
-    py.detach(|| -> kvtier_core::Result<()> {
-        let cur = kvtier_core::cuda::make_current(device)?;
-        for (i, layer) in (layer_begin..layer_end).enumerate() {
-            for (kernel, params, layer_param) in prepared.iter_mut() {
-                params[*layer_param] = Param::U32(layer as u32);
-                // SAFETY: kvtier.kernels (the only caller) passes a function it compiled in this context,
-                // whose parameter widths it read from the compiled code, and addresses of validated buffers
-                // and index tensors it keeps alive until the stream has passed the launch.
-                unsafe { cur.launch(stream, kernel, params)? };
-            }
-            if let Some(&ev) = events.get(i) {
-                // SAFETY: the caller passes live events and stream of this device.
-                unsafe { cur.record_event(ev, stream)? };
-            }
-        }
-        Ok(())
+    let mut groups: Vec<Group<(u32, usize)>> = (0..n_groups)
+        .map(|g| Group {
+            parts: (0..prepared.len())
+                .map(|i| ((layer_begin + g) as u32, i))
+                .collect(),
+            events: if events.is_empty() {
+                Vec::new()
+            } else {
+                events[g * lanes..(g + 1) * lanes].to_vec()
+            },
+        })
+        .collect();
+    py.detach(|| {
+        run_groups(
+            device,
+            stream,
+            &side_streams,
+            &mut groups,
+            &|| {},
+            |cur, lane, &mut (layer, i)| {
+                let (kernel, params, layer_param) = &mut prepared[i];
+                params[*layer_param] = Param::U32(layer);
+                // SAFETY: kvtier.kernels (the only caller) passes a function it compiled in this context, whose
+                // parameter widths it read from the compiled code, and addresses of validated buffers and index
+                // tensors it keeps alive until `stream` (which joins every lane) has passed the launch.
+                unsafe { cur.launch(lane, kernel, params) }
+            },
+        )
     })?;
     Ok(())
 }
