@@ -68,9 +68,11 @@ def direct_batch() -> bool:
 
 def kernel_backup() -> str:
     """``KVTIER_KERNEL_BACKUP``: how the ``kernel`` backend backs up ``page_first`` pools. ``staged`` (default):
-    the kernel gathers each page into a device staging buffer and the copy engine moves whole pages to the
-    host, overlapped; ``direct``: the kernel writes host memory itself. SM writes to host memory travel as
-    128-byte PCIe writes, which caps them at ~94 % of the copy engine's rate (benches/RESULTS.md)."""
+    backups of at least four staging buffers' worth (256 MiB by default) are gathered page by page into a
+    device staging buffer by the kernel and moved to the host as whole pages by the copy engine, overlapped;
+    smaller ones, and all of them with ``direct``, are written to host memory by the kernel itself. SM writes
+    to host memory travel as 128-byte PCIe writes, which caps them at ~94 % of the copy engine's rate, while
+    each staged run costs fixed host and launch time that small backups cannot amortise (benches/RESULTS.md)."""
     raw = os.environ.get("KVTIER_KERNEL_BACKUP", "staged").strip().lower()
     if raw not in ("staged", "direct"):
         raise InvalidArgumentError(f"environment variable KVTIER_KERNEL_BACKUP={raw!r} must be 'staged' or 'direct'")
@@ -84,8 +86,8 @@ def staging_bytes() -> int:
 
 
 def transfer_lanes() -> int:
-    """``KVTIER_TRANSFER_LANES`` (default 2): CUDA streams a transfer spreads its K and V copies over (the
-    caller's stream plus side streams that fork from it and join back), so K and V move concurrently: two
-    copy engines for ``direct``, two concurrent launches sharing ``KVTIER_KERNEL_BLOCKS`` for ``kernel``.
-    1 keeps everything on the caller's stream."""
+    """``KVTIER_TRANSFER_LANES`` (default 2): CUDA streams a ``kernel`` transfer spreads its K and V launches
+    over (the caller's stream plus a side stream that forks from it and joins back), so K and V move
+    concurrently, sharing ``KVTIER_KERNEL_BLOCKS``; 1 keeps everything on the caller's stream. ``direct``
+    copies always use one stream (two measured slower)."""
     return min(_int_env("KVTIER_TRANSFER_LANES", 2, 1), 2)

@@ -33,6 +33,11 @@ if TYPE_CHECKING:
     from .buffer import HostBuffer
 
 
+# Words per tile of the kernel backend: 2,048 (16 KiB) moved the same as 4,096 at 256 pages with half the
+# registers per thread, so a concurrent forward pass keeps more of each SM (benches/RESULTS.md).
+KERNEL_TILE_WORDS = 2048
+
+
 @dataclass(frozen=True)
 class Side:
     """One host buffer (K or V) of a pool: where it lives and its geometry."""
@@ -82,7 +87,7 @@ class TransferEngine:
         self.blocks = config.kernel_blocks()
         self.num_warps = config.kernel_warps()
         self.batch = config.direct_batch()
-        self.tile_words = 2048  # words per kernel tile (see kvtier.kernels); benches sweep it
+        self.tile_words = KERNEL_TILE_WORDS  # words per kernel tile (see kvtier.kernels); benches sweep it
         self.prefetch = True
         self.lanes = config.transfer_lanes()
         self._side_streams: dict[Any, list] = {}
@@ -120,6 +125,12 @@ class TransferEngine:
                     pass  # what matters here is that it no longer touches the buffers
             for ev in event if isinstance(event, (list, tuple)) else (event,):
                 ev.synchronize()
+
+    def lanes_for(self, backend: str) -> int:
+        """Streams a ``backend`` transfer spreads K and V over: ``self.lanes`` for ``kernel``; 1 for ``direct``,
+        whose copy engines measured slower with K and V on two streams (geometry C loads: 41 % of the
+        ceiling on one stream, 7 % on two; benches/RESULTS.md)."""
+        return self.lanes if backend == "kernel" else 1
 
     def side_streams(self, device: torch.device, lanes: int | None = None) -> list:
         """The side streams (``lanes`` - 1 of them, default ``self.lanes`` - 1) this engine spreads K and V over
@@ -186,7 +197,9 @@ class TransferEngine:
         regions = tuple(side.buffer._region for side, _ in pairs)
         if backend == "kernel" and dev.type == "cuda" and kernels.available():
             hidx, didx = prepared.gpu(dev)
+            total = len(host) * sum(side.layers * side.row_bytes for side, _ in pairs)
             if (to_host and not per_layer and self.staged_backup and layer_begin == 0
+                    and total >= 4 * self.staging_bytes
                     and all(side.layout == "page_first" and layer_end == side.layers for side, _ in pairs)):
                 self._staged_backup(pairs, prepared, didx, regions)
                 return None
@@ -219,7 +232,7 @@ class TransferEngine:
         if events is not None and not all(handles):
             raise InvalidArgumentError("invalid argument `events`: record each event once before passing it")
         index = dev.index if dev.index is not None else torch.cuda.current_device()
-        lanes = len(events[0]) if events is not None else min(self.lanes, len(pairs))
+        lanes = len(events[0]) if events is not None else self.lanes_for("direct")
         sides = [st.cuda_stream for st in self.side_streams(dev, lanes)]
         if background and per_layer and handles:
             sub = _native.submit_layers_background(plans, layer_begin, layer_end, index, stream.cuda_stream, sides,

@@ -278,11 +278,11 @@ def part_overlap(out, reps, stream, trials=3):
         torch.cuda.empty_cache()
 
 
-def ncu_target():
-    """A short run for Nsight Compute: geometry A, 256 pages, kernel backend; 3 warm-up loads and backups,
-    then one LayerLoader load (96 launches) and one backup (2 launches)."""
+def ncu_target(pages: int = 256):
+    """A short run for Nsight Compute: geometry A, ``pages`` pages, kernel backend; 3 warm-up loads and
+    backups, then one LayerLoader load (96 launches) and one backup (2 launches when it is not staged)."""
     g = GEOMS["A"]
-    dp, hp, h, d = _pools(g, 256, "page_first")
+    dp, hp, h, d = _pools(g, pages, "page_first")
     loader = LayerLoader(hp, dp, "kernel")
     for _ in range(3):
         loader.load(h, d).synchronize()
@@ -300,9 +300,10 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--only", default="kernel,launch,direct,overlap,small,staged,direct_geoms")
     ap.add_argument("--ncu", action="store_true")
+    ap.add_argument("--pages", type=int, default=256, help="pages for --ncu")
     args = ap.parse_args(argv)
     if args.ncu:
-        ncu_target()
+        ncu_target(args.pages)
         return
     os.makedirs(args.out, exist_ok=True)
     up, down = ceiling()

@@ -81,6 +81,7 @@ struct Driver {
     event_create: unsafe extern "C" fn(*mut *mut c_void, u32) -> CuResult,
     event_destroy: unsafe extern "C" fn(*mut c_void) -> CuResult,
     stream_wait_event: unsafe extern "C" fn(*mut c_void, *mut c_void, u32) -> CuResult,
+    event_synchronize: unsafe extern "C" fn(*mut c_void) -> CuResult,
 }
 
 /// `cuLaunchKernel`: function, grid x/y/z, block x/y/z, dynamic shared bytes, stream, parameter pointers,
@@ -150,6 +151,7 @@ fn load() -> std::result::Result<Driver, String> {
             event_create: sym(lib, c"cuEventCreate")?,
             event_destroy: sym(lib, c"cuEventDestroy_v2")?,
             stream_wait_event: sym(lib, c"cuStreamWaitEvent")?,
+            event_synchronize: sym(lib, c"cuEventSynchronize")?,
         }
     };
     Ok(drv)
@@ -588,6 +590,19 @@ impl Current {
 const CU_EVENT_DISABLE_TIMING: u32 = 0x2;
 
 impl Current {
+    /// Blocks this thread until the work captured by `event`'s last record has completed.
+    ///
+    /// # Safety
+    /// `event` must be a live event of this context.
+    pub unsafe fn event_synchronize(&self, event: usize) -> Result<()> {
+        // SAFETY: per the contract.
+        check(
+            "cuEventSynchronize",
+            unsafe { (self.d.event_synchronize)(event as *mut c_void) },
+            String::new,
+        )
+    }
+
     /// Makes `waiter` wait (on the device) for the work enqueued on `stream` so far.
     ///
     /// # Safety
@@ -631,11 +646,8 @@ impl<'a> Lanes<'a> {
             for list in [&mut lanes.fork, &mut lanes.join] {
                 let mut ev: *mut c_void = std::ptr::null_mut();
                 // SAFETY: out-pointer to a live local; the context is current.
-                check(
-                    "cuEventCreate",
-                    unsafe { (cur.d.event_create)(&mut ev, CU_EVENT_DISABLE_TIMING) },
-                    String::new,
-                )?;
+                let rc = unsafe { (cur.d.event_create)(&mut ev, CU_EVENT_DISABLE_TIMING) };
+                check("cuEventCreate", rc, String::new)?;
                 list.push(ev as usize);
             }
             lanes.streams.push(s);
