@@ -8,9 +8,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-${OUT:-gpu-results}}
 mkdir -p "$out"
-site=$(mktemp -d /tmp/kvtier-site.XXXX)
-python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .wheel/*.whl .whl/*.whl || exit 1
-export PYTHONPATH="$site" PYTHONUNBUFFERED=1
+. benches/gpu_env.sh
 python3 -c "import kvtier, torch; print('kvtier', kvtier.__version__, 'from', kvtier.__file__, '| torch', torch.__version__, torch.cuda.get_device_name())"
 rc=0
 python3 -m pytest tests -p no:cacheprovider -q -rs --ignore=tests/test_sglang.py 2>&1 | tee "$out/pytest.log" || rc=1

@@ -3,19 +3,17 @@
 #   here:   make gpu-wheel
 #   there:  bash benches/gpu_probe.sh [OUTDIR]
 # 1. the CUDA transfer tests (correctness gate), 2. kvtier.benchmarks.transfer_probe (kernel variants, launch
-# cost, copy-engine cost per chunk, overlap), 3. Nsight Compute on the kernel backend's load and backup.
+# cost, copy-engine cost per chunk, small loads, staged backups), 3. Nsight Compute on the kernel backend's load and backup.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-${OUT:-gpu-results}}
 mkdir -p "$out"
-site=$(mktemp -d /tmp/kvtier-site.XXXX)
-python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .wheel/*.whl .whl/*.whl || exit 1
-export PYTHONPATH="$site" PYTHONUNBUFFERED=1
+. benches/gpu_env.sh
 rc=0
 timeout "${PROBE_TEST_S:-200}" python3 -m pytest tests/test_transfer_cuda.py tests/test_pools_cuda.py tests/test_overlap.py \
   -p no:cacheprovider -q -x 2>&1 | tail -40 > "$out/pytest.log" || rc=1
 tail -3 "$out/pytest.log"
-timeout "${PROBE_S:-270}" python3 -m kvtier.benchmarks.transfer_probe --out "$out" --only "${PROBE_PARTS:-kernel,launch,direct,overlap}" \
+timeout "${PROBE_S:-270}" python3 -m kvtier.benchmarks.transfer_probe --out "$out" --only "${PROBE_PARTS:-kernel,launch,direct,small,staged,direct_geoms}" \
   2>&1 | tee "$out/probe.log" || rc=1
 if command -v ncu >/dev/null; then
   ncu --query-metrics --chip gh100 > "$out/ncu-metrics.txt" 2>&1

@@ -399,7 +399,7 @@ class _HostKVPool:
             if self._closed:
                 return
             self._closed = True
-            self._engine.synchronize()  # never unmap memory a copy still reads or writes
+            self._engine.close()  # never unmap memory a copy still reads or writes; drops staging buffers
             self._prepared = None
             self._checked_device = None
             # Drop the pool's own views so the memory goes as soon as the caller holds none.

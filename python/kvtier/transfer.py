@@ -126,6 +126,12 @@ class TransferEngine:
             for ev in event if isinstance(event, (list, tuple)) else (event,):
                 ev.synchronize()
 
+    def close(self) -> None:
+        """Waits for every copy, then drops the staging buffers and side streams (a closing pool calls it)."""
+        self.synchronize()
+        self._staging.clear()
+        self._side_streams.clear()
+
     def lanes_for(self, backend: str) -> int:
         """Streams a ``backend`` transfer spreads K and V over: ``self.lanes`` for ``kernel``; 1 for ``direct``,
         whose copy engines measured slower with K and V on two streams (geometry C loads: 41 % of the
@@ -237,7 +243,9 @@ class TransferEngine:
         if background and per_layer and handles:
             sub = _native.submit_layers_background(plans, layer_begin, layer_end, index, stream.cuda_stream, sides,
                                                    self.batch, handles)
-            self._hold((regions, plans), list(events[-1]), sub)
+            # the submission thread records every event of the load: keep them all (not only the last layer's,
+            # which say when it is done) alive until it has finished
+            self._hold((regions, plans, events), list(events[-1]), sub)
             return sub
         _native.submit_layers(plans, layer_begin, layer_end, index, stream.cuda_stream, sides, self.batch, per_layer, handles)
         if hold:

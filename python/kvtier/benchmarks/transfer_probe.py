@@ -15,8 +15,8 @@ Parts (each prints JSON lines, all written to ``probe.json`` in --out):
 - ``small``: kernel loads of 16 pages through LayerLoader against tile size, warps and blocks.
 - ``staged``: the kernel backend's staged backup against the kernel writing host memory itself.
 - ``direct_geoms``: the direct backend on B and C at 256 pages.
-- ``overlap``: LayerLoader overlap with a per-layer compute loop, three times per backend (and kernel
-  configuration), with the host time spent issuing the load.
+(The overlap part that measured LayerLoader's issue time and kernel configurations beside compute for
+``results/2026-11-29-h200-probe-{1,2,3}.json`` now lives in the transfer bench's overlap section.)
 """
 
 from __future__ import annotations
@@ -235,49 +235,6 @@ def part_direct_geoms(out, reps, up, down, stream):
         torch.cuda.empty_cache()
 
 
-def part_overlap(out, reps, stream, trials=3):
-    g = GEOMS["A"]
-    L = g["layers"]
-    a = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
-    one = event_time(lambda: a @ a, reps)
-    cases = [("page_first_direct", "direct", None)] + [("page_first", "kernel", c) for c in KERNEL_CONFIGS[:3]]
-    for layout, backend, cfg in cases:
-        dp, hp, h, d = _pools(g, 256, layout)
-        if cfg is not None:
-            _set_kernel(hp, cfg[0], cfg[1], 16)
-        loader = LayerLoader(hp, dp, backend)
-        for trial in range(trials):
-            t_xfer = event_time(lambda: loader.load(h, d).synchronize(), reps)
-            k = max(1, round(t_xfer / L / one))
-
-            def compute_only():
-                for _ in range(L):
-                    for _ in range(k):
-                        a @ a
-
-            t_comp = event_time(compute_only, reps)
-            issue = []
-
-            def both():
-                t0 = time.perf_counter()
-                load = loader.load(h, d)
-                issue.append(time.perf_counter() - t0)
-                for layer in range(L):
-                    load.wait(layer)
-                    for _ in range(k):
-                        a @ a
-
-            t_both = event_time(both, reps)
-            torch.cuda.synchronize()
-            _emit(out, "overlap", {"backend": backend, "kernel_cfg": cfg, "trial": trial, "transfer_ms": round(t_xfer * 1e3, 2),
-                                   "compute_ms": round(t_comp * 1e3, 2), "overlapped_ms": round(t_both * 1e3, 2),
-                                   "ratio_to_max": round(t_both / max(t_comp, t_xfer), 3),
-                                   "load_issue_host_ms": round(statistics.median(issue) * 1e3, 3), "matmuls_per_layer": k})
-        hp.close()
-        del dp
-        torch.cuda.empty_cache()
-
-
 def ncu_target(pages: int = 256):
     """A short run for Nsight Compute: geometry A, ``pages`` pages, kernel backend; 3 warm-up loads and
     backups, then one LayerLoader load (96 launches) and one backup (2 launches when it is not staged)."""
@@ -298,7 +255,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m kvtier.benchmarks.transfer_probe")
     ap.add_argument("--out", default="benches/results")
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--only", default="kernel,launch,direct,overlap,small,staged,direct_geoms")
+    ap.add_argument("--only", default="kernel,launch,direct,small,staged,direct_geoms")
     ap.add_argument("--ncu", action="store_true")
     ap.add_argument("--pages", type=int, default=256, help="pages for --ncu")
     args = ap.parse_args(argv)
@@ -324,8 +281,6 @@ def main(argv=None):
         part_staged(out, args.reps, down, stream)
     if "direct_geoms" in parts:
         part_direct_geoms(out, args.reps, up, down, stream)
-    if "overlap" in parts:
-        part_overlap(out, args.reps, stream)
     with open(os.path.join(args.out, "probe.json"), "w") as f:
         json.dump(out, f, indent=1)
 

@@ -311,31 +311,6 @@ impl PyTransferPlan {
         py.detach(|| unsafe { plan::copy_cpu(req.dir, req.host, &req.device, part) })?;
         Ok(())
     }
-
-    /// Enqueue layers `[layer_begin, layer_end)` on CUDA `stream` of `device` with the copy engine (no SM
-    /// kernel): `cuMemcpyBatchAsync` where available (`batch=True`) and the stream is not the legacy default
-    /// stream, else one `cuMemcpyAsync` per chunk. Returns `(copies, batch_calls)`. The caller keeps the
-    /// host buffer and device tensors alive until the stream has passed the copies (kvtier.transfer records
-    /// an event for that).
-    fn submit(
-        &self,
-        py: Python<'_>,
-        layer_begin: usize,
-        layer_end: usize,
-        device: i32,
-        stream: usize,
-        batch: bool,
-    ) -> KvResult<(usize, usize)> {
-        let part = self.slice(layer_begin, layer_end)?;
-        let sub = py.detach(|| {
-            let copies = plan::addresses(self.req.dir, self.req.host, &self.req.device, part);
-            // SAFETY: the addresses were checked against the live host region (held by `req`) and device
-            // tensors (held by `_owners`) when the plan was built; the caller keeps both alive until the
-            // stream has passed the copies.
-            unsafe { kvtier_core::cuda::copy_async(device, stream, &copies, batch) }
-        })?;
-        Ok((sub.copies, sub.batch_calls))
-    }
 }
 
 impl PyTransferPlan {

@@ -1,0 +1,5 @@
+# Sourced by the GPU scripts (gpu_check.sh, gpu_probe.sh): installs the wheels built here by `make gpu-wheel`
+# (.wheel/ and .whl/) into a temporary target directory (nothing system-wide) and points PYTHONPATH at it.
+site=$(mktemp -d /tmp/kvtier-site.XXXX)
+python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .wheel/*.whl .whl/*.whl || exit 1
+export PYTHONPATH="$site" PYTHONUNBUFFERED=1
