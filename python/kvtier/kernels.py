@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from . import _native
+from ._errors import InvalidArgumentError
 
 try:
     import triton
@@ -213,7 +214,10 @@ def _abi_of(compiled) -> _Abi:
         entries = [m for m in _ENTRY.finditer(ptx) if m.group(1).startswith("_rows_kernel")]
         if len(entries) != 1:
             return _Abi(0, 0, 0, (), f"{len(entries)} _rows_kernel entries in the PTX")
-        widths = tuple(int(bits) // 8 for _, bits in _PARAM.findall(entries[0].group(2)))
+        params = entries[0].group(2)
+        widths = tuple(int(bits) // 8 for _, bits in _PARAM.findall(params))
+        if len(widths) != params.count(".param"):
+            return _Abi(0, 0, 0, (), f"a parameter of another kind in {params.count('.param')} parameters")
         want = (8,) * _POINTERS + (4,) * (len(_PARAMS) - _POINTERS)
         extra = widths[len(want):]
         if widths[: len(want)] != want or any(w != 8 for w in extra) or len(extra) > 2:
@@ -288,7 +292,8 @@ def prepare_rows(
                   ALIGN=align, PREFETCH=bool(prefetch))
     ints = (int(host_idx.numel()), int(slots), int(layers), int(page_size))
     aligned = tuple(t.data_ptr() % 16 == 0 for t in (hw, dw, dev_offsets, host_idx, dev_idx))
-    key = (hw.device.index, tuple(sorted(consts.items())), num_warps, aligned)
+    # the word size is part of the variant: rows of m 4-byte and of m 8-byte words share every constant
+    key = (hw.device.index, word, tuple(sorted(consts.items())), num_warps, aligned)
     return RowsLaunch(hw, dw, dev_offsets, host_idx, dev_idx, ints, consts, blocks, num_warps, key)
 
 
@@ -302,6 +307,17 @@ def run_rows(launches, layer_begin: int, layer_end: int, *, per_layer: bool, eve
     if not launches or layer_begin >= layer_end:
         return
     n_layers = 1 if per_layer else layer_end - layer_begin
+    # the kernel counts work items in 32 bits: items of one launch, plus one grid stride of slack
+    def items(x, layers):
+        return x.ints[0] * layers * (x.consts["ROW_WORDS"] // x.consts["BLOCK_W"]) + x.blocks * x.consts["BLOCK_T"]
+    if any(items(x, n_layers) >= 2**31 for x in launches):
+        if any(items(x, 1) >= 2**31 for x in launches):
+            raise InvalidArgumentError(f"invalid argument `host_indices`: {launches[0].ints[0]} tokens are too many "
+                                       "for one kernel transfer; split the call")
+        if not per_layer and events is None:  # one launch per layer keeps each within range
+            per_layer, n_layers = True, 1
+        else:
+            raise InvalidArgumentError("invalid argument `host_indices`: too many tokens for one kernel transfer")
     cuda = launches[0].host_idx.is_cuda
     small = all(v < 2**31 for x in launches for v in x.ints) and layer_end < 2**31
     natives = [x.native(n_layers) for x in launches] if cuda and small else [None]

@@ -91,6 +91,7 @@ class LayerLoader:
                         for ev in evs:
                             ev.record()
             self._loads: list[LayerLoad | None] = [None] * event_sets
+            self._last_submission = None
         self._next = 0
 
     def load(self, host_indices: torch.Tensor, device_indices: torch.Tensor, *, after: Any = None) -> LayerLoad:
@@ -105,17 +106,24 @@ class LayerLoader:
         events = self._sets[slot]
         previous = self._loads[slot]
         if previous is not None:
-            previous.synchronize()  # the load that used this set must be finished before reuse
-            self._loads[slot] = None
+            self._loads[slot] = None  # even if the old load failed: its error was its waiter's to see
+            try:
+                previous.synchronize()  # the load that used this set must be finished before reuse
+            except Exception:  # noqa: BLE001 - a failed submission has waited for what it enqueued
+                pass
         if after is None:
             after = torch.cuda.current_stream(self.device).record_event()
         with torch.cuda.stream(self.stream):
-            self.stream.wait_event(after)
             fused = getattr(self.host_pool, "_load_layers", None)
             submission = None
             if fused is not None:  # kvtier pools: validate and plan once, one native call for every layer
-                submission = fused(self.device_pool, host_indices, device_indices, self.io_backend, events)
+                # background submissions on this stream follow each other in call order
+                submission = fused(self.device_pool, host_indices, device_indices, self.io_backend, events,
+                                   after=after, previous=self._last_submission)
+                if submission is not None:
+                    self._last_submission = submission
             else:
+                self.stream.wait_event(after)
                 for layer in range(self.layer_num):
                     self.host_pool.load_to_device_per_layer(self.device_pool, host_indices, device_indices, layer, self.io_backend)
                     for ev in events[layer]:
@@ -124,7 +132,7 @@ class LayerLoader:
             device_indices.record_stream(self.stream)
         if isinstance(host_indices, torch.Tensor) and host_indices.is_cuda:
             host_indices.record_stream(self.stream)
-        load = LayerLoad(events, (host_indices, device_indices), submission)
+        load = LayerLoad(events, (host_indices, device_indices, after), submission)
         self._loads[slot] = load
         return load
 

@@ -371,15 +371,18 @@ class _HostKVPool:
         ks, vs, p = self._prepare(device_pool, host_indices, device_indices, io_backend, to_host=False)
         self._engine.copy(tuple(zip(self._sides(), (ks, vs))), p, layer_id, layer_id + 1, to_host=False, backend=io_backend)
 
-    def _load_layers(self, device_pool, host_indices, device_indices, io_backend: str, events, background: bool = True):
+    def _load_layers(self, device_pool, host_indices, device_indices, io_backend: str, events, background: bool = True,
+                     after=None, previous=None):
         """Every layer host → device, recording ``events[layer]`` (torch CUDA events, recorded at least once
         before) on the current stream after each layer is enqueued. Validation and planning happen once for
         all layers and one native call enqueues them all; the same copies as ``load_to_device_per_layer``
         for each layer. With ``background``, ``direct`` copies are submitted by a native thread and the
-        returned ``Submission`` must be waited on before an event is used (see LayerLoader); else None."""
+        returned ``Submission`` must be waited on before an event is used (see LayerLoader); else None.
+        ``after``: an event the copies follow; ``previous``: the last background submission on this stream."""
         ks, vs, p = self._prepare(device_pool, host_indices, device_indices, io_backend, to_host=False)
         return self._engine.copy(tuple(zip(self._sides(), (ks, vs))), p, 0, self.layer_num, to_host=False,
-                                 backend=io_backend, per_layer=True, events=events, background=background)
+                                 backend=io_backend, per_layer=True, events=events, background=background,
+                                 after=after, previous=previous)
 
     def backup_from_device_all_layer(self, device_pool, host_indices, device_indices, io_backend: str) -> None:
         """Device → host for every layer, K then V (separate calls, separate geometries). Enqueued on the
@@ -426,7 +429,7 @@ class _HostKVPool:
 class _Prepared:
     """Validated indices of one transfer call (host numpy copies, and GPU copies made on demand)."""
 
-    __slots__ = ("host", "device", "paged", "_gpu", "plans")
+    __slots__ = ("host", "device", "paged", "_gpu", "plans")  # _gpu: (device, (host, device) tensors, upload event)
 
     def __init__(self, host, device, paged: bool) -> None:
         self.host, self.device, self.paged = host, device, paged
@@ -434,11 +437,14 @@ class _Prepared:
         self.plans: dict = {}  # DMA plans per (side, direction, device tensors)
 
     def gpu(self, device: torch.device):
-        """The indices as int64 tensors on ``device`` (uploaded once, from pinned staging)."""
+        """The indices as int64 tensors on ``device`` (uploaded once, from pinned staging), ordered before
+        whatever the current stream does next — also when a later call reuses them from another stream."""
         if self._gpu is None or self._gpu[0] != device:
             h = torch.from_numpy(self.host).pin_memory().to(device, non_blocking=True)
             d = torch.from_numpy(self.device).pin_memory().to(device, non_blocking=True)
-            self._gpu = (device, (h, d))
+            self._gpu = (device, (h, d), torch.cuda.current_stream(device).record_event())
+        else:
+            torch.cuda.current_stream(device).wait_event(self._gpu[2])
         return self._gpu[1]
 
 

@@ -79,10 +79,12 @@ class Side:
 
 
 class TransferEngine:
-    """Executes validated K-or-V copies; see the module docs. Thread-safe for distinct streams."""
+    """Executes validated K-or-V copies; see the module docs. Copies may be issued from several threads (on
+    distinct streams); closing the pool must not race with copies still being issued."""
 
     def __init__(self) -> None:
-        self._inflight: collections.deque[tuple[Any, tuple]] = collections.deque()
+        self._inflight: collections.deque[tuple[Any, Any, tuple]] = collections.deque()
+        self._inflight_lock = threading.Lock()
         self._ptr_tables: collections.OrderedDict[tuple, torch.Tensor] = collections.OrderedDict()
         self.blocks = config.kernel_blocks()
         self.num_warps = config.kernel_warps()
@@ -98,14 +100,16 @@ class TransferEngine:
 
     # -- lifetime of in-flight copies ----------------------------------------------------------------
     def _hold(self, refs: tuple, event: Any = None, submission: Any = None) -> None:
-        """Keep ``refs`` alive until the current stream passes this point — or, for a background
-        submission, until it has finished and ``event`` (its last event) has completed."""
+        """Keep ``refs`` alive until the current stream (of the current device: callers run under
+        ``torch.cuda.device``) passes this point — or, for a background submission, until it has finished
+        and ``event`` (its last events) has completed."""
         if event is None:
             event = torch.cuda.Event()
             event.record()
-        self._inflight.append((event, submission, refs))
-        while self._inflight and self._released(self._inflight[0]):
-            self._inflight.popleft()
+        with self._inflight_lock:
+            self._inflight.append((event, submission, refs))
+            while self._inflight and self._released(self._inflight[0]):
+                self._inflight.popleft()
 
     @staticmethod
     def _released(entry) -> bool:
@@ -116,13 +120,16 @@ class TransferEngine:
 
     def synchronize(self) -> None:
         """Wait for every copy this engine issued (used before a pool releases its memory)."""
-        while self._inflight:
-            event, submission, _ = self._inflight.popleft()
+        while True:
+            with self._inflight_lock:
+                if not self._inflight:
+                    return
+                event, submission, _ = self._inflight.popleft()
             if submission is not None:
                 try:
                     submission.join()
-                except Exception:  # noqa: BLE001 - the submitter reports its error to its own waiter;
-                    pass  # what matters here is that it no longer touches the buffers
+                except Exception:  # noqa: BLE001 - the error reaches the load's own waiter; a failed
+                    pass  # submission has waited for everything it enqueued before it reports finished
             for ev in event if isinstance(event, (list, tuple)) else (event,):
                 ev.synchronize()
 
@@ -170,6 +177,8 @@ class TransferEngine:
         events: Sequence[Any] | None = None,
         hold: bool = True,
         background: bool = False,
+        after: Any = None,
+        previous: Any = None,
     ) -> Any:
         """Copy layers ``[layer_begin, layer_end)`` of each ``(side, device_layers)`` pair (K, then V: separate
         copies with their own geometry) for validated indices ``prepared`` (``kvtier.pools._Prepared``: host and
@@ -182,8 +191,27 @@ class TransferEngine:
 
         ``background`` (with ``per_layer`` and ``events``): the ``direct`` path's copies are submitted by a
         native thread and the returned ``kvtier._native.Submission`` says when each event has been recorded
-        (other paths return None: their events are recorded before this returns)."""
+        (other paths return None: their events are recorded before this returns). ``previous``: the last
+        background submission on the same stream, which this one follows in stream order.
+
+        ``after``: a CUDA event the copies must follow (on the current stream; for a background submission,
+        the submission thread makes the stream wait for it, after ``previous``)."""
+        dev = pairs[0][1][0].device if pairs else None
+        if dev is not None and dev.type == "cuda":
+            with torch.cuda.device(dev):  # streams, events and launches of the pool's device
+                return self._copy(pairs, prepared, layer_begin, layer_end, to_host, backend, per_layer, events,
+                                  hold, background, after, previous)
+        return self._copy(pairs, prepared, layer_begin, layer_end, to_host, backend, per_layer, events, hold,
+                          background, after, previous)
+
+    def _copy(self, pairs, prepared, layer_begin, layer_end, to_host, backend, per_layer, events, hold, background,
+              after, previous):
         host, device, paged = prepared.host, prepared.device, prepared.paged
+        background_direct = (background and per_layer and events is not None and backend == "direct"
+                             and pairs and pairs[0][1][0].device.type == "cuda"
+                             and all(side.buffer.pinned for side, _ in pairs) and len(host) > 0)
+        if after is not None and not background_direct and pairs and pairs[0][1][0].device.type == "cuda":
+            torch.cuda.current_stream(pairs[0][1][0].device).wait_event(after)
         if len(host) == 0 or not pairs:
             if events is not None:
                 for evs in events:
@@ -224,8 +252,8 @@ class TransferEngine:
             ]
             kernels.run_rows(launches, layer_begin, layer_end, per_layer=per_layer, events=events, side_streams=sides)
             if hold:
-                self._hold((regions, hidx, didx))
-            return
+                self._hold((regions, hidx, didx, [x.dev_offsets for x in launches]))
+            return None
         plans = [self._plan(side, tensors, prepared, to_host) for side, tensors in pairs]
         if dev.type == "cpu":
             for i, layer in enumerate(range(layer_begin, layer_end) if per_layer else (layer_begin,)):
@@ -240,12 +268,14 @@ class TransferEngine:
         index = dev.index if dev.index is not None else torch.cuda.current_device()
         lanes = len(events[0]) if events is not None else self.lanes_for("direct")
         sides = [st.cuda_stream for st in self.side_streams(dev, lanes)]
-        if background and per_layer and handles:
-            sub = _native.submit_layers_background(plans, layer_begin, layer_end, index, stream.cuda_stream, sides,
-                                                   self.batch, handles)
-            # the submission thread records every event of the load: keep them all (not only the last layer's,
-            # which say when it is done) alive until it has finished
-            self._hold((regions, plans, events), list(events[-1]), sub)
+        if background_direct:
+            sub = _native.submit_layers_background(
+                plans, layer_begin, layer_end, index, stream.cuda_stream, sides, self.batch, handles,
+                int(after.cuda_event) if after is not None else 0, previous,
+            )
+            # the submission thread records every event of the load and waits on `after`: keep them all (not
+            # only the last layer's, which say when it is done) alive until it has finished
+            self._hold((regions, plans, events, after), list(events[-1]), sub)
             return sub
         _native.submit_layers(plans, layer_begin, layer_end, index, stream.cuda_stream, sides, self.batch, per_layer, handles)
         if hold:
@@ -270,8 +300,8 @@ class TransferEngine:
         helper stream, copies on the current stream, alternating between two buffers, so the gather of run
         k+1 overlaps the copy of run k; the copies wait for their gather and each gather for the copy that last
         read its buffer. Runs are as large as a buffer (whole pages), the first at most half the transfer.
-        Every run costs ~0.1 ms of host work, so many small runs starve the copy engine (measured: 1-2-4-8
-        page runs gave 80 % at 16 pages of A, against 94 % for 128-byte SM writes)."""
+        Every run costs fixed host work and launch latency, so many small runs starve the copy engine
+        (measured: runs of 1, 2, 4, 8 pages gave 80 % of the ceiling at 16 pages of A, SM writes 84–87 %)."""
         dev = didx.device
         stream = torch.cuda.current_stream(dev)
         with self._stage_lock:
@@ -280,43 +310,57 @@ class TransferEngine:
             if st is None or st.half < need:
                 st = _Staging(dev, max(self.staging_bytes, need))
                 self._staging[dev] = st
-            start = stream.record_event()  # gathers follow the producer of the device KV
-            st.gather.wait_event(start)
-            held = [st]
-            k = 0
-            for side, tensors in pairs:
-                token_bytes = side.layers * side.row_bytes
-                cap = max(1, st.half // (token_bytes * side.page_size)) * side.page_size
-                st.ensure_rows(cap)
-                n = len(prepared.host)
-                # the first run is at most half the transfer, so a second run's gather overlaps its copy
-                half = -(-n // 2)
-                size, pos = min(cap, max(side.page_size, -(-half // side.page_size) * side.page_size)), 0
-                while pos < n:
-                    end = min(n, pos + size)
-                    buf = k % 2
-                    stage = st.buffers[buf][: (end - pos) * token_bytes]
-                    stage_idx = st.arange[: end - pos]
-                    with torch.cuda.stream(st.gather):
-                        st.gather.wait_event(st.copied[buf])
-                        launch = kernels.prepare_rows(
-                            host=stage, layout="page_first", slots=end - pos, layers=side.layers,
-                            page_size=side.page_size, row_bytes=side.row_bytes, device_layers=tensors,
-                            dev_offsets=self._offsets(tensors, kernels.word_of(side.row_bytes)),
-                            host_idx=stage_idx, dev_idx=didx[pos:end], to_host=True, blocks=self.blocks,
-                            num_warps=self.num_warps, tile_words=self.tile_words, prefetch=self.prefetch,
-                        )
-                        kernels.run_rows([launch], 0, side.layers, per_layer=False)
-                        st.gathered[buf].record(st.gather)
-                    stream.wait_event(st.gathered[buf])
-                    plan = self._stage_plan(side, prepared, stage, pos, end, st)
-                    _native.submit_layers([plan], 0, 1, dev.index, stream.cuda_stream, [], self.batch, False, [])
-                    st.copied[buf].record(stream)
-                    held.append((plan, stage_idx))
-                    k += 1
-                    pos = end
-                    size = cap
+            held: list = [st]
+            try:
+                self._stage_runs(pairs, prepared, didx, stream, st, held)
+            except BaseException:
+                # Nothing of a failed backup may stay in flight: the staging events would no longer say when
+                # a buffer is free, and nothing would hold what the enqueued work reads.
+                st.gather.synchronize()
+                stream.synchronize()
+                raise
             self._hold((regions, held, didx))
+
+    def _stage_runs(self, pairs, prepared, didx: torch.Tensor, stream, st: "_Staging", held: list) -> None:
+        dev = didx.device
+        start = stream.record_event()  # gathers follow the producer of the device KV
+        st.gather.wait_event(start)
+        held.append(start)
+        k = 0
+        for side, tensors in pairs:
+            token_bytes = side.layers * side.row_bytes
+            cap = max(1, st.half // (token_bytes * side.page_size)) * side.page_size
+            st.ensure_rows(cap)
+            n = len(prepared.host)
+            # the first run is at most half the transfer, so a second run's gather overlaps its copy
+            half = -(-n // 2)
+            size, pos = min(cap, max(side.page_size, -(-half // side.page_size) * side.page_size)), 0
+            offsets = self._offsets(tensors, kernels.word_of(side.row_bytes))
+            held.append(offsets)
+            while pos < n:
+                end = min(n, pos + size)
+                buf = k % 2
+                stage = st.buffers[buf][: (end - pos) * token_bytes]
+                stage_idx = st.arange[: end - pos]
+                with torch.cuda.stream(st.gather):
+                    st.gather.wait_event(st.copied[buf])
+                    launch = kernels.prepare_rows(
+                        host=stage, layout="page_first", slots=end - pos, layers=side.layers,
+                        page_size=side.page_size, row_bytes=side.row_bytes, device_layers=tensors,
+                        dev_offsets=offsets, host_idx=stage_idx, dev_idx=didx[pos:end], to_host=True,
+                        blocks=self.blocks, num_warps=self.num_warps, tile_words=self.tile_words,
+                        prefetch=self.prefetch,
+                    )
+                    kernels.run_rows([launch], 0, side.layers, per_layer=False)
+                    st.gathered[buf].record(st.gather)
+                stream.wait_event(st.gathered[buf])
+                plan = self._stage_plan(side, prepared, stage, pos, end, st)
+                held.append((plan, stage_idx))
+                _native.submit_layers([plan], 0, 1, dev.index, stream.cuda_stream, [], self.batch, False, [])
+                st.copied[buf].record(stream)
+                k += 1
+                pos = end
+                size = cap
 
     @staticmethod
     def _stage_plan(side: Side, prepared: Any, stage: torch.Tensor, pos: int, end: int, st: "_Staging"):

@@ -82,6 +82,7 @@ struct Driver {
     event_destroy: unsafe extern "C" fn(*mut c_void) -> CuResult,
     stream_wait_event: unsafe extern "C" fn(*mut c_void, *mut c_void, u32) -> CuResult,
     event_synchronize: unsafe extern "C" fn(*mut c_void) -> CuResult,
+    stream_synchronize: unsafe extern "C" fn(*mut c_void) -> CuResult,
 }
 
 /// `cuLaunchKernel`: function, grid x/y/z, block x/y/z, dynamic shared bytes, stream, parameter pointers,
@@ -152,6 +153,7 @@ fn load() -> std::result::Result<Driver, String> {
             event_destroy: sym(lib, c"cuEventDestroy_v2")?,
             stream_wait_event: sym(lib, c"cuStreamWaitEvent")?,
             event_synchronize: sym(lib, c"cuEventSynchronize")?,
+            stream_synchronize: sym(lib, c"cuStreamSynchronize")?,
         }
     };
     Ok(drv)
@@ -468,6 +470,7 @@ impl Current {
                 flags: BATCH_FLAGS.load(std::sync::atomic::Ordering::Relaxed),
             };
             let mut done = 0;
+            let mut retried = false;
             let limit = batch_limit();
             let mut parts = copies.chunks(limit).peekable();
             while let Some(part) = parts.next() {
@@ -490,11 +493,15 @@ impl Current {
                     )
                 };
                 if rc == CUDA_ERROR_INVALID_VALUE && done == 0 && attrs.flags != 0 {
-                    // A driver that does not know the overlap flag: retry this part without it, for good.
-                    BATCH_FLAGS.store(0, std::sync::atomic::Ordering::Relaxed);
+                    // Perhaps a driver that does not know the overlap flag: retry this part without it, and
+                    // drop the flag for good only if that retry succeeds (else the copies themselves are bad).
                     attrs.flags = 0;
+                    retried = true;
                     parts = copies.chunks(limit).peekable();
                     continue;
+                }
+                if retried && rc == 0 && done == 0 {
+                    BATCH_FLAGS.store(0, std::sync::atomic::Ordering::Relaxed);
                 }
                 if rc == CUDA_ERROR_NOT_SUPPORTED && done == 0 {
                     BATCH_UNSUPPORTED.store(true, std::sync::atomic::Ordering::Relaxed);
@@ -601,6 +608,30 @@ impl Current {
             unsafe { (self.d.event_synchronize)(event as *mut c_void) },
             String::new,
         )
+    }
+
+    /// Blocks this thread until everything enqueued on `stream` has completed.
+    ///
+    /// # Safety
+    /// `stream` must be a live stream of this context (or 0).
+    pub unsafe fn stream_synchronize(&self, stream: usize) -> Result<()> {
+        // SAFETY: per the contract.
+        check(
+            "cuStreamSynchronize",
+            unsafe { (self.d.stream_synchronize)(stream as *mut c_void) },
+            String::new,
+        )
+    }
+
+    /// Makes `waiter` wait (on the device) for the work captured by `event`'s last record.
+    ///
+    /// # Safety
+    /// `waiter` must be a live stream of this context (or 0) and `event` a live event of it.
+    pub unsafe fn stream_wait(&self, waiter: usize, event: usize) -> Result<()> {
+        // SAFETY: per the contract.
+        let rc =
+            unsafe { (self.d.stream_wait_event)(waiter as *mut c_void, event as *mut c_void, 0) };
+        check("cuStreamWaitEvent", rc, String::new)
     }
 
     /// Makes `waiter` wait (on the device) for the work enqueued on `stream` so far.

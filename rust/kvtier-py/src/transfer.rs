@@ -374,12 +374,17 @@ struct Group<T> {
 }
 
 /// Enqueues `groups` on `stream` and the side streams (forked from `stream` once at the start and joined
-/// back at the end, so `stream` orders everything), calling `before(g)` ahead of group g and `recorded`
-/// after each group's events.
+/// back at the end, so `stream` orders everything), after `stream` waits for `after` (an event, 0 = none),
+/// calling `before(g)` ahead of group g and `recorded` after each group's events.
+///
+/// On an error, whatever was already enqueued is waited for (the lanes joined and the streams synchronized)
+/// before the error is returned: a caller that sees an error has nothing of this call left in flight.
+#[allow(clippy::too_many_arguments)]
 fn run_groups<T>(
     device: i32,
     stream: usize,
     sides: &[usize],
+    after: usize,
     groups: &mut [Group<T>],
     recorded: &dyn Fn(),
     mut before: impl FnMut(&kvtier_core::cuda::Current, usize) -> kvtier_core::Result<()>,
@@ -388,21 +393,36 @@ fn run_groups<T>(
     let cur = kvtier_core::cuda::make_current(device)?;
     // SAFETY: the caller passes live streams of this device (checked distinct by `check_sides`).
     let lanes = unsafe { kvtier_core::cuda::Lanes::new(&cur, stream, sides)? };
-    lanes.fork()?;
-    for (gi, g) in groups.iter_mut().enumerate() {
-        before(&cur, gi)?;
-        for (i, part) in g.parts.iter_mut().enumerate() {
-            enqueue(&cur, lanes.stream(i), part)?;
+    let mut body = || -> kvtier_core::Result<()> {
+        if after != 0 {
+            // SAFETY: the caller passes a live event of this device.
+            unsafe { cur.stream_wait(stream, after)? };
         }
-        for (lane, &ev) in g.events.iter().enumerate() {
-            // SAFETY: the caller passes live events of this device.
-            unsafe { cur.record_event(ev, lanes.stream(lane))? };
+        lanes.fork()?;
+        for (gi, g) in groups.iter_mut().enumerate() {
+            before(&cur, gi)?;
+            for (i, part) in g.parts.iter_mut().enumerate() {
+                enqueue(&cur, lanes.stream(i), part)?;
+            }
+            for (lane, &ev) in g.events.iter().enumerate() {
+                // SAFETY: the caller passes live events of this device.
+                unsafe { cur.record_event(ev, lanes.stream(lane))? };
+            }
+            if !g.events.is_empty() {
+                recorded();
+            }
         }
-        if !g.events.is_empty() {
-            recorded();
+        Ok(())
+    };
+    let res = body();
+    let joined = lanes.join();
+    if res.is_err() || joined.is_err() {
+        for &s in std::iter::once(&stream).chain(sides) {
+            // SAFETY: live streams (see above); errors here change nothing about the error we return.
+            let _ = unsafe { cur.stream_synchronize(s) };
         }
     }
-    lanes.join()
+    res.and(joined)
 }
 
 type Copies = Vec<(usize, usize, usize)>;
@@ -453,10 +473,12 @@ fn build_groups(
 /// more; 0 = no limit (synchronous submissions, whose caller waits anyway).
 const MAX_AHEAD_COPIES: usize = 4096;
 
+#[allow(clippy::too_many_arguments)]
 fn copy_groups(
     device: i32,
     stream: usize,
     sides: &[usize],
+    after: usize,
     batch: bool,
     groups: &mut [Group<Copies>],
     recorded: &dyn Fn(),
@@ -495,6 +517,7 @@ fn copy_groups(
         device,
         stream,
         sides,
+        after,
         groups,
         recorded,
         before,
@@ -545,7 +568,18 @@ pub fn submit_layers(
         1 + side_streams.len(),
         &events,
     )?;
-    Ok(py.detach(|| copy_groups(device, stream, &side_streams, batch, &mut groups, &|| {}, 0))?)
+    Ok(py.detach(|| {
+        copy_groups(
+            device,
+            stream,
+            &side_streams,
+            0,
+            batch,
+            &mut groups,
+            &|| {},
+            0,
+        )
+    })?)
 }
 
 #[derive(Default)]
@@ -617,10 +651,15 @@ impl PySubmission {
 
 /// As `submit_layers` with `per_layer=True`, but submitted by a native thread, so that a caller whose copies
 /// outrun the driver's queue (it blocks inside the submitting call once thousands of copies are pending) is
-/// not held up: LayerLoader returns at once and its compute thread keeps launching. Returns a `Submission`;
-/// wait on `wait_recorded(i)` before making a stream wait on layer i's events. The caller keeps the plans'
-/// buffers alive until `finished()` and the last events have completed.
+/// not held up: LayerLoader returns at once and its compute thread keeps launching. The thread first waits
+/// until `previous` (the last background submission on the same stream, if any) has finished submitting, so
+/// submissions reach the stream in call order, then makes the stream wait for `after` (an event, 0 = none).
+/// Returns a `Submission`; wait on `wait_recorded(i)` before making a stream wait on layer i's events. The
+/// caller keeps `after`, the events and the device tensors alive until `finished()` and the last events have
+/// completed; the thread itself keeps the host buffers mapped until it is done. On an error the thread waits
+/// for everything it enqueued before it reports `finished()`.
 #[pyfunction]
+#[pyo3(signature = (plans, layer_begin, layer_end, device, stream, side_streams, batch, events, after=0, previous=None))]
 #[allow(clippy::too_many_arguments)]
 pub fn submit_layers_background(
     plans: Vec<PyRef<'_, PyTransferPlan>>,
@@ -631,6 +670,8 @@ pub fn submit_layers_background(
     side_streams: Vec<usize>,
     batch: bool,
     events: Vec<usize>,
+    after: usize,
+    previous: Option<PyRef<'_, PySubmission>>,
 ) -> KvResult<PySubmission> {
     check_sides(stream, &side_streams)?;
     if events.is_empty() {
@@ -648,6 +689,8 @@ pub fn submit_layers_background(
         1 + side_streams.len(),
         &events,
     )?;
+    let regions: Vec<_> = plans.iter().map(|p| p.req._region.clone()).collect();
+    let previous = previous.map(|p| p.state.clone());
     let n = groups.len();
     let state = std::sync::Arc::new((
         std::sync::Mutex::new(Progress::default()),
@@ -657,6 +700,14 @@ pub fn submit_layers_background(
     std::thread::Builder::new()
         .name("kvtier-submit".into())
         .spawn(move || {
+            let _regions = regions; // host memory stays mapped while this thread may submit copies of it
+            if let Some(prev) = previous {
+                let (m, cv) = &*prev;
+                let mut g = m.lock().unwrap_or_else(|p| p.into_inner());
+                while !g.done {
+                    g = cv.wait(g).unwrap_or_else(|p| p.into_inner());
+                }
+            }
             let (m, cv) = &*worker;
             let bump = || {
                 m.lock().unwrap_or_else(|p| p.into_inner()).recorded += 1;
@@ -666,6 +717,7 @@ pub fn submit_layers_background(
                 device,
                 stream,
                 &side_streams,
+                after,
                 batch,
                 &mut groups,
                 &bump,
@@ -773,6 +825,7 @@ pub fn launch_layers(
             device,
             stream,
             &side_streams,
+            0,
             &mut groups,
             &|| {},
             |_, _| Ok(()),
