@@ -201,6 +201,7 @@ def part_staged(out, reps, down, stream):
             dp, hp, h, d = _pools(g, pages, "page_first")
             nb = _bytes_per_layer(g, pages) * g["layers"]
             row = {"geometry": geom, "pages": pages}
+            hp._engine.staged_min_bytes = 0  # compare both paths at every size
             for staged in (True, False):
                 hp._engine.staged_backup = staged
                 with torch.cuda.stream(stream):
