@@ -1,18 +1,22 @@
-"""Copy engines between a host pool's K or V buffer and a device pool's per-layer tensors.
+"""Copy engines between a host pool's K and V buffers and a device pool's per-layer tensors.
 
-The host pools validate every argument (the index checks run in Rust) before calling :meth:`TransferEngine.copy`,
-once for K and once for V. Which engine runs depends on where the device tensors live:
+The host pools validate every argument (the index checks run in Rust) before calling
+:meth:`TransferEngine.copy` with the K side and the V side (separate copies, each with its own geometry).
+Which engine runs depends on where the device tensors live:
 
 - CPU tensors: the Rust core plans byte chunks (contiguous on both sides) once per index pair and copies
   them with the GIL released, re-checking every chunk against both buffers' extents.
-- CUDA tensors and a pinned host buffer, on the caller's current stream:
+- CUDA tensors and a pinned host buffer, ordered on the caller's current stream:
   - ``direct``: the Rust core plans chunks contiguous on both sides (one per page and layer for
-    page_first_direct) and submits them to the copy engine with one ``cuMemcpyBatchAsync`` per call (no SM
-    is used), or one ``cuMemcpyAsync`` each where the batch API is missing or the stream is the legacy
-    default stream.
+    page_first_direct) and submits them to the copy engine with ``cuMemcpyBatchAsync`` in batches of 1,024
+    (no SM is used), or one ``cuMemcpyAsync`` each where the batch API is missing or the stream is the legacy
+    default stream. LayerLoader's loads are submitted by a native thread (see ``_native.Submission``).
   - ``kernel``: a Triton gather/scatter (:mod:`kvtier.kernels`) that reads/writes pinned host memory from
-    the GPU with a bounded number of thread blocks.
-  Host buffers and index tensors are kept alive until a CUDA event recorded after the copy has completed.
+    the GPU with a bounded number of thread blocks, launched natively once compiled; K and V run
+    concurrently on the caller's stream and a side stream joined back into it (``KVTIER_TRANSFER_LANES``).
+    Large backups of ``page_first`` pools are staged: gathered into device buffers, moved by the copy engine.
+  Host buffers, plans, events and index tensors are kept alive until the work that uses them has completed
+  (an event recorded after it, and for a background submission, the end of the submission).
 - CUDA tensors with an unpinned host buffer (pinning failed): a torch gather/scatter, correct but slow.
 """
 
