@@ -299,7 +299,7 @@ class TransferEngine:
     def _split_blocks(self, row_bytes: list[int], lanes: int) -> list[int]:
         """Thread blocks per launch: all of ``self.blocks`` each when launches run one after another; split in
         proportion to the bytes each moves when they run concurrently on separate lanes, so the total stays
-        within ``KVTIER_KERNEL_BLOCKS``."""
+        within ``KVTIER_KERNEL_BLOCKS`` (but at least one block each)."""
         if lanes <= 1 or len(row_bytes) <= 1:
             return [self.blocks] * len(row_bytes)
         total = sum(row_bytes)
