@@ -6,12 +6,15 @@
 2. For each geometry, backend and page count:
    - load: ``load_to_device_per_layer`` for every layer back to back on a side stream; reported as µs per
      layer and GB/s, median over repetitions; and the same through ``LayerLoader`` (validation and planning
-     once per load, one native submission per layer and side);
+     once per load, one native call for all layers);
    - backup: ``backup_from_device_all_layer`` (ms and GB/s);
    each as a percentage of the ceiling, and checked bit-exact.
    Baseline row: a naive loop of one torch ``copy_(non_blocking=True)`` per (page, layer, K/V).
 3. Kernel-backend block sweep (geometry A, 256 pages).
-4. Overlap: a synthetic per-layer compute kernel sized like one layer's load, run with LayerLoader.
+4. Overlap (geometry A, 256 pages, 3 trials): a per-layer matmul loop sized like one layer's load, run with
+   LayerLoader (``ratio_to_max``: overlapped time / max(compute, transfer)); the same with each layer's
+   compute as one CUDA graph (``ratio_to_max_layer_graphs``); and ``compute_slowdown``: the whole compute
+   loop replayed as one graph beside a load that is never waited on, against alone (device contention).
 
 Geometries (bf16, page 64): A = MiMo-V2-like 48 layers, 4 KV heads, K 192 / V 128; B = Llama-3.1-8B-like
 32 layers, 8 heads, 128 / 128; C = MiMo at TP 8: 48 layers, 1 head, 192 / 128.
