@@ -15,6 +15,7 @@ Parts (each prints JSON lines, all written to ``probe.json`` in --out):
 - ``small``: kernel loads of 16 pages through LayerLoader against tile size, warps and blocks.
 - ``staged``: the kernel backend's staged backup against the kernel writing host memory itself.
 - ``direct_geoms``: the direct backend on B and C at 256 pages.
+- ``overlap_batch`` (not in the default set): the direct backend's overlap against copies per batch call.
 (The overlap part that measured LayerLoader's issue time and kernel configurations beside compute for
 ``results/2026-11-29-h200-probe-{1,2,3}.json`` now lives in the transfer bench's overlap section.)
 """
@@ -236,6 +237,28 @@ def part_direct_geoms(out, reps, up, down, stream):
         torch.cuda.empty_cache()
 
 
+def part_overlap_batch(out, reps):
+    """Direct-backend overlap (A, 256 pages, compute as long as the transfer) against the copies per
+    ``cuMemcpyBatchAsync`` call: a hypothesis for the direct path's overlap above 1.15x is that the submission
+    thread holds the driver for the length of a large batch call while the compute thread waits to launch;
+    smaller calls would interleave better (the per-copy path, one call per copy, overlapped at 1.035x)."""
+    from .transfer import overlap
+
+    g = GEOMS["A"]
+    dp = DeviceKVPool(264 * PS, PS, g["layers"], g["heads"], g["dk"], g["dv"], DT, "cuda")
+    for t in dp.k_buffer + dp.v_buffer:
+        t.view(torch.uint8).random_(0, 256)
+    for limit in (1024, 256, 64, 16):
+        old = kvtier._native.cuda_set_batch_limit(limit)
+        try:
+            res = overlap(dp, reps, trials=3, cases=(("page_first_direct", "direct", True),))["direct"]
+        finally:
+            kvtier._native.cuda_set_batch_limit(old)
+        _emit(out, "overlap_batch", {"batch_limit": limit, **res})
+    del dp
+    torch.cuda.empty_cache()
+
+
 def ncu_target(pages: int = 256):
     """A short run for Nsight Compute: geometry A, ``pages`` pages, kernel backend; 3 warm-up loads and
     backups, then one LayerLoader load (96 launches) and one backup (2 launches when it is not staged)."""
@@ -280,6 +303,8 @@ def main(argv=None):
         part_small(out, args.reps, up, stream)
     if "staged" in parts:
         part_staged(out, args.reps, down, stream)
+    if "overlap_batch" in parts:
+        part_overlap_batch(out, args.reps)
     if "direct_geoms" in parts:
         part_direct_geoms(out, args.reps, up, down, stream)
     with open(os.path.join(args.out, "probe.json"), "w") as f:
