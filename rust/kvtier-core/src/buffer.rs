@@ -213,8 +213,9 @@ impl HostRegion {
         let map_len = len
             .checked_add(slack)
             .ok_or_else(|| Error::arg("nbytes", "overflows"))?;
-        // SAFETY: an anonymous private mapping with no address hint has no preconditions; the result is
+        // an anonymous private mapping with no address hint has no preconditions; the result is
         // checked against MAP_FAILED before use.
+        // SAFETY: an anonymous private mapping; the result is checked before use.
         let p = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
@@ -287,8 +288,9 @@ impl HostRegion {
                 }
                 s.spawn(move || {
                     for pg in first..last {
-                        // SAFETY: pg < pages, so the byte lies inside [base, base+len), which this region
+                        // pg < pages, so the byte lies inside [base, base+len), which this region
                         // owns; the mapping is fresh, so writing zero cannot change what a reader sees.
+                        // SAFETY: the byte lies inside this region's own fresh mapping.
                         unsafe { std::ptr::write_volatile((base + pg * step) as *mut u8, 0) };
                     }
                 });
@@ -360,8 +362,9 @@ impl Drop for HostRegion {
     fn drop(&mut self) {
         // Unregister before unmapping: the driver must not keep pinned pages of a dead mapping.
         let _ = self.unregister_cuda();
-        // SAFETY: [map_base, map_base+map_len) is the mapping this value owns; nothing refers to it any more
+        // [map_base, map_base+map_len) is the mapping this value owns; nothing refers to it any more
         // because every view holds an Arc to this region.
+        // SAFETY: the mapping this value owns, which nothing refers to any more.
         unsafe { libc::munmap(self.map_base.as_ptr().cast(), self.map_len) };
     }
 }

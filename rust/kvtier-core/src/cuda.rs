@@ -124,8 +124,9 @@ unsafe fn sym<T: Copy>(lib: *mut c_void, name: &CStr) -> std::result::Result<T, 
 }
 
 fn load() -> std::result::Result<Driver, String> {
-    // SAFETY: dlopen with a constant NUL-terminated name; the handle is never closed, so every symbol
+    // dlopen with a constant NUL-terminated name; the handle is never closed, so every symbol
     // resolved from it stays valid for the life of the process.
+    // SAFETY: constant NUL-terminated name; the handle is never closed.
     let lib = unsafe { libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) };
     if lib.is_null() {
         return Err("libcuda.so.1 could not be loaded (no NVIDIA driver on this machine)".into());
@@ -327,8 +328,9 @@ pub fn unregister_all(regs: Vec<Registration>) -> Result<()> {
     let mut first_err = None;
     for r in regs {
         let res = with_primary_ctx(d, r.device, || {
-            // SAFETY: r.addr is the base of a range registered by `register_ranges` and not yet unregistered
+            // r.addr is the base of a range registered by `register_ranges` and not yet unregistered
             // (each Registration is consumed here exactly once).
+            // SAFETY: a registered base address, unregistered exactly once.
             let rc = unsafe { (d.host_unregister)(r.addr as *mut c_void) };
             check("cuMemHostUnregister", rc, || {
                 format!(" (address {:#x})", r.addr)
@@ -478,8 +480,9 @@ impl Current {
                 let mut dsts: Vec<u64> = part.iter().map(|c| c.1 as u64).collect();
                 let mut sizes: Vec<usize> = part.iter().map(|c| c.2).collect();
                 let mut attr_idx = 0usize;
-                // SAFETY: the arrays hold `part.len()` entries and live across the call (the driver reads
+                // the arrays hold `part.len()` entries and live across the call (the driver reads
                 // them during submission only); the ranges are valid per this function's contract.
+                // SAFETY: the arrays outlive the call; the ranges are valid per the contract.
                 let rc = unsafe {
                     batch_fn(
                         dsts.as_mut_ptr(),
@@ -560,8 +563,9 @@ impl Current {
                 }
             }
         }
-        // SAFETY: `ptrs` points at one value per parameter, alive across the call (the driver copies the
+        // `ptrs` points at one value per parameter, alive across the call (the driver copies the
         // values during the call); the function, parameter list and addresses are valid per the contract.
+        // SAFETY: one live value per parameter; function and addresses per the contract.
         let rc = unsafe {
             (self.d.launch_kernel)(
                 kernel.function as *mut c_void,
@@ -602,12 +606,10 @@ impl Current {
     /// # Safety
     /// `event` must be a live event of this context.
     pub unsafe fn event_synchronize(&self, event: usize) -> Result<()> {
+        let f = self.d.event_synchronize;
         // SAFETY: per the contract.
-        check(
-            "cuEventSynchronize",
-            unsafe { (self.d.event_synchronize)(event as *mut c_void) },
-            String::new,
-        )
+        let rc = unsafe { f(event as *mut c_void) };
+        check("cuEventSynchronize", rc, String::new)
     }
 
     /// Blocks this thread until everything enqueued on `stream` has completed.
@@ -615,12 +617,10 @@ impl Current {
     /// # Safety
     /// `stream` must be a live stream of this context (or 0).
     pub unsafe fn stream_synchronize(&self, stream: usize) -> Result<()> {
+        let f = self.d.stream_synchronize;
         // SAFETY: per the contract.
-        check(
-            "cuStreamSynchronize",
-            unsafe { (self.d.stream_synchronize)(stream as *mut c_void) },
-            String::new,
-        )
+        let rc = unsafe { f(stream as *mut c_void) };
+        check("cuStreamSynchronize", rc, String::new)
     }
 
     /// Makes `waiter` wait (on the device) for the work captured by `event`'s last record.
@@ -628,9 +628,9 @@ impl Current {
     /// # Safety
     /// `waiter` must be a live stream of this context (or 0) and `event` a live event of it.
     pub unsafe fn stream_wait(&self, waiter: usize, event: usize) -> Result<()> {
+        let f = self.d.stream_wait_event;
         // SAFETY: per the contract.
-        let rc =
-            unsafe { (self.d.stream_wait_event)(waiter as *mut c_void, event as *mut c_void, 0) };
+        let rc = unsafe { f(waiter as *mut c_void, event as *mut c_void, 0) };
         check("cuStreamWaitEvent", rc, String::new)
     }
 
@@ -729,8 +729,9 @@ impl<'a> Lanes<'a> {
 impl Drop for Lanes<'_> {
     fn drop(&mut self) {
         for &ev in self.fork.iter().chain(&self.join) {
-            // SAFETY: events created by `new`, destroyed once; the driver defers the release of an event
+            // events created by `new`, destroyed once; the driver defers the release of an event
             // whose recorded work is still pending.
+            // SAFETY: an event created by `new`, destroyed exactly once.
             unsafe { (self.cur.d.event_destroy)(ev as *mut c_void) };
         }
     }

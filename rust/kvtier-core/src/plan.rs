@@ -347,8 +347,9 @@ pub unsafe fn copy_cpu(
 ) -> Result<()> {
     check_chunks(host, device, chunks)?;
     for (src, dst, len) in addresses(dir, host, device, chunks) {
-        // SAFETY: both ranges were checked above to lie inside live allocations (caller contract), and the
+        // both ranges were checked above to lie inside live allocations (caller contract), and the
         // host and device allocations do not overlap, so source and destination are disjoint.
+        // SAFETY: both ranges are checked in bounds and are disjoint.
         unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, len) };
     }
     Ok(())

@@ -59,8 +59,9 @@ unsafe extern "C" fn deleter(m: *mut DLManagedTensor) {
     if m.is_null() {
         return;
     }
-    // SAFETY: `m` points at the `managed` field of a leaked Box<Ctx> (see `capsule`), whose manager_ctx is
+    // `m` points at the `managed` field of a leaked Box<Ctx> (see `capsule`), whose manager_ctx is
     // that Box's pointer; the consumer calls the deleter exactly once, so reclaiming the Box is sound.
+    // SAFETY: reclaims the Box<Ctx> leaked by `capsule`, exactly once.
     unsafe {
         let ctx = (*m).manager_ctx as *mut Ctx;
         drop(Box::from_raw(ctx));
@@ -123,16 +124,18 @@ pub fn capsule<'py>(
         _region: region,
     });
     let raw = Box::into_raw(ctx);
-    // SAFETY: `raw` is a live, uniquely owned Box allocation; the self-pointers set here stay valid because
+    // `raw` is a live, uniquely owned Box allocation; the self-pointers set here stay valid because
     // the Box never moves until `deleter` frees it.
+    // SAFETY: `raw` is a live, uniquely owned Box allocation that never moves.
     let managed = unsafe {
         (*raw).managed.dl_tensor.shape = (*raw).shape.as_mut_ptr();
         (*raw).managed.dl_tensor.strides = (*raw).strides.as_mut_ptr();
         (*raw).managed.manager_ctx = raw as *mut c_void;
         &mut (*raw).managed as *mut DLManagedTensor
     };
-    // SAFETY: PyCapsule_New with a non-null pointer, a static name and a destructor that handles both the
+    // PyCapsule_New with a non-null pointer, a static name and a destructor that handles both the
     // consumed and unconsumed cases; on failure we free the context ourselves.
+    // SAFETY: valid capsule arguments; on failure the context is freed here.
     unsafe {
         let cap = ffi::PyCapsule_New(
             managed as *mut c_void,

@@ -188,8 +188,9 @@ impl PyPageStore {
         let s = self.store()?;
         let objs = Self::objs(&keys, &ptrs, &sizes)?;
         let _alive = self.check_ranges(&ptrs, &sizes, false)?;
-        // SAFETY: every range lies inside a registered region kept alive by `_alive` for the call; the
+        // every range lies inside a registered region kept alive by `_alive` for the call; the
         // caller (kvtier.PageStore) does not write those pages while a write of them is in flight.
+        // SAFETY: every range is inside a registered region that `_alive` keeps alive.
         Ok(py.detach(|| unsafe { s.put(&objs) })?)
     }
 

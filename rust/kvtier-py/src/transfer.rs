@@ -305,9 +305,10 @@ impl PyTransferPlan {
     fn copy_cpu(&self, py: Python<'_>, layer_begin: usize, layer_end: usize) -> KvResult<()> {
         let part = self.slice(layer_begin, layer_end)?;
         let req = &self.req;
-        // SAFETY: `req.host` is inside the live region (Arc held by `req`); each device range is a live CPU
+        // `req.host` is inside the live region (Arc held by `req`); each device range is a live CPU
         // tensor held by `_owners`; host memory is Rust-owned anonymous memory, so it cannot overlap a torch
         // tensor's storage; copy_cpu re-checks every chunk against both ranges.
+        // SAFETY: chunks are re-checked against the live host region and CPU tensors.
         py.detach(|| unsafe { plan::copy_cpu(req.dir, req.host, &req.device, part) })?;
         Ok(())
     }
@@ -503,8 +504,9 @@ fn copy_groups(
                 break;
             };
             for &ev in &old {
-                // SAFETY: live events of this device, recorded by this submission; the caller keeps them alive
+                // live events of this device, recorded by this submission; the caller keeps them alive
                 // and does not re-record them until the submission has finished.
+                // SAFETY: events of this submission: live, and not re-recorded meanwhile.
                 unsafe { cur.event_synchronize(ev)? };
             }
             ahead -= m;
@@ -522,9 +524,10 @@ fn copy_groups(
         recorded,
         before,
         |cur, lane, part| {
-            // SAFETY: the addresses were checked against the live host regions and device tensors when the plans
+            // the addresses were checked against the live host regions and device tensors when the plans
             // were built; the caller keeps both alive until `stream` has passed the copies (for a background
             // submission: until it has finished and its last events have completed).
+            // SAFETY: addresses validated when the plans were built; buffers kept alive.
             let sub = unsafe { cur.copy_async(lane, part, batch)? };
             copies += sub.copies;
             calls += sub.batch_calls;
@@ -832,9 +835,10 @@ pub fn launch_layers(
             |cur, lane, &mut (layer, i)| {
                 let (kernel, params, layer_param) = &mut prepared[i];
                 params[*layer_param] = Param::U32(layer);
-                // SAFETY: kvtier.kernels (the only caller) passes a function it compiled in this context, whose
+                // kvtier.kernels (the only caller) passes a function it compiled in this context, whose
                 // parameter widths it read from the compiled code, and addresses of validated buffers and index
                 // tensors it keeps alive until `stream` (which joins every lane) has passed the launch.
+                // SAFETY: a function compiled in this context, parameter widths checked.
                 unsafe { cur.launch(lane, kernel, params) }
             },
         )
