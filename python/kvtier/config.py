@@ -55,8 +55,8 @@ def kernel_blocks() -> int:
 
 def kernel_warps() -> int:
     """Warps per block of the ``kernel`` IO backend: ``KVTIER_KERNEL_WARPS`` (default 8: with 2,048-word tiles
-    the same throughput as 16 warps, and half the registers, so compute kernels share the SMs better —
-    overlap 1.10x against 1.17x in benches/RESULTS.md)."""
+    the same throughput as 16 warps with 4,096, and compute kernels beside it fared better — overlap 1.10x
+    against 1.17x with compute at ~60 % of the transfer; see kvtier.transfer.KERNEL_TILE_WORDS)."""
     return _int_env("KVTIER_KERNEL_WARPS", 8, 1)
 
 

@@ -37,8 +37,10 @@ if TYPE_CHECKING:
     from .buffer import HostBuffer
 
 
-# Words per tile of the kernel backend: 2,048 (16 KiB) moved the same as 4,096 at 256 pages with half the
-# registers per thread, so a concurrent forward pass keeps more of each SM (benches/RESULTS.md).
+# Words per tile of the kernel backend: with 8 warps, 2,048 (16 KiB) moved as much as 4,096 with 16 warps
+# at 256 pages (88-90 % load, 94 % SM-written backup), and overlapped better beside matmuls (1.10x against
+# 1.17x, compute at ~60 % of the transfer): half the threads per block leave more of each SM to compute
+# (benches/results/2026-11-29-h200-probe-{1,3}.json).
 KERNEL_TILE_WORDS = 2048
 
 
@@ -89,7 +91,7 @@ class TransferEngine:
     def __init__(self) -> None:
         self._inflight: collections.deque[tuple[Any, Any, tuple]] = collections.deque()
         self._inflight_lock = threading.Lock()
-        self._ptr_tables: collections.OrderedDict[tuple, torch.Tensor] = collections.OrderedDict()
+        self._ptr_tables: collections.OrderedDict[tuple, tuple] = collections.OrderedDict()  # (list, offsets)
         self.blocks = config.kernel_blocks()
         self.num_warps = config.kernel_warps()
         self.batch = config.direct_batch()
@@ -169,14 +171,18 @@ class TransferEngine:
         return have[:want]
 
     def _offsets(self, tensors: Sequence[torch.Tensor], word: int) -> tuple[torch.Tensor, int]:
-        key = (tensors[0].device, word, *(t.data_ptr() for t in tensors))
-        tab = self._ptr_tables.get(key)
-        if tab is None:
-            tab = kernels.layer_offsets(tensors, word)
-            self._ptr_tables[key] = tab
+        """The device-layer offset table (see :func:`kernels.layer_offsets`) of a device-layer list. The pools
+        hand out the same list object while the device pool is unchanged (``_check_device_pool`` re-reads the
+        tensors' addresses and makes a new list when one changes), so the list's identity is the key; the
+        entry keeps the list, so its id cannot be reused while cached."""
+        key = (id(tensors), word)
+        entry = self._ptr_tables.get(key)
+        if entry is None or entry[0] is not tensors:
+            entry = (tensors, kernels.layer_offsets(tensors, word))
+            self._ptr_tables[key] = entry
             if len(self._ptr_tables) > 16:
                 self._ptr_tables.popitem(last=False)
-        return tab
+        return entry[1]
 
     def copy(
         self,

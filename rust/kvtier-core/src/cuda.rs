@@ -736,18 +736,3 @@ impl Drop for Lanes<'_> {
         }
     }
 }
-
-/// [`Current::copy_async`] with `device`'s primary context made current for the call.
-///
-/// # Safety
-/// As [`Current::copy_async`].
-pub unsafe fn copy_async(
-    device: i32,
-    stream: usize,
-    copies: &[(usize, usize, usize)],
-    batch: bool,
-) -> Result<Submitted> {
-    let cur = make_current(device)?;
-    // SAFETY: forwarded contract.
-    unsafe { cur.copy_async(stream, copies, batch) }
-}

@@ -134,77 +134,6 @@ struct Request {
 }
 
 impl Request {
-    #[allow(clippy::too_many_arguments)]
-    fn extract(
-        py: Python<'_>,
-        to_host: bool,
-        region: &PyHostRegion,
-        host_offset: usize,
-        layout: &str,
-        slots: usize,
-        page_size: usize,
-        row_bytes: usize,
-        device_layers: &[Bound<'_, PyAny>],
-        host_indices: &Bound<'_, PyAny>,
-        device_indices: &Bound<'_, PyAny>,
-        layer_begin: usize,
-        layer_end: usize,
-        host_pages: bool,
-        device_runs: bool,
-    ) -> KvResult<Self> {
-        let region = region.get()?;
-        let layers = device_layers.len();
-        let geo = HostGeometry::new(Layout::parse(layout)?, layers, slots, page_size, row_bytes)?;
-        if host_offset
-            .checked_add(geo.nbytes())
-            .is_none_or(|end| end > region.len())
-        {
-            return Err(Error::arg(
-                "size",
-                format!(
-                    "geometry needs {} bytes at offset {host_offset}, buffer has {}",
-                    geo.nbytes(),
-                    region.len()
-                ),
-            )
-            .into());
-        }
-        if layer_begin >= layer_end || layer_end > layers {
-            return Err(Error::arg(
-                "layer_id",
-                format!("layers [{layer_begin}, {layer_end}) not in [0, {layers})"),
-            )
-            .into());
-        }
-        let mut device = Vec::with_capacity(layers);
-        let mut rows = usize::MAX;
-        for t in device_layers {
-            let ptr: usize = t.call_method0("data_ptr")?.extract()?;
-            let len: usize = t.getattr("nbytes")?.extract()?;
-            rows = rows.min(len / row_bytes);
-            device.push(RawRange { ptr, len });
-        }
-        Ok(Self {
-            geo,
-            host: RawRange {
-                ptr: region.as_ptr() as usize + host_offset,
-                len: geo.nbytes(),
-            },
-            device,
-            h: indices(py, "host_indices", host_indices)?,
-            d: indices(py, "device_indices", device_indices)?,
-            rules: rules(slots, rows, page_size, host_pages, device_runs, to_host),
-            layers: layer_begin..layer_end,
-            dir: if to_host {
-                Direction::DeviceToHost
-            } else {
-                Direction::HostToDevice
-            },
-            host_offset,
-            _region: region,
-        })
-    }
-
     /// Validates the indices, plans the chunks (never crossing a multiple of `split` host bytes) and
     /// checks every chunk against both buffers.
     fn plan(&self, split: usize) -> kvtier_core::Result<Vec<plan::Chunk>> {
@@ -264,23 +193,57 @@ impl PyTransferPlan {
         device_runs: bool,
         split: usize,
     ) -> KvResult<Self> {
-        let req = Request::extract(
-            py,
-            to_host,
-            region,
+        let region = region.get()?;
+        let layers = device_layers.len();
+        let geo = HostGeometry::new(Layout::parse(layout)?, layers, slots, page_size, row_bytes)?;
+        if host_offset
+            .checked_add(geo.nbytes())
+            .is_none_or(|end| end > region.len())
+        {
+            return Err(Error::arg(
+                "size",
+                format!(
+                    "geometry needs {} bytes at offset {host_offset}, buffer has {}",
+                    geo.nbytes(),
+                    region.len()
+                ),
+            )
+            .into());
+        }
+        if layer_begin >= layer_end || layer_end > layers {
+            return Err(Error::arg(
+                "layer_id",
+                format!("layers [{layer_begin}, {layer_end}) not in [0, {layers})"),
+            )
+            .into());
+        }
+        let mut device = Vec::with_capacity(layers);
+        let mut rows = usize::MAX;
+        for t in &device_layers {
+            let ptr: usize = t.call_method0("data_ptr")?.extract()?;
+            let len: usize = t.getattr("nbytes")?.extract()?;
+            rows = rows.min(len / row_bytes);
+            device.push(RawRange { ptr, len });
+        }
+        let req = Request {
+            geo,
+            host: RawRange {
+                ptr: region.as_ptr() as usize + host_offset,
+                len: geo.nbytes(),
+            },
+            device,
+            h: indices(py, "host_indices", host_indices)?,
+            d: indices(py, "device_indices", device_indices)?,
+            rules: rules(slots, rows, page_size, host_pages, device_runs, to_host),
+            layers: layer_begin..layer_end,
+            dir: if to_host {
+                Direction::DeviceToHost
+            } else {
+                Direction::HostToDevice
+            },
             host_offset,
-            layout,
-            slots,
-            page_size,
-            row_bytes,
-            &device_layers,
-            host_indices,
-            device_indices,
-            layer_begin,
-            layer_end,
-            host_pages,
-            device_runs,
-        )?;
+            _region: region,
+        };
         let chunks = py.detach(|| req.plan(split.max(1)))?;
         let layer_start = (req.layers.start..=req.layers.end)
             .map(|l| chunks.partition_point(|c| (c.layer as usize) < l))
@@ -294,11 +257,6 @@ impl PyTransferPlan {
             layer_start,
             _owners: owners,
         })
-    }
-
-    /// Number of copies planned for `[layer_begin, layer_end)`.
-    fn copies(&self, layer_begin: usize, layer_end: usize) -> KvResult<usize> {
-        Ok(self.slice(layer_begin, layer_end)?.len())
     }
 
     /// Copy layers `[layer_begin, layer_end)` now with CPU `memcpy` (CPU device tensors), GIL released.
