@@ -2,8 +2,6 @@
 What it holds must stay alive until the work that uses it is over: for a copy, until its event has completed;
 for a background submission, until the submitting thread has finished *and* its last events have completed."""
 
-import threading
-
 import pytest
 
 from kvtier.transfer import TransferEngine
@@ -80,26 +78,6 @@ def test_synchronize_joins_submissions_even_failed_ones_and_waits_for_every_even
     eng.synchronize()
     assert ok.joined == 1 and failed.joined == 1
     assert ev1.synced == ev2.synced == ev3.synced == 1
-    assert held(eng) == []
-
-
-def test_holds_from_several_threads_are_all_kept():
-    eng = TransferEngine()
-    events = [Event() for _ in range(400)]
-
-    def worker(part):
-        for i in part:
-            eng._hold((i,), events[i])
-
-    threads = [threading.Thread(target=worker, args=(range(k, 400, 4),)) for k in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert sorted(r[0] for r in held(eng)) == list(range(400))
-    for ev in events:
-        ev.done = True
-    eng.synchronize()
     assert held(eng) == []
 
 
