@@ -16,6 +16,9 @@ Parts (each prints JSON lines, all written to ``probe.json`` in --out):
 - ``staged``: the kernel backend's staged backup against the kernel writing host memory itself.
 - ``direct_geoms``: the direct backend on B and C at 256 pages.
 - ``overlap_batch`` (not in the default set): the direct backend's overlap against copies per batch call.
+- ``backup_host`` (not in the default set): where a 16-page kernel backup's time goes — host time of the
+  call, delay until its first kernel starts on the GPU, the kernels' span (CUPTI via torch.profiler), and a
+  cProfile of the call's Python side.
 (The overlap part that measured LayerLoader's issue time and kernel configurations beside compute for
 ``results/2026-11-29-h200-probe-{1,2,3}.json`` now lives in the transfer bench's overlap section.)
 """
@@ -259,6 +262,83 @@ def part_overlap_batch(out, reps):
     torch.cuda.empty_cache()
 
 
+def _gpu_timeline(fn, calls: int) -> list[dict]:
+    """CUPTI timeline of ``calls`` synchronized calls of ``fn``: per call, the host time inside ``fn``, the
+    delay from entering ``fn`` to the first GPU activity it caused, the span of that activity and the whole
+    call (entry to last GPU activity's end), in microseconds. Host and GPU timestamps share Kineto's clock."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i in range(calls):
+            torch.cuda.synchronize()
+            with record_function(f"kvtier_call_{i}"):
+                fn()
+            torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        trace = json.load(open(f.name))
+    evs = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+    calls_ev = sorted((e for e in evs if str(e.get("name", "")).startswith("kvtier_call_")
+                       and e.get("cat") in ("user_annotation", "cpu_op")), key=lambda e: e["ts"])
+    gpu = sorted((e for e in evs if e.get("cat") in ("kernel", "gpu_memcpy")), key=lambda e: e["ts"])
+    rows = []
+    for i, c in enumerate(calls_ev):
+        nxt = calls_ev[i + 1]["ts"] if i + 1 < len(calls_ev) else float("inf")
+        mine = [e for e in gpu if c["ts"] <= e["ts"] < nxt]
+        if not mine:
+            continue
+        first, last = mine[0]["ts"], max(e["ts"] + e["dur"] for e in mine)
+        rows.append({"host_us": c["dur"], "first_gpu_after_us": first - c["ts"], "gpu_span_us": last - first,
+                     "call_to_last_gpu_us": last - c["ts"], "gpu_ops": len(mine),
+                     "gpu_busy_us": sum(e["dur"] for e in mine)})
+    return rows
+
+
+def part_backup_host(out, reps, down, stream):
+    """Kernel-backend all-layer backups of 16 pages (A, B): the event-timed figure the bench reports, then a
+    CUPTI timeline of the same calls (host time, delay until the first kernel, kernel span) and the top
+    functions of a cProfile of the call's Python side."""
+    import cProfile
+    import io
+    import pstats
+
+    for geom in ("A", "B"):
+        g = GEOMS[geom]
+        dp, hp, h, d = _pools(g, 16, "page_first")
+        nb = _bytes_per_layer(g, 16) * g["layers"]
+        with torch.cuda.stream(stream):
+            t = event_time(lambda: hp.backup_from_device_all_layer(dp, h, d, "kernel"), reps)
+            tl = _gpu_timeline(lambda: hp.backup_from_device_all_layer(dp, h, d, "kernel"), 5)
+            host = []
+            for _ in range(reps):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                hp.backup_from_device_all_layer(dp, h, d, "kernel")
+                host.append(time.perf_counter() - t0)
+            torch.cuda.synchronize()
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(20):
+                hp.backup_from_device_all_layer(dp, h, d, "kernel")
+                torch.cuda.synchronize()
+            prof.disable()
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(14)
+        med = {k: statistics.median(r[k] for r in tl) for k in tl[0]} if tl else {}
+        _emit(out, "backup_host", {"geometry": geom, "pages": 16, "event_ms": round(t * 1e3, 3),
+                                   "pct": round(100 * nb / t / 1e9 / down, 1),
+                                   "host_call_ms": round(statistics.median(host) * 1e3, 3),
+                                   "timeline_median_us": {k: round(v, 1) for k, v in med.items()},
+                                   "timeline": tl})
+        print(buf.getvalue(), flush=True)
+        out[-1]["cprofile_top"] = buf.getvalue().splitlines()[:40]
+        hp.close()
+        del dp
+        torch.cuda.empty_cache()
+
+
 def ncu_target(pages: int = 256):
     """A short run for Nsight Compute: geometry A, ``pages`` pages, kernel backend; 3 warm-up loads and
     backups, then one LayerLoader load (96 launches) and one backup (2 launches when it is not staged)."""
@@ -305,6 +385,8 @@ def main(argv=None):
         part_staged(out, args.reps, down, stream)
     if "overlap_batch" in parts:
         part_overlap_batch(out, args.reps)
+    if "backup_host" in parts:
+        part_backup_host(out, args.reps, down, stream)
     if "direct_geoms" in parts:
         part_direct_geoms(out, args.reps, up, down, stream)
     with open(os.path.join(args.out, "probe.json"), "w") as f:
