@@ -434,7 +434,7 @@ class _Prepared:
     def __init__(self, host, device, paged: bool) -> None:
         self.host, self.device, self.paged = host, device, paged
         self._gpu: tuple | None = None
-        self.plans: dict = {}  # DMA plans per (side, direction, device tensors)
+        self.plans: dict = {}  # DMA plans and kernel launches per (side, direction, device tensors, ...)
 
     def gpu(self, device: torch.device):
         """The indices as int64 tensors on ``device`` (uploaded once, from pinned staging), ordered before

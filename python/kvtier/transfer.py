@@ -260,16 +260,7 @@ class TransferEngine:
             lanes = len(events[0]) if events is not None else min(self.lanes, len(pairs))
             sides = self.side_streams(dev, lanes)
             blocks = self._split_blocks([side.row_bytes for side, _ in pairs], lanes)
-            launches = [
-                kernels.prepare_rows(
-                    host=side.tensor, layout=side.layout, slots=side.slots, layers=side.layers,
-                    page_size=side.page_size, row_bytes=side.row_bytes, device_layers=tensors,
-                    dev_offsets=self._offsets(tensors, kernels.word_of(side.row_bytes)),
-                    host_idx=hidx, dev_idx=didx, to_host=to_host, blocks=b, num_warps=self.num_warps,
-                    tile_words=self.tile_words, prefetch=self.prefetch,
-                )
-                for (side, tensors), b in zip(pairs, blocks)
-            ]
+            launches = [self._rows(side, tensors, prepared, hidx, didx, to_host, b) for (side, tensors), b in zip(pairs, blocks)]
             kernels.run_rows(launches, layer_begin, layer_end, per_layer=per_layer, events=events, side_streams=sides)
             if hold:
                 self._hold((regions, hidx, didx, [x.dev_offsets for x in launches]))
@@ -301,6 +292,27 @@ class TransferEngine:
         if hold:
             self._hold((regions, plans))
         return None
+
+    def _rows(self, side: Side, tensors, prepared: Any, hidx, didx, to_host: bool, blocks: int):
+        """The kernel launch description of one side for ``prepared``'s indices (layer range excluded), made
+        once and cached there like the DMA plans: a per-layer load or a repeated backup with the same indices
+        reuses it instead of re-deriving views, constants and alignment on every call (host time before the
+        first launch is what small transfers wait for). Keyed by everything it depends on; the entry keeps the
+        device-layer list, so the identity check cannot be fooled by a recycled id."""
+        key = ("rows", side.offset, id(side.buffer), to_host, id(tensors), blocks, self.num_warps, self.tile_words,
+               self.prefetch, hidx.data_ptr(), didx.data_ptr())
+        entry = prepared.plans.get(key)
+        if entry is not None and entry[0] is tensors:
+            return entry[1]
+        launch = kernels.prepare_rows(
+            host=side.tensor, layout=side.layout, slots=side.slots, layers=side.layers,
+            page_size=side.page_size, row_bytes=side.row_bytes, device_layers=tensors,
+            dev_offsets=self._offsets(tensors, kernels.word_of(side.row_bytes)),
+            host_idx=hidx, dev_idx=didx, to_host=to_host, blocks=blocks, num_warps=self.num_warps,
+            tile_words=self.tile_words, prefetch=self.prefetch,
+        )
+        prepared.plans[key] = (tensors, launch)
+        return launch
 
     def _split_blocks(self, row_bytes: list[int], lanes: int) -> list[int]:
         """Thread blocks per launch: all of ``self.blocks`` each when launches run one after another; split in

@@ -244,9 +244,15 @@ def overlap(dp, reps, trials: int = 3, cases=OVERLAP_CASES):
             t_both_graphed = event_time(both_graphed, reps)
             # the definition: one compute kernel per layer, sized to take about as long as one layer's
             # load (a single matmul whose row count is calibrated), so the host launches 48 kernels, not 48·k
+            # (a second step corrects the first guess: a matmul's time is not quite linear in its rows)
             rows = max(128, round(cal_rows * (t_xfer / L) / t_cal / 128) * 128)
-            x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
-            t_one = event_time(lambda: [x @ w for _ in range(L)], reps)
+            for _ in range(2):
+                x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
+                t_one = event_time(lambda: [x @ w for _ in range(L)], reps)
+                rows, guess = max(128, round(rows * t_xfer / t_one / 128) * 128), rows
+                if rows == guess:
+                    break
+            rows = guess
 
             def both_one():
                 load = loader.load(h, d)
