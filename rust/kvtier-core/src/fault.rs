@@ -1,52 +1,105 @@
-//! Fault injection for tests: named points in the page store's IO path (`fallocate`, `data_write`,
-//! `data_sync`, `data_read`, `journal_write`, `journal_sync`) can be made to fail with a chosen errno.
-//! Compiled to a no-op unless the `failpoints` feature (or `cfg(test)`) is on.
+//! Fault injection for tests and chaos runs: named points in the page store's IO path (`fallocate`,
+//! `data_write`, `data_sync`, `data_read`, `journal_write`, `journal_sync`) can be made to fail with a chosen
+//! errno, to stall (a slow disk), or — at `data_write` — to write only part of an object, reporting an error
+//! (a short write) or success (a torn write, which only the checksum on read can catch).
+//!
+//! Compiled to a no-op unless the `failpoints` feature (or `cfg(test)`) is on. When compiled in, a point
+//! with nothing injected costs one relaxed atomic load. The table is process-wide: faults set by one test
+//! are seen by every store in the process.
 
 use std::io;
+use std::time::Duration;
+
+/// What an IO point does when a fault is due.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fault {
+    /// Fail with this errno; nothing is written or read.
+    Error(i32),
+    /// Sleep this long, then do the IO normally (a slow disk).
+    Delay(Duration),
+    /// `data_write` only: write the first half of the object, then fail with this errno.
+    Short(i32),
+    /// `data_write` only: write the first half of the object followed by zeros and report success.
+    Torn,
+}
+
+/// The IO points the store checks.
+pub const POINTS: [&str; 6] = [
+    "fallocate",
+    "data_write",
+    "data_sync",
+    "data_read",
+    "journal_write",
+    "journal_sync",
+];
 
 #[cfg(any(test, feature = "failpoints"))]
 mod imp {
+    use super::Fault;
     use std::collections::HashMap;
-    use std::io;
+    use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::Mutex;
 
-    /// (calls to let through before failing, failures left, errno)
-    type Point = (u64, u64, i32);
-    /// point name -> its schedule
+    /// A point's schedule: calls to let through before faulting, faults left, what to do.
+    struct Point {
+        skip: u64,
+        times: u64,
+        fault: Fault,
+        hits: u64,
+    }
+
+    static ACTIVE: AtomicBool = AtomicBool::new(false);
     static POINTS: Mutex<Option<HashMap<String, Point>>> = Mutex::new(None);
 
-    pub fn set(point: &str, skip: u64, times: u64, errno: i32) {
+    pub fn set(point: &str, skip: u64, times: u64, fault: Fault) {
         let mut g = POINTS.lock().unwrap_or_else(|p| p.into_inner());
-        g.get_or_insert_with(HashMap::new)
-            .insert(point.to_owned(), (skip, times, errno));
+        g.get_or_insert_with(HashMap::new).insert(
+            point.to_owned(),
+            Point {
+                skip,
+                times,
+                fault,
+                hits: 0,
+            },
+        );
+        ACTIVE.store(true, Ordering::Release);
     }
 
     pub fn clear() {
-        *POINTS.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        let mut g = POINTS.lock().unwrap_or_else(|p| p.into_inner());
+        *g = None;
+        ACTIVE.store(false, Ordering::Release);
     }
 
-    pub fn check(point: &str) -> io::Result<()> {
+    pub fn hits(point: &str) -> u64 {
+        let g = POINTS.lock().unwrap_or_else(|p| p.into_inner());
+        g.as_ref().and_then(|m| m.get(point)).map_or(0, |p| p.hits)
+    }
+
+    pub fn take(point: &str) -> Option<Fault> {
+        if !ACTIVE.load(Ordering::Acquire) {
+            return None;
+        }
         let mut g = POINTS.lock().unwrap_or_else(|p| p.into_inner());
-        let Some(map) = g.as_mut() else { return Ok(()) };
-        let Some(st) = map.get_mut(point) else {
-            return Ok(());
-        };
-        if st.0 > 0 {
-            st.0 -= 1;
-            return Ok(());
+        let st = g.as_mut()?.get_mut(point)?;
+        if st.skip > 0 {
+            st.skip -= 1;
+            return None;
         }
-        if st.1 == 0 {
-            return Ok(());
+        if st.times == 0 {
+            return None;
         }
-        st.1 -= 1;
-        Err(io::Error::from_raw_os_error(st.2))
+        st.times -= 1;
+        st.hits += 1;
+        Some(st.fault)
     }
 }
 
-/// Fails the next `times` calls of `point` after letting `skip` through, with `errno`.
+/// Injects `fault` into the next `times` calls of `point` after letting `skip` through (`u64::MAX` times:
+/// every call). Replaces what was set for `point`.
 #[cfg(any(test, feature = "failpoints"))]
-pub fn set(point: &str, skip: u64, times: u64, errno: i32) {
-    imp::set(point, skip, times, errno)
+pub fn set(point: &str, skip: u64, times: u64, fault: Fault) {
+    imp::set(point, skip, times, fault)
 }
 
 /// Removes every injected fault.
@@ -55,16 +108,37 @@ pub fn clear() {
     imp::clear()
 }
 
-/// Ok unless a fault is injected at `point`.
+/// How many faults `point` has delivered since it was set.
+#[cfg(any(test, feature = "failpoints"))]
+pub fn hits(point: &str) -> u64 {
+    imp::hits(point)
+}
+
+/// The fault due at `point` now, if any (consumes it).
 #[inline]
-pub fn check(point: &str) -> io::Result<()> {
+pub fn take(point: &str) -> Option<Fault> {
     #[cfg(any(test, feature = "failpoints"))]
     {
-        imp::check(point)
+        imp::take(point)
     }
     #[cfg(not(any(test, feature = "failpoints")))]
     {
         let _ = point;
-        Ok(())
+        None
+    }
+}
+
+/// Ok unless an error is due at `point`; a due delay sleeps first. (Short and torn writes apply where the
+/// store writes object bytes, which calls [`take`] itself; at other points a short write is an error and a
+/// torn one does nothing.)
+#[inline]
+pub fn check(point: &str) -> io::Result<()> {
+    match take(point) {
+        None | Some(Fault::Torn) => Ok(()),
+        Some(Fault::Delay(d)) => {
+            std::thread::sleep(d);
+            Ok(())
+        }
+        Some(Fault::Error(e)) | Some(Fault::Short(e)) => Err(io::Error::from_raw_os_error(e)),
     }
 }

@@ -688,7 +688,23 @@ impl PageStore {
             let crc = crc32c::crc32c_append(crc32c::crc32c(bytes), key.as_bytes());
             let c = &classes[&class];
             let off = slot as u64 * class as u64;
-            let res = crate::fault::check("data_write").and_then(|()| write_object(c, bytes, off));
+            let res = match crate::fault::take("data_write") {
+                None => write_object(c, bytes, off),
+                Some(crate::fault::Fault::Delay(d)) => {
+                    std::thread::sleep(d);
+                    write_object(c, bytes, off)
+                }
+                Some(crate::fault::Fault::Error(e)) => Err(std::io::Error::from_raw_os_error(e)),
+                Some(crate::fault::Fault::Short(e)) => c
+                    .buffered
+                    .write_all_at(&bytes[..bytes.len() / 2], off)
+                    .and(Err(std::io::Error::from_raw_os_error(e))),
+                Some(crate::fault::Fault::Torn) => {
+                    let mut torn = bytes.to_vec();
+                    torn[bytes.len() / 2..].fill(0);
+                    c.buffered.write_all_at(&torn, off)
+                }
+            };
             if res.is_ok() {
                 crcs[j].store(crc as u64, Ordering::Relaxed);
             }
@@ -1205,7 +1221,7 @@ mod tests {
                 point,
                 0,
                 if point == "fallocate" { 2 } else { 1 },
-                libc::ENOSPC,
+                crate::fault::Fault::Error(libc::ENOSPC),
             );
             // SAFETY: objects inside `src` (6 pages of 4096 bytes).
             let r = unsafe { s.put(&[("f1", p + 4096, 8192), ("f2", p + 8192, 8192)]) };
@@ -1251,6 +1267,61 @@ mod tests {
             }
             std::fs::remove_dir_all(root).unwrap();
         }
+    }
+
+    #[test]
+    fn short_torn_and_slow_object_writes() {
+        use crate::fault::Fault;
+        let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+        let root = tmp();
+        let src = payload(4, 4096, 11);
+        let p = src.as_ptr() as usize;
+        let dst = payload(1, 4096, 0);
+        let same = |off: usize| {
+            // SAFETY: both 4096-byte ranges are inside live regions (`dst` and `src`).
+            unsafe {
+                std::slice::from_raw_parts(dst.as_ptr(), 4096)
+                    == std::slice::from_raw_parts((p + off) as *const u8, 4096)
+            }
+        };
+        let s = PageStore::open(&root, "ns", opts(1 << 30)).unwrap();
+        // a short write fails its object only; the half written never becomes reachable
+        crate::fault::set("data_write", 0, 1, Fault::Short(libc::EIO));
+        // SAFETY: objects inside `src` (4 pages of 4096 bytes).
+        let ok = unsafe { s.put(&[("s1", p, 4096), ("s2", p + 4096, 4096)]) }.unwrap();
+        assert_eq!(crate::fault::hits("data_write"), 1);
+        crate::fault::clear();
+        assert_eq!(ok.iter().filter(|b| !**b).count(), 1, "{ok:?}");
+        assert_eq!(s.exists(&["s1", "s2"]), ok);
+        assert_eq!(s.stats.write_failures.load(Ordering::Relaxed), 1);
+        // a torn write is acknowledged (the disk lied); the checksum turns it into a counted miss on read
+        crate::fault::set("data_write", 0, 1, Fault::Torn);
+        assert!(put1(&s, "t", p + 8192, 4096));
+        crate::fault::clear();
+        assert!(!get1(&s, "t", dst.as_ptr() as usize, 4096));
+        assert_eq!(s.stats.corrupt_reads.load(Ordering::Relaxed), 1);
+        assert!(!s.exists(&["t"])[0], "a corrupt object is dropped");
+        // a slow disk delays but does not fail
+        crate::fault::set(
+            "data_write",
+            0,
+            1,
+            Fault::Delay(std::time::Duration::from_millis(200)),
+        );
+        let t0 = std::time::Instant::now();
+        assert!(put1(&s, "slow", p + 12288, 4096));
+        assert!(t0.elapsed() >= std::time::Duration::from_millis(200));
+        crate::fault::clear();
+        drop(s);
+        let s = PageStore::open(&root, "ns", opts(1 << 30)).unwrap();
+        for (k, off, stored) in [("s1", 0, ok[0]), ("s2", 4096, ok[1]), ("slow", 12288, true)] {
+            assert_eq!(get1(&s, k, dst.as_ptr() as usize, 4096), stored, "{k}");
+            if stored {
+                assert!(same(off), "{k}: wrong bytes");
+            }
+        }
+        assert!(!s.exists(&["t"])[0]);
+        std::fs::remove_dir_all(root).unwrap();
     }
 
     #[test]

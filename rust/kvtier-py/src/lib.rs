@@ -19,6 +19,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(store::namespace_dir, m)?)?;
     m.add_function(wrap_pyfunction!(store::page_hashes, m)?)?;
     m.add_function(wrap_pyfunction!(store::disk_roofline, m)?)?;
+    m.add_function(wrap_pyfunction!(store::fault_set, m)?)?;
+    m.add_function(wrap_pyfunction!(store::fault_clear, m)?)?;
+    m.add_function(wrap_pyfunction!(store::fault_hits, m)?)?;
     m.add_function(wrap_pyfunction!(buffer::cuda_host_registered, m)?)?;
     m.add_function(wrap_pyfunction!(buffer::cuda_driver_available, m)?)?;
     m.add_function(wrap_pyfunction!(transfer::validate_transfer, m)?)?;

@@ -328,3 +328,60 @@ pub fn disk_roofline(
 ) -> KvResult<(f64, f64, bool)> {
     Ok(py.detach(|| kvtier_core::roofline::odirect_roofline(&dir, size, count, threads))?)
 }
+
+/// Injects a fault into the page store's IO point `point` (see `kvtier.testing.inject_fault`): `kind` is
+/// "error", "delay", "short" or "torn"; the next `times` calls after `skip` are hit.
+#[pyfunction]
+#[pyo3(signature = (point, kind, skip=0, times=1, errno=5, delay_ms=0))]
+pub fn fault_set(
+    point: &str,
+    kind: &str,
+    skip: u64,
+    times: u64,
+    errno: i32,
+    delay_ms: u64,
+) -> KvResult<()> {
+    use kvtier_core::fault::{Fault, POINTS};
+    if !POINTS.contains(&point) {
+        return Err(
+            Error::arg("point", format!("must be one of {POINTS:?}, got {point:?}")).into(),
+        );
+    }
+    if errno <= 0 {
+        return Err(Error::arg("errno", format!("must be a positive errno, got {errno}")).into());
+    }
+    let fault = match kind {
+        "error" => Fault::Error(errno),
+        "delay" => Fault::Delay(std::time::Duration::from_millis(delay_ms)),
+        "short" if point == "data_write" => Fault::Short(errno),
+        "torn" if point == "data_write" => Fault::Torn,
+        "short" | "torn" => {
+            return Err(Error::arg(
+                "kind",
+                format!("{kind:?} applies to point \"data_write\" only, not {point:?}"),
+            )
+            .into())
+        }
+        _ => {
+            return Err(Error::arg(
+                "kind",
+                format!("must be \"error\", \"delay\", \"short\" or \"torn\", got {kind:?}"),
+            )
+            .into())
+        }
+    };
+    kvtier_core::fault::set(point, skip, times, fault);
+    Ok(())
+}
+
+/// Removes every injected fault.
+#[pyfunction]
+pub fn fault_clear() {
+    kvtier_core::fault::clear()
+}
+
+/// Faults `point` has delivered since it was set.
+#[pyfunction]
+pub fn fault_hits(point: &str) -> u64 {
+    kvtier_core::fault::hits(point)
+}
