@@ -1,0 +1,35 @@
+"""The soak's short version (CI): two processes x three threads for a few seconds, zero divergences and flat
+RSS / file descriptors; and a self-check that the soak does catch lost pages (torn writes injected). The long
+run is `make soak` (SOAK_SECONDS, default 120); its figures are in docs/RELIABILITY.md."""
+
+import json
+import os
+import subprocess
+import sys
+
+SOAK = os.path.join(os.path.dirname(__file__), "soak.py")
+SECONDS = os.environ.get("KVTIER_SOAK_CI_SECONDS", "8")
+
+
+def run(tmp_path, *extra):
+    out = tmp_path / "soak.json"
+    r = subprocess.run([sys.executable, SOAK, "--seconds", SECONDS, "--procs", "2", "--threads", "3", "--out", str(out),
+                        *extra], capture_output=True, text=True, timeout=600)
+    return r, json.loads(out.read_text())
+
+
+def test_short_soak_has_no_divergence(tmp_path):
+    r, res = run(tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert res["divergences"] == 0 and len(res["processes"]) == 2
+    for p in res["processes"]:
+        assert p["ops"] > 500, p  # the run really did work
+        for op in ("backup", "load", "set", "get", "delete", "reopen"):
+            assert p["counts"].get(op, 0) > 0, (op, p["counts"])
+    assert any(p["store_evictions"] > 0 for p in res["processes"]), "process 0's store must evict"
+
+
+def test_soak_catches_lost_pages(tmp_path):
+    r, res = run(tmp_path, "--torn-writes")
+    assert r.returncode == 1
+    assert any("lost" in f for f in res["failures"]), res["failures"][:5]
