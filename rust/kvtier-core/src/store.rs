@@ -211,11 +211,29 @@ pub fn namespace_dir(namespace: &str) -> String {
     format!("ns-{}", &h[..16])
 }
 
+/// Creates `p` (mode 0700) or checks that the existing one is a real directory — not a symlink someone
+/// planted to redirect the store — owned by this process's user; then makes it owner-only.
 fn owner_only_dir(p: &Path) -> Result<()> {
-    match std::fs::create_dir(p) {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+    match std::fs::DirBuilder::new().mode(0o700).create(p) {
         Ok(()) => {}
         Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
         Err(e) => return Err(io_err(format!("creating {}", p.display()), e)),
+    }
+    let md =
+        std::fs::symlink_metadata(p).map_err(|e| io_err(format!("stat {}", p.display()), e))?;
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let euid = unsafe { libc::geteuid() };
+    if !md.file_type().is_dir() || md.uid() != euid {
+        return Err(Error::arg(
+            "path",
+            format!(
+                "{} must be a directory (not a symlink) owned by this user (uid {euid}); found {} owned by uid {}",
+                p.display(),
+                if md.file_type().is_symlink() { "a symlink" } else if md.is_dir() { "a directory" } else { "a file" },
+                md.uid()
+            ),
+        ));
     }
     std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o700))
         .map_err(|e| io_err(format!("chmod {}", p.display()), e))
@@ -270,7 +288,9 @@ impl PageStore {
         if opts.io_threads == 0 {
             return Err(Error::arg("io_threads", "must be >= 1"));
         }
-        std::fs::create_dir_all(root)
+        // directories this creates are owner-only; existing parents are left as they are
+        std::os::unix::fs::DirBuilderExt::mode(std::fs::DirBuilder::new().recursive(true), 0o700)
+            .create(root)
             .map_err(|e| io_err(format!("creating {}", root.display()), e))?;
         let dir = root.join(namespace_dir(namespace));
         owner_only_dir(&dir)?;
@@ -288,7 +308,13 @@ impl PageStore {
             }
             Err(_) => {
                 let tmp = dir.join("NAMESPACE.tmp");
-                std::fs::write(&tmp, namespace).map_err(|e| io_err("writing NAMESPACE", e))?;
+                (|| -> std::io::Result<()> {
+                    let f = open_rw(&tmp, 0)?; // 0600, whatever the umask
+                    f.set_len(0)?;
+                    f.write_all_at(namespace.as_bytes(), 0)?;
+                    f.sync_data()
+                })()
+                .map_err(|e| io_err("writing NAMESPACE", e))?;
                 std::fs::rename(&tmp, &ns_file).map_err(|e| io_err("publishing NAMESPACE", e))?;
             }
         }
