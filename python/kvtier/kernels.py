@@ -278,6 +278,22 @@ def prepare_rows(
     to_host, blocks, num_warps, tile_words: int = 4096, prefetch: bool = True,
 ) -> RowsLaunch:
     """Everything one K-or-V launch needs except its layer range (indices already validated)."""
+    # The kernel addresses every layer as dev[0] + dev_offsets[l] and the host as one flat buffer: a
+    # non-contiguous tensor would be silently copied by reshape(-1), and the kernel would then write
+    # relative to the copy (arbitrary device memory for every layer but the first). Checked once per
+    # cached launch description.
+    for what, t in (("host", host), *((f"device_layers[{i}]", t) for i, t in enumerate(device_layers))):
+        if not t.is_contiguous():
+            raise InvalidArgumentError(f"invalid argument `{what}`: the kernel needs contiguous tensors")
+    if dev_offsets is not None and dev_offsets[0].numel() != len(device_layers):
+        raise InvalidArgumentError(f"invalid argument `dev_offsets`: {dev_offsets[0].numel()} offsets for "
+                                   f"{len(device_layers)} device layers")
+    need = int(slots) * int(layers) * int(row_bytes)
+    if host.numel() * host.element_size() < need:
+        raise InvalidArgumentError(f"invalid argument `host`: {host.numel() * host.element_size()} bytes, the "
+                                   f"layout needs {slots} slots x {layers} layers x {row_bytes} bytes = {need}")
+    if len(device_layers) != int(layers):
+        raise InvalidArgumentError(f"invalid argument `device_layers`: {len(device_layers)} tensors for {layers} layers")
     word = word_of(row_bytes)
     wdt = _WORD_DTYPES[word]
     row_words = row_bytes // word
@@ -306,6 +322,10 @@ def run_rows(launches, layer_begin: int, layer_end: int, *, per_layer: bool, eve
     launches = [x for x in launches if x.ints[0] > 0]
     if not launches or layer_begin >= layer_end:
         return
+    for x in launches:  # layers index the offset table and the host layout: both hold ints[2] layers
+        if not 0 <= layer_begin < layer_end <= x.ints[2]:
+            raise InvalidArgumentError(f"invalid argument `layer_end`: layers [{layer_begin}, {layer_end}) are not "
+                                       f"within the {x.ints[2]} layers of the transfer")
     n_layers = 1 if per_layer else layer_end - layer_begin
     # the kernel counts work items in 32 bits: items of one launch, plus one grid stride of slack
     def items(x, layers):

@@ -22,6 +22,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 from . import _native
@@ -346,7 +347,7 @@ class _HostKVPool:
             getattr(device_indices, "_version", None), io_backend, to_host, rows,
         )
         cached = self._prepared
-        if cached is not None and cached[0] == key:
+        if cached is not None and cached[0] == key and _unchanged(cached[2], host_indices, device_indices):
             return ks, vs, cached[2]
         h = _index_array("host_indices", host_indices)
         d = _index_array("device_indices", device_indices)
@@ -448,6 +449,16 @@ class _Prepared:
         return self._gpu[1]
 
 
+def _unchanged(prepared: "_Prepared", host_indices: Any, device_indices: Any) -> bool:
+    """Whether CPU index tensors still hold what was validated: writes through ``.numpy()`` or DLPack do not
+    bump ``_version``, so the cache key alone cannot tell (CUDA index tensors are only written by torch ops,
+    which do). A length-n comparison, cheap next to the copy it guards."""
+    for t, validated in ((host_indices, prepared.host), (device_indices, prepared.device)):
+        if t.device.type == "cpu" and not np.array_equal(t.detach().numpy(), validated):
+            return False
+    return True
+
+
 def _index_array(name: str, t: Any):
     """A 1-D int64 numpy view (CPU) of an index tensor; CUDA tensors are copied to the host."""
     if not isinstance(t, torch.Tensor):
@@ -456,7 +467,10 @@ def _index_array(name: str, t: Any):
         raise InvalidArgumentError(f"invalid argument `{name}`: dtype must be torch.int64, got {t.dtype}")
     if t.dim() != 1:
         raise InvalidArgumentError(f"invalid argument `{name}`: must be 1-D, got shape {tuple(t.shape)}")
-    return t.detach().to("cpu").contiguous().numpy()
+    # A private copy: the validated indices must be exactly those that reach the copies and the kernel.
+    # A view of the caller's CPU tensor could be changed after validation (numpy or DLPack writes do not
+    # bump the tensor's version, and validation runs with the GIL released).
+    return np.array(t.detach().to("cpu").numpy(), dtype=np.int64, copy=True)
 
 
 class MHAHostPool(_HostKVPool):
