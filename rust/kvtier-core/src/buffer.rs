@@ -269,7 +269,7 @@ impl HostRegion {
 
     /// Touches every base page so the kernel allocates (and zeroes) it now, using `threads` threads over
     /// disjoint ranges.
-    pub fn prefault(&self, threads: usize) {
+    fn prefault(&self, threads: usize) {
         let step = if self.kind == PageKind::Base {
             BASE_PAGE
         } else {
@@ -360,8 +360,15 @@ impl HostRegion {
 
 impl Drop for HostRegion {
     fn drop(&mut self) {
-        // Unregister before unmapping: the driver must not keep pinned pages of a dead mapping.
-        let _ = self.unregister_cuda();
+        // Unregister before unmapping: the driver must not keep pinned pages of a dead mapping. If the
+        // driver refuses, leak the mapping rather than unmap memory it may still access.
+        if let Err(e) = self.unregister_cuda() {
+            eprintln!(
+                "kvtier: leaking a {}-byte host mapping: CUDA unregister failed: {e}",
+                self.map_len
+            );
+            return;
+        }
         // [map_base, map_base+map_len) is the mapping this value owns; nothing refers to it any more
         // because every view holds an Arc to this region.
         // SAFETY: the mapping this value owns, which nothing refers to any more.

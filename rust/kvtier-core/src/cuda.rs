@@ -118,8 +118,8 @@ unsafe fn sym<T: Copy>(lib: *mut c_void, name: &CStr) -> std::result::Result<T, 
     if p.is_null() {
         return Err(format!("symbol {name:?} not found in libcuda.so.1"));
     }
-    debug_assert_eq!(std::mem::size_of::<T>(), std::mem::size_of::<*mut c_void>());
-    // SAFETY: the caller guarantees T is the symbol's function-pointer type; sizes match (checked above).
+    const { assert!(std::mem::size_of::<T>() == std::mem::size_of::<*mut c_void>()) };
+    // SAFETY: the caller guarantees T is the symbol's function-pointer type; sizes match (checked at compile time above).
     Ok(unsafe { std::mem::transmute_copy::<*mut c_void, T>(&p) })
 }
 

@@ -34,8 +34,8 @@ use crate::error::{Error, Result};
 use crate::journal::{self, Record};
 
 const ALIGN: u64 = 4096;
-/// Largest object: slot indices and sizes fit comfortably in the journal's fields.
-pub const MAX_OBJECT: u64 = 1 << 32;
+/// Largest object: its size class (the length rounded up to 4 KiB) must fit the journal's 32-bit field.
+pub const MAX_OBJECT: u64 = (1 << 32) - ALIGN;
 
 /// Options of [`PageStore::open`].
 #[derive(Clone, Debug)]
@@ -607,7 +607,7 @@ impl PageStore {
             if *len == 0 || *len > MAX_OBJECT {
                 return Err(Error::arg(
                     "sizes",
-                    format!("object {k:?}: length must be in 1..=2^32, got {len}"),
+                    format!("object {k:?}: length must be in 1..={MAX_OBJECT}, got {len}"),
                 ));
             }
         }
@@ -635,9 +635,11 @@ impl PageStore {
                     self.stats.write_failures.fetch_add(1, Ordering::Relaxed);
                     continue; // everything left is pinned by readers
                 }
-                let slot = ix.take_slot(class as u32);
+                // MAX_OBJECT keeps every class within u32 (checked above)
+                let class32 = u32::try_from(class).expect("class <= MAX_OBJECT fits u32");
+                let slot = ix.take_slot(class32);
                 ix.used += class; // reserved; moved into the entry on success
-                plan.push((i, class as u32, slot));
+                plan.push((i, class32, slot));
             }
         }
         let release = |plan: &[(usize, u32, u32)]| {
@@ -1293,6 +1295,26 @@ mod tests {
             }
             std::fs::remove_dir_all(root).unwrap();
         }
+    }
+
+    #[test]
+    fn object_size_limit_keeps_classes_within_the_journal_field() {
+        let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+        assert!(MAX_OBJECT.div_ceil(ALIGN) * ALIGN <= u64::from(u32::MAX));
+        let root = tmp();
+        let src = payload(1, 4096, 3);
+        let s = PageStore::open(&root, "ns", opts(1 << 30)).unwrap();
+        for len in [0, MAX_OBJECT + 1, 1 << 32, u64::MAX] {
+            // SAFETY: refused before any byte is read (the length is checked first).
+            let r = unsafe { s.put(&[("big", src.as_ptr() as usize, len)]) };
+            assert!(
+                matches!(r, Err(Error::InvalidArgument { .. })),
+                "{len}: {r:?}"
+            );
+        }
+        assert!(!s.exists(&["big"])[0]);
+        assert_eq!(s.usage().1, 0, "nothing reserved");
+        std::fs::remove_dir_all(root).unwrap();
     }
 
     #[test]

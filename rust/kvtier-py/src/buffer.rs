@@ -133,12 +133,6 @@ impl PyHostRegion {
         Ok(py.detach(|| r.register_cuda(device, granularity, max_chunk, threads))?)
     }
 
-    /// Undoes register_cuda.
-    fn unregister_cuda(&self, py: Python<'_>) -> KvResult<()> {
-        let r = self.get()?;
-        Ok(py.detach(|| r.unregister_cuda())?)
-    }
-
     /// (offset, nbytes) of each CUDA registration.
     fn registered_chunks(&self) -> KvResult<Vec<(usize, usize)>> {
         Ok(self.get()?.registered_chunks())
