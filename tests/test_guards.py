@@ -71,3 +71,68 @@ def test_kernel_layer_range_must_lie_within_the_transfer(begin, end):
     launch = kernels.prepare_rows(**rows_kwargs(dp, hp))
     with pytest.raises(kvtier.InvalidArgumentError, match="layer_end"):
         kernels.run_rows([launch], begin, end, per_layer=False)
+
+
+def transfer_plan(hp, layers):
+    side = hp._k_side
+    return kvtier._native.TransferPlan(False, side.buffer._region, side.offset, side.layout, side.slots, side.page_size,
+                                       side.row_bytes, layers, np.arange(4), np.arange(2, 6), 0, len(layers), True,
+                                       True, side.split)
+
+
+def test_transfer_plan_refuses_memory_it_cannot_trust():
+    dp, hp = pools()
+    base = torch.zeros(2, 2, 4, dtype=torch.float16)
+    expanded = base[:1].expand(18, 2, 4)  # reports 18 rows of bytes over 1 row of memory
+    with pytest.raises(kvtier.InvalidArgumentError, match="contiguous"):
+        transfer_plan(hp, [expanded] * 3)
+    alias = hp.k_buffer.view(torch.uint8).reshape(-1)[: 18 * 16].view(torch.float16).view(18, 2, 4)
+    with pytest.raises(kvtier.InvalidArgumentError, match="overlaps the host buffer"):
+        transfer_plan(hp, [alias] * 3)
+    with pytest.raises(kvtier.InvalidArgumentError, match="contiguous CPU or CUDA"):
+        transfer_plan(hp, [t.to("meta") for t in dp.k_buffer])
+    plan = transfer_plan(hp, list(dp.k_buffer))
+    with pytest.raises(kvtier.InvalidArgumentError, match="CPU tensors"):
+        kvtier._native.submit_layers([plan], 0, 1, 0, 1, [], True, False, [])
+
+
+def test_a_put_never_captures_a_page_a_concurrent_get_is_writing(tmp_path):
+    # one thread reads object "a" (all 1s) and "b" (all 2s) into host page 0 over and over; another stores
+    # page 0 under new keys meanwhile. The binding serializes batches whose host ranges overlap, so every
+    # stored copy must be one whole object, never half of each.
+    import threading
+
+    from kvtier import PageStore
+
+    dp = DeviceKVPool(64, 16, 2, 2, 192, 128, torch.bfloat16, "cpu")
+    hp = host_pool_for(dp, layout="page_first_direct", host_to_device_ratio=1.0)
+    st = PageStore(tmp_path, direct=False)
+    st.register_mem_pool_host(hp)
+    page0, page1 = torch.arange(16), torch.arange(16, 32)
+    for fill, key in ((1, "a"), (2, "b")):
+        hp.k_buffer.view(torch.uint8)[0].fill_(fill)
+        hp.v_buffer.view(torch.uint8)[0].fill_(fill)
+        assert st.batch_set_v1([key], page0) == [True]
+    stop = threading.Event()
+
+    def reader():
+        while not stop.is_set():
+            for key in ("a", "b"):
+                assert st.batch_get_v1([key], page0) == [True]
+
+    t = threading.Thread(target=reader)
+    t.start()
+    try:
+        stored = [k for k in (f"c{i}" for i in range(200)) if st.batch_set_v1([k], page0) == [True]]
+    finally:
+        stop.set()
+        t.join()
+    mixed = []
+    for k in stored:
+        assert st.batch_get_v1([k], page1) == [True]
+        for t_ in (hp.k_buffer, hp.v_buffer):
+            vals = torch.unique(t_.view(torch.uint8)[1]).tolist()
+            if vals not in ([1], [2]):
+                mixed.append((k, vals))
+    st.close()
+    assert len(stored) == 200 and not mixed, mixed[:3]

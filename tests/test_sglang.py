@@ -150,6 +150,36 @@ def test_flat_page_interface(tmp_path):
     be.close()
 
 
+def test_flat_pages_from_many_threads_keep_their_own_bytes(tmp_path):
+    # the flat-page calls share one scratch buffer: without holding it across copy and IO, one thread's
+    # set could store another's bytes under its key
+    import threading
+
+    pool = sglang_pool("page_first_direct", 128, 128)
+    be = KvtierStorage(config(tmp_path))
+    be.register_mem_pool_host(pool)
+    pages = {f"t{i}-{j}": torch.full((20000 + 4096 * (i % 3),), (i * 16 + j) % 251, dtype=torch.uint8)
+             for i in range(6) for j in range(12)}
+    errors = []
+
+    def worker(i):
+        for j in range(12):
+            key = f"t{i}-{j}"
+            if not be.set(key, pages[key]):
+                errors.append(f"set {key}")
+            out = torch.empty_like(pages[key])
+            if be.get(key, out) is None or not torch.equal(out, pages[key]):
+                errors.append(f"get {key}")
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    be.close()
+
+
 def test_page_hashes_equal_sglang():
     from sglang.srt.mem_cache.utils import get_hash_str
 

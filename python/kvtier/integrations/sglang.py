@@ -14,6 +14,7 @@ models whose K and V head dims differ (MiMo-V2) work — SGLang's own file backe
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any, List, Optional
 
 import torch
@@ -78,6 +79,9 @@ class KvtierStorage(HiCacheStorage):
             direct=opts["direct"],
         )
         self._scratch: HostBuffer | None = None
+        # One scratch buffer serves every flat-page call: a call holds it from its copy to its IO, or a
+        # concurrent set would store another page's bytes under this key (or a get return them).
+        self._scratch_lock = threading.Lock()
 
     # -- registration ---------------------------------------------------------------------------------
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
@@ -114,9 +118,10 @@ class KvtierStorage(HiCacheStorage):
         if not isinstance(value, torch.Tensor):
             raise InvalidArgumentError("invalid argument `value`: expected a torch.Tensor (a flat page)")
         raw = value.detach().contiguous().view(torch.uint8).reshape(-1).cpu()
-        buf = self._scratch_for(raw.numel())
-        buf.as_tensor(torch.uint8, (raw.numel(),)).copy_(raw)
-        return self.store._store().put([f"{key}.flat"], [buf.ptr], [raw.numel()])[0]
+        with self._scratch_lock:
+            buf = self._scratch_for(raw.numel())
+            buf.as_tensor(torch.uint8, (raw.numel(),)).copy_(raw)
+            return self.store._store().put([f"{key}.flat"], [buf.ptr], [raw.numel()])[0]
 
     def batch_set(self, keys: List[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None) -> bool:
         return all(self.set(k, v) for k, v in zip(keys, values))
@@ -125,10 +130,11 @@ class KvtierStorage(HiCacheStorage):
         if not isinstance(target_location, torch.Tensor):
             raise InvalidArgumentError("invalid argument `target_location`: expected the destination flat-page tensor")
         dst = target_location.view(torch.uint8).reshape(-1)
-        buf = self._scratch_for(dst.numel())
-        if not self.store._store().get([f"{key}.flat"], [buf.ptr], [dst.numel()])[0]:
-            return None
-        dst.copy_(buf.as_tensor(torch.uint8, (dst.numel(),)))
+        with self._scratch_lock:
+            buf = self._scratch_for(dst.numel())
+            if not self.store._store().get([f"{key}.flat"], [buf.ptr], [dst.numel()])[0]:
+                return None
+            dst.copy_(buf.as_tensor(torch.uint8, (dst.numel(),)))
         return target_location
 
     def batch_get(self, keys: List[str], target_locations: Any = None, target_sizes: Any = None) -> List[torch.Tensor | None]:
@@ -143,6 +149,7 @@ class KvtierStorage(HiCacheStorage):
 
     def close(self) -> None:
         self.store.close()
-        if self._scratch is not None:
-            self._scratch.close()
+        with self._scratch_lock:
+            if self._scratch is not None:
+                self._scratch.close()
 

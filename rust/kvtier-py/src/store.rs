@@ -5,7 +5,7 @@
 //! overlap, so no raw pointer from Python reaches the IO without being proven in bounds.
 
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Condvar, Mutex, RwLock};
 
 use kvtier_core::buffer::HostRegion;
 use kvtier_core::store::{PageStore, StoreOptions};
@@ -42,9 +42,78 @@ impl Region {
 pub struct PyPageStore {
     inner: RwLock<Option<Arc<PageStore>>>,
     regions: Mutex<Vec<Region>>,
+    /// Host ranges of the batches in flight, so that batches from several threads never write memory
+    /// another batch reads or writes (a `get` writes its destinations, a `put` reads its sources).
+    busy: Mutex<Busy>,
+    idle: Condvar,
+}
+
+/// `(start, len)` host ranges of one batch, sorted by start.
+type Ranges = Vec<(usize, usize)>;
+
+#[derive(Default)]
+struct Busy {
+    next: u64,
+    /// (batch id, whether it writes host memory, its ranges)
+    batches: Vec<(u64, bool, Ranges)>,
+}
+
+/// Whether two start-sorted lists of `(start, len)` ranges share a byte.
+fn overlap(a: &[(usize, usize)], b: &[(usize, usize)]) -> bool {
+    let (mut i, mut j) = (0, 0);
+    while i < a.len() && j < b.len() {
+        let (x, y) = (a[i], b[j]);
+        if x.0 < y.0.saturating_add(y.1) && y.0 < x.0.saturating_add(x.1) {
+            return true;
+        }
+        if x.0.saturating_add(x.1) <= y.0.saturating_add(y.1) {
+            i += 1;
+        } else {
+            j += 1;
+        }
+    }
+    false
+}
+
+/// A batch's claim on its host ranges; released on drop.
+struct Claim<'a> {
+    store: &'a PyPageStore,
+    id: u64,
+}
+
+impl Drop for Claim<'_> {
+    fn drop(&mut self) {
+        let mut b = self.store.busy.lock().unwrap_or_else(|p| p.into_inner());
+        b.batches.retain(|(id, _, _)| *id != self.id);
+        self.store.idle.notify_all();
+    }
 }
 
 impl PyPageStore {
+    /// Waits until no batch in flight conflicts with `ranges` (a writer conflicts with any overlap, readers
+    /// only with writers), then claims them. Call with the GIL released: the batch it waits for needs the
+    /// GIL to return. Each batch claims all its ranges at once, so claims cannot deadlock.
+    fn claim(&self, ptrs: &[usize], sizes: &[u64], writes: bool) -> Claim<'_> {
+        let mut ranges: Vec<(usize, usize)> = ptrs
+            .iter()
+            .zip(sizes)
+            .map(|(&p, &n)| (p, usize::try_from(n).unwrap_or(usize::MAX)))
+            .collect();
+        ranges.sort_unstable();
+        let mut b = self.busy.lock().unwrap_or_else(|p| p.into_inner());
+        while b
+            .batches
+            .iter()
+            .any(|(_, w, rs)| (*w || writes) && overlap(rs, &ranges))
+        {
+            b = self.idle.wait(b).unwrap_or_else(|p| p.into_inner());
+        }
+        let id = b.next;
+        b.next += 1;
+        b.batches.push((id, writes, ranges));
+        Claim { store: self, id }
+    }
+
     fn store(&self) -> KvResult<Arc<PageStore>> {
         self.inner
             .read()
@@ -139,6 +208,8 @@ impl PyPageStore {
         Ok(Self {
             inner: RwLock::new(Some(Arc::new(s))),
             regions: Mutex::new(Vec::new()),
+            busy: Mutex::new(Busy::default()),
+            idle: Condvar::new(),
         })
     }
 
@@ -157,7 +228,7 @@ impl PyPageStore {
 
     /// Allows IO into and out of a contiguous CPU tensor's bytes (`tensor.data_ptr()`, `tensor.nbytes`);
     /// the store keeps the tensor alive. For engines whose host pool memory is not kvtier's.
-    fn register_tensor(&self, tensor: Bound<'_, PyAny>) -> KvResult<()> {
+    fn register_tensor(&self, py: Python<'_>, tensor: Bound<'_, PyAny>) -> KvResult<()> {
         let contiguous: bool = tensor.call_method0("is_contiguous")?.extract()?;
         let device: String = tensor.getattr("device")?.getattr("type")?.extract()?;
         if !contiguous || device != "cpu" {
@@ -165,7 +236,13 @@ impl PyPageStore {
         }
         let ptr: usize = tensor.call_method0("data_ptr")?.extract()?;
         let len: usize = tensor.getattr("nbytes")?.extract()?;
-        let owner = Arc::new(tensor.unbind());
+        // hold the storage too: `set_()` on the tensor would otherwise free the memory registered here
+        let storage = tensor.call_method0("untyped_storage")?;
+        let owner = Arc::new(
+            pyo3::types::PyTuple::new(py, [tensor, storage])?
+                .into_any()
+                .unbind(),
+        );
         self.regions
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -188,10 +265,14 @@ impl PyPageStore {
         let s = self.store()?;
         let objs = Self::objs(&keys, &ptrs, &sizes)?;
         let _alive = self.check_ranges(&ptrs, &sizes, false)?;
-        // every range lies inside a registered region kept alive by `_alive` for the call; the
-        // caller (kvtier.PageStore) does not write those pages while a write of them is in flight.
-        // SAFETY: every range is inside a registered region that `_alive` keeps alive.
-        Ok(py.detach(|| unsafe { s.put(&objs) })?)
+        Ok(py.detach(|| {
+            let _claim = self.claim(&ptrs, &sizes, false);
+            // every range lies inside a registered region kept alive by `_alive` for the call, and no
+            // `get` of this store writes it while the claim is held (memory the engine itself writes, e.g.
+            // a device -> host backup into the same pages, is the caller's to order).
+            // SAFETY: every range is inside a live registered region that no batch of ours writes.
+            unsafe { s.put(&objs) }
+        })?)
     }
 
     /// Reads objects into memory; returns per object whether it was found and verified.
@@ -205,8 +286,12 @@ impl PyPageStore {
         let s = self.store()?;
         let objs = Self::objs(&keys, &ptrs, &sizes)?;
         let _alive = self.check_ranges(&ptrs, &sizes, true)?;
-        // SAFETY: every destination lies inside a registered, live region and no two overlap.
-        Ok(py.detach(|| unsafe { s.get(&objs) })?)
+        Ok(py.detach(|| {
+            let _claim = self.claim(&ptrs, &sizes, true);
+            // SAFETY: every destination lies inside a registered, live region, no two overlap, and no other
+            // batch of this store reads or writes them while the claim is held.
+            unsafe { s.get(&objs) }
+        })?)
     }
 
     fn exists(&self, keys: Vec<String>) -> KvResult<Vec<bool>> {
@@ -384,4 +469,31 @@ pub fn fault_clear() {
 #[pyfunction]
 pub fn fault_hits(point: &str) -> u64 {
     kvtier_core::fault::hits(point)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::overlap;
+
+    /// `overlap` against the quadratic definition, on random small cases (objects are never empty).
+    #[test]
+    fn overlap_matches_the_definition() {
+        let mut rng = 0x2545f4914f6cdd1du64;
+        let mut next = move |n: u64| {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            (rng % n) as usize
+        };
+        for _ in 0..20_000 {
+            let mut a: Vec<(usize, usize)> = (0..next(4)).map(|_| (next(40), 1 + next(8))).collect();
+            let mut b: Vec<(usize, usize)> = (0..next(4)).map(|_| (next(40), 1 + next(8))).collect();
+            a.sort_unstable();
+            b.sort_unstable();
+            let want = a
+                .iter()
+                .any(|x| b.iter().any(|y| x.0 < y.0 + y.1 && y.0 < x.0 + x.1));
+            assert_eq!(overlap(&a, &b), want, "{a:?} {b:?}");
+        }
+    }
 }

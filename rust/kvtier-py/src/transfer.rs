@@ -167,8 +167,12 @@ pub struct PyTransferPlan {
     chunks: Vec<plan::Chunk>,
     /// `chunks[layer_start[i]..layer_start[i + 1]]` are the chunks of layer `layers.start + i`.
     layer_start: Vec<usize>,
-    /// Keeps the device tensors alive as long as the plan can be submitted.
+    /// Keeps the device tensors and their storages alive as long as the plan can be submitted (holding
+    /// the storage matters: `set_()` or a reallocating `resize_` moves a tensor to new memory and would
+    /// free the memory this plan addresses).
     _owners: Py<PyAny>,
+    /// Whether the device tensors are CUDA tensors (copied by the copy engine) or CPU ones (`copy_cpu`).
+    cuda: bool,
 }
 
 #[pymethods]
@@ -219,12 +223,40 @@ impl PyTransferPlan {
         }
         let mut device = Vec::with_capacity(layers);
         let mut rows = usize::MAX;
-        for t in &device_layers {
+        let mut kinds = std::collections::BTreeSet::new();
+        let mut owners = Vec::with_capacity(2 * layers);
+        let host_span = region.as_ptr() as usize..region.as_ptr() as usize + region.len();
+        for (i, t) in device_layers.iter().enumerate() {
+            // `nbytes` spans the tensor's memory only when it is contiguous (an expanded view reports
+            // more bytes than it has); every range below is trusted to be exactly the tensor's memory.
+            let contiguous: bool = t.call_method0("is_contiguous")?.extract()?;
+            let kind: String = t.getattr("device")?.getattr("type")?.extract()?;
+            if !contiguous || (kind != "cpu" && kind != "cuda") {
+                return Err(Error::arg(
+                    "device_layers",
+                    format!("[{i}] must be a contiguous CPU or CUDA tensor (device {kind:?}, contiguous={contiguous})"),
+                )
+                .into());
+            }
             let ptr: usize = t.call_method0("data_ptr")?.extract()?;
             let len: usize = t.getattr("nbytes")?.extract()?;
+            if kind == "cpu" && ptr < host_span.end && host_span.start < ptr.saturating_add(len) {
+                return Err(Error::arg(
+                    "device_layers",
+                    format!("[{i}] overlaps the host buffer it would be copied to or from"),
+                )
+                .into());
+            }
+            kinds.insert(kind);
             rows = rows.min(len / row_bytes);
             device.push(RawRange { ptr, len });
+            owners.push(t.clone());
+            owners.push(t.call_method0("untyped_storage")?);
         }
+        if kinds.len() > 1 {
+            return Err(Error::arg("device_layers", "mixes CPU and CUDA tensors").into());
+        }
+        let cuda = kinds.contains("cuda");
         let req = Request {
             geo,
             host: RawRange {
@@ -248,24 +280,31 @@ impl PyTransferPlan {
         let layer_start = (req.layers.start..=req.layers.end)
             .map(|l| chunks.partition_point(|c| (c.layer as usize) < l))
             .collect();
-        let owners = pyo3::types::PyList::new(py, device_layers)?
-            .into_any()
-            .unbind();
+        let owners = pyo3::types::PyList::new(py, owners)?.into_any().unbind();
         Ok(Self {
             req,
             chunks,
             layer_start,
             _owners: owners,
+            cuda,
         })
     }
 
     /// Copy layers `[layer_begin, layer_end)` now with CPU `memcpy` (CPU device tensors), GIL released.
     fn copy_cpu(&self, py: Python<'_>, layer_begin: usize, layer_end: usize) -> KvResult<()> {
+        if self.cuda {
+            return Err(Error::arg(
+                "plan",
+                "made for CUDA tensors: submit it to a stream instead of copy_cpu",
+            )
+            .into());
+        }
         let part = self.slice(layer_begin, layer_end)?;
         let req = &self.req;
-        // `req.host` is inside the live region (Arc held by `req`); each device range is a live CPU
-        // tensor held by `_owners`; host memory is Rust-owned anonymous memory, so it cannot overlap a torch
-        // tensor's storage; copy_cpu re-checks every chunk against both ranges.
+        // `req.host` is inside the live region (Arc held by `req`); each device range is the memory of a
+        // contiguous CPU tensor whose storage `_owners` holds (checked in `new`, with `cuda` false here);
+        // `new` refused device ranges overlapping the region (a view of the host buffer is a CPU tensor
+        // too), so source and destination never overlap; copy_cpu re-checks every chunk against both.
         // SAFETY: chunks are re-checked against the live host region and CPU tensors.
         py.detach(|| unsafe { plan::copy_cpu(req.dir, req.host, &req.device, part) })?;
         Ok(())
@@ -394,6 +433,13 @@ fn build_groups(
     lanes: usize,
     events: &[usize],
 ) -> KvResult<Vec<Group<Copies>>> {
+    if let Some(i) = plans.iter().position(|p| !p.cuda) {
+        return Err(Error::arg(
+            "plans",
+            format!("[{i}] was made for CPU tensors: the copy engine needs CUDA device tensors"),
+        )
+        .into());
+    }
     let groups = if per_layer {
         layer_end.saturating_sub(layer_begin)
     } else {
