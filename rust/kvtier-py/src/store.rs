@@ -486,8 +486,10 @@ mod tests {
             (rng % n) as usize
         };
         for _ in 0..20_000 {
-            let mut a: Vec<(usize, usize)> = (0..next(4)).map(|_| (next(40), 1 + next(8))).collect();
-            let mut b: Vec<(usize, usize)> = (0..next(4)).map(|_| (next(40), 1 + next(8))).collect();
+            let mut a: Vec<(usize, usize)> =
+                (0..next(4)).map(|_| (next(40), 1 + next(8))).collect();
+            let mut b: Vec<(usize, usize)> =
+                (0..next(4)).map(|_| (next(40), 1 + next(8))).collect();
             a.sort_unstable();
             b.sort_unstable();
             let want = a
