@@ -136,3 +136,34 @@ def test_a_put_never_captures_a_page_a_concurrent_get_is_writing(tmp_path):
                 mixed.append((k, vals))
     st.close()
     assert len(stored) == 200 and not mixed, mixed[:3]
+
+
+def vm_size() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+
+
+@pytest.mark.parametrize("offset,nbytes", [(0, (8 << 20) + 1), (8 << 20, 1), (-1, 1), (0, -1), (1 << 62, 1 << 62)])
+def test_dlpack_export_is_bounded_by_the_region(offset, nbytes):
+    b = kvtier.HostBuffer(8 << 20, huge_pages="off")
+    with pytest.raises(kvtier.InvalidArgumentError, match="do not fit"):
+        b._region.dlpack(offset, nbytes)
+    b.close()
+
+
+def test_dlpack_capsules_keep_the_memory_until_dropped_consumed_or_not():
+    from torch.utils.dlpack import from_dlpack
+
+    n = 256 << 20
+    before = vm_size()
+    b = kvtier.HostBuffer(n, huge_pages="off", prefault_threads=0)
+    unconsumed = b._region.dlpack(0, n)
+    view = from_dlpack(b._region.dlpack(4096, 4096))
+    b.close()  # the buffer is closed, but the capsule and the view still own the mapping
+    assert vm_size() >= before + n
+    view.fill_(7)
+    assert int(view.sum()) == 7 * 4096
+    del view
+    assert vm_size() >= before + n  # the unconsumed capsule still holds it
+    del unconsumed  # its destructor releases the last reference
+    assert vm_size() < before + n // 2

@@ -69,3 +69,15 @@ def test_a_launch_whose_work_count_overflows_32_bits_is_refused_before_it_runs()
         kernels.run_rows([huge], 0, 48, per_layer=False)
     with pytest.raises(ValueError, match="too many"):
         kernels.run_rows([huge], 0, 48, per_layer=True, events=[[object()]] * 48)
+
+
+def test_a_launch_that_overflows_only_over_all_layers_runs_layer_by_layer(monkeypatch):
+    # n_tok * sub-rows fits 32 bits for one layer but not for 48: an all-layer launch is split per layer
+    t = torch.zeros(4, dtype=torch.int64)
+    consts = dict(ROW_WORDS=192, LAYOUT=1, TO_HOST=False, BLOCK_T=32, BLOCK_W=64, ALIGN=64, PREFETCH=True)
+    n_tok = (1 << 31) // 3 // 8  # x 3 sub-rows: under 2^31 for one layer, over it for 48
+    x = kernels.RowsLaunch(t, t, t, t, t, (n_tok, 1 << 30, 48, 64), consts, 16, 8, ("test",))
+    calls = []
+    monkeypatch.setattr(kernels.RowsLaunch, "run_triton", lambda self, layer, n: calls.append((layer, n)))
+    kernels.run_rows([x], 0, 48, per_layer=False)
+    assert calls == [(layer, 1) for layer in range(48)]

@@ -66,3 +66,28 @@ def test_cuda_round_trip_bit_exact(dtype, kind, layout, backend, index_device):
         for t, o in ((dp.k_buffer[layer], orig[layer]), (dp.v_buffer[layer], orig[L + layer])):
             assert torch.equal(u8(t[d2c]), u8(o[dc]))
             assert bool((u8(t[mask.cuda()]) == 0x3C).all())
+
+
+@pytest.mark.parametrize("kind, layout, backend", COMBOS)
+def test_unpinned_host_pool_falls_back_to_torch_copies_bit_exact(kind, layout, backend):
+    # unregistered host memory must never reach the kernel (it dereferences host pointers) or the batched
+    # DMA: an unpinned pool takes torch's copies instead, and is still exact
+    ps, L, H, DK = 16, 3, 2, 192
+    DV = 128 if kind == "asym" else DK
+    dp = DeviceKVPool(8 * ps, ps, L, H, DK, DV, torch.bfloat16, "cuda")
+    for t in dp.k_buffer + dp.v_buffer:
+        u8(t).copy_(torch.randint(0, 256, u8(t).shape, dtype=torch.uint8, device="cuda"))
+    orig = [t.clone() for t in dp.k_buffer + dp.v_buffer]
+    hp = host_pool_for(dp, layout=layout, pin_memory=False)
+    assert not hp.k_buffer.is_pinned()
+    h, d = pages(ps, [3, 1, 4]), pages(ps, [2, 5, 7])
+    hp.backup_from_device_all_layer(dp, h, d, backend)
+    for t in dp.k_buffer + dp.v_buffer:
+        t.zero_()
+    for layer in range(L):
+        hp.load_to_device_per_layer(dp, h, d, layer, backend)
+    torch.cuda.synchronize()
+    rows = d.cuda()
+    for a, b in zip(dp.k_buffer + dp.v_buffer, orig):
+        assert torch.equal(u8(a[rows]), u8(b[rows]))
+    hp.close()
