@@ -288,8 +288,9 @@ impl PyPageStore {
         let _alive = self.check_ranges(&ptrs, &sizes, true)?;
         Ok(py.detach(|| {
             let _claim = self.claim(&ptrs, &sizes, true);
-            // SAFETY: every destination lies inside a registered, live region, no two overlap, and no other
-            // batch of this store reads or writes them while the claim is held.
+            // every destination lies inside a registered, live region, no two overlap, and no other batch
+            // of this store reads or writes them while the claim is held.
+            // SAFETY: live, disjoint destinations that no other batch of this store touches meanwhile.
             unsafe { s.get(&objs) }
         })?)
     }
