@@ -19,7 +19,7 @@ SGLANG := sglang==0.5.23
 SGLANG_IMPORT_DEPS := orjson psutil pybase64 requests pillow starlette msgspec pydantic pyzmq tqdm ipython \
 	aiohttp transformers dill apache-tvm-ffi sentencepiece compressed-tensors gguf ninja
 
-.PHONY: help install build build-profiling demo test test-rust test-python test-gpu bench bench-rust gpu-wheel lint clean
+.PHONY: help install build build-profiling demo test test-rust test-python test-gpu bench bench-rust gpu-wheel lint clean sanitize sanitize-quick soak
 
 help: ## Show this help
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-16s\033[0m %s\n", $$1, $$2}'
@@ -47,7 +47,7 @@ build-profiling: $(DEPS_STAMP) ## Release build with debug symbols, for perf/fla
 demo: build ## Run the main job (kvtier demo)
 	$(VPY) -m kvtier demo
 
-test: test-rust test-python ## cargo test over the workspace, then pytest (CUDA tests skip without a GPU)
+test: test-rust test-python sanitize-quick ## cargo test, pytest (CUDA tests skip without a GPU; short soak, fuzz and fault runs included), ASan quick run
 
 test-rust: $(DEPS_STAMP)
 	cargo test --workspace --quiet
@@ -72,3 +72,12 @@ lint: ## cargo fmt --check and clippy
 clean: ## Remove build outputs (keeps .venv)
 	cargo clean
 	rm -rf .wheel $(BUILD_STAMP)
+
+sanitize: ## ASan+LSan, TSan (nightly), Miri (if installed), valgrind over kvtier-core's tests; skips what is missing
+	scripts/sanitize.sh
+
+sanitize-quick: ## ASan+LSan only over kvtier-core's unit tests (short CI variant; skips without nightly)
+	scripts/sanitize.sh asan-quick
+
+soak: build ## Soak: 2 processes x 4 threads against the real components for SOAK_SECONDS (default 120); JSON in target/soak.json
+	$(VPY) tests/soak/soak.py --seconds $${SOAK_SECONDS:-120} --procs 2 --threads 4 --out target/soak.json
