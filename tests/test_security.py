@@ -178,3 +178,30 @@ def test_no_code_executing_deserialisation_in_the_package():
                 if FORBIDDEN.search(code):
                     hits.append(f"{p.relative_to(REPO)}:{n}: {line.strip()}")
     assert not hits, "code-executing deserialisation (or eval/exec) found:\n" + "\n".join(hits)
+
+
+def test_a_planted_namespace_tmp_symlink_is_replaced_not_followed(tmp_path):
+    hp = make_pool()
+    root = tmp_path / "store"
+    root.mkdir()
+    d = namespace_dir(root, hp)
+    d.mkdir(mode=0o700)
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    (d / "NAMESPACE.tmp").symlink_to(victim)
+    with PageStore(root) as st:
+        st.register_mem_pool_host(hp)
+        assert st.batch_set_v1(["k"], pages_idx([0])) == [True]
+    assert victim.read_bytes() == b"precious"
+
+
+def test_a_namespace_file_that_is_not_ours_is_refused_not_overwritten(tmp_path):
+    hp = make_pool()
+    root = tmp_path / "store"
+    root.mkdir()
+    d = namespace_dir(root, hp)
+    d.mkdir(mode=0o700)
+    (d / "NAMESPACE").write_bytes(b"\xff\xfe not utf-8")
+    with pytest.raises(kvtier.InvalidArgumentError, match="belongs to namespace"):
+        PageStore(root).register_mem_pool_host(hp)
+    assert (d / "NAMESPACE").read_bytes() == b"\xff\xfe not utf-8"

@@ -83,6 +83,9 @@ pub struct Stats {
     pub write_failures: AtomicU64,
     /// Reads that failed with an IO error.
     pub read_failures: AtomicU64,
+    /// Journal records dropped at open because they named no bytes the store could have written (an
+    /// object past its class file's end, a length outside its class).
+    pub dropped_records: AtomicU64,
 }
 
 #[derive(Clone, Debug)]
@@ -295,21 +298,32 @@ impl PageStore {
         let dir = root.join(namespace_dir(namespace));
         owner_only_dir(&dir)?;
         let ns_file = dir.join("NAMESPACE");
-        match std::fs::read_to_string(&ns_file) {
-            Ok(s) if s == namespace => {}
+        match std::fs::read(&ns_file) {
+            Ok(s) if s == namespace.as_bytes() => {}
+            // anything else there (another namespace, bytes that are not even UTF-8) is not ours to reuse
             Ok(s) => {
                 return Err(Error::arg(
                     "namespace",
                     format!(
-                        "directory {} belongs to namespace {s:?}, not {namespace:?}",
-                        dir.display()
+                        "directory {} belongs to namespace {:?}, not {namespace:?}",
+                        dir.display(),
+                        String::from_utf8_lossy(&s)
                     ),
                 ))
+            }
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                return Err(io_err(format!("reading {}", ns_file.display()), e))
             }
             Err(_) => {
                 let tmp = dir.join("NAMESPACE.tmp");
                 (|| -> std::io::Result<()> {
-                    let f = open_rw(&tmp, 0)?; // 0600, whatever the umask
+                    // a leftover (or planted) NAMESPACE.tmp is replaced, never followed: a symlink there
+                    // would otherwise let the truncation below hit the file it points to
+                    match std::fs::remove_file(&tmp) {
+                        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+                        _ => {}
+                    }
+                    let f = open_rw(&tmp, libc::O_NOFOLLOW | libc::O_EXCL)?; // 0600, whatever the umask
                     f.set_len(0)?;
                     f.write_all_at(namespace.as_bytes(), 0)?;
                     f.sync_data()
@@ -369,6 +383,7 @@ impl PageStore {
             .read_to_end(&mut bytes)
             .map_err(|e| io_err("reading journal.log", e))?;
         let (records, valid) = journal::parse(&bytes);
+        let mut dropped_records = 0u64;
         let recovered_tail = (bytes.len() - valid) as u64;
         if recovered_tail > 0 {
             journal
@@ -379,6 +394,10 @@ impl PageStore {
                 .map_err(|e| io_err("syncing journal.log", e))?;
         }
         let mut index = Index::default();
+        // A record can only name bytes the store once wrote: an object that lies inside its class file, a
+        // length within its class. Anything else (a record this store never wrote, a truncated
+        // data file) names no object: it is dropped, and never sizes a free list or a read buffer.
+        let mut file_len: HashMap<u32, u64> = HashMap::new();
         for r in records {
             match r {
                 Record::Put {
@@ -388,6 +407,22 @@ impl PageStore {
                     len,
                     crc,
                 } => {
+                    let flen = *file_len.entry(class).or_insert_with(|| {
+                        std::fs::symlink_metadata(dir.join(format!("class-{class}.dat")))
+                            .ok()
+                            .filter(|m| m.is_file())
+                            .map_or(0, |m| m.len())
+                    });
+                    let plausible = u64::from(class) % ALIGN == 0
+                        && class > 0
+                        && len > 0
+                        && len <= u64::from(class)
+                        && u64::from(slot) * u64::from(class) + len <= flen;
+                    if !plausible {
+                        index.remove(&key);
+                        dropped_records += 1;
+                        continue;
+                    }
                     let n = index.next.entry(class).or_insert(0);
                     *n = (*n).max(slot + 1);
                     index.insert(
@@ -440,6 +475,10 @@ impl PageStore {
             stats: Stats::default(),
             recovered_tail,
         };
+        store
+            .stats
+            .dropped_records
+            .store(dropped_records, Ordering::Relaxed);
         // Honour a capacity smaller than what is stored (reopened with a lower limit).
         let evicted = store.evict_to(0)?;
         store.append(

@@ -339,6 +339,7 @@ impl PyPageStore {
             ("corrupt_reads", ld(&st.corrupt_reads)),
             ("write_failures", ld(&st.write_failures)),
             ("read_failures", ld(&st.read_failures)),
+            ("dropped_records", ld(&st.dropped_records)),
             ("objects", objects as u64),
             ("bytes_used", used),
             ("capacity_bytes", s.capacity()),
