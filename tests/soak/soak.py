@@ -8,7 +8,8 @@ Each process serves its own namespace in one shared store directory (two process
 tensor-parallel ranks do). Process 0's store is small, so pages are evicted and a miss is legitimate; the
 others' stores are large enough that a miss of an acknowledged page is a divergence (a lost page). Wrong
 bytes anywhere, a deleted or never-written key that reads back, or an exception are divergences. RSS and
-open file descriptors are sampled after a warm-up and at the end; they must stay flat. Prints one line per
+open file descriptors are sampled after a warm-up and at the end; they must stay flat (the store's own
+files, opened per size class and again after each reopen, are held to a fixed bound instead). Prints one line per
 process and a summary; writes JSON with ``--out``; exits 1 on any divergence or growth.
 """
 
@@ -38,8 +39,22 @@ def rss_bytes() -> int:
     return 0
 
 
-def open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
+def open_fds(root: str) -> tuple[int, int]:
+    """(descriptors outside the store directory, descriptors of files inside it). The store opens one file
+    per object size class lazily (and again after a reopen), so its own count moves between bounds; every
+    other descriptor must stay flat."""
+    other = store = 0
+    root = os.path.realpath(root)
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue  # closed meanwhile (the listing's own descriptor)
+        if target.startswith(root + os.sep):
+            store += 1
+        else:
+            other += 1
+    return other, store
 
 
 class RWLock:
@@ -304,10 +319,10 @@ class Worker:
             th.start()
         while time.monotonic() < warm_end:
             time.sleep(0.05)
-        rss0, fds0 = rss_bytes(), open_fds()
+        rss0, (fds0, store_fds0) = rss_bytes(), open_fds(self.root)
         for th in threads:
             th.join()
-        rss1, fds1 = rss_bytes(), open_fds()  # the store is open at both samples
+        rss1, (fds1, store_fds1) = rss_bytes(), open_fds(self.root)  # the store is open at both samples
         with self.store_lock:
             stats = self.store.get_stats()
             self.evictions += stats["evictions"]
@@ -316,7 +331,7 @@ class Worker:
         return dict(rank=self.rank, seconds=round(time.monotonic() - t0, 1), threads=self.nthreads,
                     ops=sum(self.counts.values()), counts=self.counts, bytes_moved=self.bytes,
                     divergences=self.divergences, rss_after_warmup=rss0, rss_end=rss1, fds_after_warmup=fds0,
-                    fds_end=fds1, store_evictions=self.evictions, store_corrupt_reads=stats["corrupt_reads"],
+                    fds_end=fds1, store_fds_after_warmup=store_fds0, store_fds_end=store_fds1, store_evictions=self.evictions, store_corrupt_reads=stats["corrupt_reads"],
                     store_pages=stats["pages"])
 
 
@@ -364,12 +379,15 @@ def main(argv=None) -> int:
         print(f"process {res['rank']}: {res['ops']} ops in {res['seconds']} s on {res['threads']} threads, "
               f"{res['bytes_moved'] / 1e6:.1f} MB moved, {len(res['divergences'])} divergences, RSS "
               f"{res['rss_after_warmup'] / 2**20:.0f} -> {res['rss_end'] / 2**20:.0f} MiB, fds {res['fds_after_warmup']} -> "
-              f"{res['fds_end']}, evictions {res['store_evictions']}, ops {res['counts']}")
+              f"{res['fds_end']} (store files {res['store_fds_after_warmup']} -> {res['store_fds_end']}), evictions {res['store_evictions']}, ops {res['counts']}")
         failures += [f"process {res['rank']}: {d}" for d in res["divergences"]]
         if growth > args.rss_slack_mb:
             failures.append(f"process {res['rank']}: RSS grew {growth:.0f} MiB after warm-up")
         if res["fds_end"] > res["fds_after_warmup"]:
             failures.append(f"process {res['rank']}: open fds grew {res['fds_after_warmup']} -> {res['fds_end']}")
+        # LOCK, journal, and per size class (two here: K and V pages) a buffered and an O_DIRECT handle
+        if res["store_fds_end"] > 8:
+            failures.append(f"process {res['rank']}: {res['store_fds_end']} descriptors into the store directory")
     summary = dict(date=time.strftime("%Y-%m-%d %H:%M:%S"), seconds=args.seconds, procs=args.procs, threads=args.threads,
                    device=args.device, wall_s=round(time.time() - t0, 1), ops=sum(r["ops"] for r in results),
                    bytes_moved=sum(r["bytes_moved"] for r in results), divergences=len(failures), failures=failures,
