@@ -5,7 +5,9 @@ the real components, and check every byte against an in-memory model of what eac
     python tests/soak/soak.py --seconds 120 --procs 2 --threads 4 [--out results.json] [--device cpu]
 
 Each process serves its own namespace in one shared store directory (two processes, one directory, as
-tensor-parallel ranks do). Process 0's store is small, so pages are evicted and a miss is legitimate; the
+tensor-parallel ranks do), and one more thread per process drives a ``TierController`` (backup, match, prefetch
+from the store, per-layer load) over its own pools and namespace, checking every loaded page. Process 0's store
+is small, so pages are evicted and a miss is legitimate; the
 others' stores are large enough that a miss of an acknowledged page is a divergence (a lost page). Wrong
 bytes anywhere, a deleted or never-written key that reads back, or an exception are divergences. RSS and
 open file descriptors are sampled after a warm-up and at the end; they must stay flat (the store's own
@@ -152,16 +154,17 @@ class Worker:
         v = self.hp.v_buffer[page].reshape(-1).view(t.uint8).numpy()
         return k, v
 
-    def device_rows(self, first_row: int, seed: int, write: bool):
+    def device_rows(self, first_row: int, seed: int, write: bool, pool=None):
         """Write (or compare) the K/V content of seed ``seed`` into the device rows of one page."""
         t = self.torch
+        dp = self.dp if pool is None else pool
         ks, vs = content(seed, self.page_k), content(seed + 1, self.page_v)
         ok = True
         for layer in range(LAYERS):
             kk = ks[layer * PS * HEADS * DK * 2 : (layer + 1) * PS * HEADS * DK * 2]
             vv = vs[layer * PS * HEADS * DV * 2 : (layer + 1) * PS * HEADS * DV * 2]
-            kd = self.dp.k_buffer[layer][first_row : first_row + PS].view(t.uint8)
-            vd = self.dp.v_buffer[layer][first_row : first_row + PS].view(t.uint8)
+            kd = dp.k_buffer[layer][first_row : first_row + PS].view(t.uint8)
+            vd = dp.v_buffer[layer][first_row : first_row + PS].view(t.uint8)
             if write:
                 kd.copy_(t.from_numpy(kk.copy()).view(kd.shape))
                 vd.copy_(t.from_numpy(vv.copy()).view(vd.shape))
@@ -310,11 +313,74 @@ class Worker:
                 self.diverge(f"{op}: exception\n{traceback.format_exc()}")
                 return
 
+    def run_controller(self, deadline: float) -> None:
+        """One scheduler thread driving a TierController (its own pools and namespace): backups of pages
+        whose content is a function of their key, then match / prefetch from the store / per-layer load of
+        random prefixes, every loaded page checked. The host pool holds 6 pages of a 24-key universe, so pages
+        are evicted to the store and prefetched back all the time."""
+        import zlib
+
+        t, kvtier = self.torch, self.kvtier
+        rng = random.Random(self.rng.random())
+        cdp = kvtier.DeviceKVPool(8 * PS, PS, LAYERS, HEADS, DK, DV, t.bfloat16, self.device)
+        chp = kvtier.host_pool_for(cdp, host_to_device_ratio=0.75, layout="page_first_direct", pin_memory=self.device == "cuda")
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            cstore = kvtier.PageStore(self.root, capacity_bytes=1 << 34, model_name=f"soak-ctrl-{self.rank}", io_threads=4)
+            cstore.register_mem_pool_host(chp)
+        ctrl = kvtier.TierController(cdp, chp, cstore, io_backend="direct")
+        universe = [f"ctrl{self.rank}-{i}" for i in range(24)]
+
+        def seed_of(key: str) -> int:
+            return zlib.crc32(key.encode()) << 1
+
+        sync = t.cuda.synchronize if self.device == "cuda" else (lambda: None)
+        try:
+            while time.monotonic() < deadline:
+                keys = rng.sample(universe, rng.randint(1, 4))
+                rows = t.arange(PS, PS + len(keys) * PS, dtype=t.int64)
+                if rng.random() < 0.4:
+                    for j, k in enumerate(keys):
+                        self.device_rows(PS + j * PS, seed_of(k), write=True, pool=cdp)
+                    ctrl.backup(rows, keys)
+                    ctrl.wait_idle()
+                    self.count("ctrl_backup", len(keys) * (self.page_k + self.page_v))
+                    continue
+                host, disk = ctrl.match(keys)
+                if disk:
+                    ctrl.prefetch(keys[: host + disk]).result()
+                    self.count("ctrl_prefetch")
+                have, _ = ctrl.match(keys)
+                if have:
+                    for j in range(have):  # poison first: a load that moved nothing must not pass
+                        self.device_rows(PS + j * PS, 1, write=True, pool=cdp)
+                    load = ctrl.load(keys[:have], rows[: have * PS])
+                    for layer in range(LAYERS):
+                        load.wait(layer)
+                    load.synchronize()
+                    sync()
+                    for j, k in enumerate(keys[:have]):
+                        if not self.device_rows(PS + j * PS, seed_of(k), write=False, pool=cdp):
+                            self.diverge(f"controller: {k} loaded wrong bytes")
+                    self.count("ctrl_load", have * (self.page_k + self.page_v))
+                ctrl.wait_idle()
+        except Exception:  # noqa: BLE001 - every exception is a finding
+            self.diverge(f"controller: exception\n{traceback.format_exc()}")
+        finally:
+            ctrl.close()
+            with self.lock:
+                self.ctrl_stats = dict(vars(ctrl.stats))
+            cstore.close()
+            chp.close()
+
     def run(self, seconds: float) -> dict:
         t0 = time.monotonic()
         warm_end = t0 + max(1.0, 0.25 * seconds)
         deadline = t0 + seconds
         threads = [threading.Thread(target=self.run_thread, args=(i, deadline)) for i in range(self.nthreads)]
+        threads.append(threading.Thread(target=self.run_controller, args=(deadline,)))
         for th in threads:
             th.start()
         while time.monotonic() < warm_end:
@@ -332,7 +398,7 @@ class Worker:
                     ops=sum(self.counts.values()), counts=self.counts, bytes_moved=self.bytes,
                     divergences=self.divergences, rss_after_warmup=rss0, rss_end=rss1, fds_after_warmup=fds0,
                     fds_end=fds1, store_fds_after_warmup=store_fds0, store_fds_end=store_fds1, store_evictions=self.evictions, store_corrupt_reads=stats["corrupt_reads"],
-                    store_pages=stats["pages"])
+                    store_pages=stats["pages"], controller=getattr(self, "ctrl_stats", None))
 
 
 def main(argv=None) -> int:
@@ -385,8 +451,9 @@ def main(argv=None) -> int:
             failures.append(f"process {res['rank']}: RSS grew {growth:.0f} MiB after warm-up")
         if res["fds_end"] > res["fds_after_warmup"]:
             failures.append(f"process {res['rank']}: open fds grew {res['fds_after_warmup']} -> {res['fds_end']}")
-        # LOCK, journal, and per size class (two here: K and V pages) a buffered and an O_DIRECT handle
-        if res["store_fds_end"] > 8:
+        # two stores per process (the threads' and the controller's), each with LOCK, journal and, per size
+        # class (two here: K and V pages), a buffered and an O_DIRECT handle
+        if res["store_fds_end"] > 12:
             failures.append(f"process {res['rank']}: {res['store_fds_end']} descriptors into the store directory")
     summary = dict(date=time.strftime("%Y-%m-%d %H:%M:%S"), seconds=args.seconds, procs=args.procs, threads=args.threads,
                    device=args.device, wall_s=round(time.time() - t0, 1), ops=sum(r["ops"] for r in results),

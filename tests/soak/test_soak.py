@@ -24,7 +24,7 @@ def test_short_soak_has_no_divergence(tmp_path):
     assert res["divergences"] == 0 and len(res["processes"]) == 2
     for p in res["processes"]:
         assert p["ops"] > 500, p  # the run really did work
-        for op in ("backup", "load", "set", "get", "delete", "reopen"):
+        for op in ("backup", "load", "set", "get", "delete", "reopen", "ctrl_backup", "ctrl_prefetch", "ctrl_load"):
             assert p["counts"].get(op, 0) > 0, (op, p["counts"])
     assert any(p["store_evictions"] > 0 for p in res["processes"]), "process 0's store must evict"
 
