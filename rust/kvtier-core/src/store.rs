@@ -297,6 +297,24 @@ impl PageStore {
             .map_err(|e| io_err(format!("creating {}", root.display()), e))?;
         let dir = root.join(namespace_dir(namespace));
         owner_only_dir(&dir)?;
+        // the lock first: two processes creating one namespace must not race on NAMESPACE.tmp
+        let lock = open_rw(&dir.join("LOCK"), 0).map_err(|e| io_err("opening LOCK", e))?;
+        // SAFETY: flock on a file descriptor we own.
+        if unsafe {
+            libc::flock(
+                std::os::fd::AsRawFd::as_raw_fd(&lock),
+                libc::LOCK_EX | libc::LOCK_NB,
+            )
+        } != 0
+        {
+            return Err(Error::Os {
+                what: format!(
+                    "namespace {namespace:?} at {} is already open for writing (LOCK held)",
+                    dir.display()
+                ),
+                source: std::io::Error::last_os_error(),
+            });
+        }
         let ns_file = dir.join("NAMESPACE");
         match std::fs::read(&ns_file) {
             Ok(s) if s == namespace.as_bytes() => {}
@@ -323,31 +341,13 @@ impl PageStore {
                         Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
                         _ => {}
                     }
-                    let f = open_rw(&tmp, libc::O_NOFOLLOW | libc::O_EXCL)?; // 0600, whatever the umask
-                    f.set_len(0)?;
+                    let f = open_rw(&tmp, libc::O_NOFOLLOW | libc::O_EXCL)?; // new, 0600 whatever the umask
                     f.write_all_at(namespace.as_bytes(), 0)?;
                     f.sync_data()
                 })()
                 .map_err(|e| io_err("writing NAMESPACE", e))?;
                 std::fs::rename(&tmp, &ns_file).map_err(|e| io_err("publishing NAMESPACE", e))?;
             }
-        }
-        let lock = open_rw(&dir.join("LOCK"), 0).map_err(|e| io_err("opening LOCK", e))?;
-        // SAFETY: flock on a file descriptor we own.
-        if unsafe {
-            libc::flock(
-                std::os::fd::AsRawFd::as_raw_fd(&lock),
-                libc::LOCK_EX | libc::LOCK_NB,
-            )
-        } != 0
-        {
-            return Err(Error::Os {
-                what: format!(
-                    "namespace {namespace:?} at {} is already open for writing (LOCK held)",
-                    dir.display()
-                ),
-                source: std::io::Error::last_os_error(),
-            });
         }
         let (direct, direct_note) = match opts.direct {
             Some(false) => (
@@ -384,6 +384,8 @@ impl PageStore {
             .map_err(|e| io_err("reading journal.log", e))?;
         let (records, valid) = journal::parse(&bytes);
         let mut dropped_records = 0u64;
+        // keys whose latest record was dropped (a later put or delete of the key takes it out again)
+        let mut dropped: std::collections::BTreeSet<String> = std::collections::BTreeSet::new();
         let recovered_tail = (bytes.len() - valid) as u64;
         if recovered_tail > 0 {
             journal
@@ -407,12 +409,22 @@ impl PageStore {
                     len,
                     crc,
                 } => {
-                    let flen = *file_len.entry(class).or_insert_with(|| {
-                        std::fs::symlink_metadata(dir.join(format!("class-{class}.dat")))
-                            .ok()
-                            .filter(|m| m.is_file())
-                            .map_or(0, |m| m.len())
-                    });
+                    let flen = match file_len.get(&class) {
+                        Some(&n) => n,
+                        None => {
+                            // only a missing (or non-file) class file has no bytes; any other error fails
+                            // the open rather than dropping every record of the class
+                            let p = dir.join(format!("class-{class}.dat"));
+                            let n = match std::fs::symlink_metadata(&p) {
+                                Ok(m) if m.is_file() => m.len(),
+                                Ok(_) => 0,
+                                Err(e) if e.kind() == std::io::ErrorKind::NotFound => 0,
+                                Err(e) => return Err(io_err(format!("stat {}", p.display()), e)),
+                            };
+                            file_len.insert(class, n);
+                            n
+                        }
+                    };
                     let plausible = u64::from(class) % ALIGN == 0
                         && class > 0
                         && len > 0
@@ -421,8 +433,10 @@ impl PageStore {
                     if !plausible {
                         index.remove(&key);
                         dropped_records += 1;
+                        dropped.insert(key);
                         continue;
                     }
+                    dropped.remove(&key);
                     let n = index.next.entry(class).or_insert(0);
                     *n = (*n).max(slot + 1);
                     index.insert(
@@ -438,6 +452,7 @@ impl PageStore {
                     );
                 }
                 Record::Del { key } => {
+                    dropped.remove(&key);
                     index.remove(&key);
                 }
             }
@@ -479,6 +494,11 @@ impl PageStore {
             .stats
             .dropped_records
             .store(dropped_records, Ordering::Relaxed);
+        // A key whose latest record was dropped is deleted for good: if the record became plausible at a
+        // later open (the class file grew as new objects took its slot), two entries would share a slot.
+        // (After a compaction these deletes are redundant, and harmless.)
+        let gone: Vec<Record> = dropped.into_iter().map(|key| Record::Del { key }).collect();
+        store.append(&gone)?;
         // Honour a capacity smaller than what is stored (reopened with a lower limit).
         let evicted = store.evict_to(0)?;
         store.append(
