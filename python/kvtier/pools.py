@@ -451,8 +451,11 @@ class _Prepared:
 
 def _unchanged(prepared: "_Prepared", host_indices: Any, device_indices: Any) -> bool:
     """Whether CPU index tensors still hold what was validated: writes through ``.numpy()`` or DLPack do not
-    bump ``_version``, so the cache key alone cannot tell (CUDA index tensors are only written by torch ops,
-    which do). A length-n comparison, cheap next to the copy it guards."""
+    bump ``_version``, so the cache key alone cannot tell. A length-n comparison, cheap next to the copy it
+    guards. CUDA index tensors are not compared (that would cost a device-to-host copy per call): a caller
+    that rewrites a CUDA index buffer outside torch (a Triton kernel, CUDA-graph replay, DLPack) must pass a
+    new tensor or bump its version (``t.add_(0)``); otherwise the previously validated indices are used —
+    never unvalidated ones, since only the private validated copy reaches the copies."""
     for t, validated in ((host_indices, prepared.host), (device_indices, prepared.device)):
         if t.device.type == "cpu" and not np.array_equal(t.detach().numpy(), validated):
             return False
@@ -470,7 +473,8 @@ def _index_array(name: str, t: Any):
     # A private copy: the validated indices must be exactly those that reach the copies and the kernel.
     # A view of the caller's CPU tensor could be changed after validation (numpy or DLPack writes do not
     # bump the tensor's version, and validation runs with the GIL released).
-    return np.array(t.detach().to("cpu").numpy(), dtype=np.int64, copy=True)
+    h = t.detach().to("cpu")
+    return np.array(h.numpy(), dtype=np.int64, copy=True) if t.device.type == "cpu" else h.numpy()
 
 
 class MHAHostPool(_HostKVPool):

@@ -4,7 +4,7 @@
 //! (a short write) or success (a torn write, which only the checksum on read can catch).
 //!
 //! Compiled to a no-op unless the `failpoints` feature (or `cfg(test)`) is on. When compiled in, a point
-//! with nothing injected costs one relaxed atomic load. The table is process-wide: faults set by one test
+//! with nothing injected costs one atomic (acquire) load while the table is empty. The table is process-wide: faults set by one test
 //! are seen by every store in the process.
 
 use std::io;

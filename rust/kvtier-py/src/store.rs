@@ -236,7 +236,9 @@ impl PyPageStore {
         }
         let ptr: usize = tensor.call_method0("data_ptr")?.extract()?;
         let len: usize = tensor.getattr("nbytes")?.extract()?;
-        // hold the storage too: `set_()` on the tensor would otherwise free the memory registered here
+        // hold the storage too: `set_()` on the tensor would otherwise free the memory registered here (a
+        // reallocating `resize_` of a registered tensor is not covered: registered buffers must not be
+        // resized)
         let storage = tensor.call_method0("untyped_storage")?;
         let owner = Arc::new(
             pyo3::types::PyTuple::new(py, [tensor, storage])?

@@ -168,8 +168,9 @@ pub struct PyTransferPlan {
     /// `chunks[layer_start[i]..layer_start[i + 1]]` are the chunks of layer `layers.start + i`.
     layer_start: Vec<usize>,
     /// Keeps the device tensors and their storages alive as long as the plan can be submitted (holding
-    /// the storage matters: `set_()` or a reallocating `resize_` moves a tensor to new memory and would
-    /// free the memory this plan addresses).
+    /// the storage covers `set_()`, which moves a tensor to other storage; it does not cover a
+    /// reallocating `resize_`, which swaps the memory inside the same storage: callers must not resize
+    /// tensors a plan was made for — the pools re-read every layer's address per call and replan).
     _owners: Py<PyAny>,
     /// Whether the device tensors are CUDA tensors (copied by the copy engine) or CPU ones (`copy_cpu`).
     cuda: bool,
