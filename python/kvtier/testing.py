@@ -1,8 +1,7 @@
 """Fault injection into the page store's IO path, for tests and chaos runs of an engine integration.
 
-The fault table is process-wide (every ``PageStore`` in the process sees it) and empty by default; while it
-is empty an IO point costs one atomic load (after an injection, until ``clear_faults()``, each IO point takes
-a lock: clear faults when done). Points: ``fallocate``, ``data_write``, ``data_sync``,
+The fault table is process-wide (every ``PageStore`` in the process sees it) and empty by default; while no
+fault is armed an IO point costs one atomic load (while one is, each IO point takes a lock). Points: ``fallocate``, ``data_write``, ``data_sync``,
 ``data_read``, ``journal_write``, ``journal_sync``. Kinds:
 
 - ``"error"``: the call fails with ``errno`` (``errno.ENOSPC`` for a full disk, ``errno.EIO``, ...);

@@ -78,10 +78,11 @@ class KvtierStorage(HiCacheStorage):
             io_threads=int(opts["io_threads"]),
             direct=opts["direct"],
         )
-        self._scratch: HostBuffer | None = None
-        # One scratch buffer serves every flat-page call: a call holds it from its copy to its IO, or a
-        # concurrent set would store another page's bytes under this key (or a get return them).
-        self._scratch_lock = threading.Lock()
+        # One scratch buffer per calling thread (a shared one let a concurrent set store another page's
+        # bytes under its key); all of them are registered with the store and closed with it.
+        self._local = threading.local()
+        self._scratches: list[HostBuffer] = []
+        self._scratch_lock = threading.Lock()  # guards the list and close()
 
     # -- registration ---------------------------------------------------------------------------------
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
@@ -105,12 +106,16 @@ class KvtierStorage(HiCacheStorage):
 
     # -- flat-page interface (symmetric pools; a copy through a pinned scratch buffer) -------------------
     def _scratch_for(self, nbytes: int) -> HostBuffer:
-        if self._scratch is None or self._scratch.nbytes < nbytes:
-            if self._scratch is not None:
-                self._scratch.close()
-            self._scratch = HostBuffer(max(nbytes, 1 << 20), pin=False)
-            self.store._store().register_region(self._scratch._region)
-        return self._scratch
+        """This thread's scratch buffer, at least ``nbytes`` (grown by replacement; the old one stays
+        registered and open until close(), so a store call still using it cannot lose its memory)."""
+        buf = getattr(self._local, "scratch", None)
+        if buf is None or buf.nbytes < nbytes:
+            buf = HostBuffer(max(nbytes, 1 << 20), pin=False)
+            with self._scratch_lock:
+                self.store._store().register_region(buf._region)
+                self._scratches.append(buf)
+            self._local.scratch = buf
+        return buf
 
     def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
         if not self.is_writer:
@@ -118,10 +123,9 @@ class KvtierStorage(HiCacheStorage):
         if not isinstance(value, torch.Tensor):
             raise InvalidArgumentError("invalid argument `value`: expected a torch.Tensor (a flat page)")
         raw = value.detach().contiguous().view(torch.uint8).reshape(-1).cpu()
-        with self._scratch_lock:
-            buf = self._scratch_for(raw.numel())
-            buf.as_tensor(torch.uint8, (raw.numel(),)).copy_(raw)
-            return self.store._store().put([f"{key}.flat"], [buf.ptr], [raw.numel()])[0]
+        buf = self._scratch_for(raw.numel())
+        buf.as_tensor(torch.uint8, (raw.numel(),)).copy_(raw)
+        return self.store._store().put([f"{key}.flat"], [buf.ptr], [raw.numel()])[0]
 
     def batch_set(self, keys: List[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None) -> bool:
         return all(self.set(k, v) for k, v in zip(keys, values))
@@ -130,11 +134,10 @@ class KvtierStorage(HiCacheStorage):
         if not isinstance(target_location, torch.Tensor):
             raise InvalidArgumentError("invalid argument `target_location`: expected the destination flat-page tensor")
         dst = target_location.view(torch.uint8).reshape(-1)
-        with self._scratch_lock:
-            buf = self._scratch_for(dst.numel())
-            if not self.store._store().get([f"{key}.flat"], [buf.ptr], [dst.numel()])[0]:
-                return None
-            dst.copy_(buf.as_tensor(torch.uint8, (dst.numel(),)))
+        buf = self._scratch_for(dst.numel())
+        if not self.store._store().get([f"{key}.flat"], [buf.ptr], [dst.numel()])[0]:
+            return None
+        dst.copy_(buf.as_tensor(torch.uint8, (dst.numel(),)))
         return target_location
 
     def batch_get(self, keys: List[str], target_locations: Any = None, target_sizes: Any = None) -> List[torch.Tensor | None]:
@@ -150,6 +153,7 @@ class KvtierStorage(HiCacheStorage):
     def close(self) -> None:
         self.store.close()
         with self._scratch_lock:
-            if self._scratch is not None:
-                self._scratch.close()
+            for buf in self._scratches:
+                buf.close()
+            self._scratches = []
 

@@ -4,7 +4,7 @@
 //! (a short write) or success (a torn write, which only the checksum on read can catch).
 //!
 //! Compiled to a no-op unless the `failpoints` feature (or `cfg(test)`) is on. When compiled in, a point
-//! with nothing injected costs one atomic (acquire) load while the table is empty. The table is process-wide: faults set by one test
+//! with nothing injected costs one atomic (acquire) load while no fault is armed. The table is process-wide: faults set by one test
 //! are seen by every store in the process.
 
 use std::io;
@@ -91,7 +91,12 @@ mod imp {
         }
         st.times -= 1;
         st.hits += 1;
-        Some(st.fault)
+        let fault = st.fault;
+        if st.times == 0 && g.as_ref().is_some_and(|m| m.values().all(|p| p.times == 0)) {
+            // nothing armed any more: back to the lock-free fast path (hit counts stay readable)
+            ACTIVE.store(false, Ordering::Release);
+        }
+        Some(fault)
     }
 }
 
