@@ -473,8 +473,7 @@ def _index_array(name: str, t: Any):
     # A private copy: the validated indices must be exactly those that reach the copies and the kernel.
     # A view of the caller's CPU tensor could be changed after validation (numpy or DLPack writes do not
     # bump the tensor's version, and validation runs with the GIL released).
-    h = t.detach().to("cpu")
-    return np.array(h.numpy(), dtype=np.int64, copy=True) if t.device.type == "cpu" else h.numpy()
+    return np.array(t.detach().to("cpu").numpy(), dtype=np.int64, copy=True)
 
 
 class MHAHostPool(_HostKVPool):
