@@ -138,7 +138,13 @@ pub fn take(point: &str) -> Option<Fault> {
 /// torn one does nothing.)
 #[inline]
 pub fn check(point: &str) -> io::Result<()> {
-    match take(point) {
+    apply(take(point))
+}
+
+/// What a fault taken with [`take`] does at a point that has no partial IO: errors fail, delays sleep,
+/// torn writes do nothing.
+pub fn apply(fault: Option<Fault>) -> io::Result<()> {
+    match fault {
         None | Some(Fault::Torn) => Ok(()),
         Some(Fault::Delay(d)) => {
             std::thread::sleep(d);

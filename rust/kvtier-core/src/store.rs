@@ -776,12 +776,7 @@ impl PageStore {
             let c = &classes[&class];
             let off = slot as u64 * class as u64;
             let res = match crate::fault::take("data_write") {
-                None => write_object(c, bytes, off),
-                Some(crate::fault::Fault::Delay(d)) => {
-                    std::thread::sleep(d);
-                    write_object(c, bytes, off)
-                }
-                Some(crate::fault::Fault::Error(e)) => Err(std::io::Error::from_raw_os_error(e)),
+                // partial writes exist only here; everything else is handled as at any other point
                 Some(crate::fault::Fault::Short(e)) => c
                     .buffered
                     .write_all_at(&bytes[..bytes.len() / 2], off)
@@ -791,6 +786,7 @@ impl PageStore {
                     torn[bytes.len() / 2..].fill(0);
                     c.buffered.write_all_at(&torn, off)
                 }
+                other => crate::fault::apply(other).and_then(|()| write_object(c, bytes, off)),
             };
             if res.is_ok() {
                 crcs[j].store(crc as u64, Ordering::Relaxed);

@@ -114,6 +114,36 @@ impl PyPageStore {
         Claim { store: self, id }
     }
 
+    /// One put (`writes` false: the host ranges are read) or get (`writes` true: they are written) batch:
+    /// every range checked against the registered regions (disjoint when written), the regions kept alive,
+    /// and the ranges claimed against the other batches in flight, all before a byte moves.
+    fn batch(
+        &self,
+        py: Python<'_>,
+        keys: &[String],
+        ptrs: &[usize],
+        sizes: &[u64],
+        writes: bool,
+    ) -> KvResult<Vec<bool>> {
+        let s = self.store()?;
+        let objs = Self::objs(keys, ptrs, sizes)?;
+        let _alive = self.check_ranges(ptrs, sizes, writes)?;
+        Ok(py.detach(|| {
+            let _claim = self.claim(ptrs, sizes, writes);
+            // every range lies inside a registered region that `_alive` keeps alive for the call; written
+            // ranges do not overlap each other; and while the claim is held no other batch of this store
+            // writes a range this one touches, or touches a range this one writes (memory the engine itself
+            // writes, e.g. a device -> host backup into the same pages, is the caller's to order).
+            if writes {
+                // SAFETY: live, disjoint destinations that no other batch of this store touches meanwhile.
+                unsafe { s.get(&objs) }
+            } else {
+                // SAFETY: live sources that no batch of this store writes meanwhile.
+                unsafe { s.put(&objs) }
+            }
+        })?)
+    }
+
     fn store(&self) -> KvResult<Arc<PageStore>> {
         self.inner
             .read()
@@ -264,17 +294,7 @@ impl PyPageStore {
         ptrs: Vec<usize>,
         sizes: Vec<u64>,
     ) -> KvResult<Vec<bool>> {
-        let s = self.store()?;
-        let objs = Self::objs(&keys, &ptrs, &sizes)?;
-        let _alive = self.check_ranges(&ptrs, &sizes, false)?;
-        Ok(py.detach(|| {
-            let _claim = self.claim(&ptrs, &sizes, false);
-            // every range lies inside a registered region kept alive by `_alive` for the call, and no
-            // `get` of this store writes it while the claim is held (memory the engine itself writes, e.g.
-            // a device -> host backup into the same pages, is the caller's to order).
-            // SAFETY: every range is inside a live registered region that no batch of ours writes.
-            unsafe { s.put(&objs) }
-        })?)
+        self.batch(py, &keys, &ptrs, &sizes, false)
     }
 
     /// Reads objects into memory; returns per object whether it was found and verified.
@@ -285,16 +305,7 @@ impl PyPageStore {
         ptrs: Vec<usize>,
         sizes: Vec<u64>,
     ) -> KvResult<Vec<bool>> {
-        let s = self.store()?;
-        let objs = Self::objs(&keys, &ptrs, &sizes)?;
-        let _alive = self.check_ranges(&ptrs, &sizes, true)?;
-        Ok(py.detach(|| {
-            let _claim = self.claim(&ptrs, &sizes, true);
-            // every destination lies inside a registered, live region, no two overlap, and no other batch
-            // of this store reads or writes them while the claim is held.
-            // SAFETY: live, disjoint destinations that no other batch of this store touches meanwhile.
-            unsafe { s.get(&objs) }
-        })?)
+        self.batch(py, &keys, &ptrs, &sizes, true)
     }
 
     fn exists(&self, keys: Vec<String>) -> KvResult<Vec<bool>> {
