@@ -1,7 +1,9 @@
-//! Fault injection for tests and chaos runs: named points in the page store's IO path (`fallocate`,
-//! `data_write`, `data_sync`, `data_read`, `journal_write`, `journal_sync`) can be made to fail with a chosen
-//! errno, to stall (a slow disk), or — at `data_write` — to write only part of an object, reporting an error
-//! (a short write) or success (a torn write, which only the checksum on read can catch).
+//! Fault injection for tests and chaos runs: named points in the page store's IO path ([`POINTS`]: block
+//! allocation, object writes, syncs and reads, journal appends, syncs, cut-backs and reserve growth, hole
+//! punching, the O_DIRECT probe, compaction) can be made to fail with a chosen errno, to stall (a slow
+//! disk), or — at `data_write` and `journal_write` — to write only part of what was asked, reporting an
+//! error (a short write) or, at `data_write`, success (a torn write, which only the checksum on read can
+//! catch).
 //!
 //! Compiled to a no-op unless the `failpoints` feature (or `cfg(test)`) is on. When compiled in, a point
 //! with nothing injected costs one atomic (acquire) load while no fault is armed. The table is process-wide: faults set by one test
@@ -24,13 +26,18 @@ pub enum Fault {
 }
 
 /// The IO points the store checks.
-pub const POINTS: [&str; 6] = [
+pub const POINTS: [&str; 11] = [
     "fallocate",
     "data_write",
     "data_sync",
     "data_read",
     "journal_write",
     "journal_sync",
+    "journal_cut",
+    "journal_reserve",
+    "punch",
+    "probe",
+    "compact",
 ];
 
 #[cfg(any(test, feature = "failpoints"))]

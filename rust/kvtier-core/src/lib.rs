@@ -5,7 +5,8 @@
 //! - [`cuda`]: the CUDA driver, loaded at run time; absent drivers are an error value, never a link failure.
 //! - [`alloc`]: whole-page token-slot allocation with HiCache's semantics and checked frees.
 //! - [`plan`]: validation of transfer indices and the byte-range plans that copy engines execute.
-//! - [`store`]: the durable, checksummed, capacity-bounded page store (O_DIRECT), with its [`journal`].
+//! - [`store`]: the durable, checksummed, capacity-bounded page store (O_DIRECT), with its [`journal`]
+//!   (design: docs/STORE.md).
 //! - [`hash`]: SGLang-compatible chained SHA-256 page keys.
 //! - [`fault`]: IO fault injection points for tests.
 //!
@@ -20,9 +21,10 @@ pub mod cuda;
 pub mod error;
 pub mod fault;
 pub mod hash;
-pub mod journal;
 pub mod plan;
 pub mod roofline;
 pub mod store;
+
+pub use store::journal;
 
 pub use error::{Error, Result};

@@ -5,6 +5,7 @@ mod buffer;
 mod dlpack;
 mod errors;
 mod store;
+mod store_fns;
 mod transfer;
 
 use pyo3::prelude::*;
@@ -16,12 +17,12 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<transfer::PyPageAllocator>()?;
     m.add_class::<transfer::PyTransferPlan>()?;
     m.add_class::<store::PyPageStore>()?;
-    m.add_function(wrap_pyfunction!(store::namespace_dir, m)?)?;
-    m.add_function(wrap_pyfunction!(store::page_hashes, m)?)?;
-    m.add_function(wrap_pyfunction!(store::disk_roofline, m)?)?;
-    m.add_function(wrap_pyfunction!(store::fault_set, m)?)?;
-    m.add_function(wrap_pyfunction!(store::fault_clear, m)?)?;
-    m.add_function(wrap_pyfunction!(store::fault_hits, m)?)?;
+    m.add_function(wrap_pyfunction!(store_fns::namespace_dir, m)?)?;
+    m.add_function(wrap_pyfunction!(store_fns::page_hashes, m)?)?;
+    m.add_function(wrap_pyfunction!(store_fns::disk_roofline, m)?)?;
+    m.add_function(wrap_pyfunction!(store_fns::fault_set, m)?)?;
+    m.add_function(wrap_pyfunction!(store_fns::fault_clear, m)?)?;
+    m.add_function(wrap_pyfunction!(store_fns::fault_hits, m)?)?;
     m.add_function(wrap_pyfunction!(buffer::cuda_host_registered, m)?)?;
     m.add_function(wrap_pyfunction!(buffer::cuda_driver_available, m)?)?;
     m.add_function(wrap_pyfunction!(transfer::validate_transfer, m)?)?;

@@ -9,7 +9,7 @@ use pyo3::prelude::*;
 use crate::buffer::PyHostRegion;
 use crate::errors::KvResult;
 
-fn indices(py: Python<'_>, name: &str, obj: &Bound<'_, PyAny>) -> KvResult<Vec<i64>> {
+pub(crate) fn indices(py: Python<'_>, name: &str, obj: &Bound<'_, PyAny>) -> KvResult<Vec<i64>> {
     let buf = PyBuffer::<i64>::get(obj)
         .map_err(|e| Error::arg(name, format!("must be a 1-D int64 buffer ({e})")))?;
     if buf.dimensions() != 1 {

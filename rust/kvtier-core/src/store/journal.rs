@@ -7,9 +7,11 @@
 //! len u64 | crc u32 (crc32c of the object's bytes, then its key) | key [key_len] | record_crc u32
 //! ```
 //!
-//! `record_crc` covers every byte before it. Recovery reads records in order and stops at the first one that
-//! is incomplete or fails its checks: a torn tail from a crash is cut off, never interpreted.
-//! [`parse`] never panics, whatever the bytes (a property test feeds it random input).
+//! `record_crc` covers every byte before it. [`parse`] reads records in order; where one fails its checks it
+//! resynchronises on the next offset where a whole record parses, reporting the bytes in between as a
+//! damaged span, so one damaged record costs that record only. Bytes after the last valid record are a torn
+//! tail (a crash during an append). [`parse`] never panics, whatever the bytes (property tests feed it
+//! random input). See docs/STORE.md.
 
 /// Record magic.
 pub const MAGIC: u32 = 0x4b56_544a;
@@ -78,8 +80,51 @@ fn u64_at(b: &[u8], o: usize) -> u64 {
     u64::from_le_bytes(b[o..o + 8].try_into().expect("8 bytes"))
 }
 
-/// Parses records from the start of `buf`; returns them and the length of the valid prefix (where a torn
-/// or corrupt tail begins).
+/// What [`parse`] found in a journal.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Parsed {
+    /// Valid records, in file order.
+    pub records: Vec<Record>,
+    /// `(offset, length)` of each damaged span: bytes between valid records that form no record.
+    pub damaged: Vec<(usize, usize)>,
+    /// End of the last valid record: bytes from here on are a torn tail.
+    pub valid_end: usize,
+}
+
+impl Parsed {
+    /// Bytes in damaged spans.
+    pub fn damaged_bytes(&self) -> usize {
+        self.damaged.iter().map(|d| d.1).sum()
+    }
+}
+
+/// Parses a whole journal with resynchronisation (see the module docs).
+pub fn parse_resync(buf: &[u8]) -> Parsed {
+    let mut out = Parsed::default();
+    let mut off = 0;
+    while off < buf.len() {
+        if let Some((rec, n)) = parse_one(&buf[off..]) {
+            out.records.push(rec);
+            off += n;
+            out.valid_end = off;
+            continue;
+        }
+        // search forward for the next whole record; none means the rest is a torn tail
+        let next = (off + 1..buf.len().saturating_sub(FIXED + 3))
+            .find(|&o| u32_at(buf, o) == MAGIC && parse_one(&buf[o..]).is_some());
+        match next {
+            Some(o) => {
+                out.damaged.push((off, o - off));
+                off = o;
+            }
+            None => break,
+        }
+    }
+    out
+}
+
+/// Parses the valid prefix of `buf`: the records before the first one that fails its checks, and the
+/// prefix's length. (Recovery uses [`parse_resync`]; this is the strict reading.)
 pub fn parse(buf: &[u8]) -> (Vec<Record>, usize) {
     let mut out = Vec::new();
     let mut off = 0;
@@ -88,6 +133,11 @@ pub fn parse(buf: &[u8]) -> (Vec<Record>, usize) {
         off += n;
     }
     (out, off)
+}
+
+/// Bytes of `rec` once encoded.
+pub fn encoded_len(key_len: usize) -> usize {
+    FIXED + key_len + 4
 }
 
 fn parse_one(b: &[u8]) -> Option<(Record, usize)> {
@@ -186,6 +236,33 @@ mod tests {
             // a flipped byte can only shorten the valid prefix, never change a record
             prop_assert!(got.len() < recs.len());
             prop_assert_eq!(&got[..], &recs[..got.len()]);
+        }
+
+        #[test]
+        fn resync_loses_exactly_the_damaged_record(seed_keys in proptest::collection::vec("[a-f0-9]{1,70}", 1..8),
+                                                   flip in any::<usize>(), width in 1usize..6) {
+            let recs: Vec<Record> = seed_keys.iter().enumerate().map(|(i, k)| if i % 3 == 2 {
+                Record::Del { key: k.clone() } } else { Record::Put {
+                key: k.clone(), class: 4096, slot: i as u32, len: 10, crc: i as u32 } }).collect();
+            let mut buf = Vec::new();
+            let mut starts = Vec::new();
+            for r in &recs { starts.push(buf.len()); r.encode(&mut buf); }
+            // damage `width` bytes inside one record (hex keys cannot hold a magic, so no false record)
+            let i = flip % buf.len();
+            let hit = starts.iter().rposition(|&s| s <= i).unwrap();
+            let end = if hit + 1 < starts.len() { starts[hit + 1] } else { buf.len() };
+            for b in &mut buf[i..(i + width).min(end)] { *b ^= 0xa5; }
+            let p = parse_resync(&buf);
+            let mut want = recs.clone();
+            want.remove(hit);
+            prop_assert_eq!(&p.records, &want);
+            if hit + 1 < recs.len() {
+                prop_assert_eq!(p.damaged.clone(), vec![(starts[hit], end - starts[hit])]);
+                prop_assert_eq!(p.valid_end, buf.len());
+            } else {
+                prop_assert!(p.damaged.is_empty());
+                prop_assert_eq!(p.valid_end, starts[hit]); // the last record damaged: a torn tail
+            }
         }
     }
 }

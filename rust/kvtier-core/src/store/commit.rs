@@ -1,0 +1,370 @@
+//! The commit path: the journal file, the commit lock that orders every change of which keys exist, the
+//! prepaid delete reserve, and compaction (docs/STORE.md, rules R1, R4 and "Compaction").
+
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::sync::MutexGuard;
+
+use super::files::fallocate;
+use super::index::{Entry, JOURNAL_SLACK};
+use super::journal::{encoded_len, Record};
+use super::{io_err, PageStore};
+use crate::error::{Error, Result};
+use crate::fault;
+
+/// Journal growth step beyond what a commit needs: 1 MiB, at most a 64th of the capacity (and never more
+/// than the capacity left).
+const JOURNAL_STEP: u64 = 1 << 20;
+/// Compaction waits for the journal to pass this size (less in small stores) and four times its live
+/// records.
+const COMPACT_MIN: u64 = 1 << 20;
+
+/// The journal file. Held behind the commit lock (`PageStore::journal`).
+pub(super) struct JournalFile {
+    pub(super) file: File,
+    pub(super) path: PathBuf,
+    /// Set when a failed append could not be cut back: later mutations fail until the store is reopened.
+    pub(super) poisoned: Option<String>,
+    /// The journal length at which the next compaction is tried.
+    pub(super) compact_at: u64,
+    /// The threshold `compact_at` returns to after a compaction.
+    pub(super) compact_base: u64,
+}
+
+impl JournalFile {
+    pub(super) fn open(path: &Path, writable: bool, capacity: u64) -> io::Result<Self> {
+        let file = if writable {
+            OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .mode(0o600)
+                .open(path)?
+        } else {
+            File::open(path)?
+        };
+        Ok(Self {
+            file,
+            path: path.to_owned(),
+            poisoned: None,
+            compact_at: compact_base(capacity),
+            compact_base: compact_base(capacity),
+        })
+    }
+
+    /// Writes `buf` at `end` and makes it durable. On failure the file is cut back to `end`; if that fails
+    /// too the journal is poisoned.
+    fn append(&mut self, buf: &[u8], end: u64) -> io::Result<()> {
+        if let Some(why) = &self.poisoned {
+            return Err(io::Error::other(format!(
+                "journal poisoned by an earlier failure ({why}); reopen the store"
+            )));
+        }
+        let res = match fault::take("journal_write") {
+            Some(fault::Fault::Short(e)) => self
+                .file
+                .write_all_at(&buf[..buf.len() / 2], end)
+                .and(Err(io::Error::from_raw_os_error(e))),
+            other => fault::apply(other).and_then(|()| self.file.write_all_at(buf, end)),
+        }
+        .and_then(|()| fault::check("journal_sync"))
+        .and_then(|()| self.file.sync_data());
+        if let Err(e) = &res {
+            let cut = fault::check("journal_cut").and_then(|()| self.file.set_len(end));
+            if let Err(c) = cut {
+                self.poisoned = Some(format!("append failed ({e}), cut back failed ({c})"));
+            }
+        }
+        res
+    }
+
+    /// Preallocates blocks up to `target` bytes without changing the length; `from` is what is already
+    /// reserved. A failed attempt gives back what it may have allocated past `from`.
+    fn reserve(&self, from: u64, target: u64) -> io::Result<()> {
+        let r = fault::check("journal_reserve").and_then(|()| {
+            fallocate(&self.file, libc::FALLOC_FL_KEEP_SIZE, 0, target).or_else(|e| {
+                // file systems without fallocate: nothing can be reserved ahead; appends claim space
+                if e.raw_os_error() == Some(libc::EOPNOTSUPP) {
+                    Ok(())
+                } else {
+                    Err(e)
+                }
+            })
+        });
+        if r.is_err() && target > from {
+            let _ = super::files::punch(&self.file, from, target - from);
+        }
+        r
+    }
+}
+
+/// Journal size from which compaction is considered: 1 MiB, less for small stores (a sixteenth of the
+/// capacity, at least 16 KiB), so that dead records never crowd out data.
+fn compact_base(capacity: u64) -> u64 {
+    COMPACT_MIN.min((capacity / 16).max(16 << 10))
+}
+
+fn round_up(n: u64) -> u64 {
+    n.div_ceil(4096) * 4096
+}
+
+fn encode(recs: &[Record]) -> Vec<u8> {
+    let mut buf = Vec::with_capacity(recs.len() * 100);
+    for r in recs {
+        r.encode(&mut buf);
+    }
+    buf
+}
+
+impl PageStore {
+    pub(super) fn lock_journal(&self) -> MutexGuard<'_, JournalFile> {
+        self.journal.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn writable(&self) -> Result<()> {
+        if self.read_only {
+            return Err(Error::Os {
+                what: format!("page store {} was opened read-only", self.dir.display()),
+                source: io::Error::from_raw_os_error(libc::EROFS),
+            });
+        }
+        Ok(())
+    }
+
+    /// Appends `recs` durably (commit lock held by the caller through `j`), advancing the index's journal
+    /// end. Nothing in the index changes here.
+    fn append_locked(&self, j: &mut JournalFile, recs: &[Record]) -> io::Result<()> {
+        if recs.is_empty() {
+            return Ok(());
+        }
+        let buf = encode(recs);
+        let end = self.lock_index().j_end;
+        let r = j.append(&buf, end);
+        match &r {
+            Ok(()) => {
+                let mut ix = self.lock_index();
+                ix.j_end = end + buf.len() as u64;
+                // appends past the reserve (none was possible) claimed their blocks themselves
+                ix.j_alloc = ix.j_alloc.max(round_up(ix.j_end));
+            }
+            Err(_) => {
+                self.stats.journal_failures.fetch_add(1, Ordering::Relaxed);
+                if j.poisoned.is_some() {
+                    self.poisoned.store(true, Ordering::Relaxed);
+                }
+            }
+        }
+        r
+    }
+
+    /// Makes sure the journal has blocks for `extra` more bytes beyond everything it owes (R4): grows the
+    /// reserve within the capacity. Commit lock held through `j`.
+    fn ensure_reserve(&self, j: &JournalFile, extra: u64) -> io::Result<()> {
+        let (need, target, from) = {
+            let ix = self.lock_index();
+            let need = round_up(ix.j_end + ix.del_bytes + JOURNAL_SLACK + extra);
+            if ix.j_alloc >= need {
+                return Ok(());
+            }
+            let room = self.opts.capacity_bytes.saturating_sub(ix.data_alloc);
+            if need > room {
+                return Err(io::Error::from_raw_os_error(libc::ENOSPC));
+            }
+            let step = JOURNAL_STEP.min(self.opts.capacity_bytes / 64 / 4096 * 4096);
+            let target = round_up(need + step).min(room / 4096 * 4096).max(need);
+            (need, target, ix.j_alloc)
+        };
+        let got = match j.reserve(from, target) {
+            Ok(()) => target,
+            // a nearly full disk: the step does not fit, what this commit needs may
+            Err(_) if target > need => j.reserve(from, need).map(|()| need)?,
+            Err(e) => return Err(e),
+        };
+        let mut ix = self.lock_index();
+        ix.j_alloc = ix.j_alloc.max(got);
+        Ok(())
+    }
+
+    /// Commits put records of objects whose bytes are durable: reserve, append, then insert (R1). Each item
+    /// is `(key, class, slot, len, crc)`. On error nothing was inserted.
+    pub(super) fn commit_puts(&self, items: &[(String, u32, u32, u64, u32)]) -> io::Result<()> {
+        let mut j = self.lock_journal();
+        let new_dels: u64 = items.iter().map(|i| encoded_len(i.0.len()) as u64).sum();
+        self.ensure_reserve(&j, 2 * new_dels)?;
+        let recs: Vec<Record> = items
+            .iter()
+            .map(|(key, class, slot, len, crc)| Record::Put {
+                key: key.clone(),
+                class: *class,
+                slot: *slot,
+                len: *len,
+                crc: *crc,
+            })
+            .collect();
+        self.append_locked(&mut j, &recs)?;
+        let mut ix = self.lock_index();
+        for (key, class, slot, len, crc) in items {
+            ix.insert(key.clone(), Entry::new(*class, *slot, *len, *crc));
+        }
+        drop(ix);
+        self.maybe_compact(&mut j);
+        Ok(())
+    }
+
+    /// Deletes `victims` that still hold the same slot — del records durable first, then removed (R1).
+    /// Returns the keys removed. Used by eviction and by dropping corrupt objects.
+    pub(super) fn commit_dels(&self, victims: &[(String, u32, u32)]) -> io::Result<Vec<String>> {
+        let mut j = self.lock_journal();
+        let still: Vec<String> = {
+            let ix = self.lock_index();
+            victims
+                .iter()
+                .filter(|(k, c, s)| ix.map.get(k).is_some_and(|e| e.class == *c && e.slot == *s))
+                .map(|v| v.0.clone())
+                .collect()
+        };
+        self.dels_locked(&mut j, still)
+    }
+
+    fn dels_locked(&self, j: &mut JournalFile, keys: Vec<String>) -> io::Result<Vec<String>> {
+        let recs: Vec<Record> = keys
+            .iter()
+            .map(|k| Record::Del { key: k.clone() })
+            .collect();
+        self.append_locked(j, &recs)?;
+        let mut ix = self.lock_index();
+        for k in &keys {
+            ix.remove(k);
+        }
+        drop(ix);
+        self.maybe_compact(j);
+        Ok(keys)
+    }
+
+    /// Deletes keys; returns how many existed. Durable when it returns; on an error nothing was deleted.
+    pub fn delete(&self, keys: &[&str]) -> Result<usize> {
+        self.writable()?;
+        for k in keys {
+            Self::check_key(k)?;
+        }
+        let mut j = self.lock_journal();
+        let present: Vec<String> = {
+            let ix = self.lock_index();
+            let mut seen = std::collections::HashSet::new();
+            keys.iter()
+                .filter(|k| ix.map.contains_key(**k) && seen.insert(**k))
+                .map(|k| (*k).to_owned())
+                .collect()
+        };
+        let n = self
+            .dels_locked(&mut j, present)
+            .map_err(|e| io_err("appending del records to journal.log", e))?
+            .len();
+        Ok(n)
+    }
+
+    /// Deletes every object of this namespace.
+    pub fn clear(&self) -> Result<usize> {
+        let keys = self.keys();
+        let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+        self.delete(&refs)
+    }
+
+    /// Appends del records for keys that are not in the index (replay's dropped keys); best effort.
+    pub(super) fn append_forgotten(&self, keys: Vec<String>) {
+        let recs: Vec<Record> = keys.into_iter().map(|key| Record::Del { key }).collect();
+        let mut j = self.lock_journal();
+        let _ = self.append_locked(&mut j, &recs);
+    }
+
+    /// Establishes the delete reserve at open; on failure the store opens with a note and puts fail until
+    /// a commit can grow it.
+    pub(super) fn establish_reserve(&self) -> Option<String> {
+        let j = self.lock_journal();
+        self.ensure_reserve(&j, 0).err().map(|e| {
+            format!(
+                "the journal's delete reserve could not be allocated ({e}); puts fail until it can"
+            )
+        })
+    }
+
+    fn maybe_compact(&self, j: &mut JournalFile) {
+        let (end, live) = {
+            let ix = self.lock_index();
+            (ix.j_end, ix.del_bytes)
+        };
+        if end >= j.compact_at && end > 4 * live {
+            match self.compact_locked(j) {
+                Ok(()) => {
+                    self.stats.compactions.fetch_add(1, Ordering::Relaxed);
+                    j.compact_at = j.compact_base;
+                }
+                // not retried until the journal has doubled
+                Err(_) => j.compact_at = end.saturating_mul(2),
+            }
+        }
+    }
+
+    /// Rewrites the journal as one put per live entry (commit lock held through `j`): written beside,
+    /// synced, renamed over, directory synced; then it replaces the open handle.
+    pub(super) fn compact_locked(&self, j: &mut JournalFile) -> Result<()> {
+        self.writable()?;
+        let (buf, reserve) = {
+            let ix = self.lock_index();
+            let mut buf = Vec::with_capacity(ix.del_bytes as usize);
+            for (key, e) in ix.live_in_lru_order() {
+                Record::Put {
+                    key: key.clone(),
+                    class: e.class,
+                    slot: e.slot,
+                    len: e.len,
+                    crc: e.crc,
+                }
+                .encode(&mut buf);
+            }
+            let reserve = round_up(buf.len() as u64 + ix.del_bytes + JOURNAL_SLACK);
+            (buf, reserve)
+        };
+        let tmp = self.dir.join("journal.compact");
+        let r = (|| -> io::Result<File> {
+            let _ = std::fs::remove_file(&tmp);
+            let f = OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(&tmp)?;
+            fault::check("compact")?;
+            f.write_all_at(&buf, 0)?;
+            let _ = fallocate(&f, libc::FALLOC_FL_KEEP_SIZE, 0, reserve);
+            f.sync_all()?;
+            std::fs::rename(&tmp, &j.path)?;
+            File::open(&self.dir)?.sync_all()?;
+            Ok(f)
+        })();
+        match r {
+            Ok(f) => {
+                j.file = f;
+                j.poisoned = None;
+                self.poisoned.store(false, Ordering::Relaxed);
+                let mut ix = self.lock_index();
+                ix.j_end = buf.len() as u64;
+                ix.j_alloc = reserve.max(round_up(buf.len() as u64));
+                Ok(())
+            }
+            Err(e) => {
+                let _ = std::fs::remove_file(&tmp);
+                Err(io_err("compacting journal.log", e))
+            }
+        }
+    }
+
+    /// Compacts now (commit lock taken here): `kvtier verify --repair` uses it to drop damaged spans.
+    pub fn compact(&self) -> Result<()> {
+        let mut j = self.lock_journal();
+        self.compact_locked(&mut j)
+    }
+}

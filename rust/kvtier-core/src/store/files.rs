@@ -1,0 +1,172 @@
+//! Data files: one per size class, fixed-size slots; block allocation (`fallocate`), hole punching, the
+//! O_DIRECT probe and object IO with its buffered fallback.
+
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+
+use super::namespace::open_rw;
+use super::ALIGN;
+use crate::fault;
+
+/// One size class's data file.
+pub(super) struct ClassFile {
+    pub(super) buffered: File,
+    pub(super) direct: Option<File>,
+    pub(super) path: PathBuf,
+}
+
+impl ClassFile {
+    /// Opens (creating when `writable`) the file of `class` in `dir`.
+    pub(super) fn open(
+        dir: &Path,
+        class: u32,
+        direct: bool,
+        writable: bool,
+    ) -> std::io::Result<Self> {
+        let path = dir.join(format!("class-{class}.dat"));
+        let buffered = if writable {
+            open_rw(&path, 0)?
+        } else {
+            File::open(&path)?
+        };
+        let direct = if direct && writable {
+            Some(open_rw(&path, libc::O_DIRECT)?)
+        } else {
+            None
+        };
+        Ok(Self {
+            buffered,
+            direct,
+            path,
+        })
+    }
+
+    /// Writes `bytes` at `off`: O_DIRECT when memory, length and offset are aligned; buffered IO otherwise,
+    /// and when the file system refuses this O_DIRECT write with EINVAL.
+    pub(super) fn write(&self, bytes: &[u8], off: u64) -> std::io::Result<()> {
+        if let Some(d) = &self.direct {
+            if aligned(bytes.as_ptr() as usize, bytes.len(), off) {
+                match d.write_all_at(bytes, off) {
+                    Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {}
+                    r => return r,
+                }
+            }
+        }
+        self.buffered.write_all_at(bytes, off)
+    }
+
+    /// Reads `buf.len()` bytes at `off` (O_DIRECT as [`ClassFile::write`]).
+    pub(super) fn read(&self, buf: &mut [u8], off: u64) -> std::io::Result<()> {
+        if let Some(d) = &self.direct {
+            if aligned(buf.as_ptr() as usize, buf.len(), off) {
+                match d.read_exact_at(buf, off) {
+                    Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {}
+                    r => return r,
+                }
+            }
+        }
+        self.buffered.read_exact_at(buf, off)
+    }
+
+    /// Allocates blocks for `[off, off+len)`, extending the file. On failure the range is punched again
+    /// (ext4 can keep a partial allocation) and the file cut back to `len_before` if it grew.
+    pub(super) fn allocate(&self, off: u64, len: u64, len_before: u64) -> std::io::Result<()> {
+        let r = fault::check("fallocate").and_then(|()| fallocate(&self.buffered, 0, off, len));
+        if r.is_err() {
+            let _ = punch(&self.buffered, off, len);
+            if let Ok(m) = self.buffered.metadata() {
+                if m.len() > len_before.max(off) {
+                    let _ = self.buffered.set_len(len_before.max(off));
+                }
+            }
+        }
+        r
+    }
+
+    /// Gives the blocks of `[off, off+len)` back to the file system (the file keeps its size).
+    pub(super) fn punch(&self, off: u64, len: u64) -> std::io::Result<()> {
+        fault::check("punch").and_then(|()| punch(&self.buffered, off, len))
+    }
+}
+
+fn aligned(ptr: usize, len: usize, off: u64) -> bool {
+    ptr % ALIGN as usize == 0 && len % ALIGN as usize == 0 && off % ALIGN == 0
+}
+
+/// `fallocate(mode, off, len)`; file systems without it extend the file instead (mode 0 only).
+pub(super) fn fallocate(f: &File, mode: i32, off: u64, len: u64) -> std::io::Result<()> {
+    if len == 0 {
+        return Ok(());
+    }
+    let (o, l) = (off_t(off)?, off_t(len)?);
+    // SAFETY: fallocate on a file descriptor we own, with in-range non-negative offsets.
+    let rc = unsafe { libc::fallocate(std::os::fd::AsRawFd::as_raw_fd(f), mode, o, l) };
+    if rc == 0 {
+        return Ok(());
+    }
+    let e = std::io::Error::last_os_error();
+    if e.raw_os_error() == Some(libc::EOPNOTSUPP) && mode == 0 {
+        // Space is then claimed on write, and a full disk shows up as a write error instead.
+        if f.metadata()?.len() < off + len {
+            f.set_len(off + len)?;
+        }
+        return Ok(());
+    }
+    Err(e)
+}
+
+fn off_t(v: u64) -> std::io::Result<i64> {
+    i64::try_from(v).map_err(|_| std::io::Error::from_raw_os_error(libc::EFBIG))
+}
+
+/// Punches a hole over `[off, off+len)`, keeping the file's size.
+pub(super) fn punch(f: &File, off: u64, len: u64) -> std::io::Result<()> {
+    fallocate(
+        f,
+        libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+        off,
+        len,
+    )
+}
+
+/// Bytes of disk blocks `f` occupies.
+pub(super) fn allocated_bytes(f: &File) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    f.metadata().map(|m| m.blocks() * 512).unwrap_or(0)
+}
+
+/// Whether `dir`'s file system takes O_DIRECT: `Ok(None)` yes, `Ok(Some(why))` no (EINVAL: the file
+/// system refuses it). Any other failure of the probe (a full disk, an IO error) says nothing about
+/// O_DIRECT support: it is `Err`, and the store keeps O_DIRECT on (each IO falls back on EINVAL).
+pub(super) fn probe_direct(dir: &Path) -> std::result::Result<Option<String>, std::io::Error> {
+    let p = dir.join(".odirect-probe");
+    let r = (|| -> std::io::Result<()> {
+        let f = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .mode(0o600)
+            .custom_flags(libc::O_DIRECT)
+            .open(&p)?;
+        let buf = crate::buffer::HostRegion::new(
+            4096,
+            &crate::buffer::RegionOptions {
+                prefault_threads: Some(0),
+                huge_pages: crate::buffer::HugePages::Off,
+                ..Default::default()
+            },
+        )
+        .map_err(|e| std::io::Error::other(e.to_string()))?;
+        // SAFETY: the region owns 4096 bytes at as_ptr(), alive for this closure.
+        let s = unsafe { std::slice::from_raw_parts_mut(buf.as_ptr(), 4096) };
+        fault::check("probe").and_then(|()| f.write_all_at(s, 0))?;
+        f.read_exact_at(s, 0)
+    })();
+    let _ = std::fs::remove_file(&p);
+    match r {
+        Ok(()) => Ok(None),
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok(Some(e.to_string())),
+        Err(e) => Err(e),
+    }
+}

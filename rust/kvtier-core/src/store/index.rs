@@ -1,0 +1,229 @@
+//! The in-memory index: keys to entries, LRU order, the state of every slot, and the occupancy the
+//! capacity limit is checked against (docs/STORE.md, "In memory").
+
+use std::collections::{BTreeMap, HashMap};
+
+use super::journal::encoded_len;
+
+/// Bytes the journal keeps beyond the prepaid del records (R4).
+pub(super) const JOURNAL_SLACK: u64 = 4096;
+
+/// One stored object.
+#[derive(Clone, Debug)]
+pub(super) struct Entry {
+    pub(super) class: u32,
+    pub(super) slot: u32,
+    pub(super) len: u64,
+    pub(super) crc: u32,
+    pub(super) tick: u64,
+    pub(super) pins: u32,
+    /// Failed its checksum and could not be dropped durably: never served, slot never reused; a put of
+    /// the key writes a new slot that supersedes it.
+    pub(super) bad: bool,
+}
+
+impl Entry {
+    pub(super) fn new(class: u32, slot: u32, len: u64, crc: u32) -> Self {
+        Self {
+            class,
+            slot,
+            len,
+            crc,
+            tick: 0,
+            pins: 0,
+            bad: false,
+        }
+    }
+
+    /// Whether this entry may be served (and counts as stored).
+    pub(super) fn servable(&self) -> bool {
+        !self.bad
+    }
+}
+
+#[derive(Default)]
+pub(super) struct Index {
+    pub(super) map: HashMap<String, Entry>,
+    lru: BTreeMap<u64, String>,
+    tick: u64,
+    /// Bytes of live and reserved slots.
+    pub(super) used: u64,
+    /// Bytes of class-file blocks held: live, reserved, zombie and free-with-blocks slots.
+    pub(super) data_alloc: u64,
+    /// Free slots that still have their blocks, per class.
+    pub(super) free: HashMap<u32, Vec<u32>>,
+    /// Free slots without blocks (punched, or below `next` and never allocated), per class.
+    pub(super) holes: HashMap<u32, Vec<u32>>,
+    /// One past the highest slot ever handed out, per class.
+    pub(super) next: HashMap<u32, u32>,
+    /// Slots of deleted objects still pinned by a reader: freed when the last pin goes.
+    zombies: HashMap<(u32, u32), u32>,
+    /// Σ over live keys of a del record's size: the journal reserve that makes every delete possible.
+    pub(super) del_bytes: u64,
+    /// The journal's length.
+    pub(super) j_end: u64,
+    /// The journal's length plus its preallocated reserve.
+    pub(super) j_alloc: u64,
+    /// Journal bytes of put batches between their reservation and their commit (records + reserve).
+    pub(super) j_pending: u64,
+}
+
+impl Index {
+    /// Journal bytes that must be allocated now: its length, every live key's del, the slack, and what
+    /// batches in flight will append and prepay.
+    pub(super) fn journal_need(&self) -> u64 {
+        self.j_end + self.del_bytes + JOURNAL_SLACK + self.j_pending
+    }
+
+    /// Occupancy if `grow` more data bytes were allocated and `journal` more journal bytes were pending.
+    pub(super) fn occupancy_with(&self, grow: u64, journal: u64) -> u64 {
+        self.data_alloc + grow + self.j_alloc.max(self.journal_need() + journal)
+    }
+
+    /// The servable entry of `key`.
+    pub(super) fn get(&self, key: &str) -> Option<&Entry> {
+        self.map.get(key).filter(|e| e.servable())
+    }
+
+    pub(super) fn touch(&mut self, key: &str) {
+        self.tick += 1;
+        let t = self.tick;
+        if let Some(e) = self.map.get_mut(key) {
+            self.lru.remove(&e.tick);
+            e.tick = t;
+            self.lru.insert(t, key.to_owned());
+        }
+    }
+
+    /// Inserts an entry whose slot is already counted (reserved, or replayed); a previous entry of the key
+    /// is superseded and its slot released. Returns the previous entry.
+    pub(super) fn insert(&mut self, key: String, mut e: Entry) -> Option<Entry> {
+        self.tick += 1;
+        e.tick = self.tick;
+        self.lru.insert(e.tick, key.clone());
+        let dl = encoded_len(key.len()) as u64;
+        let old = self.map.insert(key, e);
+        match &old {
+            Some(o) => {
+                self.lru.remove(&o.tick);
+                self.release(o);
+            }
+            None => self.del_bytes += dl,
+        }
+        old
+    }
+
+    /// Removes `key`; its slot becomes free (or a zombie while pinned).
+    pub(super) fn remove(&mut self, key: &str) -> Option<Entry> {
+        let e = self.map.remove(key)?;
+        self.lru.remove(&e.tick);
+        self.del_bytes -= encoded_len(key.len()) as u64;
+        self.release(&e);
+        Some(e)
+    }
+
+    fn release(&mut self, e: &Entry) {
+        self.used -= u64::from(e.class);
+        if e.pins > 0 {
+            self.zombies.insert((e.class, e.slot), e.pins);
+        } else {
+            self.free.entry(e.class).or_default().push(e.slot);
+        }
+    }
+
+    /// A free slot of `class` that still has its blocks, reserved.
+    pub(super) fn reuse_slot(&mut self, class: u32) -> Option<u32> {
+        let s = self.free.get_mut(&class)?.pop()?;
+        self.used += u64::from(class);
+        Some(s)
+    }
+
+    /// A slot of `class` that needs new blocks (a hole, or the next slot at the end), reserved and counted.
+    pub(super) fn grow_slot(&mut self, class: u32) -> u32 {
+        self.used += u64::from(class);
+        self.data_alloc += u64::from(class);
+        if let Some(s) = self.holes.get_mut(&class).and_then(|v| v.pop()) {
+            return s;
+        }
+        let n = self.next.entry(class).or_insert(0);
+        *n += 1;
+        *n - 1
+    }
+
+    /// A reserved slot whose object was not stored; its blocks stay (free with blocks).
+    pub(super) fn unreserve(&mut self, class: u32, slot: u32) {
+        self.used -= u64::from(class);
+        self.free.entry(class).or_default().push(slot);
+    }
+
+    /// A reserved slot whose blocks could not be allocated: back to the holes.
+    pub(super) fn unreserve_unallocated(&mut self, class: u32, slot: u32) {
+        self.used -= u64::from(class);
+        self.data_alloc -= u64::from(class);
+        self.holes.entry(class).or_default().push(slot);
+    }
+
+    /// Takes every free-with-blocks slot of the classes `keep` does not name, to be punched.
+    pub(super) fn take_punchable(&mut self, keep: &[u32]) -> Vec<(u32, u32)> {
+        let mut out = Vec::new();
+        for (&class, v) in self.free.iter_mut() {
+            if !keep.contains(&class) {
+                out.extend(v.drain(..).map(|s| (class, s)));
+            }
+        }
+        out
+    }
+
+    /// Slots taken with [`Index::take_punchable`]: punched (blocks gone) or not (back to free).
+    pub(super) fn punched(&mut self, slots: &[(u32, u32)], ok: bool) {
+        for &(class, slot) in slots {
+            if ok {
+                self.data_alloc -= u64::from(class);
+                self.holes.entry(class).or_default().push(slot);
+            } else {
+                self.free.entry(class).or_default().push(slot);
+            }
+        }
+    }
+
+    pub(super) fn unpin(&mut self, key: &str, class: u32, slot: u32) {
+        if let Some(e) = self.map.get_mut(key) {
+            if e.class == class && e.slot == slot && e.pins > 0 {
+                e.pins -= 1;
+                return;
+            }
+        }
+        if let Some(p) = self.zombies.get_mut(&(class, slot)) {
+            *p -= 1;
+            if *p == 0 {
+                self.zombies.remove(&(class, slot));
+                self.free.entry(class).or_default().push(slot);
+            }
+        }
+    }
+
+    /// Eviction candidates covering `bytes` of slots: bad entries first, then least recently used; pinned
+    /// entries and `exclude`d keys are skipped. Each is `(key, class, slot)`.
+    pub(super) fn victims(&self, bytes: u64, exclude: &[&str]) -> Vec<(String, u32, u32)> {
+        let mut out = Vec::new();
+        let mut got = 0u64;
+        let bad = self.map.iter().filter(|(_, e)| e.bad);
+        let lru = self.lru.values().filter_map(|k| self.map.get_key_value(k));
+        for (k, e) in bad.chain(lru.filter(|(_, e)| !e.bad)) {
+            if got >= bytes.max(1) {
+                break;
+            }
+            if e.pins > 0 || exclude.contains(&k.as_str()) {
+                continue;
+            }
+            out.push((k.clone(), e.class, e.slot));
+            got += u64::from(e.class);
+        }
+        out
+    }
+
+    /// Live put records in LRU order (oldest first), for compaction.
+    pub(super) fn live_in_lru_order(&self) -> impl Iterator<Item = (&String, &Entry)> {
+        self.lru.values().map(|k| (k, &self.map[k]))
+    }
+}

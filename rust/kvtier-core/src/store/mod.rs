@@ -1,0 +1,421 @@
+//! The page store: durable, checksummed, capacity-bounded storage of KV page objects on a local disk or a
+//! shared file system, with O_DIRECT IO straight from and into the caller's (pinned, aligned) memory.
+//!
+//! The design — file formats, the order of every step of put, get, delete, eviction, compaction and open,
+//! and why each crash or error point is safe — is docs/STORE.md. The modules follow it:
+//!
+//! - [`namespace`]: the namespace directory, its writer's `LOCK` and `NAMESPACE` file;
+//! - `index`: keys, LRU order, slot states and occupancy;
+//! - `files`: data files, block allocation, hole punching, the O_DIRECT probe;
+//! - [`journal`]: record format and the resynchronising parser;
+//! - `commit`: the commit lock, journal appends, the prepaid delete reserve, compaction;
+//! - `write` / `read`: put, get and verify; `pages`: page-level batches over a bound host pool;
+//! - `recovery`: replay at open; [`stats`]: counters and the open report.
+
+mod commit;
+mod files;
+mod index;
+pub mod journal;
+mod namespace;
+mod pages;
+mod read;
+mod recovery;
+pub mod stats;
+mod write;
+
+#[cfg(test)]
+mod tests;
+#[cfg(test)]
+mod tests_v2;
+
+use std::collections::HashMap;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use crate::error::{Error, Result};
+use commit::JournalFile;
+use files::ClassFile;
+use index::Index;
+
+pub use namespace::namespace_dir;
+pub use pages::{PageBatch, PageLayout};
+pub use read::VerifyReport;
+pub use stats::{OpenReport, Stats};
+
+const ALIGN: u64 = 4096;
+/// Largest object: its size class (the length rounded up to 4 KiB) must fit the journal's 32-bit field.
+pub const MAX_OBJECT: u64 = (1 << 32) - ALIGN;
+
+/// Options of [`PageStore::open`].
+#[derive(Clone, Debug)]
+pub struct StoreOptions {
+    /// Hard limit on the bytes the store occupies on disk: data blocks plus the journal (docs/STORE.md,
+    /// "Capacity, exactly").
+    pub capacity_bytes: u64,
+    /// Threads doing IO in parallel for one batch (the queue depth).
+    pub io_threads: usize,
+    /// `Some(false)` disables O_DIRECT; `None` probes it; `Some(true)` requires it.
+    pub direct: Option<bool>,
+}
+
+impl Default for StoreOptions {
+    fn default() -> Self {
+        Self {
+            capacity_bytes: 64 << 30,
+            io_threads: 16,
+            direct: None,
+        }
+    }
+}
+
+/// One open namespace of a page store. Thread-safe; every method takes `&self`.
+pub struct PageStore {
+    dir: PathBuf,
+    namespace: String,
+    opts: StoreOptions,
+    direct: bool,
+    direct_note: Option<String>,
+    read_only: bool,
+    /// Read-only open: a writer held `LOCK` when this store was opened.
+    live_writer: bool,
+    _lock: Option<std::fs::File>,
+    index: Mutex<Index>,
+    /// The commit lock (docs/STORE.md, R1). Lock order: `journal` before `index`, never the reverse.
+    journal: Mutex<JournalFile>,
+    classes: Mutex<HashMap<u32, Arc<ClassFile>>>,
+    /// Serializes block allocation and the file-length bookkeeping around it.
+    alloc_lock: Mutex<()>,
+    punch_ok: AtomicBool,
+    poisoned: AtomicBool,
+    pages: pages::Bound,
+    /// Counters.
+    pub stats: Stats,
+    report: OpenReport,
+}
+
+fn io_err(what: impl Into<String>, e: std::io::Error) -> Error {
+    Error::Os {
+        what: what.into(),
+        source: e,
+    }
+}
+
+impl PageStore {
+    /// Opens (creating if needed) `namespace` under `root` for reading and writing, replaying its journal.
+    pub fn open(root: &Path, namespace: &str, opts: StoreOptions) -> Result<Self> {
+        Self::open_impl(root, namespace, opts, true)
+    }
+
+    /// Opens an existing namespace for inspection: nothing is created, locked, written or truncated, so it
+    /// works on a store another process has open and on a directory without write permission.
+    pub fn open_read_only(root: &Path, namespace: &str) -> Result<Self> {
+        let opts = StoreOptions {
+            capacity_bytes: u64::MAX,
+            io_threads: 4,
+            direct: Some(false),
+        };
+        Self::open_impl(root, namespace, opts, false)
+    }
+
+    fn open_impl(root: &Path, namespace: &str, opts: StoreOptions, writable: bool) -> Result<Self> {
+        if namespace.is_empty() {
+            return Err(Error::arg("namespace", "must not be empty"));
+        }
+        if opts.capacity_bytes < ALIGN {
+            return Err(Error::arg(
+                "capacity_bytes",
+                format!("must be >= {ALIGN}, got {}", opts.capacity_bytes),
+            ));
+        }
+        if opts.io_threads == 0 {
+            return Err(Error::arg("io_threads", "must be >= 1"));
+        }
+        let (dir, lock, live_writer) = if writable {
+            let (d, l) = namespace::open_writable(root, namespace)?;
+            (d, Some(l), false)
+        } else {
+            let (d, live) = namespace::open_read_only(root, namespace)?;
+            (d, None, live)
+        };
+        let (direct, direct_note) = match (writable, opts.direct) {
+            (false, _) => (false, None),
+            (true, Some(false)) => (
+                false,
+                Some("O_DIRECT disabled by the caller; using buffered IO".to_owned()),
+            ),
+            (true, want) => match files::probe_direct(&dir) {
+                Ok(None) => (true, None),
+                Ok(Some(e)) if want == Some(true) => {
+                    return Err(Error::Os {
+                        what: format!("O_DIRECT required but refused here: {e}"),
+                        source: std::io::Error::from_raw_os_error(libc::EINVAL),
+                    })
+                }
+                Ok(Some(e)) => (
+                    false,
+                    Some(format!(
+                        "the file system refused O_DIRECT ({e}); using buffered IO with fdatasync"
+                    )),
+                ),
+                // not a verdict on O_DIRECT: keep it (each IO falls back to buffered on EINVAL)
+                Err(e) => (
+                    true,
+                    Some(format!(
+                        "the O_DIRECT probe could not write ({e}); O_DIRECT kept"
+                    )),
+                ),
+            },
+        };
+        let jpath = dir.join("journal.log");
+        if writable {
+            let _ = std::fs::remove_file(dir.join("journal.compact")); // an interrupted compaction
+        }
+        let journal = match JournalFile::open(&jpath, writable, opts.capacity_bytes) {
+            Ok(j) => j,
+            Err(e) if !writable && e.kind() == std::io::ErrorKind::NotFound => {
+                return Err(io_err(format!("no journal in {}", dir.display()), e))
+            }
+            Err(e) => return Err(io_err("opening journal.log", e)),
+        };
+        let mut bytes = Vec::new();
+        (&journal.file)
+            .read_to_end(&mut bytes)
+            .map_err(|e| io_err("reading journal.log", e))?;
+        let parsed = journal::parse_resync(&bytes);
+        let mut report = OpenReport {
+            torn_tail: (bytes.len() - parsed.valid_end) as u64,
+            damaged_spans: parsed.damaged.len() as u64,
+            damaged_bytes: parsed.damaged_bytes() as u64,
+            ..Default::default()
+        };
+        if writable && report.torn_tail > 0 {
+            journal
+                .file
+                .set_len(parsed.valid_end as u64)
+                .and_then(|()| journal.file.sync_all())
+                .map_err(|e| io_err("cutting a torn journal tail", e))?;
+        }
+        let (mut index, forgotten) = recovery::replay(&dir, parsed.records, &mut report)?;
+        let punch_ok = recovery::trim_data_files(&dir, &mut index, writable);
+        index.j_end = if writable {
+            parsed.valid_end as u64
+        } else {
+            bytes.len() as u64
+        };
+        index.j_alloc = index.j_end.div_ceil(ALIGN) * ALIGN;
+        let mut store = Self {
+            dir,
+            namespace: namespace.to_owned(),
+            opts,
+            direct,
+            direct_note,
+            read_only: !writable,
+            live_writer,
+            _lock: lock,
+            index: Mutex::new(index),
+            journal: Mutex::new(journal),
+            classes: Mutex::new(HashMap::new()),
+            alloc_lock: Mutex::new(()),
+            punch_ok: AtomicBool::new(punch_ok),
+            poisoned: AtomicBool::new(false),
+            pages: Default::default(),
+            stats: Stats::default(),
+            report,
+        };
+        store
+            .stats
+            .dropped_records
+            .store(store.report.dropped_records, Ordering::Relaxed);
+        if writable {
+            let (compacted, note) = store.after_open(forgotten);
+            store.report.compacted = compacted;
+            store.report.reserve_note = note;
+        }
+        Ok(store)
+    }
+
+    /// Writable open, steps 6–8: compaction, forgotten keys, the delete reserve, capacity. Returns whether
+    /// the journal was compacted and a note when the reserve could not be established.
+    fn after_open(&self, forgotten: Vec<String>) -> (bool, Option<String>) {
+        let (end, live) = {
+            let ix = self.lock_index();
+            (ix.j_end, ix.del_bytes)
+        };
+        let base = self.lock_journal().compact_base;
+        let compacted = end >= base && end > 4 * live.max(1) && self.compact().is_ok();
+        // A key whose latest record was dropped is deleted for good: if the record became plausible at a
+        // later open (the class file grew as new objects took its slot), it would come back. After a
+        // compaction these deletes are redundant, and harmless.
+        self.append_forgotten(forgotten);
+        let note = self.establish_reserve();
+        // Honour a capacity smaller than what is stored (reopened with a lower limit).
+        self.evict_to_capacity();
+        (compacted, note)
+    }
+
+    fn lock_index(&self) -> MutexGuard<'_, Index> {
+        self.index.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Evicts (and punches) until the occupancy is within the capacity, as far as unpinned objects allow.
+    fn evict_to_capacity(&self) {
+        for _ in 0..64 {
+            let victims = {
+                let mut ix = self.lock_index();
+                let over = ix
+                    .occupancy_with(0, 0)
+                    .saturating_sub(self.opts.capacity_bytes);
+                if over == 0 {
+                    return;
+                }
+                let punch = ix.take_punchable(&[]);
+                if !punch.is_empty() {
+                    drop(ix);
+                    self.punch_slots(&punch);
+                    continue;
+                }
+                ix.victims(over, &[])
+            };
+            if victims.is_empty() {
+                return;
+            }
+            match self.commit_dels(&victims) {
+                Ok(g) => self
+                    .stats
+                    .evictions
+                    .fetch_add(g.len() as u64, Ordering::Relaxed),
+                Err(_) => return,
+            };
+        }
+    }
+
+    /// The namespace directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+    /// The namespace string.
+    pub fn namespace(&self) -> &str {
+        &self.namespace
+    }
+    /// True when data IO uses O_DIRECT.
+    pub fn direct(&self) -> bool {
+        self.direct
+    }
+    /// Why O_DIRECT is not used (or was kept without a successful probe), if so.
+    pub fn direct_note(&self) -> Option<&str> {
+        self.direct_note.as_deref()
+    }
+    /// Whether this store was opened read-only.
+    pub fn read_only(&self) -> bool {
+        self.read_only
+    }
+    /// Read-only open: whether a writer held the namespace when it was opened (results are a snapshot).
+    pub fn live_writer(&self) -> bool {
+        self.live_writer
+    }
+    /// What opening the store found on disk.
+    pub fn open_report(&self) -> &OpenReport {
+        &self.report
+    }
+    /// Bytes of a torn journal tail found at open (cut unless read-only).
+    pub fn recovered_tail(&self) -> u64 {
+        self.report.torn_tail
+    }
+    /// The capacity limit.
+    pub fn capacity(&self) -> u64 {
+        self.opts.capacity_bytes
+    }
+    /// Whether a failed journal append could not be undone: mutations fail until the store is reopened.
+    pub fn poisoned(&self) -> bool {
+        self.poisoned.load(Ordering::Relaxed)
+    }
+    /// `(objects, bytes of slots in use)`.
+    pub fn usage(&self) -> (usize, u64) {
+        let ix = self.lock_index();
+        (ix.map.values().filter(|e| e.servable()).count(), ix.used)
+    }
+    /// `(data bytes held, journal bytes held)`: the occupancy the capacity limit applies to.
+    pub fn occupancy(&self) -> (u64, u64) {
+        let ix = self.lock_index();
+        (ix.data_alloc, ix.j_alloc)
+    }
+    /// Bytes of disk blocks the store's files occupy now, as the file system reports them (`st_blocks`).
+    pub fn disk_blocks(&self) -> u64 {
+        let Ok(rd) = std::fs::read_dir(&self.dir) else {
+            return 0;
+        };
+        rd.filter_map(|e| e.ok())
+            .filter_map(|e| std::fs::File::open(e.path()).ok())
+            .map(|f| files::allocated_bytes(&f))
+            .sum()
+    }
+    /// All servable keys.
+    pub fn keys(&self) -> Vec<String> {
+        let ix = self.lock_index();
+        ix.map
+            .iter()
+            .filter(|(_, e)| e.servable())
+            .map(|(k, _)| k.clone())
+            .collect()
+    }
+
+    fn class(&self, class: u32) -> Result<Arc<ClassFile>> {
+        let mut cs = self.classes.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(c) = cs.get(&class) {
+            return Ok(c.clone());
+        }
+        let c = Arc::new(
+            ClassFile::open(&self.dir, class, self.direct, !self.read_only)
+                .map_err(|e| io_err(format!("opening class-{class}.dat"), e))?,
+        );
+        cs.insert(class, c.clone());
+        Ok(c)
+    }
+
+    /// Runs `f(i)` for `i in 0..n` on up to `io_threads` threads.
+    fn parallel<F: Fn(usize) + Sync>(&self, n: usize, f: F) {
+        let threads = self.opts.io_threads.min(n);
+        if threads <= 1 {
+            (0..n).for_each(f);
+            return;
+        }
+        let next = AtomicUsize::new(0);
+        std::thread::scope(|s| {
+            for _ in 0..threads {
+                s.spawn(|| loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    if i >= n {
+                        break;
+                    }
+                    f(i);
+                });
+            }
+        });
+    }
+
+    fn check_key(key: &str) -> Result<()> {
+        if key.is_empty() || key.len() > journal::MAX_KEY {
+            return Err(Error::arg(
+                "keys",
+                format!(
+                    "a key must have 1..={} bytes, got {}",
+                    journal::MAX_KEY,
+                    key.len()
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Data files of this namespace opened so far (for tests and inspection).
+    pub fn data_files(&self) -> Vec<PathBuf> {
+        self.classes
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .map(|c| c.path.clone())
+            .collect()
+    }
+}

@@ -1,0 +1,289 @@
+//! Page-level batches: a store bound to one host pool's page layout pairs each page's K and V objects,
+//! computes their addresses, and keeps a page whole (never half stored); range claims order batches from
+//! several threads that touch the same host memory.
+
+use std::sync::{Condvar, Mutex, RwLock};
+
+use super::PageStore;
+use crate::error::{Error, Result};
+
+/// Where a host pool's pages live: page `p`'s K object is `k_len` bytes at `k_base + p·k_stride`, its V
+/// object `v_len` bytes at `v_base + p·v_stride`; `page_tokens` token slots make a page, `pages` pages
+/// make the pool.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PageLayout {
+    /// Address of page 0's K object.
+    pub k_base: usize,
+    /// Bytes from one page's K object to the next.
+    pub k_stride: usize,
+    /// Bytes of one page's K object.
+    pub k_len: u64,
+    /// Address of page 0's V object.
+    pub v_base: usize,
+    /// Bytes from one page's V object to the next.
+    pub v_stride: usize,
+    /// Bytes of one page's V object.
+    pub v_len: u64,
+    /// Token slots per page.
+    pub page_tokens: usize,
+    /// Pages in the pool.
+    pub pages: usize,
+}
+
+impl PageLayout {
+    /// `(address, length)` of page `p`'s K and V objects. `p < pages`.
+    fn objects(&self, p: usize) -> [(usize, u64); 2] {
+        [
+            (self.k_base + p * self.k_stride, self.k_len),
+            (self.v_base + p * self.v_stride, self.v_len),
+        ]
+    }
+
+    /// Checks the layout's own arithmetic: non-empty objects that fit their stride, no overflow.
+    fn check(&self) -> Result<()> {
+        let bad = |why: String| Err(Error::arg("pool", why));
+        if self.pages == 0 || self.page_tokens == 0 {
+            return bad(format!("a pool needs pages and page tokens, got {self:?}"));
+        }
+        for (base, stride, len) in [
+            (self.k_base, self.k_stride, self.k_len),
+            (self.v_base, self.v_stride, self.v_len),
+        ] {
+            let end = (self.pages - 1)
+                .checked_mul(stride)
+                .and_then(|x| x.checked_add(base))
+                .and_then(|x| x.checked_add(usize::try_from(len).ok()?));
+            if len == 0 || (self.pages > 1 && (len as u128) > stride as u128) || end.is_none() {
+                return bad(format!("page objects must be non-empty, fit their stride and the address space: {self:?}"));
+            }
+        }
+        // K and V objects must never share a byte: separate spans, or one stride with K and V side by side
+        let span = |base: usize, stride: usize, len: u64| {
+            (base, base + (self.pages - 1) * stride + len as usize)
+        };
+        let (k0, k1) = span(self.k_base, self.k_stride, self.k_len);
+        let (v0, v1) = span(self.v_base, self.v_stride, self.v_len);
+        let apart = k1 <= v0 || v1 <= k0;
+        let side_by_side = self.k_stride == self.v_stride && {
+            let (a, b) = if self.k_base <= self.v_base {
+                ((self.k_base, self.k_len), (self.v_base, self.v_len))
+            } else {
+                ((self.v_base, self.v_len), (self.k_base, self.k_len))
+            };
+            let d = (b.0 - a.0) as u128;
+            d >= a.1 as u128 && d + b.1 as u128 <= self.k_stride as u128
+        };
+        if !apart && !side_by_side {
+            return bad(format!("K and V objects of the pool overlap: {self:?}"));
+        }
+        Ok(())
+    }
+}
+
+/// The ranges a batch reads or writes, claimed against the other batches in flight.
+#[derive(Default)]
+pub(super) struct Bound {
+    layout: RwLock<Option<PageLayout>>,
+    busy: Mutex<Busy>,
+    idle: Condvar,
+}
+
+/// `(start, len)` host ranges of one batch, sorted by start.
+type Ranges = Vec<(usize, usize)>;
+
+#[derive(Default)]
+struct Busy {
+    next: u64,
+    /// (batch id, whether it writes host memory, its ranges)
+    batches: Vec<(u64, bool, Ranges)>,
+}
+
+/// Whether two start-sorted lists of `(start, len)` ranges share a byte.
+pub fn overlap(a: &[(usize, usize)], b: &[(usize, usize)]) -> bool {
+    let (mut i, mut j) = (0, 0);
+    while i < a.len() && j < b.len() {
+        let (x, y) = (a[i], b[j]);
+        if x.0 < y.0.saturating_add(y.1) && y.0 < x.0.saturating_add(x.1) {
+            return true;
+        }
+        if x.0.saturating_add(x.1) <= y.0.saturating_add(y.1) {
+            i += 1;
+        } else {
+            j += 1;
+        }
+    }
+    false
+}
+
+/// A batch's claim on its host ranges; released on drop.
+pub struct Claim<'a> {
+    bound: &'a Bound,
+    id: u64,
+}
+
+impl Drop for Claim<'_> {
+    fn drop(&mut self) {
+        let mut b = self.bound.busy.lock().unwrap_or_else(|p| p.into_inner());
+        b.batches.retain(|(id, _, _)| *id != self.id);
+        self.bound.idle.notify_all();
+    }
+}
+
+/// What a page batch names: keys and the host-pool token slots (`page_tokens` per key) of their pages.
+pub struct PageBatch<'a> {
+    /// Page keys; the store's objects are `<key>.k` and `<key>.v`.
+    pub keys: &'a [String],
+    /// Token slots, whole pages in key order.
+    pub host_indices: &'a [i64],
+}
+
+impl PageStore {
+    /// Waits until no batch in flight conflicts with `objs`' ranges (a writer conflicts with any overlap,
+    /// readers only with writers), then claims them. Each batch claims all its ranges at once, so claims
+    /// cannot deadlock; call it without holding locks another batch needs to finish.
+    pub fn claim(&self, objs: &[(&str, usize, u64)], writes: bool) -> Claim<'_> {
+        let mut ranges: Ranges = objs
+            .iter()
+            .map(|&(_, p, n)| (p, usize::try_from(n).unwrap_or(usize::MAX)))
+            .collect();
+        ranges.sort_unstable();
+        let bound = &self.pages;
+        let mut b = bound.busy.lock().unwrap_or_else(|p| p.into_inner());
+        while b
+            .batches
+            .iter()
+            .any(|(_, w, rs)| (*w || writes) && overlap(rs, &ranges))
+        {
+            b = bound.idle.wait(b).unwrap_or_else(|p| p.into_inner());
+        }
+        let id = b.next;
+        b.next += 1;
+        b.batches.push((id, writes, ranges));
+        Claim { bound, id }
+    }
+
+    /// Binds the host pool whose pages [`PageStore::put_pages`] and [`PageStore::get_pages`] read and
+    /// write. Rebinding replaces the layout.
+    ///
+    /// # Safety
+    /// For every page `p < layout.pages`, both of its objects' ranges must be memory that stays alive and
+    /// mapped until the store is dropped or bound to another layout, that a `put_pages` may read and a
+    /// `get_pages` may write while their batch is in flight (the caller orders its own accesses to those
+    /// pages against the batches it issues).
+    pub unsafe fn bind_pages(&self, layout: PageLayout) -> Result<()> {
+        layout.check()?;
+        *self.pages.layout.write().unwrap_or_else(|p| p.into_inner()) = Some(layout);
+        Ok(())
+    }
+
+    /// The bound layout, if any.
+    pub fn page_layout(&self) -> Option<PageLayout> {
+        *self.pages.layout.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Objects of a page batch, every page proven inside the bound pool (and distinct when `writes`).
+    fn page_objects(
+        &self,
+        batch: &PageBatch<'_>,
+        writes: bool,
+    ) -> Result<(Vec<String>, Vec<(usize, u64)>)> {
+        let l = self.page_layout().ok_or_else(|| {
+            Error::arg(
+                "pool",
+                "no host pool is bound to this store (register_mem_pool_host first)",
+            )
+        })?;
+        let pages =
+            crate::alloc::page_starts(batch.host_indices, l.page_tokens, l.pages, "host_indices")?;
+        if pages.len() != batch.keys.len() {
+            return Err(Error::arg(
+                "host_indices",
+                format!(
+                    "{} slots for {} keys of {}-token pages (expected {})",
+                    batch.host_indices.len(),
+                    batch.keys.len(),
+                    l.page_tokens,
+                    batch.keys.len() * l.page_tokens
+                ),
+            ));
+        }
+        if writes {
+            let mut seen = vec![false; l.pages];
+            for &p in &pages {
+                if std::mem::replace(&mut seen[p], true) {
+                    return Err(Error::arg(
+                        "host_indices",
+                        format!(
+                            "page {p} appears twice: two pages would be read into the same memory"
+                        ),
+                    ));
+                }
+            }
+        }
+        let mut names = Vec::with_capacity(2 * pages.len());
+        let mut ranges = Vec::with_capacity(2 * pages.len());
+        for (k, &p) in batch.keys.iter().zip(&pages) {
+            Self::check_key(k)?;
+            names.push(format!("{k}.k"));
+            names.push(format!("{k}.v"));
+            ranges.extend(l.objects(p)); // p < l.pages: checked by page_starts
+        }
+        Ok((names, ranges))
+    }
+
+    /// Stores whole pages from the bound pool; per key, whether its K and V objects are both durably
+    /// stored. A page that got only one of them has it deleted again (best effort: a half page is a miss
+    /// either way). IO errors are results, never raised.
+    pub fn put_pages(&self, batch: &PageBatch<'_>) -> Result<Vec<bool>> {
+        let (names, ranges) = self.page_objects(batch, false)?;
+        let objs: Vec<(&str, usize, u64)> = names
+            .iter()
+            .zip(&ranges)
+            .map(|(n, r)| (n.as_str(), r.0, r.1))
+            .collect();
+        let ok = {
+            let _claim = self.claim(&objs, false);
+            // SAFETY: every range lies inside the bound pool (page numbers checked against it), which the
+            // bind contract keeps alive and readable; while the claim is held no batch of this store writes
+            // these ranges.
+            unsafe { self.put(&objs) }?
+        };
+        let pages: Vec<bool> = ok.chunks_exact(2).map(|p| p[0] && p[1]).collect();
+        let half: Vec<&str> = (0..ok.len())
+            .filter(|&o| ok[o] && !pages[o / 2])
+            .map(|o| names[o].as_str())
+            .collect();
+        if !half.is_empty() {
+            let _ = self.delete(&half);
+        }
+        Ok(pages)
+    }
+
+    /// Reads whole pages into the bound pool; per key, whether K and V were both found with the pool's
+    /// sizes and verified (a False page's host bytes are unspecified).
+    pub fn get_pages(&self, batch: &PageBatch<'_>) -> Result<Vec<bool>> {
+        let (names, ranges) = self.page_objects(batch, true)?;
+        let objs: Vec<(&str, usize, u64)> = names
+            .iter()
+            .zip(&ranges)
+            .map(|(n, r)| (n.as_str(), r.0, r.1))
+            .collect();
+        let _claim = self.claim(&objs, true);
+        // SAFETY: every range lies inside the bound pool (checked), alive and writable by the bind
+        // contract; pages are distinct (checked) and K/V ranges of one page fit their strides, so no two
+        // destinations overlap; while the claim is held no other batch of this store touches them.
+        let ok = unsafe { self.get(&objs) }?;
+        Ok(ok.chunks_exact(2).map(|p| p[0] && p[1]).collect())
+    }
+
+    /// The leading run of keys whose page (K and V) is stored.
+    pub fn pages_exist(&self, keys: &[String]) -> usize {
+        let names: Vec<String> = keys
+            .iter()
+            .flat_map(|k| [format!("{k}.k"), format!("{k}.v")])
+            .collect();
+        let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+        let ex = self.exists(&refs);
+        ex.chunks_exact(2).take_while(|p| p[0] && p[1]).count()
+    }
+}

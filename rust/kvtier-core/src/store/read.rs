@@ -1,0 +1,193 @@
+//! `get`, lookups and `verify` (docs/STORE.md, "get").
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU8, Ordering};
+
+use super::index::Entry;
+use super::PageStore;
+use crate::error::Result;
+use crate::fault;
+
+const OK: u8 = 1;
+const CORRUPT: u8 = 2;
+const IO_ERROR: u8 = 3;
+
+/// What [`PageStore::verify`] found.
+#[derive(Clone, Debug, Default)]
+pub struct VerifyReport {
+    /// Objects read and checked.
+    pub checked: usize,
+    /// Keys whose bytes failed their checksum.
+    pub corrupt: Vec<String>,
+    /// Keys that could not be read (IO error, or the data file is shorter than the object).
+    pub unreadable: Vec<String>,
+}
+
+impl PageStore {
+    /// Reads objects `(key, ptr, len)` into memory; returns per object whether it was found with exactly
+    /// that length and its checksum verified. A corrupt object is a counted miss and is dropped (del record
+    /// first; if that cannot be logged it is marked bad: never served, never overwritten).
+    ///
+    /// # Safety
+    /// Each `[ptr, ptr+len)` must be writable memory, not read or written by anyone else during the call.
+    pub unsafe fn get(&self, objs: &[(&str, usize, u64)]) -> Result<Vec<bool>> {
+        for (k, _, _) in objs {
+            Self::check_key(k)?;
+        }
+        let t0 = std::time::Instant::now();
+        let mut work: Vec<(usize, Entry)> = Vec::new();
+        {
+            let mut ix = self.lock_index();
+            for (i, (k, _, len)) in objs.iter().enumerate() {
+                match ix.get(k).cloned() {
+                    Some(e) if e.len == *len => {
+                        ix.touch(k);
+                        ix.map.get_mut(*k).expect("present").pins += 1;
+                        work.push((i, e));
+                    }
+                    _ => {
+                        self.stats.misses.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }
+        }
+        let mut classes = HashMap::new();
+        for (_, e) in &work {
+            if let std::collections::hash_map::Entry::Vacant(v) = classes.entry(e.class) {
+                if let Ok(c) = self.class(e.class) {
+                    v.insert(c);
+                }
+            }
+        }
+        let results: Vec<AtomicU8> = (0..work.len()).map(|_| AtomicU8::new(0)).collect();
+        self.parallel(work.len(), |j| {
+            let (i, ref e) = work[j];
+            let (key, ptr, len) = objs[i];
+            let Some(c) = classes.get(&e.class) else {
+                results[j].store(IO_ERROR, Ordering::Relaxed);
+                return;
+            };
+            // SAFETY: the caller guarantees [ptr, ptr+len) is writable and exclusively ours for the call.
+            let buf = unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, len as usize) };
+            let off = u64::from(e.slot) * u64::from(e.class);
+            let r = match fault::check("data_read").and_then(|()| c.read(buf, off)) {
+                Err(_) => IO_ERROR,
+                Ok(()) if crc32c::crc32c_append(crc32c::crc32c(buf), key.as_bytes()) == e.crc => OK,
+                Ok(()) => CORRUPT,
+            };
+            results[j].store(r, Ordering::Relaxed);
+        });
+        let mut ok = vec![false; objs.len()];
+        let mut corrupt = Vec::new();
+        let mut bytes = 0;
+        {
+            let mut ix = self.lock_index();
+            for (j, (i, e)) in work.iter().enumerate() {
+                let key = objs[*i].0;
+                ix.unpin(key, e.class, e.slot);
+                match results[j].load(Ordering::Relaxed) {
+                    OK => {
+                        ok[*i] = true;
+                        bytes += e.len;
+                    }
+                    CORRUPT => {
+                        corrupt.push((key.to_owned(), e.class, e.slot));
+                        self.stats.corrupt_reads.fetch_add(1, Ordering::Relaxed);
+                    }
+                    _ => {
+                        self.stats.read_failures.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }
+        }
+        self.drop_corrupt(&corrupt);
+        self.stats
+            .hits
+            .fetch_add(ok.iter().filter(|&&b| b).count() as u64, Ordering::Relaxed);
+        self.stats.bytes_read.fetch_add(bytes, Ordering::Relaxed);
+        self.stats
+            .get_ns
+            .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        Ok(ok)
+    }
+
+    /// Drops objects that failed their checksum (only if each still holds the slot that was read); those
+    /// whose del record cannot be logged are marked bad instead.
+    fn drop_corrupt(&self, bad: &[(String, u32, u32)]) {
+        if bad.is_empty() {
+            return;
+        }
+        let dropped = if self.read_only {
+            Err(())
+        } else {
+            self.commit_dels(bad).map_err(|_| ())
+        };
+        if dropped.is_err() {
+            let mut ix = self.lock_index();
+            for (k, c, s) in bad {
+                if let Some(e) = ix.map.get_mut(k) {
+                    if e.class == *c && e.slot == *s {
+                        e.bad = true;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Whether each key is stored (and servable).
+    pub fn exists(&self, keys: &[&str]) -> Vec<bool> {
+        let ix = self.lock_index();
+        keys.iter().map(|k| ix.get(k).is_some()).collect()
+    }
+
+    /// Length of the stored object `key`, if any.
+    pub fn len_of(&self, key: &str) -> Option<u64> {
+        self.lock_index().get(key).map(|e| e.len)
+    }
+
+    /// Re-reads every object and checks its checksum. With `repair` (writable stores only), corrupt and
+    /// unreadable objects are deleted and the journal is compacted (removing damaged spans and dropped
+    /// records).
+    pub fn verify(&self, repair: bool) -> Result<VerifyReport> {
+        let entries: Vec<(String, Entry)> = self
+            .lock_index()
+            .map
+            .iter()
+            .map(|(k, e)| (k.clone(), e.clone()))
+            .collect();
+        let mut rep = VerifyReport {
+            checked: entries.len(),
+            ..Default::default()
+        };
+        let mut buf = Vec::new();
+        for (k, e) in &entries {
+            let c = match self.class(e.class) {
+                Ok(c) => c,
+                Err(_) => {
+                    rep.unreadable.push(k.clone());
+                    continue;
+                }
+            };
+            buf.resize(e.len as usize, 0);
+            let off = u64::from(e.slot) * u64::from(e.class);
+            match std::os::unix::fs::FileExt::read_exact_at(&c.buffered, &mut buf, off) {
+                Err(_) => rep.unreadable.push(k.clone()),
+                Ok(()) if crc32c::crc32c_append(crc32c::crc32c(&buf), k.as_bytes()) != e.crc => {
+                    rep.corrupt.push(k.clone())
+                }
+                Ok(()) => {}
+            }
+        }
+        if repair {
+            let gone: Vec<&str> = rep
+                .corrupt
+                .iter()
+                .chain(&rep.unreadable)
+                .map(String::as_str)
+                .collect();
+            self.delete(&gone)?;
+            self.compact()?;
+        }
+        Ok(rep)
+    }
+}

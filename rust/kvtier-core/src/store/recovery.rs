@@ -1,0 +1,187 @@
+//! Recovery at open: replaying the journal into an index (plausibility, slot conflicts resolved by
+//! order) and trimming the data files to what the index holds (docs/STORE.md, "open").
+
+use std::collections::{BTreeSet, HashMap, HashSet};
+use std::path::Path;
+
+use super::files::punch;
+use super::index::{Entry, Index};
+use super::journal::Record;
+use super::stats::OpenReport;
+use super::{io_err, ALIGN};
+use crate::error::Result;
+
+/// The index rebuilt from `records`, what replay found, and the keys whose latest record was dropped.
+pub(super) fn replay(
+    dir: &Path,
+    records: Vec<Record>,
+    report: &mut OpenReport,
+) -> Result<(Index, Vec<String>)> {
+    let mut live: HashMap<String, (Entry, u64)> = HashMap::new(); // entry, order of its put record
+    let mut owner: HashMap<(u32, u32), String> = HashMap::new();
+    let mut file_len: HashMap<u32, u64> = HashMap::new();
+    let mut missing: BTreeSet<u32> = BTreeSet::new();
+    // keys whose latest record was dropped (a later put or delete of the key takes it out again)
+    let mut dropped: BTreeSet<String> = BTreeSet::new();
+    let mut order = 0u64;
+    let remove = |live: &mut HashMap<String, (Entry, u64)>,
+                  owner: &mut HashMap<(u32, u32), String>,
+                  key: &str| {
+        if let Some((e, _)) = live.remove(key) {
+            owner.remove(&(e.class, e.slot));
+        }
+    };
+    for r in records {
+        match r {
+            Record::Put {
+                key,
+                class,
+                slot,
+                len,
+                crc,
+            } => {
+                let flen = match file_len.get(&class) {
+                    Some(&n) => n,
+                    None => {
+                        let n = class_file_len(dir, class)?;
+                        if n.is_none() {
+                            missing.insert(class);
+                        }
+                        let n = n.unwrap_or(0);
+                        file_len.insert(class, n);
+                        n
+                    }
+                };
+                // A record can only name bytes the store once wrote: an object inside its class file, a
+                // length within its class. Anything else names no object and never sizes anything.
+                let plausible = u64::from(class) % ALIGN == 0
+                    && class > 0
+                    && len > 0
+                    && len <= u64::from(class)
+                    && u64::from(slot) * u64::from(class) + len <= flen;
+                if !plausible {
+                    remove(&mut live, &mut owner, &key);
+                    report.dropped_records += 1;
+                    dropped.insert(key);
+                    continue;
+                }
+                dropped.remove(&key);
+                // R3: a later put naming a slot that another live key holds overwrote that key's bytes
+                if let Some(prev) = owner.get(&(class, slot)).cloned() {
+                    if prev != key {
+                        remove(&mut live, &mut owner, &prev);
+                        report.superseded_by_slot += 1;
+                    }
+                }
+                remove(&mut live, &mut owner, &key);
+                order += 1;
+                owner.insert((class, slot), key.clone());
+                live.insert(key, (Entry::new(class, slot, len, crc), order));
+            }
+            Record::Del { key } => {
+                dropped.remove(&key);
+                remove(&mut live, &mut owner, &key);
+            }
+        }
+    }
+    report.missing_class_files = missing.into_iter().collect();
+    let mut by_age: Vec<(String, Entry, u64)> =
+        live.into_iter().map(|(k, (e, o))| (k, e, o)).collect();
+    by_age.sort_unstable_by_key(|x| x.2);
+    let mut ix = Index::default();
+    for (key, e, _) in by_age {
+        let n = ix.next.entry(e.class).or_insert(0);
+        *n = (*n).max(e.slot + 1);
+        ix.used += u64::from(e.class);
+        ix.data_alloc += u64::from(e.class);
+        ix.insert(key, e);
+    }
+    Ok((ix, dropped.into_iter().collect()))
+}
+
+/// The length of `class`'s data file; `None` when it does not exist (or is not a file). Any other error
+/// fails the open rather than dropping every record of the class.
+fn class_file_len(dir: &Path, class: u32) -> Result<Option<u64>> {
+    let p = dir.join(format!("class-{class}.dat"));
+    match std::fs::symlink_metadata(&p) {
+        Ok(m) if m.is_file() => Ok(Some(m.len())),
+        Ok(_) => Ok(None),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(io_err(format!("stat {}", p.display()), e)),
+    }
+}
+
+/// Size classes of the data files in `dir`.
+fn class_files(dir: &Path) -> Vec<u32> {
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    rd.filter_map(|e| e.ok())
+        .filter_map(|e| {
+            let name = e.file_name().into_string().ok()?;
+            let class: u32 = name
+                .strip_prefix("class-")?
+                .strip_suffix(".dat")?
+                .parse()
+                .ok()?;
+            (class > 0 && u64::from(class) % ALIGN == 0).then_some(class)
+        })
+        .collect()
+}
+
+/// Writable open: each data file is cut to its highest live slot, and its free slots below that are
+/// punched (holes) — or, where that is not possible, counted as free slots with blocks. Read-only open
+/// only lists the free slots. Returns whether punching works here.
+pub(super) fn trim_data_files(dir: &Path, ix: &mut Index, writable: bool) -> bool {
+    let mut punch_ok = true;
+    let mut used: HashMap<u32, HashSet<u32>> = HashMap::new();
+    for e in ix.map.values() {
+        used.entry(e.class).or_default().insert(e.slot);
+    }
+    let mut classes: BTreeSet<u32> = class_files(dir).into_iter().collect();
+    classes.extend(ix.next.keys().copied());
+    for class in classes {
+        let next = ix.next.get(&class).copied().unwrap_or(0);
+        let free: Vec<u32> = (0..next)
+            .rev()
+            .filter(|s| used.get(&class).is_none_or(|u| !u.contains(s)))
+            .collect();
+        let c = u64::from(class);
+        let path = dir.join(format!("class-{class}.dat"));
+        let file = if writable {
+            std::fs::OpenOptions::new().write(true).open(&path).ok()
+        } else {
+            None
+        };
+        let Some(f) = file else {
+            ix.free.insert(class, free);
+            continue;
+        };
+        if f.metadata().is_ok_and(|m| m.len() > u64::from(next) * c) {
+            let _ = f.set_len(u64::from(next) * c);
+        }
+        // punch contiguous runs of free slots (ascending), one call each
+        let mut holes = Vec::new();
+        let mut kept = Vec::new();
+        let mut asc = free.clone();
+        asc.reverse();
+        let mut k = 0;
+        while k < asc.len() {
+            let mut e = k + 1;
+            while e < asc.len() && asc[e] == asc[e - 1] + 1 {
+                e += 1;
+            }
+            let ok = punch_ok && punch(&f, u64::from(asc[k]) * c, (e - k) as u64 * c).is_ok();
+            punch_ok &= ok;
+            if ok { &mut holes } else { &mut kept }.extend_from_slice(&asc[k..e]);
+            k = e;
+        }
+        ix.data_alloc += kept.len() as u64 * c;
+        // hand out low slots first
+        holes.reverse();
+        kept.reverse();
+        ix.holes.insert(class, holes);
+        ix.free.insert(class, kept);
+    }
+    punch_ok
+}

@@ -1,0 +1,72 @@
+//! Counters of a running store and the report of what its open found.
+
+use std::sync::atomic::AtomicU64;
+
+/// Counters reported by [`super::PageStore::stats`].
+#[derive(Debug, Default)]
+pub struct Stats {
+    /// Objects written (acknowledged).
+    pub puts: AtomicU64,
+    /// Bytes written (acknowledged objects).
+    pub bytes_written: AtomicU64,
+    /// Nanoseconds spent in put batches (wall).
+    pub put_ns: AtomicU64,
+    /// Objects read and verified.
+    pub hits: AtomicU64,
+    /// Lookups that found nothing.
+    pub misses: AtomicU64,
+    /// Bytes read (verified objects).
+    pub bytes_read: AtomicU64,
+    /// Nanoseconds spent in get batches (wall).
+    pub get_ns: AtomicU64,
+    /// Objects evicted to stay under capacity.
+    pub evictions: AtomicU64,
+    /// Reads whose checksum did not match (object dropped, or marked bad when the drop could not be logged).
+    pub corrupt_reads: AtomicU64,
+    /// Objects whose write failed (IO error, ENOSPC, capacity, journal).
+    pub write_failures: AtomicU64,
+    /// Reads that failed with an IO error.
+    pub read_failures: AtomicU64,
+    /// Journal records dropped at open because they named no bytes the store could have written (an
+    /// object past its class file's end, a length outside its class).
+    pub dropped_records: AtomicU64,
+    /// Journal appends that failed (every object or key of that commit failed with it).
+    pub journal_failures: AtomicU64,
+    /// Free slots whose blocks were given back to the file system.
+    pub punched_slots: AtomicU64,
+    /// Journal compactions done while open (not counting the one at open).
+    pub compactions: AtomicU64,
+}
+
+/// What opening the store found on disk (fixed for the life of the open store).
+#[derive(Clone, Debug, Default)]
+pub struct OpenReport {
+    /// Bytes of a torn journal tail: cut by a writable open, only reported by a read-only one.
+    pub torn_tail: u64,
+    /// Damaged spans between valid journal records, skipped.
+    pub damaged_spans: u64,
+    /// Bytes in those spans.
+    pub damaged_bytes: u64,
+    /// Journal records dropped because they named no bytes the store could have written.
+    pub dropped_records: u64,
+    /// Size classes that journal records name but whose data file is missing.
+    pub missing_class_files: Vec<u32>,
+    /// Put records resolved by replay's slot rule (an earlier key whose slot a later record took).
+    pub superseded_by_slot: u64,
+    /// Set when the journal's delete reserve could not be established (a full disk at open): puts fail
+    /// until it can be.
+    pub reserve_note: Option<String>,
+    /// Whether the journal was compacted at open.
+    pub compacted: bool,
+}
+
+impl OpenReport {
+    /// Whether open found damage that `verify --repair` would remove (a torn tail a writable open already
+    /// cut is not damage any more).
+    pub fn damaged(&self, read_only: bool) -> bool {
+        self.damaged_spans > 0
+            || self.dropped_records > 0
+            || !self.missing_class_files.is_empty()
+            || (read_only && self.torn_tail > 0)
+    }
+}

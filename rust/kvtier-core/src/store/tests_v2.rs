@@ -1,0 +1,1 @@
+//! Page store v2 tests.

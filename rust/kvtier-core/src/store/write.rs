@@ -1,0 +1,342 @@
+//! `put`: reserve slots (making room by punching free blocks and evicting), allocate exactly the blocks
+//! needed, write and sync the objects, commit their records (docs/STORE.md, "put").
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use super::files::ClassFile;
+use super::journal::encoded_len;
+use super::{PageStore, ALIGN, MAX_OBJECT};
+use crate::error::{Error, Result};
+use crate::fault;
+
+/// Reservation rounds before the objects still without a slot fail (each round assigns, punches or
+/// evicts something, so this is far above what progress needs).
+const MAX_ROUNDS: usize = 256;
+
+/// A planned object: index into the batch, size class, slot, whether its blocks must be allocated, and
+/// the journal bytes it has pending.
+#[derive(Clone, Copy)]
+struct Slot {
+    i: usize,
+    class: u32,
+    slot: u32,
+    grow: bool,
+    journal: u64,
+}
+
+impl PageStore {
+    /// Stores objects `(key, ptr, len)`; returns per object whether it is now durably stored. An object
+    /// whose key already exists is left as is (keys name content) and reported stored. IO errors fail the
+    /// objects they touch and are never raised; only invalid arguments are.
+    ///
+    /// # Safety
+    /// Each `[ptr, ptr+len)` must be readable memory that stays alive and unmodified during the call.
+    pub unsafe fn put(&self, objs: &[(&str, usize, u64)]) -> Result<Vec<bool>> {
+        for (k, _, len) in objs {
+            Self::check_key(k)?;
+            if *len == 0 || *len > MAX_OBJECT {
+                return Err(Error::arg(
+                    "sizes",
+                    format!("object {k:?}: length must be in 1..={MAX_OBJECT}, got {len}"),
+                ));
+            }
+        }
+        let t0 = std::time::Instant::now();
+        let mut ok = vec![false; objs.len()];
+        if self.read_only || self.poisoned.load(Ordering::Relaxed) {
+            self.fail(objs.len());
+            return Ok(ok);
+        }
+        let plan = self.reserve(objs, &mut ok);
+        let plan = self.allocate(plan);
+        let done = self.write_all(objs, plan);
+        let pending: u64 = done.iter().map(|(s, _)| s.journal).sum();
+        let items: Vec<(String, u32, u32, u64, u32)> = done
+            .iter()
+            .map(|(s, crc)| (objs[s.i].0.to_owned(), s.class, s.slot, objs[s.i].2, *crc))
+            .collect();
+        let committed = self.commit_puts(&items).is_ok();
+        {
+            let mut ix = self.lock_index();
+            ix.j_pending -= pending;
+            if !committed {
+                for (s, _) in &done {
+                    ix.unreserve(s.class, s.slot);
+                }
+            }
+        }
+        let mut bytes = 0;
+        if committed {
+            for (s, _) in &done {
+                ok[s.i] = true;
+                bytes += objs[s.i].2;
+            }
+        } else {
+            self.fail(done.len());
+        }
+        let stored = ok.iter().filter(|&&b| b).count() as u64;
+        self.stats.puts.fetch_add(stored, Ordering::Relaxed);
+        self.stats.bytes_written.fetch_add(bytes, Ordering::Relaxed);
+        self.stats
+            .put_ns
+            .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        Ok(ok)
+    }
+
+    fn fail(&self, n: usize) {
+        self.stats
+            .write_failures
+            .fetch_add(n as u64, Ordering::Relaxed);
+    }
+
+    /// Step 2–3: a slot for every object that is not already stored, making room as needed. Objects that
+    /// cannot get one are counted as failures (their `ok` stays false).
+    fn reserve(&self, objs: &[(&str, usize, u64)], ok: &mut [bool]) -> Vec<Slot> {
+        let mut want: Vec<(usize, u32, u64)> = Vec::new(); // (index, class, journal bytes)
+        {
+            let mut ix = self.lock_index();
+            let mut seen = HashSet::new();
+            for (i, (k, _, len)) in objs.iter().enumerate() {
+                if ix.get(k).is_some() || !seen.insert(*k) {
+                    ix.touch(k);
+                    ok[i] = true;
+                    continue;
+                }
+                let class = len.div_ceil(ALIGN) * ALIGN;
+                if class > self.opts.capacity_bytes {
+                    continue; // can never fit: fails below
+                }
+                // MAX_OBJECT keeps every class within u32 (checked by the caller)
+                let class = u32::try_from(class).expect("class <= MAX_OBJECT fits u32");
+                want.push((i, class, 2 * encoded_len(k.len()) as u64));
+            }
+        }
+        let mut plan = Vec::new();
+        let batch_keys: Vec<&str> = objs.iter().map(|o| o.0).collect();
+        for _ in 0..MAX_ROUNDS {
+            let victims = {
+                let mut ix = self.lock_index();
+                let mut left = Vec::new();
+                for &(i, class, journal) in &want {
+                    let grow = !ix.free.get(&class).is_some_and(|v| !v.is_empty());
+                    let add = if grow { u64::from(class) } else { 0 };
+                    if ix.occupancy_with(add, journal) > self.opts.capacity_bytes
+                        || !left.is_empty()
+                    {
+                        left.push((i, class, journal));
+                        continue;
+                    }
+                    let slot = match ix.reuse_slot(class) {
+                        Some(s) => s,
+                        None => ix.grow_slot(class),
+                    };
+                    ix.j_pending += journal;
+                    plan.push(Slot {
+                        i,
+                        class,
+                        slot,
+                        grow,
+                        journal,
+                    });
+                }
+                want = left;
+                let Some(&(_, class, journal)) = want.first() else {
+                    break;
+                };
+                // room for the first object left (the next round reuses or punches what eviction frees)
+                let deficit = ix
+                    .occupancy_with(u64::from(class), journal)
+                    .saturating_sub(self.opts.capacity_bytes);
+                let classes: Vec<u32> = want.iter().map(|w| w.1).collect();
+                let punch = ix.take_punchable(&classes);
+                if !punch.is_empty() {
+                    drop(ix);
+                    self.punch_slots(&punch);
+                    continue;
+                }
+                let victims = ix.victims(deficit, &batch_keys);
+                if victims.is_empty() {
+                    break;
+                }
+                victims
+            };
+            match self.commit_dels(&victims) {
+                Ok(gone) => {
+                    self.stats
+                        .evictions
+                        .fetch_add(gone.len() as u64, Ordering::Relaxed);
+                }
+                Err(_) => break, // nothing was evicted; the objects still waiting fail
+            }
+        }
+        self.fail(want.len());
+        plan
+    }
+
+    /// Gives the blocks of free slots back (taken with `take_punchable`).
+    pub(super) fn punch_slots(&self, slots: &[(u32, u32)]) {
+        let ok = self.punch_ok.load(Ordering::Relaxed) && {
+            let mut all = true;
+            for &(class, slot) in slots {
+                let r = self.class(class).and_then(|c| {
+                    c.punch(u64::from(slot) * u64::from(class), u64::from(class))
+                        .map_err(|e| super::io_err("punch", e))
+                });
+                if let Err(Error::Os { source, .. }) = &r {
+                    if source.raw_os_error() == Some(libc::EOPNOTSUPP) {
+                        self.punch_ok.store(false, Ordering::Relaxed);
+                    }
+                }
+                all &= r.is_ok();
+                if !all {
+                    break;
+                }
+            }
+            all
+        };
+        if ok {
+            self.stats
+                .punched_slots
+                .fetch_add(slots.len() as u64, Ordering::Relaxed);
+        }
+        // a failed punch leaves some blocks in place: all of them stay counted (over-counting is safe)
+        self.lock_index().punched(slots, ok);
+    }
+
+    /// Step 4: blocks for the slots that need them, one `fallocate` per contiguous run. A run that cannot
+    /// be allocated is retried once after giving back other classes' free blocks; then its objects fail.
+    fn allocate(&self, plan: Vec<Slot>) -> Vec<(Slot, Arc<ClassFile>)> {
+        let mut out = Vec::with_capacity(plan.len());
+        let mut by_class: HashMap<u32, Vec<Slot>> = HashMap::new();
+        for s in plan {
+            by_class.entry(s.class).or_default().push(s);
+        }
+        for (class, mut slots) in by_class {
+            let c = match self.class(class) {
+                Ok(c) => c,
+                Err(_) => {
+                    self.drop_slots(&slots);
+                    continue;
+                }
+            };
+            slots.sort_by_key(|s| s.slot);
+            let mut k = 0;
+            while k < slots.len() {
+                if !slots[k].grow {
+                    out.push((slots[k], c.clone()));
+                    k += 1;
+                    continue;
+                }
+                let mut e = k + 1;
+                while e < slots.len() && slots[e].grow && slots[e].slot == slots[e - 1].slot + 1 {
+                    e += 1;
+                }
+                let off = u64::from(slots[k].slot) * u64::from(class);
+                let len = (e - k) as u64 * u64::from(class);
+                let mut r = self.allocate_run(&c, off, len);
+                if matches!(&r, Err(err) if err.raw_os_error() == Some(libc::ENOSPC)) {
+                    let punch = self.lock_index().take_punchable(&[class]);
+                    if !punch.is_empty() {
+                        self.punch_slots(&punch);
+                        r = self.allocate_run(&c, off, len);
+                    }
+                }
+                match r {
+                    Ok(()) => out.extend(slots[k..e].iter().map(|s| (*s, c.clone()))),
+                    // the run failed: each slot on its own, so only the objects that cannot get blocks fail
+                    Err(_) if e - k > 1 => {
+                        for s in &slots[k..e] {
+                            let off = u64::from(s.slot) * u64::from(class);
+                            match self.allocate_run(&c, off, u64::from(class)) {
+                                Ok(()) => out.push((*s, c.clone())),
+                                Err(_) => self.drop_slots(std::slice::from_ref(s)),
+                            }
+                        }
+                    }
+                    Err(_) => self.drop_slots(&slots[k..e]),
+                }
+                k = e;
+            }
+        }
+        out
+    }
+
+    fn allocate_run(&self, c: &ClassFile, off: u64, len: u64) -> std::io::Result<()> {
+        let _g = self.alloc_lock.lock().unwrap_or_else(|p| p.into_inner());
+        let before = c.buffered.metadata()?.len();
+        c.allocate(off, len, before)
+    }
+
+    /// Reserved slots that never got blocks: back to the holes, their objects failed.
+    fn drop_slots(&self, slots: &[Slot]) {
+        let mut ix = self.lock_index();
+        for s in slots {
+            ix.unreserve_unallocated(s.class, s.slot);
+            ix.j_pending -= s.journal;
+        }
+        drop(ix);
+        self.fail(slots.len());
+    }
+
+    /// Step 5: write every object in parallel, then sync each class file. Returns the objects written and
+    /// synced with their checksums; the others' slots are released and their objects failed.
+    fn write_all(
+        &self,
+        objs: &[(&str, usize, u64)],
+        plan: Vec<(Slot, Arc<ClassFile>)>,
+    ) -> Vec<(Slot, u32)> {
+        let crcs: Vec<AtomicU64> = (0..plan.len()).map(|_| AtomicU64::new(u64::MAX)).collect();
+        self.parallel(plan.len(), |j| {
+            let (s, ref c) = plan[j];
+            let (key, ptr, len) = objs[s.i];
+            // SAFETY: the caller guarantees [ptr, ptr+len) is readable for the whole call.
+            let bytes = unsafe { std::slice::from_raw_parts(ptr as *const u8, len as usize) };
+            let crc = crc32c::crc32c_append(crc32c::crc32c(bytes), key.as_bytes());
+            let off = u64::from(s.slot) * u64::from(s.class);
+            let res = match fault::take("data_write") {
+                // partial writes exist only here; everything else is handled as at any other point
+                Some(fault::Fault::Short(e)) => std::os::unix::fs::FileExt::write_all_at(
+                    &c.buffered,
+                    &bytes[..bytes.len() / 2],
+                    off,
+                )
+                .and(Err(std::io::Error::from_raw_os_error(e))),
+                Some(fault::Fault::Torn) => {
+                    let mut torn = bytes.to_vec();
+                    torn[bytes.len() / 2..].fill(0);
+                    c.write(&torn, off)
+                }
+                other => fault::apply(other).and_then(|()| c.write(bytes, off)),
+            };
+            if res.is_ok() {
+                crcs[j].store(u64::from(crc), Ordering::Relaxed);
+            }
+        });
+        let mut synced: HashMap<u32, bool> = HashMap::new();
+        for (s, c) in &plan {
+            synced.entry(s.class).or_insert_with(|| {
+                fault::check("data_sync")
+                    .and_then(|()| c.buffered.sync_data())
+                    .is_ok()
+            });
+        }
+        let mut good = Vec::new();
+        let mut bad = 0;
+        let mut ix = self.lock_index();
+        for (j, (s, _)) in plan.iter().enumerate() {
+            let crc = crcs[j].load(Ordering::Relaxed);
+            if crc == u64::MAX || !synced[&s.class] {
+                ix.unreserve(s.class, s.slot);
+                ix.j_pending -= s.journal;
+                bad += 1;
+            } else {
+                good.push((*s, crc as u32));
+            }
+        }
+        drop(ix);
+        self.fail(bad);
+        good
+    }
+}

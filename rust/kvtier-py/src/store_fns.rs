@@ -1,0 +1,150 @@
+//! The page store's counters as a dict, and the store-related free functions of `kvtier._native`
+//! (namespace names, page hashes, the disk roofline, fault injection).
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use kvtier_core::store::PageStore;
+use kvtier_core::Error;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::errors::KvResult;
+
+/// `PageStore.stats()`: counters, occupancy and what open found.
+pub fn stats<'py>(py: Python<'py>, s: &PageStore) -> KvResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    let st = &s.stats;
+    let ld = |a: &AtomicU64| a.load(Ordering::Relaxed);
+    let (objects, used) = s.usage();
+    let (data, journal) = s.occupancy();
+    let rep = s.open_report();
+    for (k, v) in [
+        ("puts", ld(&st.puts)),
+        ("bytes_written", ld(&st.bytes_written)),
+        ("put_ns", ld(&st.put_ns)),
+        ("hits", ld(&st.hits)),
+        ("misses", ld(&st.misses)),
+        ("bytes_read", ld(&st.bytes_read)),
+        ("get_ns", ld(&st.get_ns)),
+        ("evictions", ld(&st.evictions)),
+        ("corrupt_reads", ld(&st.corrupt_reads)),
+        ("write_failures", ld(&st.write_failures)),
+        ("read_failures", ld(&st.read_failures)),
+        ("journal_failures", ld(&st.journal_failures)),
+        ("punched_slots", ld(&st.punched_slots)),
+        ("compactions", ld(&st.compactions)),
+        ("dropped_records", ld(&st.dropped_records)),
+        ("objects", objects as u64),
+        ("bytes_used", used),
+        ("data_bytes_held", data),
+        ("journal_bytes_held", journal),
+        ("capacity_bytes", s.capacity()),
+        ("recovered_tail_bytes", rep.torn_tail),
+        ("journal_damaged_spans", rep.damaged_spans),
+        ("journal_damaged_bytes", rep.damaged_bytes),
+        ("superseded_by_slot", rep.superseded_by_slot),
+    ] {
+        d.set_item(k, v)?;
+    }
+    d.set_item("missing_class_files", rep.missing_class_files.clone())?;
+    d.set_item("reserve_note", rep.reserve_note.clone())?;
+    d.set_item("compacted_at_open", rep.compacted)?;
+    d.set_item("damaged", rep.damaged(s.read_only()))?;
+    d.set_item("read_only", s.read_only())?;
+    d.set_item("live_writer", s.live_writer())?;
+    d.set_item("poisoned", s.poisoned())?;
+    d.set_item("o_direct", s.direct())?;
+    d.set_item("o_direct_note", s.direct_note())?;
+    d.set_item("dir", s.dir().to_string_lossy().to_string())?;
+    d.set_item("namespace", s.namespace())?;
+    Ok(d)
+}
+
+/// The namespace directory name for a namespace string.
+#[pyfunction]
+pub fn namespace_dir(namespace: &str) -> String {
+    kvtier_core::store::namespace_dir(namespace)
+}
+
+/// SGLang-compatible chained SHA-256 page keys of `token_ids`, `page_size` tokens a page (full pages only).
+#[pyfunction]
+#[pyo3(signature = (token_ids, page_size, prior_hash=None))]
+pub fn page_hashes(
+    py: Python<'_>,
+    token_ids: Vec<u32>,
+    page_size: usize,
+    prior_hash: Option<String>,
+) -> KvResult<Vec<String>> {
+    Ok(py.detach(|| kvtier_core::hash::page_hashes(&token_ids, page_size, prior_hash.as_deref()))?)
+}
+
+/// The disk's O_DIRECT ceiling for `count` objects of `size` bytes with `threads` in flight, measured in
+/// `dir`: `(write GB/s durable, read GB/s, O_DIRECT used)`.
+#[pyfunction]
+pub fn disk_roofline(
+    py: Python<'_>,
+    dir: PathBuf,
+    size: usize,
+    count: usize,
+    threads: usize,
+) -> KvResult<(f64, f64, bool)> {
+    Ok(py.detach(|| kvtier_core::roofline::odirect_roofline(&dir, size, count, threads))?)
+}
+
+/// Injects a fault into the page store's IO point `point` (see `kvtier.testing.inject_fault`): `kind` is
+/// "error", "delay", "short" or "torn"; the next `times` calls after `skip` are hit.
+#[pyfunction]
+#[pyo3(signature = (point, kind, skip=0, times=1, errno=5, delay_ms=0))]
+pub fn fault_set(
+    point: &str,
+    kind: &str,
+    skip: u64,
+    times: u64,
+    errno: i32,
+    delay_ms: u64,
+) -> KvResult<()> {
+    use kvtier_core::fault::{Fault, POINTS};
+    if !POINTS.contains(&point) {
+        return Err(
+            Error::arg("point", format!("must be one of {POINTS:?}, got {point:?}")).into(),
+        );
+    }
+    if errno <= 0 {
+        return Err(Error::arg("errno", format!("must be a positive errno, got {errno}")).into());
+    }
+    let fault = match kind {
+        "error" => Fault::Error(errno),
+        "delay" => Fault::Delay(std::time::Duration::from_millis(delay_ms)),
+        "short" if point == "data_write" => Fault::Short(errno),
+        "torn" if point == "data_write" => Fault::Torn,
+        "short" | "torn" => {
+            return Err(Error::arg(
+                "kind",
+                format!("{kind:?} applies to point \"data_write\" only, not {point:?}"),
+            )
+            .into())
+        }
+        _ => {
+            return Err(Error::arg(
+                "kind",
+                format!("must be \"error\", \"delay\", \"short\" or \"torn\", got {kind:?}"),
+            )
+            .into())
+        }
+    };
+    kvtier_core::fault::set(point, skip, times, fault);
+    Ok(())
+}
+
+/// Removes every injected fault.
+#[pyfunction]
+pub fn fault_clear() {
+    kvtier_core::fault::clear()
+}
+
+/// Faults `point` has delivered since it was set.
+#[pyfunction]
+pub fn fault_hits(point: &str) -> u64 {
+    kvtier_core::fault::hits(point)
+}
