@@ -24,15 +24,33 @@ def _namespaces(path: str) -> list[tuple[str, str]]:
     return out
 
 
-def _open(path: str, ns: str):
+def _open(path: str, ns: str, writable: bool = False):
+    """A namespace opened read-only (nothing on disk changes), or writable for a repair."""
     from . import _native
 
     try:
-        return _native.PageStore(path, ns, 1 << 62, 4, None)
+        return _native.PageStore(path, ns, 1 << 62, 4, None, not writable)
     except OSError as exc:
         if "already open" in str(exc):
-            raise KvtierError(f"{path}: namespace is in use by a running process (its LOCK is held)") from None
+            raise KvtierError(f"{path}: namespace is in use by a running process (its LOCK is held); "
+                              "stop it before repairing") from None
         raise
+
+
+def _damage(st: dict) -> list[str]:
+    """What opening the store found that a repair would remove."""
+    out = []
+    if st["journal_damaged_spans"]:
+        out.append(f"{st['journal_damaged_spans']} damaged journal span(s), {st['journal_damaged_bytes']} bytes "
+                   "(records skipped)")
+    if st["dropped_records"]:
+        out.append(f"{st['dropped_records']} journal record(s) naming bytes the data files do not have (dropped)")
+    if st["missing_class_files"]:
+        out.append("missing data file(s): " + ", ".join(f"class-{c}.dat" for c in st["missing_class_files"]))
+    if st["read_only"] and st["recovered_tail_bytes"]:
+        out.append(f"a torn journal tail of {st['recovered_tail_bytes']} bytes"
+                   + (" (a write in progress?)" if st["live_writer"] else ""))
+    return out
 
 
 def cmd_inspect(args) -> int:
@@ -42,10 +60,10 @@ def cmd_inspect(args) -> int:
             st = s.stats()
             files = {f: os.path.getsize(os.path.join(d, f)) for f in sorted(os.listdir(d)) if f.endswith((".dat", ".log"))}
             print(f"{os.path.basename(d)}  {ns}")
-            print(f"  objects {st['objects']} ({st['objects'] // 2} pages), {st['bytes_used'] / 1e6:.1f} MB in slots, "
-                  f"O_DIRECT {'yes' if st['o_direct'] else 'no: ' + str(st['o_direct_note'])}")
-            if st["recovered_tail_bytes"]:
-                print(f"  recovered: {st['recovered_tail_bytes']} bytes of a torn journal tail were cut off")
+            print(f"  objects {st['objects']} ({st['objects'] // 2} pages), {st['bytes_used'] / 1e6:.1f} MB in slots"
+                  + ("  [open in a running process: a snapshot]" if st["live_writer"] else ""))
+            for what in _damage(st):
+                print(f"  damage: {what}")
             for f, n in files.items():
                 print(f"  {f:<24} {n / 1e6:10.1f} MB")
         finally:
@@ -54,19 +72,36 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_verify(args) -> int:
-    bad_total = 0
+    repair = args.repair or args.drop
+    damaged = 0
     for d, ns in _namespaces(args.path):
-        s = _open(args.path, ns)
+        s = _open(args.path, ns, writable=repair)
         try:
-            checked, bad = s.verify(args.drop)
+            st = s.stats()
+            found = _damage(st)
+            r = s.verify(repair)
         finally:
             s.close()
-        bad_total += len(bad)
-        verdict = "ok" if not bad else f"{len(bad)} corrupt" + (" (dropped)" if args.drop else "")
-        print(f"{os.path.basename(d)}: {checked} objects checked, {verdict}")
+        bad = r["corrupt"] + r["unreadable"]
+        found += [f"{len(r['corrupt'])} corrupt object(s) (failing their checksum)"] if r["corrupt"] else []
+        found += [f"{len(r['unreadable'])} object(s) that cannot be read"] if r["unreadable"] else []
+        name = os.path.basename(d)
+        if not found:
+            print(f"{name}: {r['checked']} objects checked, ok")
+            continue
+        damaged += 1
+        print(f"{name}: {r['checked']} objects checked, DAMAGED" + (" — repaired" if repair else ""))
+        for what in found:
+            print(f"  {what}")
         for k in bad[:20]:
-            print(f"  corrupt: {k}")
-    return 1 if bad_total and not args.drop else 0
+            print(f"  {'dropped' if repair else 'corrupt'}: {k}")
+        if not repair:
+            print(f"  `kvtier verify --repair {args.path}` would delete the bad objects and rewrite the journal "
+                  "without the damaged records")
+            if st["live_writer"]:
+                print("  note: a running process has this store open; objects replaced while this ran can "
+                      "show as checksum failures")
+    return 1 if damaged and not repair else 0
 
 
 def cmd_demo(args) -> int:
@@ -103,11 +138,15 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="benchmarks against the hardware ceilings: pin, transfer (GPU), store; "
                            "options after the name go to the bench (e.g. kvtier bench transfer --plot out.png)")
     bench.add_argument("which", choices=["pin", "transfer", "store"])
-    ins = sub.add_parser("inspect", help="namespaces, pages, bytes and files of a store directory")
+    ins = sub.add_parser("inspect", help="namespaces, pages, bytes, files and damage of a store directory (read-only)")
     ins.add_argument("path")
-    ver = sub.add_parser("verify", help="re-read every object of a store and check its checksum")
+    ver = sub.add_parser("verify", help="re-read every object of a store and check its checksum and journal "
+                         "(read-only; exit 1 on damage)")
     ver.add_argument("path")
-    ver.add_argument("--drop", action="store_true", help="delete corrupt objects")
+    ver.add_argument("--repair", action="store_true",
+                     help="delete corrupt objects and rewrite the journal without damaged records (needs the store "
+                     "closed)")
+    ver.add_argument("--drop", action="store_true", help="the same as --repair (kept for old scripts)")
     args, rest = parser.parse_known_args(argv)
     if rest and args.command != "bench":
         parser.error(f"unrecognized arguments: {' '.join(rest)}")

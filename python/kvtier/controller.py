@@ -63,7 +63,8 @@ class TierController:
     Args:
         device_pool: the engine's device KV pool (kvtier or SGLang attribute names).
         host_pool: a kvtier host pool built for it.
-        store: an optional :class:`kvtier.PageStore` already registered with ``host_pool``.
+        store: an optional :class:`kvtier.PageStore` already registered with ``host_pool`` (checked: a
+            store registered with another pool, or with none, is refused).
         io_backend: ``"direct"`` or ``"kernel"`` for device↔host transfers.
         write_policy: ``"write_through"`` (default), ``"write_back"`` or ``"write_through_selective"``.
         hit_threshold: hits before a page is written under ``write_through_selective`` (default 2).
@@ -83,6 +84,18 @@ class TierController:
     ) -> None:
         if write_policy not in POLICIES:
             raise InvalidArgumentError(f"invalid argument `write_policy`: {write_policy!r}; expected one of {POLICIES}")
+        if store is not None:
+            bound = getattr(store, "pool", None)
+            if bound is None:
+                raise InvalidArgumentError(
+                    "invalid argument `store`: it has no host pool; call store.register_mem_pool_host(host_pool) "
+                    "before building the TierController"
+                )
+            if bound is not host_pool:
+                raise InvalidArgumentError(
+                    "invalid argument `store`: it is registered with another host pool than `host_pool`; its "
+                    "batches would read and write that pool's memory at this pool's indices"
+                )
         self.device_pool, self.host, self.store = device_pool, host_pool, store
         self.io_backend, self.write_policy, self.hit_threshold = io_backend, write_policy, hit_threshold
         self.ps = host_pool.page_size

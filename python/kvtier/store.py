@@ -122,18 +122,31 @@ class PageStore:
                     "invalid argument `pool`: expected a kvtier host pool or an SGLang MHA host pool "
                     "(kv_buffer tensors and get_page_buffer_meta)"
                 )
+        page_num = int(getattr(pool, "page_num", None) or pool.size // pool.page_size)
+        layout = _page_layout(pool, page_num)
         with self._lock:
             if self._native is not None:
                 self._native.close()
-            self._native = _native.PageStore(self.path, self.namespace_for(pool), self.capacity_bytes, self.io_threads, self.direct)
-            for r in regions:
-                self._native.register_region(r)
-            for t in tensors:
-                self._native.register_tensor(t)
-            self._pool = pool
-        note = self._native.direct_note
+                self._native, self._pool = None, None
+            native = _native.PageStore(self.path, self.namespace_for(pool), self.capacity_bytes, self.io_threads, self.direct)
+            try:
+                for r in regions:
+                    native.register_region(r)
+                for t in tensors:
+                    native.register_tensor(t)
+                native.bind_pages(*layout, pool.page_size, page_num)
+            except BaseException:
+                native.close()
+                raise
+            self._native, self._pool = native, pool
+        note = native.direct_note
         if note and self.direct is None:
             warnings.warn(f"kvtier.PageStore at {self.path}: {note}", RuntimeWarning, stacklevel=2)
+
+    @property
+    def pool(self) -> Any:
+        """The host pool this store reads and writes (``None`` before ``register_mem_pool_host``)."""
+        return self._pool
 
     def _store(self):
         if self._closed:
@@ -143,54 +156,30 @@ class PageStore:
         return self._native
 
     # ------------------------------------------------------------------ zero-copy v1
-    def _objects(self, keys: Sequence[str], host_indices: torch.Tensor):
+    def _indices(self, keys: Sequence[str], host_indices: torch.Tensor):
         keys = _keys(keys)
-        pool = self._pool
         if not isinstance(host_indices, torch.Tensor) or host_indices.dtype != torch.int64 or host_indices.dim() != 1:
             raise InvalidArgumentError("invalid argument `host_indices`: expected a 1-D torch.int64 tensor")
-        if host_indices.numel() != len(keys) * pool.page_size:
-            raise InvalidArgumentError(
-                f"invalid argument `host_indices`: {host_indices.numel()} slots for {len(keys)} keys of "
-                f"{pool.page_size}-token pages (expected {len(keys) * pool.page_size})"
-            )
-        page_num = getattr(pool, "page_num", None) or pool.size // pool.page_size
-        _native.page_numbers(host_indices.detach().cpu().numpy(), pool.page_size, page_num)  # whole pages, in range
-        ptrs, sizes = pool.get_page_buffer_meta(host_indices)
-        names = [f"{k}.{side}" for k in keys for side in ("k", "v")]
-        return keys, names, ptrs, sizes
+        return keys, host_indices.detach().cpu().numpy()
 
     def batch_set_v1(self, keys: Sequence[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
         """Write the pages at ``host_indices`` (``page_size`` slots per key) under ``keys``; returns per key
-        whether the page (K and V) is durably stored. Keys already stored are kept and reported True."""
+        whether the page (K and V) is durably stored. Keys already stored are kept and reported True. An IO
+        error (a full disk, a failing device) makes the pages concerned False; it is never raised."""
         store = self._store()
-        keys, names, ptrs, sizes = self._objects(keys, host_indices)
-        if not keys:
-            return []
-        ok = store.put(names, ptrs, sizes)
-        result = [ok[2 * i] and ok[2 * i + 1] for i in range(len(keys))]
-        half = [names[2 * i + j] for i in range(len(keys)) if not result[i] for j in (0, 1) if ok[2 * i + j]]
-        if half:
-            store.delete(half)  # never leave a page with only one of K and V
-        return result
+        keys, idx = self._indices(keys, host_indices)
+        return store.put_pages(keys, idx) if keys or idx.size else []
 
     def batch_get_v1(self, keys: Sequence[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
         """Read pages into the host pool at ``host_indices``; returns per key whether K and V were found with
         the pool's sizes and their checksums verified (a False page's host bytes are unspecified)."""
         store = self._store()
-        keys, names, ptrs, sizes = self._objects(keys, host_indices)
-        if not keys:
-            return []
-        ok = store.get(names, ptrs, sizes)
-        return [ok[2 * i] and ok[2 * i + 1] for i in range(len(keys))]
+        keys, idx = self._indices(keys, host_indices)
+        return store.get_pages(keys, idx) if keys or idx.size else []
 
     def batch_exists(self, keys: Sequence[str], extra_info: Any = None) -> int:
         """Length of the leading run of keys whose page (K and V) is stored."""
-        keys = _keys(keys)
-        ex = self._store().exists([f"{k}.{s}" for k in keys for s in ("k", "v")])
-        n = 0
-        while n < len(keys) and ex[2 * n] and ex[2 * n + 1]:
-            n += 1
-        return n
+        return self._store().pages_exist(_keys(keys))
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
@@ -213,9 +202,11 @@ class PageStore:
         st["read_GBps"] = st["bytes_read"] / st["get_ns"] if st["get_ns"] else 0.0
         return st
 
-    def verify(self, drop: bool = False) -> tuple[int, list[str]]:
-        """Re-read every object and check its checksum: ``(objects checked, corrupt object keys)``."""
-        return self._store().verify(drop)
+    def verify(self, repair: bool = False) -> dict:
+        """Re-read every object and check its checksum: ``{"checked", "corrupt", "unreadable"}`` (object
+        keys). With ``repair=True`` the corrupt and unreadable objects are deleted and the journal is
+        compacted (removing damaged records)."""
+        return self._store().verify(repair)
 
     def close(self) -> None:
         """Release the namespace (and its lock). Idempotent."""
@@ -241,3 +232,31 @@ def _keys(keys: Sequence[str]) -> list[str]:
         if not isinstance(k, str) or not k:
             raise InvalidArgumentError(f"invalid argument `keys`: every key must be a non-empty str, got {k!r}")
     return out
+
+
+def _page_layout(pool: Any, page_num: int) -> tuple[int, int, int, int, int, int]:
+    """``(k_base, k_stride, k_len, v_base, v_stride, v_len)`` of a page-first host pool, read from its
+    ``get_page_buffer_meta`` at the first, second and last page and checked to be affine (as page-first
+    layouts are); the Rust core then computes every page's addresses and checks them against the
+    registered buffers."""
+    ps = pool.page_size
+    probe = sorted({0, min(1, page_num - 1), page_num - 1})
+    idx = torch.cat([torch.arange(p * ps, (p + 1) * ps, dtype=torch.int64) for p in probe])
+    ptrs, sizes = pool.get_page_buffer_meta(idx)
+    ptrs, sizes = [int(x) for x in ptrs], [int(x) for x in sizes]
+    if len(ptrs) != 2 * len(probe):
+        raise InvalidArgumentError(
+            f"invalid argument `pool`: get_page_buffer_meta returned {len(ptrs)} objects for {len(probe)} pages "
+            "(expected one K and one V object per page)"
+        )
+    k, v = ptrs[0::2], ptrs[1::2]
+    ks, vs = sizes[0::2], sizes[1::2]
+    k_stride = k[1] - k[0] if len(probe) > 1 else ks[0]
+    v_stride = v[1] - v[0] if len(probe) > 1 else vs[0]
+    for p, kp, vp, kn, vn in zip(probe, k, v, ks, vs):
+        if kp != k[0] + p * k_stride or vp != v[0] + p * v_stride or kn != ks[0] or vn != vs[0]:
+            raise InvalidArgumentError(
+                "invalid argument `pool`: its pages are not evenly spaced (get_page_buffer_meta is not affine "
+                "in the page number), so the store cannot address them"
+            )
+    return k[0], k_stride, ks[0], v[0], v_stride, vs[0]

@@ -203,21 +203,31 @@ impl Index {
     }
 
     /// Eviction candidates covering `bytes` of slots: bad entries first, then least recently used; pinned
-    /// entries and `exclude`d keys are skipped. Each is `(key, class, slot)`.
+    /// entries and `exclude`d keys are skipped. A page's K and V objects (`<key>.k`, `<key>.v`) go together:
+    /// half a page is no use to anyone. Each is `(key, class, slot)`.
     pub(super) fn victims(&self, bytes: u64, exclude: &[&str]) -> Vec<(String, u32, u32)> {
-        let mut out = Vec::new();
+        let mut out: Vec<(String, u32, u32)> = Vec::new();
         let mut got = 0u64;
         let bad = self.map.iter().filter(|(_, e)| e.bad);
         let lru = self.lru.values().filter_map(|k| self.map.get_key_value(k));
+        let evictable = |k: &str, e: &Entry| e.pins == 0 && !exclude.contains(&k);
         for (k, e) in bad.chain(lru.filter(|(_, e)| !e.bad)) {
             if got >= bytes.max(1) {
                 break;
             }
-            if e.pins > 0 || exclude.contains(&k.as_str()) {
+            if !evictable(k, e) || out.iter().any(|v| v.0 == *k) {
                 continue;
             }
             out.push((k.clone(), e.class, e.slot));
             got += u64::from(e.class);
+            if let Some(sib) = sibling(k) {
+                if let Some((sk, se)) = self.map.get_key_value(sib.as_str()) {
+                    if evictable(sk, se) && !out.iter().any(|v| v.0 == *sk) {
+                        out.push((sk.clone(), se.class, se.slot));
+                        got += u64::from(se.class);
+                    }
+                }
+            }
         }
         out
     }
@@ -225,5 +235,14 @@ impl Index {
     /// Live put records in LRU order (oldest first), for compaction.
     pub(super) fn live_in_lru_order(&self) -> impl Iterator<Item = (&String, &Entry)> {
         self.lru.values().map(|k| (k, &self.map[k]))
+    }
+}
+
+/// The other half of a page object: `<key>.v` for `<key>.k` and the reverse.
+fn sibling(key: &str) -> Option<String> {
+    if let Some(base) = key.strip_suffix(".k") {
+        Some(format!("{base}.v"))
+    } else {
+        key.strip_suffix(".v").map(|base| format!("{base}.k"))
     }
 }

@@ -51,7 +51,8 @@ impl PageStore {
         }
         let plan = self.reserve(objs, &mut ok);
         let plan = self.allocate(plan);
-        let done = self.write_all(objs, plan);
+        let mut done = self.write_all(objs, plan);
+        done.sort_unstable_by_key(|(s, _)| s.i); // records and LRU order follow the batch's order
         let pending: u64 = done.iter().map(|(s, _)| s.journal).sum();
         let items: Vec<(String, u32, u32, u64, u32)> = done
             .iter()
