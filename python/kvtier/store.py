@@ -140,7 +140,7 @@ class PageStore:
                 raise
             self._native, self._pool = native, pool
         note = native.direct_note
-        if note and self.direct is None:
+        if note and self.direct is None and not native.direct:  # a buffered fallback is worth a warning
             warnings.warn(f"kvtier.PageStore at {self.path}: {note}", RuntimeWarning, stacklevel=2)
 
     @property

@@ -26,7 +26,7 @@ from typing import Iterator
 from . import _native
 from ._errors import InvalidArgumentError
 
-POINTS = ("fallocate", "data_write", "data_sync", "data_read", "journal_write", "journal_sync")
+POINTS = tuple(_native.fault_points())
 KINDS = ("error", "delay", "short", "torn")
 
 

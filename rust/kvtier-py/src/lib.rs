@@ -22,6 +22,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(store_fns::disk_roofline, m)?)?;
     m.add_function(wrap_pyfunction!(store_fns::fault_set, m)?)?;
     m.add_function(wrap_pyfunction!(store_fns::fault_clear, m)?)?;
+    m.add_function(wrap_pyfunction!(store_fns::fault_points, m)?)?;
     m.add_function(wrap_pyfunction!(store_fns::fault_hits, m)?)?;
     m.add_function(wrap_pyfunction!(buffer::cuda_host_registered, m)?)?;
     m.add_function(wrap_pyfunction!(buffer::cuda_driver_available, m)?)?;

@@ -116,12 +116,12 @@ pub fn fault_set(
     let fault = match kind {
         "error" => Fault::Error(errno),
         "delay" => Fault::Delay(std::time::Duration::from_millis(delay_ms)),
-        "short" if point == "data_write" => Fault::Short(errno),
+        "short" if point == "data_write" || point == "journal_write" => Fault::Short(errno),
         "torn" if point == "data_write" => Fault::Torn,
         "short" | "torn" => {
             return Err(Error::arg(
                 "kind",
-                format!("{kind:?} applies to point \"data_write\" only, not {point:?}"),
+                format!("{kind:?} applies to point \"data_write\" (short: also \"journal_write\"), not {point:?}"),
             )
             .into())
         }
@@ -135,6 +135,12 @@ pub fn fault_set(
     };
     kvtier_core::fault::set(point, skip, times, fault);
     Ok(())
+}
+
+/// The IO points faults can be injected at.
+#[pyfunction]
+pub fn fault_points() -> Vec<&'static str> {
+    kvtier_core::fault::POINTS.to_vec()
 }
 
 /// Removes every injected fault.

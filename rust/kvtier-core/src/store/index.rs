@@ -163,12 +163,20 @@ impl Index {
         self.holes.entry(class).or_default().push(slot);
     }
 
-    /// Takes every free-with-blocks slot of the classes `keep` does not name, to be punched.
-    pub(super) fn take_punchable(&mut self, keep: &[u32]) -> Vec<(u32, u32)> {
+    /// Takes free-with-blocks slots to be punched: of each class all but `keep` of them (`keep` lists
+    /// `(class, slots still wanted)`), so the slots a waiting object can reuse stay.
+    pub(super) fn take_punchable(&mut self, keep: &[(u32, usize)]) -> Vec<(u32, u32)> {
         let mut out = Vec::new();
         for (&class, v) in self.free.iter_mut() {
-            if !keep.contains(&class) {
-                out.extend(v.drain(..).map(|s| (class, s)));
+            let k = keep
+                .iter()
+                .filter(|c| c.0 == class)
+                .map(|c| c.1)
+                .sum::<usize>();
+            if v.len() > k {
+                // the list pops from its end: keep the end, punch the front
+                let n = v.len() - k;
+                out.extend(v.drain(..n).map(|s| (class, s)));
             }
         }
         out

@@ -150,8 +150,8 @@ impl PageStore {
                 let deficit = ix
                     .occupancy_with(u64::from(class), journal)
                     .saturating_sub(self.opts.capacity_bytes);
-                let classes: Vec<u32> = want.iter().map(|w| w.1).collect();
-                let punch = ix.take_punchable(&classes);
+                let keep: Vec<(u32, usize)> = want.iter().map(|w| (w.1, 1)).collect();
+                let punch = ix.take_punchable(&keep);
                 if !punch.is_empty() {
                     drop(ix);
                     self.punch_slots(&punch);
@@ -238,7 +238,7 @@ impl PageStore {
                 let len = (e - k) as u64 * u64::from(class);
                 let mut r = self.allocate_run(&c, off, len);
                 if matches!(&r, Err(err) if err.raw_os_error() == Some(libc::ENOSPC)) {
-                    let punch = self.lock_index().take_punchable(&[class]);
+                    let punch = self.lock_index().take_punchable(&[]);
                     if !punch.is_empty() {
                         self.punch_slots(&punch);
                         r = self.allocate_run(&c, off, len);
