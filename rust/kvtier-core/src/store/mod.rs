@@ -26,6 +26,8 @@ mod write;
 #[cfg(test)]
 mod tests;
 #[cfg(test)]
+mod tests_faults;
+#[cfg(test)]
 mod tests_v2;
 
 use std::collections::HashMap;
