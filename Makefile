@@ -79,5 +79,5 @@ sanitize: ## ASan+LSan, TSan (nightly), Miri (if installed), valgrind over kvtie
 sanitize-quick: ## ASan+LSan only over kvtier-core's unit tests (short CI variant; skips without nightly)
 	scripts/sanitize.sh asan-quick
 
-soak: build ## Soak: 2 processes x 4 threads against the real components for SOAK_SECONDS (default 120); JSON in target/soak.json
-	$(VPY) tests/soak/soak.py --seconds $${SOAK_SECONDS:-120} --procs 2 --threads 4 --out target/soak.json
+soak: build ## Soak: 2 processes x 4 threads against the real components for SOAK_SECONDS (default 120); SOAK_DISK_FULL=1 adds disk-full episodes (root); JSON in target/soak.json
+	$(VPY) tests/soak/soak.py --seconds $${SOAK_SECONDS:-120} --procs 2 --threads 4 $${SOAK_DISK_FULL:+--disk-full} --out target/soak.json

@@ -2,7 +2,7 @@
 → host backups, host → device loads, store set/get/exists/delete (with LRU eviction) and store reopen against
 the real components, and check every byte against an in-memory model of what each page must contain.
 
-    python tests/soak/soak.py --seconds 120 --procs 2 --threads 4 [--out results.json] [--device cpu]
+    python tests/soak/soak.py --seconds 120 --procs 2 --threads 4 [--out results.json] [--device cpu] [--disk-full]
 
 Each process serves its own namespace in one shared store directory (two processes, one directory, as
 tensor-parallel ranks do), and one more thread per process drives a ``TierController`` (backup, match, prefetch
@@ -13,6 +13,10 @@ bytes anywhere, a deleted or never-written key that reads back, or an exception 
 open file descriptors are sampled after a warm-up and at the end; they must stay flat (the store's own
 files, opened per size class and again after each reopen, are held to a fixed bound instead). Prints one line per
 process and a summary; writes JSON with ``--out``; exits 1 on any divergence or growth.
+
+``--disk-full`` (root only) puts the store on a small tmpfs and fills that file system completely for a
+moment every few seconds (a filler file, then removed): writes then fail (False, never an exception),
+deletes must still work (the store prepays them), and no acknowledged page may be lost or read back wrong.
 """
 
 from __future__ import annotations
@@ -123,6 +127,7 @@ class Worker:
         self.store = self._open_store()
         self.counts: dict[str, int] = {}
         self.evictions = 0  # summed over reopens (a store's counters start at zero)
+        self.write_failures = 0  # likewise
         self.bytes = 0
         self.divergences: list[str] = []
         self.rng = random.Random(seed)
@@ -305,7 +310,9 @@ class Worker:
                     self.count("delete")
                 elif op == "reopen":
                     with self.store_lock:
-                        self.evictions += self.store.get_stats()["evictions"]
+                        st = self.store.get_stats()
+                        self.evictions += st["evictions"]
+                        self.write_failures += st["write_failures"]
                         self.store.close()
                         self.store = self._open_store()
                     self.count("reopen")
@@ -376,6 +383,7 @@ class Worker:
             chp.close()
 
     def run(self, seconds: float) -> dict:
+        open(os.path.join(self.root, f".ready-{self.rank}"), "w").close()  # stores open: --disk-full may begin
         t0 = time.monotonic()
         warm_end = t0 + max(1.0, 0.25 * seconds)
         deadline = t0 + seconds
@@ -392,13 +400,61 @@ class Worker:
         with self.store_lock:
             stats = self.store.get_stats()
             self.evictions += stats["evictions"]
+            self.write_failures += stats["write_failures"]
             self.store.close()
         self.hp.close()
         return dict(rank=self.rank, seconds=round(time.monotonic() - t0, 1), threads=self.nthreads,
                     ops=sum(self.counts.values()), counts=self.counts, bytes_moved=self.bytes,
                     divergences=self.divergences, rss_after_warmup=rss0, rss_end=rss1, fds_after_warmup=fds0,
                     fds_end=fds1, store_fds_after_warmup=store_fds0, store_fds_end=store_fds1, store_evictions=self.evictions, store_corrupt_reads=stats["corrupt_reads"],
+                    store_write_failures=self.write_failures,
                     store_pages=stats["pages"], controller=getattr(self, "ctrl_stats", None))
+
+
+class DiskFull:
+    """A 96 MiB tmpfs mounted over the store root, filled to the last byte for 0.3–1.5 s every 1–3 s."""
+
+    def __init__(self, root: str, seconds: float) -> None:
+        self.root, self.seconds, self.episodes = root, seconds, 0
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=96m,mode=0700", "tmpfs", root],
+                           capture_output=True, text=True)
+        if r.returncode:
+            raise SystemExit(f"--disk-full needs root to mount a tmpfs: {r.stderr.strip()}")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        rng = random.Random(7)
+        filler = os.path.join(self.root, "filler")
+        deadline = time.monotonic() + self.seconds
+        chunk = b"\xa5" * (1 << 20)
+        while not self._stop.wait(rng.uniform(1.0, 3.0)) and time.monotonic() < deadline:
+            with open(filler, "wb", buffering=0) as f:
+                try:
+                    while True:
+                        f.write(chunk)
+                except OSError:
+                    pass
+                try:  # the last partial MiB
+                    for _ in range(256):
+                        f.write(chunk[:4096])
+                except OSError:
+                    pass
+            st = os.statvfs(self.root)
+            if st.f_bavail * st.f_frsize < (64 << 10):  # really full
+                self.episodes += 1
+            self._stop.wait(rng.uniform(0.3, 1.5))
+            os.unlink(filler)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def unmount(self) -> None:
+        subprocess.run(["umount", "-l", self.root], capture_output=True)
 
 
 def main(argv=None) -> int:
@@ -412,6 +468,8 @@ def main(argv=None) -> int:
     ap.add_argument("--root", default=None, help="store directory (default: a temporary one)")
     ap.add_argument("--torn-writes", action="store_true",
                     help="self-check: inject torn object writes (kvtier.testing); the soak must then report lost pages")
+    ap.add_argument("--disk-full", action="store_true",
+                    help="store on a 96 MiB tmpfs that is filled completely for a moment every few seconds (root only)")
     ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--rss-slack-mb", type=float, default=64.0, help="RSS growth allowed after warm-up")
     args = ap.parse_args(argv)
@@ -427,11 +485,19 @@ def main(argv=None) -> int:
         if getattr(args, name) <= 0:
             ap.error(f"--{name} must be positive")
     root = args.root or tempfile.mkdtemp(prefix="kvtier-soak-")
+    full = DiskFull(root, args.seconds) if args.disk_full else None
     t0 = time.time()
     procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", str(r), "--root", root,
                                "--seconds", str(args.seconds), "--threads", str(args.threads), "--device", args.device,
                                "--seed", str(args.seed)] + (["--torn-writes"] if args.torn_writes else []), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for r in range(args.procs)]
+    if full:
+        # the namespaces must exist before the disk fills (creating one on a full disk fails, as it should)
+        t_ready = time.monotonic() + 180
+        while time.monotonic() < t_ready and not all(os.path.exists(os.path.join(root, f".ready-{r}"))
+                                                     for r in range(args.procs)):
+            time.sleep(0.1)
+        full.start()
     results, failures = [], []
     for r, p in enumerate(procs):
         out, err = p.communicate(timeout=args.seconds * 3 + 300)
@@ -455,17 +521,27 @@ def main(argv=None) -> int:
         # class (two here: K and V pages), a buffered and an O_DIRECT handle
         if res["store_fds_end"] > 12:
             failures.append(f"process {res['rank']}: {res['store_fds_end']} descriptors into the store directory")
+    if full:
+        full.stop()
+        if full.episodes == 0:
+            failures.append("--disk-full: the file system was never filled")
     summary = dict(date=time.strftime("%Y-%m-%d %H:%M:%S"), seconds=args.seconds, procs=args.procs, threads=args.threads,
+                   disk_full_episodes=full.episodes if full else None,
+                   store_write_failures=sum(r.get("store_write_failures", 0) for r in results),
                    device=args.device, wall_s=round(time.time() - t0, 1), ops=sum(r["ops"] for r in results),
                    bytes_moved=sum(r["bytes_moved"] for r in results), divergences=len(failures), failures=failures,
                    processes=results)
     print(f"soak: {summary['ops']} operations, {summary['bytes_moved'] / 1e6:.1f} MB moved, {args.procs} processes x "
-          f"{args.threads} threads, {summary['wall_s']} s: {len(failures)} failures")
+          f"{args.threads} threads, {summary['wall_s']} s"
+          + (f", {full.episodes} disk-full episodes ({summary['store_write_failures']} failed writes)" if full else "")
+          + f": {len(failures)} failures")
     for f in failures[:20]:
         print("  FAIL", f)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(summary, f, indent=1)
+    if full:
+        full.unmount()
     if args.root is None:
         import shutil
 

@@ -29,6 +29,26 @@ def test_short_soak_has_no_divergence(tmp_path):
     assert any(p["store_evictions"] > 0 for p in res["processes"]), "process 0's store must evict"
 
 
+def test_short_soak_with_disk_full_episodes(tmp_path):
+    """The store on a small tmpfs that is filled to the last byte every few seconds: writes fail (False),
+    deletes still work, and no acknowledged page is lost or read back wrong."""
+    import pytest
+
+    if os.geteuid() != 0:
+        pytest.skip("--disk-full mounts a tmpfs: needs root")
+    root = tmp_path / "root"
+    root.mkdir()
+    out = tmp_path / "soak.json"
+    r = subprocess.run([sys.executable, SOAK, "--seconds", SECONDS, "--procs", "2", "--threads", "3", "--disk-full",
+                        "--root", str(root), "--out", str(out)], capture_output=True, text=True, timeout=600)
+    if "needs root to mount" in r.stderr:
+        pytest.skip(r.stderr.strip().splitlines()[-1])
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["divergences"] == 0 and res["disk_full_episodes"] >= 1, res
+    assert res["store_write_failures"] > 0, "the disk-full episodes never reached a write"
+
+
 def test_soak_catches_lost_pages(tmp_path):
     r, res = run(tmp_path, "--torn-writes")
     assert r.returncode == 1
