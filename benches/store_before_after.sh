@@ -31,6 +31,24 @@ machine=${KVTIER_MACHINE:-cpu}
 "$py" - "$tmp" "$rounds" "$ref" "$machine" <<'EOF'
 import json, statistics, subprocess, sys, time
 tmp, rounds, ref, machine = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+
+
+def summarize(rows):
+    """Medians of GB/s and of % of the same run's ceiling, before and after, per case and direction."""
+    med = {}
+    for case in sorted({r["case"] for r in rows}):
+        for d in ("write", "read"):
+            def pick(v, pct):
+                xs = [r[f"kvtier_{d}_GBps"] / (r[f"ceiling_{d}_GBps"] if pct else 1) * (100 if pct else 1)
+                      for r in rows if r["case"] == case and r["version"] == v]
+                return round(statistics.median(xs), 3)
+            b, a, bp, ap = pick("before", 0), pick("after", 0), pick("before", 1), pick("after", 1)
+            med[f"{case}.{d}"] = dict(before_GBps=b, after_GBps=a, change_pct=round(100 * (a / b - 1), 1),
+                                      before_pct_of_ceiling=bp, after_pct_of_ceiling=ap)
+            print(f"{case:6} {d:5} before {b:6.3f} GB/s ({bp:5.1f}% of ceiling)  after {a:6.3f} GB/s "
+                  f"({ap:5.1f}%)  {100 * (a / b - 1):+5.1f}%")
+    return med
+
 rows = []
 for v in ("before", "after"):
     for i in range(1, rounds + 1):
@@ -38,13 +56,7 @@ for v in ("before", "after"):
         for r in d["rows"]:
             rows.append(dict(version=v, round=i, fs=d["fs"], **{k: r[k] for k in (
                 "case", "ceiling_write_GBps", "kvtier_write_GBps", "ceiling_read_GBps", "kvtier_read_GBps", "bit_exact")}))
-med = {}
-for case in sorted({r["case"] for r in rows}):
-    for m in ("kvtier_write_GBps", "kvtier_read_GBps"):
-        b = statistics.median(r[m] for r in rows if r["case"] == case and r["version"] == "before")
-        a = statistics.median(r[m] for r in rows if r["case"] == case and r["version"] == "after")
-        med[f"{case}.{m}"] = dict(before=b, after=a, change_pct=round(100 * (a / b - 1), 1))
-        print(f"{case:6} {m:18} before {b:6.3f}  after {a:6.3f}  {100 * (a / b - 1):+5.1f}%")
+med = summarize(rows)
 here = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
 out = dict(date=time.strftime("%Y-%m-%d %H:%M:%S"), before=ref, after=f"{here} + working tree", rounds=rounds,
            medians=med, rows=rows)

@@ -252,8 +252,10 @@ impl PageStore {
         // compaction these deletes are redundant, and harmless.
         self.append_forgotten(forgotten);
         let note = self.establish_reserve();
-        // Honour a capacity smaller than what is stored (reopened with a lower limit).
+        // Honour a capacity smaller than what is stored (reopened with a lower limit); the reserve may
+        // only fit once that has made room.
         self.evict_to_capacity();
+        let note = note.and_then(|_| self.establish_reserve());
         (compacted, note)
     }
 
