@@ -209,11 +209,31 @@ def test_failed_journal_append_loses_no_acknowledged_page(tmp_path, change):
                 acked[f"new{p}"] = p
         assert sum(k.startswith("new") for k in acked) == 24, "once the disk is back, writes succeed (evicting)"
         live = {k for k in acked if st.exists(k)}
-    with PageStore(tmp_path, capacity_bytes=cap) as st:
+    with PageStore(tmp_path, capacity_bytes=1 << 30) as st:  # room: the writes below take freed slots
         st.register_mem_pool_host(hp)
         for k in live:
             assert st.batch_get_v1([k], idx([63])) == [True], f"acknowledged {k} lost"
             assert same(hp, 63, want[acked[k]]), f"{k}: wrong bytes"
+        # The landed store's records still pointed old keys at reused slots: reading them dropped them and
+        # freed slots that new pages live in, and the next writes overwrote those pages.
+        for p in range(8):
+            st.batch_get_v1([f"old{p}"], idx([62]))
+        for p in range(40, 52):
+            if st.batch_set_v1([f"more{p}"], idx([p])) == [True]:
+                acked[f"more{p}"] = p
+        # every object still present (an evicted page is a miss by design, but no stored K or V may have been
+        # overwritten) reads back its own bytes
+        ptrs, sizes = hp.get_page_buffer_meta(idx([63]))
+        checked = 0
+        for k, p in acked.items():
+            for j, side in enumerate(("k", "v")):
+                name = f"{k}.{side}"
+                if st._store().exists([name])[0]:
+                    assert st._store().get([name], [ptrs[j]], [sizes[j]]) == [True], f"acknowledged {name} lost"
+                    got = (hp.k_buffer, hp.v_buffer)[j][63].view(torch.uint8)
+                    assert torch.equal(got, want[p][j].view(torch.uint8)), f"{name}: wrong bytes"
+                    checked += 1
+        assert checked >= 16
 
 
 def _snapshot(root):
