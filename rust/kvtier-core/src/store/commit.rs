@@ -350,7 +350,9 @@ impl PageStore {
             })?;
             f.sync_all()?;
             std::fs::rename(&tmp, &j.path)?;
-            File::open(&self.dir)?.sync_all()?;
+            // From here the new file is journal.log: it must become the handle appends go to, whatever
+            // happens next. A failed directory sync only leaves the rename's durability to the next sync.
+            let _ = File::open(&self.dir).and_then(|d| d.sync_all());
             Ok(f)
         })();
         match r {

@@ -531,3 +531,45 @@ fn overlap_matches_the_definition() {
         assert_eq!(pages::overlap(&a, &b), want, "{a:?} {b:?}");
     }
 }
+
+/// A key twice in one batch whose only write fails: both copies are False (the disk-full soak found the
+/// second copy acknowledged at once — a page reported stored that never was).
+#[test]
+fn a_key_twice_in_a_batch_shares_the_first_ones_fate() {
+    let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let root = tmp();
+    let src = payload(2, 4096, 29);
+    let p = src.as_ptr() as usize;
+    for point in ["data_write", "fallocate", "journal_write"] {
+        // fresh (the slots need blocks) and one IO thread (the fault hits the first object written)
+        let one = StoreOptions {
+            io_threads: 1,
+            ..opts(1 << 30)
+        };
+        let s = PageStore::open(&root, point, one).unwrap();
+        // fallocate: the run of both new slots, then "dup"'s slot on its own
+        fault::set(
+            point,
+            0,
+            if point == "fallocate" { 2 } else { 1 },
+            Fault::Error(libc::ENOSPC),
+        );
+        // SAFETY: inside `src`.
+        let ok = unsafe {
+            s.put(&[
+                ("dup", p, 4096),
+                ("other", p + 4096, 4096),
+                ("dup", p, 4096),
+            ])
+        }
+        .unwrap();
+        fault::clear();
+        assert!(!ok[0] && !ok[2], "{point}: {ok:?}");
+        assert!(!s.exists(&["dup"])[0], "{point}");
+    }
+    let s = PageStore::open(&root, "ns", opts(1 << 30)).unwrap();
+    // SAFETY: inside `src`.
+    let ok = unsafe { s.put(&[("dup", p, 4096), ("dup", p, 4096)]) }.unwrap();
+    assert_eq!(ok, vec![true, true]);
+    std::fs::remove_dir_all(root).unwrap();
+}

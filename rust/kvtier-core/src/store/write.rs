@@ -1,7 +1,7 @@
 //! `put`: reserve slots (making room by punching free blocks and evicting), allocate exactly the blocks
 //! needed, write and sync the objects, commit their records (docs/STORE.md, "put").
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -49,7 +49,8 @@ impl PageStore {
             self.fail(objs.len());
             return Ok(ok);
         }
-        let plan = self.reserve(objs, &mut ok);
+        let mut dups = Vec::new();
+        let plan = self.reserve(objs, &mut ok, &mut dups);
         let plan = self.allocate(plan);
         let mut done = self.write_all(objs, plan);
         done.sort_unstable_by_key(|(s, _)| s.i); // records and LRU order follow the batch's order
@@ -77,6 +78,9 @@ impl PageStore {
         } else {
             self.fail(done.len());
         }
+        for (d, f) in dups {
+            ok[d] = ok[f];
+        }
         let stored = ok.iter().filter(|&&b| b).count() as u64;
         self.stats.puts.fetch_add(stored, Ordering::Relaxed);
         self.stats.bytes_written.fetch_add(bytes, Ordering::Relaxed);
@@ -94,13 +98,25 @@ impl PageStore {
 
     /// Step 2–3: a slot for every object that is not already stored, making room as needed. Objects that
     /// cannot get one are counted as failures (their `ok` stays false).
-    fn reserve(&self, objs: &[(&str, usize, u64)], ok: &mut [bool]) -> Vec<Slot> {
+    fn reserve(
+        &self,
+        objs: &[(&str, usize, u64)],
+        ok: &mut [bool],
+        dups: &mut Vec<(usize, usize)>,
+    ) -> Vec<Slot> {
         let mut want: Vec<(usize, u32, u64)> = Vec::new(); // (index, class, journal bytes)
         {
             let mut ix = self.lock_index();
-            let mut seen = HashSet::new();
+            let mut first: HashMap<&str, usize> = HashMap::new();
             for (i, (k, _, len)) in objs.iter().enumerate() {
-                if ix.get(k).is_some() || !seen.insert(*k) {
+                if let Some(&f) = first.get(k) {
+                    // a key twice in one batch: the copy shares the first one's fate (acknowledging it at
+                    // once would report a page stored whose only write then failed)
+                    dups.push((i, f));
+                    continue;
+                }
+                first.insert(k, i);
+                if ix.get(k).is_some() {
                     ix.touch(k);
                     ok[i] = true;
                     continue;
