@@ -326,3 +326,25 @@ def test_controller_refuses_a_store_of_another_pool(tmp_path):
         with pytest.raises(InvalidArgumentError, match="another host pool"):
             TierController(dp, hp_b, st)
         TierController(dp, hp_a, st).close()
+
+
+def test_failed_append_keeps_deletes_possible_on_a_full_disk(mounted):
+    """A failed journal append is cut back with ftruncate, which on tmpfs and ext4 also frees the blocks
+    preallocated for deletes; the store must take them again at once, or a full disk that follows could
+    not be drained (found in review)."""
+    mnt = mounted("tmpfs", 8)
+    dp, hp = make_pool(pages=64)
+    with PageStore(mnt / "s", capacity_bytes=1 << 30) as st:
+        st.register_mem_pool_host(hp)
+        assert all(st.batch_set_v1([f"p{q}" for q in range(40)], idx(range(40))))
+        with testing.faults("journal_write", errno=errno.EIO):
+            assert st.batch_set_v1(["x"], idx([41])) == [False]
+        with open(mnt / "filler", "wb", buffering=0) as f:
+            for n in (1 << 20, 4096):
+                try:
+                    while True:
+                        f.write(b"\0" * n)
+                except OSError:
+                    pass
+        assert shutil.disk_usage(mnt).free < (64 << 10)
+        assert st.delete([f"p{q}" for q in range(40)]) == 40

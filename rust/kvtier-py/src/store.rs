@@ -144,9 +144,10 @@ impl PyPageStore {
         host_indices: &Bound<'_, PyAny>,
         writes: bool,
     ) -> KvResult<Vec<bool>> {
+        // regions first: a close() after this leaves `alive` holding them, one before makes store() fail
+        let alive = self.regions(); // the bound layout lies inside these (checked by bind_pages)
         let s = self.store()?;
         let idx = crate::transfer::indices(py, "host_indices", host_indices)?;
-        let alive = self.regions(); // the bound layout lies inside these (checked by bind_pages)
         Ok(py.detach(|| {
             let _alive = alive;
             let batch = PageBatch {

@@ -37,12 +37,19 @@ pub(super) struct JournalFile {
 impl JournalFile {
     pub(super) fn open(path: &Path, writable: bool, capacity: u64) -> io::Result<Self> {
         let file = if writable {
-            OpenOptions::new()
+            let existed = path.exists();
+            let f = OpenOptions::new()
                 .read(true)
                 .write(true)
                 .create(true)
                 .mode(0o600)
-                .open(path)?
+                .open(path)?;
+            if !existed {
+                if let Some(dir) = path.parent() {
+                    super::namespace::sync_dir(dir)?;
+                }
+            }
+            f
         } else {
             File::open(path)?
         };
@@ -55,8 +62,8 @@ impl JournalFile {
         })
     }
 
-    /// Writes `buf` at `end` and makes it durable. On failure the file is cut back to `end`; if that fails
-    /// too the journal is poisoned.
+    /// Writes `buf` at `end` and makes it durable. On failure the file is cut back to `end` (and synced,
+    /// so the failed records cannot come back after a crash); if that fails too the journal is poisoned.
     fn append(&mut self, buf: &[u8], end: u64) -> io::Result<()> {
         if let Some(why) = &self.poisoned {
             return Err(io::Error::other(format!(
@@ -73,7 +80,9 @@ impl JournalFile {
         .and_then(|()| fault::check("journal_sync"))
         .and_then(|()| self.file.sync_data());
         if let Err(e) = &res {
-            let cut = fault::check("journal_cut").and_then(|()| self.file.set_len(end));
+            let cut = fault::check("journal_cut")
+                .and_then(|()| self.file.set_len(end))
+                .and_then(|()| self.file.sync_all());
             if let Err(c) = cut {
                 self.poisoned = Some(format!("append failed ({e}), cut back failed ({c})"));
             }
@@ -154,6 +163,13 @@ impl PageStore {
                 self.stats.journal_failures.fetch_add(1, Ordering::Relaxed);
                 if j.poisoned.is_some() {
                     self.poisoned.store(true, Ordering::Relaxed);
+                } else {
+                    // Cutting the file back also drops the blocks preallocated past its end (ext4, tmpfs,
+                    // XFS): put the delete reserve back, or count it as gone so the next commit regrows it.
+                    let had = self.lock_index().j_alloc;
+                    if j.reserve(round_up(end), had).is_err() {
+                        self.lock_index().j_alloc = round_up(end);
+                    }
                 }
             }
         }
@@ -214,15 +230,16 @@ impl PageStore {
         Ok(())
     }
 
-    /// Deletes `victims` that still hold the same slot — del records durable first, then removed (R1).
-    /// Returns the keys removed. Used by eviction and by dropping corrupt objects.
-    pub(super) fn commit_dels(&self, victims: &[(String, u32, u32)]) -> io::Result<Vec<String>> {
+    /// Deletes `victims` `(key, gen)` that are still that very object (not re-put since) — del records
+    /// durable first, then removed (R1). Returns the keys removed. Used by eviction, by dropping corrupt
+    /// objects and by repair.
+    pub(super) fn commit_dels(&self, victims: &[(String, u64)]) -> io::Result<Vec<String>> {
         let mut j = self.lock_journal();
         let still: Vec<String> = {
             let ix = self.lock_index();
             victims
                 .iter()
-                .filter(|(k, c, s)| ix.map.get(k).is_some_and(|e| e.class == *c && e.slot == *s))
+                .filter(|(k, g)| ix.map.get(k).is_some_and(|e| e.gen == *g))
                 .map(|v| v.0.clone())
                 .collect()
         };
@@ -329,7 +346,7 @@ impl PageStore {
             (buf, reserve)
         };
         let tmp = self.dir.join("journal.compact");
-        let r = (|| -> io::Result<File> {
+        let r = (|| -> io::Result<(File, Option<io::Error>)> {
             let _ = std::fs::remove_file(&tmp);
             let f = OpenOptions::new()
                 .read(true)
@@ -351,15 +368,18 @@ impl PageStore {
             f.sync_all()?;
             std::fs::rename(&tmp, &j.path)?;
             // From here the new file is journal.log: it must become the handle appends go to, whatever
-            // happens next. A failed directory sync only leaves the rename's durability to the next sync.
-            let _ = File::open(&self.dir).and_then(|d| d.sync_all());
-            Ok(f)
+            // happens next. Until the directory is synced the rename may not survive a crash (the old
+            // journal would come back without the records appended to the new one): if that sync fails,
+            // the journal is poisoned and nothing more is acknowledged until a reopen.
+            let synced = File::open(&self.dir).and_then(|d| d.sync_all());
+            Ok((f, synced.err()))
         })();
         match r {
-            Ok(f) => {
+            Ok((f, unsynced)) => {
                 j.file = f;
-                j.poisoned = None;
-                self.poisoned.store(false, Ordering::Relaxed);
+                j.poisoned = unsynced
+                    .map(|e| format!("the directory could not be synced after compaction ({e})"));
+                self.poisoned.store(j.poisoned.is_some(), Ordering::Relaxed);
                 let mut ix = self.lock_index();
                 ix.j_end = buf.len() as u64;
                 ix.j_alloc = reserve.max(round_up(buf.len() as u64));

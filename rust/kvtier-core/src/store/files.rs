@@ -26,7 +26,12 @@ impl ClassFile {
     ) -> std::io::Result<Self> {
         let path = dir.join(format!("class-{class}.dat"));
         let buffered = if writable {
-            open_rw(&path, 0)?
+            let existed = path.exists();
+            let f = open_rw(&path, 0)?;
+            if !existed {
+                super::namespace::sync_dir(dir)?; // the new file's name is as durable as its data
+            }
+            f
         } else {
             File::open(&path)?
         };

@@ -17,6 +17,8 @@ pub(super) struct Entry {
     pub(super) crc: u32,
     pub(super) tick: u64,
     pub(super) pins: u32,
+    /// Unique per insert: a key re-put into the same slot is another object (set by [`Index::insert`]).
+    pub(super) gen: u64,
     /// Failed its checksum and could not be dropped durably: never served, slot never reused; a put of
     /// the key writes a new slot that supersedes it.
     pub(super) bad: bool,
@@ -31,6 +33,7 @@ impl Entry {
             crc,
             tick: 0,
             pins: 0,
+            gen: 0,
             bad: false,
         }
     }
@@ -46,6 +49,7 @@ pub(super) struct Index {
     pub(super) map: HashMap<String, Entry>,
     lru: BTreeMap<u64, String>,
     tick: u64,
+    gens: u64,
     /// Bytes of live and reserved slots.
     pub(super) used: u64,
     /// Bytes of class-file blocks held: live, reserved, zombie and free-with-blocks slots.
@@ -99,7 +103,9 @@ impl Index {
     /// is superseded and its slot released. Returns the previous entry.
     pub(super) fn insert(&mut self, key: String, mut e: Entry) -> Option<Entry> {
         self.tick += 1;
+        self.gens += 1;
         e.tick = self.tick;
+        e.gen = self.gens;
         self.lru.insert(e.tick, key.clone());
         let dl = encoded_len(key.len()) as u64;
         let old = self.map.insert(key, e);
@@ -211,14 +217,22 @@ impl Index {
     }
 
     /// Eviction candidates covering `bytes` of slots: bad entries first, then least recently used; pinned
-    /// entries and `exclude`d keys are skipped. A page's K and V objects (`<key>.k`, `<key>.v`) go together:
-    /// half a page is no use to anyone. Each is `(key, class, slot)`.
-    pub(super) fn victims(&self, bytes: u64, exclude: &[&str]) -> Vec<(String, u32, u32)> {
-        let mut out: Vec<(String, u32, u32)> = Vec::new();
+    /// entries and `exclude`d keys are skipped, and with `only` just that size class is taken (where
+    /// freed blocks cannot be punched, only a slot of the wanted class makes room). A page's K and V
+    /// objects (`<key>.k`, `<key>.v`) go together: half a page is no use to anyone. Each is `(key, gen)`.
+    pub(super) fn victims(
+        &self,
+        bytes: u64,
+        exclude: &[&str],
+        only: Option<u32>,
+    ) -> Vec<(String, u64)> {
+        let mut out: Vec<(String, u64)> = Vec::new();
         let mut got = 0u64;
         let bad = self.map.iter().filter(|(_, e)| e.bad);
         let lru = self.lru.values().filter_map(|k| self.map.get_key_value(k));
-        let evictable = |k: &str, e: &Entry| e.pins == 0 && !exclude.contains(&k);
+        let evictable = |k: &str, e: &Entry| {
+            e.pins == 0 && !exclude.contains(&k) && only.is_none_or(|c| c == e.class)
+        };
         for (k, e) in bad.chain(lru.filter(|(_, e)| !e.bad)) {
             if got >= bytes.max(1) {
                 break;
@@ -226,12 +240,15 @@ impl Index {
             if !evictable(k, e) || out.iter().any(|v| v.0 == *k) {
                 continue;
             }
-            out.push((k.clone(), e.class, e.slot));
+            out.push((k.clone(), e.gen));
             got += u64::from(e.class);
             if let Some(sib) = sibling(k) {
                 if let Some((sk, se)) = self.map.get_key_value(sib.as_str()) {
-                    if evictable(sk, se) && !out.iter().any(|v| v.0 == *sk) {
-                        out.push((sk.clone(), se.class, se.slot));
+                    if se.pins == 0
+                        && !exclude.contains(&sk.as_str())
+                        && !out.iter().any(|v| v.0 == *sk)
+                    {
+                        out.push((sk.clone(), se.gen));
                         got += u64::from(se.class);
                     }
                 }
@@ -240,9 +257,13 @@ impl Index {
         out
     }
 
-    /// Live put records in LRU order (oldest first), for compaction.
+    /// Live, servable entries in LRU order (oldest first), for compaction (a bad entry is left out: the
+    /// new journal does not bring it back).
     pub(super) fn live_in_lru_order(&self) -> impl Iterator<Item = (&String, &Entry)> {
-        self.lru.values().map(|k| (k, &self.map[k]))
+        self.lru
+            .values()
+            .map(|k| (k, &self.map[k]))
+            .filter(|(_, e)| e.servable())
     }
 }
 

@@ -192,12 +192,14 @@ impl PageStore {
             damaged_bytes: parsed.damaged_bytes() as u64,
             ..Default::default()
         };
-        if writable && report.torn_tail > 0 {
+        if writable {
+            // Cuts a torn tail, and always the blocks an earlier open preallocated past the end: the
+            // reserve is established afresh below, so the occupancy counted is the occupancy on disk.
             journal
                 .file
                 .set_len(parsed.valid_end as u64)
                 .and_then(|()| journal.file.sync_all())
-                .map_err(|e| io_err("cutting a torn journal tail", e))?;
+                .map_err(|e| io_err("cutting the journal to its last record", e))?;
         }
         let (mut index, forgotten) = recovery::replay(&dir, parsed.records, &mut report)?;
         let punch_ok = recovery::trim_data_files(&dir, &mut index, writable);
@@ -274,13 +276,20 @@ impl PageStore {
                 if over == 0 {
                     return;
                 }
-                let punch = ix.take_punchable(&[]);
-                if !punch.is_empty() {
-                    drop(ix);
-                    self.punch_slots(&punch);
-                    continue;
+                if self.punch_ok.load(Ordering::Relaxed) {
+                    let punch = ix.take_punchable(&[]);
+                    if !punch.is_empty() {
+                        drop(ix);
+                        self.punch_slots(&punch);
+                        continue;
+                    }
                 }
-                ix.victims(over, &[])
+                let v = ix.victims(over, &[], None);
+                if !self.punch_ok.load(Ordering::Relaxed) {
+                    // freed blocks stay counted where they cannot be punched: evicting frees nothing
+                    return;
+                }
+                v
             };
             if victims.is_empty() {
                 return;
@@ -378,24 +387,28 @@ impl PageStore {
         Ok(c)
     }
 
-    /// Runs `f(i)` for `i in 0..n` on up to `io_threads` threads.
+    /// Runs `f(i)` for `i in 0..n` on up to `io_threads` threads: the caller's and helpers. A helper the
+    /// OS refuses (a thread limit) is not an error: the threads that exist do its share.
     fn parallel<F: Fn(usize) + Sync>(&self, n: usize, f: F) {
         let threads = self.opts.io_threads.min(n);
-        if threads <= 1 {
-            (0..n).for_each(f);
-            return;
-        }
         let next = AtomicUsize::new(0);
-        std::thread::scope(|s| {
-            for _ in 0..threads {
-                s.spawn(|| loop {
-                    let i = next.fetch_add(1, Ordering::Relaxed);
-                    if i >= n {
-                        break;
-                    }
-                    f(i);
-                });
+        let work = || loop {
+            let i = next.fetch_add(1, Ordering::Relaxed);
+            if i >= n {
+                break;
             }
+            f(i);
+        };
+        if threads <= 1 {
+            return work();
+        }
+        std::thread::scope(|s| {
+            for _ in 1..threads {
+                if std::thread::Builder::new().spawn_scoped(s, work).is_err() {
+                    break;
+                }
+            }
+            work();
         });
     }
 

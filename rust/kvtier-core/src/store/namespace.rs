@@ -72,7 +72,17 @@ pub(super) fn open_writable(root: &Path, namespace: &str) -> Result<(PathBuf, Fi
     owner_only_dir(&dir)?;
     // the lock first: two processes creating one namespace must not race on NAMESPACE.tmp
     let lock = open_rw(&dir.join("LOCK"), 0).map_err(|e| io_err("opening LOCK", e))?;
-    if !try_lock(&lock, libc::LOCK_EX) {
+    // a read-only inspector takes a shared lock for an instant to see whether a writer is there: retry
+    // for up to 200 ms before calling the namespace taken
+    let mut locked = try_lock(&lock, libc::LOCK_EX);
+    for _ in 0..20 {
+        if locked {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+        locked = try_lock(&lock, libc::LOCK_EX);
+    }
+    if !locked {
         return Err(Error::Os {
             what: format!(
                 "namespace {namespace:?} at {} is already open for writing (LOCK held)",
@@ -153,6 +163,11 @@ fn check_namespace_file(dir: &Path, namespace: &str) -> Result<bool> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
         Err(e) => Err(io_err(format!("reading {}", ns_file.display()), e)),
     }
+}
+
+/// Makes `dir`'s entries durable (a file just created in it must survive a crash with its data).
+pub(super) fn sync_dir(dir: &Path) -> std::io::Result<()> {
+    File::open(dir)?.sync_all()
 }
 
 fn try_lock(f: &File, how: i32) -> bool {

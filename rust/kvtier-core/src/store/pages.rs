@@ -1,6 +1,6 @@
-//! Page-level batches: a store bound to one host pool's page layout pairs each page's K and V objects,
-//! computes their addresses, and keeps a page whole (never half stored); range claims order batches from
-//! several threads that touch the same host memory.
+//! Page-level batches: a store bound to one host pool's page layout pairs each page's K and V objects and
+//! computes their addresses; range claims order batches from several threads that touch the same host
+//! memory.
 
 use std::sync::{Condvar, Mutex, RwLock};
 
@@ -232,8 +232,9 @@ impl PageStore {
     }
 
     /// Stores whole pages from the bound pool; per key, whether its K and V objects are both durably
-    /// stored. A page that got only one of them has it deleted again (best effort: a half page is a miss
-    /// either way). IO errors are results, never raised.
+    /// stored. IO errors are results, never raised. A page that got only one of its objects keeps it: it
+    /// is a miss until a later put of the page supplies the other (deleting it here could delete the half
+    /// another thread's concurrent put of the same page relies on), and eviction takes both together.
     pub fn put_pages(&self, batch: &PageBatch<'_>) -> Result<Vec<bool>> {
         let (names, ranges) = self.page_objects(batch, false)?;
         let objs: Vec<(&str, usize, u64)> = names
@@ -241,22 +242,12 @@ impl PageStore {
             .zip(&ranges)
             .map(|(n, r)| (n.as_str(), r.0, r.1))
             .collect();
-        let ok = {
-            let _claim = self.claim(&objs, false);
-            // SAFETY: every range lies inside the bound pool (page numbers checked against it), which the
-            // bind contract keeps alive and readable; while the claim is held no batch of this store writes
-            // these ranges.
-            unsafe { self.put(&objs) }?
-        };
-        let pages: Vec<bool> = ok.chunks_exact(2).map(|p| p[0] && p[1]).collect();
-        let half: Vec<&str> = (0..ok.len())
-            .filter(|&o| ok[o] && !pages[o / 2])
-            .map(|o| names[o].as_str())
-            .collect();
-        if !half.is_empty() {
-            let _ = self.delete(&half);
-        }
-        Ok(pages)
+        let _claim = self.claim(&objs, false);
+        // SAFETY: every range lies inside the bound pool (page numbers checked against it), which the bind
+        // contract keeps alive and readable; while the claim is held no batch of this store writes these
+        // ranges.
+        let ok = unsafe { self.put(&objs) }?;
+        Ok(ok.chunks_exact(2).map(|p| p[0] && p[1]).collect())
     }
 
     /// Reads whole pages into the bound pool; per key, whether K and V were both found with the pool's

@@ -91,7 +91,7 @@ impl PageStore {
                         bytes += e.len;
                     }
                     CORRUPT => {
-                        corrupt.push((key.to_owned(), e.class, e.slot));
+                        corrupt.push((key.to_owned(), e.gen));
                         self.stats.corrupt_reads.fetch_add(1, Ordering::Relaxed);
                     }
                     _ => {
@@ -111,9 +111,9 @@ impl PageStore {
         Ok(ok)
     }
 
-    /// Drops objects that failed their checksum (only if each still holds the slot that was read); those
-    /// whose del record cannot be logged are marked bad instead.
-    fn drop_corrupt(&self, bad: &[(String, u32, u32)]) {
+    /// Drops objects that failed their checksum (only if each is still the object that was read: a key
+    /// re-put meanwhile is a new object); those whose del record cannot be logged are marked bad instead.
+    fn drop_corrupt(&self, bad: &[(String, u64)]) {
         if bad.is_empty() {
             return;
         }
@@ -124,9 +124,9 @@ impl PageStore {
         };
         if dropped.is_err() {
             let mut ix = self.lock_index();
-            for (k, c, s) in bad {
+            for (k, g) in bad {
                 if let Some(e) = ix.map.get_mut(k) {
-                    if e.class == *c && e.slot == *s {
+                    if e.gen == *g {
                         e.bad = true;
                     }
                 }
@@ -149,43 +149,40 @@ impl PageStore {
     /// unreadable objects are deleted and the journal is compacted (removing damaged spans and dropped
     /// records).
     pub fn verify(&self, repair: bool) -> Result<VerifyReport> {
-        let entries: Vec<(String, Entry)> = self
-            .lock_index()
-            .map
-            .iter()
-            .map(|(k, e)| (k.clone(), e.clone()))
-            .collect();
-        let mut rep = VerifyReport {
-            checked: entries.len(),
-            ..Default::default()
-        };
+        let keys: Vec<String> = self.lock_index().map.keys().cloned().collect();
+        let mut rep = VerifyReport::default();
+        let mut bad: Vec<(String, u64)> = Vec::new();
         let mut buf = Vec::new();
-        for (k, e) in &entries {
-            let c = match self.class(e.class) {
-                Ok(c) => c,
-                Err(_) => {
-                    rep.unreadable.push(k.clone());
+        for k in keys {
+            // pinned while read, so its slot cannot be reused under the read (a live store)
+            let e = {
+                let mut ix = self.lock_index();
+                let Some(e) = ix.map.get_mut(&k) else {
                     continue;
-                }
+                };
+                e.pins += 1;
+                e.clone()
             };
-            buf.resize(e.len as usize, 0);
+            rep.checked += 1;
             let off = u64::from(e.slot) * u64::from(e.class);
-            match std::os::unix::fs::FileExt::read_exact_at(&c.buffered, &mut buf, off) {
-                Err(_) => rep.unreadable.push(k.clone()),
+            buf.resize(e.len as usize, 0);
+            let read = self.class(e.class).map_err(|_| ()).and_then(|c| {
+                std::os::unix::fs::FileExt::read_exact_at(&c.buffered, &mut buf, off)
+                    .map_err(|_| ())
+            });
+            self.lock_index().unpin(&k, e.class, e.slot);
+            match read {
+                Err(()) => rep.unreadable.push(k.clone()),
                 Ok(()) if crc32c::crc32c_append(crc32c::crc32c(&buf), k.as_bytes()) != e.crc => {
                     rep.corrupt.push(k.clone())
                 }
-                Ok(()) => {}
+                Ok(()) => continue,
             }
+            bad.push((k, e.gen));
         }
         if repair {
-            let gone: Vec<&str> = rep
-                .corrupt
-                .iter()
-                .chain(&rep.unreadable)
-                .map(String::as_str)
-                .collect();
-            self.delete(&gone)?;
+            self.commit_dels(&bad)
+                .map_err(|e| super::io_err("appending del records to journal.log", e))?;
             self.compact()?;
         }
         Ok(rep)

@@ -154,6 +154,8 @@ pub(super) fn trim_data_files(dir: &Path, ix: &mut Index, writable: bool) -> boo
             None
         };
         let Some(f) = file else {
+            // blocks unknown (read-only, or the file cannot be opened): free slots count as holding blocks
+            ix.data_alloc += free.len() as u64 * c;
             ix.free.insert(class, free);
             continue;
         };

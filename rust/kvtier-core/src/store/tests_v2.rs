@@ -419,7 +419,7 @@ fn direct_probe_tells_enospc_from_einval() {
     std::fs::remove_dir_all(root).unwrap();
 }
 
-/// Page batches: K and V paired, half pages deleted again, indices proven in range before any IO, one
+/// Page batches: K and V paired, a half-stored page a miss until completed, indices proven in range before any IO, one
 /// layout per store.
 #[test]
 fn page_batches_pair_k_and_v_and_check_every_index() {
@@ -478,16 +478,26 @@ fn page_batches_pair_k_and_v_and_check_every_index() {
         .is_err(),
         "one page read twice"
     );
-    // the V of the second page fails: that page is False and its K is deleted again
+    // one object write fails: that page is False and a miss (the half it got stays, never served alone)
     fault::set("data_write", 3, 1, Fault::Error(libc::EIO));
     let ok = s.put_pages(&batch).unwrap();
     fault::clear();
     assert_eq!(ok.iter().filter(|b| !**b).count(), 1, "{ok:?}");
-    let failed = &keys[ok.iter().position(|b| !b).unwrap()];
+    let failed = ok.iter().position(|b| !b).unwrap();
+    let f = &keys[failed];
+    let halves = s.exists(&[&format!("{f}.k"), &format!("{f}.v")]);
+    assert_eq!(halves.iter().filter(|b| **b).count(), 1, "{halves:?}");
+    assert_eq!(s.pages_exist(&keys[failed..failed + 1]), 0);
+    let one = PageBatch {
+        keys: &keys[failed..failed + 1],
+        host_indices: &idx[4 * failed..4 * failed + 4],
+    };
     assert_eq!(
-        s.exists(&[&format!("{failed}.k"), &format!("{failed}.v")]),
-        vec![false, false]
+        s.get_pages(&one).unwrap(),
+        vec![false],
+        "half a page is a miss"
     );
+    // a later put of the page supplies the other half
     assert_eq!(s.put_pages(&batch).unwrap(), vec![true, true]);
     assert_eq!(s.pages_exist(&keys), 2);
     let dst_idx: Vec<i64> = (20..28).collect(); // pages 5 and 6
@@ -571,5 +581,83 @@ fn a_key_twice_in_a_batch_shares_the_first_ones_fate() {
     // SAFETY: inside `src`.
     let ok = unsafe { s.put(&[("dup", p, 4096), ("dup", p, 4096)]) }.unwrap();
     assert_eq!(ok, vec![true, true]);
+    std::fs::remove_dir_all(root).unwrap();
+}
+
+/// What evicts or drops an object it chose earlier deletes it only if the key still names that very
+/// object: a key deleted and put again meanwhile — into the same slot, as the free list hands it back —
+/// is another object and stays.
+#[test]
+fn a_key_put_again_is_another_object() {
+    let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let root = tmp();
+    let src = payload(2, 4096, 30);
+    let s = PageStore::open(&root, "ns", opts(1 << 30)).unwrap();
+    assert!(put1(&s, "k", src.as_ptr() as usize, 4096));
+    let (slot, gen) = {
+        let ix = s.lock_index();
+        let e = ix.map.get("k").unwrap();
+        (e.slot, e.gen)
+    };
+    s.delete(&["k"]).unwrap();
+    assert!(put1(&s, "k", src.as_ptr() as usize, 4096));
+    assert_eq!(
+        s.lock_index().map.get("k").unwrap().slot,
+        slot,
+        "the same slot again"
+    );
+    assert!(s.commit_dels(&[("k".into(), gen)]).unwrap().is_empty());
+    assert!(
+        s.exists(&["k"])[0],
+        "the new object was deleted in the old one's name"
+    );
+    std::fs::remove_dir_all(root).unwrap();
+}
+
+/// Where holes cannot be punched (EOPNOTSUPP), eviction still makes room: it takes objects of the class
+/// that needs a slot (the first version of this code spun trying to punch).
+#[test]
+fn eviction_works_without_hole_punching() {
+    let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let root = tmp();
+    let src = payload(2, 8192, 32);
+    let p = src.as_ptr() as usize;
+    let cap = 6 * 8192 + 16384;
+    let s = PageStore::open(&root, "ns", opts(cap)).unwrap();
+    fault::set("punch", 0, u64::MAX, Fault::Error(libc::EOPNOTSUPP));
+    for i in 0..40 {
+        let len = if i % 4 == 0 { 4096 } else { 8192 };
+        assert!(put1(&s, &format!("k{i}"), p, len), "put {i}");
+        let (d, j) = s.occupancy();
+        assert!(d + j <= cap, "{i}: {d} + {j}");
+    }
+    fault::clear();
+    assert!(s.stats.evictions.load(Ordering::Relaxed) > 0);
+    std::fs::remove_dir_all(root).unwrap();
+}
+
+/// An inspector's read-only open probes LOCK with a shared lock for an instant; a writer opening at that
+/// moment retries instead of calling the namespace taken.
+#[test]
+fn inspecting_does_not_make_a_writer_fail_to_open() {
+    let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let root = tmp();
+    drop(PageStore::open(&root, "ns", opts(1 << 30)).unwrap());
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|sc| {
+        sc.spawn(|| {
+            while !stop.load(Ordering::Relaxed) {
+                let _ = PageStore::open_read_only(&root, "ns");
+            }
+        });
+        for i in 0..30 {
+            let s = PageStore::open(&root, "ns", opts(1 << 30));
+            assert!(
+                s.is_ok(),
+                "open {i} refused while only inspectors were there"
+            );
+        }
+        stop.store(true, Ordering::Relaxed);
+    });
     std::fs::remove_dir_all(root).unwrap();
 }

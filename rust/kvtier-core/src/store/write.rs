@@ -166,14 +166,18 @@ impl PageStore {
                 let deficit = ix
                     .occupancy_with(u64::from(class), journal)
                     .saturating_sub(self.opts.capacity_bytes);
-                let keep: Vec<(u32, usize)> = want.iter().map(|w| (w.1, 1)).collect();
-                let punch = ix.take_punchable(&keep);
-                if !punch.is_empty() {
-                    drop(ix);
-                    self.punch_slots(&punch);
-                    continue;
+                let punching = self.punch_ok.load(Ordering::Relaxed);
+                if punching {
+                    let keep: Vec<(u32, usize)> = want.iter().map(|w| (w.1, 1)).collect();
+                    let punch = ix.take_punchable(&keep);
+                    if !punch.is_empty() {
+                        drop(ix);
+                        self.punch_slots(&punch);
+                        continue;
+                    }
                 }
-                let victims = ix.victims(deficit, &batch_keys);
+                // without hole punching only a slot of the wanted class makes room
+                let victims = ix.victims(deficit, &batch_keys, (!punching).then_some(class));
                 if victims.is_empty() {
                     break;
                 }
@@ -253,7 +257,9 @@ impl PageStore {
                 let off = u64::from(slots[k].slot) * u64::from(class);
                 let len = (e - k) as u64 * u64::from(class);
                 let mut r = self.allocate_run(&c, off, len);
-                if matches!(&r, Err(err) if err.raw_os_error() == Some(libc::ENOSPC)) {
+                if matches!(&r, Err(err) if err.raw_os_error() == Some(libc::ENOSPC))
+                    && self.punch_ok.load(Ordering::Relaxed)
+                {
                     let punch = self.lock_index().take_punchable(&[]);
                     if !punch.is_empty() {
                         self.punch_slots(&punch);
@@ -286,11 +292,16 @@ impl PageStore {
         c.allocate(off, len, before)
     }
 
-    /// Reserved slots that never got blocks: back to the holes, their objects failed.
+    /// Reserved slots whose objects fail before any write: new ones (that never got blocks) back to the
+    /// holes, reused ones (that have blocks) back to the free slots.
     fn drop_slots(&self, slots: &[Slot]) {
         let mut ix = self.lock_index();
         for s in slots {
-            ix.unreserve_unallocated(s.class, s.slot);
+            if s.grow {
+                ix.unreserve_unallocated(s.class, s.slot);
+            } else {
+                ix.unreserve(s.class, s.slot);
+            }
             ix.j_pending -= s.journal;
         }
         drop(ix);
