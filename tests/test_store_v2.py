@@ -82,6 +82,18 @@ def mounted(tmp_path):
         _run("umount", "-l", str(m))
 
 
+def fill_up(mnt):
+    """Fills the file system at mnt to the last block with a filler file."""
+    with open(mnt / "filler", "wb", buffering=0) as f:
+        for n in (1 << 20, 4096, 512):
+            try:
+                while True:
+                    f.write(b"\0" * n)
+            except OSError:
+                pass
+    assert shutil.disk_usage(mnt).free < (64 << 10)
+
+
 def blocks(root):
     """Bytes of disk blocks of every file under root (what du counts)."""
     return sum(os.lstat(os.path.join(d, f)).st_blocks * 512 for d, _, fs in os.walk(root) for f in fs)
@@ -108,15 +120,7 @@ def test_full_disk_fails_pages_not_the_store_and_drains(mounted, fs):
         assert full, "the file system never filled up"
         assert len(acked) > 100, f"only {len(acked)} pages fit on {fs}: space was wasted"
         assert st.get_stats()["write_failures"] > 0
-        # the last bytes too: a filler file takes whatever the store left
-        with open(mnt / "filler", "wb", buffering=0) as f:
-            for n in (1 << 20, 4096, 512):
-                try:
-                    while True:
-                        f.write(b"\0" * n)
-                except OSError:
-                    pass
-        assert shutil.disk_usage(mnt).free < (64 << 10)
+        fill_up(mnt)  # the last bytes too: a filler file takes whatever the store left
         # more writes on the full disk: False, no exception
         assert st.batch_set_v1(["late0", "late1"], idx([396, 397])) == [False, False]
         gone = acked[: len(acked) // 4]
@@ -339,12 +343,5 @@ def test_failed_append_keeps_deletes_possible_on_a_full_disk(mounted):
         assert all(st.batch_set_v1([f"p{q}" for q in range(40)], idx(range(40))))
         with testing.faults("journal_write", errno=errno.EIO):
             assert st.batch_set_v1(["x"], idx([41])) == [False]
-        with open(mnt / "filler", "wb", buffering=0) as f:
-            for n in (1 << 20, 4096):
-                try:
-                    while True:
-                        f.write(b"\0" * n)
-                except OSError:
-                    pass
-        assert shutil.disk_usage(mnt).free < (64 << 10)
+        fill_up(mnt)
         assert st.delete([f"p{q}" for q in range(40)]) == 40

@@ -3,11 +3,12 @@ shape (``batch_set_v1`` / ``batch_get_v1`` on host-pool indices).
 
 One page is two objects, ``<key>.k`` and ``<key>.v``, of the pool's K and V page sizes (different for
 asymmetric models), written from and read into the pinned host pool directly (O_DIRECT when the file
-system allows it; otherwise buffered IO with fdatasync, reported once). Every page lives in a namespace
-derived from the model name, the parallel ranks and the registered pool's geometry, so a page written under
-one geometry is never returned to a pool of another: that is a miss. The Rust core makes a page durable
-before ``batch_set_v1`` reports it, checksums every object, and keeps the directory under
-``capacity_bytes`` by evicting least-recently-used pages.
+system allows it; otherwise buffered IO with fdatasync, reported once), one call into the Rust core per
+batch. Every page lives in a namespace derived from the model name, the parallel ranks and the registered
+pool's geometry, so a page written under one geometry is never returned to a pool of another: a miss. The Rust core makes a page durable
+before ``batch_set_v1`` reports it, checksums every object, turns IO errors into False results, and keeps
+the directory under ``capacity_bytes`` by evicting least-recently-used pages. The design, step by step
+with every crash point, is docs/STORE.md.
 """
 
 from __future__ import annotations
@@ -46,8 +47,8 @@ class PageStore:
 
     Args:
         path: the store's root directory (created owner-only); namespaces are subdirectories.
-        capacity_bytes: hard limit on this namespace's stored bytes (default 64 GiB); least-recently-used
-            pages are evicted to stay under it.
+        capacity_bytes: hard limit on the disk blocks of this namespace — data files and journal (default
+            64 GiB); least-recently-used pages are evicted to stay under it (docs/STORE.md).
         model_name, tp_rank, tp_size, pp_rank, pp_size, cp_rank, cp_size: identify the KV this store holds;
             with the registered pool's geometry they form the namespace.
         io_threads: IO requests in flight per batch (default 16).

@@ -42,6 +42,7 @@ impl JournalFile {
                 .read(true)
                 .write(true)
                 .create(true)
+                .truncate(false)
                 .mode(0o600)
                 .open(path)?;
             if !existed {

@@ -90,6 +90,8 @@ pub(super) struct Bound {
 
 /// `(start, len)` host ranges of one batch, sorted by start.
 type Ranges = Vec<(usize, usize)>;
+/// A page batch's object names and their `(address, length)`.
+type Objects = (Vec<String>, Vec<(usize, u64)>);
 
 #[derive(Default)]
 struct Busy {
@@ -182,11 +184,7 @@ impl PageStore {
     }
 
     /// Objects of a page batch, every page proven inside the bound pool (and distinct when `writes`).
-    fn page_objects(
-        &self,
-        batch: &PageBatch<'_>,
-        writes: bool,
-    ) -> Result<(Vec<String>, Vec<(usize, u64)>)> {
+    fn page_objects(&self, batch: &PageBatch<'_>, writes: bool) -> Result<Objects> {
         let l = self.page_layout().ok_or_else(|| {
             Error::arg(
                 "pool",

@@ -137,7 +137,7 @@ impl PageStore {
                 let mut ix = self.lock_index();
                 let mut left = Vec::new();
                 for &(i, class, journal) in &want {
-                    let grow = !ix.free.get(&class).is_some_and(|v| !v.is_empty());
+                    let grow = ix.free.get(&class).is_none_or(|v| v.is_empty());
                     let add = if grow { u64::from(class) } else { 0 };
                     if ix.occupancy_with(add, journal) > self.opts.capacity_bytes
                         || !left.is_empty()
