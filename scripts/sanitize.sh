@@ -125,7 +125,8 @@ for kind, body, summ in reports:
     if kind.startswith("data race") and len(accs) == 2:
         for (w, _), (p, pfr) in (accs, accs[::-1]):
             parent, cfr = threads.get(w, (None, []))
-            if parent != p or w == p or not any("<std::thread::scoped::Scope>::spawn::<" in f for f in cfr):
+            if parent != p or w == p or not any("<std::thread::scoped::Scope>::spawn::<" in f
+                                                    or "<std::thread::builder::Builder>::spawn_scoped::<" in f for f in cfr):
                 continue
             scope = next((re.match(r"(std::thread::scoped::scope::<.*?), \S+>", f) for f in cfr
                           if f.startswith("std::thread::scoped::scope::<")), None)
