@@ -345,3 +345,24 @@ def test_failed_append_keeps_deletes_possible_on_a_full_disk(mounted):
             assert st.batch_set_v1(["x"], idx([41])) == [False]
         fill_up(mnt)
         assert st.delete([f"p{q}" for q in range(40)]) == 40
+
+
+def test_verify_reports_a_missing_data_file(tmp_path):
+    """A class file gone (an operator's rm, a lost volume): its objects are dropped records, and verify says
+    so and exits 1 without changing anything; --repair rewrites the journal."""
+    dp, hp = make_pool(pages=16)
+    with PageStore(tmp_path, capacity_bytes=1 << 30) as st:
+        st.register_mem_pool_host(hp)
+        assert all(st.batch_set_v1(["a", "b"], idx([0, 1])))
+    (ns,) = [d for d in tmp_path.iterdir() if d.name.startswith("ns-")]
+    (ns / "class-8192.dat").unlink()  # the V objects
+    before = _snapshot(tmp_path)
+    r = _cli("verify", str(tmp_path))
+    assert r.returncode == 1 and "missing data file(s): class-8192.dat" in r.stdout and "dropped" in r.stdout, r.stdout
+    assert _snapshot(tmp_path) == before
+    assert _cli("verify", "--repair", str(tmp_path)).returncode == 0
+    r = _cli("verify", str(tmp_path))
+    assert r.returncode == 0 and "ok" in r.stdout, r.stdout
+    with PageStore(tmp_path, capacity_bytes=1 << 30) as st:
+        st.register_mem_pool_host(hp)
+        assert st.batch_exists(["a", "b"]) == 0
