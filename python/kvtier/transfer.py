@@ -9,8 +9,10 @@ Which engine runs depends on where the device tensors live:
 - CUDA tensors and a pinned host buffer, ordered on the caller's current stream:
   - ``direct``: the Rust core plans chunks contiguous on both sides (one per page and layer for
     page_first_direct) and submits them to the copy engine with ``cuMemcpyBatchAsync`` in batches of 1,024
-    (no SM is used), or one ``cuMemcpyAsync`` each where the batch API is missing or the stream is the legacy
-    default stream. LayerLoader's loads are submitted by a native thread (see ``_native.Submission``).
+    (no SM is used), or one ``cuMemcpyAsync`` each where the batch API is missing. The batch API refuses
+    the legacy default stream: copies issued from a default stream run on an engine-owned stream forked
+    from the caller's and joined back into it (:meth:`TransferEngine.detour_stream`), so they keep their
+    place in its order. LayerLoader's loads are submitted by a native thread (see ``_native.Submission``).
   - ``kernel``: a Triton gather/scatter (:mod:`kvtier.kernels`) that reads/writes pinned host memory from
     the GPU with a bounded number of thread blocks, launched natively once compiled; K and V run
     concurrently on the caller's stream and a side stream joined back into it (``KVTIER_TRANSFER_LANES``).
@@ -42,6 +44,11 @@ if TYPE_CHECKING:
 # 1.17x, compute at ~60 % of the transfer): half the threads per block leave more of each SM to compute
 # (benches/results/2026-11-29-h200-probe-{1,3}.json).
 KERNEL_TILE_WORDS = 2048
+
+
+#: Stream handles torch reports for a default stream: the legacy NULL stream, ``cudaStreamLegacy`` and
+#: ``cudaStreamPerThread``.
+DEFAULT_STREAMS = (0, 1, 2)
 
 
 @dataclass(frozen=True)
@@ -99,6 +106,8 @@ class TransferEngine:
         self.prefetch = True
         self.lanes = config.transfer_lanes()
         self._side_streams: dict[Any, list] = {}  # (device, caller stream) -> side streams, LRU order
+        self._detours: dict[Any, Any] = {}  # (device, thread) -> the stream default-stream copies run on
+        self.last_submit: tuple[int, int] | None = None  # (copies, batch calls) of the last direct submission
         self.staged_backup = config.kernel_backup() == "staged"
         self.staging_bytes = config.staging_bytes()
         # staged only from this many bytes per backup: below, fixed per-run costs outweigh the copy engine's
@@ -169,6 +178,18 @@ class TransferEngine:
         while len(self._side_streams) > 8:
             self._side_streams.pop(next(iter(self._side_streams)))
         return have[:want]
+
+    def detour_stream(self, device: torch.device) -> Any:
+        """The engine's own stream that direct copies issued from a default stream run on (one per device and
+        calling thread: a per-thread default stream is another stream in every thread). The driver's batch
+        copy API refuses the legacy default stream, so copies submitted there would go one call per chunk
+        (a third of the speed for per-layer loads and backups); on this stream, forked from the caller's
+        and joined back into it, they keep their place in the caller's stream order."""
+        key = (device, threading.get_ident())
+        s = self._detours.get(key)
+        if s is None:
+            s = self._detours[key] = torch.cuda.Stream(device)  # non-blocking: joined by events only
+        return s
 
     def _offsets(self, tensors: Sequence[torch.Tensor], word: int) -> tuple[torch.Tensor, int]:
         """The device-layer offset table (see :func:`kernels.layer_offsets`) of a device-layer list. The pools
@@ -288,9 +309,18 @@ class TransferEngine:
             # only the last layer's, which say when it is done) alive until it has finished
             self._hold((regions, plans, events, after), list(events[-1]), sub)
             return sub
-        _native.submit_layers(plans, layer_begin, layer_end, index, stream.cuda_stream, sides, self.batch, per_layer, handles)
+        detour = None
+        if self.batch and stream.cuda_stream in DEFAULT_STREAMS and _native.cuda_batch_supported():
+            # fork: the copies wait for everything the caller's stream was given before them ...
+            detour = self.detour_stream(dev)
+            detour.wait_stream(stream)
+        self.last_submit = _native.submit_layers(
+            plans, layer_begin, layer_end, index, (detour or stream).cuda_stream, sides, self.batch, per_layer, handles,
+        )
+        if detour is not None:
+            stream.wait_stream(detour)  # ... and join: what the caller gives it next waits for the copies
         if hold:
-            self._hold((regions, plans))
+            self._hold((regions, plans))  # recorded on the caller's stream, after the join
         return None
 
     def _rows(self, side: Side, tensors, prepared: Any, hidx, didx, to_host: bool, blocks: int):

@@ -97,7 +97,9 @@ def check_exact(hp, dp, h, d) -> bool:
     return bool(ok)
 
 
-def run_geometry(name, g, pages_list, reps, ceil_up, ceil_down, rows_out, stream):
+def run_geometry(name, g, pages_list, reps, ceil_up, ceil_down, rows_out, stream, modes=("side",)):
+    """Every backend and page count of geometry ``g``, with the caller on ``stream`` ("side") and/or on the
+    default stream ("default": a plain script; its LayerLoader gets its own stream, as by default)."""
     max_pages = max(pages_list)
     dp = DeviceKVPool((max_pages + 8) * PS, PS, g["layers"], g["heads"], g["dk"], g["dv"], DT, "cuda")
     for t in dp.k_buffer + dp.v_buffer:
@@ -106,14 +108,15 @@ def run_geometry(name, g, pages_list, reps, ceil_up, ceil_down, rows_out, stream
     for layout, backend in (("page_first_direct", "direct"), ("page_first", "kernel"), ("page_first_direct", "naive")):
         hp = host_pool_for(dp, layout=layout, host_to_device_ratio=1.0)
         assert hp.k_buffer.is_pinned()
-        for npages in pages_list:
-            if backend == "naive" and npages > 256:
+        for mode, npages in [(m, n) for m in modes for n in pages_list]:
+            if backend == "naive" and (npages > 256 or mode != "side"):
                 continue
+            caller = stream if mode == "side" else torch.cuda.default_stream()
             hpages = torch.randperm(hp.page_num)[:npages]
             dpages = torch.randperm(max_pages + 7)[:npages] + 1
             h, d = page_idx(hpages), page_idx(dpages)
             nb_layer = npages * per_layer
-            with torch.cuda.stream(stream):
+            with torch.cuda.stream(caller):
                 if backend == "naive":
                     t_load = event_time(lambda: [naive_load(hp, dp, hpages, dpages, l) for l in range(g["layers"])], max(3, reps // 2)) / g["layers"]
                     t_back = event_time(lambda: naive_backup(hp, dp, hpages, dpages), max(3, reps // 2))
@@ -123,13 +126,13 @@ def run_geometry(name, g, pages_list, reps, ceil_up, ceil_down, rows_out, stream
                     exact = check_exact(hp, dp, h, d)
                     t_load = event_time(lambda: [hp.load_to_device_per_layer(dp, h, d, l, backend) for l in range(g["layers"])], reps) / g["layers"]
                     exact = exact and check_exact(hp, dp, h, d)
-                    loader = LayerLoader(hp, dp, backend, stream=stream)
+                    loader = LayerLoader(hp, dp, backend, stream=stream if mode == "side" else None)
                     t_loader = event_time(lambda: loader.load(h, d).synchronize(), reps) / g["layers"]
                     exact = exact and check_exact(hp, dp, h, d)
             up = nb_layer / t_load / 1e9
             down = nb_layer * g["layers"] / t_back / 1e9
             row = {
-                "geometry": name, "backend": backend, "layout": layout, "pages": npages,
+                "geometry": name, "backend": backend, "layout": layout, "stream": mode, "pages": npages,
                 "load_us_per_layer": round(t_load * 1e6, 1), "load_GBps": round(up, 2),
                 "load_pct": round(100 * up / ceil_up, 1), "backup_ms": round(t_back * 1e3, 3),
                 "backup_GBps": round(down, 2), "backup_pct": round(100 * down / ceil_down, 1), "bit_exact": exact,
@@ -311,12 +314,12 @@ def markdown(res) -> str:
         f"Batched DMA available: {res['batch_supported']} (flags {res.get('batch_flags')}). Kernel blocks: {res['kernel_blocks']}, warps {res['kernel_warps']}, "
         f"lanes {res.get('transfer_lanes')}, backup {res.get('kernel_backup')}.",
         "",
-        "| geom | backend | layout | pages | load µs/layer | load GB/s | load % | LayerLoader µs/layer | LayerLoader % | backup ms | backup GB/s | backup % | exact |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| geom | backend | layout | caller stream | pages | load µs/layer | load GB/s | load % | LayerLoader µs/layer | LayerLoader % | backup ms | backup GB/s | backup % | exact |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in res["rows"]:
         lines.append(
-            f"| {r['geometry']} | {r['backend']} | {r['layout']} | {r['pages']} | {r['load_us_per_layer']} | {r['load_GBps']} | "
+            f"| {r['geometry']} | {r['backend']} | {r['layout']} | {r.get('stream', 'side')} | {r['pages']} | {r['load_us_per_layer']} | {r['load_GBps']} | "
             f"{r['load_pct']} | {r.get('loader_us_per_layer', '-')} | {r.get('loader_pct', '-')} | {r['backup_ms']} | "
             f"{r['backup_GBps']} | {r['backup_pct']} | {r['bit_exact']} |"
         )
@@ -361,6 +364,9 @@ def main(argv=None):
     ap.add_argument("--pages", default="16,64,256,1024")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--streams", default="side,default",
+                    help="caller streams to measure: side (a torch.cuda.Stream) and/or default (a plain script)")
+    ap.add_argument("--no-overlap", action="store_true", help="skip the overlap measurements")
     ap.add_argument("--plot", default=None, help="write a PNG of GB/s against pages per backend (needs matplotlib)")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -376,11 +382,15 @@ def main(argv=None):
     }
     stream = torch.cuda.Stream()
     for name in args.geoms.split(","):
-        dp = run_geometry(name, GEOMS[name], pages_list, args.reps, up, down, res["rows"], stream)
+        modes = tuple(m for m in args.streams.split(",") if m)
+        if not modes or any(m not in ("side", "default") for m in modes):
+            ap.error(f"--streams: expected side and/or default, got {args.streams!r}")
+        dp = run_geometry(name, GEOMS[name], pages_list, args.reps, up, down, res["rows"], stream, modes)
         if name == "A":
             if not args.no_sweep:
                 res["sweep"] = block_sweep(dp, stream, 5, up, down)
-            res["overlap"] = overlap(dp, 5)
+            if not args.no_overlap:
+                res["overlap"] = overlap(dp, 5)
         del dp
         torch.cuda.empty_cache()
     res["batch_flags"] = kvtier._native.cuda_batch_flags()
