@@ -17,7 +17,8 @@ PY_DEPS := "maturin>=1.9.4,<2" "torch>=2.4" torchvision "numpy>=1.24" "pytest>=8
 # what its HiCache modules import on a CPU machine (ninja: it JIT-builds its page-hash extension).
 SGLANG := sglang==0.5.23
 SGLANG_IMPORT_DEPS := orjson psutil pybase64 requests pillow starlette msgspec pydantic pyzmq tqdm ipython \
-	aiohttp transformers dill apache-tvm-ffi sentencepiece compressed-tensors gguf ninja
+	aiohttp transformers dill apache-tvm-ffi sentencepiece compressed-tensors gguf ninja \
+	prometheus-client
 
 .PHONY: help install build build-profiling demo test test-rust test-python test-gpu bench bench-rust gpu-wheel lint clean sanitize sanitize-quick soak
 

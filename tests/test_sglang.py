@@ -17,10 +17,10 @@ from kvtier.integrations.sglang import KvtierStorage
 PS, L, H = 4, 3, 2
 
 
-def config(path, *, tp_rank=0, tp_size=1, mla=False, layout="page_first_direct", **extra):
+def config(path, *, tp_rank=0, tp_size=1, mla=False, layout="page_first_direct", metrics=False, **extra):
     return HiCacheStorageConfig(
         tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
-        is_mla_model=mla, enable_storage_metrics=False, is_page_first_layout=(layout == "page_first"),
+        is_mla_model=mla, enable_storage_metrics=metrics, is_page_first_layout=(layout == "page_first"),
         model_name="XiaomiMiMo/MiMo-V2-Flash",
         extra_config={"backend_name": "kvtier", "module_path": "kvtier.integrations.sglang",
                       "class_name": "KvtierStorage", "interface_v1": 1, "path": str(path), **extra},
@@ -87,7 +87,7 @@ def test_sglang_pool_round_trip_bit_exact(tmp_path, layout, dims):
         assert torch.equal(got[0], want[i][0]) and torch.equal(got[1], want[i][1])
     assert be.batch_exists(keys + ["f" * 64] + keys) == 4
     assert be.exists(keys[0]) and not be.exists("e" * 64)
-    stats = be.get_stats()
+    stats = be.kvtier_stats()
     assert stats["pages"] == 4 and stats["corrupt_reads"] == 0
     be.close()
     # a restarted server (new backend over the same directory) finds the pages
@@ -194,3 +194,32 @@ def test_page_hashes_equal_sglang():
         tail = get_hash_str(toks[ps:], ours[0], page_size=ps)
         tail = [tail] if isinstance(tail, str) else list(tail)
         assert kvtier.page_hashes(toks[ps:], ps, prior_hash=ours[0]) == tail
+
+
+def test_enable_metrics_feeds_sglangs_own_collector(tmp_path):
+    """--enable-metrics: SGLang reads get_stats() every step, sets `.prefetch_stats` on it and hands it to its
+    StorageMetricsCollector, which asserts a StorageMetrics (a dict crashed the scheduler). The figures are
+    the pages each batch moved and their GB/s, drained on every call."""
+    from sglang.srt.observability.metrics_collector import StorageMetrics, StorageMetricsCollector
+
+    pool = sglang_pool("page_first_direct")
+    be = KvtierStorage(config(tmp_path, metrics=True))
+    be.register_mem_pool_host(pool)
+    keys = [f"{i:064x}" for i in range(4)]
+    assert be.batch_set_v1(keys, idx(range(4))) == [True] * 4
+    assert be.batch_get_v1(keys[:3] + ["e" * 64], idx([4, 5, 6, 7])) == [True, True, True, False]
+    m = be.get_stats()
+    assert isinstance(m, StorageMetrics)
+    assert m.backup_pgs == [4] and m.prefetch_pgs == [3]
+    assert len(m.backup_bandwidth) == 1 and m.backup_bandwidth[0] > 0 and m.prefetch_bandwidth[0] > 0
+    m.prefetch_stats = {}  # what SGLang's cache does before logging
+    StorageMetricsCollector(labels={"tp_rank": "0"}).log_storage_metrics(m)
+    again = be.get_stats()
+    assert again.backup_pgs == [] and again.prefetch_pgs == [], "drained on each call"
+    be.close()
+    # metrics off (the default): nothing is recorded, and get_stats is still what SGLang expects
+    be = KvtierStorage(config(tmp_path / "off"))
+    be.register_mem_pool_host(pool)
+    be.batch_set_v1(keys[:1], idx([0]))
+    assert isinstance(be.get_stats(), StorageMetrics) and be.get_stats().backup_pgs == []
+    be.close()

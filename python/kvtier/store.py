@@ -86,6 +86,7 @@ class PageStore:
         self.direct = direct
         self._native: Any = None
         self._pool: Any = None
+        self.page_bytes = 0  # bytes of one page (K + V) once a pool is registered
         self._closed = False
         self._lock = threading.Lock()
 
@@ -140,6 +141,7 @@ class PageStore:
                 native.close()
                 raise
             self._native, self._pool = native, pool
+            self.page_bytes = layout[2] + layout[5]  # K and V object bytes of one page
         note = native.direct_note
         if note and self.direct is None and not native.direct:  # a buffered fallback is worth a warning
             warnings.warn(f"kvtier.PageStore at {self.path}: {note}", RuntimeWarning, stacklevel=2)

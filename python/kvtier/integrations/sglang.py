@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from typing import Any, List, Optional
 
 import torch
@@ -83,6 +84,10 @@ class KvtierStorage(HiCacheStorage):
         self._local = threading.local()
         self._scratches: list[HostBuffer] = []
         self._scratch_lock = threading.Lock()  # guards the list and close()
+        # --enable-metrics: per-batch pages and GB/s, drained by get_stats() (SGLang calls it every step)
+        self.enable_storage_metrics = bool(getattr(storage_config, "enable_storage_metrics", False))
+        self._metrics = {"prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [], "backup_bandwidth": []}
+        self._metrics_lock = threading.Lock()
 
     # -- registration ---------------------------------------------------------------------------------
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
@@ -91,12 +96,28 @@ class KvtierStorage(HiCacheStorage):
 
     # -- zero-copy v1 ---------------------------------------------------------------------------------
     def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor, extra_info: Any = None) -> List[bool]:
-        return self.store.batch_get_v1(keys, host_indices)
+        t0 = time.perf_counter()
+        ok = self.store.batch_get_v1(keys, host_indices)
+        self._record("prefetch", ok, time.perf_counter() - t0)
+        return ok
 
     def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor, extra_info: Any = None) -> List[bool]:
         if not self.is_writer:
             return [True] * len(keys)  # another rank writes the replicated pages
-        return self.store.batch_set_v1(keys, host_indices)
+        t0 = time.perf_counter()
+        ok = self.store.batch_set_v1(keys, host_indices)
+        self._record("backup", ok, time.perf_counter() - t0)
+        return ok
+
+    def _record(self, kind: str, ok: List[bool], seconds: float) -> None:
+        """Pages moved by one batch and their GB/s (GiB as SGLang's own backends count), for get_stats()."""
+        if not self.enable_storage_metrics or not ok:
+            return
+        pages = sum(ok)
+        gbps = pages * self.store.page_bytes / (1 << 30) / seconds if seconds > 0 else 0.0
+        with self._metrics_lock:
+            self._metrics[f"{kind}_pgs"].append(pages)
+            self._metrics[f"{kind}_bandwidth"].append(gbps)
 
     def batch_exists(self, keys: List[str], extra_info: Any = None) -> int:
         return self.store.batch_exists(keys)
@@ -148,6 +169,20 @@ class KvtierStorage(HiCacheStorage):
         self.store.clear()
 
     def get_stats(self):
+        """SGLang's storage metrics (``--enable-metrics``): a ``StorageMetrics`` with the pages and GB/s of
+        each batch since the last call, drained — what SGLang's collector asserts and reads every step.
+        kvtier's own counters (hits, corruption, evictions, capacity, ...) are :meth:`kvtier_stats`."""
+        from sglang.srt.observability.metrics_collector import StorageMetrics
+
+        m = StorageMetrics()
+        with self._metrics_lock:
+            for name, values in self._metrics.items():
+                getattr(m, name).extend(values)
+                values.clear()
+        return m
+
+    def kvtier_stats(self) -> dict:
+        """The page store's counters (:meth:`kvtier.PageStore.get_stats`)."""
         return self.store.get_stats()
 
     def close(self) -> None:
