@@ -223,3 +223,20 @@ def test_enable_metrics_feeds_sglangs_own_collector(tmp_path):
     be.batch_set_v1(keys[:1], idx([0]))
     assert isinstance(be.get_stats(), StorageMetrics) and be.get_stats().backup_pgs == []
     be.close()
+
+
+def test_dp_attention_ranks_get_their_own_namespaces(tmp_path):
+    """With DP attention SGLang's tp_rank is group-local: rank 0 of DP group 0 and rank 0 of DP group 1 are
+    two processes with the same tp_rank. They must not share a namespace (its writer lock would refuse the
+    second); dp_rank names it. dp_rank 0 keeps the name stores had before."""
+    pool = sglang_pool("page_first_direct")
+    cfgs = [config(tmp_path), config(tmp_path)]
+    cfgs[1].dp_rank = 1
+    a, b = KvtierStorage(cfgs[0]), KvtierStorage(cfgs[1])
+    a.register_mem_pool_host(pool)
+    b.register_mem_pool_host(pool)  # opened while `a` holds its namespace
+    assert a.store.get_stats()["dir"] != b.store.get_stats()["dir"]
+    assert "|dp=1|" in b.store.namespace_for(pool) and "|dp=" not in a.store.namespace_for(pool)
+    assert a.batch_set_v1(["a" * 64], idx([0])) == [True] and b.batch_exists(["a" * 64]) == 0
+    a.close()
+    b.close()

@@ -49,7 +49,9 @@ class PageStore:
         path: the store's root directory (created owner-only); namespaces are subdirectories.
         capacity_bytes: hard limit on the disk blocks of this namespace — data files and journal (default
             64 GiB); least-recently-used pages are evicted to stay under it (docs/STORE.md).
-        model_name, tp_rank, tp_size, pp_rank, pp_size, cp_rank, cp_size: identify the KV this store holds;
+        model_name, tp_rank, tp_size, pp_rank, pp_size, cp_rank, cp_size, dp_rank, dcp_rank, dcp_size: identify
+            the KV this store holds (``dp_rank``: with DP attention the TP rank is group-local, so ranks of
+            different DP groups need their own namespace; ``dcp_*``: a decode-context-parallel shard);
             with the registered pool's geometry they form the namespace.
         io_threads: IO requests in flight per batch (default 16).
         direct: ``None`` probes O_DIRECT and falls back to buffered IO (with a warning); ``False`` disables
@@ -68,6 +70,9 @@ class PageStore:
         pp_size: int = 1,
         cp_rank: int = 0,
         cp_size: int = 1,
+        dp_rank: int = 0,
+        dcp_rank: int = 0,
+        dcp_size: int = 1,
         io_threads: int = 16,
         direct: bool | None = None,
     ) -> None:
@@ -75,13 +80,17 @@ class PageStore:
             raise InvalidArgumentError(f"invalid argument `capacity_bytes`: must be an int >= 4096, got {capacity_bytes!r}")
         if isinstance(io_threads, bool) or not isinstance(io_threads, int) or io_threads < 1:
             raise InvalidArgumentError(f"invalid argument `io_threads`: must be an int >= 1, got {io_threads!r}")
-        for name, rank, size in (("tp", tp_rank, tp_size), ("pp", pp_rank, pp_size), ("cp", cp_rank, cp_size)):
+        if isinstance(dp_rank, bool) or not isinstance(dp_rank, int) or dp_rank < 0:
+            raise InvalidArgumentError(f"invalid argument `dp_rank`: must be an int >= 0, got {dp_rank!r}")
+        for name, rank, size in (("tp", tp_rank, tp_size), ("pp", pp_rank, pp_size), ("cp", cp_rank, cp_size),
+                                 ("dcp", dcp_rank, dcp_size)):
             if not (isinstance(size, int) and size >= 1 and isinstance(rank, int) and 0 <= rank < size):
                 raise InvalidArgumentError(f"invalid argument `{name}_rank`: {rank!r} is not in [0, {name}_size={size!r})")
         self.path = os.fspath(path)
         self.capacity_bytes = capacity_bytes
         self.model_name = str(model_name)
-        self.ranks = dict(tp=(tp_rank, tp_size), pp=(pp_rank, pp_size), cp=(cp_rank, cp_size))
+        self.ranks = dict(tp=(tp_rank, tp_size), pp=(pp_rank, pp_size), cp=(cp_rank, cp_size),
+                          dcp=(dcp_rank, dcp_size), dp=(dp_rank, None))
         self.io_threads = io_threads
         self.direct = direct
         self._native: Any = None
@@ -94,9 +103,14 @@ class PageStore:
     def namespace_for(self, pool: Any) -> str:
         """The namespace string for ``pool`` (model, ranks, dtype, layout, page size, layers, heads, dims)."""
         r = self.ranks
+        # the DP rank (with DP attention the TP rank is group-local, so two processes share it) and a decode
+        # context-parallel shard name the namespace only when set: stores written before they existed keep
+        # their names
+        extra = (f"|dp={r['dp'][0]}" if r["dp"][0] else "") + (
+            f"|dcp={r['dcp'][0]}/{r['dcp'][1]}" if r["dcp"][1] > 1 else "")
         return (
             f"kvtier-v1|model={self.model_name}|tp={r['tp'][0]}/{r['tp'][1]}|pp={r['pp'][0]}/{r['pp'][1]}"
-            f"|cp={r['cp'][0]}/{r['cp'][1]}|dtype={str(pool.dtype).removeprefix('torch.')}|layout={pool.layout}"
+            f"|cp={r['cp'][0]}/{r['cp'][1]}{extra}|dtype={str(pool.dtype).removeprefix('torch.')}|layout={pool.layout}"
             f"|page={pool.page_size}|layers={pool.layer_num}|heads={pool.head_num}|k={pool.head_dim}"
             f"|v={getattr(pool, 'v_head_dim', None) or pool.head_dim}"
         )

@@ -76,6 +76,9 @@ class KvtierStorage(HiCacheStorage):
             pp_size=storage_config.pp_size,
             cp_rank=getattr(storage_config, "attn_cp_rank", 0),
             cp_size=getattr(storage_config, "attn_cp_size", 1),
+            dp_rank=getattr(storage_config, "dp_rank", 0) or 0,
+            dcp_rank=getattr(storage_config, "dcp_rank", 0) or 0,
+            dcp_size=getattr(storage_config, "dcp_size", 1) or 1,
             io_threads=int(opts["io_threads"]),
             direct=opts["direct"],
         )
