@@ -240,3 +240,49 @@ def test_dp_attention_ranks_get_their_own_namespaces(tmp_path):
     assert a.batch_set_v1(["a" * 64], idx([0])) == [True] and b.batch_exists(["a" * 64]) == 0
     a.close()
     b.close()
+
+
+def sglang_mla_pool(layout, pages=8, lora=64, rope=16, dtype=torch.bfloat16, seed=0):
+    """SGLang's own MLA host pool, built on the CPU (as sglang_pool does for MHA): one latent+rope row per
+    token and layer, one object per page for zero-copy storage."""
+    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
+    pool = MLATokenToKVPoolHost.__new__(MLATokenToKVPoolHost)
+    d = lora + rope
+    pool.page_size, pool.layer_num, pool.kv_lora_rank, pool.qk_rope_head_dim = PS, L, lora, rope
+    pool.kv_cache_dim, pool.dtype, pool.layout = d, dtype, layout
+    pool.page_num, pool.size, pool.dcp_size = pages, pages * PS, 1  # logical_page_size follows (a property)
+    shape = {"page_first": (pages * PS, L, 1, d), "page_first_direct": (pages, L, PS, 1, d)}[layout]
+    g = torch.Generator().manual_seed(seed)
+    pool.kv_buffer = torch.randint(0, 256, (torch.Size(shape).numel() * 2,), generator=g,
+                                   dtype=torch.uint8).view(dtype).view(shape)
+    return pool
+
+
+@pytest.mark.parametrize("layout", ["page_first", "page_first_direct"])
+def test_mla_pool_round_trip(tmp_path, layout):
+    """DeepSeek-style MLA: SGLang's MLA host pool gives one object per page; kvtier stores it whole, reads
+    it back bit-exact, and names the latent/rope geometry in the namespace."""
+    pool = sglang_mla_pool(layout)
+    ptrs, sizes = pool.get_page_buffer_meta(idx([2]))
+    assert len(ptrs) == 1
+
+    def page(p):
+        ptr, n = pool.get_page_buffer_meta(idx([p]))
+        off = ptr[0] - pool.kv_buffer.data_ptr()
+        return pool.kv_buffer.view(torch.uint8).reshape(-1)[off : off + n[0]].clone()
+
+    want = [page(p) for p in range(4)]
+    be = KvtierStorage(config(tmp_path, mla=True, layout=layout))
+    be.register_mem_pool_host(pool)
+    assert "|mla=64+16" in be.store.namespace_for(pool)
+    keys = [f"{i:064x}" for i in range(4)]
+    assert be.batch_set_v1(keys, idx(range(4))) == [True] * 4
+    pool.kv_buffer.zero_()
+    assert be.batch_get_v1(keys, idx([4, 5, 6, 7])) == [True] * 4
+    for i in range(4):
+        assert torch.equal(page(4 + i), want[i])
+    assert be.batch_exists(keys + ["f" * 64]) == 4
+    assert be.kvtier_stats()["pages"] == 4
+    assert be.store.delete(keys[:1]) == 1 and be.batch_exists(keys) == 0
+    be.close()

@@ -60,7 +60,8 @@ def cmd_inspect(args) -> int:
             st = s.stats()
             files = {f: os.path.getsize(os.path.join(d, f)) for f in sorted(os.listdir(d)) if f.endswith((".dat", ".log"))}
             print(f"{os.path.basename(d)}  {ns}")
-            print(f"  objects {st['objects']} ({st['objects'] // 2} pages), {st['bytes_used'] / 1e6:.1f} MB in slots"
+            per = 1 if "|mla=" in ns else 2  # an MLA page is one object
+            print(f"  objects {st['objects']} ({st['objects'] // per} pages), {st['bytes_used'] / 1e6:.1f} MB in slots"
                   + ("  [open in a running process: a snapshot]" if st["live_writer"] else ""))
             for what in _damage(st):
                 print(f"  damage: {what}")

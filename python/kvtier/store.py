@@ -96,12 +96,14 @@ class PageStore:
         self._native: Any = None
         self._pool: Any = None
         self.page_bytes = 0  # bytes of one page (K + V) once a pool is registered
+        self.page_kinds = 2  # objects per page: K and V, or 1 for MLA pools
         self._closed = False
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ registration
     def namespace_for(self, pool: Any) -> str:
-        """The namespace string for ``pool`` (model, ranks, dtype, layout, page size, layers, heads, dims)."""
+        """The namespace string for ``pool`` (model, ranks, dtype, layout, page size, layers, heads, dims; for
+        an MLA pool its latent and rope dims)."""
         r = self.ranks
         # the DP rank (with DP attention the TP rank is group-local, so two processes share it) and a decode
         # context-parallel shard name the namespace only when set: stores written before they existed keep
@@ -111,8 +113,7 @@ class PageStore:
         return (
             f"kvtier-v1|model={self.model_name}|tp={r['tp'][0]}/{r['tp'][1]}|pp={r['pp'][0]}/{r['pp'][1]}"
             f"|cp={r['cp'][0]}/{r['cp'][1]}{extra}|dtype={str(pool.dtype).removeprefix('torch.')}|layout={pool.layout}"
-            f"|page={pool.page_size}|layers={pool.layer_num}|heads={pool.head_num}|k={pool.head_dim}"
-            f"|v={getattr(pool, 'v_head_dim', None) or pool.head_dim}"
+            f"|page={pool.page_size}|layers={pool.layer_num}|{_heads(pool)}"
         )
 
     def register_mem_pool_host(self, pool: Any) -> None:
@@ -156,6 +157,7 @@ class PageStore:
                 raise
             self._native, self._pool = native, pool
             self.page_bytes = layout[2] + layout[5]  # K and V object bytes of one page
+            self.page_kinds = 1 if layout[5] == 0 else 2
         note = native.direct_note
         if note and self.direct is None and not native.direct:  # a buffered fallback is worth a warning
             warnings.warn(f"kvtier.PageStore at {self.path}: {note}", RuntimeWarning, stacklevel=2)
@@ -202,9 +204,8 @@ class PageStore:
         return self.batch_exists([key]) == 1
 
     def delete(self, keys: Sequence[str]) -> int:
-        """Delete pages; returns how many pages existed."""
-        keys = _keys(keys)
-        return self._store().delete([f"{k}.{s}" for k in keys for s in ("k", "v")]) // 2
+        """Delete pages; returns how many pages had anything stored."""
+        return self._store().delete_pages(_keys(keys))
 
     def clear(self) -> None:
         """Delete every page of this namespace."""
@@ -214,7 +215,7 @@ class PageStore:
         """Counters: pages and bytes stored, hits, misses, evictions, corrupt reads, write failures, read and
         write throughput (GB/s over the time spent in batches), O_DIRECT status."""
         st = dict(self._store().stats())
-        st["pages"] = st["objects"] // 2
+        st["pages"] = st["objects"] // self.page_kinds
         st["write_GBps"] = st["bytes_written"] / st["put_ns"] if st["put_ns"] else 0.0
         st["read_GBps"] = st["bytes_read"] / st["get_ns"] if st["get_ns"] else 0.0
         return st
@@ -261,11 +262,21 @@ def _page_layout(pool: Any, page_num: int) -> tuple[int, int, int, int, int, int
     idx = torch.cat([torch.arange(p * ps, (p + 1) * ps, dtype=torch.int64) for p in probe])
     ptrs, sizes = pool.get_page_buffer_meta(idx)
     ptrs, sizes = [int(x) for x in ptrs], [int(x) for x in sizes]
-    if len(ptrs) != 2 * len(probe):
+    if len(ptrs) not in (len(probe), 2 * len(probe)):
         raise InvalidArgumentError(
             f"invalid argument `pool`: get_page_buffer_meta returned {len(ptrs)} objects for {len(probe)} pages "
-            "(expected one K and one V object per page)"
+            "(expected one K and one V object per page, or one object per page for MLA)"
         )
+    if len(ptrs) == len(probe):  # one object per page (an MLA pool's latent KV)
+        k, ks = ptrs, sizes
+        k_stride = k[1] - k[0] if len(probe) > 1 else ks[0]
+        for p, kp, kn in zip(probe, k, ks):
+            if kp != k[0] + p * k_stride or kn != ks[0]:
+                raise InvalidArgumentError(
+                    "invalid argument `pool`: its pages are not evenly spaced (get_page_buffer_meta is not affine "
+                    "in the page number), so the store cannot address them"
+                )
+        return k[0], k_stride, ks[0], 0, 0, 0
     k, v = ptrs[0::2], ptrs[1::2]
     ks, vs = sizes[0::2], sizes[1::2]
     k_stride = k[1] - k[0] if len(probe) > 1 else ks[0]
@@ -277,3 +288,10 @@ def _page_layout(pool: Any, page_num: int) -> tuple[int, int, int, int, int, int
                 "in the page number), so the store cannot address them"
             )
     return k[0], k_stride, ks[0], v[0], v_stride, vs[0]
+
+
+def _heads(pool: Any) -> str:
+    """The per-token geometry part of a namespace: heads and K/V dims, or an MLA pool's latent + rope dims."""
+    if getattr(pool, "kv_lora_rank", None) is not None:
+        return f"mla={pool.kv_lora_rank}+{pool.qk_rope_head_dim}"
+    return f"heads={pool.head_num}|k={pool.head_dim}|v={getattr(pool, 'v_head_dim', None) or pool.head_dim}"

@@ -264,10 +264,11 @@ impl PyPageStore {
         let regions = self.regions();
         // pages are affine in p: the first and last page of a side inside one region puts every page there
         let last = pages.saturating_sub(1);
-        for (side, base, stride, len) in [
+        let sides = [
             ("K", k_base, k_stride, k_len),
             ("V", v_base, v_stride, v_len),
-        ] {
+        ];
+        for &(side, base, stride, len) in &sides[..layout.per_page()] {
             let first = (base, len);
             let end = last
                 .checked_mul(stride)
@@ -313,9 +314,15 @@ impl PyPageStore {
         self.pages(py, keys, host_indices, true)
     }
 
-    /// The leading run of keys whose page (K and V) is stored.
+    /// The leading run of keys whose page (every object) is stored.
     fn pages_exist(&self, keys: Vec<String>) -> KvResult<usize> {
         Ok(self.store()?.pages_exist(&keys))
+    }
+
+    /// Deletes whole pages; returns how many had any object stored.
+    fn delete_pages(&self, py: Python<'_>, keys: Vec<String>) -> KvResult<usize> {
+        let s = self.store()?;
+        Ok(py.detach(|| s.delete_pages(&keys))?)
     }
 
     /// Stores objects; returns per object whether it is durably stored.

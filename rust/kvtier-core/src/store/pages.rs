@@ -9,7 +9,7 @@ use crate::error::{Error, Result};
 
 /// Where a host pool's pages live: page `p`'s K object is `k_len` bytes at `k_base + p·k_stride`, its V
 /// object `v_len` bytes at `v_base + p·v_stride`; `page_tokens` token slots make a page, `pages` pages
-/// make the pool.
+/// make the pool. `v_len == 0`: one object per page (an MLA pool's latent KV), stored as `<key>.kv`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PageLayout {
     /// Address of page 0's K object.
@@ -31,12 +31,33 @@ pub struct PageLayout {
 }
 
 impl PageLayout {
-    /// `(address, length)` of page `p`'s K and V objects. `p < pages`.
-    fn objects(&self, p: usize) -> [(usize, u64); 2] {
+    /// Objects per page: 2 (K and V), or 1 (`v_len == 0`).
+    pub fn per_page(&self) -> usize {
+        if self.v_len == 0 {
+            1
+        } else {
+            2
+        }
+    }
+
+    /// `(address, length)` of page `p`'s objects (K then V, or the one object). `p < pages`.
+    fn objects(&self, p: usize) -> impl Iterator<Item = (usize, u64)> + '_ {
         [
             (self.k_base + p * self.k_stride, self.k_len),
             (self.v_base + p * self.v_stride, self.v_len),
         ]
+        .into_iter()
+        .take(self.per_page())
+    }
+
+    /// The object names of page `key`.
+    fn names<'k>(&self, key: &'k str) -> impl Iterator<Item = String> + 'k {
+        let sides: &'static [&'static str] = if self.per_page() == 1 {
+            &["kv"]
+        } else {
+            &["k", "v"]
+        };
+        sides.iter().map(move |s| format!("{key}.{s}"))
     }
 
     /// Checks the layout's own arithmetic: non-empty objects that fit their stride, no overflow.
@@ -45,10 +66,11 @@ impl PageLayout {
         if self.pages == 0 || self.page_tokens == 0 {
             return bad(format!("a pool needs pages and page tokens, got {self:?}"));
         }
-        for (base, stride, len) in [
+        let sides = [
             (self.k_base, self.k_stride, self.k_len),
             (self.v_base, self.v_stride, self.v_len),
-        ] {
+        ];
+        for &(base, stride, len) in &sides[..self.per_page()] {
             let end = (self.pages - 1)
                 .checked_mul(stride)
                 .and_then(|x| x.checked_add(base))
@@ -56,6 +78,9 @@ impl PageLayout {
             if len == 0 || (self.pages > 1 && (len as u128) > stride as u128) || end.is_none() {
                 return bad(format!("page objects must be non-empty, fit their stride and the address space: {self:?}"));
             }
+        }
+        if self.per_page() == 1 {
+            return Ok(());
         }
         // K and V objects must never share a byte: separate spans, or one stride with K and V side by side
         let span = |base: usize, stride: usize, len: u64| {
@@ -90,8 +115,8 @@ pub(super) struct Bound {
 
 /// `(start, len)` host ranges of one batch, sorted by start.
 type Ranges = Vec<(usize, usize)>;
-/// A page batch's object names and their `(address, length)`.
-type Objects = (Vec<String>, Vec<(usize, u64)>);
+/// A page batch's object names, their `(address, length)`, and the objects per page.
+type Objects = (Vec<String>, Vec<(usize, u64)>, usize);
 
 #[derive(Default)]
 struct Busy {
@@ -222,11 +247,10 @@ impl PageStore {
         let mut ranges = Vec::with_capacity(2 * pages.len());
         for (k, &p) in batch.keys.iter().zip(&pages) {
             Self::check_key(k)?;
-            names.push(format!("{k}.k"));
-            names.push(format!("{k}.v"));
+            names.extend(l.names(k));
             ranges.extend(l.objects(p)); // p < l.pages: checked by page_starts
         }
-        Ok((names, ranges))
+        Ok((names, ranges, l.per_page()))
     }
 
     /// Stores whole pages from the bound pool; per key, whether its K and V objects are both durably
@@ -234,7 +258,7 @@ impl PageStore {
     /// is a miss until a later put of the page supplies the other (deleting it here could delete the half
     /// another thread's concurrent put of the same page relies on), and eviction takes both together.
     pub fn put_pages(&self, batch: &PageBatch<'_>) -> Result<Vec<bool>> {
-        let (names, ranges) = self.page_objects(batch, false)?;
+        let (names, ranges, per) = self.page_objects(batch, false)?;
         let objs: Vec<(&str, usize, u64)> = names
             .iter()
             .zip(&ranges)
@@ -245,13 +269,13 @@ impl PageStore {
         // contract keeps alive and readable; while the claim is held no batch of this store writes these
         // ranges.
         let ok = unsafe { self.put(&objs) }?;
-        Ok(ok.chunks_exact(2).map(|p| p[0] && p[1]).collect())
+        Ok(ok.chunks_exact(per).map(|p| p.iter().all(|&x| x)).collect())
     }
 
     /// Reads whole pages into the bound pool; per key, whether K and V were both found with the pool's
     /// sizes and verified (a False page's host bytes are unspecified).
     pub fn get_pages(&self, batch: &PageBatch<'_>) -> Result<Vec<bool>> {
-        let (names, ranges) = self.page_objects(batch, true)?;
+        let (names, ranges, per) = self.page_objects(batch, true)?;
         let objs: Vec<(&str, usize, u64)> = names
             .iter()
             .zip(&ranges)
@@ -262,17 +286,39 @@ impl PageStore {
         // contract; pages are distinct (checked) and K/V ranges of one page fit their strides, so no two
         // destinations overlap; while the claim is held no other batch of this store touches them.
         let ok = unsafe { self.get(&objs) }?;
-        Ok(ok.chunks_exact(2).map(|p| p[0] && p[1]).collect())
+        Ok(ok.chunks_exact(per).map(|p| p.iter().all(|&x| x)).collect())
     }
 
-    /// The leading run of keys whose page (K and V) is stored.
+    /// The leading run of keys whose page (every object) is stored; 0 before a pool is bound.
     pub fn pages_exist(&self, keys: &[String]) -> usize {
-        let names: Vec<String> = keys
-            .iter()
-            .flat_map(|k| [format!("{k}.k"), format!("{k}.v")])
-            .collect();
+        let Some(l) = self.page_layout() else {
+            return 0;
+        };
+        let names: Vec<String> = keys.iter().flat_map(|k| l.names(k)).collect();
         let refs: Vec<&str> = names.iter().map(String::as_str).collect();
         let ex = self.exists(&refs);
-        ex.chunks_exact(2).take_while(|p| p[0] && p[1]).count()
+        ex.chunks_exact(l.per_page())
+            .take_while(|p| p.iter().all(|&x| x))
+            .count()
+    }
+
+    /// Deletes whole pages (every object of each); returns how many pages had any object. Durable when it
+    /// returns; on an error nothing was deleted.
+    pub fn delete_pages(&self, keys: &[String]) -> Result<usize> {
+        let l = self.page_layout().ok_or_else(|| {
+            Error::arg(
+                "pool",
+                "no host pool is bound to this store (register_mem_pool_host first)",
+            )
+        })?;
+        let names: Vec<String> = keys.iter().flat_map(|k| l.names(k)).collect();
+        let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+        let had: usize = self
+            .exists(&refs)
+            .chunks_exact(l.per_page())
+            .filter(|p| p.iter().any(|&x| x))
+            .count();
+        self.delete(&refs)?;
+        Ok(had)
     }
 }

@@ -661,3 +661,50 @@ fn inspecting_does_not_make_a_writer_fail_to_open() {
     });
     std::fs::remove_dir_all(root).unwrap();
 }
+
+/// A pool with one object per page (MLA: `v_len == 0`): pages are `<key>.kv`, moved and deleted whole.
+#[test]
+fn single_object_pages() {
+    let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let root = tmp();
+    let pool = payload(8, 8192, 33);
+    let s = PageStore::open(&root, "ns", opts(1 << 30)).unwrap();
+    let layout = PageLayout {
+        k_base: pool.as_ptr() as usize,
+        k_stride: 8192,
+        k_len: 8192,
+        v_base: 0,
+        v_stride: 0,
+        v_len: 0,
+        page_tokens: 2,
+        pages: 8,
+    };
+    // SAFETY: 8 pages of 8 KiB inside `pool`, alive for the test.
+    unsafe { s.bind_pages(layout) }.unwrap();
+    let keys: Vec<String> = vec!["a".into(), "b".into()];
+    let src: Vec<i64> = vec![0, 1, 2, 3];
+    assert_eq!(
+        s.put_pages(&PageBatch {
+            keys: &keys,
+            host_indices: &src
+        })
+        .unwrap(),
+        vec![true, true]
+    );
+    assert_eq!(s.keys().len(), 2);
+    assert!(s.exists(&["a.kv", "b.kv"]).iter().all(|b| *b));
+    let dst: Vec<i64> = vec![10, 11, 12, 13];
+    assert_eq!(
+        s.get_pages(&PageBatch {
+            keys: &keys,
+            host_indices: &dst
+        })
+        .unwrap(),
+        vec![true, true]
+    );
+    assert_eq!(bytes_at(&pool, 5 * 8192, 16384), bytes_at(&pool, 0, 16384));
+    assert_eq!(s.pages_exist(&keys), 2);
+    assert_eq!(s.delete_pages(&keys[..1]).unwrap(), 1);
+    assert_eq!(s.pages_exist(&keys), 0);
+    std::fs::remove_dir_all(root).unwrap();
+}
