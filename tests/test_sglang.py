@@ -286,3 +286,33 @@ def test_mla_pool_round_trip(tmp_path, layout):
     assert be.kvtier_stats()["pages"] == 4
     assert be.store.delete(keys[:1]) == 1 and be.batch_exists(keys) == 0
     be.close()
+
+
+def test_mla_ranks_share_the_writers_pages(tmp_path):
+    """MLA at TP >= 2: every rank holds the same latent KV and only the writer rank stores it. The other
+    ranks used to open the same namespace for writing, which its lock refuses; now they read it, following
+    the writer: a page the writer stores is a hit for them (bit-exact), one it deletes a miss. A reader
+    registered before the writer created the namespace misses until it exists."""
+    early = KvtierStorage(config(tmp_path, mla=True, tp_rank=2, tp_size=4))
+    early.register_mem_pool_host(sglang_mla_pool("page_first_direct", seed=3))
+    assert early.batch_exists(["a" * 64]) == 0 and early.batch_get_v1(["a" * 64], idx([0])) == [False]
+    writer_pool, reader_pool = sglang_mla_pool("page_first_direct"), sglang_mla_pool("page_first_direct", seed=9)
+    w = KvtierStorage(config(tmp_path, mla=True, tp_rank=0, tp_size=4))
+    r = KvtierStorage(config(tmp_path, mla=True, tp_rank=1, tp_size=4))
+    w.register_mem_pool_host(writer_pool)
+    r.register_mem_pool_host(reader_pool)  # the writer holds the namespace: this used to fail
+    keys = [f"{i:064x}" for i in range(3)]
+    assert w.batch_set_v1(keys, idx(range(3))) == [True] * 3
+    assert r.batch_set_v1(keys, idx(range(3))) == [True] * 3  # not the writer: nothing written
+    assert r.batch_exists(keys) == 3
+    assert r.batch_get_v1(keys, idx([4, 5, 6])) == [True] * 3
+    wb, rb = writer_pool.kv_buffer.view(torch.uint8), reader_pool.kv_buffer.view(torch.uint8)
+    assert torch.equal(rb[4:7], wb[0:3])
+    w.store.delete(keys[:1])
+    assert r.batch_exists(keys) == 0 and r.batch_get_v1(keys[:1], idx([4])) == [False]
+    import time
+
+    time.sleep(1.1)  # the early reader tries to open again at most once a second
+    assert early.batch_exists(keys[1:]) == 2
+    for be in (early, w, r):
+        be.close()

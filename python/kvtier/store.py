@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import warnings
 from typing import Any, Sequence
 
@@ -54,6 +55,9 @@ class PageStore:
             different DP groups need their own namespace; ``dcp_*``: a decode-context-parallel shard);
             with the registered pool's geometry they form the namespace.
         io_threads: IO requests in flight per batch (default 16).
+        read_only: read the namespace another process writes (SGLang's MLA ranks other than the writer):
+            no lock is taken, nothing is written, the writer's new pages are seen as it commits them, and
+            until the writer has created the namespace every lookup is a miss.
         direct: ``None`` probes O_DIRECT and falls back to buffered IO (with a warning); ``False`` disables
             it; ``True`` requires it.
     """
@@ -75,6 +79,7 @@ class PageStore:
         dcp_size: int = 1,
         io_threads: int = 16,
         direct: bool | None = None,
+        read_only: bool = False,
     ) -> None:
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes < 4096:
             raise InvalidArgumentError(f"invalid argument `capacity_bytes`: must be an int >= 4096, got {capacity_bytes!r}")
@@ -97,6 +102,9 @@ class PageStore:
         self._pool: Any = None
         self.page_bytes = 0  # bytes of one page (K + V) once a pool is registered
         self.page_kinds = 2  # objects per page: K and V, or 1 for MLA pools
+        self.read_only = bool(read_only)
+        self._pending: Any = None  # what opening needs (kept for a reader whose writer is not there yet)
+        self._next_try = 0.0
         self._closed = False
         self._lock = threading.Lock()
 
@@ -144,23 +152,37 @@ class PageStore:
         with self._lock:
             if self._native is not None:
                 self._native.close()
-                self._native, self._pool = None, None
-            native = _native.PageStore(self.path, self.namespace_for(pool), self.capacity_bytes, self.io_threads, self.direct)
-            try:
-                for r in regions:
-                    native.register_region(r)
-                for t in tensors:
-                    native.register_tensor(t)
-                native.bind_pages(*layout, pool.page_size, page_num)
-            except BaseException:
-                native.close()
-                raise
-            self._native, self._pool = native, pool
+            self._native, self._pool = None, pool
             self.page_bytes = layout[2] + layout[5]  # K and V object bytes of one page
             self.page_kinds = 1 if layout[5] == 0 else 2
-        note = native.direct_note
+            self._pending = (self.namespace_for(pool), regions, tensors, (*layout, pool.page_size, page_num))
+            native = self._open_native()
+        note = native.direct_note if native is not None else None
         if note and self.direct is None and not native.direct:  # a buffered fallback is worth a warning
             warnings.warn(f"kvtier.PageStore at {self.path}: {note}", RuntimeWarning, stacklevel=2)
+
+    def _open_native(self) -> Any:
+        """Opens the namespace of the registered pool (lock held). A reader whose writer has not created the
+        namespace yet gets None, and tries again at most once a second."""
+        ns, regions, tensors, bind = self._pending
+        try:
+            native = _native.PageStore(self.path, ns, self.capacity_bytes, self.io_threads, self.direct, self.read_only)
+        except FileNotFoundError:
+            if not self.read_only:
+                raise
+            self._next_try = time.monotonic() + 1.0
+            return None
+        try:
+            for r in regions:
+                native.register_region(r)
+            for t in tensors:
+                native.register_tensor(t)
+            native.bind_pages(*bind)
+        except BaseException:
+            native.close()
+            raise
+        self._native = native
+        return native
 
     @property
     def pool(self) -> Any:
@@ -168,10 +190,22 @@ class PageStore:
         return self._pool
 
     def _store(self):
+        store = self._reader_store()
+        if store is None:
+            raise KvtierError(f"PageStore at {self.path}: the namespace does not exist yet (its writer has not "
+                              "created it)")
+        return store
+
+    def _reader_store(self):
+        """The native store; None only for a reader whose writer has not created the namespace yet."""
         if self._closed:
             raise ClosedError("PageStore is closed")
         if self._native is None:
-            raise KvtierError("PageStore: call register_mem_pool_host(pool) first")
+            if self._pending is None:
+                raise KvtierError("PageStore: call register_mem_pool_host(pool) first")
+            with self._lock:
+                if self._native is None and time.monotonic() >= self._next_try:
+                    self._open_native()
         return self._native
 
     # ------------------------------------------------------------------ zero-copy v1
@@ -185,20 +219,26 @@ class PageStore:
         """Write the pages at ``host_indices`` (``page_size`` slots per key) under ``keys``; returns per key
         whether the page (K and V) is durably stored. Keys already stored are kept and reported True. An IO
         error (a full disk, a failing device) makes the pages concerned False; it is never raised."""
-        store = self._store()
+        store = self._reader_store()
         keys, idx = self._indices(keys, host_indices)
+        if store is None:
+            return [False] * len(keys)
         return store.put_pages(keys, idx) if keys or idx.size else []
 
     def batch_get_v1(self, keys: Sequence[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
         """Read pages into the host pool at ``host_indices``; returns per key whether K and V were found with
         the pool's sizes and their checksums verified (a False page's host bytes are unspecified)."""
-        store = self._store()
+        store = self._reader_store()
         keys, idx = self._indices(keys, host_indices)
+        if store is None:
+            return [False] * len(keys)
         return store.get_pages(keys, idx) if keys or idx.size else []
 
     def batch_exists(self, keys: Sequence[str], extra_info: Any = None) -> int:
         """Length of the leading run of keys whose page (K and V) is stored."""
-        return self._store().pages_exist(_keys(keys))
+        keys = _keys(keys)
+        store = self._reader_store()
+        return store.pages_exist(keys) if store is not None else 0
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1

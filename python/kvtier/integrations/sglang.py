@@ -81,6 +81,8 @@ class KvtierStorage(HiCacheStorage):
             dcp_size=getattr(storage_config, "dcp_size", 1) or 1,
             io_threads=int(opts["io_threads"]),
             direct=opts["direct"],
+            # the ranks that do not write replicated (MLA) pages read the writer's namespace, following it
+            read_only=not self.is_writer,
         )
         # One scratch buffer per calling thread (a shared one let a concurrent set store another page's
         # bytes under its key); all of them are registered with the store and closed with it.

@@ -14,6 +14,7 @@
 
 mod commit;
 mod files;
+mod follow;
 mod index;
 pub mod journal;
 mod namespace;
@@ -92,6 +93,8 @@ pub struct PageStore {
     punch_ok: AtomicBool,
     poisoned: AtomicBool,
     pages: pages::Bound,
+    /// Read-only stores: where they are in the writer's journal (see `follow`).
+    follow: Option<Mutex<follow::Follow>>,
     /// Counters.
     pub stats: Stats,
     report: OpenReport,
@@ -110,8 +113,9 @@ impl PageStore {
         Self::open_impl(root, namespace, opts, true)
     }
 
-    /// Opens an existing namespace for inspection: nothing is created, locked, written or truncated, so it
-    /// works on a store another process has open and on a directory without write permission.
+    /// Opens an existing namespace without writing: nothing is created, locked, written or truncated, so it
+    /// works on a store another process has open (whose new records it follows: see `follow`) and on a
+    /// directory without write permission.
     pub fn open_read_only(root: &Path, namespace: &str) -> Result<Self> {
         let opts = StoreOptions {
             capacity_bytes: u64::MAX,
@@ -186,6 +190,17 @@ impl PageStore {
             .read_to_end(&mut bytes)
             .map_err(|e| io_err("reading journal.log", e))?;
         let parsed = journal::parse_resync(&bytes);
+        let follow = (!writable)
+            .then(|| {
+                let ino = std::os::unix::fs::MetadataExt::ino(
+                    &journal
+                        .file
+                        .metadata()
+                        .map_err(|e| io_err("stat journal.log", e))?,
+                );
+                Ok::<_, Error>(follow::Follow::new(ino, parsed.valid_end as u64))
+            })
+            .transpose()?;
         let mut report = OpenReport {
             torn_tail: (bytes.len() - parsed.valid_end) as u64,
             damaged_spans: parsed.damaged.len() as u64,
@@ -225,6 +240,7 @@ impl PageStore {
             punch_ok: AtomicBool::new(punch_ok),
             poisoned: AtomicBool::new(false),
             pages: Default::default(),
+            follow,
             stats: Stats::default(),
             report,
         };
@@ -366,6 +382,7 @@ impl PageStore {
     }
     /// All servable keys.
     pub fn keys(&self) -> Vec<String> {
+        self.refresh();
         let ix = self.lock_index();
         ix.map
             .iter()

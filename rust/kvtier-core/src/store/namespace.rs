@@ -127,9 +127,10 @@ pub(super) fn open_read_only(root: &Path, namespace: &str) -> Result<(PathBuf, b
         ));
     }
     if !check_namespace_file(&dir, namespace)? {
-        return Err(Error::arg(
-            "namespace",
-            format!("{} has no NAMESPACE file", dir.display()),
+        // a writer creating the namespace right now publishes NAMESPACE a moment after the directory
+        return Err(io_err(
+            format!("{} has no NAMESPACE file (yet)", dir.display()),
+            std::io::Error::from_raw_os_error(libc::ENOENT),
         ));
     }
     // A shared lock that cannot be had means a writer holds the namespace. The probe takes the lock only

@@ -34,6 +34,7 @@ impl PageStore {
         for (k, _, _) in objs {
             Self::check_key(k)?;
         }
+        self.refresh();
         let t0 = std::time::Instant::now();
         let mut work: Vec<(usize, Entry)> = Vec::new();
         {
@@ -136,12 +137,14 @@ impl PageStore {
 
     /// Whether each key is stored (and servable).
     pub fn exists(&self, keys: &[&str]) -> Vec<bool> {
+        self.refresh();
         let ix = self.lock_index();
         keys.iter().map(|k| ix.get(k).is_some()).collect()
     }
 
     /// Length of the stored object `key`, if any.
     pub fn len_of(&self, key: &str) -> Option<u64> {
+        self.refresh();
         self.lock_index().get(key).map(|e| e.len)
     }
 
@@ -149,6 +152,7 @@ impl PageStore {
     /// unreadable objects are deleted and the journal is compacted (removing damaged spans and dropped
     /// records).
     pub fn verify(&self, repair: bool) -> Result<VerifyReport> {
+        self.refresh();
         let keys: Vec<String> = self.lock_index().map.keys().cloned().collect();
         let mut rep = VerifyReport::default();
         let mut bad: Vec<(String, u64)> = Vec::new();

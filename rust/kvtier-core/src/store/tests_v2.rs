@@ -708,3 +708,66 @@ fn single_object_pages() {
     assert_eq!(s.pages_exist(&keys), 0);
     std::fs::remove_dir_all(root).unwrap();
 }
+
+/// A read-only store follows a writer that keeps evicting, reusing slots and compacting its journal:
+/// every hit it serves (from another thread, while the writer runs) is the key's own bytes, and once the
+/// writer pauses it knows exactly the writer's keys. (SGLang's MLA ranks other than the writer read this
+/// way; the writer's lock used to refuse them.)
+#[test]
+fn a_reader_follows_the_writer_and_never_serves_wrong_bytes() {
+    let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let root = tmp();
+    let src = payload(32, 4096, 34);
+    let cap = 24 * 4096 + 32768;
+    let w = PageStore::open(&root, "ns", opts(cap)).unwrap();
+    let r = PageStore::open_read_only(&root, "ns").unwrap();
+    assert!(r.keys().is_empty());
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let hits = std::sync::atomic::AtomicU64::new(0);
+    std::thread::scope(|sc| {
+        sc.spawn(|| {
+            let dst = payload(1, 4096, 0);
+            let mut i = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                i = i
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                let k = (i >> 33) % 600;
+                if get1(&r, &format!("key-{k}"), dst.as_ptr() as usize, 4096) {
+                    assert_eq!(
+                        bytes_at(&dst, 0, 4096),
+                        bytes_at(&src, (k % 32) as usize * 4096, 4096),
+                        "key-{k}"
+                    );
+                    hits.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        });
+        for k in 0..600usize {
+            assert!(put1(
+                &w,
+                &format!("key-{k}"),
+                src.as_ptr() as usize + (k % 32) * 4096,
+                4096
+            ));
+            if k % 7 == 0 {
+                w.delete(&[format!("key-{}", k / 2).as_str()]).unwrap();
+            }
+        }
+        stop.store(true, Ordering::Relaxed);
+    });
+    assert!(
+        w.stats.evictions.load(Ordering::Relaxed) > 0
+            && w.stats.compactions.load(Ordering::Relaxed) > 0
+    );
+    assert!(
+        hits.load(Ordering::Relaxed) > 0,
+        "the reader never found anything"
+    );
+    let (mut a, mut b) = (w.keys(), r.keys());
+    a.sort();
+    b.sort();
+    assert_eq!(a, b, "the reader does not know the writer's keys");
+    assert!(r.delete(&["key-599"]).is_err(), "a reader never writes");
+    std::fs::remove_dir_all(root).unwrap();
+}

@@ -1,0 +1,101 @@
+//! Read-only stores follow the namespace's writer (another process: SGLang's MLA ranks other than the one
+//! that writes, `kvtier inspect` on a live store). Before each lookup the records the writer appended since
+//! the last look are applied; when the writer compacted (a new journal file) or the journal shrank, the
+//! index is rebuilt from the whole journal. A follower never writes, so it cannot hurt the writer; the
+//! writer may meanwhile reuse a slot the follower still maps to an older key — reading it then fails that
+//! key's checksum (a miss, never wrong bytes), and the writer's del record arrives at the next refresh.
+
+use std::os::unix::fs::{FileExt, MetadataExt};
+use std::sync::Mutex;
+
+use super::index::{Entry, Index};
+use super::journal::{self, Record};
+use super::stats::OpenReport;
+use super::{recovery, PageStore, ALIGN};
+
+/// Where a follower is in the writer's journal.
+pub(super) struct Follow {
+    /// Inode of the journal file read so far (a compaction renames a new file over it).
+    ino: u64,
+    /// Bytes of it applied (up to the last whole record).
+    offset: u64,
+}
+
+impl Follow {
+    pub(super) fn new(ino: u64, offset: u64) -> Mutex<Self> {
+        Mutex::new(Self { ino, offset })
+    }
+}
+
+/// Applies one record to a follower's index (replay's rules, without the data-file length check: a record
+/// naming bytes the file lacks reads as an IO error, a miss).
+fn apply(ix: &mut Index, r: Record) {
+    match r {
+        Record::Put {
+            key,
+            class,
+            slot,
+            len,
+            crc,
+        } => {
+            if class == 0 || u64::from(class) % ALIGN != 0 || len == 0 || len > u64::from(class) {
+                ix.remove(&key);
+                return;
+            }
+            let n = ix.next.entry(class).or_insert(0);
+            *n = (*n).max(slot.saturating_add(1));
+            ix.used += u64::from(class);
+            ix.data_alloc += u64::from(class);
+            ix.insert(key, Entry::new(class, slot, len, crc));
+        }
+        Record::Del { key } => {
+            ix.remove(&key);
+        }
+    }
+}
+
+impl PageStore {
+    /// Brings a read-only store up to date with its writer's journal (a no-op for writable stores). IO
+    /// errors leave the index as it was: a follower then serves what it knew, checksum-verified.
+    pub(super) fn refresh(&self) {
+        let Some(follow) = &self.follow else { return };
+        let mut st = follow.lock().unwrap_or_else(|p| p.into_inner());
+        let path = self.dir.join("journal.log");
+        let Ok(md) = std::fs::metadata(&path) else {
+            return;
+        };
+        if md.ino() != st.ino || md.len() < st.offset {
+            // compacted or cut: rebuild from the whole journal
+            let Ok(bytes) = std::fs::read(&path) else {
+                return;
+            };
+            let parsed = journal::parse_resync(&bytes);
+            let mut report = OpenReport::default();
+            let Ok((mut ix, _)) = recovery::replay(&self.dir, parsed.records, &mut report) else {
+                return;
+            };
+            recovery::trim_data_files(&self.dir, &mut ix, false);
+            ix.j_end = parsed.valid_end as u64;
+            *self.lock_index() = ix;
+            st.ino = md.ino();
+            st.offset = parsed.valid_end as u64;
+            return;
+        }
+        if md.len() == st.offset {
+            return;
+        }
+        let mut chunk = vec![0u8; (md.len() - st.offset) as usize];
+        let read = std::fs::File::open(&path).and_then(|f| f.read_exact_at(&mut chunk, st.offset));
+        if read.is_err() {
+            return;
+        }
+        // whole records only: an append in progress is read again next time
+        let parsed = journal::parse_resync(&chunk);
+        let mut ix = self.lock_index();
+        for r in parsed.records {
+            apply(&mut ix, r);
+        }
+        st.offset += parsed.valid_end as u64;
+        ix.j_end = st.offset;
+    }
+}
