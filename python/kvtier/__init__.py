@@ -2,7 +2,16 @@
 
 The Rust core (``kvtier._native``) owns aligned host memory, page allocation and transfer plans; this
 package adds torch views, CUDA pinning policy and HiCache-compatible KV pools.
+
+The public names below are imported on first use: ``import kvtier`` and the command line's ``--help``,
+``inspect`` and ``verify`` do not import torch (a storage host may not have it installed; where it is,
+importing it costs seconds).
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 from ._errors import (
     ClosedError,
@@ -13,11 +22,44 @@ from ._errors import (
     KvtierError,
 )
 from ._native import __version__
-from .buffer import HostBuffer
-from .controller import TierController
-from .overlap import LayerLoad, LayerLoader, backup_async
-from .pools import AsymmetricMHAHostPool, DeviceKVPool, MHAHostPool, host_pool_for
-from .store import PageStore, page_hashes
+
+#: public name -> the submodule that defines it (imported on first use)
+_LAZY = {
+    "HostBuffer": "buffer",
+    "TierController": "controller",
+    "LayerLoad": "overlap",
+    "LayerLoader": "overlap",
+    "backup_async": "overlap",
+    "AsymmetricMHAHostPool": "pools",
+    "DeviceKVPool": "pools",
+    "MHAHostPool": "pools",
+    "host_pool_for": "pools",
+    "PageStore": "store",
+    "page_hashes": "store",
+}
+_SUBMODULES = {"buffer", "cli", "config", "controller", "demo", "kernels", "overlap", "pools", "store", "testing",
+               "transfer", "workload", "benchmarks", "integrations"}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name, name if name in _SUBMODULES else None)
+    if module is None:
+        raise AttributeError(f"module 'kvtier' has no attribute {name!r}")
+    try:
+        mod = importlib.import_module(f".{module}", __name__)
+    except ModuleNotFoundError as exc:
+        if exc.name == "torch":
+            raise KvtierError(f"kvtier.{name} needs torch, which is not installed: pip install 'kvtier[torch]' "
+                              "(or torch itself)") from None
+        raise
+    value = mod if name == module else getattr(mod, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "AsymmetricMHAHostPool",

@@ -112,10 +112,13 @@ def cmd_demo(args) -> int:
                turns=args.turns, keep=args.keep, store_dir=args.store_dir)
 
 
-def cmd_bench(args, rest: list[str]) -> int:
+def cmd_bench(args, rest: list[str], bench_parser) -> int:
     import importlib
 
-    if args.which in ("pin", "transfer"):
+    if args.which is None:
+        bench_parser.print_help()
+        return 0 if {"-h", "--help"} & set(rest) else 2
+    if args.which in ("pin", "transfer") and not {"-h", "--help"} & set(rest):
         import torch
 
         if not torch.cuda.is_available():
@@ -136,9 +139,12 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--store-dir", default=None, help="page store directory (default: a temp dir under the working directory)")
     demo.add_argument("--keep", action="store_true", help="keep the store directory after the run")
     demo.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    bench = sub.add_parser("bench", help="benchmarks against the hardware ceilings: pin, transfer (GPU), store; "
-                           "options after the name go to the bench (e.g. kvtier bench transfer --plot out.png)")
-    bench.add_argument("which", choices=["pin", "transfer", "store"])
+    bench = sub.add_parser("bench", add_help=False,
+                           help="benchmarks against the hardware ceilings: pin, transfer (GPU), store; "
+                           "options after the name go to the bench (kvtier bench store --help lists them)",
+                           description="kvtier bench NAME [options]: NAME is pin, transfer (GPU) or store; "
+                           "`kvtier bench NAME --help` lists that bench's options.")
+    bench.add_argument("which", nargs="?", choices=["pin", "transfer", "store"])
     ins = sub.add_parser("inspect", help="namespaces, pages, bytes, files and damage of a store directory (read-only)")
     ins.add_argument("path")
     ver = sub.add_parser("verify", help="re-read every object of a store and check its checksum and journal "
@@ -155,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "demo":
             return cmd_demo(args)
         if args.command == "bench":
-            return cmd_bench(args, rest)
+            return cmd_bench(args, rest, bench)
         if args.command == "inspect":
             return cmd_inspect(args)
         if args.command == "verify":
