@@ -181,7 +181,7 @@ impl PageStore {
     /// reserve within the capacity. Commit lock held through `j`.
     fn ensure_reserve(&self, j: &JournalFile, extra: u64) -> io::Result<()> {
         let (need, target, from) = {
-            let ix = self.lock_index();
+            let mut ix = self.lock_index();
             let need = round_up(ix.j_end + ix.del_bytes + JOURNAL_SLACK + extra);
             if ix.j_alloc >= need {
                 return Ok(());
@@ -192,17 +192,28 @@ impl PageStore {
             }
             let step = JOURNAL_STEP.min(self.opts.capacity_bytes / 64 / 4096 * 4096);
             let target = round_up(need + step).min(room / 4096 * 4096).max(need);
-            (need, target, ix.j_alloc)
+            // counted before the lock is released, so a concurrent reservation sees the journal's growth
+            let from = ix.j_alloc;
+            ix.j_alloc = target;
+            (need, target, from)
         };
         let got = match j.reserve(from, target) {
-            Ok(()) => target,
+            Ok(()) => Ok(target),
             // a nearly full disk: the step does not fit, what this commit needs may
-            Err(_) if target > need => j.reserve(from, need).map(|()| need)?,
-            Err(e) => return Err(e),
+            Err(_) if target > need => j.reserve(from, need).map(|()| need),
+            Err(e) => Err(e),
         };
         let mut ix = self.lock_index();
-        ix.j_alloc = ix.j_alloc.max(got);
-        Ok(())
+        match got {
+            Ok(n) => {
+                ix.j_alloc = n;
+                Ok(())
+            }
+            Err(e) => {
+                ix.j_alloc = from;
+                Err(e)
+            }
+        }
     }
 
     /// Commits put records of objects whose bytes are durable: reserve, append, then insert (R1). Each item
@@ -238,9 +249,10 @@ impl PageStore {
         let mut j = self.lock_journal();
         let still: Vec<String> = {
             let ix = self.lock_index();
+            let mut seen = std::collections::HashSet::new();
             victims
                 .iter()
-                .filter(|(k, g)| ix.map.get(k).is_some_and(|e| e.gen == *g))
+                .filter(|(k, g)| ix.map.get(k).is_some_and(|e| e.gen == *g) && seen.insert(k))
                 .map(|v| v.0.clone())
                 .collect()
         };
@@ -316,10 +328,7 @@ impl PageStore {
         };
         if end >= j.compact_at && end > 4 * live {
             match self.compact_locked(j) {
-                Ok(()) => {
-                    self.stats.compactions.fetch_add(1, Ordering::Relaxed);
-                    j.compact_at = j.compact_base;
-                }
+                Ok(()) => j.compact_at = j.compact_base,
                 // not retried until the journal has doubled
                 Err(_) => j.compact_at = end.saturating_mul(2),
             }
@@ -384,6 +393,7 @@ impl PageStore {
                 let mut ix = self.lock_index();
                 ix.j_end = buf.len() as u64;
                 ix.j_alloc = reserve.max(round_up(buf.len() as u64));
+                self.stats.compactions.fetch_add(1, Ordering::Relaxed);
                 Ok(())
             }
             Err(e) => {

@@ -79,9 +79,11 @@ impl Index {
         self.j_end + self.del_bytes + JOURNAL_SLACK + self.j_pending
     }
 
-    /// Occupancy if `grow` more data bytes were allocated and `journal` more journal bytes were pending.
+    /// Occupancy if `grow` more data bytes were allocated and `journal` more journal bytes were pending
+    /// (the journal in whole 4 KiB blocks, as its growth allocates them).
     pub(super) fn occupancy_with(&self, grow: u64, journal: u64) -> u64 {
-        self.data_alloc + grow + self.j_alloc.max(self.journal_need() + journal)
+        let need = (self.journal_need() + journal).div_ceil(4096) * 4096;
+        self.data_alloc + grow + self.j_alloc.max(need)
     }
 
     /// The servable entry of `key`.

@@ -125,7 +125,12 @@ impl PageStore {
         Self::open_impl(root, namespace, opts, false)
     }
 
-    fn open_impl(root: &Path, namespace: &str, opts: StoreOptions, writable: bool) -> Result<Self> {
+    fn open_impl(
+        root: &Path,
+        namespace: &str,
+        mut opts: StoreOptions,
+        writable: bool,
+    ) -> Result<Self> {
         if namespace.is_empty() {
             return Err(Error::arg("namespace", "must not be empty"));
         }
@@ -138,6 +143,8 @@ impl PageStore {
         if opts.io_threads == 0 {
             return Err(Error::arg("io_threads", "must be >= 1"));
         }
+        // the store allocates whole 4 KiB blocks: a capacity between two multiples is the lower one
+        opts.capacity_bytes = opts.capacity_bytes / ALIGN * ALIGN;
         let (dir, lock, live_writer) = if writable {
             let (d, l) = namespace::open_writable(root, namespace)?;
             (d, Some(l), false)
@@ -207,14 +214,12 @@ impl PageStore {
             damaged_bytes: parsed.damaged_bytes() as u64,
             ..Default::default()
         };
-        if writable {
-            // Cuts a torn tail, and always the blocks an earlier open preallocated past the end: the
-            // reserve is established afresh below, so the occupancy counted is the occupancy on disk.
+        if writable && parsed.valid_end < bytes.len() {
             journal
                 .file
                 .set_len(parsed.valid_end as u64)
                 .and_then(|()| journal.file.sync_all())
-                .map_err(|e| io_err("cutting the journal to its last record", e))?;
+                .map_err(|e| io_err("cutting a torn journal tail", e))?;
         }
         let (mut index, forgotten) = recovery::replay(&dir, parsed.records, &mut report)?;
         let punch_ok = recovery::trim_data_files(&dir, &mut index, writable);
@@ -223,7 +228,10 @@ impl PageStore {
         } else {
             bytes.len() as u64
         };
-        index.j_alloc = index.j_end.div_ceil(ALIGN) * ALIGN;
+        // what the journal holds on disk, its earlier reserve past the end included (kept, not given up:
+        // another process could take that space before the reserve is established again)
+        let held = files::allocated_bytes(&journal.file).div_ceil(ALIGN) * ALIGN;
+        index.j_alloc = (index.j_end.div_ceil(ALIGN) * ALIGN).max(if writable { held } else { 0 });
         let mut store = Self {
             dir,
             namespace: namespace.to_owned(),

@@ -159,8 +159,11 @@ pub(super) fn trim_data_files(dir: &Path, ix: &mut Index, writable: bool) -> boo
             ix.free.insert(class, free);
             continue;
         };
-        if f.metadata().is_ok_and(|m| m.len() > u64::from(next) * c) {
-            let _ = f.set_len(u64::from(next) * c);
+        if let Ok(m) = f.metadata() {
+            let end = u64::from(next) * c;
+            if m.len() > end && f.set_len(end).is_err() {
+                ix.data_alloc += (m.len() - end).div_ceil(ALIGN) * ALIGN; // still on disk: counted
+            }
         }
         // punch contiguous runs of free slots (ascending), one call each
         let mut holes = Vec::new();

@@ -34,7 +34,7 @@ pub struct Stats {
     pub journal_failures: AtomicU64,
     /// Free slots whose blocks were given back to the file system.
     pub punched_slots: AtomicU64,
-    /// Journal compactions done while open (not counting the one at open).
+    /// Journal compactions done since open (the one at open included).
     pub compactions: AtomicU64,
 }
 

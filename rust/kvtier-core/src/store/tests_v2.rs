@@ -771,3 +771,78 @@ fn a_reader_follows_the_writer_and_never_serves_wrong_bytes() {
     assert!(r.delete(&["key-599"]).is_err(), "a reader never writes");
     std::fs::remove_dir_all(root).unwrap();
 }
+
+/// From the second review: a capacity that is not a multiple of 4096, a store whose holes cannot be
+/// punched, batches larger than the rounds of the reservation, and one corrupt key named many times in one
+/// get: puts keep succeeding by eviction, never past the capacity, and the delete reserve stays prepaid.
+#[test]
+fn full_store_edge_cases_from_review() {
+    let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let src = payload(4, 8192, 35);
+    let p = src.as_ptr() as usize;
+    for (cap, no_punch) in [
+        (204_900u64, false),
+        (262_144 + 777, false),
+        (256 << 10, true),
+    ] {
+        let root = tmp();
+        let s = PageStore::open(&root, "ns", opts(cap)).unwrap();
+        if no_punch {
+            fault::set("punch", 0, u64::MAX, Fault::Error(libc::EOPNOTSUPP));
+        }
+        let mut failed = 0;
+        for i in 0..1500usize {
+            let len = if no_punch || i % 3 != 0 { 4096 } else { 8192 };
+            let okp = put1(&s, &format!("k{i}"), p + (i % 4) * 8192, len);
+            failed += usize::from(!okp);
+            let (d, j) = s.occupancy();
+            assert!(d + j <= cap, "cap {cap}: {d} + {j} at put {i}");
+        }
+        fault::clear();
+        assert_eq!(
+            failed, 0,
+            "cap {cap} (no punch: {no_punch}): {failed} of 1500 puts failed"
+        );
+        assert!(s.keys().len() > 10, "cap {cap}: eviction emptied the store");
+        std::fs::remove_dir_all(root).unwrap();
+    }
+    // a 512-object batch into a full 32 MiB store: all stored (evicting), not 256 per batch
+    let root = tmp();
+    let big = payload(1, 64 << 10, 36);
+    let s = PageStore::open(&root, "ns", opts(32 << 20)).unwrap();
+    for b in 0..3 {
+        let keys: Vec<String> = (0..512).map(|i| format!("b{b}-{i}")).collect();
+        let objs: Vec<(&str, usize, u64)> = keys
+            .iter()
+            .map(|k| (k.as_str(), big.as_ptr() as usize, 64 << 10))
+            .collect();
+        // SAFETY: every object is `big`'s 64 KiB.
+        let ok = unsafe { s.put(&objs) }.unwrap();
+        // 512 × 64 KiB = 32 MiB: what fits beside the journal is stored, the store is never over
+        let stored = ok.iter().filter(|b| **b).count();
+        assert!(stored >= 480, "batch {b}: only {stored} of 512 stored");
+    }
+    // one corrupt key named many times in one get: one del record, the reserve still covers every delete
+    let k = s.keys().pop().unwrap();
+    let e = s.lock_index().map.get(&k).cloned().unwrap();
+    let f = s.class(e.class).unwrap();
+    std::os::unix::fs::FileExt::write_all_at(
+        &f.buffered,
+        &[0xAB; 16],
+        u64::from(e.slot) * u64::from(e.class),
+    )
+    .unwrap();
+    let dst = payload(200, 64 << 10, 0);
+    let objs: Vec<(&str, usize, u64)> = (0..200)
+        .map(|i| (k.as_str(), dst.as_ptr() as usize + i * (64 << 10), 64 << 10))
+        .collect();
+    // SAFETY: 200 disjoint 64 KiB destinations inside `dst`.
+    assert!(unsafe { s.get(&objs) }.unwrap().iter().all(|b| !b));
+    let ix = s.lock_index();
+    assert!(
+        ix.j_end + ix.del_bytes + super::index::JOURNAL_SLACK <= ix.j_alloc,
+        "deletes no longer prepaid"
+    );
+    drop(ix);
+    std::fs::remove_dir_all(root).unwrap();
+}

@@ -132,6 +132,7 @@ impl PageStore {
         }
         let mut plan = Vec::new();
         let batch_keys: Vec<&str> = objs.iter().map(|o| o.0).collect();
+        let mut compacted = false;
         for _ in 0..MAX_ROUNDS {
             let victims = {
                 let mut ix = self.lock_index();
@@ -159,14 +160,40 @@ impl PageStore {
                     });
                 }
                 want = left;
-                let Some(&(_, class, journal)) = want.first() else {
+                let Some(&(_, class, _)) = want.first() else {
                     break;
                 };
-                // room for the first object left (the next round reuses or punches what eviction frees)
-                let deficit = ix
-                    .occupancy_with(u64::from(class), journal)
-                    .saturating_sub(self.opts.capacity_bytes);
                 let punching = self.punch_ok.load(Ordering::Relaxed);
+                if ix.free.get(&class).is_some_and(|v| !v.is_empty()) {
+                    // Only the journal is short of room (the object could reuse a free slot): evicting
+                    // frees nothing for it (a del consumes what was prepaid). Compact the journal if it
+                    // holds dead records; else give free slots' blocks back (objects then take new blocks,
+                    // which eviction provides).
+                    if !compacted && ix.j_end > ix.del_bytes {
+                        drop(ix);
+                        compacted = true;
+                        let _ = self.compact();
+                        continue;
+                    }
+                    let punch = if punching {
+                        ix.take_punchable(&[])
+                    } else {
+                        Vec::new()
+                    };
+                    if punch.is_empty() {
+                        break;
+                    }
+                    drop(ix);
+                    self.punch_slots(&punch);
+                    continue;
+                }
+                // room for every object still waiting at once (not one per round)
+                let (grow, journal) = want
+                    .iter()
+                    .fold((0u64, 0u64), |(g, j), w| (g + u64::from(w.1), j + w.2));
+                let deficit = ix
+                    .occupancy_with(grow, journal)
+                    .saturating_sub(self.opts.capacity_bytes);
                 if punching {
                     let keep: Vec<(u32, usize)> = want.iter().map(|w| (w.1, 1)).collect();
                     let punch = ix.take_punchable(&keep);
