@@ -23,12 +23,14 @@ for i in $(seq "$rounds"); do
   for v in before after; do
     rm -rf "$dir" && mkdir -p "$dir"
     if [ $v = before ]; then pp="$tmp/old"; else pp=""; fi
-    (cd "$tmp" && PYTHONPATH="$pp" "$py" -m kvtier bench store --dir "$dir" --reps 3 --out "$tmp/$v-$i" >/dev/null)
+    # KVTIER_BENCH_ARGS: more options for both (e.g. "--cases small" to repeat one case more often)
+    # shellcheck disable=SC2086
+    (cd "$tmp" && PYTHONPATH="$pp" "$py" -m kvtier bench store --dir "$dir" --reps 3 --out "$tmp/$v-$i" ${KVTIER_BENCH_ARGS:-} >/dev/null)
     echo "round $i: $v done" >&2
   done
 done
 machine=${KVTIER_MACHINE:-cpu}
-"$py" - "$tmp" "$rounds" "$ref" "$machine" <<'EOF'
+"$py" - "$tmp" "$rounds" "$ref" "$machine" "${KVTIER_RESULT_NAME:-}" <<'EOF'
 import json, statistics, subprocess, sys, time
 tmp, rounds, ref, machine = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
 
@@ -60,5 +62,6 @@ med = summarize(rows)
 here = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
 out = dict(date=time.strftime("%Y-%m-%d %H:%M:%S"), before=ref, after=f"{here} + working tree", rounds=rounds,
            medians=med, rows=rows)
-json.dump(out, open(f"benches/results/{machine}-store-before-after.json", "w"), indent=1)
+name = sys.argv[5] if len(sys.argv) > 5 and sys.argv[5] else "store-before-after"
+json.dump(out, open(f"benches/results/{machine}-{name}.json", "w"), indent=1)
 EOF
