@@ -29,6 +29,8 @@ mod tests;
 #[cfg(test)]
 mod tests_faults;
 #[cfg(test)]
+mod tests_pages;
+#[cfg(test)]
 mod tests_v2;
 
 use std::collections::HashMap;
