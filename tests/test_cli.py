@@ -56,3 +56,34 @@ def test_bench_help_reaches_the_bench():
     assert r.returncode == 0 and "usage: kvtier bench pin" in r.stdout, r.stdout + r.stderr
     r = run("bench")
     assert r.returncode == 2 and "kvtier bench NAME" in r.stdout
+
+
+def kv(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "kvtier", *args], capture_output=True, text=True, cwd=cwd)
+
+
+def test_demo_arguments_are_checked_before_any_work(tmp_path):
+    for args, word in ((["--pages", "-5"], "--pages"), (["--turns", "0"], "--turns"), (["--layers", "0"], "--layers")):
+        r = kv("demo", *args, cwd=tmp_path)
+        assert r.returncode == 1 and word in r.stderr and "Traceback" not in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1
+    r = kv("demo", "--store-dir", str(tmp_path / "no" / "such" / "tree"))
+    assert r.returncode == 1 and "does not exist" in r.stderr and not (tmp_path / "no").exists(), r.stderr
+    (tmp_path / "file").write_text("x")
+    r = kv("demo", "--store-dir", str(tmp_path / "file"))
+    assert r.returncode == 1 and "not a directory" in r.stderr, r.stderr
+    assert list(tmp_path.iterdir()) == [tmp_path / "file"], "nothing written in the working directory"
+
+
+def test_ctrl_c_during_the_demo_is_one_line(tmp_path):
+    import signal
+    import time
+
+    p = subprocess.Popen([sys.executable, "-m", "kvtier", "demo", "--store-dir", str(tmp_path / "s")],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (tmp_path / "s").exists():  # the demo is at work
+        time.sleep(0.1)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 130 and err.strip() == "kvtier: interrupted", (p.returncode, err[-2000:])

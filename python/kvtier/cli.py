@@ -106,6 +106,19 @@ def cmd_verify(args) -> int:
 
 
 def cmd_demo(args) -> int:
+    for name in ("layers", "pages", "conversations", "turns"):
+        value = getattr(args, name)
+        if value < 1:
+            raise KvtierError(f"--{name} must be at least 1, got {value}")
+    if args.seed < 0:
+        raise KvtierError(f"--seed must be >= 0, got {args.seed}")
+    if args.store_dir is not None:
+        d = os.path.abspath(args.store_dir)
+        if os.path.exists(d) and not os.path.isdir(d):
+            raise KvtierError(f"--store-dir {args.store_dir}: exists and is not a directory")
+        if not os.path.isdir(os.path.dirname(d)):
+            raise KvtierError(f"--store-dir {args.store_dir}: its parent directory {os.path.dirname(d)} does not "
+                              "exist (the demo creates one directory, not a tree)")
     from .demo import run
 
     return run(layers=args.layers, pages=args.pages, seed=args.seed, conversations=args.conversations,
@@ -136,8 +149,10 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--pages", type=int, default=32, help="pages of the transfer round trip (default 32)")
     demo.add_argument("--conversations", type=int, default=3, help="conversations served (default 3)")
     demo.add_argument("--turns", type=int, default=3, help="turns per conversation (default 3)")
-    demo.add_argument("--store-dir", default=None, help="page store directory (default: a temp dir under the working directory)")
-    demo.add_argument("--keep", action="store_true", help="keep the store directory after the run")
+    demo.add_argument("--store-dir", default=None,
+                      help="directory for every store the demo writes (created if missing; its parent must exist; kept "
+                      "after the run). Default: temp directories under the working directory, removed unless --keep")
+    demo.add_argument("--keep", action="store_true", help="keep the default store directory after the run")
     demo.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     bench = sub.add_parser("bench", add_help=False,
                            help="benchmarks against the hardware ceilings: pin, transfer (GPU), store; "
@@ -169,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     except (KvtierError, OSError, ValueError) as exc:
         print(f"kvtier: error: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("kvtier: interrupted", file=sys.stderr)
+        return 130
     return 2
 
 

@@ -92,7 +92,9 @@ def run(layers: int = 8, pages: int = 32, page_size: int = 64, heads: int = 4, s
                 f"  {type(hp).__name__}[{layout}, {backend}]: backup {_gbps(nbytes, t1 - t0)}, "
                 f"load {_gbps(nbytes, t3 - t2)}, restored bit-exact: {exact}"
             )
-    failures += _spill_round_trip(dp, ref, pages, page_size, layers, device)
+    if store_dir is not None:
+        os.makedirs(store_dir, mode=0o700, exist_ok=True)
+    failures += _spill_round_trip(dp, ref, pages, page_size, layers, device, store_dir)
     if conversations > 0 and turns > 0:
         from .workload import run_workload
 
@@ -106,10 +108,10 @@ def run(layers: int = 8, pages: int = 32, page_size: int = 64, heads: int = 4, s
     return 1 if failures else 0
 
 
-def _spill_round_trip(dp, ref, pages, page_size, layers, device) -> int:
+def _spill_round_trip(dp, ref, pages, page_size, layers, device, store_dir=None) -> int:
     """Device -> host -> disk, wipe both, disk -> host -> device; check every byte. Returns failures."""
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    root = tempfile.mkdtemp(prefix="kvtier-demo-store-", dir=os.getcwd())
+    root = tempfile.mkdtemp(prefix="kvtier-demo-store-", dir=store_dir or os.getcwd())
     try:
         with host_pool_for(dp, layout="page_first_direct") as hp, warnings.catch_warnings():
             warnings.simplefilter("always")  # an O_DIRECT fallback is reported below, not raised
