@@ -316,3 +316,50 @@ def test_mla_ranks_share_the_writers_pages(tmp_path):
     assert early.batch_exists(keys[1:]) == 2
     for be in (early, w, r):
         be.close()
+
+
+def test_mla_ranks_in_separate_processes(tmp_path):
+    """The writer rank in another process, holding the namespace's lock while this process (rank 1) reads:
+    pages it stores after the reader opened are hits here, bit-exact."""
+    import subprocess
+    import sys
+
+    code = f"""
+import sys, torch
+sys.path.insert(0, {str(__import__("os").path.dirname(__file__))!r})
+from test_sglang import KvtierStorage, config, idx, sglang_mla_pool
+from pathlib import Path
+w = KvtierStorage(config(Path(sys.argv[1]), mla=True, tp_rank=0, tp_size=2))
+w.register_mem_pool_host(sglang_mla_pool("page_first_direct", seed=11))
+print("open", flush=True)
+sys.stdin.readline()
+keys = [f"{{i:064x}}" for i in range(3)]
+print("stored" if w.batch_set_v1(keys, idx(range(3))) == [True] * 3 else "failed", flush=True)
+sys.stdin.readline()
+w.close()
+"""
+    p = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "open", "the writer process did not start"
+        pool = sglang_mla_pool("page_first_direct", seed=12)
+        r = KvtierStorage(config(tmp_path, mla=True, tp_rank=1, tp_size=2))
+        r.register_mem_pool_host(pool)  # the writer process holds the lock
+        keys = [f"{i:064x}" for i in range(3)]
+        assert r.batch_exists(keys) == 0
+        p.stdin.write("go\n")
+        p.stdin.flush()
+        assert p.stdout.readline().strip() == "stored"
+        assert r.batch_exists(keys) == 3
+        assert r.batch_get_v1(keys, idx([4, 5, 6])) == [True] * 3
+        want = sglang_mla_pool("page_first_direct", seed=11).kv_buffer.view(torch.uint8)
+        assert torch.equal(pool.kv_buffer.view(torch.uint8)[4:7], want[0:3])
+        r.close()
+    finally:
+        p.stdin.write("quit\n")
+        p.stdin.flush()
+        p.wait(timeout=60)
+        err = p.stderr.read()
+        for f in (p.stdin, p.stdout, p.stderr):
+            f.close()
+    assert p.returncode == 0, err
