@@ -97,9 +97,10 @@ def check_exact(hp, dp, h, d) -> bool:
     return bool(ok)
 
 
-def run_geometry(name, g, pages_list, reps, ceil_up, ceil_down, rows_out, stream, modes=("side",)):
+def run_geometry(name, g, pages_list, reps, ceil_up, ceil_down, rows_out, stream, modes=("side",), index_devs=("cpu",)):
     """Every backend and page count of geometry ``g``, with the caller on ``stream`` ("side") and/or on the
-    default stream ("default": a plain script; its LayerLoader gets its own stream, as by default)."""
+    default stream ("default": a plain script; its LayerLoader gets its own stream, as by default), with
+    index tensors on the CPU and/or on the GPU."""
     max_pages = max(pages_list)
     dp = DeviceKVPool((max_pages + 8) * PS, PS, g["layers"], g["heads"], g["dk"], g["dv"], DT, "cuda")
     for t in dp.k_buffer + dp.v_buffer:
@@ -108,13 +109,13 @@ def run_geometry(name, g, pages_list, reps, ceil_up, ceil_down, rows_out, stream
     for layout, backend in (("page_first_direct", "direct"), ("page_first", "kernel"), ("page_first_direct", "naive")):
         hp = host_pool_for(dp, layout=layout, host_to_device_ratio=1.0)
         assert hp.k_buffer.is_pinned()
-        for mode, npages in [(m, n) for m in modes for n in pages_list]:
-            if backend == "naive" and (npages > 256 or mode != "side"):
+        for mode, idev, npages in [(m, i, n) for m in modes for i in index_devs for n in pages_list]:
+            if backend == "naive" and (npages > 256 or mode != "side" or idev != "cpu"):
                 continue
             caller = stream if mode == "side" else torch.cuda.default_stream()
             hpages = torch.randperm(hp.page_num)[:npages]
             dpages = torch.randperm(max_pages + 7)[:npages] + 1
-            h, d = page_idx(hpages), page_idx(dpages)
+            h, d = page_idx(hpages).to(idev), page_idx(dpages).to(idev)
             nb_layer = npages * per_layer
             with torch.cuda.stream(caller):
                 if backend == "naive":
@@ -132,7 +133,8 @@ def run_geometry(name, g, pages_list, reps, ceil_up, ceil_down, rows_out, stream
             up = nb_layer / t_load / 1e9
             down = nb_layer * g["layers"] / t_back / 1e9
             row = {
-                "geometry": name, "backend": backend, "layout": layout, "stream": mode, "pages": npages,
+                "geometry": name, "backend": backend, "layout": layout, "stream": mode, "indices": idev,
+                "pages": npages,
                 "load_us_per_layer": round(t_load * 1e6, 1), "load_GBps": round(up, 2),
                 "load_pct": round(100 * up / ceil_up, 1), "backup_ms": round(t_back * 1e3, 3),
                 "backup_GBps": round(down, 2), "backup_pct": round(100 * down / ceil_down, 1), "bit_exact": exact,
@@ -314,12 +316,12 @@ def markdown(res) -> str:
         f"Batched DMA available: {res['batch_supported']} (flags {res.get('batch_flags')}). Kernel blocks: {res['kernel_blocks']}, warps {res['kernel_warps']}, "
         f"lanes {res.get('transfer_lanes')}, backup {res.get('kernel_backup')}.",
         "",
-        "| geom | backend | layout | caller stream | pages | load µs/layer | load GB/s | load % | LayerLoader µs/layer | LayerLoader % | backup ms | backup GB/s | backup % | exact |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| geom | backend | layout | caller stream | indices | pages | load µs/layer | load GB/s | load % | LayerLoader µs/layer | LayerLoader % | backup ms | backup GB/s | backup % | exact |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in res["rows"]:
         lines.append(
-            f"| {r['geometry']} | {r['backend']} | {r['layout']} | {r.get('stream', 'side')} | {r['pages']} | {r['load_us_per_layer']} | {r['load_GBps']} | "
+            f"| {r['geometry']} | {r['backend']} | {r['layout']} | {r.get('stream', 'side')} | {r.get('indices', 'cpu')} | {r['pages']} | {r['load_us_per_layer']} | {r['load_GBps']} | "
             f"{r['load_pct']} | {r.get('loader_us_per_layer', '-')} | {r.get('loader_pct', '-')} | {r['backup_ms']} | "
             f"{r['backup_GBps']} | {r['backup_pct']} | {r['bit_exact']} |"
         )
@@ -367,6 +369,8 @@ def main(argv=None):
     ap.add_argument("--streams", default="side,default",
                     help="caller streams to measure: side (a torch.cuda.Stream) and/or default (a plain script)")
     ap.add_argument("--no-overlap", action="store_true", help="skip the overlap measurements")
+    ap.add_argument("--indices", default="cpu", help="where the index tensors live: cpu and/or cuda (a plain "
+                    "script may hold either)")
     ap.add_argument("--plot", default=None, help="write a PNG of GB/s against pages per backend (needs matplotlib)")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -385,7 +389,10 @@ def main(argv=None):
         modes = tuple(m for m in args.streams.split(",") if m)
         if not modes or any(m not in ("side", "default") for m in modes):
             ap.error(f"--streams: expected side and/or default, got {args.streams!r}")
-        dp = run_geometry(name, GEOMS[name], pages_list, args.reps, up, down, res["rows"], stream, modes)
+        idevs = tuple(x for x in args.indices.split(",") if x)
+        if not idevs or any(x not in ("cpu", "cuda") for x in idevs):
+            ap.error(f"--indices: expected cpu and/or cuda, got {args.indices!r}")
+        dp = run_geometry(name, GEOMS[name], pages_list, args.reps, up, down, res["rows"], stream, modes, idevs)
         if name == "A":
             if not args.no_sweep:
                 res["sweep"] = block_sweep(dp, stream, 5, up, down)

@@ -287,10 +287,12 @@ impl PyPageStore {
                 .into());
             }
         }
-        // SAFETY: every page's objects lie inside a registered region (checked above), and the regions stay
+        // Every page's objects lie inside a registered region (checked above), and the regions stay
         // registered — alive — until close(), which drops the store; batches keep their own reference to
         // the regions while in flight. Host memory the engine writes meanwhile is the caller's to order.
-        Ok(unsafe { self.store()?.bind_pages(layout) }?)
+        let store = self.store()?;
+        // SAFETY: every page inside a registered region that outlives the binding (see above).
+        Ok(unsafe { store.bind_pages(layout) }?)
     }
 
     /// Stores whole pages of the bound pool at `host_indices` (token slots); per key, whether K and V are

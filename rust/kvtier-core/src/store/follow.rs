@@ -8,10 +8,10 @@
 use std::os::unix::fs::{FileExt, MetadataExt};
 use std::sync::Mutex;
 
-use super::index::{Entry, Index};
+use super::index::{put_shape_ok, Entry, Index};
 use super::journal::{self, Record};
 use super::stats::OpenReport;
-use super::{recovery, PageStore, ALIGN};
+use super::{recovery, PageStore};
 
 /// Where a follower is in the writer's journal.
 pub(super) struct Follow {
@@ -38,7 +38,7 @@ fn apply(ix: &mut Index, r: Record) {
             len,
             crc,
         } => {
-            if class == 0 || u64::from(class) % ALIGN != 0 || len == 0 || len > u64::from(class) {
+            if !put_shape_ok(class, len) {
                 ix.remove(&key);
                 return;
             }

@@ -8,6 +8,12 @@ use super::journal::encoded_len;
 /// Bytes the journal keeps beyond the prepaid del records (R4).
 pub(super) const JOURNAL_SLACK: u64 = 4096;
 
+/// Whether a put record's shape is one the store writes: a size class that is a positive multiple of 4096
+/// and a length within it (replay also checks the slot against the data file; a follower cannot).
+pub(super) fn put_shape_ok(class: u32, len: u64) -> bool {
+    class > 0 && u64::from(class) % 4096 == 0 && len > 0 && len <= u64::from(class)
+}
+
 /// One stored object.
 #[derive(Clone, Debug)]
 pub(super) struct Entry {

@@ -258,34 +258,37 @@ impl PageStore {
     /// is a miss until a later put of the page supplies the other (deleting it here could delete the half
     /// another thread's concurrent put of the same page relies on), and eviction takes both together.
     pub fn put_pages(&self, batch: &PageBatch<'_>) -> Result<Vec<bool>> {
-        let (names, ranges, per) = self.page_objects(batch, false)?;
-        let objs: Vec<(&str, usize, u64)> = names
-            .iter()
-            .zip(&ranges)
-            .map(|(n, r)| (n.as_str(), r.0, r.1))
-            .collect();
-        let _claim = self.claim(&objs, false);
-        // SAFETY: every range lies inside the bound pool (page numbers checked against it), which the bind
-        // contract keeps alive and readable; while the claim is held no batch of this store writes these
-        // ranges.
-        let ok = unsafe { self.put(&objs) }?;
-        Ok(ok.chunks_exact(per).map(|p| p.iter().all(|&x| x)).collect())
+        self.page_io(batch, false)
     }
 
     /// Reads whole pages into the bound pool; per key, whether K and V were both found with the pool's
     /// sizes and verified (a False page's host bytes are unspecified).
     pub fn get_pages(&self, batch: &PageBatch<'_>) -> Result<Vec<bool>> {
-        let (names, ranges, per) = self.page_objects(batch, true)?;
+        self.page_io(batch, true)
+    }
+
+    /// One page batch: objects of pages proven inside the bound pool (distinct pages when `writes`), their
+    /// host ranges claimed against the other batches of this store, then `get` or `put`; per page, whether
+    /// every object of it went through.
+    fn page_io(&self, batch: &PageBatch<'_>, writes: bool) -> Result<Vec<bool>> {
+        let (names, ranges, per) = self.page_objects(batch, writes)?;
         let objs: Vec<(&str, usize, u64)> = names
             .iter()
             .zip(&ranges)
             .map(|(n, r)| (n.as_str(), r.0, r.1))
             .collect();
-        let _claim = self.claim(&objs, true);
-        // SAFETY: every range lies inside the bound pool (checked), alive and writable by the bind
-        // contract; pages are distinct (checked) and K/V ranges of one page fit their strides, so no two
-        // destinations overlap; while the claim is held no other batch of this store touches them.
-        let ok = unsafe { self.get(&objs) }?;
+        let _claim = self.claim(&objs, writes);
+        // Every range lies inside the bound pool (page numbers checked against it), which the bind contract
+        // keeps alive and readable/writable. For a get the pages are distinct (checked) and a page's K and
+        // V never share a byte (checked at bind), so no two destinations overlap; while the claim is held no
+        // other batch of this store writes a range this one touches, or touches a range this one writes.
+        let ok = if writes {
+            // SAFETY: live, disjoint destinations in the bound pool, claimed for this batch (see above).
+            unsafe { self.get(&objs) }?
+        } else {
+            // SAFETY: live sources in the bound pool that no batch of this store writes meanwhile.
+            unsafe { self.put(&objs) }?
+        };
         Ok(ok.chunks_exact(per).map(|p| p.iter().all(|&x| x)).collect())
     }
 

@@ -54,10 +54,7 @@ pub(super) fn replay(
                 };
                 // A record can only name bytes the store once wrote: an object inside its class file, a
                 // length within its class. Anything else names no object and never sizes anything.
-                let plausible = u64::from(class) % ALIGN == 0
-                    && class > 0
-                    && len > 0
-                    && len <= u64::from(class)
+                let plausible = super::index::put_shape_ok(class, len)
                     && u64::from(slot) * u64::from(class) + len <= flen;
                 if !plausible {
                     remove(&mut live, &mut owner, &key);
