@@ -422,7 +422,7 @@ def test_bad_backup_raises_and_touches_nothing(host, device, msg):
         (lambda dp: setattr(dp, "head_dim", 8), "head_dim"),
         (lambda dp: setattr(dp, "v_head_dim", 4), "v_head_dim"),
         (lambda dp: setattr(dp, "dtype", torch.float32) or setattr(dp, "store_dtype", torch.float32), "dtype"),
-        (lambda dp: dp.k_buffer.pop(), "expected 3 K and V layer tensors"),
+        (lambda dp: dp.k_buffer.pop(), "expected 3 layer tensors per side, got 2 and 3"),
         (lambda dp: dp.v_buffer.__setitem__(1, torch.zeros(10, H, DK, dtype=torch.float16)), r"v_buffer\[1\]"),
         (lambda dp: dp.k_buffer.__setitem__(0, dp.k_buffer[0].transpose(1, 2).contiguous().transpose(1, 2)), "contiguous"),
         (lambda dp: delattr(dp, "k_buffer"), "k_buffer"),

@@ -363,3 +363,40 @@ w.close()
         for f in (p.stdin, p.stdout, p.stderr):
             f.close()
     assert p.returncode == 0, err
+
+
+@pytest.mark.parametrize("layout", ["page_first", "page_first_direct"])
+def test_kvtier_and_sglang_mla_pools_share_pages(tmp_path, layout):
+    """A page stored from kvtier's MLA host pool is a hit, bit-exact, for SGLang's own MLA host pool of the
+    same geometry, and the other way round: same namespace, same object per page."""
+    sg = sglang_mla_pool(layout, seed=5)
+    dp = kvtier.MLADeviceKVPool(7 * PS, PS, L, 64, 16, torch.bfloat16, "cpu")  # 7 // 1 + 1 = 8 pages, as sg's
+    kv = kvtier.host_pool_for(dp, layout=layout, host_to_device_ratio=1.0)
+    assert kv.page_num == sg.page_num and tuple(kv.kv_buffer.shape) == tuple(sg.kv_buffer.shape)
+    assert [len(x) for x in kv.get_page_buffer_meta(idx([3]))] == [1, 1]
+    assert kv.get_page_buffer_meta(idx([3]))[1] == sg.get_page_buffer_meta(idx([3]))[1]
+    kv.kv_buffer.view(torch.uint8).copy_(torch.randint(0, 256, kv.kv_buffer.view(torch.uint8).shape, dtype=torch.uint8))
+    a, b = KvtierStorage(config(tmp_path, mla=True, layout=layout)), None
+    a.register_mem_pool_host(kv)
+    assert a.store.namespace_for(kv) == a.store.namespace_for(sg)
+    keys = [f"{i:064x}" for i in range(8)]
+    assert a.batch_set_v1(keys[:4], idx([0, 1, 2, 3])) == [True] * 4
+    a.close()
+    b = KvtierStorage(config(tmp_path, mla=True, layout=layout))
+    b.register_mem_pool_host(sg)
+    assert b.batch_exists(keys[:4]) == 4
+    assert b.batch_get_v1(keys[:4], idx([4, 5, 6, 7])) == [True] * 4
+    page = PS * L * 80 * 2
+    flat_sg, flat_kv = sg.kv_buffer.view(torch.uint8).reshape(-1), kv.kv_buffer.view(torch.uint8).reshape(-1)
+    if layout == "page_first_direct":
+        assert torch.equal(flat_sg[4 * page:8 * page], flat_kv[:4 * page])
+    else:
+        assert torch.equal(sg.kv_buffer[idx([4, 5, 6, 7])].view(torch.uint8), kv.kv_buffer[idx([0, 1, 2, 3])].view(torch.uint8))
+    assert b.batch_set_v1(keys[4:], idx([0, 1, 2, 3])) == [True] * 4  # SGLang's pool writes, kvtier's reads
+    b.close()
+    a = KvtierStorage(config(tmp_path, mla=True, layout=layout))
+    a.register_mem_pool_host(kv)
+    assert a.batch_get_v1(keys[4:], idx([4, 5, 6, 7])) == [True] * 4
+    if layout == "page_first_direct":
+        assert torch.equal(flat_kv[4 * page:8 * page], flat_sg[:4 * page])
+    a.close()

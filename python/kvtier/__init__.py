@@ -34,10 +34,13 @@ _LAZY = {
     "DeviceKVPool": "pools",
     "MHAHostPool": "pools",
     "host_pool_for": "pools",
+    "device_layers": "pools",
+    "MLADeviceKVPool": "pools_mla",
+    "MLAHostPool": "pools_mla",
     "PageStore": "store",
     "page_hashes": "store",
 }
-_SUBMODULES = {"buffer", "cli", "config", "controller", "demo", "kernels", "overlap", "pools", "store", "testing",
+_SUBMODULES = {"buffer", "cli", "config", "controller", "demo", "kernels", "overlap", "pools", "pools_mla", "store", "testing",
                "transfer", "workload", "benchmarks", "integrations"}
 
 
@@ -68,6 +71,9 @@ __all__ = [
     "LayerLoader",
     "backup_async",
     "MHAHostPool",
+    "MLADeviceKVPool",
+    "MLAHostPool",
+    "device_layers",
     "PageStore",
     "TierController",
     "page_hashes",

@@ -25,6 +25,7 @@ import torch
 
 from ._errors import InvalidArgumentError
 from .overlap import LayerLoad, LayerLoader, backup_async
+from .pools import device_layers
 
 POLICIES = ("write_through", "write_back", "write_through_selective")
 
@@ -304,7 +305,7 @@ class TierController:
                     if k in self.pages:
                         self.pages[k].refs -= 1
 
-        if self.device_pool.k_buffer[0].device.type == "cuda":
+        if device_layers(self.device_pool)[0][0].device.type == "cuda":
             self._pending.append(self._io.submit(release))
         else:
             release()

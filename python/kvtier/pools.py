@@ -22,12 +22,12 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-import numpy as np
 import torch
 
 from . import _native
 from ._errors import ClosedError, InvalidArgumentError
 from .buffer import HostBuffer
+from ._indices import _index_array, _Prepared, _unchanged
 from .transfer import Side, TransferEngine
 
 LAYOUTS = ("layer_first", "page_first", "page_first_direct")
@@ -78,39 +78,75 @@ class DeviceKVPool:
 
 @dataclass(frozen=True)
 class _Geometry:
+    """Per-token geometry of a device pool. An MLA pool (one latent+rope row per token and layer) is one
+    side: ``head_num`` 1, ``head_dim`` the row's width, ``v_head_dim`` 0."""
+
     layer_num: int
     head_num: int
     head_dim: int
     v_head_dim: int
     dtype: torch.dtype
     page_size: int
+    kv_lora_rank: int | None = None  # MLA only
+    qk_rope_head_dim: int | None = None
+
+    @property
+    def mla(self) -> bool:
+        return self.kv_lora_rank is not None
 
     @classmethod
     def of(cls, device_pool: Any) -> "_Geometry":
         try:
-            head_dim = device_pool.head_dim
             dtype = getattr(device_pool, "store_dtype", None) or device_pool.dtype
-            g = cls(
-                layer_num=device_pool.layer_num,
-                head_num=device_pool.head_num,
-                head_dim=head_dim,
-                v_head_dim=getattr(device_pool, "v_head_dim", None) or head_dim,
-                dtype=dtype,
-                page_size=device_pool.page_size,
-            )
-            device_pool.k_buffer, device_pool.v_buffer  # noqa: B018 - presence check
+            if getattr(device_pool, "kv_lora_rank", None) is not None:
+                lora, rope = device_pool.kv_lora_rank, device_pool.qk_rope_head_dim
+                for name, v in (("kv_lora_rank", lora), ("qk_rope_head_dim", rope)):
+                    _positive_int(f"device_pool.{name}", v)
+                width = getattr(device_pool, "kv_cache_dim", None) or lora + rope
+                g = cls(device_pool.layer_num, 1, width, 0, dtype, device_pool.page_size, lora, rope)
+                device_pool.kv_buffer  # noqa: B018 - presence check
+            else:
+                head_dim = device_pool.head_dim
+                g = cls(
+                    layer_num=device_pool.layer_num,
+                    head_num=device_pool.head_num,
+                    head_dim=head_dim,
+                    v_head_dim=getattr(device_pool, "v_head_dim", None) or head_dim,
+                    dtype=dtype,
+                    page_size=device_pool.page_size,
+                )
+                device_pool.k_buffer, device_pool.v_buffer  # noqa: B018 - presence check
         except AttributeError as exc:
             raise InvalidArgumentError(
                 f"invalid argument `device_pool`: {type(device_pool).__name__} lacks {exc.name!r}; expected "
-                "layer_num, head_num, head_dim, v_head_dim, dtype, page_size, k_buffer and v_buffer"
+                "layer_num, head_num, head_dim, v_head_dim, dtype, page_size, k_buffer and v_buffer (or for MLA "
+                "layer_num, kv_lora_rank, qk_rope_head_dim, dtype, page_size and kv_buffer)"
             ) from None
-        for name in ("layer_num", "head_num", "head_dim", "v_head_dim", "page_size"):
+        for name in ("layer_num", "head_num", "head_dim", "page_size") + (() if g.mla else ("v_head_dim",)):
             _positive_int(f"device_pool.{name}", getattr(g, name))
         return g
 
     @property
     def itemsize(self) -> int:
         return torch.empty((), dtype=self.dtype).element_size()
+
+    def device_layers(self, device_pool: Any) -> tuple[list, ...]:
+        """The device pool's per-layer tensors of each side: ``(k_buffer, v_buffer)``, or ``(kv_buffer,)``
+        for MLA."""
+        if self.mla:
+            return (list(device_pool.kv_buffer),)
+        return list(device_pool.k_buffer), list(device_pool.v_buffer)
+
+    def side_dims(self) -> tuple[tuple[str, int], ...]:
+        """``(name, last dim)`` of each side's device tensors (``(rows, head_num, dim)`` each)."""
+        if self.mla:
+            return (("kv_buffer", self.head_dim),)
+        return ("k_buffer", self.head_dim), ("v_buffer", self.v_head_dim)
+
+
+def device_layers(device_pool: Any) -> tuple[list, ...]:
+    """A device pool's per-layer tensors, one list per side (K and V, or an MLA pool's one ``kv_buffer``)."""
+    return _Geometry.of(device_pool).device_layers(device_pool)
 
 
 def _host_memory_available() -> int:
@@ -155,6 +191,8 @@ class _HostKVPool:
         self.v_head_dim = geo.v_head_dim
         self.dtype = geo.dtype
         self._geo = geo
+        if geo.mla:
+            self.kv_lora_rank, self.qk_rope_head_dim, self.kv_cache_dim = geo.kv_lora_rank, geo.qk_rope_head_dim, geo.head_dim
         it = geo.itemsize
         self.k_token_stride = geo.head_num * geo.head_dim * it  # bytes of one token of one layer
         self.v_token_stride = geo.head_num * geo.v_head_dim * it
@@ -199,7 +237,8 @@ class _HostKVPool:
     def _allocate_buffers(self, pin_memory: bool) -> None:
         raise NotImplementedError
 
-    def _sides(self) -> tuple[Side, Side]:
+    def _sides(self) -> tuple[Side, ...]:
+        """The host buffers a transfer moves, each with its own geometry: K then V (one for MLA)."""
         return self._k_side, self._v_side
 
     # ---------------------------------------------------------------- sizes
@@ -244,18 +283,18 @@ class _HostKVPool:
         page per layer of ``ps·H·D·it`` / ``ps·H·Dv·it`` bytes."""
         self._check_open()
         pages = _native.page_numbers(_index_array("indices", indices), self.page_size, self.page_num)
-        k, v = self._sides()
+        sides = self._sides()
         ptrs: list[int] = []
         sizes: list[int] = []
         if self.layout == "layer_first":
             for p in pages:
                 for layer in range(self.layer_num):
-                    for side in (k, v):
+                    for side in sides:
                         ptrs.append(side.base + (layer * self.size + p * self.page_size) * side.row_bytes)
                         sizes.append(self.page_size * side.row_bytes)
             return ptrs, sizes
         for p in pages:
-            for side in (k, v):
+            for side in sides:
                 ptrs.append(side.base + p * side.page_bytes)
                 sizes.append(side.page_bytes)
         return ptrs, sizes
@@ -286,36 +325,39 @@ class _HostKVPool:
     def _layout_error(self, layout: Any) -> str:
         return f"Unsupported layout: {layout!r}; expected " + ", ".join(repr(x) for x in self.supported_layouts) + "."
 
-    def _check_device_pool(self, device_pool: Any) -> tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]:
+    def _check_device_pool(self, device_pool: Any) -> tuple[list, ...]:
+        """The device pool's per-layer tensors of each side (see :meth:`_Geometry.device_layers`), checked
+        against this pool's geometry; the check is cached while the pool and its tensors are unchanged."""
         try:
-            ks, vs = list(device_pool.k_buffer), list(device_pool.v_buffer)
-            key = (id(device_pool), *(id(t) for t in ks), None, *(id(t) for t in vs),
-                   *(t.data_ptr() for t in ks), *(t.data_ptr() for t in vs))
+            layers = self._geo.device_layers(device_pool)
+            key = (id(device_pool), *((None, *(id(t) for t in ts), *(t.data_ptr() for t in ts)) for ts in layers))
         except (AttributeError, TypeError):
             key = None
         if key is not None and self._checked_device is not None and self._checked_device[0] == key:
             return self._checked_device[2]
         checked = self._check_device_pool_uncached(device_pool)
         if key is not None:
-            self._checked_device = (key, (device_pool, ks, vs), checked)  # holds refs: ids stay unique
+            self._checked_device = (key, (device_pool, layers), checked)  # holds refs: ids stay unique
         return checked
 
-    def _check_device_pool_uncached(self, device_pool: Any) -> tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]:
+    def _check_device_pool_uncached(self, device_pool: Any) -> tuple[list, ...]:
         geo = _Geometry.of(device_pool)
         mine = self._geo
-        for name in ("layer_num", "head_num", "head_dim", "v_head_dim", "dtype"):
+        for name in ("mla", "kv_lora_rank", "qk_rope_head_dim", "layer_num", "head_num", "head_dim", "v_head_dim", "dtype"):
             if getattr(geo, name) != getattr(mine, name):
+                what = "MLA" if name == "mla" else name
                 raise InvalidArgumentError(
-                    f"invalid argument `device_pool`: {name} is {getattr(geo, name)}, the host pool has {getattr(mine, name)}"
+                    f"invalid argument `device_pool`: {what} is {getattr(geo, name)}, the host pool has {getattr(mine, name)}"
                 )
-        ks, vs = list(device_pool.k_buffer), list(device_pool.v_buffer)
-        if len(ks) != mine.layer_num or len(vs) != mine.layer_num:
+        layers = mine.device_layers(device_pool)
+        if any(len(ts) != mine.layer_num for ts in layers):
             raise InvalidArgumentError(
-                f"invalid argument `device_pool`: expected {mine.layer_num} K and V layer tensors, got {len(ks)} and {len(vs)}"
+                f"invalid argument `device_pool`: expected {mine.layer_num} layer tensors per side, got "
+                + " and ".join(str(len(ts)) for ts in layers)
             )
-        device = ks[0].device
-        for side, tensors, dim in (("k_buffer", ks, mine.head_dim), ("v_buffer", vs, mine.v_head_dim)):
-            rows = tensors[0].shape[0]
+        device = layers[0][0].device
+        rows = layers[0][0].shape[0]
+        for (side, dim), tensors in zip(mine.side_dims(), layers):
             for layer, t in enumerate(tensors):
                 if (
                     not isinstance(t, torch.Tensor)
@@ -331,15 +373,13 @@ class _HostKVPool:
                         f"invalid argument `device_pool`: {side}[{layer}] must be a contiguous "
                         f"({rows}, {mine.head_num}, {dim}) {mine.dtype} tensor on {device}, got {got}"
                     )
-        if vs[0].shape[0] != ks[0].shape[0]:
-            raise InvalidArgumentError("invalid argument `device_pool`: K and V layer tensors have different row counts")
-        return ks, vs
+        return layers
 
     def _prepare(self, device_pool, host_indices, device_indices, io_backend, to_host):
         self._check_open()
         self._check_backend(io_backend)
-        ks, vs = self._check_device_pool(device_pool)
-        rows = ks[0].shape[0]
+        layers = self._check_device_pool(device_pool)
+        rows = layers[0][0].shape[0]
         # A per-layer load calls this once per layer with the same index tensors: validate once, and reuse
         # while neither tensor has been modified (torch bumps ``_version`` on every in-place write).
         key = (
@@ -348,7 +388,7 @@ class _HostKVPool:
         )
         cached = self._prepared
         if cached is not None and cached[0] == key and _unchanged(cached[2], host_indices, device_indices):
-            return ks, vs, cached[2]
+            return layers, cached[2]
         h = _index_array("host_indices", host_indices)
         d = _index_array("device_indices", device_indices)
         paged = self.layout == "page_first_direct"
@@ -361,7 +401,7 @@ class _HostKVPool:
         if isinstance(host_indices, torch.Tensor) and isinstance(device_indices, torch.Tensor):
             # keep the tensors referenced so their ids cannot be reused while cached
             self._prepared = (key, (host_indices, device_indices), prepared)
-        return ks, vs, prepared
+        return layers, prepared
 
     def load_to_device_per_layer(self, device_pool, host_indices, device_indices, layer_id: int, io_backend: str) -> None:
         """Host → device for one layer: ``device.k_buffer[layer_id][device_indices[i]] =
@@ -369,8 +409,8 @@ class _HostKVPool:
         current CUDA stream for CUDA device pools; synchronous for CPU ones."""
         if isinstance(layer_id, bool) or not isinstance(layer_id, int) or not 0 <= layer_id < self.layer_num:
             raise InvalidArgumentError(f"invalid argument `layer_id`: must be an int in [0, {self.layer_num}), got {layer_id!r}")
-        ks, vs, p = self._prepare(device_pool, host_indices, device_indices, io_backend, to_host=False)
-        self._engine.copy(tuple(zip(self._sides(), (ks, vs))), p, layer_id, layer_id + 1, to_host=False, backend=io_backend)
+        layers, p = self._prepare(device_pool, host_indices, device_indices, io_backend, to_host=False)
+        self._engine.copy(tuple(zip(self._sides(), layers)), p, layer_id, layer_id + 1, to_host=False, backend=io_backend)
 
     def _load_layers(self, device_pool, host_indices, device_indices, io_backend: str, events, background: bool = True,
                      after=None, previous=None):
@@ -380,8 +420,8 @@ class _HostKVPool:
         for each layer. With ``background``, ``direct`` copies are submitted by a native thread and the
         returned ``Submission`` must be waited on before an event is used (see LayerLoader); else None.
         ``after``: an event the copies follow; ``previous``: the last background submission on this stream."""
-        ks, vs, p = self._prepare(device_pool, host_indices, device_indices, io_backend, to_host=False)
-        return self._engine.copy(tuple(zip(self._sides(), (ks, vs))), p, 0, self.layer_num, to_host=False,
+        layers, p = self._prepare(device_pool, host_indices, device_indices, io_backend, to_host=False)
+        return self._engine.copy(tuple(zip(self._sides(), layers)), p, 0, self.layer_num, to_host=False,
                                  backend=io_backend, per_layer=True, events=events, background=background,
                                  after=after, previous=previous)
 
@@ -389,8 +429,8 @@ class _HostKVPool:
         """Device → host for every layer, K then V (separate calls, separate geometries). Enqueued on the
         current CUDA stream for CUDA device pools: order it after the producer of the device KV (see
         :func:`kvtier.backup_async`)."""
-        ks, vs, p = self._prepare(device_pool, host_indices, device_indices, io_backend, to_host=True)
-        self._engine.copy(tuple(zip(self._sides(), (ks, vs))), p, 0, self.layer_num, to_host=True, backend=io_backend)
+        layers, p = self._prepare(device_pool, host_indices, device_indices, io_backend, to_host=True)
+        self._engine.copy(tuple(zip(self._sides(), layers)), p, 0, self.layer_num, to_host=True, backend=io_backend)
 
     def synchronize(self) -> None:
         """Wait until every transfer this pool issued has completed."""
@@ -425,55 +465,6 @@ class _HostKVPool:
             f"layers={self.layer_num}, heads={self.head_num}, head_dim={self.head_dim}, "
             f"v_head_dim={self.v_head_dim}, dtype={self.dtype})"
         )
-
-
-class _Prepared:
-    """Validated indices of one transfer call (host numpy copies, and GPU copies made on demand)."""
-
-    __slots__ = ("host", "device", "paged", "_gpu", "plans")  # _gpu: (device, (host, device) tensors, upload event)
-
-    def __init__(self, host, device, paged: bool) -> None:
-        self.host, self.device, self.paged = host, device, paged
-        self._gpu: tuple | None = None
-        self.plans: dict = {}  # DMA plans and kernel launches per (side, direction, device tensors, ...)
-
-    def gpu(self, device: torch.device):
-        """The indices as int64 tensors on ``device`` (uploaded once, from pinned staging), ordered before
-        whatever the current stream does next — also when a later call reuses them from another stream."""
-        if self._gpu is None or self._gpu[0] != device:
-            h = torch.from_numpy(self.host).pin_memory().to(device, non_blocking=True)
-            d = torch.from_numpy(self.device).pin_memory().to(device, non_blocking=True)
-            self._gpu = (device, (h, d), torch.cuda.current_stream(device).record_event())
-        else:
-            torch.cuda.current_stream(device).wait_event(self._gpu[2])
-        return self._gpu[1]
-
-
-def _unchanged(prepared: "_Prepared", host_indices: Any, device_indices: Any) -> bool:
-    """Whether CPU index tensors still hold what was validated: writes through ``.numpy()`` or DLPack do not
-    bump ``_version``, so the cache key alone cannot tell. A length-n comparison, cheap next to the copy it
-    guards. CUDA index tensors are not compared (that would cost a device-to-host copy per call): a caller
-    that rewrites a CUDA index buffer outside torch (a Triton kernel, CUDA-graph replay, DLPack) must pass a
-    new tensor or bump its version (``t.add_(0)``); otherwise the previously validated indices are used —
-    never unvalidated ones, since only the private validated copy reaches the copies."""
-    for t, validated in ((host_indices, prepared.host), (device_indices, prepared.device)):
-        if t.device.type == "cpu" and not np.array_equal(t.detach().numpy(), validated):
-            return False
-    return True
-
-
-def _index_array(name: str, t: Any):
-    """A 1-D int64 numpy view (CPU) of an index tensor; CUDA tensors are copied to the host."""
-    if not isinstance(t, torch.Tensor):
-        raise InvalidArgumentError(f"invalid argument `{name}`: expected a torch.Tensor, got {type(t).__name__}")
-    if t.dtype != torch.int64:
-        raise InvalidArgumentError(f"invalid argument `{name}`: dtype must be torch.int64, got {t.dtype}")
-    if t.dim() != 1:
-        raise InvalidArgumentError(f"invalid argument `{name}`: must be 1-D, got shape {tuple(t.shape)}")
-    # A private copy: the validated indices must be exactly those that reach the copies and the kernel.
-    # A view of the caller's CPU tensor could be changed after validation (numpy or DLPack writes do not
-    # bump the tensor's version, and validation runs with the GIL released).
-    return np.array(t.detach().to("cpu").numpy(), dtype=np.int64, copy=True)
 
 
 class MHAHostPool(_HostKVPool):
@@ -534,8 +525,14 @@ def host_pool_for(
     layout: str = "page_first_direct",
     pin_memory: bool = True,
 ) -> _HostKVPool:
-    """The host pool class HiCache would pick for ``device_pool``: :class:`AsymmetricMHAHostPool` when
-    ``head_dim != v_head_dim``, else :class:`MHAHostPool`."""
+    """The host pool class HiCache would pick for ``device_pool``: :class:`~kvtier.MLAHostPool` for an MLA
+    pool (one with ``kv_lora_rank``), :class:`AsymmetricMHAHostPool` when ``head_dim != v_head_dim``, else
+    :class:`MHAHostPool`."""
     geo = _Geometry.of(device_pool)
-    cls = AsymmetricMHAHostPool if geo.head_dim != geo.v_head_dim else MHAHostPool
+    if geo.mla:
+        from .pools_mla import MLAHostPool
+
+        cls: type[_HostKVPool] = MLAHostPool
+    else:
+        cls = AsymmetricMHAHostPool if geo.head_dim != geo.v_head_dim else MHAHostPool
     return cls(device_pool, host_to_device_ratio=host_to_device_ratio, host_size_gb=host_size_gb, layout=layout, pin_memory=pin_memory)
