@@ -11,6 +11,8 @@ def test_demo_verifies_everything(capsys):
     out = capsys.readouterr().out
     assert "restored bit-exact: True" in out and "restored from disk bit-exact: True" in out
     assert "all checks passed" in out
+    assert "MLAHostPool[page_first_direct, direct]" in out and "MLAHostPool[page_first, kernel]" in out
+    assert "PageStore[demo/deepseek-like]" in out and out.count("restored from disk bit-exact: True") == 2
     assert "outputs equal for all 4 requests: True" in out and "host hit" in out
 
 

@@ -1,9 +1,10 @@
 """The main job (``make demo`` / ``kvtier demo``): a short, verified tour of what kvtier does today.
 
 1. Allocates a host buffer, views it from torch, and reports alignment, huge pages and pinning.
-2. Builds a MiMo-like asymmetric KV cache (K 192, V 128, scaled down), backs every page up from the device
-   pool to a host pool, wipes the device pool, loads it back layer by layer with both layouts and IO
-   backends HiCache offers for asymmetric models, and checks every byte.
+2. Builds a MiMo-like asymmetric KV cache (K 192, V 128, scaled down) and a DeepSeek-like MLA cache
+   (kv_lora_rank 512 + qk_rope_head_dim 64; 61 layers on a GPU), backs every page up from the device pool
+   to a host pool, wipes the device pool, loads it back layer by layer with both layouts and IO backends
+   HiCache offers for these models, and checks every byte.
 3. Spills the host pages to a PageStore on disk (keyed by SGLang-compatible page hashes), wipes host and
    device, reads them back from disk, loads them to the device, and checks every byte again.
 4. Serves a multi-turn workload with a tiny transformer through TierController (kvtier.workload): TTFT by
@@ -23,7 +24,7 @@ import warnings
 
 import torch
 
-from . import DeviceKVPool, HostBuffer, PageStore, __version__, host_pool_for, page_hashes
+from . import DeviceKVPool, HostBuffer, MLADeviceKVPool, PageStore, __version__, device_layers, host_pool_for, page_hashes
 
 
 def _gbps(nbytes: int, seconds: float) -> str:
@@ -55,46 +56,25 @@ def run(layers: int = 8, pages: int = 32, page_size: int = 64, heads: int = 4, s
     g = torch.Generator(device="cpu").manual_seed(seed)
     dk, dv = 192, 128
     dp = DeviceKVPool(pages * page_size, page_size, layers, heads, dk, dv, torch.bfloat16, device)
-    for x in dp.k_buffer + dp.v_buffer:
-        x.view(torch.uint8).copy_(torch.randint(0, 256, x.view(torch.uint8).shape, generator=g, dtype=torch.uint8))
-    ref = [x.clone() for x in dp.k_buffer + dp.v_buffer]
+    ref = _fill(dp, g)
     nbytes = pages * page_size * heads * (dk + dv) * 2 * layers
     print(
         f"KV cache: {layers} layers x {pages} pages x {page_size} tokens, {heads} KV heads, K {dk} / V {dv} bf16 "
         f"({nbytes / 1e6:.1f} MB)"
     )
-    for layout, backend in (("page_first_direct", "direct"), ("page_first", "kernel")):
-        with host_pool_for(dp, layout=layout) as hp:
-            host_idx = hp.alloc(pages * page_size)
-            dev_idx = torch.arange(page_size, (pages + 1) * page_size)  # skip the padding page
-            sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-            hp.backup_from_device_all_layer(dp, host_idx, dev_idx, backend)  # warm-up (kernel compilation)
-            hp.load_to_device_per_layer(dp, host_idx, dev_idx, 0, backend)
-            sync()
-            t0 = time.perf_counter()
-            hp.backup_from_device_all_layer(dp, host_idx, dev_idx, backend)
-            sync()
-            t1 = time.perf_counter()
-            for x in dp.k_buffer + dp.v_buffer:
-                x.zero_()
-            t2 = time.perf_counter()
-            for layer in range(layers):
-                hp.load_to_device_per_layer(dp, host_idx, dev_idx, layer, backend)
-            sync()
-            t3 = time.perf_counter()
-            rows = dev_idx.to(device)
-            exact = all(
-                torch.equal(a[rows].view(torch.uint8), b[rows].view(torch.uint8))
-                for a, b in zip(ref, dp.k_buffer + dp.v_buffer)
-            )
-            failures += not exact
-            print(
-                f"  {type(hp).__name__}[{layout}, {backend}]: backup {_gbps(nbytes, t1 - t0)}, "
-                f"load {_gbps(nbytes, t3 - t2)}, restored bit-exact: {exact}"
-            )
+    failures += _transfer_round_trips(dp, ref, nbytes, (("page_first_direct", "direct"), ("page_first", "kernel")))
+    # DeepSeek-V3-like MLA: one latent (512) + rope (64) row per token and layer, every rank holds all of it
+    mla_layers = 61 if device == "cuda" else layers
+    mla = MLADeviceKVPool(pages * page_size, page_size, mla_layers, 512, 64, torch.bfloat16, device)
+    mla_ref = _fill(mla, g)
+    mla_bytes = pages * page_size * 576 * 2 * mla_layers
+    print(f"MLA KV cache (DeepSeek-like): {mla_layers} layers x {pages} pages x {page_size} tokens, kv_lora_rank 512 + "
+          f"qk_rope_head_dim 64 bf16 ({mla_bytes / 1e6:.1f} MB)")
+    failures += _transfer_round_trips(mla, mla_ref, mla_bytes, (("page_first_direct", "direct"), ("page_first", "kernel")))
     if store_dir is not None:
         os.makedirs(store_dir, mode=0o700, exist_ok=True)
-    failures += _spill_round_trip(dp, ref, pages, page_size, layers, device, store_dir)
+    failures += _spill_round_trip(dp, ref, pages, page_size, layers, device, store_dir, "demo/mimo-like")
+    failures += _spill_round_trip(mla, mla_ref, pages, page_size, mla_layers, device, store_dir, "demo/deepseek-like")
     if conversations > 0 and turns > 0:
         from .workload import run_workload
 
@@ -108,14 +88,61 @@ def run(layers: int = 8, pages: int = 32, page_size: int = 64, heads: int = 4, s
     return 1 if failures else 0
 
 
-def _spill_round_trip(dp, ref, pages, page_size, layers, device, store_dir=None) -> int:
+def _tensors(dp) -> list:
+    """Every per-layer device tensor of ``dp`` (K and V, or an MLA pool's latent KV)."""
+    return [t for side in device_layers(dp) for t in side]
+
+
+def _fill(dp, g) -> list:
+    """Random bytes in every device tensor; returns copies to check against."""
+    for x in _tensors(dp):
+        x.view(torch.uint8).copy_(torch.randint(0, 256, x.view(torch.uint8).shape, generator=g, dtype=torch.uint8))
+    return [x.clone() for x in _tensors(dp)]
+
+
+def _transfer_round_trips(dp, ref, nbytes, combos) -> int:
+    """Backup every page to a host pool, wipe the device pool, load it back per layer, check every byte; for
+    each (layout, backend). Returns failures."""
+    failures = 0
+    device = _tensors(dp)[0].device.type
+    pages, page_size, layers = dp.size // dp.page_size, dp.page_size, dp.layer_num
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    for layout, backend in combos:
+        with host_pool_for(dp, layout=layout) as hp:
+            host_idx = hp.alloc(pages * page_size)
+            dev_idx = torch.arange(page_size, (pages + 1) * page_size)  # skip the padding page
+            hp.backup_from_device_all_layer(dp, host_idx, dev_idx, backend)  # warm-up (kernel compilation)
+            hp.load_to_device_per_layer(dp, host_idx, dev_idx, 0, backend)
+            sync()
+            t0 = time.perf_counter()
+            hp.backup_from_device_all_layer(dp, host_idx, dev_idx, backend)
+            sync()
+            t1 = time.perf_counter()
+            for x in _tensors(dp):
+                x.zero_()
+            t2 = time.perf_counter()
+            for layer in range(layers):
+                hp.load_to_device_per_layer(dp, host_idx, dev_idx, layer, backend)
+            sync()
+            t3 = time.perf_counter()
+            rows = dev_idx.to(device)
+            exact = all(torch.equal(a[rows].view(torch.uint8), b[rows].view(torch.uint8)) for a, b in zip(ref, _tensors(dp)))
+            failures += not exact
+            print(
+                f"  {type(hp).__name__}[{layout}, {backend}]: backup {_gbps(nbytes, t1 - t0)}, "
+                f"load {_gbps(nbytes, t3 - t2)}, restored bit-exact: {exact}"
+            )
+    return failures
+
+
+def _spill_round_trip(dp, ref, pages, page_size, layers, device, store_dir=None, model="demo") -> int:
     """Device -> host -> disk, wipe both, disk -> host -> device; check every byte. Returns failures."""
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     root = tempfile.mkdtemp(prefix="kvtier-demo-store-", dir=store_dir or os.getcwd())
     try:
         with host_pool_for(dp, layout="page_first_direct") as hp, warnings.catch_warnings():
             warnings.simplefilter("always")  # an O_DIRECT fallback is reported below, not raised
-            store = PageStore(root, capacity_bytes=1 << 30, model_name="demo/mimo-like")
+            store = PageStore(root, capacity_bytes=1 << 30, model_name=model)
             store.register_mem_pool_host(hp)
             tokens = torch.randint(0, 150_000, (pages * page_size,), generator=torch.Generator().manual_seed(1)).tolist()
             keys = page_hashes(tokens, page_size)  # SGLang-compatible chained page keys
@@ -126,9 +153,7 @@ def _spill_round_trip(dp, ref, pages, page_size, layers, device, store_dir=None)
             t0 = time.perf_counter()
             stored = store.batch_set_v1(keys, host_idx)
             t1 = time.perf_counter()
-            hp.k_buffer.zero_()
-            hp.v_buffer.zero_()
-            for x in dp.k_buffer + dp.v_buffer:
+            for x in [*hp.kv_buffer, *_tensors(dp)]:  # (MHA: K then V block; asymmetric: K, V; MLA: pages)
                 x.zero_()
             t2 = time.perf_counter()
             loaded = store.batch_get_v1(keys, host_idx)
@@ -138,12 +163,12 @@ def _spill_round_trip(dp, ref, pages, page_size, layers, device, store_dir=None)
             sync()
             rows = dev_idx.to(device)
             exact = all(stored) and all(loaded) and all(
-                torch.equal(a[rows].view(torch.uint8), b[rows].view(torch.uint8)) for a, b in zip(ref, dp.k_buffer + dp.v_buffer)
+                torch.equal(a[rows].view(torch.uint8), b[rows].view(torch.uint8)) for a, b in zip(ref, _tensors(dp))
             )
             st = store.get_stats()
             nbytes = st["bytes_written"]
             print(
-                f"  PageStore ({'O_DIRECT' if st['o_direct'] else 'buffered: ' + str(st['o_direct_note'])}): "
+                f"  PageStore[{model}] ({'O_DIRECT' if st['o_direct'] else 'buffered: ' + str(st['o_direct_note'])}): "
                 f"{st['pages']} pages spilled {_gbps(nbytes, t1 - t0)} (durable), read back {_gbps(nbytes, t3 - t2)}, "
                 f"device KV restored from disk bit-exact: {exact}"
             )

@@ -1,6 +1,6 @@
 """Host<->device KV transfer throughput against the PCIe ceiling measured in the same run.
 
-    kvtier bench transfer [--out DIR] [--geoms A,B,C] [--pages 16,64,256,1024] [--reps 7]
+    kvtier bench transfer [--out DIR] [--geoms A,B,C,D] [--pages 16,64,256,1024] [--reps 7]
 
 1. Ceiling: pinned contiguous H2D and D2H copies of 2 GiB (torch, median of 5).
 2. For each geometry, backend and page count:
@@ -17,7 +17,8 @@
    loop replayed as one graph beside a load that is never waited on, against alone (device contention).
 
 Geometries (bf16, page 64): A = MiMo-V2-like 48 layers, 4 KV heads, K 192 / V 128; B = Llama-3.1-8B-like
-32 layers, 8 heads, 128 / 128; C = MiMo at TP 8: 48 layers, 1 head, 192 / 128.
+32 layers, 8 heads, 128 / 128; C = MiMo at TP 8: 48 layers, 1 head, 192 / 128; D = DeepSeek-V3-like MLA:
+61 layers, kv_lora_rank 512 + qk_rope_head_dim 64 (one 1,152-byte row per token and layer).
 Writes ``transfer.json`` and ``transfer.md`` into --out. Needs a CUDA GPU.
 """
 
@@ -32,13 +33,14 @@ import time
 import torch
 
 import kvtier
-from kvtier import DeviceKVPool, LayerLoader, host_pool_for
+from kvtier import DeviceKVPool, LayerLoader, MLADeviceKVPool, device_layers, host_pool_for
 from kvtier import config
 
 GEOMS = {
     "A": dict(layers=48, heads=4, dk=192, dv=128),
     "B": dict(layers=32, heads=8, dk=128, dv=128),
     "C": dict(layers=48, heads=1, dk=192, dv=128),
+    "D": dict(layers=61, mla=(512, 64)),  # DeepSeek-V3-like MLA: one latent + rope row per token and layer
 }
 PS = 64
 DT = torch.bfloat16
@@ -74,24 +76,40 @@ def page_idx(pages: torch.Tensor) -> torch.Tensor:
     return (pages[:, None] * PS + torch.arange(PS)[None]).reshape(-1)
 
 
+def host_sides(hp) -> tuple:
+    """The host pool's tensors, one per side (K and V, or an MLA pool's latent KV)."""
+    return (hp.kv_buffer,) if hasattr(hp, "kv_lora_rank") else (hp.k_buffer, hp.v_buffer)
+
+
+def make_device_pool(g, size):
+    if "mla" in g:
+        return MLADeviceKVPool(size, PS, g["layers"], *g["mla"], DT, "cuda")
+    return DeviceKVPool(size, PS, g["layers"], g["heads"], g["dk"], g["dv"], DT, "cuda")
+
+
+def page_layer_bytes(g) -> int:
+    """Bytes of one page of one layer, every side."""
+    return PS * (sum(g["mla"]) if "mla" in g else g["heads"] * (g["dk"] + g["dv"])) * 2
+
+
 def naive_load(hp, dp, hpages, dpages, layer):
     for p, q in zip(hpages.tolist(), dpages.tolist()):
-        dp.k_buffer[layer][q * PS : (q + 1) * PS].copy_(hp.k_buffer[p, layer], non_blocking=True)
-        dp.v_buffer[layer][q * PS : (q + 1) * PS].copy_(hp.v_buffer[p, layer], non_blocking=True)
+        for host, dev in zip(host_sides(hp), device_layers(dp)):
+            dev[layer][q * PS : (q + 1) * PS].copy_(host[p, layer], non_blocking=True)
 
 
 def naive_backup(hp, dp, hpages, dpages):
     for layer in range(hp.layer_num):
         for p, q in zip(hpages.tolist(), dpages.tolist()):
-            hp.k_buffer[p, layer].copy_(dp.k_buffer[layer][q * PS : (q + 1) * PS], non_blocking=True)
-            hp.v_buffer[p, layer].copy_(dp.v_buffer[layer][q * PS : (q + 1) * PS], non_blocking=True)
+            for host, dev in zip(host_sides(hp), device_layers(dp)):
+                host[p, layer].copy_(dev[layer][q * PS : (q + 1) * PS], non_blocking=True)
 
 
 def check_exact(hp, dp, h, d) -> bool:
     hc = h.cpu()
     ok = True
     for layer in (0, hp.layer_num - 1):
-        for host, dev in ((hp.k_buffer, dp.k_buffer), (hp.v_buffer, dp.v_buffer)):
+        for host, dev in zip(host_sides(hp), device_layers(dp)):
             rows = host[hc // PS, layer, hc % PS] if hp.layout == "page_first_direct" else host[hc, layer]
             ok &= torch.equal(rows.view(torch.uint8), dev[layer][d].view(torch.uint8).cpu())
     return bool(ok)
@@ -102,13 +120,14 @@ def run_geometry(name, g, pages_list, reps, ceil_up, ceil_down, rows_out, stream
     default stream ("default": a plain script; its LayerLoader gets its own stream, as by default), with
     index tensors on the CPU and/or on the GPU."""
     max_pages = max(pages_list)
-    dp = DeviceKVPool((max_pages + 8) * PS, PS, g["layers"], g["heads"], g["dk"], g["dv"], DT, "cuda")
-    for t in dp.k_buffer + dp.v_buffer:
-        t.view(torch.uint8).random_(0, 256)
-    per_layer = PS * g["heads"] * (g["dk"] + g["dv"]) * 2  # bytes per page per layer, K+V
+    dp = make_device_pool(g, (max_pages + 8) * PS)
+    for side in device_layers(dp):
+        for t in side:
+            t.view(torch.uint8).random_(0, 256)
+    per_layer = page_layer_bytes(g)  # bytes per page per layer, K+V
     for layout, backend in (("page_first_direct", "direct"), ("page_first", "kernel"), ("page_first_direct", "naive")):
         hp = host_pool_for(dp, layout=layout, host_to_device_ratio=1.0)
-        assert hp.k_buffer.is_pinned()
+        assert all(t.is_pinned() for t in host_sides(hp))
         for mode, idev, npages in [(m, i, n) for m in modes for i in index_devs for n in pages_list]:
             if backend == "naive" and (npages > 256 or mode != "side" or idev != "cpu"):
                 continue
@@ -362,7 +381,7 @@ def plot(res, path: str) -> None:
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="kvtier bench transfer")
     ap.add_argument("--out", default="benches/results")
-    ap.add_argument("--geoms", default="A,B,C")
+    ap.add_argument("--geoms", default="A,B,C,D")
     ap.add_argument("--pages", default="16,64,256,1024")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--no-sweep", action="store_true")
