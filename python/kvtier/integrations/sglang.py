@@ -24,6 +24,11 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 from .._errors import InvalidArgumentError
 from ..buffer import HostBuffer
 from ..store import DEFAULT_CAPACITY, PageStore
+from ._pools_v2 import PoolStore
+
+#: v2 pools whose pages every TP rank holds its own shard of, even in a model whose KV is rank-replicated
+#: (SGLang writes them from every rank; the other extra pools of an MLA model only from the writer rank).
+RANK_SHARDED_POOLS = {"mamba"}
 
 #: Options read from ``--hicache-storage-backend-extra-config`` (with defaults).
 OPTIONS = {
@@ -66,6 +71,8 @@ class KvtierStorage(HiCacheStorage):
         writer = getattr(storage_config, "is_storage_writer", None)
         self.is_writer = bool(writer) if writer is not None else (not self.is_mla or storage_config.tp_rank == 0)
         tp_rank, tp_size = (0, 1) if self.is_mla else (storage_config.tp_rank, storage_config.tp_size)
+        self._opts = opts
+        self._pools: dict[str, PoolStore] = {}  # the v2 interface's extra pools, by name
         self.store = PageStore(
             os.path.expanduser(str(opts["path"])),
             capacity_bytes=int(opts["capacity_bytes"]),
@@ -96,8 +103,97 @@ class KvtierStorage(HiCacheStorage):
 
     # -- registration ---------------------------------------------------------------------------------
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """The KV pool (the anchor). SGLang's ``HostPoolGroup`` of a hybrid model is accepted too: its anchor
+        is the KV pool and its other entries are registered as v2 pools."""
+        anchor = getattr(mem_pool_host, "anchor_entry", None)
+        if anchor is not None and hasattr(mem_pool_host, "entries"):
+            self.register_mem_pool_host(anchor.host_pool)
+            for entry in mem_pool_host.entries:
+                if entry is not anchor:
+                    self.register_mem_host_pool_v2(entry.host_pool, entry.name)
+            return
         super().register_mem_pool_host(mem_pool_host)
         self.store.register_mem_pool_host(mem_pool_host)
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """An extra pool of a hybrid model (SWA KV, Mamba state, draft KV, indexer, ...): stored in a namespace
+        of its own (see :mod:`kvtier.integrations._pools_v2`). ``kv`` is the anchor, already registered."""
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        name = _pool_name(host_pool_name)
+        if name == "kv":
+            return
+        cfg = self.storage_config
+        sharded = name in RANK_SHARDED_POOLS or not self.is_mla
+        tp = (cfg.tp_rank, cfg.tp_size) if sharded else (0, 1)
+        r = self.store.ranks
+        extra = (f"|dp={r['dp'][0]}" if r["dp"][0] else "") + (f"|dcp={r['dcp'][0]}/{r['dcp'][1]}" if r["dcp"][1] > 1 else "")
+        dtype = str(getattr(host_pool, "dtype", "")).removeprefix("torch.")
+        ns = (f"kvtier-v1|model={self.store.model_name}|tp={tp[0]}/{tp[1]}|pp={r['pp'][0]}/{r['pp'][1]}"
+              f"|cp={r['cp'][0]}/{r['cp'][1]}{extra}|pool={name}|dtype={dtype}|layout={getattr(host_pool, 'layout', None)}"
+              f"|page={getattr(host_pool, 'page_size', 1)}")
+        store = PoolStore(self.store.path, ns, host_pool, capacity_bytes=self.store.capacity_bytes,
+                          io_threads=int(self._opts["io_threads"]), direct=self._opts["direct"],
+                          read_only=not sharded and not self.is_writer)
+        old = self._pools.pop(name, None)
+        if old is not None:
+            old.close()
+        self._pools[name] = store
+
+    # -- v2 (hybrid models) ----------------------------------------------------------------------------
+    def batch_exists_v2(self, keys: List[str], pool_transfers: Any = None, extra_info: Any = None) -> Any:
+        """The longest KV prefix every extra pool can serve, by each pool's hit policy (SGLang's rules:
+        ``all_pages``: every page of the prefix; ``trailing_pages``: the last ``len(keys)`` pages of it)."""
+        from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransferResult
+
+        kv_pages = self.store.batch_exists(keys)
+        hits: dict = {PoolName.KV: kv_pages} if kv_pages else {}
+        restorable = set(range(1, kv_pages + 1))
+        for t in pool_transfers or []:
+            if not restorable:
+                break
+            present = self._pool(t.name).exists(keys[:kv_pages])
+            if t.hit_policy == PoolHitPolicy.ALL_PAGES:
+                boundary = present.index(False) if False in present else kv_pages
+                ok = set(range(1, boundary + 1))
+            elif t.hit_policy == PoolHitPolicy.TRAILING_PAGES:
+                window = max(1, len(t.keys) if t.keys else 1)
+                ok = {n for n in range(1, kv_pages + 1) if all(present[max(0, n - window):n])}
+                boundary = max(ok, default=0)
+            else:
+                raise InvalidArgumentError(f"invalid argument `pool_transfers`: hit policy {t.hit_policy!r} of pool "
+                                           f"{_pool_name(t.name)!r} is not supported by kvtier")
+            if boundary:
+                hits[t.name] = boundary
+            restorable &= ok
+        return PoolTransferResult(max(restorable, default=0), hits, sorted(restorable))
+
+    def batch_get_v2(self, transfers: List[Any], extra_info: Any = None) -> dict:
+        return self._batch_v2(transfers, setting=False)
+
+    def batch_set_v2(self, transfers: List[Any], extra_info: Any = None) -> dict:
+        return self._batch_v2(transfers, setting=True)
+
+    def _batch_v2(self, transfers: List[Any], setting: bool) -> dict:
+        out: dict = {}
+        for t in transfers:
+            keys = list(t.keys or [])
+            if _pool_name(t.name) == "kv":
+                op = self.batch_set_v1 if setting else self.batch_get_v1
+                out[t.name] = op(keys, t.host_indices) if t.host_indices is not None else [False] * len(keys)
+                continue
+            pool = self._pool(t.name)
+            if t.host_indices is None:
+                out[t.name] = [False] * len(keys)
+            else:
+                out[t.name] = pool.set(keys, t.host_indices) if setting else pool.get(keys, t.host_indices)
+        return out
+
+    def _pool(self, name: Any) -> PoolStore:
+        pool = self._pools.get(_pool_name(name))
+        if pool is None:
+            raise InvalidArgumentError(f"invalid argument `pool_transfers`: pool {_pool_name(name)!r} was never "
+                                       f"registered (register_mem_host_pool_v2); registered: {sorted(self._pools)}")
+        return pool
 
     # -- zero-copy v1 ---------------------------------------------------------------------------------
     def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor, extra_info: Any = None) -> List[bool]:
@@ -172,6 +268,8 @@ class KvtierStorage(HiCacheStorage):
     # -- housekeeping ---------------------------------------------------------------------------------
     def clear(self) -> None:
         self.store.clear()
+        for pool in self._pools.values():
+            pool.clear()
 
     def get_stats(self):
         """SGLang's storage metrics (``--enable-metrics``): a ``StorageMetrics`` with the pages and GB/s of
@@ -192,8 +290,15 @@ class KvtierStorage(HiCacheStorage):
 
     def close(self) -> None:
         self.store.close()
+        for pool in self._pools.values():
+            pool.close()
+        self._pools = {}
         with self._scratch_lock:
             for buf in self._scratches:
                 buf.close()
             self._scratches = []
 
+
+def _pool_name(name: Any) -> str:
+    """A pool's name as a plain string (SGLang passes ``PoolName`` members, a ``str`` enum)."""
+    return str(getattr(name, "value", name))

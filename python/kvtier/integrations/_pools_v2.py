@@ -1,0 +1,189 @@
+"""The extra host pools of SGLang's v2 storage interface (hybrid models: SWA KV, Mamba/KDA state, draft KV,
+DSA indexer, ...), each stored in a page-store namespace of its own.
+
+A pool's pages are stored as the objects its ``get_page_buffer_meta`` names (zero copy from the pool's own
+tensors, which are registered with the store, so every address is checked against them before a byte
+moves), ``"{key}.{j}"`` for the j-th object of a page; a pool that offers no zero-copy metadata (a Mamba
+pool with slot side state, say) is stored as one flat page per key through a scratch buffer
+(``get_data_page`` / ``set_from_flat_data_page``). Which of the two, and each object's size, is part of
+the namespace, so a page is only ever read back the way it was written. A page counts as stored only when
+every object of it is; a read that finds any object missing or damaged is a miss for the whole page.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable, List, Sequence
+
+import torch
+
+from .. import _native
+from .._errors import InvalidArgumentError, KvtierError
+from ..buffer import HostBuffer
+
+
+def pool_tensors(pool: Any) -> list[torch.Tensor]:
+    """The host tensors a pool's pages live in (what SGLang's Mooncake backend registers):
+    ``get_hybrid_pool_buffer()`` where the pool has it, else its ``kv_buffer`` (one tensor or several)."""
+    get = getattr(pool, "get_hybrid_pool_buffer", None)
+    bufs = list(get()) if callable(get) else [getattr(pool, "kv_buffer", None)]
+    out: list[torch.Tensor] = []
+    for b in bufs:
+        if isinstance(b, (list, tuple)):
+            out.extend(x for x in b if isinstance(x, torch.Tensor))
+        elif isinstance(b, torch.Tensor):
+            out.append(b)
+    return [t for t in out if t.numel() > 0]
+
+
+class PoolStore:
+    """One v2 pool's pages in a namespace of their own (see the module docs). ``read_only``: another
+    rank writes this namespace (rank-replicated pools of MLA models); it is opened when it exists."""
+
+    def __init__(self, root: str, namespace: str, pool: Any, *, capacity_bytes: int, io_threads: int,
+                 direct: Any, read_only: bool) -> None:
+        self.pool = pool
+        self.page_size = int(getattr(pool, "page_size", 1) or 1)
+        self.read_only = read_only
+        self._lock = threading.Lock()
+        self._scratch: HostBuffer | None = None
+        probe = torch.arange(self.page_size, dtype=torch.int64)
+        try:
+            ptrs, sizes = pool.get_page_buffer_meta(probe)
+            self.sizes = [int(s) for s in sizes]
+            self.flat = not self.sizes or any(s <= 0 for s in self.sizes)
+        except (NotImplementedError, ValueError, AssertionError, AttributeError):
+            self.flat = True
+        if self.flat:
+            if not hasattr(pool, "get_data_page") or not hasattr(pool, "set_from_flat_data_page"):
+                raise InvalidArgumentError(
+                    f"invalid argument `host_pool`: {type(pool).__name__} offers neither get_page_buffer_meta nor "
+                    "get_data_page/set_from_flat_data_page"
+                )
+            dummy = pool.get_dummy_flat_data_page()
+            self.sizes = [int(dummy.numel() * dummy.element_size())]
+        self.namespace = namespace + ("|objs=flat:" if self.flat else "|objs=") + "+".join(map(str, self.sizes))
+        self._open_args = (root, self.namespace, capacity_bytes, io_threads, direct, read_only)
+        self._native: Any = None
+        self._next_try = 0.0
+        self._open()
+        if self._native is None and not read_only:
+            raise KvtierError(f"could not open the page store namespace {self.namespace!r}")
+
+    def _open(self) -> Any:
+        try:
+            native = _native.PageStore(*self._open_args)
+        except FileNotFoundError:
+            if not self.read_only:
+                raise
+            self._next_try = time.monotonic() + 1.0
+            return None
+        try:
+            if self.flat:
+                self._scratch = HostBuffer(max(1 << 20, self.sizes[0]), pin=False)
+                native.register_region(self._scratch._region)
+            else:
+                for t in pool_tensors(self.pool):
+                    native.register_tensor(t)
+        except BaseException:
+            native.close()
+            raise
+        self._native = native
+        return native
+
+    def _store(self) -> Any:
+        """The native store; None only for a reader whose writer has not created the namespace yet."""
+        with self._lock:
+            if self._native is None and time.monotonic() >= self._next_try:
+                self._open()
+            return self._native
+
+    # ------------------------------------------------------------------ pages
+    def _page_starts(self, keys: Sequence[str], host_indices: torch.Tensor) -> list[int] | None:
+        h = host_indices.detach().to("cpu").reshape(-1)
+        if h.dtype != torch.int64 or h.numel() != len(keys) * self.page_size:
+            return None
+        return h[:: self.page_size].tolist()
+
+    def _objects(self, keys: Sequence[str], host_indices: torch.Tensor):
+        ptrs, sizes = self.pool.get_page_buffer_meta(host_indices)
+        m = len(self.sizes)
+        if len(ptrs) != m * len(keys) or [int(s) for s in sizes] != self.sizes * len(keys):
+            raise InvalidArgumentError(
+                f"invalid argument `host_pool`: get_page_buffer_meta gave {len(ptrs)} objects of sizes "
+                f"{list(sizes)[:m]}..., expected {m} per page of sizes {self.sizes}"
+            )
+        names = [f"{k}.{j}" for k in keys for j in range(m)]
+        return names, [int(p) for p in ptrs], self.sizes * len(keys)
+
+    @staticmethod
+    def _per_page(ok: Sequence[bool], m: int) -> list[bool]:
+        return [all(ok[i * m:(i + 1) * m]) for i in range(len(ok) // m)]
+
+    def set(self, keys: List[str], host_indices: torch.Tensor) -> list[bool]:
+        if self.read_only:
+            return [True] * len(keys)  # the writer rank stores the replicated pages
+        starts = self._page_starts(keys, host_indices)
+        store = self._store()
+        if starts is None or store is None or not keys:
+            return [False] * len(keys)
+        if self.flat:
+            return self._flat(store, keys, starts, self._put_flat)
+        names, ptrs, sizes = self._objects(keys, host_indices)
+        return self._per_page(store.put(names, ptrs, sizes), len(self.sizes))
+
+    def get(self, keys: List[str], host_indices: torch.Tensor) -> list[bool]:
+        starts = self._page_starts(keys, host_indices)
+        store = self._store()
+        if starts is None or store is None or not keys:
+            return [False] * len(keys)
+        if self.flat:
+            return self._flat(store, keys, starts, self._get_flat)
+        names, ptrs, sizes = self._objects(keys, host_indices)
+        return self._per_page(store.get(names, ptrs, sizes), len(self.sizes))
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        store = self._store()
+        if store is None or not keys:
+            return [False] * len(keys)
+        if self.flat:
+            return list(store.exists([f"{k}.flat" for k in keys]))
+        m = len(self.sizes)
+        return self._per_page(store.exists([f"{k}.{j}" for k in keys for j in range(m)]), m)
+
+    # ------------------------------------------------------------------ flat pages (no zero-copy metadata)
+    def _flat(self, store: Any, keys: Sequence[str], starts: Sequence[int], op: Callable) -> list[bool]:
+        with self._lock:  # one scratch buffer per store
+            return [op(store, k, s) for k, s in zip(keys, starts)]
+
+    def _put_flat(self, store: Any, key: str, start: int) -> bool:
+        n = self.sizes[0]
+        page = self.pool.get_data_page(start, flat=True).contiguous().view(torch.uint8).reshape(-1)
+        if page.numel() != n:
+            return False
+        assert self._scratch is not None
+        self._scratch.as_tensor(torch.uint8, (n,)).copy_(page)
+        return bool(store.put([f"{key}.flat"], [self._scratch.ptr], [n])[0])
+
+    def _get_flat(self, store: Any, key: str, start: int) -> bool:
+        n = self.sizes[0]
+        assert self._scratch is not None
+        if not store.get([f"{key}.flat"], [self._scratch.ptr], [n])[0]:
+            return False
+        self.pool.set_from_flat_data_page(start, self._scratch.as_tensor(torch.uint8, (n,)).clone())
+        return True
+
+    def clear(self) -> None:
+        store = self._store()
+        if store is not None and not self.read_only:
+            store.clear()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._native is not None:
+                self._native.close()
+                self._native = None
+            if self._scratch is not None:
+                self._scratch.close()
+                self._scratch = None
