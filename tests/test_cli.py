@@ -2,8 +2,13 @@
 torch (seconds saved on every call, and they work on a storage host without torch); bench options are
 reachable with `kvtier bench NAME --help`, also for the GPU benches on a CPU machine."""
 
+import hashlib
+import json
+import os
+import statistics
 import subprocess
 import sys
+import time
 
 import torch
 
@@ -25,7 +30,7 @@ import sys
 import kvtier
 from kvtier.cli import main
 assert "torch" not in sys.modules, "import kvtier imported torch"
-for argv in (["inspect", sys.argv[1]], ["verify", sys.argv[1]]):
+for argv in (["inspect", sys.argv[1]], ["verify", sys.argv[1]], ["stats", sys.argv[1]], ["stats", "--json", sys.argv[1]]):
     assert main(argv) == 0, argv
 assert "torch" not in sys.modules, "inspect/verify imported torch"
 print("ok")
@@ -87,3 +92,55 @@ def test_ctrl_c_during_the_demo_is_one_line(tmp_path):
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=120)
     assert p.returncode == 130 and err.strip() == "kvtier: interrupted", (p.returncode, err[-2000:])
+
+
+def _store(tmp_path):
+    dp = DeviceKVPool(8 * 16, 16, 2, 2, 64, 64, torch.bfloat16, "cpu")
+    hp = host_pool_for(dp, layout="page_first_direct", host_to_device_ratio=1.0)
+    with PageStore(tmp_path, capacity_bytes=1 << 30) as st:
+        st.register_mem_pool_host(hp)
+        assert st.batch_set_v1(["a", "b"], torch.arange(32)) == [True, True]
+
+
+def _tree(path):
+    out = {}
+    for d, _, files in os.walk(path):
+        for f in files:
+            p = os.path.join(d, f)
+            with open(p, "rb") as fh:
+                out[p] = (hashlib.sha256(fh.read()).hexdigest(), os.stat(p).st_mtime_ns)
+    return out
+
+
+def test_stats_prints_counters_and_changes_nothing(tmp_path):
+    _store(tmp_path)
+    before = _tree(tmp_path)
+    r = subprocess.run([sys.executable, "-m", "kvtier", "stats", "--json", str(tmp_path)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    (ns,) = json.loads(r.stdout).values()
+    assert ns["objects"] == 4 and "|heads=2|k=64|v=64" in ns["namespace"]
+    r = subprocess.run([sys.executable, "-m", "kvtier", "stats", str(tmp_path)], capture_output=True, text=True)
+    assert r.returncode == 0 and "objects" in r.stdout
+    assert _tree(tmp_path) == before
+    r = subprocess.run([sys.executable, "-m", "kvtier", "stats", str(tmp_path / "nope")], capture_output=True, text=True)
+    assert r.returncode == 1 and r.stderr.startswith("kvtier: error:") and "Traceback" not in r.stderr
+
+
+def test_version_and_start_time(tmp_path):
+    """--help, --version, inspect and stats start within a second of a bare interpreter (compared in the same
+    run: machines are noisy)."""
+    _store(tmp_path)
+    r = subprocess.run([sys.executable, "-m", "kvtier", "--version"], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.startswith("kvtier ") and r.stdout.split()[1][0].isdigit()
+
+    def median(argv):
+        ts = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            subprocess.run([sys.executable, *argv], capture_output=True, check=True)
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts)
+
+    bare = median(["-c", "pass"])
+    for argv in (["--help"], ["--version"], ["inspect", str(tmp_path)], ["stats", str(tmp_path)]):
+        assert median(["-m", "kvtier", *argv]) < bare + 1.0, argv

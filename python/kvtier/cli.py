@@ -72,6 +72,29 @@ def cmd_inspect(args) -> int:
     return 0
 
 
+def cmd_stats(args) -> int:
+    """Every namespace's counters, read-only (the store is opened without its lock and nothing is written)."""
+    import json
+
+    out = {}
+    for d, ns in _namespaces(args.path):
+        s = _open(args.path, ns)
+        try:
+            st = dict(s.stats())
+        finally:
+            s.close()
+        st["namespace"] = ns
+        out[os.path.basename(d)] = st
+    if args.json:
+        print(json.dumps(out, indent=1, sort_keys=True))
+        return 0
+    for name, st in out.items():
+        print(f"{name}  {st.pop('namespace')}")
+        for k in sorted(st):
+            print(f"  {k:<28} {st[k]}")
+    return 0
+
+
 def cmd_verify(args) -> int:
     repair = args.repair or args.drop
     damaged = 0
@@ -142,7 +165,10 @@ def cmd_bench(args, rest: list[str], bench_parser) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from ._native import __version__
+
     parser = argparse.ArgumentParser(prog="kvtier", description="Host-memory and disk tier for LLM KV caches.")
+    parser.add_argument("--version", action="version", version=f"kvtier {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="the verified end-to-end demo (GPU if present, else CPU)")
     demo.add_argument("--layers", type=int, default=8, help="layers of the transfer round trip (default 8)")
@@ -162,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("which", nargs="?", choices=["pin", "transfer", "store"])
     ins = sub.add_parser("inspect", help="namespaces, pages, bytes, files and damage of a store directory (read-only)")
     ins.add_argument("path")
+    stats = sub.add_parser("stats", help="a store's counters per namespace (read-only: changes nothing on disk)")
+    stats.add_argument("path")
+    stats.add_argument("--json", action="store_true", help="print JSON instead of a table")
     ver = sub.add_parser("verify", help="re-read every object of a store and check its checksum and journal "
                          "(read-only; exit 1 on damage)")
     ver.add_argument("path")
@@ -181,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_inspect(args)
         if args.command == "verify":
             return cmd_verify(args)
+        if args.command == "stats":
+            return cmd_stats(args)
     except (KvtierError, OSError, ValueError) as exc:
         print(f"kvtier: error: {exc}", file=sys.stderr)
         return 1
