@@ -14,6 +14,7 @@ def test_demo_verifies_everything(capsys):
     assert "MLAHostPool[page_first_direct, direct]" in out and "MLAHostPool[page_first, kernel]" in out
     assert "PageStore[demo/deepseek-like]" in out and out.count("restored from disk bit-exact: True") == 2
     assert "outputs equal for all 4 requests: True" in out and "host hit" in out
+    assert "recompute instead" in out and "restore" in out  # load time apart from the suffix's compute
 
 
 def test_cli_bad_arguments_exit_nonzero_without_traceback():
