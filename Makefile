@@ -9,10 +9,13 @@ export VIRTUAL_ENV := $(abspath $(VENV))
 # The venv's tools (ninja, which SGLang's page-hash extension needs to build) must be on PATH.
 export PATH := $(VIRTUAL_ENV)/bin:$(PATH)
 DEPS_STAMP := $(VENV)/.kvtier-deps
+TEST_STAMP := $(VENV)/.kvtier-test-deps
 BUILD_STAMP := $(VENV)/.kvtier-build
 RUST_SRC := $(shell find rust -name '*.rs' -o -name Cargo.toml) Cargo.toml pyproject.toml
-# Runtime and test dependencies of the Python side (torch's PyPI build is a CUDA build; it runs on CPU too).
-PY_DEPS := "maturin>=1.9.4,<2" "torch>=2.4" torchvision "numpy>=1.24" "pytest>=8" "pytest-timeout>=2" "hypothesis>=6"
+# What building kvtier and running the demo need (torch's PyPI build is a CUDA build; it runs on CPU too).
+PY_DEPS := "maturin>=1.9.4,<2" "torch>=2.4" "numpy>=1.24"
+# What only the tests need: test runners, the plot check, and the packages the conformance tests run against.
+TEST_DEPS := torchvision "pytest>=8" "pytest-timeout>=2" "hypothesis>=6" "matplotlib>=3.7" "ruff==0.17.6" "mypy==2.4.1"
 # The SGLang release the integration tests run against, installed without its dependency tree, plus only
 # what its HiCache modules import on a CPU machine (ninja: it JIT-builds its page-hash extension).
 SGLANG := sglang==0.5.23
@@ -20,21 +23,30 @@ SGLANG_IMPORT_DEPS := orjson psutil pybase64 requests pillow starlette msgspec p
 	aiohttp transformers dill apache-tvm-ffi sentencepiece compressed-tensors gguf ninja \
 	prometheus-client
 
-.PHONY: help install build build-profiling demo test test-rust test-python test-gpu bench bench-rust gpu-wheel lint clean sanitize sanitize-quick soak
+.PHONY: help install install-test test-wheel build build-profiling demo test test-rust test-python test-gpu bench bench-rust gpu-wheel lint clean sanitize sanitize-quick soak
 
 help: ## Show this help
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-16s\033[0m %s\n", $$1, $$2}'
 
 $(DEPS_STAMP): Makefile
 	@test -x $(VPY) || $(PYTHON) -m venv $(VENV)
+	@echo "kvtier: installing maturin, numpy and torch into $(VENV) (torch is a few GB on a first run: minutes; pip's cache serves later runs)"
 	$(VPY) -m pip install -q --upgrade pip
-	$(VPY) -m pip install -q $(PY_DEPS)
+	$(VPY) -m pip install --progress-bar on $(PY_DEPS) | grep -v "^Requirement already satisfied" || true
+	$(VPY) -c "import torch, numpy"
+	@touch $@
+
+$(TEST_STAMP): $(DEPS_STAMP)
+	@echo "kvtier: installing the test dependencies into $(VENV): pytest, hypothesis, matplotlib, $(SGLANG) without its dependency tree and the ~20 small packages its HiCache modules import (about a minute with pip's cache)"
+	$(VPY) -m pip install -q $(TEST_DEPS)
 	$(VPY) -m pip install -q --no-deps $(SGLANG)
 	$(VPY) -m pip install -q $(SGLANG_IMPORT_DEPS) 2>&1 | grep -v -e "requires" -e "dependency resolver" -e "dependency conflicts" || true
 	$(VPY) -c "import torch, sglang.srt.mem_cache.hicache_storage, sglang.srt.mem_cache.pool_host.mha, sglang.srt.mem_cache.storage.backend_factory"
 	@touch $@
 
-install: $(DEPS_STAMP) ## Create .venv and install build/runtime/test dependencies
+install: $(DEPS_STAMP) ## Create .venv and install what building and the demo need (maturin, torch, numpy)
+
+install-test: $(TEST_STAMP) ## install plus the test dependencies (pytest, hypothesis, matplotlib, SGLang)
 
 $(BUILD_STAMP): $(DEPS_STAMP) $(RUST_SRC)
 	$(VENV)/bin/maturin develop --release -q
@@ -48,13 +60,16 @@ build-profiling: $(DEPS_STAMP) ## Release build with debug symbols, for perf/fla
 demo: build ## Run the main job (kvtier demo)
 	$(VPY) -m kvtier demo
 
-test: test-rust test-python sanitize-quick ## cargo test, pytest (CUDA tests skip without a GPU; short soak, fuzz and fault runs included), ASan quick run
+test: test-rust test-python test-wheel sanitize-quick ## cargo test, pytest (CUDA tests skip without a GPU; short soak, fuzz and fault runs included), the wheel in a fresh virtualenv, ASan quick run
 
 test-rust: $(DEPS_STAMP)
 	cargo test --workspace --quiet
 
-test-python: build
+test-python: build $(TEST_STAMP)
 	$(VPY) -m pytest
+
+test-wheel: build ## pip install the built wheel into a fresh virtualenv without torch; run the CLI there
+	scripts/test_wheel.sh $(VPY)
 
 bench-rust: ## criterion benches of the core (KVTIER_BENCH_SMALL=1 for small sizes)
 	cargo bench -p kvtier-bench
@@ -63,12 +78,15 @@ gpu-wheel: $(DEPS_STAMP) ## Build the abi3 wheel into .wheel/ and the test-only 
 	rm -rf .wheel && $(VENV)/bin/maturin build --release -q -o .wheel
 	rm -rf .whl && $(VPY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl hypothesis sortedcontainers pytest-timeout
 
-test-gpu: build ## Run the CUDA tests here (needs a GPU)
+test-gpu: build $(TEST_STAMP) ## Run the CUDA tests here (needs a GPU)
 	$(VPY) -m pytest -m cuda -p no:cacheprovider
 
-lint: ## cargo fmt --check and clippy
+lint: build $(TEST_STAMP) ## cargo fmt --check, clippy, ruff, mypy (strict on the public API), stubtest of kvtier._native
 	cargo fmt --all --check
-	cargo clippy --workspace --all-targets -- -D warnings
+	cargo clippy --workspace --all-targets --quiet -- -D warnings
+	$(VENV)/bin/ruff check python tests benches
+	$(VENV)/bin/mypy
+	$(VPY) -m mypy.stubtest kvtier._native
 
 clean: ## Remove build outputs (keeps .venv)
 	cargo clean
@@ -80,5 +98,5 @@ sanitize: ## ASan+LSan, TSan (nightly), Miri (if installed), valgrind over kvtie
 sanitize-quick: ## ASan+LSan only over kvtier-core's unit tests (short CI variant; skips without nightly)
 	scripts/sanitize.sh asan-quick
 
-soak: build ## Soak: 2 processes x 4 threads against the real components for SOAK_SECONDS (default 120); SOAK_DISK_FULL=1 adds disk-full episodes (root); JSON in target/soak.json
+soak: build $(TEST_STAMP) ## Soak: 2 processes x 4 threads against the real components for SOAK_SECONDS (default 120); SOAK_DISK_FULL=1 adds disk-full episodes (root); JSON in target/soak.json
 	$(VPY) tests/soak/soak.py --seconds $${SOAK_SECONDS:-120} --procs 2 --threads 4 $${SOAK_DISK_FULL:+--disk-full} --out target/soak.json

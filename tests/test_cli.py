@@ -144,3 +144,35 @@ def test_version_and_start_time(tmp_path):
     bare = median(["-c", "pass"])
     for argv in (["--help"], ["--version"], ["inspect", str(tmp_path)], ["stats", str(tmp_path)]):
         assert median(["-m", "kvtier", *argv]) < bare + 1.0, argv
+
+
+def test_bench_store_writes_only_where_told_and_plots(tmp_path):
+    run = lambda *a, cwd=tmp_path: subprocess.run([sys.executable, "-m", "kvtier", *a], capture_output=True, text=True, cwd=cwd)
+    quick = ("bench", "store", "--reps", "1", "--pages", "8", "--cases", "small")
+    r = run(*quick)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "| small |" in r.stdout and list(tmp_path.iterdir()) == []  # printed; nothing left behind
+    with open("/proc/mounts") as f:
+        mounts = f.read()
+    fs = r.stdout.split("disk: ")[1].split(" on ")[0]
+    assert f" {fs} " in mounts and fs not in ("ext2/ext3", "?"), r.stdout[:300]  # the type /proc/mounts names
+    png = tmp_path / "store.png"
+    r = run(*quick, "--out", str(tmp_path / "out"), "--plot", str(png))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["store.json", "store.md"]
+    import matplotlib.image
+
+    img = matplotlib.image.imread(png)  # a readable PNG with something drawn on it
+    assert img.shape[0] > 200 and img.shape[1] > 400 and img.std() > 0.05
+    # a destination that cannot be written fails at once, before any work
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    t0 = time.perf_counter()
+    r = run("bench", "store", "--out", str(ro / "x"), "--cases", "small")
+    if os.geteuid() != 0:  # (root writes anywhere)
+        assert r.returncode == 1 and "--out" in r.stderr and time.perf_counter() - t0 < 10
+    r = run("bench", "store", "--plot", "/nonexistent/dir/x.png", "--cases", "small")
+    assert r.returncode == 1 and "--plot" in r.stderr and "Traceback" not in r.stderr
+    r = run("bench", "store", "--cases", "huge")
+    assert r.returncode == 2 and "unknown ['huge']" in r.stderr

@@ -281,7 +281,7 @@ TWO_PROC = textwrap.dedent(
 def test_two_processes_share_a_directory(tmp_path):
     procs = [subprocess.Popen([sys.executable, "-c", TWO_PROC, str(tmp_path), str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
     outs = [p.communicate(timeout=120) for p in procs]
-    for p, (out, err) in zip(procs, outs):
+    for p, (_, err) in zip(procs, outs):
         assert p.returncode == 0, err[-2000:]
     assert sorted(o.strip() for o, _ in outs) == ["ok 0", "ok 1"]
 

@@ -41,4 +41,5 @@ def _os_error(code: int, message: str) -> OSError:
     if cls is None:
         cls = type(f"Kvtier{base.__name__}", (KvtierError, base), {"__module__": __name__})
         _os_classes[base] = cls
-    return cls(code, message or _errno.errorcode.get(code, "OS error"))
+    err: OSError = cls(code, message or _errno.errorcode.get(code, "OS error"))
+    return err

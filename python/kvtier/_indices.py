@@ -15,12 +15,12 @@ class _Prepared:
 
     __slots__ = ("host", "device", "paged", "_gpu", "plans")  # _gpu: (device, (host, device) tensors, upload event)
 
-    def __init__(self, host, device, paged: bool) -> None:
+    def __init__(self, host: np.ndarray, device: np.ndarray, paged: bool) -> None:
         self.host, self.device, self.paged = host, device, paged
-        self._gpu: tuple | None = None
-        self.plans: dict = {}  # DMA plans and kernel launches per (side, direction, device tensors, ...)
+        self._gpu: tuple[Any, ...] | None = None
+        self.plans: dict[Any, Any] = {}  # DMA plans and kernel launches per (side, direction, device tensors, ...)
 
-    def gpu(self, device: torch.device):
+    def gpu(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The indices as int64 tensors on ``device`` (uploaded once, from pinned staging), ordered before
         whatever the current stream does next — also when a later call reuses them from another stream."""
         if self._gpu is None or self._gpu[0] != device:
@@ -29,10 +29,11 @@ class _Prepared:
             self._gpu = (device, (h, d), torch.cuda.current_stream(device).record_event())
         else:
             torch.cuda.current_stream(device).wait_event(self._gpu[2])
-        return self._gpu[1]
+        pair: tuple[torch.Tensor, torch.Tensor] = self._gpu[1]
+        return pair
 
 
-def _unchanged(prepared: "_Prepared", host_indices: Any, device_indices: Any) -> bool:
+def _unchanged(prepared: _Prepared, host_indices: Any, device_indices: Any) -> bool:
     """Whether CPU index tensors still hold what was validated: writes through ``.numpy()`` or DLPack do not
     bump ``_version``, so the cache key alone cannot tell. A length-n comparison, cheap next to the copy it
     guards. CUDA index tensors are not compared (that would cost a device-to-host copy per call): a caller
@@ -45,7 +46,7 @@ def _unchanged(prepared: "_Prepared", host_indices: Any, device_indices: Any) ->
     return True
 
 
-def _index_array(name: str, t: Any):
+def _index_array(name: str, t: Any) -> np.ndarray:
     """A 1-D int64 numpy view (CPU) of an index tensor; CUDA tensors are copied to the host."""
     if not isinstance(t, torch.Tensor):
         raise InvalidArgumentError(f"invalid argument `{name}`: expected a torch.Tensor, got {type(t).__name__}")

@@ -9,7 +9,8 @@ raises :class:`kvtier.ClosedError` on any use.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
 
 from . import _native, config
 from ._errors import CudaUnavailableError, InvalidArgumentError
@@ -62,7 +63,8 @@ class HostBuffer:
             if isinstance(value, bool) or not isinstance(value, int):
                 raise InvalidArgumentError(f"invalid argument `{name}`: must be an int, got {type(value).__name__}")
         if pin is None:
-            pin = {"auto": "auto", "1": True, "0": False}[config.pin_default()]
+            default = config.pin_default()
+            pin = "auto" if default == "auto" else default == "1"
         if pin not in ("auto", True, False):
             raise InvalidArgumentError(f"invalid argument `pin`: must be 'auto', True or False, got {pin!r}")
         self._region = _native.HostRegion(nbytes, alignment, huge_pages, prefault_threads)
@@ -139,7 +141,7 @@ class HostBuffer:
         return self._region.closed
 
     # -- views ------------------------------------------------------------------------------------------
-    def as_tensor(self, dtype: "torch.dtype | None" = None, shape: Sequence[int] | None = None, offset: int = 0) -> "torch.Tensor":
+    def as_tensor(self, dtype: torch.dtype | None = None, shape: Sequence[int] | None = None, offset: int = 0) -> torch.Tensor:
         """A CPU tensor of ``dtype`` and ``shape`` over the bytes starting at ``offset`` (no copy). The
         tensor keeps the memory alive after this handle is closed. ``shape=None`` covers the rest of the
         buffer as 1-D."""
@@ -174,7 +176,7 @@ class HostBuffer:
         """Release this handle. Idempotent. Memory is freed (and unpinned) once no tensor views it."""
         self._region.close()
 
-    def __enter__(self) -> "HostBuffer":
+    def __enter__(self) -> HostBuffer:
         return self
 
     def __exit__(self, *exc: Any) -> None:

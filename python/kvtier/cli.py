@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Any
 
 from ._errors import KvtierError
 
@@ -24,7 +25,7 @@ def _namespaces(path: str) -> list[tuple[str, str]]:
     return out
 
 
-def _open(path: str, ns: str, writable: bool = False):
+def _open(path: str, ns: str, writable: bool = False) -> Any:
     """A namespace opened read-only (nothing on disk changes), or writable for a repair."""
     from . import _native
 
@@ -37,7 +38,7 @@ def _open(path: str, ns: str, writable: bool = False):
         raise
 
 
-def _damage(st: dict) -> list[str]:
+def _damage(st: dict[str, Any]) -> list[str]:
     """What opening the store found that a repair would remove."""
     out = []
     if st["journal_damaged_spans"]:
@@ -53,7 +54,7 @@ def _damage(st: dict) -> list[str]:
     return out
 
 
-def cmd_inspect(args) -> int:
+def cmd_inspect(args: argparse.Namespace) -> int:
     for d, ns in _namespaces(args.path):
         s = _open(args.path, ns)
         try:
@@ -72,7 +73,7 @@ def cmd_inspect(args) -> int:
     return 0
 
 
-def cmd_stats(args) -> int:
+def cmd_stats(args: argparse.Namespace) -> int:
     """Every namespace's counters, read-only (the store is opened without its lock and nothing is written)."""
     import json
 
@@ -95,7 +96,7 @@ def cmd_stats(args) -> int:
     return 0
 
 
-def cmd_verify(args) -> int:
+def cmd_verify(args: argparse.Namespace) -> int:
     repair = args.repair or args.drop
     damaged = 0
     for d, ns in _namespaces(args.path):
@@ -128,7 +129,7 @@ def cmd_verify(args) -> int:
     return 1 if damaged and not repair else 0
 
 
-def cmd_demo(args) -> int:
+def cmd_demo(args: argparse.Namespace) -> int:
     for name in ("layers", "pages", "conversations", "turns"):
         value = getattr(args, name)
         if value < 1:
@@ -148,7 +149,7 @@ def cmd_demo(args) -> int:
                turns=args.turns, keep=args.keep, store_dir=args.store_dir)
 
 
-def cmd_bench(args, rest: list[str], bench_parser) -> int:
+def cmd_bench(args: argparse.Namespace, rest: list[str], bench_parser: argparse.ArgumentParser) -> int:
     import importlib
 
     if args.which is None:

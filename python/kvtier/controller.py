@@ -19,7 +19,8 @@ import collections
 import concurrent.futures
 import threading
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import torch
 
@@ -106,7 +107,7 @@ class TierController:
         self.stats = Stats()
         self.loader = LayerLoader(host_pool, device_pool, io_backend)
         self._io = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-store")
-        self._pending: list[concurrent.futures.Future] = []
+        self._pending: list[concurrent.futures.Future[Any]] = []
         self.page_bytes = host_pool.get_size_per_token() * self.ps
 
     # ------------------------------------------------------------------ helpers
@@ -114,7 +115,7 @@ class TierController:
         return (torch.tensor(starts, dtype=torch.int64)[:, None] + torch.arange(self.ps)[None]).reshape(-1)
 
     def _poll_locked(self) -> None:
-        for key, pg in self.pages.items():
+        for pg in self.pages.values():
             if pg.event is not None and pg.event.query():
                 pg.event = None
                 pg.ready = True
@@ -140,7 +141,7 @@ class TierController:
 
     def _store_write(self, keys: list[str], starts: list[int]) -> list[bool]:
         try:
-            ok = self.store.batch_set_v1(keys, self._slots(starts))
+            ok: list[bool] = self.store.batch_set_v1(keys, self._slots(starts))
         except Exception:  # an IO failure is a miss later, never an engine crash
             ok = [False] * len(keys)
         self.stats.store_writes += sum(ok)
@@ -151,7 +152,7 @@ class TierController:
     def _write_async(self, keys: list[str], events: list[Any]) -> None:
         """Background: wait for the backups, write the pages, release their references."""
 
-        def work():
+        def work() -> Any:
             for ev in {id(e): e for e in events if e is not None}.values():
                 ev.synchronize()
             with self.lock:
@@ -192,7 +193,7 @@ class TierController:
             while starts is None and new:
                 new = new[:-1]  # not enough room: back up what fits
                 starts = self._alloc_pages(len(new)) if new else None
-            if not new:
+            if not new or starts is None:
                 return None
             for i, s in zip(new, starts):
                 self.pages[keys[i]] = _HostPage(start=s, refs=1)
@@ -233,13 +234,13 @@ class TierController:
         m = self.store.batch_exists(keys[n:]) if self.store is not None and n < len(keys) else 0
         return n, m
 
-    def prefetch(self, page_keys: Sequence[str]) -> concurrent.futures.Future:
+    def prefetch(self, page_keys: Sequence[str]) -> concurrent.futures.Future[int]:
         """Bring the pages of ``page_keys`` that are not on the host in from the store, in the background
         (at most the prefetch budget of pages per call); the pages already on the host are touched so making
         room never evicts them. The future's result is the number of ``page_keys`` now on the host."""
         keys = list(page_keys)
 
-        def work():
+        def work() -> Any:
             with self.lock:
                 for k in keys:  # the part already on the host must not be evicted to make room for the rest
                     if k in self.pages:
@@ -298,7 +299,7 @@ class TierController:
             after = torch.cuda.current_stream().record_event()
         load = self.loader.load(self._slots(starts), device_indices, after=after)
 
-        def release():
+        def release() -> None:
             load.synchronize()
             with self.lock:
                 for k in keys:

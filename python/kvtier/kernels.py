@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -151,7 +152,7 @@ def _pow2_divisor(n: int, cap: int) -> int:
     return p
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _tile_shape(row_words: int, tile_words: int) -> tuple[int, int]:
     """(BLOCK_T, BLOCK_W): BLOCK_W the largest power of two ≤ 128 dividing the row, BLOCK_T a power of two
     with BLOCK_T * BLOCK_W ≈ ``tile_words``."""
@@ -274,7 +275,7 @@ class RowsLaunch:
 
 
 def prepare_rows(
-    *, host, layout, slots, layers, page_size, row_bytes, device_layers, dev_offsets: tuple | None = None, host_idx, dev_idx,
+    *, host, layout, slots, layers, page_size, row_bytes, device_layers, dev_offsets: tuple[torch.Tensor, int] | None = None, host_idx, dev_idx,
     to_host, blocks, num_warps, tile_words: int = 4096, prefetch: bool = True,
 ) -> RowsLaunch:
     """Everything one K-or-V launch needs except its layer range (indices already validated)."""
@@ -298,7 +299,7 @@ def prepare_rows(
     wdt = _WORD_DTYPES[word]
     row_words = row_bytes // word
     bt, bw = _tile_shape(row_words, tile_words)
-    dev_offsets, dev_align = dev_offsets if dev_offsets is not None else layer_offsets(device_layers, word)
+    offsets, dev_align = dev_offsets if dev_offsets is not None else layer_offsets(device_layers, word)
     hw = host.reshape(-1).view(torch.uint8).view(wdt)
     dw = device_layers[0].reshape(-1).view(torch.uint8).view(wdt)
     # every sub-row start is a multiple of this many words (offsets from the buffer starts): host offsets
@@ -307,10 +308,10 @@ def prepare_rows(
     consts = dict(ROW_WORDS=row_words, LAYOUT=LAYOUT_CODES[layout], TO_HOST=bool(to_host), BLOCK_T=bt, BLOCK_W=bw,
                   ALIGN=align, PREFETCH=bool(prefetch))
     ints = (int(host_idx.numel()), int(slots), int(layers), int(page_size))
-    aligned = tuple(t.data_ptr() % 16 == 0 for t in (hw, dw, dev_offsets, host_idx, dev_idx))
+    aligned = tuple(t.data_ptr() % 16 == 0 for t in (hw, dw, offsets, host_idx, dev_idx))
     # the word size is part of the variant: rows of m 4-byte and of m 8-byte words share every constant
     key = (hw.device.index, word, tuple(sorted(consts.items())), num_warps, aligned)
-    return RowsLaunch(hw, dw, dev_offsets, host_idx, dev_idx, ints, consts, blocks, num_warps, key)
+    return RowsLaunch(hw, dw, offsets, host_idx, dev_idx, ints, consts, blocks, num_warps, key)
 
 
 def run_rows(launches, layer_begin: int, layer_end: int, *, per_layer: bool, events=None, side_streams=()) -> None:
@@ -348,7 +349,8 @@ def run_rows(launches, layer_begin: int, layer_end: int, *, per_layer: bool, eve
         stream = torch.cuda.current_stream(launches[0].host_idx.device)
         last = layer_end if per_layer else layer_begin + 1
         sides = [s.cuda_stream for s in side_streams]
-        _native.launch_layers(launches[0].host_idx.device.index, stream.cuda_stream, sides, natives, layer_begin,
+        _native.launch_layers(launches[0].host_idx.device.index, stream.cuda_stream, sides, natives,  # type: ignore[arg-type]
+                              layer_begin,
                               last, handles)
         return
     steps = range(layer_begin, layer_end) if per_layer else (layer_begin,)
@@ -368,7 +370,7 @@ def launch_rows(*, layer_begin: int, layer_end: int, **kw) -> None:
     run_rows([prepare_rows(**kw)], layer_begin, layer_end, per_layer=False)
 
 
-def layer_offsets(device_layers, word: int) -> tuple[torch.Tensor, int]:
+def layer_offsets(device_layers: Any, word: int) -> tuple[torch.Tensor, int]:
     """``(offsets, align)``: int64 offsets, in ``word``-byte units, of each layer tensor from the first one, on
     their device, and the largest power of two (≤ 1024) dividing all of them."""
     base = device_layers[0].data_ptr()

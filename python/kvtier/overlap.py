@@ -29,7 +29,7 @@ class LayerLoad:
     blocks the host only until that thread has enqueued the layer, which is as far ahead of the copy engine
     as the driver's queue allows."""
 
-    def __init__(self, events: list[Any] | None, refs: tuple, submission: Any = None) -> None:
+    def __init__(self, events: list[Any] | None, refs: tuple[Any, ...], submission: Any = None) -> None:
         self._events = events
         self._refs = refs
         self._submission = submission

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -95,7 +95,7 @@ class _Geometry:
         return self.kv_lora_rank is not None
 
     @classmethod
-    def of(cls, device_pool: Any) -> "_Geometry":
+    def of(cls, device_pool: Any) -> _Geometry:
         try:
             dtype = getattr(device_pool, "store_dtype", None) or device_pool.dtype
             if getattr(device_pool, "kv_lora_rank", None) is not None:
@@ -130,7 +130,7 @@ class _Geometry:
     def itemsize(self) -> int:
         return torch.empty((), dtype=self.dtype).element_size()
 
-    def device_layers(self, device_pool: Any) -> tuple[list, ...]:
+    def device_layers(self, device_pool: Any) -> tuple[list[Any], ...]:
         """The device pool's per-layer tensors of each side: ``(k_buffer, v_buffer)``, or ``(kv_buffer,)``
         for MLA."""
         if self.mla:
@@ -144,7 +144,7 @@ class _Geometry:
         return ("k_buffer", self.head_dim), ("v_buffer", self.v_head_dim)
 
 
-def device_layers(device_pool: Any) -> tuple[list, ...]:
+def device_layers(device_pool: Any) -> tuple[list[Any], ...]:
     """A device pool's per-layer tensors, one list per side (K and V, or an MLA pool's one ``kv_buffer``)."""
     return _Geometry.of(device_pool).device_layers(device_pool)
 
@@ -164,6 +164,13 @@ class _HostKVPool:
     """Shared machinery of the symmetric and asymmetric host pools (see the module docs)."""
 
     supported_layouts: tuple[str, ...] = LAYOUTS
+    # set by _allocate_buffers, dropped by close()
+    kv_buffer: Any
+    k_buffer: Any
+    v_buffer: Any
+    _k_side: Any
+    _v_side: Any
+    _buffers: list[HostBuffer]
     _model_kind = ""
     #: Host memory kept free when sizing a pool (HiCache keeps 10 GiB; see ``KVTIER_HOST_MEMORY_RESERVE``).
     memory_reserve_bytes = 10 << 30
@@ -215,8 +222,8 @@ class _HostKVPool:
         self._lock = threading.RLock()
         self._closed = False
         self._engine = TransferEngine()
-        self._prepared: tuple | None = None
-        self._checked_device: tuple | None = None
+        self._prepared: tuple[Any, ...] | None = None
+        self._checked_device: tuple[Any, ...] | None = None
         self._allocate_buffers(pin_memory)
 
     # ---------------------------------------------------------------- shapes and buffers
@@ -325,7 +332,7 @@ class _HostKVPool:
     def _layout_error(self, layout: Any) -> str:
         return f"Unsupported layout: {layout!r}; expected " + ", ".join(repr(x) for x in self.supported_layouts) + "."
 
-    def _check_device_pool(self, device_pool: Any) -> tuple[list, ...]:
+    def _check_device_pool(self, device_pool: Any) -> tuple[list[Any], ...]:
         """The device pool's per-layer tensors of each side (see :meth:`_Geometry.device_layers`), checked
         against this pool's geometry; the check is cached while the pool and its tensors are unchanged."""
         try:
@@ -334,13 +341,14 @@ class _HostKVPool:
         except (AttributeError, TypeError):
             key = None
         if key is not None and self._checked_device is not None and self._checked_device[0] == key:
-            return self._checked_device[2]
+            cached: tuple[list[Any], ...] = self._checked_device[2]
+            return cached
         checked = self._check_device_pool_uncached(device_pool)
         if key is not None:
             self._checked_device = (key, (device_pool, layers), checked)  # holds refs: ids stay unique
         return checked
 
-    def _check_device_pool_uncached(self, device_pool: Any) -> tuple[list, ...]:
+    def _check_device_pool_uncached(self, device_pool: Any) -> tuple[list[Any], ...]:
         geo = _Geometry.of(device_pool)
         mine = self._geo
         for name in ("mla", "kv_lora_rank", "qk_rope_head_dim", "layer_num", "head_num", "head_dim", "v_head_dim", "dtype"):
@@ -375,7 +383,8 @@ class _HostKVPool:
                     )
         return layers
 
-    def _prepare(self, device_pool, host_indices, device_indices, io_backend, to_host):
+    def _prepare(self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor, io_backend: str,
+                 to_host: bool) -> tuple[tuple[list[Any], ...], _Prepared]:
         self._check_open()
         self._check_backend(io_backend)
         layers = self._check_device_pool(device_pool)
@@ -403,7 +412,8 @@ class _HostKVPool:
             self._prepared = (key, (host_indices, device_indices), prepared)
         return layers, prepared
 
-    def load_to_device_per_layer(self, device_pool, host_indices, device_indices, layer_id: int, io_backend: str) -> None:
+    def load_to_device_per_layer(self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor,
+                                 layer_id: int, io_backend: str) -> None:
         """Host → device for one layer: ``device.k_buffer[layer_id][device_indices[i]] =
         host K[layer_id][host_indices[i]]``, then V with its own geometry (a separate call). Enqueued on the
         current CUDA stream for CUDA device pools; synchronous for CPU ones."""
@@ -412,8 +422,9 @@ class _HostKVPool:
         layers, p = self._prepare(device_pool, host_indices, device_indices, io_backend, to_host=False)
         self._engine.copy(tuple(zip(self._sides(), layers)), p, layer_id, layer_id + 1, to_host=False, backend=io_backend)
 
-    def _load_layers(self, device_pool, host_indices, device_indices, io_backend: str, events, background: bool = True,
-                     after=None, previous=None):
+    def _load_layers(self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor, io_backend: str,
+                     events: Any, background: bool = True,
+                     after: Any = None, previous: Any = None) -> Any:
         """Every layer host → device, recording ``events[layer]`` (torch CUDA events, recorded at least once
         before) on the current stream after each layer is enqueued. Validation and planning happen once for
         all layers and one native call enqueues them all; the same copies as ``load_to_device_per_layer``
@@ -425,7 +436,8 @@ class _HostKVPool:
                                  backend=io_backend, per_layer=True, events=events, background=background,
                                  after=after, previous=previous)
 
-    def backup_from_device_all_layer(self, device_pool, host_indices, device_indices, io_backend: str) -> None:
+    def backup_from_device_all_layer(self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor,
+                                     io_backend: str) -> None:
         """Device → host for every layer, K then V (separate calls, separate geometries). Enqueued on the
         current CUDA stream for CUDA device pools: order it after the producer of the device KV (see
         :func:`kvtier.backup_async`)."""
@@ -453,7 +465,7 @@ class _HostKVPool:
                 b.close()
             self._buffers = []
 
-    def __enter__(self):
+    def __enter__(self) -> _HostKVPool:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -17,7 +17,8 @@ import os
 import threading
 import time
 import warnings
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import torch
 
@@ -64,7 +65,7 @@ class PageStore:
 
     def __init__(
         self,
-        path: str | os.PathLike,
+        path: str | os.PathLike[str],
         *,
         capacity_bytes: int = DEFAULT_CAPACITY,
         model_name: str = "default",
@@ -95,7 +96,7 @@ class PageStore:
         self.capacity_bytes = capacity_bytes
         self.model_name = str(model_name)
         self.ranks = dict(tp=(tp_rank, tp_size), pp=(pp_rank, pp_size), cp=(cp_rank, cp_size),
-                          dcp=(dcp_rank, dcp_size), dp=(dp_rank, None))
+                          dcp=(dcp_rank, dcp_size), dp=(dp_rank, 0))
         self.io_threads = io_threads
         self.direct = direct
         self._native: Any = None
@@ -138,10 +139,10 @@ class PageStore:
                 + ", ".join(repr(x) for x in PAGE_LAYOUTS)
             )
         regions = [b._region for b in getattr(pool, "_buffers", [])]
-        tensors: list = []
+        tensors: list[torch.Tensor] = []
         if not regions:
             kv = getattr(pool, "kv_buffer", None)
-            tensors = list(kv) if isinstance(kv, (tuple, list)) else [kv]
+            tensors = list(kv) if isinstance(kv, (tuple, list)) else [kv]  # type: ignore[list-item]
             if not all(isinstance(t, torch.Tensor) for t in tensors) or not hasattr(pool, "get_page_buffer_meta"):
                 raise InvalidArgumentError(
                     "invalid argument `pool`: expected a kvtier host pool or an SGLang MHA host pool "
@@ -189,14 +190,14 @@ class PageStore:
         """The host pool this store reads and writes (``None`` before ``register_mem_pool_host``)."""
         return self._pool
 
-    def _store(self):
+    def _store(self) -> Any:
         store = self._reader_store()
         if store is None:
             raise KvtierError(f"PageStore at {self.path}: the namespace does not exist yet (its writer has not "
                               "created it)")
         return store
 
-    def _reader_store(self):
+    def _reader_store(self) -> Any:
         """The native store; None only for a reader whose writer has not created the namespace yet."""
         if self._closed:
             raise ClosedError("PageStore is closed")
@@ -209,7 +210,7 @@ class PageStore:
         return self._native
 
     # ------------------------------------------------------------------ zero-copy v1
-    def _indices(self, keys: Sequence[str], host_indices: torch.Tensor):
+    def _indices(self, keys: Sequence[str], host_indices: torch.Tensor) -> tuple[list[str], Any]:
         keys = _keys(keys)
         if not isinstance(host_indices, torch.Tensor) or host_indices.dtype != torch.int64 or host_indices.dim() != 1:
             raise InvalidArgumentError("invalid argument `host_indices`: expected a 1-D torch.int64 tensor")
@@ -245,13 +246,13 @@ class PageStore:
 
     def delete(self, keys: Sequence[str]) -> int:
         """Delete pages; returns how many pages had anything stored."""
-        return self._store().delete_pages(_keys(keys))
+        return int(self._store().delete_pages(_keys(keys)))
 
     def clear(self) -> None:
         """Delete every page of this namespace."""
         self._store().clear()
 
-    def get_stats(self) -> dict:
+    def get_stats(self) -> dict[str, Any]:
         """Counters: pages and bytes stored, hits, misses, evictions, corrupt reads, write failures, read and
         write throughput (GB/s over the time spent in batches), O_DIRECT status."""
         st = dict(self._store().stats())
@@ -260,11 +261,11 @@ class PageStore:
         st["read_GBps"] = st["bytes_read"] / st["get_ns"] if st["get_ns"] else 0.0
         return st
 
-    def verify(self, repair: bool = False) -> dict:
+    def verify(self, repair: bool = False) -> dict[str, Any]:
         """Re-read every object and check its checksum: ``{"checked", "corrupt", "unreadable"}`` (object
         keys). With ``repair=True`` the corrupt and unreadable objects are deleted and the journal is
         compacted (removing damaged records)."""
-        return self._store().verify(repair)
+        return dict(self._store().verify(repair))
 
     def close(self) -> None:
         """Release the namespace (and its lock). Idempotent."""
@@ -275,7 +276,7 @@ class PageStore:
             self._pool = None
             self._closed = True
 
-    def __enter__(self) -> "PageStore":
+    def __enter__(self) -> PageStore:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import errno as _errno
-from typing import Iterator
+from collections.abc import Iterator
 
 from . import _native
 from ._errors import InvalidArgumentError

@@ -27,7 +27,8 @@ from __future__ import annotations
 import collections
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -55,7 +56,7 @@ DEFAULT_STREAMS = (0, 1, 2)
 class Side:
     """One host buffer (K or V) of a pool: where it lives and its geometry."""
 
-    buffer: "HostBuffer"
+    buffer: HostBuffer
     offset: int  # byte offset of this side inside ``buffer``
     layout: str
     slots: int
@@ -66,7 +67,7 @@ class Side:
     split: int = 1 << 62  # a DMA chunk never crosses a multiple of this many bytes from the buffer start
 
     @classmethod
-    def of(cls, pool: Any, buffer: "HostBuffer", offset: int, row_bytes: int, tensor: torch.Tensor) -> "Side":
+    def of(cls, pool: Any, buffer: HostBuffer, offset: int, row_bytes: int, tensor: torch.Tensor) -> Side:
         chunks = buffer.registered_chunks
         # Registrations start at multiples of the first chunk's size; a copy must not straddle two.
         split = chunks[0][1] if len(chunks) > 1 else 1 << 62
@@ -247,7 +248,7 @@ class TransferEngine:
 
     def _copy(self, pairs, prepared, layer_begin, layer_end, to_host, backend, per_layer, events, hold, background,
               after, previous):
-        host, device, paged = prepared.host, prepared.device, prepared.paged
+        host, device = prepared.host, prepared.device
         background_direct = (background and per_layer and events is not None and backend == "direct"
                              and pairs and pairs[0][1][0].device.type == "cuda"
                              and all(side.buffer.pinned for side, _ in pairs) and len(host) > 0)
@@ -288,7 +289,7 @@ class TransferEngine:
             return None
         plans = [self._plan(side, tensors, prepared, to_host) for side, tensors in pairs]
         if dev.type == "cpu":
-            for i, layer in enumerate(range(layer_begin, layer_end) if per_layer else (layer_begin,)):
+            for layer in range(layer_begin, layer_end) if per_layer else (layer_begin,):
                 last = layer + 1 if per_layer else layer_end
                 for plan in plans:
                     plan.copy_cpu(layer, last)
@@ -383,7 +384,7 @@ class TransferEngine:
                 raise
             self._hold((regions, held, didx))
 
-    def _stage_runs(self, pairs, prepared, didx: torch.Tensor, stream, st: "_Staging", held: list) -> None:
+    def _stage_runs(self, pairs, prepared, didx: torch.Tensor, stream, st: _Staging, held: list) -> None:
         dev = didx.device
         start = stream.record_event()  # gathers follow the producer of the device KV
         st.gather.wait_event(start)
@@ -425,7 +426,7 @@ class TransferEngine:
                 size = cap
 
     @staticmethod
-    def _stage_plan(side: Side, prepared: Any, stage: torch.Tensor, pos: int, end: int, st: "_Staging"):
+    def _stage_plan(side: Side, prepared: Any, stage: torch.Tensor, pos: int, end: int, st: _Staging):
         """DMA plan from a staging buffer (one row = one token's every layer) to the host slots
         ``prepared.host[pos:end]``, validated in Rust like every plan; cached per run for repeated calls."""
         key = ("stage", side.offset, id(side.buffer), pos, end, stage.data_ptr(), id(st))

@@ -181,11 +181,11 @@ def run_workload(
                     prefix_recompute = time.perf_counter() - t1
                 ref = model.step(tokens[pos], pos, scratch, rows)
             ok_kv = all(
-                torch.equal(dp.k_buffer[l][rows[:cached]], scratch.k_buffer[l][rows[:cached]])
-                and torch.equal(dp.v_buffer[l][rows[:cached]], scratch.v_buffer[l][rows[:cached]])
-                for l in range(g.layers)
+                torch.equal(dp.k_buffer[layer][rows[:cached]], scratch.k_buffer[layer][rows[:cached]])
+                and torch.equal(dp.v_buffer[layer][rows[:cached]], scratch.v_buffer[layer][rows[:cached]])
+                for layer in range(g.layers)
             )
-            ok_out = torch.equal(logits, ref)
+            ok_out = logits is not None and torch.equal(logits, ref)
             if not (ok_kv and ok_out):
                 failures.append((i, source, ok_kv, ok_out))
             results.append(dict(request=i, tokens=len(tokens), cached_pages=have, host_hit=min(host_hit, have),

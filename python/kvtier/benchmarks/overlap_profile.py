@@ -34,7 +34,7 @@ def _summary(trace: dict, compute_stream: int) -> dict:
     kern = sorted((e for e in evs if e.get("cat") == "kernel" and e.get("args", {}).get("stream") == compute_stream),
                   key=lambda e: e["ts"])
     other = [e for e in evs if e.get("cat") in ("kernel", "gpu_memcpy") and e.get("args", {}).get("stream") != compute_stream]
-    out = {}
+    out: dict = {}
     if kern:
         busy = sum(e["dur"] for e in kern)
         span = kern[-1]["ts"] + kern[-1]["dur"] - kern[0]["ts"]

@@ -24,6 +24,8 @@ import torch
 
 import kvtier
 
+from ._common import bar_plot, check_plot_path, out_dir
+
 
 def timed(fn):
     t0 = time.perf_counter()
@@ -51,11 +53,16 @@ def h2d_gbps(host: torch.Tensor, nbytes: int) -> float:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="kvtier bench pin")
-    ap.add_argument("--gib", type=int, default=16)
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--json", default=None)
-    ap.add_argument("--out", default=None, help="directory for pin.json (alternative to --json)")
+    ap.add_argument("--gib", type=int, default=16, help="GiB to allocate and pin per run (default 16)")
+    ap.add_argument("--reps", type=int, default=3, help="repetitions; medians are reported (default 3)")
+    ap.add_argument("--json", default=None, help="write the result to this JSON file")
+    ap.add_argument("--out", default=None, help="directory for pin.json (alternative to --json; default: print only)")
+    ap.add_argument("--plot", default=None, help="write a bar chart (PNG) of GB/s per method (needs matplotlib)")
     args = ap.parse_args(argv)
+    if args.gib < 1 or args.reps < 1:
+        ap.error("--gib and --reps must be at least 1")
+    out_dir(args.out)
+    check_plot_path(args.plot)
     n = args.gib << 30
     torch.cuda.init()
     torch.empty(1, device="cuda")
@@ -135,6 +142,9 @@ def main(argv=None) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
+    if args.plot:
+        bar_plot(args.plot, f"create + pre-fault + pin {args.gib} GiB (median of {args.reps}; higher is faster)",
+                 [r["what"] for r in rows], {"GB/s": [r["GB_per_s"] for r in rows]}, "GB/s")
 
 
 if __name__ == "__main__":

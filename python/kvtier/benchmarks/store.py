@@ -1,6 +1,6 @@
 """PageStore throughput against the disk's own O_DIRECT ceiling, measured in the same run on the same disk.
 
-    kvtier bench store [--dir DIR] [--reps 3] [--out DIR]
+    kvtier bench store [--dir DIR] [--reps 3] [--out DIR] [--plot store.png]
 
 Cases (objects per page: one K, one V):
   - mimo:  MiMo-V2-like pages, 48 layers x 64 tokens x 4 heads x (K 192 | V 128) bf16 = K 4.5 MiB + V 3 MiB,
@@ -10,7 +10,8 @@ For each: the ceiling (O_DIRECT pwrite of the same object sizes with the same qu
 preallocated file, then fdatasync; O_DIRECT pread) and kvtier's ``batch_set_v1`` in steady state (slots
 already allocated by an earlier fill that was deleted; durable: returns after fdatasync of data and journal) and
 ``batch_get_v1`` (O_DIRECT: the page cache is not involved), medians over --reps fresh stores, with the
-ratio to the ceiling. Prints the file system. Writes store.json / store.md into --out.
+ratio to the ceiling. Prints the file system and the results; writes store.json / store.md only into --out,
+and a bar chart only to --plot (both checked before the bench starts).
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import tempfile
 import time
 
@@ -29,17 +29,13 @@ import torch
 import kvtier
 from kvtier import DeviceKVPool, PageStore, host_pool_for
 
+from ._common import bar_plot, check_plot_path, fs_type, out_dir
+
 CASES = {
     "mimo": dict(layers=48, page=64, heads=4, dk=192, dv=128, pages=96, batch=96),
     "small": dict(layers=1, page=64, heads=4, dk=128, dv=128, pages=4096, batch=256),
 }
 THREADS = 16
-
-
-def fs_of(path: str) -> str:
-    r = subprocess.run(["stat", "-f", "-c", "%T", path], capture_output=True, text=True)
-    src = subprocess.run(["df", "--output=source", path], capture_output=True, text=True).stdout.split()[-1:]
-    return f"{r.stdout.strip()} on {src[0] if src else '?'}"
 
 
 def run_case(name, c, root, reps):
@@ -109,15 +105,28 @@ def run_case(name, c, root, reps):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="kvtier bench store")
-    ap.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temp dir)")
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--out", default="benches/results")
-    ap.add_argument("--cases", default="mimo,small")
+    ap.add_argument("--dir", default=None,
+                    help="directory on the disk to measure (default: a temporary directory in the working directory, "
+                    "removed afterwards)")
+    ap.add_argument("--reps", type=int, default=3, help="fresh stores per case; medians are reported (default 3)")
+    ap.add_argument("--out", default=None, help="directory for store.json and store.md (default: print only)")
+    ap.add_argument("--plot", default=None, help="write a bar chart (PNG) of ceiling and kvtier GB/s (needs matplotlib)")
+    ap.add_argument("--cases", default="mimo,small", help=f"comma-separated cases of {sorted(CASES)} (default mimo,small)")
     ap.add_argument("--pages", type=int, default=None, help="override the page count of every case (quick runs)")
     a = ap.parse_args(argv)
-    root = a.dir or tempfile.mkdtemp(prefix="kvtier-bench-store-", dir=os.getcwd())
-    os.makedirs(root, exist_ok=True)
-    res = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "dir": root, "fs": fs_of(root), "rows": []}
+    unknown = [c for c in a.cases.split(",") if c not in CASES]
+    if unknown:
+        ap.error(f"--cases: unknown {unknown}; choose from {sorted(CASES)}")
+    if a.reps < 1 or (a.pages is not None and a.pages < 1):
+        ap.error("--reps and --pages must be at least 1")
+    out = out_dir(a.out)
+    check_plot_path(a.plot)
+    try:
+        root = a.dir or tempfile.mkdtemp(prefix="kvtier-bench-store-", dir=os.getcwd())
+        os.makedirs(root, exist_ok=True)
+    except OSError as exc:
+        raise kvtier.KvtierError(f"cannot create the bench directory ({exc}); pass --dir on the disk to measure") from None
+    res = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "dir": root, "fs": fs_type(root), "rows": []}
     print(f"disk: {res['fs']} ({root})", flush=True)
     try:
         for name in a.cases.split(","):
@@ -129,9 +138,6 @@ def main(argv=None):
     finally:
         if a.dir is None:
             shutil.rmtree(root, ignore_errors=True)
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "store.json"), "w") as f:
-        json.dump(res, f, indent=1)
     lines = [f"# kvtier page store — {res['date']} — {res['fs']}", "",
              "| case | objects | ceiling write | kvtier write (durable) | % | ceiling read | kvtier read (O_DIRECT) | % | exact |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -142,9 +148,20 @@ def main(argv=None):
             f"{r['kvtier_read_GBps']} GB/s | {r['read_pct']}% | {r['bit_exact']} |"
         )
     md = "\n".join(lines) + "\n"
-    with open(os.path.join(a.out, "store.md"), "w") as f:
-        f.write(md)
     print(md)
+    if out is not None:
+        with open(os.path.join(out, "store.json"), "w") as f:
+            json.dump(res, f, indent=1)
+        with open(os.path.join(out, "store.md"), "w") as f:
+            f.write(md)
+        print(f"results in {out}/store.json and store.md")
+    if a.plot:
+        groups = [f"{r['case']} {w}" for r in res["rows"] for w in ("write", "read")]
+        ceiling = [r[f"ceiling_{w}_GBps"] for r in res["rows"] for w in ("write", "read")]
+        ours = [r[f"kvtier_{w}_GBps"] for r in res["rows"] for w in ("write", "read")]
+        bar_plot(a.plot, f"kvtier page store vs the disk's O_DIRECT ceiling ({res['fs']})", groups,
+                 {"ceiling (same sizes, same queue depth)": ceiling, "kvtier (durable write / verified read)": ours}, "GB/s")
+        print(f"plot in {a.plot}")
 
 
 if __name__ == "__main__":

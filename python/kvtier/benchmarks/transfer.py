@@ -19,7 +19,7 @@
 Geometries (bf16, page 64): A = MiMo-V2-like 48 layers, 4 KV heads, K 192 / V 128; B = Llama-3.1-8B-like
 32 layers, 8 heads, 128 / 128; C = MiMo at TP 8: 48 layers, 1 head, 192 / 128; D = DeepSeek-V3-like MLA:
 61 layers, kv_lora_rank 512 + qk_rope_head_dim 64 (one 1,152-byte row per token and layer).
-Writes ``transfer.json`` and ``transfer.md`` into --out. Needs a CUDA GPU.
+Prints the results; writes ``transfer.json`` and ``transfer.md`` only into --out. Needs a CUDA GPU.
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ import torch
 import kvtier
 from kvtier import DeviceKVPool, LayerLoader, MLADeviceKVPool, device_layers, host_pool_for
 from kvtier import config
+
+from ._common import check_plot_path, out_dir
 
 GEOMS = {
     "A": dict(layers=48, heads=4, dk=192, dv=128),
@@ -362,7 +364,7 @@ def plot(res, path: str) -> None:
         raise SystemExit("kvtier bench transfer --plot needs matplotlib (pip install matplotlib)") from None
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, what, ceil in ((axes[0], "load", res["ceiling_h2d_GBps"]), (axes[1], "backup", res["ceiling_d2h_GBps"])):
-        series = {}
+        series: dict = {}
         for r in res["rows"]:
             series.setdefault((r["geometry"], r["backend"]), []).append((r["pages"], r[f"{what}_GBps"]))
         for (geom, backend), pts in sorted(series.items()):
@@ -380,11 +382,11 @@ def plot(res, path: str) -> None:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="kvtier bench transfer")
-    ap.add_argument("--out", default="benches/results")
-    ap.add_argument("--geoms", default="A,B,C,D")
-    ap.add_argument("--pages", default="16,64,256,1024")
-    ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--out", default=None, help="directory for transfer.json and transfer.md (default: print only)")
+    ap.add_argument("--geoms", default="A,B,C,D", help=f"comma-separated geometries of {sorted(GEOMS)} (see above)")
+    ap.add_argument("--pages", default="16,64,256,1024", help="page counts per call (default 16,64,256,1024)")
+    ap.add_argument("--reps", type=int, default=7, help="timed repetitions per cell; medians are reported (default 7)")
+    ap.add_argument("--no-sweep", action="store_true", help="skip the kernel-backend block sweep")
     ap.add_argument("--streams", default="side,default",
                     help="caller streams to measure: side (a torch.cuda.Stream) and/or default (a plain script)")
     ap.add_argument("--no-overlap", action="store_true", help="skip the overlap measurements")
@@ -392,7 +394,10 @@ def main(argv=None):
                     "script may hold either)")
     ap.add_argument("--plot", default=None, help="write a PNG of GB/s against pages per backend (needs matplotlib)")
     args = ap.parse_args(argv)
-    os.makedirs(args.out, exist_ok=True)
+    if any(g not in GEOMS for g in args.geoms.split(",")):
+        ap.error(f"--geoms: choose from {sorted(GEOMS)}, got {args.geoms!r}")
+    out = out_dir(args.out)
+    check_plot_path(args.plot)
     pages_list = [int(x) for x in args.pages.split(",")]
     up, down = ceiling()
     print(f"ceiling H2D {up:.1f} GB/s, D2H {down:.1f} GB/s", flush=True)
@@ -427,14 +432,15 @@ def main(argv=None):
     print(f"ceiling at the end: H2D {up2:.1f} GB/s, D2H {down2:.1f} GB/s", flush=True)
     res["ceiling_runs"] = {"start": [round(up, 2), round(down, 2)], "end": [round(up2, 2), round(down2, 2)]}
     rescale(res, max(up, up2), max(down, down2))
-    with open(os.path.join(args.out, "transfer.json"), "w") as f:
-        json.dump(res, f, indent=1)
+    md = markdown(res)
+    print(md)
+    if out is not None:
+        with open(os.path.join(out, "transfer.json"), "w") as f:
+            json.dump(res, f, indent=1)
+        with open(os.path.join(out, "transfer.md"), "w") as f:
+            f.write(md)
     if args.plot:
         plot(res, args.plot)
-    md = markdown(res)
-    with open(os.path.join(args.out, "transfer.md"), "w") as f:
-        f.write(md)
-    print(md)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable, List, Sequence
+from typing import Any
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -121,7 +122,7 @@ class PoolStore:
     def _per_page(ok: Sequence[bool], m: int) -> list[bool]:
         return [all(ok[i * m:(i + 1) * m]) for i in range(len(ok) // m)]
 
-    def set(self, keys: List[str], host_indices: torch.Tensor) -> list[bool]:
+    def set(self, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
         if self.read_only:
             return [True] * len(keys)  # the writer rank stores the replicated pages
         starts = self._page_starts(keys, host_indices)
@@ -133,7 +134,7 @@ class PoolStore:
         names, ptrs, sizes = self._objects(keys, host_indices)
         return self._per_page(store.put(names, ptrs, sizes), len(self.sizes))
 
-    def get(self, keys: List[str], host_indices: torch.Tensor) -> list[bool]:
+    def get(self, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
         starts = self._page_starts(keys, host_indices)
         store = self._store()
         if starts is None or store is None or not keys:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Any, List, Optional
+from typing import Any
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
@@ -56,7 +56,7 @@ class KvtierStorage(HiCacheStorage):
     """HiCache storage backend over :class:`kvtier.PageStore`. Constructed by SGLang as
     ``KvtierStorage(storage_config, kwargs)``."""
 
-    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None) -> None:
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict | None = None) -> None:
         extra = dict(storage_config.extra_config or {})
         unknown = sorted(set(extra) - set(OPTIONS) - SGLANG_KEYS)
         if unknown:
@@ -98,7 +98,7 @@ class KvtierStorage(HiCacheStorage):
         self._scratch_lock = threading.Lock()  # guards the list and close()
         # --enable-metrics: per-batch pages and GB/s, drained by get_stats() (SGLang calls it every step)
         self.enable_storage_metrics = bool(getattr(storage_config, "enable_storage_metrics", False))
-        self._metrics = {"prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [], "backup_bandwidth": []}
+        self._metrics: dict[str, list] = {"prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [], "backup_bandwidth": []}
         self._metrics_lock = threading.Lock()
 
     # -- registration ---------------------------------------------------------------------------------
@@ -140,7 +140,7 @@ class KvtierStorage(HiCacheStorage):
         self._pools[name] = store
 
     # -- v2 (hybrid models) ----------------------------------------------------------------------------
-    def batch_exists_v2(self, keys: List[str], pool_transfers: Any = None, extra_info: Any = None) -> Any:
+    def batch_exists_v2(self, keys: list[str], pool_transfers: Any = None, extra_info: Any = None) -> Any:
         """The longest KV prefix every extra pool can serve, by each pool's hit policy (SGLang's rules:
         ``all_pages``: every page of the prefix; ``trailing_pages``: the last ``len(keys)`` pages of it)."""
         from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransferResult
@@ -167,13 +167,13 @@ class KvtierStorage(HiCacheStorage):
             restorable &= ok
         return PoolTransferResult(max(restorable, default=0), hits, sorted(restorable))
 
-    def batch_get_v2(self, transfers: List[Any], extra_info: Any = None) -> dict:
+    def batch_get_v2(self, transfers: list[Any], extra_info: Any = None) -> dict:
         return self._batch_v2(transfers, setting=False)
 
-    def batch_set_v2(self, transfers: List[Any], extra_info: Any = None) -> dict:
+    def batch_set_v2(self, transfers: list[Any], extra_info: Any = None) -> dict:
         return self._batch_v2(transfers, setting=True)
 
-    def _batch_v2(self, transfers: List[Any], setting: bool) -> dict:
+    def _batch_v2(self, transfers: list[Any], setting: bool) -> dict:
         out: dict = {}
         for t in transfers:
             keys = list(t.keys or [])
@@ -196,13 +196,13 @@ class KvtierStorage(HiCacheStorage):
         return pool
 
     # -- zero-copy v1 ---------------------------------------------------------------------------------
-    def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor, extra_info: Any = None) -> List[bool]:
+    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
         t0 = time.perf_counter()
         ok = self.store.batch_get_v1(keys, host_indices)
         self._record("prefetch", ok, time.perf_counter() - t0)
         return ok
 
-    def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor, extra_info: Any = None) -> List[bool]:
+    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
         if not self.is_writer:
             return [True] * len(keys)  # another rank writes the replicated pages
         t0 = time.perf_counter()
@@ -210,7 +210,7 @@ class KvtierStorage(HiCacheStorage):
         self._record("backup", ok, time.perf_counter() - t0)
         return ok
 
-    def _record(self, kind: str, ok: List[bool], seconds: float) -> None:
+    def _record(self, kind: str, ok: list[bool], seconds: float) -> None:
         """Pages moved by one batch and their GB/s (GiB as SGLang's own backends count), for get_stats()."""
         if not self.enable_storage_metrics or not ok:
             return
@@ -220,7 +220,7 @@ class KvtierStorage(HiCacheStorage):
             self._metrics[f"{kind}_pgs"].append(pages)
             self._metrics[f"{kind}_bandwidth"].append(gbps)
 
-    def batch_exists(self, keys: List[str], extra_info: Any = None) -> int:
+    def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
         return self.store.batch_exists(keys)
 
     def exists(self, key: str) -> bool:
@@ -249,7 +249,7 @@ class KvtierStorage(HiCacheStorage):
         buf.as_tensor(torch.uint8, (raw.numel(),)).copy_(raw)
         return self.store._store().put([f"{key}.flat"], [buf.ptr], [raw.numel()])[0]
 
-    def batch_set(self, keys: List[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None) -> bool:
+    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None) -> bool:
         return all(self.set(k, v) for k, v in zip(keys, values))
 
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
@@ -262,7 +262,7 @@ class KvtierStorage(HiCacheStorage):
         dst.copy_(buf.as_tensor(torch.uint8, (dst.numel(),)))
         return target_location
 
-    def batch_get(self, keys: List[str], target_locations: Any = None, target_sizes: Any = None) -> List[torch.Tensor | None]:
+    def batch_get(self, keys: list[str], target_locations: Any = None, target_sizes: Any = None) -> list[torch.Tensor | None]:
         return [self.get(k, t) for k, t in zip(keys, target_locations)]
 
     # -- housekeeping ---------------------------------------------------------------------------------
