@@ -40,7 +40,7 @@ _LAZY = {
     "PageStore": "store",
     "page_hashes": "store",
 }
-_SUBMODULES = {"buffer", "cli", "config", "controller", "demo", "kernels", "overlap", "pools", "pools_mla", "store", "testing",
+_SUBMODULES = {"buffer", "cli", "config", "controller", "demo", "kernels", "metrics", "overlap", "pools", "pools_mla", "store", "testing",
                "transfer", "workload", "benchmarks", "integrations"}
 
 

@@ -57,6 +57,9 @@ class Stats:
     bytes_host_to_device: int = 0
     bytes_to_store: int = 0
     bytes_from_store: int = 0
+    host_hit_pages: int = 0  # match(): pages found on the host ...
+    store_hit_pages: int = 0  # ... then in the store ...
+    miss_pages: int = 0  # ... and the rest (to be recomputed)
 
 
 class TierController:
@@ -232,6 +235,9 @@ class TierController:
             while n < len(keys) and keys[n] in self.pages:
                 n += 1
         m = self.store.batch_exists(keys[n:]) if self.store is not None and n < len(keys) else 0
+        self.stats.host_hit_pages += n
+        self.stats.store_hit_pages += m
+        self.stats.miss_pages += len(keys) - n - m
         return n, m
 
     def prefetch(self, page_keys: Sequence[str]) -> concurrent.futures.Future[int]:

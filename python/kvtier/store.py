@@ -23,6 +23,7 @@ from collections.abc import Sequence
 import torch
 
 from . import _native
+from .metrics import LatencyHistogram
 from ._errors import ClosedError, InvalidArgumentError, KvtierError
 
 #: Default hard limit of one namespace's data (bytes).
@@ -108,6 +109,8 @@ class PageStore:
         self._next_try = 0.0
         self._closed = False
         self._lock = threading.Lock()
+        #: batch latency histograms ("write": until durable, "read": until verified), for kvtier.metrics
+        self.latency = {"write": LatencyHistogram(), "read": LatencyHistogram()}
 
     # ------------------------------------------------------------------ registration
     def namespace_for(self, pool: Any) -> str:
@@ -224,7 +227,12 @@ class PageStore:
         keys, idx = self._indices(keys, host_indices)
         if store is None:
             return [False] * len(keys)
-        return store.put_pages(keys, idx) if keys or idx.size else []
+        if not keys and not idx.size:
+            return []
+        t0 = time.perf_counter()
+        ok: list[bool] = store.put_pages(keys, idx)
+        self.latency["write"].observe(time.perf_counter() - t0)
+        return ok
 
     def batch_get_v1(self, keys: Sequence[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
         """Read pages into the host pool at ``host_indices``; returns per key whether K and V were found with
@@ -233,7 +241,12 @@ class PageStore:
         keys, idx = self._indices(keys, host_indices)
         if store is None:
             return [False] * len(keys)
-        return store.get_pages(keys, idx) if keys or idx.size else []
+        if not keys and not idx.size:
+            return []
+        t0 = time.perf_counter()
+        ok: list[bool] = store.get_pages(keys, idx)
+        self.latency["read"].observe(time.perf_counter() - t0)
+        return ok
 
     def batch_exists(self, keys: Sequence[str], extra_info: Any = None) -> int:
         """Length of the leading run of keys whose page (K and V) is stored."""

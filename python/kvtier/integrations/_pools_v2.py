@@ -22,6 +22,7 @@ import torch
 from .. import _native
 from .._errors import InvalidArgumentError, KvtierError
 from ..buffer import HostBuffer
+from ..metrics import LatencyHistogram
 
 
 def pool_tensors(pool: Any) -> list[torch.Tensor]:
@@ -49,6 +50,7 @@ class PoolStore:
         self.read_only = read_only
         self._lock = threading.Lock()
         self._scratch: HostBuffer | None = None
+        self.latency = {"write": LatencyHistogram(), "read": LatencyHistogram()}  # batch durations (kvtier.metrics)
         probe = torch.arange(self.page_size, dtype=torch.int64)
         try:
             ptrs, sizes = pool.get_page_buffer_meta(probe)
@@ -132,7 +134,10 @@ class PoolStore:
         if self.flat:
             return self._flat(store, keys, starts, self._put_flat)
         names, ptrs, sizes = self._objects(keys, host_indices)
-        return self._per_page(store.put(names, ptrs, sizes), len(self.sizes))
+        t0 = time.perf_counter()
+        ok = store.put(names, ptrs, sizes)
+        self.latency["write"].observe(time.perf_counter() - t0)
+        return self._per_page(ok, len(self.sizes))
 
     def get(self, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
         starts = self._page_starts(keys, host_indices)
@@ -142,7 +147,10 @@ class PoolStore:
         if self.flat:
             return self._flat(store, keys, starts, self._get_flat)
         names, ptrs, sizes = self._objects(keys, host_indices)
-        return self._per_page(store.get(names, ptrs, sizes), len(self.sizes))
+        t0 = time.perf_counter()
+        ok = store.get(names, ptrs, sizes)
+        self.latency["read"].observe(time.perf_counter() - t0)
+        return self._per_page(ok, len(self.sizes))
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
         store = self._store()

@@ -1,0 +1,194 @@
+"""Prometheus metrics for operators: per-tier hits and misses, bytes per path, batch latency histograms, write
+failures, corrupt reads and dropped journal records, for a :class:`~kvtier.TierController`, any number of
+:class:`~kvtier.PageStore` s, and SGLang's :class:`~kvtier.integrations.sglang.KvtierStorage`.
+
+    from prometheus_client import start_http_server, REGISTRY
+    from kvtier.metrics import KvtierCollector
+
+    REGISTRY.register(KvtierCollector(controller=ctrl, stores=[store]))
+    start_http_server(9400)          # scrape http://host:9400/metrics
+
+Needs ``prometheus-client`` (``pip install 'kvtier[metrics]'``); the collector reads the objects' counters on
+each scrape (nothing is sampled in between), so it costs nothing while nobody scrapes. Latency histograms
+(:class:`LatencyHistogram`) are kept by the objects themselves whether or not this module is used.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+#: upper bounds (seconds) of the batch latency histograms: 100 µs … 10 s
+BUCKETS: tuple[float, ...] = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class LatencyHistogram:
+    """A thread-safe cumulative histogram of durations in seconds (Prometheus semantics, no dependency)."""
+
+    def __init__(self, buckets: Sequence[float] = BUCKETS) -> None:
+        self.buckets = tuple(buckets)
+        self._counts = [0] * (len(self.buckets) + 1)  # the last one is +Inf
+        self._sum = 0.0
+        self._lock = threading.Lock()
+
+    def observe(self, seconds: float) -> None:
+        i = bisect.bisect_left(self.buckets, seconds)
+        with self._lock:
+            self._counts[i] += 1
+            self._sum += seconds
+
+    def snapshot(self) -> tuple[list[tuple[str, int]], float, int]:
+        """``(cumulative buckets [(le, count)], sum, count)``."""
+        with self._lock:
+            counts, total = list(self._counts), self._sum
+        out, acc = [], 0
+        for le, c in zip([*map(str, self.buckets), "+Inf"], counts):
+            acc += c
+            out.append((le, acc))
+        return out, total, acc
+
+
+def _prometheus() -> Any:
+    try:
+        from prometheus_client import core
+    except ImportError:
+        from ._errors import KvtierError
+
+        raise KvtierError("kvtier.metrics needs prometheus-client: pip install 'kvtier[metrics]' "
+                          "(or prometheus-client)") from None
+    return core
+
+
+#: PageStore counters exported as Prometheus counters: (stats key, metric suffix, help)
+_STORE_COUNTERS = (
+    ("hits", "hits", "pages found and verified (objects: K and V count separately)"),
+    ("misses", "misses", "lookups of objects the store does not hold"),
+    ("bytes_written", "written_bytes", "bytes durably written"),
+    ("bytes_read", "read_bytes", "bytes read and verified"),
+    ("puts", "puts", "objects written"),
+    ("write_failures", "write_failures", "objects whose write failed (full disk, IO error): reported False, never raised"),
+    ("read_failures", "read_failures", "objects whose read failed with an IO error (a miss)"),
+    ("corrupt_reads", "corrupt_reads", "objects that failed their checksum on read (a miss; the object is dropped)"),
+    ("evictions", "evictions", "objects evicted to stay within capacity_bytes"),
+    ("journal_failures", "journal_failures", "journal appends that failed (the batch's pages reported False)"),
+    ("compactions", "journal_compactions", "journal compactions"),
+)
+#: PageStore values exported as gauges
+_STORE_GAUGES = (
+    ("objects", "objects", "objects stored"),
+    ("bytes_used", "used_bytes", "bytes in occupied slots"),
+    ("capacity_bytes", "capacity_bytes", "the namespace's capacity limit (data blocks plus journal)"),
+    ("data_bytes_held", "data_held_bytes", "disk blocks held by the data files"),
+    ("journal_bytes_held", "journal_held_bytes", "disk blocks held by the journal"),
+    ("dropped_records", "dropped_records", "journal records dropped at open (naming bytes the data files lack)"),
+    ("journal_damaged_spans", "journal_damaged_spans", "damaged journal spans skipped at open"),
+    ("poisoned", "poisoned", "1 while a failed journal cut-back keeps the store from writing (until reopened)"),
+)
+_CONTROLLER_PAGES = (
+    ("backed_up_pages", "backup"), ("loaded_pages", "load"), ("store_writes", "store_write"),
+    ("prefetched_pages", "prefetch"), ("spills", "spill"),
+)
+_CONTROLLER_BYTES = (
+    ("bytes_device_to_host", "device_to_host"), ("bytes_host_to_device", "host_to_device"),
+    ("bytes_to_store", "host_to_disk"), ("bytes_from_store", "disk_to_host"),
+)
+
+
+class KvtierCollector:
+    """A Prometheus collector (``REGISTRY.register(KvtierCollector(...))``) over live kvtier objects.
+
+    Args:
+        controller: a :class:`~kvtier.TierController` (its store is included).
+        stores: further :class:`~kvtier.PageStore` s (or SGLang ``KvtierStorage`` backends, whose page store
+            and extra v2 pools are included).
+        prefix: metric name prefix (default ``kvtier``).
+    """
+
+    def __init__(self, *, controller: Any = None, stores: Sequence[Any] = (), prefix: str = "kvtier") -> None:
+        _prometheus()  # fail at construction, not at the first scrape
+        self.controller = controller
+        self.stores = list(stores)
+        self.prefix = prefix
+
+    def _page_stores(self) -> list[Any]:
+        out: list[Any] = []
+        cands = ([self.controller.store] if self.controller is not None and self.controller.store is not None else [])
+        for s in [*cands, *self.stores]:
+            if hasattr(s, "store") and hasattr(s, "batch_get_v1") and hasattr(s, "kvtier_stats"):  # KvtierStorage
+                out.append(s.store)
+                out.extend(p for p in getattr(s, "_pools", {}).values())
+            else:
+                out.append(s)
+        seen, unique = set(), []
+        for s in out:
+            if id(s) not in seen:
+                seen.add(id(s))
+                unique.append(s)
+        return unique
+
+    def describe(self) -> list[Any]:
+        return []  # unchecked collector: metric families depend on what is attached at scrape time
+
+    def collect(self) -> Iterator[Any]:
+        core = _prometheus()
+        p = self.prefix
+        counters = {key: core.CounterMetricFamily(f"{p}_store_{name}", doc, labels=["store"])
+                    for key, name, doc in _STORE_COUNTERS}
+        gauges = {key: core.GaugeMetricFamily(f"{p}_store_{name}", doc, labels=["store"])
+                  for key, name, doc in _STORE_GAUGES}
+        latency = core.HistogramMetricFamily(f"{p}_store_batch_seconds", "duration of one store batch (write: until "
+                                             "durable; read: until verified)", labels=["store", "op"])
+        for st in self._page_stores():
+            stats = _store_stats(st)
+            if stats is None:
+                continue
+            label = [os.path.basename(str(stats.get("dir", ""))) or "?"]
+            for key, fam in counters.items():
+                fam.add_metric(label, float(stats.get(key, 0) or 0))
+            for key, fam in gauges.items():
+                fam.add_metric(label, float(stats.get(key, 0) or 0))
+            for op, hist in getattr(st, "latency", {}).items():
+                buckets, total, _ = hist.snapshot()
+                latency.add_metric([label[0], op], buckets, total)
+        yield from counters.values()
+        yield from gauges.values()
+        yield latency
+        c = self.controller
+        if c is None:
+            return
+        s = c.stats
+        lookups = core.CounterMetricFamily(f"{p}_tier_lookup_pages", "pages looked up by TierController.match, by "
+                                           "the tier that holds them (host, disk) or miss", labels=["tier"])
+        for tier, n in (("host", s.host_hit_pages), ("disk", s.store_hit_pages), ("miss", s.miss_pages)):
+            lookups.add_metric([tier], float(n))
+        yield lookups
+        pages = core.CounterMetricFamily(f"{p}_controller_pages", "pages moved by TierController, by path",
+                                         labels=["path"])
+        for attr, path in _CONTROLLER_PAGES:
+            pages.add_metric([path], float(getattr(s, attr)))
+        yield pages
+        nbytes = core.CounterMetricFamily(f"{p}_controller_bytes", "bytes moved by TierController, by path",
+                                          labels=["path"])
+        for attr, path in _CONTROLLER_BYTES:
+            nbytes.add_metric([path], float(getattr(s, attr)))
+        yield nbytes
+        for attr, doc in (("store_write_failures", "pages whose write to the store failed (they stay on the host)"),
+                          ("prefetch_misses", "pages a prefetch did not find or could not read (recomputed)"),
+                          ("host_evictions", "host pages evicted to make room")):
+            fam = core.CounterMetricFamily(f"{p}_controller_{attr}", doc)
+            fam.add_metric([], float(getattr(s, attr)))
+            yield fam
+
+
+def _store_stats(store: Any) -> dict[str, Any] | None:
+    """A store's counters, or None while it cannot report (closed, or a reader whose writer has not started)."""
+    try:
+        if hasattr(store, "get_stats"):
+            return dict(store.get_stats())
+        native = store._store()  # a v2 pool store
+        return dict(native.stats()) if native is not None else None
+    except Exception:  # noqa: BLE001 - a scrape must not fail because one store is closed
+        return None

@@ -1,0 +1,106 @@
+"""Prometheus metrics (kvtier.metrics) as an operator scrapes them: per-tier lookups, bytes per path, batch
+latency histograms, write failures and corrupt reads, through prometheus-client's own registry and parser."""
+
+import errno
+import os
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvtier import DeviceKVPool, PageStore, TierController, host_pool_for, page_hashes, testing
+from kvtier.metrics import KvtierCollector, LatencyHistogram
+
+PS = 4
+
+
+def scrape(collector):
+    reg = CollectorRegistry()
+    reg.register(collector)
+    out = {}
+    for fam in text_string_to_metric_families(generate_latest(reg).decode()):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def value(samples, name, **labels):
+    hits = [v for (n, ls), v in samples.items() if n == name and all(dict(ls).get(k) == x for k, x in labels.items())]
+    assert len(hits) == 1, (name, labels, [k for k in samples if k[0] == name])
+    return hits[0]
+
+
+def setup(tmp_path):
+    dp = DeviceKVPool(16 * PS, PS, 2, 2, 8, 6, torch.float32, "cpu")
+    for t in dp.k_buffer + dp.v_buffer:
+        t.copy_(torch.randn_like(t))
+    hp = host_pool_for(dp, layout="page_first_direct", host_to_device_ratio=1.0)
+    st = PageStore(tmp_path, capacity_bytes=1 << 26)
+    st.register_mem_pool_host(hp)
+    return dp, hp, st, TierController(dp, hp, st, write_policy="write_through")
+
+
+def test_controller_and_store_metrics(tmp_path):
+    dp, hp, st, c = setup(tmp_path)
+    col = KvtierCollector(controller=c)
+    keys = page_hashes(list(range(3 * PS)), PS)
+    rows = torch.arange(PS, 4 * PS)
+    c.backup(rows, keys)
+    c.wait_idle()
+    assert c.match(keys + page_hashes(list(range(100, 100 + PS)), PS)) == (3, 0)
+    s = scrape(col)
+    store = os.path.basename(st.get_stats()["dir"])
+    assert value(s, "kvtier_tier_lookup_pages_total", tier="host") == 3
+    assert value(s, "kvtier_tier_lookup_pages_total", tier="miss") == 1
+    assert value(s, "kvtier_controller_pages_total", path="backup") == 3
+    assert value(s, "kvtier_controller_bytes_total", path="host_to_disk") == 3 * c.page_bytes
+    assert value(s, "kvtier_store_objects", store=store) == 6  # K and V
+    assert value(s, "kvtier_store_written_bytes_total", store=store) == 3 * c.page_bytes
+    assert value(s, "kvtier_store_batch_seconds_count", store=store, op="write") == 1
+    assert value(s, "kvtier_store_batch_seconds_bucket", store=store, op="write", le="+Inf") == 1
+    # a failing disk read: a counted failure and a miss, visible to the scrape
+    with testing.faults("data_read", "error", errno=errno.EIO, times=None):
+        assert st.batch_get_v1(keys[:1], torch.arange(8 * PS, 9 * PS)) == [False]
+    s = scrape(col)
+    assert value(s, "kvtier_store_read_failures_total", store=store) >= 1
+    assert value(s, "kvtier_store_batch_seconds_count", store=store, op="read") == 1
+    # a corrupt object on disk: counted as a corrupt read
+    st.close()
+    data = [f for f in os.listdir(os.path.join(tmp_path, store)) if f.endswith(".dat")]
+    path = os.path.join(tmp_path, store, data[0])
+    with open(path, "r+b") as f:
+        f.seek(100)
+        b = f.read(1)
+        f.seek(100)
+        f.write(bytes([b[0] ^ 0xFF]))
+    st2 = PageStore(tmp_path, capacity_bytes=1 << 26)
+    st2.register_mem_pool_host(hp)
+    got = st2.batch_get_v1(keys, torch.arange(8 * PS, 11 * PS))
+    assert got.count(False) == 1
+    s = scrape(KvtierCollector(stores=[st2]))
+    assert value(s, "kvtier_store_corrupt_reads_total", store=store) == 1
+    c.close()
+    st2.close()
+    scrape(KvtierCollector(stores=[st2]))  # a closed store does not break the scrape
+
+
+def test_sglang_backend_is_collected(tmp_path):
+    from test_sglang import config, idx, sglang_pool
+
+    from kvtier.integrations.sglang import KvtierStorage
+
+    be = KvtierStorage(config(tmp_path))
+    be.register_mem_pool_host(sglang_pool("page_first_direct"))
+    assert be.batch_set_v1(["a" * 64, "b" * 64], idx([0, 1])) == [True, True]
+    s = scrape(KvtierCollector(stores=[be]))
+    assert value(s, "kvtier_store_objects") == 4
+    be.close()
+
+
+def test_latency_histogram_is_cumulative():
+    h = LatencyHistogram((0.1, 1.0))
+    for x in (0.05, 0.1, 0.5, 3.0):
+        h.observe(x)
+    buckets, total, count = h.snapshot()
+    assert buckets == [("0.1", 2), ("1.0", 3), ("+Inf", 4)] and count == 4 and total == pytest.approx(3.65)
