@@ -176,3 +176,35 @@ def test_bench_store_writes_only_where_told_and_plots(tmp_path):
     assert r.returncode == 1 and "--plot" in r.stderr and "Traceback" not in r.stderr
     r = run("bench", "store", "--cases", "huge")
     assert r.returncode == 2 and "unknown ['huge']" in r.stderr
+
+
+def test_progress_is_drawn_for_slow_work_and_errors_pass_through():
+    import io
+
+    from kvtier._progress import Progress, run_with_progress
+
+    out = io.StringIO()
+    bar = Progress(10, "verifying", delay=0, stream=out)
+    for i in range(11):
+        bar.update(i)
+    bar.close()
+    assert "verifying [" in out.getvalue() and "10/10" in out.getvalue() and out.getvalue().endswith("\n")
+    state = {"n": 0}
+
+    def work():
+        for _ in range(15):
+            state["n"] += 1
+            time.sleep(0.1)
+        return "done"
+
+    assert run_with_progress(work, lambda: (state["n"], 15), "x", interval=0.05) == "done"
+
+    def boom():
+        raise OSError(5, "disk on fire")
+
+    try:
+        run_with_progress(boom, lambda: (0, 1), "x")
+    except OSError as e:
+        assert "disk on fire" in str(e)
+    else:
+        raise AssertionError("the work's exception must reach the caller")

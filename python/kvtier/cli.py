@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 from typing import Any
 
 from ._errors import KvtierError
+from ._progress import run_with_progress
 
 
 def _namespaces(path: str) -> list[tuple[str, str]]:
@@ -104,7 +106,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         try:
             st = s.stats()
             found = _damage(st)
-            r = s.verify(repair)
+            r = run_with_progress(functools.partial(s.verify, repair), s.verify_progress,
+                                  f"verifying {os.path.basename(d)}")
         finally:
             s.close()
         bad = r["corrupt"] + r["unreadable"]

@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 import os
 import shutil
-import sys
 import tempfile
 import time
 import warnings
@@ -23,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ._progress import Progress
 from . import DeviceKVPool, PageStore, TierController, host_pool_for, page_hashes
 
 
@@ -77,26 +77,6 @@ class TinyModel:
         return (x @ self.head)[0]
 
 
-class _Progress:
-    """A one-line progress bar on stderr, shown once the work has taken more than a second."""
-
-    def __init__(self, total: int, label: str) -> None:
-        self.total, self.label, self.t0, self.shown = total, label, time.perf_counter(), False
-
-    def update(self, done: int) -> None:
-        if time.perf_counter() - self.t0 < 1.0 and done < self.total:
-            return
-        self.shown = True
-        width = 30
-        fill = int(width * done / self.total)
-        sys.stderr.write(f"\r{self.label} [{'#' * fill}{'.' * (width - fill)}] {done}/{self.total}")
-        sys.stderr.flush()
-
-    def close(self) -> None:
-        if self.shown:
-            sys.stderr.write("\n")
-
-
 def conversations(n_conv: int, turns: int, g: Geometry, seed: int) -> list[list[int]]:
     """Requests (token lists): ``n_conv`` conversations sharing a system prompt, each turn extending its
     conversation; interleaved across conversations so the host pool cannot keep them all."""
@@ -148,7 +128,7 @@ def run_workload(
     rows_cpu = rows.cpu()
     results = []
     failures = []
-    bar = _Progress(len(reqs), "serving")
+    bar = Progress(len(reqs), "serving")
     try:
         for i, tokens in enumerate(reqs):
             n_pages = len(tokens) // g.page_size

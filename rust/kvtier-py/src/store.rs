@@ -377,6 +377,13 @@ impl PyPageStore {
         Ok(d)
     }
 
+    /// `(checked, total)` objects of the running (or last) `verify`, for progress shown by another thread.
+    fn verify_progress(&self) -> KvResult<(u64, u64)> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let s = self.store()?;
+        Ok((s.stats.verify_done.load(Relaxed), s.stats.verify_total.load(Relaxed)))
+    }
+
     fn keys(&self) -> KvResult<Vec<String>> {
         Ok(self.store()?.keys())
     }

@@ -154,10 +154,13 @@ impl PageStore {
     pub fn verify(&self, repair: bool) -> Result<VerifyReport> {
         self.refresh();
         let keys: Vec<String> = self.lock_index().map.keys().cloned().collect();
+        self.stats.verify_done.store(0, Ordering::Relaxed);
+        self.stats.verify_total.store(keys.len() as u64, Ordering::Relaxed);
         let mut rep = VerifyReport::default();
         let mut bad: Vec<(String, u64)> = Vec::new();
         let mut buf = Vec::new();
         for k in keys {
+            self.stats.verify_done.fetch_add(1, Ordering::Relaxed);
             // pinned while read, so its slot cannot be reused under the read (a live store)
             let e = {
                 let mut ix = self.lock_index();

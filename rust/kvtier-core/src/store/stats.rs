@@ -36,6 +36,10 @@ pub struct Stats {
     pub punched_slots: AtomicU64,
     /// Journal compactions done since open (the one at open included).
     pub compactions: AtomicU64,
+    /// Progress of the running (or last) `verify`: objects checked so far ...
+    pub verify_done: AtomicU64,
+    /// ... and how many it will check.
+    pub verify_total: AtomicU64,
 }
 
 /// What opening the store found on disk (fixed for the life of the open store).
