@@ -182,7 +182,7 @@ def test_bad_v2_calls_are_clear_and_harmless(tmp_path):
     assert be.batch_set_v2([PoolTransfer(PoolName.SWA, host_indices=idx([1]), keys=keys)]) == {PoolName.SWA: [False, False]}
     assert be._pools["swa"].exists(keys) == [False, False]
     # an index past the pool never reaches a copy
-    with pytest.raises(InvalidArgumentError, match="outside every registered host buffer"):
+    with pytest.raises(InvalidArgumentError, match=r"slots must be in \[0, 32\), got 399"):
         be.batch_set_v2([PoolTransfer(PoolName.SWA, host_indices=idx([99]), keys=keys[:1])])
     assert be._pools["swa"].exists(keys[:1]) == [False]
     be.batch_set_v1(keys, idx([0, 1]))
@@ -230,3 +230,103 @@ def test_factory_backend_serves_v2(tmp_path):
     assert be.batch_set_v2([PoolTransfer(PoolName.SWA, host_indices=idx([0]), keys=keys)]) == {PoolName.SWA: [True]}
     assert be.batch_exists_v2(keys, [PoolTransfer(PoolName.SWA, keys=keys, hit_policy=ALL)]).kv_hit_pages == 1
     be.close()
+
+
+def mamba_pool_with(temporal_dtype, seed=0, slots=8):
+    info = MambaStateBufferInfo(temporal=torch.zeros(2, slots + 1, 4, 8, dtype=temporal_dtype),
+                                conv=(torch.zeros(2, slots + 1, 3, 16, dtype=torch.bfloat16),))
+    pool = MambaPoolHost(info, 2.0, 0, device_capacity=slots, pin_memory=False, device="cpu", layout="page_first")
+    for t in pool.get_hybrid_pool_buffer():
+        t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape, generator=torch.Generator().manual_seed(seed), dtype=torch.uint8))
+    return pool
+
+
+def test_same_sizes_other_dtype_is_another_namespace(tmp_path):
+    """A bf16 and an fp16 SSM state have equal byte sizes: the pool's buffer dtypes and shapes name the
+    namespace, so a restarted server with the other dtype misses instead of reading reinterpreted bytes."""
+    kv = sglang_pool("page_first_direct")
+    a = backend(tmp_path)
+    a.register_mem_pool_host(kv)
+    a.register_mem_host_pool_v2(mamba_pool_with(torch.bfloat16), PoolName.MAMBA)
+    keys = keys_for(1)
+    assert a.batch_set_v2([PoolTransfer(PoolName.MAMBA, host_indices=torch.tensor([3]), keys=keys)]) == {PoolName.MAMBA: [True]}
+    a.close()
+    b = backend(tmp_path)
+    b.register_mem_pool_host(kv)
+    b.register_mem_host_pool_v2(mamba_pool_with(torch.float16), PoolName.MAMBA)
+    assert "bfloat16" not in b._pools["mamba"].namespace.split("|bufs=")[1].split(";")[0]
+    assert b.batch_get_v2([PoolTransfer(PoolName.MAMBA, host_indices=torch.tensor([0]), keys=keys)]) == {PoolName.MAMBA: [False]}
+    b.close()
+
+
+def test_fp8_variants_are_told_apart(tmp_path):
+    """SGLang's host pools hold every fp8 KV cache as uint8: with `kv_cache_dtype` in the extra config the
+    namespace names the variant, so an fp8_e5m2 page is never served to an fp8_e4m3 server."""
+    def pool():  # an fp8 cache as SGLang's host pool holds it: uint8, 2 x 128 fp8 values per head
+        p = sglang_pool("page_first_direct", 128, 128)
+        p.kv_buffer, p.dtype, p.head_dim, p.v_head_dim = p.kv_buffer.view(torch.uint8), torch.uint8, 256, 256
+        return p
+    e5 = backend(tmp_path, kv_cache_dtype="fp8_e5m2")
+    e5.register_mem_pool_host(pool())
+    keys = keys_for(1)
+    assert e5.batch_set_v1(keys, idx([0])) == [True]
+    e5.close()
+    e4 = backend(tmp_path, kv_cache_dtype="fp8_e4m3")
+    e4.register_mem_pool_host(pool())
+    assert "|dtype=fp8_e4m3|" in e4.store.namespace_for(e4.store.pool) and e4.batch_exists(keys) == 0
+    e4.close()
+
+
+def test_flat_path_refuses_bad_indices_before_any_io(tmp_path):
+    kv, swa, mamba = hybrid()
+    mamba.get_page_buffer_meta = lambda indices: (_ for _ in ()).throw(NotImplementedError("side state"))
+    be = backend(tmp_path)
+    be.register_mem_pool_host(kv)
+    be.register_mem_host_pool_v2(mamba, PoolName.MAMBA)
+    before = snapshot(mamba)
+    keys = keys_for(2)
+    for bad in ([1, -1], [1, mamba.size]):  # a negative slot would wrap in torch; one past the pool
+        with pytest.raises(InvalidArgumentError, match="host_indices"):
+            be.batch_set_v2([PoolTransfer(PoolName.MAMBA, host_indices=torch.tensor(bad), keys=keys)])
+        with pytest.raises(InvalidArgumentError, match="host_indices"):
+            be.batch_get_v2([PoolTransfer(PoolName.MAMBA, host_indices=torch.tensor(bad), keys=keys)])
+    assert be._pools["mamba"].exists(keys) == [False, False]
+    assert all(torch.equal(a, b) for a, b in zip(snapshot(mamba), before))
+    with pytest.raises(InvalidArgumentError, match="int64"):
+        be.batch_set_v2([PoolTransfer(PoolName.MAMBA, host_indices=torch.tensor([1, 2], dtype=torch.int32), keys=keys)])
+    be.close()
+
+
+def test_a_bad_transfer_stores_nothing_of_the_batch(tmp_path):
+    kv, swa, mamba = hybrid()
+    be = backend(tmp_path)
+    be.register_mem_pool_host(group(kv, swa, mamba))
+    keys = keys_for(2)
+    for bad in (PoolTransfer(PoolName.INDEXER, host_indices=idx([0]), keys=keys[:1]),  # never registered
+                PoolTransfer(PoolName.MAMBA, host_indices=torch.tensor([99]), keys=keys[:1])):  # past the pool
+        with pytest.raises(InvalidArgumentError):
+            be.batch_set_v2([PoolTransfer(PoolName.KV, host_indices=idx([0, 1]), keys=keys),
+                             PoolTransfer(PoolName.SWA, host_indices=idx([0, 1]), keys=keys), bad])
+        assert be.batch_exists(keys) == 0 and be._pools["swa"].exists(keys) == [False, False]
+    be.close()
+
+
+def test_closed_pools_stay_closed_and_can_be_registered_again(tmp_path):
+    from kvtier import ClosedError
+
+    kv, swa, mamba = hybrid()
+    be = backend(tmp_path)
+    be.register_mem_pool_host(kv)
+    be.register_mem_host_pool_v2(swa, PoolName.SWA)
+    be.register_mem_host_pool_v2(swa, PoolName.SWA)  # again: the old store gives its lock back first
+    keys = keys_for(1)
+    pool = be._pools["swa"]
+    assert pool.set(keys, idx([0])) == [True]
+    be.close()
+    with pytest.raises(ClosedError):
+        pool.set(keys, idx([1]))  # a thread still holding it does not reopen the namespace
+    again = backend(tmp_path)  # so a new backend in the same process can take the lock
+    again.register_mem_pool_host(kv)
+    again.register_mem_host_pool_v2(swa, PoolName.SWA)
+    assert again._pools["swa"].exists(keys) == [True]
+    again.close()

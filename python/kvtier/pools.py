@@ -197,6 +197,8 @@ class _HostKVPool:
         self.head_dim = geo.head_dim
         self.v_head_dim = geo.v_head_dim
         self.dtype = geo.dtype
+        # the device pool's own dtype: an fp8 cache stored as uint8 still names its format (store namespaces)
+        self.logical_dtype = getattr(device_pool, "dtype", geo.dtype)
         self._geo = geo
         if geo.mla:
             self.kv_lora_rank, self.qk_rope_head_dim, self.kv_cache_dim = geo.kv_lora_rank, geo.qk_rope_head_dim, geo.head_dim

@@ -62,6 +62,9 @@ class PageStore:
             until the writer has created the namespace every lookup is a miss.
         direct: ``None`` probes O_DIRECT and falls back to buffered IO (with a warning); ``False`` disables
             it; ``True`` requires it.
+        kv_cache_dtype: the KV cache's logical dtype when the host pool holds it as raw bytes and cannot say
+            (SGLang's pools keep every fp8 variant as ``uint8``): named in the namespace, so pages of an
+            ``fp8_e5m2`` cache are never served to an ``fp8_e4m3`` one. kvtier's own pools know it.
     """
 
     def __init__(
@@ -82,6 +85,7 @@ class PageStore:
         io_threads: int = 16,
         direct: bool | None = None,
         read_only: bool = False,
+        kv_cache_dtype: str | None = None,
     ) -> None:
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes < 4096:
             raise InvalidArgumentError(f"invalid argument `capacity_bytes`: must be an int >= 4096, got {capacity_bytes!r}")
@@ -96,6 +100,7 @@ class PageStore:
         self.path = os.fspath(path)
         self.capacity_bytes = capacity_bytes
         self.model_name = str(model_name)
+        self.kv_cache_dtype = None if kv_cache_dtype is None else str(kv_cache_dtype).removeprefix("torch.")
         self.ranks = dict(tp=(tp_rank, tp_size), pp=(pp_rank, pp_size), cp=(cp_rank, cp_size),
                           dcp=(dcp_rank, dcp_size), dp=(dp_rank, 0))
         self.io_threads = io_threads
@@ -124,9 +129,16 @@ class PageStore:
             f"|dcp={r['dcp'][0]}/{r['dcp'][1]}" if r["dcp"][1] > 1 else "")
         return (
             f"kvtier-v1|model={self.model_name}|tp={r['tp'][0]}/{r['tp'][1]}|pp={r['pp'][0]}/{r['pp'][1]}"
-            f"|cp={r['cp'][0]}/{r['cp'][1]}{extra}|dtype={str(pool.dtype).removeprefix('torch.')}|layout={pool.layout}"
+            f"|cp={r['cp'][0]}/{r['cp'][1]}{extra}|dtype={self._dtype_of(pool)}|layout={pool.layout}"
             f"|page={pool.page_size}|layers={pool.layer_num}|{_heads(pool)}"
         )
+
+    def _dtype_of(self, pool: Any) -> str:
+        """The KV cache's logical dtype: the explicit ``kv_cache_dtype``, else what the pool (kvtier's:
+        ``logical_dtype``) or its device pool says, else the dtype its bytes are stored as."""
+        dtype = (self.kv_cache_dtype or getattr(pool, "logical_dtype", None)
+                 or getattr(getattr(pool, "device_pool", None), "dtype", None) or pool.dtype)
+        return str(dtype).removeprefix("torch.")
 
     def register_mem_pool_host(self, pool: Any) -> None:
         """Attach the host pool whose pages this store reads and writes: a kvtier pool, or an engine's own

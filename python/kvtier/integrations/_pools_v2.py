@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .. import _native
-from .._errors import InvalidArgumentError, KvtierError
+from .._errors import ClosedError, InvalidArgumentError, KvtierError
 from ..buffer import HostBuffer
 from ..metrics import LatencyHistogram
 
@@ -39,6 +39,22 @@ def pool_tensors(pool: Any) -> list[torch.Tensor]:
     return [t for t in out if t.numel() > 0]
 
 
+def pool_geometry(pool: Any) -> str:
+    """Every buffer's dtype and shape without its slot axis (the one as long as the pool, so resizing the
+    pool keeps the name): two pools whose pages have equal byte sizes but different dtypes or shapes (a bf16
+    against an fp16 SSM state) get different namespaces, so neither is ever served the other's bytes."""
+    size, pages = int(getattr(pool, "size", -1)), int(getattr(pool, "page_num", -1))
+    parts = []
+    for t in pool_tensors(pool):
+        shape = list(t.shape)
+        for i, d in enumerate(shape):
+            if d in (size, pages):
+                del shape[i]
+                break
+        parts.append(f"{str(t.dtype).removeprefix('torch.')}{shape}".replace(" ", ""))
+    return ";".join(parts)
+
+
 class PoolStore:
     """One v2 pool's pages in a namespace of their own (see the module docs). ``read_only``: another
     rank writes this namespace (rank-replicated pools of MLA models); it is opened when it exists."""
@@ -48,6 +64,8 @@ class PoolStore:
         self.pool = pool
         self.page_size = int(getattr(pool, "page_size", 1) or 1)
         self.read_only = read_only
+        self.size = int(getattr(pool, "size", 0) or 0)
+        self._closed = False
         self._lock = threading.Lock()
         self._scratch: HostBuffer | None = None
         self.latency = {"write": LatencyHistogram(), "read": LatencyHistogram()}  # batch durations (kvtier.metrics)
@@ -66,7 +84,8 @@ class PoolStore:
                 )
             dummy = pool.get_dummy_flat_data_page()
             self.sizes = [int(dummy.numel() * dummy.element_size())]
-        self.namespace = namespace + ("|objs=flat:" if self.flat else "|objs=") + "+".join(map(str, self.sizes))
+        self.namespace = (namespace + f"|bufs={pool_geometry(pool)}" + ("|objs=flat:" if self.flat else "|objs=")
+                          + "+".join(map(str, self.sizes)))
         self._open_args = (root, self.namespace, capacity_bytes, io_threads, direct, read_only)
         self._native: Any = None
         self._next_try = 0.0
@@ -98,16 +117,36 @@ class PoolStore:
     def _store(self) -> Any:
         """The native store; None only for a reader whose writer has not created the namespace yet."""
         with self._lock:
+            if self._closed:
+                raise ClosedError(f"the v2 pool store {self.namespace!r} is closed")
             if self._native is None and time.monotonic() >= self._next_try:
                 self._open()
             return self._native
 
     # ------------------------------------------------------------------ pages
-    def _page_starts(self, keys: Sequence[str], host_indices: torch.Tensor) -> list[int] | None:
-        h = host_indices.detach().to("cpu").reshape(-1)
-        if h.dtype != torch.int64 or h.numel() != len(keys) * self.page_size:
+    def check(self, keys: Sequence[str], host_indices: Any) -> list[int] | None:
+        """The first slot of each page, after proving every index is in the pool, page-aligned and consecutive
+        within its page (before any byte moves; the flat path hands slots to the pool's own accessors, which
+        would wrap a negative index). None when the count does not match the keys (SGLang's backends answer
+        that with False for every page)."""
+        if not isinstance(host_indices, torch.Tensor) or host_indices.dtype != torch.int64 or host_indices.dim() != 1:
+            raise InvalidArgumentError("invalid argument `host_indices`: expected a 1-D torch.int64 tensor")
+        h = host_indices.detach().to("cpu")
+        ps = self.page_size
+        if h.numel() != len(keys) * ps:
             return None
-        return h[:: self.page_size].tolist()
+        if h.numel() == 0:
+            return []
+        lo, hi = int(h.min()), int(h.max())
+        if lo < 0 or (self.size and hi >= self.size):
+            raise InvalidArgumentError(f"invalid argument `host_indices`: slots must be in [0, {self.size}), got "
+                                       f"{lo if lo < 0 else hi}")
+        pages = h.reshape(-1, ps)
+        starts = pages[:, 0]
+        if bool((starts % ps != 0).any()) or not torch.equal(pages, starts[:, None] + torch.arange(ps)):
+            raise InvalidArgumentError(f"invalid argument `host_indices`: each page's {ps} slots must be "
+                                       "consecutive from a multiple of the page size")
+        return starts.tolist()
 
     def _objects(self, keys: Sequence[str], host_indices: torch.Tensor):
         ptrs, sizes = self.pool.get_page_buffer_meta(host_indices)
@@ -125,9 +164,9 @@ class PoolStore:
         return [all(ok[i * m:(i + 1) * m]) for i in range(len(ok) // m)]
 
     def set(self, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
+        starts = self.check(keys, host_indices)
         if self.read_only:
             return [True] * len(keys)  # the writer rank stores the replicated pages
-        starts = self._page_starts(keys, host_indices)
         store = self._store()
         if starts is None or store is None or not keys:
             return [False] * len(keys)
@@ -140,7 +179,7 @@ class PoolStore:
         return self._per_page(ok, len(self.sizes))
 
     def get(self, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
-        starts = self._page_starts(keys, host_indices)
+        starts = self.check(keys, host_indices)
         store = self._store()
         if starts is None or store is None or not keys:
             return [False] * len(keys)
@@ -190,6 +229,7 @@ class PoolStore:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             if self._native is not None:
                 self._native.close()
                 self._native = None

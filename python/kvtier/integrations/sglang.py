@@ -36,6 +36,7 @@ OPTIONS = {
     "capacity_bytes": DEFAULT_CAPACITY,  # hard limit per namespace (i.e. per rank), LRU-evicted
     "io_threads": 16,  # IO requests in flight per batch
     "direct": None,  # None: O_DIRECT if the file system allows it (warns otherwise); False: buffered
+    "kv_cache_dtype": None,  # the --kv-cache-dtype of an fp8 cache (SGLang's host pools hold fp8 as uint8)
 }
 #: Keys SGLang itself reads from the extra config; accepted and ignored here.
 SGLANG_KEYS = {
@@ -90,6 +91,7 @@ class KvtierStorage(HiCacheStorage):
             direct=opts["direct"],
             # the ranks that do not write replicated (MLA) pages read the writer's namespace, following it
             read_only=not self.is_writer,
+            kv_cache_dtype=opts["kv_cache_dtype"],
         )
         # One scratch buffer per calling thread (a shared one let a concurrent set store another page's
         # bytes under its key); all of them are registered with the store and closed with it.
@@ -127,17 +129,18 @@ class KvtierStorage(HiCacheStorage):
         tp = (cfg.tp_rank, cfg.tp_size) if sharded else (0, 1)
         r = self.store.ranks
         extra = (f"|dp={r['dp'][0]}" if r["dp"][0] else "") + (f"|dcp={r['dcp'][0]}/{r['dcp'][1]}" if r["dcp"][1] > 1 else "")
-        dtype = str(getattr(host_pool, "dtype", "")).removeprefix("torch.")
+        # (a KV pool's logical dtype, as the anchor's; a state pool's own: its buffers are named in full below)
+        dtype = str(getattr(host_pool, "dtype", "")).removeprefix("torch.") if name in RANK_SHARDED_POOLS \
+            else self.store._dtype_of(host_pool)
         ns = (f"kvtier-v1|model={self.store.model_name}|tp={tp[0]}/{tp[1]}|pp={r['pp'][0]}/{r['pp'][1]}"
               f"|cp={r['cp'][0]}/{r['cp'][1]}{extra}|pool={name}|dtype={dtype}|layout={getattr(host_pool, 'layout', None)}"
               f"|page={getattr(host_pool, 'page_size', 1)}")
-        store = PoolStore(self.store.path, ns, host_pool, capacity_bytes=self.store.capacity_bytes,
-                          io_threads=int(self._opts["io_threads"]), direct=self._opts["direct"],
-                          read_only=not sharded and not self.is_writer)
         old = self._pools.pop(name, None)
-        if old is not None:
+        if old is not None:  # a pool registered again: its namespace's lock must be free for the new store
             old.close()
-        self._pools[name] = store
+        self._pools[name] = PoolStore(self.store.path, ns, host_pool, capacity_bytes=self.store.capacity_bytes,
+                                      io_threads=int(self._opts["io_threads"]), direct=self._opts["direct"],
+                                      read_only=not sharded and not self.is_writer)
 
     # -- v2 (hybrid models) ----------------------------------------------------------------------------
     def batch_exists_v2(self, keys: list[str], pool_transfers: Any = None, extra_info: Any = None) -> Any:
@@ -174,16 +177,24 @@ class KvtierStorage(HiCacheStorage):
         return self._batch_v2(transfers, setting=True)
 
     def _batch_v2(self, transfers: list[Any], setting: bool) -> dict:
-        out: dict = {}
+        """Every transfer is checked (its pool registered, its indices in range) before any byte moves; the
+        anchor's pages (``kv``) go first, through v1, whose indices the core checks before its own IO."""
+        checked = []
         for t in transfers:
             keys = list(t.keys or [])
             if _pool_name(t.name) == "kv":
-                op = self.batch_set_v1 if setting else self.batch_get_v1
-                out[t.name] = op(keys, t.host_indices) if t.host_indices is not None else [False] * len(keys)
-                continue
-            pool = self._pool(t.name)
+                checked.append((0, t, keys, None))
+            else:
+                pool = self._pool(t.name)
+                if t.host_indices is not None:
+                    pool.check(keys, t.host_indices)
+                checked.append((1, t, keys, pool))
+        out: dict = {}
+        for _, t, keys, pool in sorted(checked, key=lambda c: c[0]):
             if t.host_indices is None:
                 out[t.name] = [False] * len(keys)
+            elif pool is None:
+                out[t.name] = (self.batch_set_v1 if setting else self.batch_get_v1)(keys, t.host_indices)
             else:
                 out[t.name] = pool.set(keys, t.host_indices) if setting else pool.get(keys, t.host_indices)
         return out
