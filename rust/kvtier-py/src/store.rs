@@ -381,7 +381,10 @@ impl PyPageStore {
     fn verify_progress(&self) -> KvResult<(u64, u64)> {
         use std::sync::atomic::Ordering::Relaxed;
         let s = self.store()?;
-        Ok((s.stats.verify_done.load(Relaxed), s.stats.verify_total.load(Relaxed)))
+        Ok((
+            s.stats.verify_done.load(Relaxed),
+            s.stats.verify_total.load(Relaxed),
+        ))
     }
 
     fn keys(&self) -> KvResult<Vec<String>> {

@@ -155,7 +155,9 @@ impl PageStore {
         self.refresh();
         let keys: Vec<String> = self.lock_index().map.keys().cloned().collect();
         self.stats.verify_done.store(0, Ordering::Relaxed);
-        self.stats.verify_total.store(keys.len() as u64, Ordering::Relaxed);
+        self.stats
+            .verify_total
+            .store(keys.len() as u64, Ordering::Relaxed);
         let mut rep = VerifyReport::default();
         let mut bad: Vec<(String, u64)> = Vec::new();
         let mut buf = Vec::new();
