@@ -179,16 +179,16 @@ class KvtierStorage(HiCacheStorage):
     def _batch_v2(self, transfers: list[Any], setting: bool) -> dict:
         """Every transfer is checked (its pool registered, its indices in range) before any byte moves; the
         anchor's pages (``kv``) go first, through v1, whose indices the core checks before its own IO."""
-        checked = []
+        checked: list[tuple[int, Any, list[str], PoolStore | None]] = []
         for t in transfers:
             keys = list(t.keys or [])
             if _pool_name(t.name) == "kv":
                 checked.append((0, t, keys, None))
             else:
-                pool = self._pool(t.name)
+                extra = self._pool(t.name)
                 if t.host_indices is not None:
-                    pool.check(keys, t.host_indices)
-                checked.append((1, t, keys, pool))
+                    extra.check(keys, t.host_indices)
+                checked.append((1, t, keys, extra))
         out: dict = {}
         for _, t, keys, pool in sorted(checked, key=lambda c: c[0]):
             if t.host_indices is None:
