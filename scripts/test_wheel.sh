@@ -22,11 +22,16 @@ with kvtier.PageStore(sys.argv[1], capacity_bytes=1 << 26) as st:
 PY
 cd "$work"  # nothing of the repository importable from here
 kv="$work/venv/bin/kvtier"
-"$kv" --help | grep -q "inspect"
-"$kv" --version | grep -q "^kvtier [0-9]"
-"$kv" inspect "$work/store" | grep -q "objects 4"
-"$kv" stats --json "$work/store" | grep -q '"objects": 4'
-"$kv" verify "$work/store" | grep -q "4 objects checked, ok"
+expect() {  # expect PATTERN CMD...: CMD succeeds and its output matches (read whole: no broken pipe)
+  local pattern=$1 out; shift
+  out=$("$@") || { echo "wheel test: '$*' failed" >&2; exit 1; }
+  grep -q -- "$pattern" <<<"$out" || { echo "wheel test: '$*' printed no '$pattern':" >&2; echo "$out" >&2; exit 1; }
+}
+expect "inspect" "$kv" --help
+expect "^kvtier [0-9]" "$kv" --version
+expect "objects 4" "$kv" inspect "$work/store"
+expect '"objects": 4' "$kv" stats --json "$work/store"
+expect "4 objects checked, ok" "$kv" verify "$work/store"
 "$work/venv/bin/python" - <<'PY'
 import kvtier
 try:

@@ -208,3 +208,9 @@ def test_progress_is_drawn_for_slow_work_and_errors_pass_through():
         assert "disk on fire" in str(e)
     else:
         raise AssertionError("the work's exception must reach the caller")
+
+
+def test_a_reader_that_leaves_early_gets_no_error(tmp_path):
+    _store(tmp_path)
+    r = subprocess.run(f"{sys.executable} -m kvtier stats {tmp_path} | head -c 1", shell=True, capture_output=True, text=True)
+    assert r.stderr == "" and len(r.stdout) == 1

@@ -216,6 +216,9 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_verify(args)
         if args.command == "stats":
             return cmd_stats(args)
+    except BrokenPipeError:  # `kvtier stats DIR | head`: the reader left; say nothing, as other tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except (KvtierError, OSError, ValueError) as exc:
         print(f"kvtier: error: {exc}", file=sys.stderr)
         return 1

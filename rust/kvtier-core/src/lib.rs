@@ -5,6 +5,8 @@
 //! - [`cuda`]: the CUDA driver, loaded at run time; absent drivers are an error value, never a link failure.
 //! - [`alloc`]: whole-page token-slot allocation with HiCache's semantics and checked frees.
 //! - [`plan`]: validation of transfer indices and the byte-range plans that copy engines execute.
+//! - [`engine`]: the transfer engine: plans executed with `memcpy` or submitted to CUDA streams (copy
+//!   engine or compiled kernels) with lanes, per-layer events, flow control and background submission.
 //! - [`store`]: the durable, checksummed, capacity-bounded page store (O_DIRECT), with its [`journal`]
 //!   (design: docs/STORE.md).
 //! - [`hash`]: SGLang-compatible chained SHA-256 page keys.
@@ -18,6 +20,7 @@
 pub mod alloc;
 pub mod buffer;
 pub mod cuda;
+pub mod engine;
 pub mod error;
 pub mod fault;
 pub mod hash;

@@ -3,6 +3,7 @@
 
 mod buffer;
 mod dlpack;
+mod engine;
 mod errors;
 mod store;
 mod store_fns;
@@ -29,12 +30,12 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(transfer::validate_transfer, m)?)?;
     m.add_function(wrap_pyfunction!(transfer::page_numbers, m)?)?;
     m.add_function(wrap_pyfunction!(transfer::cuda_batch_supported, m)?)?;
-    m.add_function(wrap_pyfunction!(transfer::cuda_batch_flags, m)?)?;
-    m.add_function(wrap_pyfunction!(transfer::cuda_set_batch_limit, m)?)?;
-    m.add_function(wrap_pyfunction!(transfer::submit_layers, m)?)?;
-    m.add_function(wrap_pyfunction!(transfer::submit_layers_background, m)?)?;
-    m.add_class::<transfer::PySubmission>()?;
-    m.add_function(wrap_pyfunction!(transfer::launch_layers, m)?)?;
+    m.add_function(wrap_pyfunction!(engine::cuda_batch_flags, m)?)?;
+    m.add_function(wrap_pyfunction!(engine::cuda_set_batch_limit, m)?)?;
+    m.add_function(wrap_pyfunction!(engine::submit_layers, m)?)?;
+    m.add_function(wrap_pyfunction!(engine::submit_layers_background, m)?)?;
+    m.add_class::<engine::PySubmission>()?;
+    m.add_function(wrap_pyfunction!(engine::launch_layers, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -1,0 +1,149 @@
+//! Per-layer copy submissions run by a native thread, so a caller whose copies outrun the driver's queue
+//! is not held up.
+
+use std::sync::{Arc, Condvar, Mutex};
+
+use super::groups::{build_groups, check_sides, copy_groups, MAX_AHEAD_COPIES};
+use super::Plan;
+use crate::{Error, Result};
+
+#[derive(Default)]
+struct Progress {
+    recorded: usize,
+    done: bool,
+    error: Option<Error>,
+}
+
+type State = Arc<(Mutex<Progress>, Condvar)>;
+
+/// A per-layer submission running on a native thread (see [`submit_layers_background`]).
+pub struct Submission {
+    state: State,
+    groups: usize,
+}
+
+impl Submission {
+    fn wait_until(&self, enough: impl Fn(&Progress) -> bool) -> Result<()> {
+        let (m, cv) = &*self.state;
+        let mut g = m.lock().unwrap_or_else(|p| p.into_inner());
+        while !enough(&g) && !g.done {
+            g = cv.wait(g).unwrap_or_else(|p| p.into_inner());
+        }
+        match &g.error {
+            Some(Error::Cuda { call, code, detail }) => Err(Error::Cuda {
+                call,
+                code: *code,
+                detail: detail.clone(),
+            }),
+            Some(e) => Err(Error::CudaUnavailable(format!(
+                "background submission failed: {e}"
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    /// Layers (groups) of the submission.
+    pub fn groups(&self) -> usize {
+        self.groups
+    }
+
+    /// Blocks until the events of layer `index` (0-based within the submission) have been recorded; the
+    /// submission's error if it failed first.
+    pub fn wait_recorded(&self, index: usize) -> Result<()> {
+        if index >= self.groups {
+            return Err(Error::arg(
+                "index",
+                format!("must be < {}, got {index}", self.groups),
+            ));
+        }
+        self.wait_until(move |p| p.recorded > index)
+    }
+
+    /// Blocks until every copy has been submitted; the submission's error if any.
+    pub fn join(&self) -> Result<()> {
+        self.wait_until(|p| p.done)
+    }
+
+    /// True once every copy has been submitted (or the submission failed).
+    pub fn finished(&self) -> bool {
+        self.state.0.lock().unwrap_or_else(|p| p.into_inner()).done
+    }
+}
+
+/// As [`super::submit_layers`] with `per_layer`, but submitted by a native thread. The thread first waits
+/// until `previous` (the last background submission on the same stream, if any) has finished submitting, so
+/// submissions reach the stream in call order, then makes the stream wait for `after` (an event, 0 = none).
+/// Wait on [`Submission::wait_recorded`]`(i)` before making a stream wait on layer i's events. The caller
+/// keeps `after`, the events and the device memory alive until [`Submission::finished`] and the last events
+/// have completed; the thread itself keeps the host mappings alive until it is done. On an error the thread
+/// waits for everything it enqueued before it reports finished.
+#[allow(clippy::too_many_arguments)]
+pub fn submit_layers_background(
+    plans: &[&Plan],
+    layer_begin: usize,
+    layer_end: usize,
+    device: i32,
+    stream: usize,
+    side_streams: Vec<usize>,
+    batch: bool,
+    events: &[usize],
+    after: usize,
+    previous: Option<&Submission>,
+) -> Result<Submission> {
+    check_sides(stream, &side_streams)?;
+    if events.is_empty() {
+        return Err(Error::arg(
+            "events",
+            "a background submission needs events for every layer",
+        ));
+    }
+    let mut groups = build_groups(
+        plans,
+        layer_begin,
+        layer_end,
+        true,
+        1 + side_streams.len(),
+        events,
+    )?;
+    let regions: Vec<_> = plans.iter().map(|p| p.region().clone()).collect();
+    let previous = previous.map(|p| p.state.clone());
+    let n = groups.len();
+    let state: State = Arc::new((Mutex::new(Progress::default()), Condvar::new()));
+    let worker = state.clone();
+    std::thread::Builder::new()
+        .name("kvtier-submit".into())
+        .spawn(move || {
+            let _regions = regions; // host memory stays mapped while this thread may submit copies of it
+            if let Some(prev) = previous {
+                let (m, cv) = &*prev;
+                let mut g = m.lock().unwrap_or_else(|p| p.into_inner());
+                while !g.done {
+                    g = cv.wait(g).unwrap_or_else(|p| p.into_inner());
+                }
+            }
+            let (m, cv) = &*worker;
+            let bump = || {
+                m.lock().unwrap_or_else(|p| p.into_inner()).recorded += 1;
+                cv.notify_all();
+            };
+            let res = copy_groups(
+                device,
+                stream,
+                &side_streams,
+                after,
+                batch,
+                &mut groups,
+                &bump,
+                MAX_AHEAD_COPIES,
+            );
+            let mut g = m.lock().unwrap_or_else(|p| p.into_inner());
+            g.done = true;
+            g.error = res.err();
+            cv.notify_all();
+        })
+        .map_err(|e| Error::Os {
+            what: "spawning the submission thread".into(),
+            source: e,
+        })?;
+    Ok(Submission { state, groups: n })
+}
