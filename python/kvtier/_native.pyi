@@ -8,7 +8,7 @@ from typing import Any, final
 __all__ = [
     "HostRegion", "PageAllocator", "TransferPlan", "PageStore", "namespace_dir", "page_hashes", "disk_roofline",
     "fault_set", "fault_clear", "fault_points", "fault_hits", "cuda_host_registered", "cuda_driver_available",
-    "validate_transfer", "page_numbers", "cuda_batch_supported", "cuda_batch_flags", "cuda_set_batch_limit",
+    "validate_transfer", "plan_sides", "copy_cpu", "page_numbers", "cuda_batch_supported", "cuda_batch_flags", "cuda_set_batch_limit",
     "submit_layers", "submit_layers_background", "Submission", "launch_layers", "__version__",
 ]
 
@@ -129,6 +129,20 @@ def validate_transfer(
     device_runs: bool,
     to_host: bool,
 ) -> None: ...
+def plan_sides(
+    to_host: bool,
+    layout: str,
+    slots: int,
+    page_size: int,
+    host_indices: Any,
+    device_indices: Any,
+    layer_begin: int,
+    layer_end: int,
+    host_pages: bool,
+    device_runs: bool,
+    sides: list[tuple[HostRegion, int, int, list[Any], int]],
+) -> list[TransferPlan]: ...
+def copy_cpu(plans: list[TransferPlan], layer_begin: int, layer_end: int) -> None: ...
 def submit_layers(
     plans: list[TransferPlan],
     layer_begin: int,

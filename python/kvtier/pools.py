@@ -18,6 +18,7 @@ is never copied with K's geometry (SGLang issue #28396).
 
 from __future__ import annotations
 
+import collections
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -224,7 +225,9 @@ class _HostKVPool:
         self._lock = threading.RLock()
         self._closed = False
         self._engine = TransferEngine()
-        self._prepared: tuple[Any, ...] | None = None
+        # validated index sets of the last few operations (a per-layer load and a backup of the same pages
+        # alternate): key -> (the index tensors, kept referenced so their ids stay unique; _Prepared)
+        self._prepared: collections.OrderedDict[tuple[Any, ...], tuple[Any, _Prepared]] = collections.OrderedDict()
         self._checked_device: tuple[Any, ...] | None = None
         self._allocate_buffers(pin_memory)
 
@@ -397,9 +400,10 @@ class _HostKVPool:
             id(host_indices), getattr(host_indices, "_version", None), id(device_indices),
             getattr(device_indices, "_version", None), io_backend, to_host, rows,
         )
-        cached = self._prepared
-        if cached is not None and cached[0] == key and _unchanged(cached[2], host_indices, device_indices):
-            return layers, cached[2]
+        cached = self._prepared.get(key)
+        if cached is not None and _unchanged(cached[1], host_indices, device_indices):
+            self._prepared.move_to_end(key)
+            return layers, cached[1]
         h = _index_array("host_indices", host_indices)
         d = _index_array("device_indices", device_indices)
         paged = self.layout == "page_first_direct"
@@ -407,11 +411,19 @@ class _HostKVPool:
             raise InvalidArgumentError(
                 f"invalid argument `host_indices`: length {len(h)} is not a multiple of page_size {self.page_size}"
             )
-        _native.validate_transfer(h, d, self.size, rows, self.page_size, paged, paged, to_host)
+        # Validated once: where the copies run from plans (CPU device pools; CUDA ones with pinned memory and
+        # the direct backend), the core validates the indices when it plans them (one native call for K and
+        # V); the other paths (kernels, torch copies of unpinned memory) are validated here.
+        dev = layers[0][0].device
+        planned = dev.type == "cpu" or (
+            dev.type == "cuda" and io_backend == "direct" and all(s.buffer.pinned for s in self._sides()))
+        if not planned or len(h) == 0 or len(h) != len(d):
+            _native.validate_transfer(h, d, self.size, rows, self.page_size, paged, paged, to_host)
         prepared = _Prepared(h, d, paged)
         if isinstance(host_indices, torch.Tensor) and isinstance(device_indices, torch.Tensor):
-            # keep the tensors referenced so their ids cannot be reused while cached
-            self._prepared = (key, (host_indices, device_indices), prepared)
+            self._prepared[key] = ((host_indices, device_indices), prepared)
+            while len(self._prepared) > 4:
+                self._prepared.popitem(last=False)
         return layers, prepared
 
     def load_to_device_per_layer(self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor,
@@ -458,7 +470,7 @@ class _HostKVPool:
                 return
             self._closed = True
             self._engine.close()  # never unmap memory a copy still reads or writes; drops staging buffers
-            self._prepared = None
+            self._prepared.clear()
             self._checked_device = None
             # Drop the pool's own views so the memory goes as soon as the caller holds none.
             self.k_buffer = self.v_buffer = self.kv_buffer = None

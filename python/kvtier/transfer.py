@@ -287,12 +287,10 @@ class TransferEngine:
             if hold:
                 self._hold((regions, hidx, didx, [x.dev_offsets for x in launches]))
             return None
-        plans = [self._plan(side, tensors, prepared, to_host) for side, tensors in pairs]
+        plans = self._plans(pairs, prepared, to_host)
         if dev.type == "cpu":
             for layer in range(layer_begin, layer_end) if per_layer else (layer_begin,):
-                last = layer + 1 if per_layer else layer_end
-                for plan in plans:
-                    plan.copy_cpu(layer, last)
+                _native.copy_cpu(plans, layer, layer + 1 if per_layer else layer_end)
             return
         stream = torch.cuda.current_stream(dev)
         handles = [int(ev.cuda_event) for evs in events for ev in evs] if events is not None else []
@@ -442,21 +440,22 @@ class TransferEngine:
         return plan
 
     @staticmethod
-    def _plan(side: Side, device_layers: Sequence[torch.Tensor], prepared: Any, to_host: bool):
-        """The DMA plan of one side for ``prepared``'s indices, made once (every layer) and cached there.
-        Cached per device-layer list; the entry keeps that list, so the identity check cannot be fooled by a
-        recycled id."""
-        key = (side.offset, id(side.buffer), to_host, id(device_layers))
+    def _plans(pairs: Sequence[tuple[Side, Sequence[torch.Tensor]]], prepared: Any, to_host: bool) -> list[Any]:
+        """The DMA plans of every side for ``prepared``'s indices, made in one native call that validates the
+        indices once (every layer), and cached there. Cached per device-layer lists; the entry keeps those
+        lists, so the identity check cannot be fooled by a recycled id."""
+        key = ("plans", tuple((side.offset, id(side.buffer), id(t)) for side, t in pairs), to_host)
         entry = prepared.plans.get(key)
-        if entry is not None and entry[0] is device_layers:
+        if entry is not None and all(a is b for a, b in zip(entry[0], (t for _, t in pairs))):
             return entry[1]
-        plan = _native.TransferPlan(
-            to_host, side.buffer._region, side.offset, side.layout, side.slots, side.page_size, side.row_bytes,
-            list(device_layers), prepared.host, prepared.device, 0, len(device_layers), prepared.paged,
-            prepared.paged, side.split,
+        first = pairs[0][0]
+        plans = _native.plan_sides(
+            to_host, first.layout, first.slots, first.page_size, prepared.host, prepared.device, 0,
+            len(pairs[0][1]), prepared.paged, prepared.paged,
+            [(side.buffer._region, side.offset, side.row_bytes, list(t), side.split) for side, t in pairs],
         )
-        prepared.plans[key] = (device_layers, plan)
-        return plan
+        prepared.plans[key] = (tuple(t for _, t in pairs), plans)
+        return plans
 
     @staticmethod
     def _copy_torch(side, device_layers, host, device, layer_begin, layer_end, to_host) -> None:

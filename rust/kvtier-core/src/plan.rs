@@ -122,7 +122,7 @@ impl HostGeometry {
 }
 
 /// Index rules of one transfer call.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct IndexRules {
     /// Host slots `S`.
     pub host_slots: usize,

@@ -28,6 +28,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(buffer::cuda_host_registered, m)?)?;
     m.add_function(wrap_pyfunction!(buffer::cuda_driver_available, m)?)?;
     m.add_function(wrap_pyfunction!(transfer::validate_transfer, m)?)?;
+    m.add_function(wrap_pyfunction!(transfer::plan_sides, m)?)?;
+    m.add_function(wrap_pyfunction!(transfer::copy_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(transfer::page_numbers, m)?)?;
     m.add_function(wrap_pyfunction!(transfer::cuda_batch_supported, m)?)?;
     m.add_function(wrap_pyfunction!(engine::cuda_batch_flags, m)?)?;

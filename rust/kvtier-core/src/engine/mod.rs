@@ -72,6 +72,13 @@ pub struct PlanRequest {
 impl Plan {
     /// Validates the indices, plans the chunks and checks each against both buffers.
     pub fn new(r: PlanRequest) -> Result<Self> {
+        Self::build(r, true)
+    }
+
+    /// `validate`: check the indices against the rules (skipped only by `new_sides` for a request whose
+    /// indices and rules equal those of one it has validated). Chunks are always checked against both
+    /// buffers, so no address outside them is ever planned.
+    fn build(r: PlanRequest, validate: bool) -> Result<Self> {
         if r.host_offset
             .checked_add(r.geo.nbytes())
             .is_none_or(|end| end > r.region.len())
@@ -101,7 +108,9 @@ impl Plan {
             ptr: r.region.as_ptr() as usize + r.host_offset,
             len: r.geo.nbytes(),
         };
-        plan::validate(&r.host_indices, &r.device_indices, &r.rules)?;
+        if validate {
+            plan::validate(&r.host_indices, &r.device_indices, &r.rules)?;
+        }
         let chunks = plan::plan(
             &r.geo,
             &r.host_indices,
@@ -124,6 +133,23 @@ impl Plan {
             cuda: r.cuda,
             region: r.region,
         })
+    }
+
+    /// Plans several sides (a pool's K and V) of one transfer: the indices are validated once when every
+    /// request carries the same indices, rules and layers (checked here, element by element: a cheap
+    /// comparison next to the validation it saves), else each request is validated on its own.
+    pub fn new_sides(reqs: Vec<PlanRequest>) -> Result<Vec<Self>> {
+        let shared = reqs.windows(2).all(|w| {
+            w[0].host_indices == w[1].host_indices
+                && w[0].device_indices == w[1].device_indices
+                && w[0].rules == w[1].rules
+                && w[0].layers == w[1].layers
+        });
+        let mut out = Vec::with_capacity(reqs.len());
+        for (i, r) in reqs.into_iter().enumerate() {
+            out.push(Self::build(r, !shared || i == 0)?);
+        }
+        Ok(out)
     }
 
     /// Whether the plan's device side is CUDA memory.
@@ -283,6 +309,31 @@ mod tests {
         // a plan for CPU memory is never handed to the copy engine
         let err = submit_layers(&[&load], 0, 2, 0, 7, &[], true, true, &[]).unwrap_err();
         assert!(err.to_string().contains("CPU tensors"), "{err}");
+    }
+
+    #[test]
+    fn sides_are_validated_once_and_bad_input_still_refused() {
+        let region = Arc::new(HostRegion::new(4096, &Default::default()).unwrap());
+        let mut dev: Vec<Vec<u8>> = (0..2).map(|_| vec![0u8; 48]).collect();
+        let mut dev2 = dev.clone();
+        let k = request(region.clone(), &mut dev, vec![0, 1], vec![2, 3], false);
+        let mut v = request(region.clone(), &mut dev2, vec![0, 1], vec![2, 3], false);
+        v.host_offset = 64;
+        assert_eq!(Plan::new_sides(vec![k, v]).unwrap().len(), 2);
+        // different indices per side: each validated, so a bad second side is refused
+        let k = request(region.clone(), &mut dev, vec![0, 1], vec![2, 3], false);
+        let v = request(region.clone(), &mut dev2, vec![0, 1], vec![3, 3], false); // not a page run
+        assert!(Plan::new_sides(vec![k, v]).is_err());
+        // duplicate destinations in the shared indices: refused by the one validation
+        let k = request(
+            region.clone(),
+            &mut dev,
+            vec![0, 1, 0, 1],
+            vec![2, 3, 2, 3],
+            false,
+        );
+        let v = request(region, &mut dev2, vec![0, 1, 0, 1], vec![2, 3, 2, 3], false);
+        assert!(Plan::new_sides(vec![k, v]).is_err());
     }
 
     #[test]
