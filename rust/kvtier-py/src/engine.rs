@@ -5,7 +5,7 @@ use kvtier_core::engine::{self, KernelLaunch, Plan, Submission};
 use pyo3::prelude::*;
 
 use crate::errors::KvResult;
-use crate::transfer::PyTransferPlan;
+use crate::plans::PyTransferPlan;
 
 fn plans<'a>(plans: &'a [PyRef<'_, PyTransferPlan>]) -> Vec<&'a Plan> {
     plans.iter().map(|p| &p.plan).collect()

@@ -5,6 +5,7 @@ mod buffer;
 mod dlpack;
 mod engine;
 mod errors;
+mod plans;
 mod store;
 mod store_fns;
 mod transfer;
@@ -16,7 +17,7 @@ use pyo3::prelude::*;
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<buffer::PyHostRegion>()?;
     m.add_class::<transfer::PyPageAllocator>()?;
-    m.add_class::<transfer::PyTransferPlan>()?;
+    m.add_class::<plans::PyTransferPlan>()?;
     m.add_class::<store::PyPageStore>()?;
     m.add_function(wrap_pyfunction!(store_fns::namespace_dir, m)?)?;
     m.add_function(wrap_pyfunction!(store_fns::page_hashes, m)?)?;
@@ -28,8 +29,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(buffer::cuda_host_registered, m)?)?;
     m.add_function(wrap_pyfunction!(buffer::cuda_driver_available, m)?)?;
     m.add_function(wrap_pyfunction!(transfer::validate_transfer, m)?)?;
-    m.add_function(wrap_pyfunction!(transfer::plan_sides, m)?)?;
-    m.add_function(wrap_pyfunction!(transfer::copy_cpu, m)?)?;
+    m.add_function(wrap_pyfunction!(plans::plan_sides, m)?)?;
+    m.add_function(wrap_pyfunction!(plans::copy_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(transfer::page_numbers, m)?)?;
     m.add_function(wrap_pyfunction!(transfer::cuda_batch_supported, m)?)?;
     m.add_function(wrap_pyfunction!(engine::cuda_batch_flags, m)?)?;
