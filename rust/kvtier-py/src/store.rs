@@ -6,9 +6,8 @@
 //! token slots of the one bound pool, whose layout was checked against the registered regions once.
 
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, RwLock};
 
-use kvtier_core::buffer::HostRegion;
 use kvtier_core::store::{PageBatch, PageLayout, PageStore, StoreOptions};
 use kvtier_core::Error;
 use pyo3::prelude::*;
@@ -17,37 +16,10 @@ use pyo3::types::PyDict;
 use crate::buffer::PyHostRegion;
 use crate::errors::KvResult;
 
-/// Memory the store may read and write: a Rust-owned region, or a torch tensor's storage (an engine's own
-/// host pool), kept alive by a reference to its owner.
-#[derive(Clone)]
-enum Region {
-    Rust(Arc<HostRegion>),
-    Foreign {
-        ptr: usize,
-        len: usize,
-        _owner: Arc<Py<PyAny>>,
-    },
-}
-
-impl Region {
-    fn range(&self) -> (usize, usize) {
-        match self {
-            Region::Rust(r) => (r.as_ptr() as usize, r.len()),
-            Region::Foreign { ptr, len, .. } => (*ptr, *len),
-        }
-    }
-
-    fn holds(&self, p: usize, n: u64) -> bool {
-        let (b, l) = self.range();
-        p >= b && (p as u128 + n as u128) <= (b as u128 + l as u128)
-    }
-}
-
 /// A page store namespace (see kvtier.PageStore for the public API).
 #[pyclass(name = "PageStore", module = "kvtier._native", frozen)]
 pub struct PyPageStore {
     inner: RwLock<Option<Arc<PageStore>>>,
-    regions: Mutex<Vec<Region>>,
 }
 
 impl PyPageStore {
@@ -59,15 +31,7 @@ impl PyPageStore {
             .ok_or_else(|| Error::Closed("PageStore").into())
     }
 
-    fn regions(&self) -> Vec<Region> {
-        self.regions
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
-    }
-
-    /// One object batch: every range checked against the registered regions (disjoint when written) and
-    /// the regions kept alive for the call, all before a byte moves; the core claims the ranges.
+    /// One object batch; the core checks every range against the registered memory before any IO.
     fn batch(
         &self,
         py: Python<'_>,
@@ -95,44 +59,11 @@ impl PyPageStore {
             .zip(sizes)
             .map(|((k, &p), &n)| (k.as_str(), p, n))
             .collect();
-        let alive = self.regions();
-        for (i, &(_, p, n)) in objs.iter().enumerate() {
-            if !alive.iter().any(|r| r.holds(p, n)) {
-                return Err(Error::arg(
-                    "host_indices",
-                    format!(
-                        "object {i} ({n} bytes at {p:#x}) is outside every registered host buffer"
-                    ),
-                )
-                .into());
-            }
-        }
-        if writes {
-            let mut v: Vec<(usize, u64)> = objs.iter().map(|o| (o.1, o.2)).collect();
-            v.sort_unstable();
-            if v.windows(2)
-                .any(|w| (w[0].0 as u128 + w[0].1 as u128) > w[1].0 as u128)
-            {
-                return Err(Error::arg(
-                    "host_indices",
-                    "two objects of one batch would be read into overlapping memory",
-                )
-                .into());
-            }
-        }
         Ok(py.detach(|| {
-            let _alive = alive;
-            let _claim = s.claim(&objs, writes);
-            // every range lies inside a registered region that `_alive` keeps alive for the call; written
-            // ranges do not overlap each other; and while the claim is held no other batch of this store
-            // writes a range this one touches, or touches a range this one writes (memory the engine itself
-            // writes, e.g. a device -> host backup into the same pages, is the caller's to order).
             if writes {
-                // SAFETY: live, disjoint destinations that no other batch of this store touches meanwhile.
-                unsafe { s.get(&objs) }
+                s.get_objects(&objs)
             } else {
-                // SAFETY: live sources that no batch of this store writes meanwhile.
-                unsafe { s.put(&objs) }
+                s.put_objects(&objs)
             }
         })?)
     }
@@ -144,12 +75,10 @@ impl PyPageStore {
         host_indices: &Bound<'_, PyAny>,
         writes: bool,
     ) -> KvResult<Vec<bool>> {
-        // regions first: a close() after this leaves `alive` holding them, one before makes store() fail
-        let alive = self.regions(); // the bound layout lies inside these (checked by bind_pages)
+        // the bound layout lies inside memory the store keeps registered while it lives (this call holds it)
         let s = self.store()?;
         let idx = crate::transfer::indices(py, "host_indices", host_indices)?;
         Ok(py.detach(|| {
-            let _alive = alive;
             let batch = PageBatch {
                 keys: &keys,
                 host_indices: &idx,
@@ -190,20 +119,12 @@ impl PyPageStore {
         })?;
         Ok(Self {
             inner: RwLock::new(Some(Arc::new(s))),
-            regions: Mutex::new(Vec::new()),
         })
     }
 
     /// Allows IO into and out of `region` (the store keeps it alive).
     fn register_region(&self, region: &PyHostRegion) -> KvResult<()> {
-        let r = region.get()?;
-        let mut regs = self.regions.lock().unwrap_or_else(|p| p.into_inner());
-        if !regs
-            .iter()
-            .any(|x| matches!(x, Region::Rust(y) if Arc::ptr_eq(y, &r)))
-        {
-            regs.push(Region::Rust(r));
-        }
+        self.store()?.register_region(region.get()?);
         Ok(())
     }
 
@@ -226,19 +147,16 @@ impl PyPageStore {
                 .into_any()
                 .unbind(),
         );
-        self.regions
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(Region::Foreign {
-                ptr,
-                len,
-                _owner: owner,
-            });
+        // a contiguous CPU tensor's bytes are `[data_ptr, data_ptr + nbytes)`, live while its storage is,
+        // which `owner` holds for as long as the store keeps the registration.
+        // SAFETY: live CPU memory held by `owner` (register_foreign's contract).
+        unsafe { self.store()?.register_foreign(ptr, len, owner) };
         Ok(())
     }
 
     /// Binds the host pool whose pages `put_pages` / `get_pages` move: page p's K object is `k_len` bytes
-    /// at `k_base + p*k_stride`, its V object likewise. Every page must lie inside one registered region.
+    /// at `k_base + p*k_stride`, its V object likewise; the core checks every page lies inside registered
+    /// memory.
     #[allow(clippy::too_many_arguments)]
     fn bind_pages(
         &self,
@@ -261,38 +179,7 @@ impl PyPageStore {
             page_tokens,
             pages,
         };
-        let regions = self.regions();
-        // pages are affine in p: the first and last page of a side inside one region puts every page there
-        let last = pages.saturating_sub(1);
-        let sides = [
-            ("K", k_base, k_stride, k_len),
-            ("V", v_base, v_stride, v_len),
-        ];
-        for &(side, base, stride, len) in &sides[..layout.per_page()] {
-            let first = (base, len);
-            let end = last
-                .checked_mul(stride)
-                .and_then(|x| x.checked_add(base))
-                .ok_or_else(|| {
-                    Error::arg("pool", format!("{side} pages overflow the address space"))
-                })?;
-            if !regions
-                .iter()
-                .any(|r| r.holds(first.0, first.1) && r.holds(end, len))
-            {
-                return Err(Error::arg(
-                    "pool",
-                    format!("the {side} objects of pages 0..{pages} are not inside one registered host buffer"),
-                )
-                .into());
-            }
-        }
-        // Every page's objects lie inside a registered region (checked above), and the regions stay
-        // registered — alive — until close(), which drops the store; batches keep their own reference to
-        // the regions while in flight. Host memory the engine writes meanwhile is the caller's to order.
-        let store = self.store()?;
-        // SAFETY: every page inside a registered region that outlives the binding (see above).
-        Ok(unsafe { store.bind_pages(layout) }?)
+        Ok(self.store()?.bind_registered(layout)?)
     }
 
     /// Stores whole pages of the bound pool at `host_indices` (token slots); per key, whether K and V are
@@ -424,10 +311,6 @@ impl PyPageStore {
     /// Releases the namespace (and its LOCK) once no call is in flight.
     fn close(&self, py: Python<'_>) {
         let s = self.inner.write().unwrap_or_else(|p| p.into_inner()).take();
-        self.regions
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clear();
-        py.detach(move || drop(s));
+        py.detach(move || drop(s)); // registered memory goes with the store, once no batch holds it
     }
 }

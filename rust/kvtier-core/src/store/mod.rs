@@ -17,6 +17,7 @@ mod files;
 mod follow;
 mod index;
 pub mod journal;
+mod memory;
 mod namespace;
 mod pages;
 mod read;
@@ -95,6 +96,8 @@ pub struct PageStore {
     punch_ok: AtomicBool,
     poisoned: AtomicBool,
     pages: pages::Bound,
+    /// Host memory registered for IO (see `memory`).
+    memory: memory::Memory,
     /// Read-only stores: where they are in the writer's journal (see `follow`).
     follow: Option<Mutex<follow::Follow>>,
     /// Counters.
@@ -250,6 +253,7 @@ impl PageStore {
             punch_ok: AtomicBool::new(punch_ok),
             poisoned: AtomicBool::new(false),
             pages: Default::default(),
+            memory: Default::default(),
             follow,
             stats: Stats::default(),
             report,

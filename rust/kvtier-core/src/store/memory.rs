@@ -1,0 +1,221 @@
+//! The host memory a store may read and write: ranges registered by the caller, each kept alive by an owner
+//! for as long as the store lives, and the checks that every object range and the bound pool lie inside
+//! them before a byte moves.
+
+use std::any::Any;
+use std::sync::{Arc, Mutex};
+
+use super::{PageLayout, PageStore};
+use crate::buffer::HostRegion;
+use crate::error::{Error, Result};
+
+#[derive(Clone)]
+struct Registered {
+    ptr: usize,
+    len: usize,
+    /// `HostRegion`s are compared by identity, to register each once.
+    region: Option<Arc<HostRegion>>,
+    _owner: Arc<dyn Any + Send + Sync>,
+}
+
+impl Registered {
+    fn holds(&self, p: usize, n: u64) -> bool {
+        p >= self.ptr && (p as u128 + n as u128) <= (self.ptr as u128 + self.len as u128)
+    }
+}
+
+/// Registered memory (see the module docs).
+#[derive(Default)]
+pub(super) struct Memory {
+    ranges: Mutex<Vec<Registered>>,
+}
+
+impl Memory {
+    fn snapshot(&self) -> Vec<Registered> {
+        self.ranges
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+}
+
+impl PageStore {
+    /// Allows IO into and out of `region`, which the store keeps mapped until it is dropped.
+    pub fn register_region(&self, region: Arc<HostRegion>) {
+        let mut rs = self.memory.ranges.lock().unwrap_or_else(|p| p.into_inner());
+        if !rs
+            .iter()
+            .any(|r| r.region.as_ref().is_some_and(|x| Arc::ptr_eq(x, &region)))
+        {
+            let (ptr, len) = (region.as_ptr() as usize, region.len());
+            rs.push(Registered {
+                ptr,
+                len,
+                region: Some(region.clone()),
+                _owner: region,
+            });
+        }
+    }
+
+    /// Allows IO into and out of `[ptr, ptr + len)`, memory the caller does not own through kvtier (an
+    /// engine's own host pool); the store holds `owner` until it is dropped.
+    ///
+    /// # Safety
+    /// The range must be live, readable and writable host memory for as long as `owner` is alive, and the
+    /// caller orders its own accesses to it against the batches it issues.
+    pub unsafe fn register_foreign(
+        &self,
+        ptr: usize,
+        len: usize,
+        owner: Arc<dyn Any + Send + Sync>,
+    ) {
+        let mut rs = self.memory.ranges.lock().unwrap_or_else(|p| p.into_inner());
+        rs.push(Registered {
+            ptr,
+            len,
+            region: None,
+            _owner: owner,
+        });
+    }
+
+    /// Stores objects given as `(key, address, length)`, every range inside registered memory (checked
+    /// before any IO); per object, whether it is durably stored.
+    pub fn put_objects(&self, objs: &[(&str, usize, u64)]) -> Result<Vec<bool>> {
+        self.objects(objs, false)
+    }
+
+    /// Reads objects into `(key, address, length)` ranges inside registered memory, pairwise disjoint
+    /// (checked before any IO); per object, whether it was found and verified.
+    pub fn get_objects(&self, objs: &[(&str, usize, u64)]) -> Result<Vec<bool>> {
+        self.objects(objs, true)
+    }
+
+    fn objects(&self, objs: &[(&str, usize, u64)], writes: bool) -> Result<Vec<bool>> {
+        let held = self.memory.snapshot(); // registered memory stays alive with the store (and `held`)
+        for (i, &(_, p, n)) in objs.iter().enumerate() {
+            if !held.iter().any(|r| r.holds(p, n)) {
+                return Err(Error::arg(
+                    "host_indices",
+                    format!(
+                        "object {i} ({n} bytes at {p:#x}) is outside every registered host buffer"
+                    ),
+                ));
+            }
+        }
+        if writes {
+            let mut v: Vec<(usize, u64)> = objs.iter().map(|o| (o.1, o.2)).collect();
+            v.sort_unstable();
+            if v.windows(2)
+                .any(|w| (w[0].0 as u128 + w[0].1 as u128) > w[1].0 as u128)
+            {
+                return Err(Error::arg(
+                    "host_indices",
+                    "two objects of one batch would be read into overlapping memory",
+                ));
+            }
+        }
+        let _claim = self.claim(objs, writes);
+        // every range lies inside registered memory that `held` keeps alive for the call; written ranges do
+        // not overlap each other; and while the claim is held no other batch of this store writes a range
+        // this one touches, or touches a range this one writes (memory the engine itself writes, e.g. a
+        // device -> host backup into the same pages, is the caller's to order).
+        if writes {
+            // SAFETY: live, disjoint destinations that no other batch of this store touches meanwhile.
+            unsafe { self.get(objs) }
+        } else {
+            // SAFETY: live sources that no batch of this store writes meanwhile.
+            unsafe { self.put(objs) }
+        }
+    }
+
+    /// Binds the host pool whose pages `put_pages` / `get_pages` move, after checking that every page's
+    /// objects lie inside one registered range (pages are affine in the page number: the first and the last
+    /// page of each side inside one range puts every page there).
+    pub fn bind_registered(&self, layout: PageLayout) -> Result<()> {
+        let held = self.memory.snapshot();
+        let last = layout.pages.saturating_sub(1);
+        let sides = [
+            ("K", layout.k_base, layout.k_stride, layout.k_len),
+            ("V", layout.v_base, layout.v_stride, layout.v_len),
+        ];
+        for &(side, base, stride, len) in &sides[..layout.per_page()] {
+            let end = last
+                .checked_mul(stride)
+                .and_then(|x| x.checked_add(base))
+                .ok_or_else(|| {
+                    Error::arg("pool", format!("{side} pages overflow the address space"))
+                })?;
+            if !held.iter().any(|r| r.holds(base, len) && r.holds(end, len)) {
+                return Err(Error::arg(
+                    "pool",
+                    format!("the {side} objects of pages 0..{} are not inside one registered host buffer", layout.pages),
+                ));
+            }
+        }
+        // every page's objects lie inside registered memory (checked above), which the store keeps alive
+        // until it is dropped (registrations are never removed).
+        // SAFETY: bind_pages' contract: every page inside memory that outlives the binding.
+        unsafe { self.bind_pages(layout) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::tests::{opts, payload, tmp, SERIAL};
+    use super::*;
+
+    #[test]
+    fn objects_and_layouts_outside_registered_memory_are_refused_before_any_io() {
+        let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+        let root = tmp();
+        let pool = Arc::new(payload(16, 8192, 3));
+        let base = pool.as_ptr() as usize;
+        let s = PageStore::open(&root, "ns", opts(1 << 30)).unwrap();
+        assert!(
+            s.put_objects(&[("a", base, 4096)]).is_err(),
+            "nothing registered yet"
+        );
+        s.register_region(pool.clone());
+        s.register_region(pool.clone()); // once
+        assert_eq!(s.memory.snapshot().len(), 1);
+        assert_eq!(
+            s.put_objects(&[("a", base, 4096), ("b", base + 4096, 4096)])
+                .unwrap(),
+            vec![true, true]
+        );
+        let end = base + pool.len();
+        assert!(
+            s.put_objects(&[("c", end - 4096, 8192)]).is_err(),
+            "past the end"
+        );
+        assert!(
+            s.get_objects(&[("a", base, 4096), ("b", base + 2048, 4096)])
+                .is_err(),
+            "overlapping reads"
+        );
+        assert!(!s.exists(&["c"])[0]);
+        assert_eq!(
+            s.get_objects(&[("a", base + 8192, 4096)]).unwrap(),
+            vec![true]
+        );
+        let layout = PageLayout {
+            k_base: base,
+            k_stride: 8192,
+            k_len: 8192,
+            v_base: base + 65536,
+            v_stride: 4096,
+            v_len: 4096,
+            page_tokens: 4,
+            pages: 8,
+        };
+        s.bind_registered(layout).unwrap();
+        assert!(
+            s.bind_registered(PageLayout {
+                pages: 100,
+                ..layout
+            })
+            .is_err(),
+            "pages past the region"
+        );
+    }
+}
