@@ -260,3 +260,22 @@ def test_cuda_whole_buffer_copy_with_default_registration():
         d.copy_(h, non_blocking=True)
         torch.cuda.synchronize()
         assert int(d[:: 1 << 20].sum()) == 7 * (n >> 20)
+
+
+def test_prefault_progress_is_counted_for_a_progress_bar(monkeypatch):
+    """Large buffers take seconds to pre-fault and pin: the core counts the bytes done, which a progress bar
+    (KVTIER_PROGRESS) polls from another thread."""
+    from kvtier import _native, config
+
+    p = _native.Progress()
+    for nbytes, threads in ((64 << 20, 2), ((64 << 20) + 3 * 4096, 3)):  # also pages left past a full 256
+        r = _native.HostRegion(nbytes, 4096, "off", threads, p)
+        assert p.get() == (r.nbytes, r.nbytes)
+        r.close()
+    monkeypatch.setenv("KVTIER_PROGRESS", "1")
+    assert config.progress(4 << 30) and not config.progress(1 << 30)
+    monkeypatch.setenv("KVTIER_PROGRESS", "0")
+    assert not config.progress(1 << 40)
+    monkeypatch.setenv("KVTIER_PROGRESS", "yes")
+    with pytest.raises(kvtier.InvalidArgumentError, match="KVTIER_PROGRESS"):
+        config.progress(1 << 40)

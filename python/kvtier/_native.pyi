@@ -6,7 +6,7 @@ import os
 from typing import Any, final
 
 __all__ = [
-    "HostRegion", "PageAllocator", "TransferPlan", "PageStore", "namespace_dir", "page_hashes", "disk_roofline",
+    "HostRegion", "Progress", "PageAllocator", "TransferPlan", "PageStore", "namespace_dir", "page_hashes", "disk_roofline",
     "fault_set", "fault_clear", "fault_points", "fault_hits", "cuda_host_registered", "cuda_driver_available",
     "validate_transfer", "plan_sides", "copy_cpu", "page_numbers", "cuda_batch_supported", "cuda_batch_flags", "cuda_set_batch_limit",
     "submit_layers", "submit_layers_background", "Submission", "launch_layers", "__version__",
@@ -15,9 +15,19 @@ __all__ = [
 __version__: str
 
 @final
+class Progress:
+    def __new__(cls) -> Progress: ...
+    def get(self) -> tuple[int, int]: ...
+
+@final
 class HostRegion:
     def __new__(
-        cls, nbytes: int, alignment: int = 4096, huge_pages: str = "auto", prefault_threads: int | None = None
+        cls,
+        nbytes: int,
+        alignment: int = 4096,
+        huge_pages: str = "auto",
+        prefault_threads: int | None = None,
+        progress: Progress | None = None,
     ) -> HostRegion: ...
     @property
     def ptr(self) -> int: ...
@@ -32,7 +42,9 @@ class HostRegion:
     @property
     def closed(self) -> bool: ...
     def dlpack(self, offset: int, nbytes: int) -> Any: ...
-    def register_cuda(self, device: int, granularity: int, max_chunk: int, threads: int) -> int: ...
+    def register_cuda(
+        self, device: int, granularity: int, max_chunk: int, threads: int, progress: Progress | None = None
+    ) -> int: ...
     def registered_chunks(self) -> list[tuple[int, int]]: ...
     def close(self) -> None: ...
 

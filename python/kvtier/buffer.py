@@ -67,7 +67,11 @@ class HostBuffer:
             pin = "auto" if default == "auto" else default == "1"
         if pin not in ("auto", True, False):
             raise InvalidArgumentError(f"invalid argument `pin`: must be 'auto', True or False, got {pin!r}")
-        self._region = _native.HostRegion(nbytes, alignment, huge_pages, prefault_threads)
+        # large buffers take seconds to pre-fault and pin: a progress bar on a terminal (KVTIER_PROGRESS)
+        self._progress = _native.Progress() if config.progress(nbytes) else None
+        self._region: _native.HostRegion = self._with_progress(
+            lambda: _native.HostRegion(nbytes, alignment, huge_pages, prefault_threads, self._progress),
+            "allocating (MiB)")
         self._requested = nbytes
         self._pin_error: str | None = None
         want = pin is True or (pin == "auto" and cuda_device_available())
@@ -94,7 +98,23 @@ class HostBuffer:
             import torch
 
             device = torch.cuda.current_device()
-        self._region.register_cuda(device, granularity, chunk, config.register_threads())
+        region, threads, progress = self._region, config.register_threads(), self._progress
+        self._with_progress(lambda: region.register_cuda(device, granularity, chunk, threads, progress),
+                            "pinning (MiB)")
+
+    def _with_progress(self, work: Any, label: str) -> Any:
+        """``work()``, with a progress bar in MiB when this buffer shows progress."""
+        if self._progress is None:
+            return work()
+        from ._progress import run_with_progress
+
+        progress = self._progress
+
+        def mib() -> tuple[int, int]:
+            done, total = progress.get()
+            return done >> 20, total >> 20
+
+        return run_with_progress(work, mib, label)
 
     # -- properties -------------------------------------------------------------------------------------
     @property

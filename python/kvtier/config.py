@@ -91,3 +91,17 @@ def transfer_lanes() -> int:
     concurrently, sharing ``KVTIER_KERNEL_BLOCKS``; 1 keeps everything on the caller's stream. ``direct``
     copies always use one stream (two measured slower)."""
     return min(_int_env("KVTIER_TRANSFER_LANES", 2, 1), 2)
+
+
+def progress(nbytes: int) -> bool:
+    """``KVTIER_PROGRESS``: whether a host buffer of ``nbytes`` shows a progress bar on stderr while it is
+    pre-faulted and pinned. ``auto`` (default): from 4 GiB when stderr is a terminal (the bar appears only
+    after a second); ``1``: always from 4 GiB; ``0``: never."""
+    import sys
+
+    raw = os.environ.get("KVTIER_PROGRESS", "auto").strip().lower()
+    if raw not in ("auto", "0", "1"):
+        raise InvalidArgumentError(f"environment variable KVTIER_PROGRESS={raw!r} must be 'auto', '0' or '1'")
+    if raw == "0" or nbytes < (4 << 30):
+        return False
+    return raw == "1" or sys.stderr.isatty()

@@ -84,6 +84,33 @@ pub struct RegionOptions {
     /// Threads that pre-fault the region; `None` picks a default from the size and core count, `Some(0)`
     /// skips pre-faulting.
     pub prefault_threads: Option<usize>,
+    /// Counts the bytes pre-faulted, for progress shown by another thread (large regions take seconds).
+    pub progress: Option<std::sync::Arc<Progress>>,
+}
+
+/// Bytes done of the running step (pre-faulting, then CUDA registration), for progress shown by another
+/// thread while a long call runs.
+#[derive(Debug, Default)]
+pub struct Progress {
+    /// Bytes done so far.
+    pub done: std::sync::atomic::AtomicU64,
+    /// Bytes the step will do.
+    pub total: std::sync::atomic::AtomicU64,
+}
+
+impl Progress {
+    /// Starts a step of `total` bytes.
+    pub fn start(&self, total: usize) {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.done.store(0, Relaxed);
+        self.total.store(total as u64, Relaxed);
+    }
+
+    /// Adds `n` bytes done.
+    pub fn add(&self, n: usize) {
+        self.done
+            .fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed);
+    }
 }
 
 impl Default for RegionOptions {
@@ -92,6 +119,7 @@ impl Default for RegionOptions {
             alignment: MIN_ALIGNMENT,
             huge_pages: HugePages::Auto,
             prefault_threads: None,
+            progress: None,
         }
     }
 }
@@ -262,14 +290,14 @@ impl HostRegion {
             None => default_prefault_threads(self.len),
         };
         if threads > 0 {
-            self.prefault(threads);
+            self.prefault(threads, opts.progress.as_deref());
         }
         Ok(self)
     }
 
     /// Touches every base page so the kernel allocates (and zeroes) it now, using `threads` threads over
     /// disjoint ranges.
-    fn prefault(&self, threads: usize) {
+    fn prefault(&self, threads: usize, progress: Option<&Progress>) {
         let step = if self.kind == PageKind::Base {
             BASE_PAGE
         } else {
@@ -279,6 +307,9 @@ impl HostRegion {
         let threads = threads.clamp(1, pages.max(1));
         let per = pages.div_ceil(threads);
         let base = self.base.as_ptr() as usize;
+        if let Some(p) = progress {
+            p.start(self.len);
+        }
         std::thread::scope(|s| {
             for t in 0..threads {
                 let first = t * per;
@@ -292,6 +323,12 @@ impl HostRegion {
                         // owns; the mapping is fresh, so writing zero cannot change what a reader sees.
                         // SAFETY: the byte lies inside this region's own fresh mapping.
                         unsafe { std::ptr::write_volatile((base + pg * step) as *mut u8, 0) };
+                        if let Some(p) = progress.filter(|_| (pg - first) % 256 == 255) {
+                            p.add(256 * step);
+                        }
+                    }
+                    if let Some(p) = progress {
+                        p.add((last - first) % 256 * step); // the pages after the last full 256
                     }
                 });
             }
@@ -332,6 +369,7 @@ impl HostRegion {
         granularity: usize,
         max_chunk: usize,
         threads: usize,
+        progress: Option<&Progress>,
     ) -> Result<usize> {
         let chunks = registration_chunks(self.len, granularity, max_chunk)?;
         let mut regs = self.registrations.lock().unwrap_or_else(|p| p.into_inner());
@@ -339,7 +377,10 @@ impl HostRegion {
             return Err(Error::arg("pin", "region is already registered with CUDA"));
         }
         let n = chunks.len();
-        *regs = crate::cuda::register_ranges(device, self.as_ptr(), &chunks, threads)?;
+        if let Some(p) = progress {
+            p.start(self.len);
+        }
+        *regs = crate::cuda::register_ranges(device, self.as_ptr(), &chunks, threads, progress)?;
         Ok(n)
     }
 
@@ -418,6 +459,7 @@ mod tests {
             alignment: a,
             huge_pages: h,
             prefault_threads: Some(2),
+            progress: None,
         }
     }
 

@@ -255,6 +255,7 @@ pub fn register_ranges(
     base: *mut u8,
     chunks: &[(usize, usize)],
     threads: usize,
+    progress: Option<&crate::buffer::Progress>,
 ) -> Result<Vec<Registration>> {
     let d = driver()?;
     let base = base as usize;
@@ -281,6 +282,9 @@ pub fn register_ranges(
                                                 | CU_MEMHOSTREGISTER_DEVICEMAP,
                                         )
                                     };
+                                    if let Some(p) = progress {
+                                        p.add(len);
+                                    }
                                     mine.push(
                                         check("cuMemHostRegister", rc, || {
                                             format!(" (chunk {i}: offset {off}, {len} bytes)")

@@ -22,16 +22,34 @@ impl PyHostRegion {
     }
 }
 
+/// Progress of a long buffer call (pre-faulting, CUDA registration), read by another thread.
+#[pyclass(name = "Progress", module = "kvtier._native", frozen)]
+pub struct PyProgress(Arc<kvtier_core::buffer::Progress>);
+
+#[pymethods]
+impl PyProgress {
+    #[new]
+    fn new() -> Self {
+        Self(Arc::default())
+    }
+    /// `(bytes done, bytes of the step)` of the running step.
+    fn get(&self) -> (u64, u64) {
+        use std::sync::atomic::Ordering::Relaxed;
+        (self.0.done.load(Relaxed), self.0.total.load(Relaxed))
+    }
+}
+
 #[pymethods]
 impl PyHostRegion {
     #[new]
-    #[pyo3(signature = (nbytes, alignment=4096, huge_pages="auto", prefault_threads=None))]
+    #[pyo3(signature = (nbytes, alignment=4096, huge_pages="auto", prefault_threads=None, progress=None))]
     fn new(
         py: Python<'_>,
         nbytes: i64,
         alignment: i64,
         huge_pages: &str,
         prefault_threads: Option<i64>,
+        progress: Option<PyRef<'_, PyProgress>>,
     ) -> KvResult<Self> {
         if nbytes <= 0 {
             return Err(Error::arg("nbytes", format!("must be positive, got {nbytes}")).into());
@@ -53,6 +71,7 @@ impl PyHostRegion {
             alignment: alignment as usize,
             huge_pages: HugePages::parse(huge_pages)?,
             prefault_threads,
+            progress: progress.map(|p| p.0.clone()),
         };
         let region = py.detach(|| HostRegion::new(nbytes as usize, &opts))?;
         Ok(Self {
@@ -121,6 +140,7 @@ impl PyHostRegion {
     }
 
     /// Registers the region with the CUDA driver (see kvtier_core::buffer::HostRegion::register_cuda).
+    #[pyo3(signature = (device, granularity, max_chunk, threads, progress=None))]
     fn register_cuda(
         &self,
         py: Python<'_>,
@@ -128,9 +148,11 @@ impl PyHostRegion {
         granularity: usize,
         max_chunk: usize,
         threads: usize,
+        progress: Option<PyRef<'_, PyProgress>>,
     ) -> KvResult<usize> {
         let r = self.get()?;
-        Ok(py.detach(|| r.register_cuda(device, granularity, max_chunk, threads))?)
+        let p = progress.map(|p| p.0.clone());
+        Ok(py.detach(|| r.register_cuda(device, granularity, max_chunk, threads, p.as_deref()))?)
     }
 
     /// (offset, nbytes) of each CUDA registration.

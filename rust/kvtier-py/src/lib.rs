@@ -16,6 +16,7 @@ use pyo3::prelude::*;
 #[pymodule(gil_used = false)]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<buffer::PyHostRegion>()?;
+    m.add_class::<buffer::PyProgress>()?;
     m.add_class::<transfer::PyPageAllocator>()?;
     m.add_class::<plans::PyTransferPlan>()?;
     m.add_class::<store::PyPageStore>()?;
