@@ -23,7 +23,7 @@ SGLANG_IMPORT_DEPS := orjson psutil pybase64 requests pillow starlette msgspec p
 	aiohttp transformers dill apache-tvm-ffi sentencepiece compressed-tensors gguf ninja \
 	prometheus-client
 
-.PHONY: help install install-test test-wheel build build-profiling demo test test-rust test-python test-gpu bench bench-rust gpu-wheel lint clean sanitize sanitize-quick soak
+.PHONY: help install install-test test-wheel build build-profiling demo test test-rust test-python test-gpu bench-rust gpu-wheel lint clean sanitize sanitize-quick soak
 
 help: ## Show this help
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-16s\033[0m %s\n", $$1, $$2}'
@@ -62,10 +62,10 @@ demo: build ## Run the main job (kvtier demo)
 
 test: test-rust test-python test-wheel sanitize-quick ## cargo test, pytest (CUDA tests skip without a GPU; short soak, fuzz and fault runs included), the wheel in a fresh virtualenv, ASan quick run
 
-test-rust: $(DEPS_STAMP)
+test-rust: $(DEPS_STAMP) ## cargo test --workspace (one half of make test)
 	cargo test --workspace --quiet
 
-test-python: build $(TEST_STAMP)
+test-python: build $(TEST_STAMP) ## pytest (the other half)
 	$(VPY) -m pytest
 
 test-wheel: build ## pip install the built wheel into a fresh virtualenv without torch; run the CLI there

@@ -73,7 +73,11 @@ def test_demo_arguments_are_checked_before_any_work(tmp_path):
         assert r.returncode == 1 and word in r.stderr and "Traceback" not in r.stderr, r.stderr
         assert len(r.stderr.strip().splitlines()) == 1
     r = kv("demo", "--store-dir", str(tmp_path / "no" / "such" / "tree"))
-    assert r.returncode == 1 and "does not exist" in r.stderr and not (tmp_path / "no").exists(), r.stderr
+    assert r.returncode == 1 and "not an existing directory" in r.stderr and not (tmp_path / "no").exists(), r.stderr
+    for args, word in ((["--store-dir", ""], "--store-dir"), (["--seed", str(2**70)], "--seed"),
+                       (["--layers", "100000"], "--layers")):
+        r = kv("demo", *args, cwd=tmp_path)
+        assert r.returncode == 1 and word in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     (tmp_path / "file").write_text("x")
     r = kv("demo", "--store-dir", str(tmp_path / "file"))
     assert r.returncode == 1 and "not a directory" in r.stderr, r.stderr
@@ -184,7 +188,8 @@ def test_progress_is_drawn_for_slow_work_and_errors_pass_through():
     from kvtier._progress import Progress, run_with_progress
 
     out = io.StringIO()
-    bar = Progress(10, "verifying", delay=0, stream=out)
+    assert not Progress(10, "x", delay=0, stream=io.StringIO()).enabled  # not a terminal: nothing drawn
+    bar = Progress(10, "verifying", delay=0, stream=out, force=True)
     for i in range(11):
         bar.update(i)
     bar.close()
@@ -214,3 +219,39 @@ def test_a_reader_that_leaves_early_gets_no_error(tmp_path):
     _store(tmp_path)
     r = subprocess.run(f"{sys.executable} -m kvtier stats {tmp_path} | head -c 1", shell=True, capture_output=True, text=True)
     assert r.stderr == "" and len(r.stdout) == 1
+
+
+def test_copied_namespace_directory_is_reported_not_silently_checked(tmp_path):
+    """A copy of a namespace directory (ns-X.bak) names ns-X in its NAMESPACE file: opening it would open
+    the original. verify reports it as damage (exit 1); inspect and stats say so and go on."""
+    import shutil
+
+    _store(tmp_path)
+    (ns,) = [p for p in tmp_path.iterdir() if p.name.startswith("ns-")]
+    shutil.copytree(ns, tmp_path / (ns.name + ".bak"))
+    r = kv("verify", str(tmp_path))
+    assert r.returncode == 1 and ".bak: DAMAGED" in r.stdout and "copied or renamed" in r.stdout, r.stdout + r.stderr
+    r = kv("inspect", str(tmp_path))
+    assert r.returncode == 0 and "copied or renamed" in r.stdout and "objects 4" in r.stdout, r.stdout + r.stderr
+    r = kv("stats", "--json", str(tmp_path))
+    got = json.loads(r.stdout)
+    assert got[ns.name]["objects"] == 4 and "damage" in got[ns.name + ".bak"]
+    assert "hits" not in got[ns.name] and "capacity_bytes" not in got[ns.name]  # the opener's, not the store's
+
+
+def test_bench_plot_and_out_are_checked_first_and_created_last(tmp_path):
+    for plot in ("results", str(tmp_path), "x.bogusext", "sub/"):
+        r = kv("bench", "store", "--cases", "small", "--pages", "8", "--reps", "1", "--plot", plot, cwd=tmp_path)
+        assert r.returncode == 1 and "--plot" in r.stderr and "Traceback" not in r.stderr, (plot, r.stderr)
+    r = kv("bench", "store", "--cases", "small", "--pages", "8", "--reps", "1", "--out", "newdir", "--plot", "x.bogus",
+           cwd=tmp_path)
+    assert r.returncode == 1 and list(tmp_path.iterdir()) == [], "a refused run creates nothing"
+
+
+def test_commands_that_need_torch_say_so_in_one_line():
+    for argv in (["demo"], ["bench", "store", "--help"]):
+        code = ("import sys; sys.modules['torch'] = None\nfrom kvtier.cli import main\n"
+                f"sys.exit(main({argv!r}))")
+        r = py(code)
+        assert r.returncode == 1 and "needs torch" in r.stderr and "Traceback" not in r.stderr, (argv, r.stderr)
+        assert len(r.stderr.strip().splitlines()) == 1

@@ -27,3 +27,14 @@ def test_readme_python_blocks_run(tmp_path, monkeypatch):
             exec(compile(block, f"README.md python block {i + 1}", "exec"), ns)
         except Exception as exc:  # noqa: BLE001 - name the block that failed
             raise AssertionError(f"README python block {i + 1} failed: {exc!r}\n{block}") from exc
+
+
+def test_readme_metrics_example_exports_samples(tmp_path, monkeypatch, capsys):
+    """The metrics example prints live samples (it runs after the store example, with the store still open)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    ns: dict = {"__name__": "__readme__"}
+    for block in python_blocks():
+        exec(compile(block, "README.md", "exec"), ns)
+    out = capsys.readouterr().out
+    assert "kvtier_store_objects{" in out, out[-500:]

@@ -12,17 +12,21 @@ T = TypeVar("T")
 
 
 class Progress:
-    """Shown once the work has taken more than ``delay`` seconds (quick runs print nothing), redrawn in place,
-    ended with a newline by :meth:`close`."""
+    """Shown on a terminal once the work has taken more than ``delay`` seconds (quick runs, and output to a
+    file or a pipe, get nothing; ``force`` draws anyway), redrawn in place, ended with a newline by
+    :meth:`close`."""
 
-    def __init__(self, total: int, label: str, *, delay: float = 1.0, stream: Any = None) -> None:
+    def __init__(self, total: int, label: str, *, delay: float = 1.0, stream: Any = None, force: bool = False) -> None:
         self.total, self.label, self.delay = max(0, total), label, delay
         self.stream = stream if stream is not None else sys.stderr
+        self.enabled = force or bool(getattr(self.stream, "isatty", lambda: False)())
         self.t0, self.shown = time.perf_counter(), False
 
     def update(self, done: int) -> None:
+        if not self.enabled:
+            return
         elapsed = time.perf_counter() - self.t0
-        if elapsed < self.delay and done < self.total:
+        if not self.shown and elapsed < self.delay:
             return
         self.shown = True
         width = 30
@@ -40,7 +44,7 @@ class Progress:
 
 
 def run_with_progress(work: Callable[[], T], poll: Callable[[], tuple[int, int]], label: str,
-                      interval: float = 0.2) -> T:
+                      interval: float = 0.2, force: bool = False) -> T:
     """Runs ``work`` in a thread (a native call that releases the GIL) while drawing ``poll()``'s
     ``(done, total)``; returns its result or raises its exception. Ctrl-C still reaches the caller."""
     box: dict[str, Any] = {}
@@ -59,7 +63,7 @@ def run_with_progress(work: Callable[[], T], poll: Callable[[], tuple[int, int]]
             t.join(interval)
             done, total = poll()
             if total:
-                bar = bar or Progress(total, label)
+                bar = bar or Progress(total, label, force=force)
                 bar.update(min(done, total))
     finally:
         if bar is not None:

@@ -114,7 +114,7 @@ class HostBuffer:
             done, total = progress.get()
             return done >> 20, total >> 20
 
-        return run_with_progress(work, mib, label)
+        return run_with_progress(work, mib, label, force=True)  # KVTIER_PROGRESS decided already
 
     # -- properties -------------------------------------------------------------------------------------
     @property

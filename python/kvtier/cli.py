@@ -12,16 +12,30 @@ from ._errors import KvtierError
 from ._progress import run_with_progress
 
 
-def _namespaces(path: str) -> list[tuple[str, str]]:
-    """(directory, namespace string) of every namespace under a store root."""
+def _namespaces(path: str) -> list[tuple[str, str, str | None]]:
+    """``(directory, namespace string, problem)`` of every namespace directory under a store root. A
+    directory whose ``NAMESPACE`` names another directory (a copy or a rename: opening it would open that
+    other one) or cannot be read has a problem and is not opened."""
+    from ._native import namespace_dir
+
     if not os.path.isdir(path):
         raise KvtierError(f"{path}: no such store directory")
-    out = []
+    out: list[tuple[str, str, str | None]] = []
     for name in sorted(os.listdir(path)):
         ns_file = os.path.join(path, name, "NAMESPACE")
-        if name.startswith("ns-") and os.path.isfile(ns_file):
-            with open(ns_file) as f:
-                out.append((os.path.join(path, name), f.read()))
+        if not (name.startswith("ns-") and os.path.isfile(ns_file)):
+            continue
+        try:
+            with open(ns_file, encoding="utf-8") as f:
+                ns = f.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            out.append((os.path.join(path, name), "", f"its NAMESPACE file cannot be read ({exc})"))
+            continue
+        problem = None
+        if namespace_dir(ns) != name:
+            problem = (f"its NAMESPACE names the directory {namespace_dir(ns)}, not this one (a copied or renamed "
+                       "namespace directory: kvtier never reads it; move it back or delete it)")
+        out.append((os.path.join(path, name), ns, problem))
     if not out:
         raise KvtierError(f"{path}: not a kvtier store (no namespace directories)")
     return out
@@ -57,7 +71,10 @@ def _damage(st: dict[str, Any]) -> list[str]:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    for d, ns in _namespaces(args.path):
+    for d, ns, problem in _namespaces(args.path):
+        if problem:
+            print(f"{os.path.basename(d)}  damage: {problem}")
+            continue
         s = _open(args.path, ns)
         try:
             st = s.stats()
@@ -75,17 +92,30 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+#: what `kvtier stats` shows: facts of the store on disk (not the opening process's traffic counters)
+_DISK_STATS = ("objects", "bytes_used", "data_bytes_held", "journal_bytes_held", "journal_damaged_spans",
+               "journal_damaged_bytes", "dropped_records", "missing_class_files", "recovered_tail_bytes",
+               "superseded_by_slot", "live_writer", "dir")
+
+
 def cmd_stats(args: argparse.Namespace) -> int:
     """Every namespace's counters, read-only (the store is opened without its lock and nothing is written)."""
     import json
 
-    out = {}
-    for d, ns in _namespaces(args.path):
+    out: dict[str, dict[str, Any]] = {}
+    for d, ns, problem in _namespaces(args.path):
+        if problem:
+            out[os.path.basename(d)] = {"namespace": ns, "damage": problem}
+            continue
         s = _open(args.path, ns)
         try:
             st = dict(s.stats())
         finally:
             s.close()
+        # what is on disk; the counters of traffic (hits, puts, bytes moved) belong to the process that has
+        # the store open and are exported by kvtier.metrics there
+        st = {k: st[k] for k in _DISK_STATS if k in st}
+        st["pages"] = st["objects"] // (1 if "|mla=" in ns else 2)
         st["namespace"] = ns
         out[os.path.basename(d)] = st
     if args.json:
@@ -101,7 +131,11 @@ def cmd_stats(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     repair = args.repair or args.drop
     damaged = 0
-    for d, ns in _namespaces(args.path):
+    for d, ns, problem in _namespaces(args.path):
+        if problem:
+            damaged += 1
+            print(f"{os.path.basename(d)}: DAMAGED — {problem}")
+            continue
         s = _open(args.path, ns, writable=repair)
         try:
             st = s.stats()
@@ -133,19 +167,23 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    for name in ("layers", "pages", "conversations", "turns"):
+    for name, most in (("layers", 256), ("pages", 65536), ("conversations", 1000), ("turns", 1000)):
         value = getattr(args, name)
-        if value < 1:
-            raise KvtierError(f"--{name} must be at least 1, got {value}")
-    if args.seed < 0:
-        raise KvtierError(f"--seed must be >= 0, got {args.seed}")
+        if not 1 <= value <= most:
+            raise KvtierError(f"--{name} must be in [1, {most}], got {value}")
+    if not 0 <= args.seed < 2**63:
+        raise KvtierError(f"--seed must be in [0, 2**63), got {args.seed}")
     if args.store_dir is not None:
+        if not args.store_dir.strip():
+            raise KvtierError("--store-dir must name a directory, got an empty string")
         d = os.path.abspath(args.store_dir)
         if os.path.exists(d) and not os.path.isdir(d):
             raise KvtierError(f"--store-dir {args.store_dir}: exists and is not a directory")
         if not os.path.isdir(os.path.dirname(d)):
-            raise KvtierError(f"--store-dir {args.store_dir}: its parent directory {os.path.dirname(d)} does not "
-                              "exist (the demo creates one directory, not a tree)")
+            raise KvtierError(f"--store-dir {args.store_dir}: its parent {os.path.dirname(d)} is not an existing "
+                              "directory (the demo creates one directory, not a tree)")
+        if not os.access(d if os.path.isdir(d) else os.path.dirname(d), os.W_OK):
+            raise KvtierError(f"--store-dir {args.store_dir}: not writable")
     from .demo import run
 
     return run(layers=args.layers, pages=args.pages, seed=args.seed, conversations=args.conversations,
@@ -168,7 +206,7 @@ def cmd_bench(args: argparse.Namespace, rest: list[str], bench_parser: argparse.
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def _main(argv: list[str] | None) -> int:
     from ._native import __version__
 
     parser = argparse.ArgumentParser(prog="kvtier", description="Host-memory and disk tier for LLM KV caches.")
@@ -205,27 +243,39 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = parser.parse_known_args(argv)
     if rest and args.command != "bench":
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    commands = {"demo": lambda: cmd_demo(args), "bench": lambda: cmd_bench(args, rest, bench),
+                "inspect": lambda: cmd_inspect(args), "verify": lambda: cmd_verify(args),
+                "stats": lambda: cmd_stats(args)}
     try:
-        if args.command == "demo":
-            return cmd_demo(args)
-        if args.command == "bench":
-            return cmd_bench(args, rest, bench)
-        if args.command == "inspect":
-            return cmd_inspect(args)
-        if args.command == "verify":
-            return cmd_verify(args)
-        if args.command == "stats":
-            return cmd_stats(args)
+        return commands[args.command]()
     except BrokenPipeError:  # `kvtier stats DIR | head`: the reader left; say nothing, as other tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
-    except (KvtierError, OSError, ValueError) as exc:
-        print(f"kvtier: error: {exc}", file=sys.stderr)
-        return 1
     except KeyboardInterrupt:
         print("kvtier: interrupted", file=sys.stderr)
         return 130
-    return 2
+    except ModuleNotFoundError as exc:
+        if exc.name != "torch":
+            raise
+        print(f"kvtier: error: `kvtier {args.command}` needs torch, which is not installed: pip install "
+              "'kvtier[torch]' (or torch itself)", file=sys.stderr)
+        return 1
+    except (KvtierError, OSError, ValueError) as exc:
+        print(f"kvtier: error: {exc}", file=sys.stderr)
+        return 1
+    except (MemoryError, RuntimeError) as exc:  # e.g. an allocation the machine cannot make
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"kvtier: error: {type(exc).__name__}: {first}", file=sys.stderr)
+        return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The CLI; Ctrl-C at any point (even while starting) is one line and exit status 130."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("kvtier: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

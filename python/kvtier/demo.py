@@ -17,13 +17,13 @@ Runs on the GPU when torch sees one, on the CPU otherwise; exits non-zero if any
 from __future__ import annotations
 
 import os
-import shutil
 import tempfile
 import time
 import warnings
 
 import torch
 
+from ._cleanup import remove_tree
 from . import DeviceKVPool, HostBuffer, MLADeviceKVPool, PageStore, __version__, device_layers, host_pool_for, page_hashes
 
 
@@ -175,4 +175,4 @@ def _spill_round_trip(dp, ref, pages, page_size, layers, device, store_dir=None,
             store.close()
         return 0 if exact else 1
     finally:
-        shutil.rmtree(root, ignore_errors=True)
+        remove_tree(root)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
 import tempfile
 import time
 import warnings
@@ -22,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ._cleanup import remove_tree
 from ._progress import Progress
 from . import DeviceKVPool, PageStore, TierController, host_pool_for, page_hashes
 
@@ -118,10 +118,16 @@ def run_workload(
     hp = host_pool_for(dp, host_size_gb=host_pages * g.page_size * (g.k_dim + g.v_dim) * g.heads * g.layers * 4 / 1e9 * 0.999,
                        layout="page_first_direct")
     root = store_dir or tempfile.mkdtemp(prefix="kvtier-demo-", dir=os.getcwd())
-    with warnings.catch_warnings():
-        warnings.simplefilter("always")
-        store = PageStore(root, capacity_bytes=1 << 30, model_name="demo/tiny-mimo")
-        store.register_mem_pool_host(hp)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            store = PageStore(root, capacity_bytes=1 << 30, model_name="demo/tiny-mimo")
+            store.register_mem_pool_host(hp)
+    except BaseException:  # (a Ctrl-C while the store opens included): nothing left behind
+        hp.close()
+        if store_dir is None:
+            remove_tree(root)
+        raise
     ctrl = TierController(dp, hp, store, io_backend=io_backend, write_policy="write_through")
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     rows = torch.arange(g.page_size, (dev_pages) * g.page_size, device=device)  # skip the padding page
@@ -184,7 +190,7 @@ def run_workload(
         store.close()
         hp.close()
         if not keep and store_dir is None:
-            shutil.rmtree(root, ignore_errors=True)
+            remove_tree(root)
     out = dict(results=results, failures=failures, stats=ctrl.stats, store=store_stats, root=root if keep else None,
                page_bytes=ctrl.page_bytes, page_size=g.page_size)
     if not quiet:

@@ -61,8 +61,8 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.gib < 1 or args.reps < 1:
         ap.error("--gib and --reps must be at least 1")
-    out_dir(args.out)
     check_plot_path(args.plot)
+    out_dir(args.out)
     n = args.gib << 30
     torch.cuda.init()
     torch.empty(1, device="cuda")

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import tempfile
 import time
@@ -29,13 +28,51 @@ import torch
 import kvtier
 from kvtier import DeviceKVPool, PageStore, host_pool_for
 
-from ._common import bar_plot, check_plot_path, fs_type, out_dir
+from .._cleanup import remove_tree
+from ._common import bar_plot, check_plot_path, fs_type, out_dir, write_results
 
 CASES = {
     "mimo": dict(layers=48, page=64, heads=4, dk=192, dv=128, pages=96, batch=96),
     "small": dict(layers=1, page=64, heads=4, dk=128, dv=128, pages=4096, batch=256),
 }
 THREADS = 16
+
+
+def _one_round(d, hp, keys, idx, n, c, total):
+    """One fresh store: a warm fill deleted, then timed durable writes and verified reads of the same pages."""
+    st = PageStore(d, capacity_bytes=4 * total, io_threads=THREADS)
+    try:
+        st.register_mem_pool_host(hp)
+        ref = (hp.k_buffer.clone(), hp.v_buffer.clone())
+        # Steady state: a store that has been running has its slots allocated already (evictions and
+        # deletions free them for reuse). Fill once with other keys, delete them, then time.
+        warm = [f"warm-{i}" for i in range(n)]
+        for s in range(0, n, c["batch"]):
+            st.batch_set_v1(warm[s : s + c["batch"]], idx[s * c["page"] : (s + c["batch"]) * c["page"]])
+        st.clear()
+        t0 = time.perf_counter()
+        for s in range(0, n, c["batch"]):
+            ok = st.batch_set_v1(keys[s : s + c["batch"]], idx[s * c["page"] : (s + c["batch"]) * c["page"]])
+            if not all(ok):
+                raise kvtier.KvtierError(f"the store at {d} refused {ok.count(False)} pages (a full disk? "
+                                         f"`kvtier bench store` needs about {4 * total / 1e9:.1f} GB free); "
+                                         "pass --dir on a disk with room, or fewer --pages")
+        w = total / (time.perf_counter() - t0) / 1e9
+        hp.k_buffer.zero_()
+        hp.v_buffer.zero_()
+        t0 = time.perf_counter()
+        for s in range(0, n, c["batch"]):
+            ok = st.batch_get_v1(keys[s : s + c["batch"]], idx[s * c["page"] : (s + c["batch"]) * c["page"]])
+            if not all(ok):
+                raise kvtier.KvtierError(f"the store at {d} could not read back {ok.count(False)} pages")
+        r = total / (time.perf_counter() - t0) / 1e9
+        # the pool has one spare page beyond the n stored (HiCache sizing): compare the stored ones
+        exact = torch.equal(hp.k_buffer[:n].view(torch.uint8), ref[0][:n].view(torch.uint8)) and torch.equal(
+            hp.v_buffer[:n].view(torch.uint8), ref[1][:n].view(torch.uint8)
+        )
+        return w, r, bool(exact), st.get_stats()["o_direct"]
+    finally:
+        st.close()
 
 
 def run_case(name, c, root, reps):
@@ -61,34 +98,13 @@ def run_case(name, c, root, reps):
     exact = True
     for rep in range(reps):
         d = os.path.join(root, f"store-{name}-{rep}")
-        st = PageStore(d, capacity_bytes=4 * total, io_threads=THREADS)
-        st.register_mem_pool_host(hp)
-        ref = (hp.k_buffer.clone(), hp.v_buffer.clone())
-        # Steady state: a store that has been running has its slots allocated already (evictions and
-        # deletions free them for reuse). Fill once with other keys, delete them, then time.
-        warm = [f"warm-{i}" for i in range(n)]
-        for s in range(0, n, c["batch"]):
-            st.batch_set_v1(warm[s : s + c["batch"]], idx[s * c["page"] : (s + c["batch"]) * c["page"]])
-        st.clear()
-        t0 = time.perf_counter()
-        for s in range(0, n, c["batch"]):
-            ok = st.batch_set_v1(keys[s : s + c["batch"]], idx[s * c["page"] : (s + c["batch"]) * c["page"]])
-            assert all(ok)
-        ws.append(total / (time.perf_counter() - t0) / 1e9)
-        hp.k_buffer.zero_()
-        hp.v_buffer.zero_()
-        t0 = time.perf_counter()
-        for s in range(0, n, c["batch"]):
-            ok = st.batch_get_v1(keys[s : s + c["batch"]], idx[s * c["page"] : (s + c["batch"]) * c["page"]])
-            assert all(ok)
-        rs.append(total / (time.perf_counter() - t0) / 1e9)
-        # the pool has one spare page beyond the n stored (HiCache sizing): compare the stored ones
-        exact &= torch.equal(hp.k_buffer[:n].view(torch.uint8), ref[0][:n].view(torch.uint8)) and torch.equal(
-            hp.v_buffer[:n].view(torch.uint8), ref[1][:n].view(torch.uint8)
-        )
-        o_direct = st.get_stats()["o_direct"]
-        st.close()
-        shutil.rmtree(d)
+        try:
+            w, r, ok_bits, o_direct = _one_round(d, hp, keys, idx, n, c, total)
+        finally:  # a failed or interrupted round leaves no store behind
+            remove_tree(d)
+        ws.append(w)
+        rs.append(r)
+        exact &= ok_bits
     hp.close()
     row = {
         "case": name, "pages": n, "k_object_bytes": ksize, "v_object_bytes": vsize, "queue_depth": THREADS,
@@ -119,8 +135,8 @@ def main(argv=None):
         ap.error(f"--cases: unknown {unknown}; choose from {sorted(CASES)}")
     if a.reps < 1 or (a.pages is not None and a.pages < 1):
         ap.error("--reps and --pages must be at least 1")
-    out = out_dir(a.out)
     check_plot_path(a.plot)
+    out = out_dir(a.out)
     try:
         root = a.dir or tempfile.mkdtemp(prefix="kvtier-bench-store-", dir=os.getcwd())
         os.makedirs(root, exist_ok=True)
@@ -137,7 +153,7 @@ def main(argv=None):
             res["rows"].append(run_case(name, case, root, a.reps))
     finally:
         if a.dir is None:
-            shutil.rmtree(root, ignore_errors=True)
+            remove_tree(root)
     lines = [f"# kvtier page store — {res['date']} — {res['fs']}", "",
              "| case | objects | ceiling write | kvtier write (durable) | % | ceiling read | kvtier read (O_DIRECT) | % | exact |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -150,10 +166,7 @@ def main(argv=None):
     md = "\n".join(lines) + "\n"
     print(md)
     if out is not None:
-        with open(os.path.join(out, "store.json"), "w") as f:
-            json.dump(res, f, indent=1)
-        with open(os.path.join(out, "store.md"), "w") as f:
-            f.write(md)
+        write_results(out, {"store.json": json.dumps(res, indent=1), "store.md": md})
         print(f"results in {out}/store.json and store.md")
     if a.plot:
         groups = [f"{r['case']} {w}" for r in res["rows"] for w in ("write", "read")]

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 
@@ -36,7 +35,7 @@ import kvtier
 from kvtier import DeviceKVPool, LayerLoader, MLADeviceKVPool, device_layers, host_pool_for
 from kvtier import config
 
-from ._common import check_plot_path, out_dir
+from ._common import check_plot_path, out_dir, write_results
 
 GEOMS = {
     "A": dict(layers=48, heads=4, dk=192, dv=128),
@@ -383,7 +382,9 @@ def plot(res, path: str) -> None:
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="kvtier bench transfer")
     ap.add_argument("--out", default=None, help="directory for transfer.json and transfer.md (default: print only)")
-    ap.add_argument("--geoms", default="A,B,C,D", help=f"comma-separated geometries of {sorted(GEOMS)} (see above)")
+    ap.add_argument("--geoms", default="A,B,C,D", help="comma-separated geometries: A MiMo-V2-like (48 layers, 4 heads, K 192 / V 128), B Llama-3.1-8B-like "
+                    "(32, 8, 128/128), C MiMo at TP 8 (48, 1, 192/128), D DeepSeek-V3-like MLA (61 layers, 512+64); "
+                    "default A,B,C,D")
     ap.add_argument("--pages", default="16,64,256,1024", help="page counts per call (default 16,64,256,1024)")
     ap.add_argument("--reps", type=int, default=7, help="timed repetitions per cell; medians are reported (default 7)")
     ap.add_argument("--no-sweep", action="store_true", help="skip the kernel-backend block sweep")
@@ -396,8 +397,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if any(g not in GEOMS for g in args.geoms.split(",")):
         ap.error(f"--geoms: choose from {sorted(GEOMS)}, got {args.geoms!r}")
-    out = out_dir(args.out)
     check_plot_path(args.plot)
+    out = out_dir(args.out)
     pages_list = [int(x) for x in args.pages.split(",")]
     up, down = ceiling()
     print(f"ceiling H2D {up:.1f} GB/s, D2H {down:.1f} GB/s", flush=True)
@@ -435,10 +436,7 @@ def main(argv=None):
     md = markdown(res)
     print(md)
     if out is not None:
-        with open(os.path.join(out, "transfer.json"), "w") as f:
-            json.dump(res, f, indent=1)
-        with open(os.path.join(out, "transfer.md"), "w") as f:
-            f.write(md)
+        write_results(out, {"transfer.json": json.dumps(res, indent=1), "transfer.md": md})
     if args.plot:
         plot(res, args.plot)
 
