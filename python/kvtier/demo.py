@@ -82,8 +82,10 @@ def run(layers: int = 8, pages: int = 32, page_size: int = 64, heads: int = 4, s
               f"(K 48 / V 32 head dims) through TierController; device pool < working set, host pool < working set:")
         out = run_workload(device=device, n_conv=conversations, turns=turns, seed=seed, keep=keep, store_dir=store_dir)
         failures += len(out["failures"])
-        if out["root"]:
+        if out["root"] and store_dir is None:
             print(f"store kept at {out['root']}")
+    if store_dir is not None:
+        print(f"the serving store is kept in {os.path.abspath(store_dir)} (kvtier inspect {store_dir})")
     print("demo:", "all checks passed" if not failures else f"{failures} check(s) FAILED")
     return 1 if failures else 0
 
