@@ -117,7 +117,6 @@ class TransferPlan:
         device_runs: bool,
         split: int,
     ) -> TransferPlan: ...
-    def copy_cpu(self, layer_begin: int, layer_end: int) -> None: ...
 
 @final
 class Submission:

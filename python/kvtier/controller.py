@@ -26,7 +26,7 @@ import torch
 
 from ._errors import InvalidArgumentError
 from .overlap import LayerLoad, LayerLoader, backup_async
-from .pools import device_layers
+from .pools import device_of
 
 POLICIES = ("write_through", "write_back", "write_through_selective")
 
@@ -312,7 +312,7 @@ class TierController:
                     if k in self.pages:
                         self.pages[k].refs -= 1
 
-        if device_layers(self.device_pool)[0][0].device.type == "cuda":
+        if device_of(self.device_pool).type == "cuda":
             self._pending.append(self._io.submit(release))
         else:
             release()

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ._errors import InvalidArgumentError
-from .pools import device_layers
+from .pools import device_of
 
 
 class LayerLoad:
@@ -76,7 +76,7 @@ class LayerLoader:
         if event_sets < 1:
             raise InvalidArgumentError(f"invalid argument `event_sets`: must be >= 1, got {event_sets}")
         self.host_pool, self.device_pool, self.io_backend = host_pool, device_pool, io_backend
-        self.device = device_layers(device_pool)[0][0].device
+        self.device = device_of(device_pool)
         self.cuda = self.device.type == "cuda"
         self.layer_num = host_pool.layer_num
         if self.cuda:
@@ -151,7 +151,7 @@ def backup_async(
     """Device → host backup of every layer on ``stream`` (default: a new side stream), ordered after
     ``after`` (an event; default: the current stream now, i.e. after whatever produced the KV). Returns an
     event that completes with the backup (``None`` for CPU device pools, which copy synchronously)."""
-    device = device_layers(device_pool)[0][0].device
+    device = device_of(device_pool)
     if device.type != "cuda":
         host_pool.backup_from_device_all_layer(device_pool, host_indices, device_indices, io_backend)
         return None

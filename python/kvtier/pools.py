@@ -145,6 +145,13 @@ class _Geometry:
         return ("k_buffer", self.head_dim), ("v_buffer", self.v_head_dim)
 
 
+def device_of(device_pool: Any) -> torch.device:
+    """The torch device of a device pool's tensors (cheap: no geometry check; for per-call paths)."""
+    k = getattr(device_pool, "k_buffer", None)
+    device: torch.device = (k if k is not None else device_pool.kv_buffer)[0].device
+    return device
+
+
 def device_layers(device_pool: Any) -> tuple[list[Any], ...]:
     """A device pool's per-layer tensors, one list per side (K and V, or an MLA pool's one ``kv_buffer``)."""
     return _Geometry.of(device_pool).device_layers(device_pool)

@@ -58,7 +58,9 @@ class MLADeviceKVPool:
 
 class MLAHostPool(_HostKVPool):
     """Host pool for MLA device pools: one Rust-owned buffer ``kv_buffer`` shaped as the module docs say
-    (``head_num`` 1, ``head_dim`` = ``kv_cache_dim``, ``v_head_dim`` 0), every layout and both backends."""
+    (``head_num`` 1, ``head_dim`` = ``kv_cache_dim``, ``v_head_dim`` 0), every layout and both backends.
+    ``get_page_buffer_meta`` gives one object per page (``L·ps·D·it`` bytes; for ``layer_first`` one per page
+    and layer)."""
 
     supported_layouts = LAYOUTS
     _model_kind = "MLA models and "
@@ -82,12 +84,6 @@ class MLAHostPool(_HostKVPool):
 
     def _sides(self) -> tuple[Side, ...]:
         return (self._k_side,)
-
-    def get_page_buffer_meta(self, indices: torch.Tensor) -> tuple[list[int], list[int]]:
-        """Addresses and sizes of whole pages for zero-copy storage: one object per page of
-        ``L·ps·D·it`` bytes in page-first layouts; for ``layer_first`` one per page per layer of
-        ``ps·D·it`` bytes."""
-        return super().get_page_buffer_meta(indices)
 
     def __repr__(self) -> str:
         return (

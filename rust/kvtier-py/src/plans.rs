@@ -238,15 +238,4 @@ impl PyTransferPlan {
         let plan = py.detach(|| Plan::new(req))?;
         wrap(py, plan, owners)
     }
-
-    /// Copy layers `[layer_begin, layer_end)` now with CPU `memcpy` (CPU device tensors), GIL released.
-    fn copy_cpu(&self, py: Python<'_>, layer_begin: usize, layer_end: usize) -> KvResult<()> {
-        let plan = &self.plan;
-        // each device range is the memory of a contiguous CPU tensor whose storage `_owners` holds (checked
-        // in `new`), and `new` refused device ranges overlapping the host region (a view of the host buffer
-        // is a CPU tensor too), so source and destination never overlap; the plan re-checks every chunk.
-        // SAFETY: live, disjoint CPU ranges held by `_owners` (Plan::copy_cpu's contract).
-        py.detach(|| unsafe { plan.copy_cpu(layer_begin, layer_end) })?;
-        Ok(())
-    }
 }

@@ -42,11 +42,6 @@ impl Submission {
         }
     }
 
-    /// Layers (groups) of the submission.
-    pub fn groups(&self) -> usize {
-        self.groups
-    }
-
     /// Blocks until the events of layer `index` (0-based within the submission) have been recorded; the
     /// submission's error if it failed first.
     pub fn wait_recorded(&self, index: usize) -> Result<()> {
