@@ -136,9 +136,7 @@ class PageStore:
     def _dtype_of(self, pool: Any) -> str:
         """The KV cache's logical dtype: the explicit ``kv_cache_dtype``, else what the pool (kvtier's:
         ``logical_dtype``) or its device pool says, else the dtype its bytes are stored as."""
-        dtype = (self.kv_cache_dtype or getattr(pool, "logical_dtype", None)
-                 or getattr(getattr(pool, "device_pool", None), "dtype", None) or pool.dtype)
-        return str(dtype).removeprefix("torch.")
+        return logical_dtype(pool, self.kv_cache_dtype)
 
     def register_mem_pool_host(self, pool: Any) -> None:
         """Attach the host pool whose pages this store reads and writes: a kvtier pool, or an engine's own
@@ -306,6 +304,14 @@ class PageStore:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def logical_dtype(pool: Any, kv_cache_dtype: str | None = None) -> str:
+    """A KV cache's logical dtype: ``kv_cache_dtype`` if given, else what the pool (kvtier's:
+    ``logical_dtype``) or its device pool says, else the dtype its bytes are stored as."""
+    dtype = (kv_cache_dtype or getattr(pool, "logical_dtype", None)
+             or getattr(getattr(pool, "device_pool", None), "dtype", None) or pool.dtype)
+    return str(dtype).removeprefix("torch.")
 
 
 def _keys(keys: Sequence[str]) -> list[str]:

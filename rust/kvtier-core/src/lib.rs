@@ -9,6 +9,7 @@
 //!   engine or compiled kernels) with lanes, per-layer events, flow control and background submission.
 //! - [`store`]: the durable, checksummed, capacity-bounded page store (O_DIRECT), with its [`journal`]
 //!   (design: docs/STORE.md).
+//! - [`ranges`]: registered host memory, range checks and checksums over it (remote tiers).
 //! - [`hash`]: SGLang-compatible chained SHA-256 page keys.
 //! - [`fault`]: IO fault injection points for tests.
 //!
@@ -25,6 +26,7 @@ pub mod error;
 pub mod fault;
 pub mod hash;
 pub mod plan;
+pub mod ranges;
 pub mod roofline;
 pub mod store;
 

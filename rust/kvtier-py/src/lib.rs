@@ -6,6 +6,7 @@ mod dlpack;
 mod engine;
 mod errors;
 mod plans;
+mod ranges;
 mod store;
 mod store_fns;
 mod transfer;
@@ -20,6 +21,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<transfer::PyPageAllocator>()?;
     m.add_class::<plans::PyTransferPlan>()?;
     m.add_class::<store::PyPageStore>()?;
+    m.add_class::<ranges::PyHostRanges>()?;
     m.add_function(wrap_pyfunction!(store_fns::namespace_dir, m)?)?;
     m.add_function(wrap_pyfunction!(store_fns::page_hashes, m)?)?;
     m.add_function(wrap_pyfunction!(store_fns::disk_roofline, m)?)?;

@@ -131,22 +131,7 @@ impl PyPageStore {
     /// Allows IO into and out of a contiguous CPU tensor's bytes (`tensor.data_ptr()`, `tensor.nbytes`);
     /// the store keeps the tensor alive. For engines whose host pool memory is not kvtier's.
     fn register_tensor(&self, py: Python<'_>, tensor: Bound<'_, PyAny>) -> KvResult<()> {
-        let contiguous: bool = tensor.call_method0("is_contiguous")?.extract()?;
-        let device: String = tensor.getattr("device")?.getattr("type")?.extract()?;
-        if !contiguous || device != "cpu" {
-            return Err(Error::arg("pool", format!("host buffers must be contiguous CPU tensors (got device {device:?}, contiguous={contiguous})")).into());
-        }
-        let ptr: usize = tensor.call_method0("data_ptr")?.extract()?;
-        let len: usize = tensor.getattr("nbytes")?.extract()?;
-        // hold the storage too: `set_()` on the tensor would otherwise free the memory registered here (a
-        // reallocating `resize_` of a registered tensor is not covered: registered buffers must not be
-        // resized)
-        let storage = tensor.call_method0("untyped_storage")?;
-        let owner = Arc::new(
-            pyo3::types::PyTuple::new(py, [tensor, storage])?
-                .into_any()
-                .unbind(),
-        );
+        let (ptr, len, owner) = crate::ranges::tensor_range(py, tensor)?;
         // a contiguous CPU tensor's bytes are `[data_ptr, data_ptr + nbytes)`, live while its storage is,
         // which `owner` holds for as long as the store keeps the registration.
         // SAFETY: live CPU memory held by `owner` (register_foreign's contract).

@@ -3,58 +3,19 @@
 //! them before a byte moves.
 
 use std::any::Any;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use super::{PageLayout, PageStore};
 use crate::buffer::HostRegion;
 use crate::error::{Error, Result};
 
-#[derive(Clone)]
-struct Registered {
-    ptr: usize,
-    len: usize,
-    /// `HostRegion`s are compared by identity, to register each once.
-    region: Option<Arc<HostRegion>>,
-    _owner: Arc<dyn Any + Send + Sync>,
-}
-
-impl Registered {
-    fn holds(&self, p: usize, n: u64) -> bool {
-        p >= self.ptr && (p as u128 + n as u128) <= (self.ptr as u128 + self.len as u128)
-    }
-}
-
-/// Registered memory (see the module docs).
-#[derive(Default)]
-pub(super) struct Memory {
-    ranges: Mutex<Vec<Registered>>,
-}
-
-impl Memory {
-    fn snapshot(&self) -> Vec<Registered> {
-        self.ranges
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
-    }
-}
+/// Registered memory (see the module docs): the core's one registry type.
+pub(super) type Memory = crate::ranges::Ranges;
 
 impl PageStore {
     /// Allows IO into and out of `region`, which the store keeps mapped until it is dropped.
     pub fn register_region(&self, region: Arc<HostRegion>) {
-        let mut rs = self.memory.ranges.lock().unwrap_or_else(|p| p.into_inner());
-        if !rs
-            .iter()
-            .any(|r| r.region.as_ref().is_some_and(|x| Arc::ptr_eq(x, &region)))
-        {
-            let (ptr, len) = (region.as_ptr() as usize, region.len());
-            rs.push(Registered {
-                ptr,
-                len,
-                region: Some(region.clone()),
-                _owner: region,
-            });
-        }
+        self.memory.register_region(region);
     }
 
     /// Allows IO into and out of `[ptr, ptr + len)`, memory the caller does not own through kvtier (an
@@ -69,13 +30,8 @@ impl PageStore {
         len: usize,
         owner: Arc<dyn Any + Send + Sync>,
     ) {
-        let mut rs = self.memory.ranges.lock().unwrap_or_else(|p| p.into_inner());
-        rs.push(Registered {
-            ptr,
-            len,
-            region: None,
-            _owner: owner,
-        });
+        // SAFETY: the same contract, passed on.
+        unsafe { self.memory.register_foreign(ptr, len, owner) };
     }
 
     /// Stores objects given as `(key, address, length)`, every range inside registered memory (checked
@@ -92,28 +48,8 @@ impl PageStore {
 
     fn objects(&self, objs: &[(&str, usize, u64)], writes: bool) -> Result<Vec<bool>> {
         let held = self.memory.snapshot(); // registered memory stays alive with the store (and `held`)
-        for (i, &(_, p, n)) in objs.iter().enumerate() {
-            if !held.iter().any(|r| r.holds(p, n)) {
-                return Err(Error::arg(
-                    "host_indices",
-                    format!(
-                        "object {i} ({n} bytes at {p:#x}) is outside every registered host buffer"
-                    ),
-                ));
-            }
-        }
-        if writes {
-            let mut v: Vec<(usize, u64)> = objs.iter().map(|o| (o.1, o.2)).collect();
-            v.sort_unstable();
-            if v.windows(2)
-                .any(|w| (w[0].0 as u128 + w[0].1 as u128) > w[1].0 as u128)
-            {
-                return Err(Error::arg(
-                    "host_indices",
-                    "two objects of one batch would be read into overlapping memory",
-                ));
-            }
-        }
+        let spans: Vec<(usize, u64)> = objs.iter().map(|o| (o.1, o.2)).collect();
+        held.check("host_indices", &spans, writes)?;
         let _claim = self.claim(objs, writes);
         // every range lies inside registered memory that `held` keeps alive for the call; written ranges do
         // not overlap each other; and while the claim is held no other batch of this store writes a range
@@ -145,7 +81,8 @@ impl PageStore {
                 .ok_or_else(|| {
                     Error::arg("pool", format!("{side} pages overflow the address space"))
                 })?;
-            if !held.iter().any(|r| r.holds(base, len) && r.holds(end, len)) {
+            // one range must hold the whole span of pages (first page's start to the last page's end)
+            if !held.holds(base, (end - base) as u64 + len) {
                 return Err(Error::arg(
                     "pool",
                     format!("the {side} objects of pages 0..{} are not inside one registered host buffer", layout.pages),

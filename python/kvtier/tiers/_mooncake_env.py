@@ -1,0 +1,92 @@
+"""Finding Mooncake: its Python module, its binaries, and the system libraries its shared objects link.
+
+Mooncake's wheel (``mooncake-transfer-engine-non-cuda``) links ``libibverbs.so.1`` even without RDMA
+hardware. Where the system has it (Debian: ``apt-get install libibverbs1``) nothing else is needed; where it
+does not and root is not at hand, ``make install-test`` unpacks the Debian packages (``apt-get download`` +
+``dpkg -x``, no root) into ``<venv>/lib/kvtier-syslibs``, and this module loads them from there (or from
+``$KVTIER_SYSLIB_DIR``) before Mooncake is imported; child processes get the same directories on their
+``LD_LIBRARY_PATH``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from .._errors import KvtierError
+
+#: Loaded in this order (each needs the ones before it).
+_LIBS = ("libnl-3.so.200", "libnl-route-3.so.200", "libibverbs.so.1")
+INSTALL_HINT = (
+    "kvtier's cluster tier needs Mooncake: pip install 'kvtier[mooncake]' (the mooncake-transfer-engine-non-cuda "
+    "wheel) and the system library libibverbs1 (apt-get install libibverbs1; without root: `make syslibs`, see "
+    "README 'Cluster tier')"
+)
+
+
+def syslib_dirs() -> list[str]:
+    """Directories holding unpacked system libraries for Mooncake (may be empty)."""
+    roots = [os.environ.get("KVTIER_SYSLIB_DIR", ""), str(Path(sys.prefix) / "lib" / "kvtier-syslibs")]
+    out = []
+    for root in filter(None, roots):
+        for sub in ("usr/lib/x86_64-linux-gnu", "lib/x86_64-linux-gnu", "usr/lib/aarch64-linux-gnu",
+                    "lib/aarch64-linux-gnu", ""):
+            d = Path(root) / sub
+            if d.is_dir() and any(d.glob("lib*.so*")) and str(d) not in out:
+                out.append(str(d))
+    return out
+
+
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """An environment for a Mooncake child process: the unpacked system libraries on its loader path."""
+    env = dict(os.environ)
+    dirs = syslib_dirs()
+    if dirs:
+        env["LD_LIBRARY_PATH"] = ":".join(dirs + [p for p in env.get("LD_LIBRARY_PATH", "").split(":") if p])
+    env.update(extra or {})
+    return env
+
+
+def _preload() -> None:
+    try:
+        ctypes.CDLL("libibverbs.so.1", mode=ctypes.RTLD_GLOBAL)
+        return  # the system has it
+    except OSError:
+        pass
+    for d in syslib_dirs():
+        if (Path(d) / "libibverbs.so.1").exists():
+            for lib in _LIBS:
+                for cand in [Path(x) / lib for x in syslib_dirs()]:
+                    if cand.exists():
+                        ctypes.CDLL(str(cand), mode=ctypes.RTLD_GLOBAL)
+                        break
+            return
+
+
+def store_class() -> Any:
+    """``mooncake.store.MooncakeDistributedStore``, or one clear error saying what to install."""
+    _preload()
+    try:
+        from mooncake.store import MooncakeDistributedStore
+    except ImportError as e:
+        raise KvtierError(f"{INSTALL_HINT} (import failed: {e})") from None
+    return MooncakeDistributedStore
+
+
+def binary(name: str) -> str:
+    """Path of a binary shipped in Mooncake's wheel (``mooncake_master``)."""
+    try:
+        import importlib.util
+
+        spec = importlib.util.find_spec("mooncake")
+    except ImportError:
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        raise KvtierError(INSTALL_HINT)
+    path = Path(list(spec.submodule_search_locations)[0]) / name
+    if not path.exists():
+        raise KvtierError(f"{INSTALL_HINT} ({path} is missing)")
+    return str(path)

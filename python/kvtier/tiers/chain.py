@@ -1,0 +1,216 @@
+"""``TieredStore``: page stores in order, fastest first, behind the one batch interface of
+:class:`kvtier.PageStore` — what :class:`kvtier.TierController` and the SGLang backend take as their store.
+
+Semantics (docs/CLUSTER.md has the fault table):
+
+- ``batch_set_v1`` writes every tier in order, all while the caller still owns the host pages (a write that
+  outlived the call could store bytes the engine has already reused under a valid checksum). A page is
+  acknowledged (True) when the **first** tier — the durable local ``PageStore`` — has it: a later tier's
+  acknowledgement (Mooncake's) is never taken as durability.
+- ``batch_get_v1`` asks each tier in order for the pages the tiers before it missed; every tier verifies what
+  it serves (checksums), so a False page's host bytes are never taken as data. Pages a later tier served are
+  then written to the tiers before it (reads fill the faster tiers), again inside the call.
+- ``batch_exists`` is the leading run of pages present in **some** tier (a page found only in a later tier
+  still counts), computed tier by tier without assuming a tier holds a prefix.
+- An exception from a tier counts as an error of that tier and a miss (or a failed write) for its pages; it
+  never reaches the engine. Bad arguments are checked by the first tier before any IO and do raise.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .._errors import InvalidArgumentError
+
+
+class _TierCounters:
+    __slots__ = ("hits", "misses", "fills", "writes", "write_failures", "errors", "bytes_in", "bytes_out",
+                 "get_s", "set_s")
+
+    def __init__(self) -> None:
+        for s in self.__slots__:
+            setattr(self, s, 0)
+
+    def as_dict(self) -> dict[str, Any]:
+        d = {s: getattr(self, s) for s in self.__slots__}
+        d["read_GBps"] = self.bytes_in / self.get_s / 1e9 if self.get_s else 0.0
+        d["write_GBps"] = self.bytes_out / self.set_s / 1e9 if self.set_s else 0.0
+        return d
+
+
+class TieredStore:
+    """Stores in order (see the module docs).
+
+    Args:
+        tiers: ``[(name, store), ...]``, fastest first; the first must be durable (a :class:`kvtier.PageStore`).
+            Every store must already be registered with the same host pool.
+        fill: write pages a later tier served into the tiers before it (default True).
+    """
+
+    def __init__(self, tiers: Sequence[tuple[str, Any]], *, fill: bool = True) -> None:
+        tiers = list(tiers)
+        if not tiers:
+            raise InvalidArgumentError("invalid argument `tiers`: at least one (name, store) pair is needed")
+        names = [n for n, _ in tiers]
+        if len(set(names)) != len(names):
+            raise InvalidArgumentError(f"invalid argument `tiers`: duplicate tier names {names}")
+        pool = tiers[0][1].pool
+        if pool is None:
+            raise InvalidArgumentError("invalid argument `tiers`: register the host pool with every tier first")
+        for n, s in tiers[1:]:
+            if s.pool is not pool:
+                raise InvalidArgumentError(f"invalid argument `tiers`: tier {n!r} is registered with another host "
+                                           "pool than the first tier")
+        self.tiers = tiers
+        self.fill = bool(fill)
+        self.page_bytes = int(tiers[0][1].page_bytes)
+        self._counters = {n: _TierCounters() for n in names}
+        self._lock = threading.Lock()
+
+    @property
+    def pool(self) -> Any:
+        return self.tiers[0][1].pool
+
+    @property
+    def first(self) -> Any:
+        return self.tiers[0][1]
+
+    def register_mem_pool_host(self, pool: Any) -> None:
+        for _, s in self.tiers:
+            s.register_mem_pool_host(pool)
+
+    def _count(self, name: str, **kw: float) -> None:
+        with self._lock:
+            c = self._counters[name]
+            for k, v in kw.items():
+                setattr(c, k, getattr(c, k) + v)
+
+    @staticmethod
+    def _slots(host_indices: torch.Tensor, ps: int, pages: list[int]) -> torch.Tensor:
+        if not pages:
+            return host_indices[:0]
+        sel = torch.tensor(pages, dtype=torch.int64)
+        return host_indices.view(-1, ps)[sel].reshape(-1)
+
+    def batch_set_v1(self, keys: Sequence[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
+        """Every tier, in order, inside the call; True where the first (durable) tier has the page."""
+        keys = list(keys)
+        name0, first = self.tiers[0]
+        t0 = time.perf_counter()
+        ok: list[bool] = first.batch_set_v1(keys, host_indices)  # checks the arguments; raises on bad ones
+        self._count(name0, writes=sum(ok), write_failures=len(ok) - sum(ok), bytes_out=sum(ok) * self.page_bytes,
+                    set_s=time.perf_counter() - t0)
+        for name, tier in self.tiers[1:]:
+            self._set_on(name, tier, keys, host_indices)
+        return ok
+
+    def _set_on(self, name: str, tier: Any, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
+        t0 = time.perf_counter()
+        try:
+            res: list[bool] = tier.batch_set_v1(keys, host_indices)
+        except Exception:
+            self._count(name, errors=1, write_failures=len(keys))
+            return [False] * len(keys)
+        self._count(name, writes=sum(res), write_failures=len(res) - sum(res),
+                    bytes_out=sum(res) * self.page_bytes, set_s=time.perf_counter() - t0)
+        return res
+
+    def batch_get_v1(self, keys: Sequence[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
+        """Each tier in order for what the tiers before it missed; then fills the faster tiers."""
+        keys = list(keys)
+        ps = self.pool.page_size
+        if len(host_indices) != len(keys) * ps:
+            raise InvalidArgumentError(
+                f"invalid argument `host_indices`: {len(host_indices)} slots for {len(keys)} pages of {ps}")
+        ok = [False] * len(keys)
+        want = list(range(len(keys)))
+        served_by: list[tuple[int, list[int]]] = []
+        for ti, (name, tier) in enumerate(self.tiers):
+            if not want:
+                break
+            t0 = time.perf_counter()
+            try:
+                res = tier.batch_get_v1([keys[i] for i in want], self._slots(host_indices, ps, want))
+            except Exception:
+                if ti == 0 and not isinstance(host_indices, torch.Tensor):
+                    raise
+                self._count(name, errors=1, misses=len(want))
+                continue
+            got = [i for i, r in zip(want, res) if r]
+            self._count(name, hits=len(got), misses=len(want) - len(got), bytes_in=len(got) * self.page_bytes,
+                        get_s=time.perf_counter() - t0)
+            for i in got:
+                ok[i] = True
+            if ti > 0 and got:
+                served_by.append((ti, got))
+            want = [i for i in want if not ok[i]]
+        if self.fill:
+            for ti, got in served_by:
+                for name, tier in self.tiers[:ti]:
+                    res = self._set_on(name, tier, [keys[i] for i in got], self._slots(host_indices, ps, got))
+                    self._count(name, fills=sum(res))
+        return ok
+
+    def batch_exists(self, keys: Sequence[str], extra_info: Any = None) -> int:
+        """The leading run of pages that some tier holds."""
+        keys = list(keys)
+        pos = 0
+        while pos < len(keys):
+            best = 0
+            for name, tier in self.tiers:
+                try:
+                    best = max(best, int(tier.batch_exists(keys[pos:])))
+                except Exception:
+                    self._count(name, errors=1)
+                if best == len(keys) - pos:
+                    break
+            if best == 0:
+                break
+            pos += best
+        return pos
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    def delete(self, keys: Sequence[str]) -> int:
+        """Delete from every tier; returns how many pages the first tier had."""
+        keys = list(keys)
+        n = int(self.tiers[0][1].delete(keys))
+        for name, tier in self.tiers[1:]:
+            try:
+                tier.delete(keys)
+            except Exception:
+                self._count(name, errors=1)
+        return n
+
+    def clear(self) -> None:
+        for _, tier in self.tiers:
+            tier.clear()
+
+    def get_stats(self) -> dict[str, Any]:
+        """Per tier: the tier's own counters (``store``) and the chain's view of it (hits, misses, fills,
+        writes, errors, bytes, GB/s)."""
+        out: dict[str, Any] = {}
+        for name, tier in self.tiers:
+            try:
+                own = tier.get_stats()
+            except Exception as e:  # a tier that cannot report still shows the chain's counters
+                own = {"error": str(e)}
+            with self._lock:
+                out[name] = {**self._counters[name].as_dict(), "store": own}
+        return out
+
+    def close(self) -> None:
+        for _, tier in self.tiers:
+            tier.close()
+
+    def __enter__(self) -> TieredStore:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
