@@ -22,8 +22,12 @@ SGLANG := sglang==0.5.23
 SGLANG_IMPORT_DEPS := orjson psutil pybase64 requests pillow starlette msgspec pydantic pyzmq tqdm ipython \
 	aiohttp transformers dill apache-tvm-ffi sentencepiece compressed-tensors gguf ninja \
 	prometheus-client
+# The cluster tier's engine (Mooncake Store, CPU/TCP build) and where the system libraries its shared objects
+# link are unpacked when the machine lacks them (scripts/syslibs.sh: apt-get download + dpkg -x, no root).
+MOONCAKE := mooncake-transfer-engine-non-cuda==0.3.13.post1
+SYSLIBS := $(VENV)/lib/kvtier-syslibs
 
-.PHONY: help install install-test test-wheel build build-profiling demo test test-rust test-python test-gpu bench-rust gpu-wheel lint clean sanitize sanitize-quick soak
+.PHONY: help syslibs install install-test test-wheel build build-profiling demo test test-rust test-python test-gpu bench-rust gpu-wheel lint clean sanitize sanitize-quick soak
 
 help: ## Show this help
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-16s\033[0m %s\n", $$1, $$2}'
@@ -42,7 +46,14 @@ $(TEST_STAMP): $(DEPS_STAMP)
 	$(VPY) -m pip install -q --no-deps $(SGLANG)
 	$(VPY) -m pip install -q $(SGLANG_IMPORT_DEPS) 2>&1 | grep -v -e "requires" -e "dependency resolver" -e "dependency conflicts" || true
 	$(VPY) -c "import torch, sglang.srt.mem_cache.hicache_storage, sglang.srt.mem_cache.pool_host.mha, sglang.srt.mem_cache.storage.backend_factory"
+	@echo "kvtier: installing $(MOONCAKE) (the cluster tier's tests run a real Mooncake master and storage processes)"
+	$(VPY) -m pip install -q $(MOONCAKE)
+	scripts/syslibs.sh $(SYSLIBS)
+	LD_LIBRARY_PATH=$(abspath $(SYSLIBS))/usr/lib/x86_64-linux-gnu:$(abspath $(SYSLIBS))/lib/x86_64-linux-gnu $(VPY) -c "import mooncake.store"
 	@touch $@
+
+syslibs: ## Unpack libibverbs1 (Mooncake's one system dependency) into .venv without root, if the system lacks it
+	scripts/syslibs.sh $(SYSLIBS)
 
 install: $(DEPS_STAMP) ## Create .venv and install what building and the demo need (maturin, torch, numpy)
 

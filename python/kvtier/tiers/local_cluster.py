@@ -153,7 +153,7 @@ class LocalCluster:
         p = self.nodes[i]
         if p is not None:
             p.kill()
-            p.wait()
+            _end(p)
             self.nodes[i] = None
 
     def stop(self) -> None:
