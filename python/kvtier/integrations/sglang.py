@@ -37,7 +37,12 @@ OPTIONS = {
     "io_threads": 16,  # IO requests in flight per batch
     "direct": None,  # None: O_DIRECT if the file system allows it (warns otherwise); False: buffered
     "kv_cache_dtype": None,  # the --kv-cache-dtype of an fp8 cache (SGLang's host pools hold fp8 as uint8)
+    "tiers": ["disk"],  # the tiers in order: ["disk"] or ["disk", "mooncake"] (the cluster tier, kvtier.tiers)
+    "mooncake": None,  # the cluster tier's options (MOONCAKE_OPTIONS), with "tiers": ["disk", "mooncake"]
 }
+#: Options of the ``"mooncake"`` object (see :class:`kvtier.tiers.mooncake.MooncakeTier`).
+MOONCAKE_OPTIONS = {"master_server_address", "protocol", "device_name", "local_hostname", "metadata_server",
+                    "global_segment_size", "local_buffer_size", "replica_num", "accept_unverified", "key_tag"}
 #: Keys SGLang itself reads from the extra config; accepted and ignored here.
 SGLANG_KEYS = {
     "backend_name",
@@ -66,6 +71,7 @@ class KvtierStorage(HiCacheStorage):
                 f"{sorted(OPTIONS)} and SGLang's own {sorted(SGLANG_KEYS)}"
             )
         opts = {k: extra.get(k, v) for k, v in OPTIONS.items()}
+        self._remote_opts = _tier_options(opts["tiers"], opts["mooncake"])
         self.storage_config = storage_config
         self.is_mla = bool(storage_config.is_mla_model)
         # Rank-replicated KV (MLA): every rank reads the same pages, one rank writes them.
@@ -93,6 +99,8 @@ class KvtierStorage(HiCacheStorage):
             read_only=not self.is_writer,
             kv_cache_dtype=opts["kv_cache_dtype"],
         )
+        self.tiers: Any = None  # the disk store and the cluster tier in order, once the KV pool is registered
+        self._v1: Any = self.store  # what the v1 batches go to: the page store, or that chain
         # One scratch buffer per calling thread (a shared one let a concurrent set store another page's
         # bytes under its key); all of them are registered with the store and closed with it.
         self._local = threading.local()
@@ -116,6 +124,28 @@ class KvtierStorage(HiCacheStorage):
             return
         super().register_mem_pool_host(mem_pool_host)
         self.store.register_mem_pool_host(mem_pool_host)
+        if self._remote_opts is not None:
+            self._attach_cluster_tier(mem_pool_host)
+
+    def _attach_cluster_tier(self, pool: Any) -> None:
+        """host -> local disk (durable) -> Mooncake: the chain the v1 batches go through."""
+        from ..tiers import TieredStore
+        from ..tiers.mooncake import MooncakeTier
+
+        if self.tiers is not None:
+            self.tiers.tiers[1][1].close()
+        cfg = self.storage_config
+        tp = (0, 1) if self.is_mla else (cfg.tp_rank, cfg.tp_size)
+        remote = MooncakeTier(model_name=cfg.model_name or None, tp_rank=tp[0], tp_size=tp[1], pp_rank=cfg.pp_rank,
+                              pp_size=cfg.pp_size, kv_cache_dtype=self._opts["kv_cache_dtype"], **self._remote_opts)
+        try:
+            remote.register_mem_pool_host(pool)
+        except BaseException:
+            remote.close()
+            raise
+        # ranks that do not write replicated (MLA) pages read the writer's disk namespace: nothing to fill
+        self.tiers = TieredStore([("disk", self.store), ("mooncake", remote)], fill=self.is_writer)
+        self._v1 = self.tiers
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         """An extra pool of a hybrid model (SWA KV, Mamba state, draft KV, indexer, ...): stored in a namespace
@@ -209,7 +239,7 @@ class KvtierStorage(HiCacheStorage):
     # -- zero-copy v1 ---------------------------------------------------------------------------------
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
         t0 = time.perf_counter()
-        ok = self.store.batch_get_v1(keys, host_indices)
+        ok = self._v1.batch_get_v1(keys, host_indices)
         self._record("prefetch", ok, time.perf_counter() - t0)
         return ok
 
@@ -217,7 +247,7 @@ class KvtierStorage(HiCacheStorage):
         if not self.is_writer:
             return [True] * len(keys)  # another rank writes the replicated pages
         t0 = time.perf_counter()
-        ok = self.store.batch_set_v1(keys, host_indices)
+        ok = self._v1.batch_set_v1(keys, host_indices)
         self._record("backup", ok, time.perf_counter() - t0)
         return ok
 
@@ -232,10 +262,10 @@ class KvtierStorage(HiCacheStorage):
             self._metrics[f"{kind}_bandwidth"].append(gbps)
 
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
-        return self.store.batch_exists(keys)
+        return int(self._v1.batch_exists(keys))
 
     def exists(self, key: str) -> bool:
-        return self.store.exists(key)
+        return bool(self._v1.exists(key))
 
     # -- flat-page interface (symmetric pools; a copy through a pinned scratch buffer) -------------------
     def _scratch_for(self, nbytes: int) -> HostBuffer:
@@ -296,10 +326,14 @@ class KvtierStorage(HiCacheStorage):
         return m
 
     def kvtier_stats(self) -> dict:
-        """The page store's counters (:meth:`kvtier.PageStore.get_stats`)."""
-        return self.store.get_stats()
+        """The page store's counters (:meth:`kvtier.PageStore.get_stats`); with the cluster tier, per tier
+        (``{"disk": {...}, "mooncake": {...}}``: hits, misses, fills, writes, errors, bytes, GB/s and each
+        tier's own counters under ``"store"``)."""
+        return self.tiers.get_stats() if self.tiers is not None else self.store.get_stats()
 
     def close(self) -> None:
+        if self.tiers is not None:
+            self.tiers.tiers[1][1].close()
         self.store.close()
         for pool in self._pools.values():
             pool.close()
@@ -308,6 +342,30 @@ class KvtierStorage(HiCacheStorage):
             for buf in self._scratches:
                 buf.close()
             self._scratches = []
+
+
+def _tier_options(tiers: Any, mooncake: Any) -> dict | None:
+    """The cluster tier's options, checked before anything is opened (None: the disk alone)."""
+    if not isinstance(tiers, (list, tuple)) or not tiers or any(not isinstance(t, str) for t in tiers):
+        raise InvalidArgumentError(f"invalid argument `tiers`: expected a list of tier names, got {tiers!r}")
+    tiers = list(tiers)
+    if tiers == ["disk"]:
+        if mooncake is not None:
+            raise InvalidArgumentError('invalid argument `mooncake`: given, but `tiers` does not list "mooncake" '
+                                       '(use "tiers": ["disk", "mooncake"])')
+        return None
+    if tiers != ["disk", "mooncake"]:
+        raise InvalidArgumentError(f'invalid argument `tiers`: {tiers!r}; supported: ["disk"] and ["disk", "mooncake"] '
+                                   "(the cluster tier is a cache behind the durable local disk: acknowledgements "
+                                   "come from the disk)")
+    if not isinstance(mooncake, dict) or "master_server_address" not in mooncake:
+        raise InvalidArgumentError('invalid argument `mooncake`: with "tiers": ["disk", "mooncake"] give '
+                                   '{"master_server_address": "host:port", ...}')
+    unknown = sorted(set(mooncake) - MOONCAKE_OPTIONS)
+    if unknown:
+        raise InvalidArgumentError(f"invalid argument `mooncake`: unknown key(s) {unknown}; accepted: "
+                                   f"{sorted(MOONCAKE_OPTIONS)}")
+    return dict(mooncake)
 
 
 def _pool_name(name: Any) -> str:
