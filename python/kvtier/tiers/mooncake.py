@@ -37,6 +37,7 @@ from ..store import PAGE_LAYOUTS, _heads, _keys, _page_layout, logical_dtype
 from ._mooncake_env import store_class
 
 PROTOCOLS = ("tcp", "rdma")
+_PROBES = 6  # probe puts at construction, 0.5 s apart
 _MAGIC, _VERSION = b"KVTM", 1
 _HEAD = struct.Struct("<4sHH8s")  # magic, version, objects, fingerprint (first 8 bytes of sha256)
 _OBJ = struct.Struct("<QI")  # size, crc32c(bytes + key)
@@ -163,9 +164,14 @@ class MooncakeTier:
         self._replicate.replica_num = replicas
         # a probe object proves the cluster can store: a cluster with no mounted memory (no storage process,
         # and global_segment_size=0 here) fails every put — one error now rather than every page a miss
+        # (retried: for a few seconds after a storage process dies the master may still place objects on it)
         key, val = f"kvtier_probe_{uuid.uuid4().hex}", b"kvtier" * 64
-        rc = store.put(key, val, self._replicate)
-        if rc != 0 or store.get(key) != val:
+        for attempt in range(_PROBES):
+            rc = store.put(key, val, self._replicate)
+            if rc == 0 and store.get(key) == val:
+                break
+            time.sleep(0.5)
+        else:
             store.close()
             raise KvtierError(f"MooncakeTier: the cluster at {self.master_server_address} cannot store objects "
                               f"(probe put returned {rc}): no storage process has mounted memory and this "
