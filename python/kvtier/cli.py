@@ -223,11 +223,11 @@ def _main(argv: list[str] | None) -> int:
     demo.add_argument("--keep", action="store_true", help="keep the default store directory after the run")
     demo.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     bench = sub.add_parser("bench", add_help=False,
-                           help="benchmarks against the hardware ceilings: pin, transfer (GPU), store; "
+                           help="benchmarks against the hardware ceilings: pin, transfer (GPU), store, mooncake (the cluster tier); "
                            "options after the name go to the bench (kvtier bench store --help lists them)",
-                           description="kvtier bench NAME [options]: NAME is pin, transfer (GPU) or store; "
+                           description="kvtier bench NAME [options]: NAME is pin, transfer (GPU), store or mooncake; "
                            "`kvtier bench NAME --help` lists that bench's options.")
-    bench.add_argument("which", nargs="?", choices=["pin", "transfer", "store"])
+    bench.add_argument("which", nargs="?", choices=["pin", "transfer", "store", "mooncake"])
     ins = sub.add_parser("inspect", help="namespaces, pages, bytes, files and damage of a store directory (read-only)")
     ins.add_argument("path")
     stats = sub.add_parser("stats", help="a store's counters per namespace (read-only: changes nothing on disk)")

@@ -20,6 +20,7 @@ before this tier in a :class:`kvtier.tiers.TieredStore`.
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import struct
 import threading
@@ -33,6 +34,7 @@ import torch
 
 from .. import _native
 from .._errors import ClosedError, InvalidArgumentError, KvtierError
+from ..buffer import HostBuffer
 from ..store import PAGE_LAYOUTS, _heads, _keys, _page_layout, logical_dtype
 from ._mooncake_env import store_class
 
@@ -42,6 +44,10 @@ _MAGIC, _VERSION = b"KVTM", 1
 _HEAD = struct.Struct("<4sHH8s")  # magic, version, objects, fingerprint (first 8 bytes of sha256)
 _OBJ = struct.Struct("<QI")  # size, crc32c(bytes + key)
 _TAIL = struct.Struct("<I")  # crc32c of everything before it (a torn record is refused)
+_SLOT = 64  # bytes per record in the scratch buffer
+_OVERLAP_BYTES = 256 << 10  # objects at least this large are checksummed while Mooncake sends them
+_CHUNK_BYTES = 32 << 20  # gets travel in chunks of about this many bytes, checksummed one behind
+_TOO_SMALL = -600  # Mooncake: the object is larger than the buffer given for it
 
 
 def _record(fp: bytes, objs: Sequence[tuple[int, int]]) -> bytes:
@@ -137,6 +143,9 @@ class MooncakeTier:
         self._stats.update(get_s=0.0, put_s=0.0)
         self._closed = False
         self._replicate = None
+        self._local = threading.local()
+        self._buffers: list[HostBuffer] = []
+        self._pool_exec = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvtier-mooncake")
         self._store = self._connect(protocol, device_name, local_hostname, metadata_server, global_segment_size,
                                     local_buffer_size, replica_num, setup_timeout_s)
 
@@ -166,7 +175,7 @@ class MooncakeTier:
         # and global_segment_size=0 here) fails every put — one error now rather than every page a miss
         # (retried: for a few seconds after a storage process dies the master may still place objects on it)
         key, val = f"kvtier_probe_{uuid.uuid4().hex}", b"kvtier" * 64
-        for attempt in range(_PROBES):
+        for _attempt in range(_PROBES):
             rc = store.put(key, val, self._replicate)
             if rc == 0 and store.get(key) == val:
                 break
@@ -209,6 +218,7 @@ class MooncakeTier:
         self.page_bytes = lay[2] + lay[5]
         self._mla = mla
         self._sides = ("k",) if mla else ("k", "v")
+        self._rec_bytes = _HEAD.size + len(self._sides) * _OBJ.size + _TAIL.size  # one page's record
         tp, pp = self.ranks["tp"], self.ranks["pp"]
         # SGLang's suffixes: MHA "{tp}" (or "{tp}_{pp}"), MLA "" (or "{pp}"): one object per page for all ranks
         self._suffix = (f"{pp[0]}" if pp[1] > 1 else "") if mla else (f"{tp[0]}_{pp[0]}" if pp[1] > 1 else f"{tp[0]}")
@@ -283,9 +293,23 @@ class MooncakeTier:
                 self._stats[k] += v
 
     # ------------------------------------------------------------------ batches
+    def _scratch(self, n: int) -> tuple[int, np.ndarray]:
+        """This thread's record buffer (registered with Mooncake and the range checks) for ``n`` records: its
+        address and a numpy view of it."""
+        buf = getattr(self._local, "buf", None)
+        if buf is None or buf.nbytes < n * _SLOT:
+            buf = HostBuffer(max(n * _SLOT, 1 << 16), pin=False)
+            with self._lock:
+                self._buffers.append(buf)  # kept (and registered) until close: a batch may still use an old one
+            self._ranges.register_region(buf._region)
+            if self._store.register_buffer(buf.ptr, buf.nbytes) != 0:
+                raise KvtierError("MooncakeTier: registering the record buffer with Mooncake failed")
+            self._local.buf = buf
+        return buf.ptr, buf.as_tensor(torch.uint8, (buf.nbytes,)).numpy()
+
     def batch_set_v1(self, keys: Sequence[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
-        """Put pages: data first, then their integrity records. True per page when data and record are in the
-        cluster (pages already there with a record are not re-sent). Not durability: see the module docs."""
+        """Put pages and their integrity records. True per page when its data and record were accepted (pages
+        already there with a record are not re-sent). Not durability: see the module docs."""
         self._check_open()
         keys, pages = self._pages(keys, host_indices)
         if not keys:
@@ -306,22 +330,35 @@ class MooncakeTier:
             else:
                 todo.append(i)
         self._count(skipped_present=sum(ok))
-        if todo:
-            objs = [j for i in todo for j in range(i * k, (i + 1) * k)]
-            on, op, os_ = [names[j] for j in objs], [ptrs[j] for j in objs], [sizes[j] for j in objs]
-            crcs = self._ranges.crc32c(on, op, os_)  # of the bytes about to be sent
+        if not todo:
+            return ok
+        objs = [j for i in todo for j in range(i * k, (i + 1) * k)]
+        on, op, os_ = [names[j] for j in objs], [ptrs[j] for j in objs], [sizes[j] for j in objs]
+        rk = [recs[i] for i in todo]
+        rptr, rview = self._scratch(len(todo))
+        rp, rs = [rptr + n * _SLOT for n in range(len(todo))], [self._rec_bytes] * len(todo)
+
+        def records(crcs: list[int]) -> None:
+            for n in range(len(todo)):
+                rec = _record(self._fp, [(os_[n * k + s], crcs[n * k + s]) for s in range(k)])
+                rview[n * _SLOT: n * _SLOT + self._rec_bytes] = np.frombuffer(rec, dtype=np.uint8)
+
+        if sum(os_) // len(os_) >= _OVERLAP_BYTES:
+            # large objects: checksum while Mooncake sends them, then the records (one small batch more)
+            fut = self._pool_exec.submit(self._ranges.crc32c, on, op, os_)
             res = self._store.batch_put_from(on, op, os_, self._replicate)
-            good = [i for n, i in enumerate(todo) if all(r == 0 for r in res[n * k:(n + 1) * k])]
-            if good:
-                pos = {i: n for n, i in enumerate(todo)}
-                rk = [recs[i] for i in good]
-                rv = [_record(self._fp, [(os_[pos[i] * k + s], crcs[pos[i] * k + s]) for s in range(k)]) for i in good]
-                if self._store.put_batch(rk, rv, self._replicate) == 0:
-                    for i in good:
-                        ok[i] = True
-            sent = sum(1 for i in todo if ok[i])
-            self._count(put_pages=sent, put_failures=len(todo) - sent, bytes_written=sent * self.page_bytes,
-                        put_s=time.perf_counter() - t0)
+            records(fut.result())
+            res += self._store.batch_put_from(rk, rp, rs, self._replicate)
+        else:
+            # small objects: Mooncake's cost is per object and per call: data and records in one call
+            records(self._ranges.crc32c(on, op, os_))
+            res = self._store.batch_put_from(on + rk, op + rp, os_ + rs, self._replicate)
+        base = len(on)
+        for n, i in enumerate(todo):
+            ok[i] = res[base + n] == 0 and all(r == 0 for r in res[n * k:(n + 1) * k])
+        sent = sum(1 for i in todo if ok[i])
+        self._count(put_pages=sent, put_failures=len(todo) - sent, bytes_written=sent * self.page_bytes,
+                    put_s=time.perf_counter() - t0)
         return ok
 
     def batch_get_v1(self, keys: Sequence[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
@@ -333,46 +370,65 @@ class MooncakeTier:
             return []
         names, ptrs, sizes = self._objects(keys, pages)
         self._ranges.check(ptrs, sizes, True, "host_indices")  # destinations: inside the pool, disjoint
-        k = len(self._sides)
+        k, n_pages = len(self._sides), len(keys)
         t0 = time.perf_counter()
-        raws = self._store.get_batch([self.record_key(x) for x in keys])
-        want: list[int] = []
-        expect: dict[int, list[tuple[int, int]] | None] = {}
-        for i, raw in enumerate(raws):
-            rec = _parse(bytes(raw), self._fp, k) if raw else None
-            if rec is not None and all(rec[s][0] == sizes[i * k + s] for s in range(k)):
-                expect[i] = rec
-                want.append(i)
-            elif raw:
-                self._count(stale=1)  # another geometry, dtype or version under this key, or a torn record
-            elif self.accept_unverified:
-                expect[i] = None
-                want.append(i)
-        ok = [False] * len(keys)
-        if want:
-            objs = [j for i in want for j in range(i * k, (i + 1) * k)]
-            gn, gp, gs = [names[j] for j in objs], [ptrs[j] for j in objs], [sizes[j] for j in objs]
-            res = self._store.batch_get_into(gn, gp, gs)
-            arrived = [i for n, i in enumerate(want) if all(res[n * k + s] == gs[n * k + s] for s in range(k))]
-            verified = [i for i in arrived if expect[i] is not None]
-            if verified:
-                objs = [j for i in verified for j in range(i * k, (i + 1) * k)]
-                crcs = self._ranges.crc32c([names[j] for j in objs], [ptrs[j] for j in objs], [sizes[j] for j in objs])
-                for n, i in enumerate(verified):
-                    rec = expect[i]
-                    assert rec is not None
-                    if all(crcs[n * k + s] == rec[s][1] for s in range(k)):
-                        ok[i] = True
-                    else:
-                        self._count(corrupt=1)
-            for i in arrived:
-                if expect[i] is None:
-                    ok[i] = True
-                    self._count(unverified_served=1)
+        rptr, rview = self._scratch(n_pages)
+        rk = [self.record_key(x) for x in keys]
+        rp, rs = [rptr + n * _SLOT for n in range(n_pages)], [self._rec_bytes] * n_pages
+        # pages in chunks: the records and data of chunk c+1 travel while chunk c is checksummed
+        per = max(1, min(n_pages, _CHUNK_BYTES // max(1, self.page_bytes)))
+        chunks = [range(c, min(c + per, n_pages)) for c in range(0, n_pages, per)]
+
+        def fetch(ch: range) -> list[int]:
+            objs = [j for i in ch for j in range(i * k, (i + 1) * k)]
+            return list(self._store.batch_get_into([rk[i] for i in ch] + [names[j] for j in objs],
+                                                   [rp[i] for i in ch] + [ptrs[j] for j in objs],
+                                                   [rs[i] for i in ch] + [sizes[j] for j in objs]))
+
+        ok = [False] * n_pages
+        fut = self._pool_exec.submit(fetch, chunks[0])
+        for c, ch in enumerate(chunks):
+            res = fut.result()
+            if c + 1 < len(chunks):
+                fut = self._pool_exec.submit(fetch, chunks[c + 1])
+            self._verify(ch, res, rview, names, ptrs, sizes, ok)
         hits = sum(ok)
-        self._count(hits=hits, misses=len(keys) - hits, bytes_read=hits * self.page_bytes,
+        self._count(hits=hits, misses=n_pages - hits, bytes_read=hits * self.page_bytes,
                     get_s=time.perf_counter() - t0)
         return ok
+
+    def _verify(self, ch: range, res: list[int], rview: np.ndarray, names: list[str], ptrs: list[int],
+                sizes: list[int], ok: list[bool]) -> None:
+        """Marks the pages of one fetched chunk that arrived whole and match their records."""
+        k, nrec = len(self._sides), len(ch)
+        check: list[tuple[int, list[tuple[int, int]]]] = []
+        for n, i in enumerate(ch):
+            arrived = all(res[nrec + n * k + s] == sizes[i * k + s] for s in range(k))
+            rec = None
+            if res[n] == self._rec_bytes:
+                rec = _parse(rview[i * _SLOT: i * _SLOT + self._rec_bytes].tobytes(), self._fp, k)
+                if rec is None or any(rec[s][0] != sizes[i * k + s] for s in range(k)):
+                    self._count(stale=1)  # another geometry, dtype or version under this key, or a torn record
+                    continue
+            elif res[n] > 0 or res[n] == _TOO_SMALL:
+                self._count(stale=1)  # a record of another size: not one of ours
+                continue
+            if not arrived:
+                continue
+            if rec is None:
+                if self.accept_unverified:  # data without a record: a stock SGLang page, served by option
+                    ok[i] = True
+                    self._count(unverified_served=1)
+                continue
+            check.append((i, rec))
+        if check:
+            objs = [j for i, _ in check for j in range(i * k, (i + 1) * k)]
+            crcs = self._ranges.crc32c([names[j] for j in objs], [ptrs[j] for j in objs], [sizes[j] for j in objs])
+            for n, (i, rec) in enumerate(check):
+                if all(crcs[n * k + s] == rec[s][1] for s in range(k)):
+                    ok[i] = True
+                else:
+                    self._count(corrupt=1)
 
     def batch_exists(self, keys: Sequence[str], extra_info: Any = None) -> int:
         """Length of the leading run of pages whose record and data objects all exist (data alone counts
@@ -425,10 +481,14 @@ class MooncakeTier:
         """Release the Mooncake client. Idempotent."""
         if not self._closed:
             self._closed = True
+            self._pool_exec.shutdown(wait=True)
             try:
                 self._store.close()
             except Exception:
                 pass
+            for buf in self._buffers:
+                buf.close()
+            self._buffers = []
 
     def __enter__(self) -> MooncakeTier:
         return self

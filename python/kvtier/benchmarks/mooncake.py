@@ -1,0 +1,136 @@
+"""The cluster tier against Mooncake's own zero-copy calls on the same objects, in the same run.
+
+    kvtier bench mooncake [--reps 5] [--storage-nodes 1] [--out DIR]
+
+A local cluster (kvtier.tiers.local_cluster: a master and storage processes on 127.0.0.1) and one client
+process. Cases: single objects of 64 KiB, 1 MiB and 4 MiB (an MLA-shaped pool, one object per page), and the
+K/V page pairs of a MiMo-like page (48 layers x 64 tokens x 4 heads x K 192 | V 128, bf16: 4.5 + 3 MiB) and
+one DeepSeek-like latent page (61 layers x 64 tokens x 576, bf16: 4.3 MiB). For each, per repetition with fresh
+keys: the ceiling — Mooncake's ``batch_put_from`` / ``batch_get_into`` of exactly the pool's page objects —
+then ``MooncakeTier.batch_set_v1`` / ``batch_get_v1`` of the same pages (which add the existence check, the
+crc32c of every object, the integrity records and their check). Medians, and kvtier as a share of the raw
+figure. Gets are checked bit-exact. Writes ``cpu-mooncake.json`` / ``.md`` into --out only at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from kvtier import DeviceKVPool, MLADeviceKVPool, host_pool_for
+
+from ..tiers.local_cluster import LocalCluster
+from ..tiers.mooncake import MooncakeTier
+from ._common import out_dir, write_results
+
+# name: (kind, geometry, pages per batch)
+CASES = {
+    "64KiB": ("mla", dict(layers=1, page=64, lora=448, rope=64), 256),
+    "1MiB": ("mla", dict(layers=16, page=64, lora=448, rope=64), 64),
+    "4MiB": ("mla", dict(layers=64, page=64, lora=448, rope=64), 32),
+    "mimo-kv": ("mha", dict(layers=48, page=64, heads=4, dk=192, dv=128), 32),
+    "deepseek-latent": ("mla", dict(layers=61, page=64, lora=512, rope=64), 32),
+}
+
+
+def _pool(kind: str, g: dict, pages: int) -> object:
+    if kind == "mla":
+        dp = MLADeviceKVPool(g["page"] * pages, g["page"], g["layers"], g["lora"], g["rope"], torch.bfloat16, "cpu")
+    else:
+        dp = DeviceKVPool(g["page"] * pages, g["page"], g["layers"], g["heads"], g["dk"], g["dv"], torch.bfloat16, "cpu")
+    hp = host_pool_for(dp, layout="page_first_direct", host_to_device_ratio=2.0)
+    for b in hp._buffers:
+        t = b.as_tensor(torch.uint8, (b.nbytes,))
+        t.copy_(torch.randint(0, 256, (b.nbytes,), dtype=torch.uint8))
+    return hp
+
+
+def _idx(ps: int, pages: range) -> torch.Tensor:
+    return torch.tensor([p * ps + i for p in pages for i in range(ps)], dtype=torch.int64)
+
+
+def run_case(name: str, c: LocalCluster, reps: int) -> dict:
+    kind, g, n = CASES[name]
+    hp = _pool(kind, g, n)
+    ps = hp.page_size
+    tier = MooncakeTier(c.master_address, model_name=f"bench/{name}")
+    tier.register_mem_pool_host(hp)
+    raw = tier._store
+    src, dst = _idx(ps, range(n)), _idx(ps, range(n, 2 * n))
+    names, ptrs, sizes = tier._objects([f"x{i}" for i in range(n)], src.view(-1, ps)[:, 0].numpy() // ps)
+    _, dptrs, _ = tier._objects([f"x{i}" for i in range(n)], dst.view(-1, ps)[:, 0].numpy() // ps)
+    total = sum(sizes)
+    rows: dict[str, list[float]] = {k: [] for k in ("raw_put", "raw_get", "kvtier_put", "kvtier_get")}
+    exact = True
+    for r in range(reps):
+        keys = [f"raw{r}_{k}" for k in names]
+        t0 = time.perf_counter()
+        res = raw.batch_put_from(keys, ptrs, sizes)
+        rows["raw_put"].append(total / (time.perf_counter() - t0) / 1e9)
+        t0 = time.perf_counter()
+        got = raw.batch_get_into(keys, dptrs, sizes)
+        rows["raw_get"].append(total / (time.perf_counter() - t0) / 1e9)
+        if any(x != 0 for x in res) or any(x != s for x, s in zip(got, sizes)):
+            raise RuntimeError(f"{name}: raw Mooncake refused objects ({res[:4]} ..., {got[:4]} ...): too small a segment?")
+        pk = [f"kv{r}_{i}" for i in range(n)]
+        t0 = time.perf_counter()
+        ok = tier.batch_set_v1(pk, src)
+        rows["kvtier_put"].append(total / (time.perf_counter() - t0) / 1e9)
+        t0 = time.perf_counter()
+        ok2 = tier.batch_get_v1(pk, dst)
+        rows["kvtier_get"].append(total / (time.perf_counter() - t0) / 1e9)
+        if not all(ok) or not all(ok2):
+            raise RuntimeError(f"{name}: the tier refused pages ({ok.count(False)} puts, {ok2.count(False)} gets)")
+        # bit-exact: every object read back has the checksum of the object sent (crc32c over the same bytes)
+        exact &= tier._ranges.crc32c(names, ptrs, sizes) == tier._ranges.crc32c(names, dptrs, sizes)
+        time.sleep(0.25)  # past the lease of what was read, so it can be removed
+        raw.remove_all()
+    tier.close()
+    med = {k: statistics.median(v) for k, v in rows.items()}
+    row = {"case": name, "objects_per_batch": len(names), "object_bytes": sorted(set(sizes)), "batch_bytes": total,
+           **{f"{k}_GBps": round(v, 3) for k, v in med.items()},
+           "put_pct": round(100 * med["kvtier_put"] / med["raw_put"], 1),
+           "get_pct": round(100 * med["kvtier_get"] / med["raw_get"], 1),
+           "all": {k: [round(x, 3) for x in v] for k, v in rows.items()}, "bit_exact": bool(exact)}
+    print(json.dumps({k: v for k, v in row.items() if k != "all"}), flush=True)
+    return row
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="kvtier bench mooncake")
+    ap.add_argument("--reps", type=int, default=5, help="repetitions per case, fresh keys each; medians (default 5)")
+    ap.add_argument("--storage-nodes", type=int, default=1, help="storage processes of the local cluster (default 1)")
+    ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated cases of {list(CASES)}")
+    ap.add_argument("--out", default=None, help="directory for cpu-mooncake.json and .md (default: print only)")
+    a = ap.parse_args(argv)
+    unknown = [x for x in a.cases.split(",") if x not in CASES]
+    if unknown:
+        ap.error(f"--cases: unknown {unknown}; choose from {list(CASES)}")
+    if a.reps < 1 or a.storage_nodes < 1:
+        ap.error("--reps and --storage-nodes must be at least 1")
+    out = out_dir(a.out)
+    res: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "transport": "tcp, loopback", "rows": []}
+    with LocalCluster(storage_nodes=a.storage_nodes, segment_bytes=3 << 30, lease_ttl_ms=200) as c:
+        print(f"local cluster: master {c.master_address}, {a.storage_nodes} storage process(es); logs {c.log_dir}")
+        for name in a.cases.split(","):
+            res["rows"].append(run_case(name, c, a.reps))
+    lines = [f"# kvtier cluster tier vs raw Mooncake — {res['date']} — {res['transport']}", "",
+             "| case | batch | raw put | kvtier put | % | raw get | kvtier get (verified) | % | exact |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in res["rows"]:
+        sz = "+".join(f"{s >> 10} KiB" for s in r["object_bytes"])
+        lines.append(f"| {r['case']} | {r['objects_per_batch']} x {sz} | {r['raw_put_GBps']} GB/s | {r['kvtier_put_GBps']} GB/s | "
+                     f"{r['put_pct']}% | {r['raw_get_GBps']} GB/s | {r['kvtier_get_GBps']} GB/s | {r['get_pct']}% | {r['bit_exact']} |")
+    md = "\n".join(lines) + "\n"
+    print(md)
+    if out is not None:
+        write_results(out, {"cpu-mooncake.json": json.dumps(res, indent=1), "cpu-mooncake.md": md})
+        print(f"results in {out}/cpu-mooncake.json and .md")
+
+
+if __name__ == "__main__":
+    main()
