@@ -87,7 +87,7 @@ def run_case(name: str, c: LocalCluster, reps: int) -> dict:
             raise RuntimeError(f"{name}: the tier refused pages ({ok.count(False)} puts, {ok2.count(False)} gets)")
         # bit-exact: every object read back has the checksum of the object sent (crc32c over the same bytes)
         exact &= tier._ranges.crc32c(names, ptrs, sizes) == tier._ranges.crc32c(names, dptrs, sizes)
-        time.sleep(0.25)  # past the lease of what was read, so it can be removed
+        time.sleep(1.1)  # past the lease of what was read, so it can be removed
         raw.remove_all()
     tier.close()
     med = {k: statistics.median(v) for k, v in rows.items()}
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
         ap.error("--reps and --storage-nodes must be at least 1")
     out = out_dir(a.out)
     res: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "transport": "tcp, loopback", "rows": []}
-    with LocalCluster(storage_nodes=a.storage_nodes, segment_bytes=3 << 30, lease_ttl_ms=200) as c:
+    with LocalCluster(storage_nodes=a.storage_nodes, segment_bytes=3 << 30, lease_ttl_ms=1000) as c:
         print(f"local cluster: master {c.master_address}, {a.storage_nodes} storage process(es); logs {c.log_dir}")
         for name in a.cases.split(","):
             res["rows"].append(run_case(name, c, a.reps))
