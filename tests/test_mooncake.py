@@ -311,3 +311,24 @@ def test_cross_node_hits_between_client_processes_writing_concurrently(tmp_path,
     r = subprocess.run([sys.executable, str(script), "read", cluster.master_address, "0", "0", "0"],
                        capture_output=True, timeout=120, env=env)
     assert r.returncode == 0 and b"ok read" in r.stdout, r.stderr.decode()[-2000:]
+
+
+def test_prometheus_collector_reports_each_tier(tmp_path, cluster):
+    pytest.importorskip("prometheus_client")
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from kvtier.metrics import KvtierCollector
+
+    src = make_pool(seed=15)
+    keys = [f"prom-{i}" for i in range(3)]
+    with chain(tmp_path, cluster, src, "p") as c:
+        assert c.batch_set_v1(keys, pages_idx(range(3))) == [True] * 3
+        c.first.delete(keys)
+        assert c.batch_get_v1(keys, pages_idx(range(3, 6))) == [True] * 3
+        reg = CollectorRegistry()
+        reg.register(KvtierCollector(stores=[c]))
+        text = generate_latest(reg).decode()
+        assert 'kvtier_tier_pages_total{event="hit",tier="mooncake"} 3.0' in text
+        assert 'kvtier_tier_pages_total{event="fill",tier="disk"} 3.0' in text
+        assert 'kvtier_cluster_pages_total{event="corrupt"} 0.0' in text
+        assert "kvtier_store_objects" in text  # the disk tier's own store metrics

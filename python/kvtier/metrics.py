@@ -117,7 +117,9 @@ class KvtierCollector:
         out: list[Any] = []
         cands = ([self.controller.store] if self.controller is not None and self.controller.store is not None else [])
         for s in [*cands, *self.stores]:
-            if hasattr(s, "store") and hasattr(s, "batch_get_v1") and hasattr(s, "kvtier_stats"):  # KvtierStorage
+            if hasattr(s, "tiers") and hasattr(s, "first"):  # a TieredStore: its disk tier
+                out.append(s.first)
+            elif hasattr(s, "store") and hasattr(s, "batch_get_v1") and hasattr(s, "kvtier_stats"):  # KvtierStorage
                 out.append(s.store)
                 out.extend(p for p in getattr(s, "_pools", {}).values())
             else:
@@ -128,6 +130,46 @@ class KvtierCollector:
                 seen.add(id(s))
                 unique.append(s)
         return unique
+
+    def _chains(self) -> list[Any]:
+        """The TieredStores attached (directly, through the controller, or inside an SGLang backend)."""
+        cands = [self.controller.store] if self.controller is not None else []
+        out = []
+        for s in [*cands, *self.stores]:
+            chain = s if hasattr(s, "tiers") and hasattr(s, "first") else getattr(s, "tiers", None)
+            if chain is not None and hasattr(chain, "first") and all(chain is not c for c in out):
+                out.append(chain)
+        return out
+
+    def _tier_families(self, core: Any) -> Iterator[Any]:
+        """Per tier of each chain: pages by event, errors, bytes; the cluster tier's integrity counters."""
+        p = self.prefix
+        pages = core.CounterMetricFamily(f"{p}_tier_pages", "pages per tier of a TieredStore, by event (hit, miss, "
+                                         "fill: written after a later tier served it, write, write_failure)",
+                                         labels=["tier", "event"])
+        errors = core.CounterMetricFamily(f"{p}_tier_errors", "calls into a tier that raised (counted as misses or "
+                                          "failed writes)", labels=["tier"])
+        nbytes = core.CounterMetricFamily(f"{p}_tier_bytes", "bytes per tier, by direction (in: served, out: "
+                                          "written)", labels=["tier", "direction"])
+        integrity = core.CounterMetricFamily(f"{p}_cluster_pages", "the cluster tier's own page counters (corrupt, "
+                                             "stale, unverified_served, unverified_skipped, ...)", labels=["event"])
+        for chain in self._chains():
+            try:
+                stats = chain.get_stats()
+            except Exception:  # noqa: BLE001 - a closed chain must not fail the scrape
+                continue
+            for tier, st in stats.items():
+                for key, event in (("hits", "hit"), ("misses", "miss"), ("fills", "fill"), ("writes", "write"),
+                                   ("write_failures", "write_failure")):
+                    pages.add_metric([tier, event], float(st.get(key, 0)))
+                errors.add_metric([tier], float(st.get("errors", 0)))
+                nbytes.add_metric([tier, "in"], float(st.get("bytes_in", 0)))
+                nbytes.add_metric([tier, "out"], float(st.get("bytes_out", 0)))
+                own = st.get("store", {})
+                if "unverified_served" in own:
+                    for key in ("corrupt", "stale", "unverified_served", "unverified_skipped", "put_failures"):
+                        integrity.add_metric([key], float(own.get(key, 0)))
+        yield from (pages, errors, nbytes, integrity)
 
     def describe(self) -> list[Any]:
         return []  # unchecked collector: metric families depend on what is attached at scrape time
@@ -156,6 +198,7 @@ class KvtierCollector:
         yield from counters.values()
         yield from gauges.values()
         yield latency
+        yield from self._tier_families(core)
         c = self.controller
         if c is None:
             return
