@@ -113,7 +113,7 @@ def node(ns, script, role, master, me, n):
                        env=child_env({"PYTHONPATH": os.path.dirname(__file__)}), capture_output=True, text=True,
                        timeout=120)
     # (Mooncake's own log lines start with a glog level and a date: leave them out of the message)
-    assert r.returncode == 0, "\n".join(x for x in r.stderr.splitlines() if not x[:1] in "IWE" or not x[1:5].isdigit())[-3000:]
+    assert r.returncode == 0, "\n".join(x for x in r.stderr.splitlines() if x[:1] not in "IWE" or not x[1:5].isdigit())[-3000:]
     return r.stdout
 
 

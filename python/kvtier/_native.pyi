@@ -6,7 +6,7 @@ import os
 from typing import Any, final
 
 __all__ = [
-    "HostRegion", "Progress", "PageAllocator", "TransferPlan", "PageStore", "namespace_dir", "page_hashes", "disk_roofline",
+    "HostRegion", "Progress", "PageAllocator", "TransferPlan", "PageStore", "HostRanges", "namespace_dir", "page_hashes", "disk_roofline",
     "fault_set", "fault_clear", "fault_points", "fault_hits", "cuda_host_registered", "cuda_driver_available",
     "validate_transfer", "plan_sides", "copy_cpu", "page_numbers", "cuda_batch_supported", "cuda_batch_flags", "cuda_set_batch_limit",
     "submit_layers", "submit_layers_background", "Submission", "launch_layers", "__version__",

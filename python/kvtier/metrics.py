@@ -134,7 +134,7 @@ class KvtierCollector:
     def _chains(self) -> list[Any]:
         """The TieredStores attached (directly, through the controller, or inside an SGLang backend)."""
         cands = [self.controller.store] if self.controller is not None else []
-        out = []
+        out: list[Any] = []
         for s in [*cands, *self.stores]:
             chain = s if hasattr(s, "tiers") and hasattr(s, "first") else getattr(s, "tiers", None)
             if chain is not None and hasattr(chain, "first") and all(chain is not c for c in out):

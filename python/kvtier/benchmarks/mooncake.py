@@ -18,6 +18,7 @@ import argparse
 import json
 import statistics
 import time
+from typing import Any
 
 import torch
 
@@ -37,7 +38,7 @@ CASES = {
 }
 
 
-def _pool(kind: str, g: dict, pages: int) -> object:
+def _pool(kind: str, g: dict, pages: int) -> Any:
     if kind == "mla":
         dp = MLADeviceKVPool(g["page"] * pages, g["page"], g["layers"], g["lora"], g["rope"], torch.bfloat16, "cpu")
     else:

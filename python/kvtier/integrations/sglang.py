@@ -136,6 +136,7 @@ class KvtierStorage(HiCacheStorage):
             self.tiers.tiers[1][1].close()
         cfg = self.storage_config
         tp = (0, 1) if self.is_mla else (cfg.tp_rank, cfg.tp_size)
+        assert self._remote_opts is not None
         remote = MooncakeTier(model_name=cfg.model_name or None, tp_rank=tp[0], tp_size=tp[1], pp_rank=cfg.pp_rank,
                               pp_size=cfg.pp_size, kv_cache_dtype=self._opts["kv_cache_dtype"], **self._remote_opts)
         try:

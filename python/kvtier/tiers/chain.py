@@ -33,8 +33,9 @@ class _TierCounters:
                  "get_s", "set_s")
 
     def __init__(self) -> None:
-        for s in self.__slots__:
-            setattr(self, s, 0)
+        self.hits = self.misses = self.fills = self.writes = self.write_failures = self.errors = 0
+        self.bytes_in = self.bytes_out = 0
+        self.get_s = self.set_s = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         d = {s: getattr(self, s) for s in self.__slots__}

@@ -137,12 +137,12 @@ class MooncakeTier:
         self._layout: tuple[int, ...] | None = None
         self._ranges = _native.HostRanges()
         self._lock = threading.Lock()
-        self._stats = dict.fromkeys(("hits", "misses", "corrupt", "stale", "unverified_served", "unverified_skipped",
+        self._stats: dict[str, float] = dict.fromkeys(("hits", "misses", "corrupt", "stale", "unverified_served", "unverified_skipped",
                                      "put_pages", "put_failures", "skipped_present", "errors", "bytes_read",
                                      "bytes_written"), 0)
         self._stats.update(get_s=0.0, put_s=0.0)
         self._closed = False
-        self._replicate = None
+        self._replicate: Any = None
         self._local = threading.local()
         self._buffers: list[HostBuffer] = []
         self._pool_exec = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvtier-mooncake")
@@ -472,7 +472,7 @@ class MooncakeTier:
 
     def get_stats(self) -> dict[str, Any]:
         with self._lock:
-            st: dict[str, Any] = dict(self._stats)
+            st: dict[str, Any] = {k: v if k.endswith("_s") else int(v) for k, v in self._stats.items()}
         st["read_GBps"] = st["bytes_read"] / st["get_s"] / 1e9 if st["get_s"] else 0.0
         st["write_GBps"] = st["bytes_written"] / st["put_s"] / 1e9 if st["put_s"] else 0.0
         return st
