@@ -332,3 +332,13 @@ def test_prometheus_collector_reports_each_tier(tmp_path, cluster):
         assert 'kvtier_tier_pages_total{event="fill",tier="disk"} 3.0' in text
         assert 'kvtier_cluster_pages_total{event="corrupt"} 0.0' in text
         assert "kvtier_store_objects" in text  # the disk tier's own store metrics
+
+
+def test_demo_cluster_node_b_serves_node_as_prefixes_from_the_cluster(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "kvtier", "demo", "--cluster", "--conversations", "2", "--turns", "2",
+                        "--store-dir", str(tmp_path / "demo")], capture_output=True, text=True, timeout=200)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    b = r.stdout.split("== node B")[1]
+    assert "cluster hit" in b and "integrity misses 0" in b
+    assert r.stdout.count("outputs equal for all 4 requests: True") == 2
+    assert "demo --cluster: all checks passed" in r.stdout

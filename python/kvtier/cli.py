@@ -184,6 +184,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
                               "directory (the demo creates one directory, not a tree)")
         if not os.access(d if os.path.isdir(d) else os.path.dirname(d), os.W_OK):
             raise KvtierError(f"--store-dir {args.store_dir}: not writable")
+    if args.cluster:
+        from .demo_cluster import run_cluster
+
+        return run_cluster(conversations=args.conversations, turns=args.turns, seed=args.seed,
+                           store_dir=args.store_dir)
     from .demo import run
 
     return run(layers=args.layers, pages=args.pages, seed=args.seed, conversations=args.conversations,
@@ -222,6 +227,9 @@ def _main(argv: list[str] | None) -> int:
                       "after the run). Default: temp directories under the working directory, removed unless --keep")
     demo.add_argument("--keep", action="store_true", help="keep the default store directory after the run")
     demo.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    demo.add_argument("--cluster", action="store_true",
+                      help="two inference-node processes sharing prefixes through a local Mooncake cluster "
+                      "(needs kvtier[mooncake]; README 'Cluster tier')")
     bench = sub.add_parser("bench", add_help=False,
                            help="benchmarks against the hardware ceilings: pin, transfer (GPU), store, mooncake (the cluster tier); "
                            "options after the name go to the bench (kvtier bench store --help lists them)",

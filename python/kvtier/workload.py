@@ -106,8 +106,11 @@ def run_workload(
     keep: bool = False,
     io_backend: str = "direct",
     quiet: bool = False,
+    cluster: str | None = None,
 ) -> dict:
-    """Serve the workload; verify every reused prefix bit for bit; return the measurements."""
+    """Serve the workload; verify every reused prefix bit for bit; return the measurements. With ``cluster``
+    (a Mooncake master's address) the store is the tier chain local disk → cluster (kvtier.tiers), and a
+    prefix served by the cluster counts as a ``cluster hit``."""
     g = Geometry()
     reqs = conversations(n_conv, turns, g, seed)
     max_tokens = max(len(r) for r in reqs)
@@ -128,7 +131,20 @@ def run_workload(
         if store_dir is None:
             remove_tree(root)
         raise
-    ctrl = TierController(dp, hp, store, io_backend=io_backend, write_policy="write_through")
+    chain = None
+    if cluster is not None:
+        from .tiers import TieredStore
+        from .tiers.mooncake import MooncakeTier
+
+        try:
+            remote = MooncakeTier(cluster, model_name="demo/tiny-mimo")
+            remote.register_mem_pool_host(hp)
+        except BaseException:
+            store.close()
+            hp.close()
+            raise
+        chain = TieredStore([("disk", store), ("mooncake", remote)])
+    ctrl = TierController(dp, hp, chain or store, io_backend=io_backend, write_policy="write_through")
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     rows = torch.arange(g.page_size, (dev_pages) * g.page_size, device=device)  # skip the padding page
     rows_cpu = rows.cpu()
@@ -142,8 +158,10 @@ def run_workload(
             sync()
             t0 = time.perf_counter()
             host_hit, disk_hit = ctrl.match(keys)
+            remote_before = _remote_hits(chain)
             if disk_hit:
                 ctrl.prefetch(keys[: host_hit + disk_hit]).result()
+            from_cluster = _remote_hits(chain) > remote_before
             have, _ = ctrl.match(keys)
             cached = have * g.page_size
             if have:
@@ -157,7 +175,8 @@ def run_workload(
                 logits = model.step(tokens[pos], pos, dp, rows)
             sync()
             ttft = time.perf_counter() - t0
-            source = "disk hit" if disk_hit and have > host_hit else "host hit" if have else "recomputed"
+            source = ("cluster hit" if from_cluster and have > host_hit else "disk hit" if disk_hit and have > host_hit
+                      else "host hit" if have else "recomputed")
             # verification: a fresh recomputation of the whole prompt, compared bit for bit (its prefix part
             # timed: what recomputing the restored pages would have cost instead)
             t1 = time.perf_counter()
@@ -187,15 +206,23 @@ def run_workload(
         bar.close()
         ctrl.close()
         store_stats = store.get_stats()
-        store.close()
+        tier_stats = chain.get_stats() if chain is not None else None
+        (chain or store).close()
         hp.close()
         if not keep and store_dir is None:
             remove_tree(root)
     out = dict(results=results, failures=failures, stats=ctrl.stats, store=store_stats, root=root if keep else None,
-               page_bytes=ctrl.page_bytes, page_size=g.page_size)
+               page_bytes=ctrl.page_bytes, page_size=g.page_size, tiers=tier_stats)
     if not quiet:
         print_report(out)
     return out
+
+
+def _remote_hits(chain: object) -> int:
+    """Pages the cluster tier of a tier chain has served so far (0 without one)."""
+    if chain is None:
+        return 0
+    return int(chain.get_stats()["mooncake"]["hits"])  # type: ignore[attr-defined]
 
 
 def print_report(out: dict) -> None:
@@ -212,7 +239,7 @@ def print_report(out: dict) -> None:
           "`recompute instead`:\nthe same prefix recomputed (timed in the verification pass).")
     print(f"{'source':<12} {'requests':>8} {'mean TTFT':>11} {'restore':>10} {'rest of prompt':>15} "
           f"{'cached tokens':>14} {'recompute instead':>18}")
-    for src in ("recomputed", "host hit", "disk hit"):
+    for src in ("recomputed", "host hit", "disk hit", "cluster hit"):
         if src in by:
             rows = by[src]
             cached = sum(r["cached_pages"] for r in rows) * out["page_size"] / len(rows)
@@ -222,8 +249,11 @@ def print_report(out: dict) -> None:
     total_pages = sum(r["tokens"] // out["page_size"] for r in res)
     host = sum(r["host_hit"] for r in res)
     disk = sum(r["disk_hit"] for r in res)
+    cluster = sum(r["disk_hit"] for r in res if r["source"] == "cluster hit")
     print(f"pages needed {total_pages}: {host} from host ({100 * host / total_pages:.0f}%), "
-          f"{disk} from disk ({100 * disk / total_pages:.0f}%), {total_pages - host - disk} recomputed")
+          f"{disk - cluster} from disk ({100 * (disk - cluster) / total_pages:.0f}%), "
+          + (f"{cluster} from the cluster ({100 * cluster / total_pages:.0f}%), " if out.get("tiers") else "")
+          + f"{total_pages - host - disk} recomputed")
     st = out["stats"]
     s = out["store"]
     print(f"bytes moved: device->host {st.bytes_device_to_host / 1e6:.1f} MB, host->device {st.bytes_host_to_device / 1e6:.1f} MB, "
