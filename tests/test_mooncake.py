@@ -342,3 +342,13 @@ def test_demo_cluster_node_b_serves_node_as_prefixes_from_the_cluster(tmp_path):
     assert "cluster hit" in b and "integrity misses 0" in b
     assert r.stdout.count("outputs equal for all 4 requests: True") == 2
     assert "demo --cluster: all checks passed" in r.stdout
+
+
+def test_bench_runs_and_checks_bytes(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "kvtier", "bench", "mooncake", "--reps", "1", "--cases", "64KiB",
+                        "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=200)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    import json
+
+    row = json.loads((tmp_path / "out" / "cpu-mooncake.json").read_text())["rows"][0]
+    assert row["bit_exact"] is True and row["raw_put_GBps"] > 0 and row["kvtier_get_GBps"] > 0
