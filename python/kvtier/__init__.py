@@ -39,9 +39,11 @@ _LAZY = {
     "MLAHostPool": "pools_mla",
     "PageStore": "store",
     "page_hashes": "store",
+    "MooncakeTier": "tiers.mooncake",
+    "TieredStore": "tiers.chain",
 }
 _SUBMODULES = {"buffer", "cli", "config", "controller", "demo", "kernels", "metrics", "overlap", "pools", "pools_mla", "store", "testing",
-               "transfer", "workload", "benchmarks", "integrations"}
+               "transfer", "workload", "benchmarks", "integrations", "tiers"}
 
 
 def __getattr__(name: str) -> Any:
@@ -75,6 +77,8 @@ __all__ = [
     "MLAHostPool",
     "device_layers",
     "PageStore",
+    "MooncakeTier",
+    "TieredStore",
     "TierController",
     "page_hashes",
     "host_pool_for",
