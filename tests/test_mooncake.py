@@ -113,9 +113,19 @@ def test_integrity_every_damaged_object_is_a_miss_never_wrong_bytes(cluster):
             assert loose.batch_exists(keys[4:]) == 2
             assert loose.batch_get_v1(keys[4:5], pages_idx([4])) == [True]
             assert same(src, 4, dst, 4) and loose.get_stats()["unverified_served"] == 1
-        # a kvtier writer does not vouch for the unrecorded page's foreign bytes
-        assert t.batch_set_v1(keys[4:5], pages_idx([4])) == [False]
-        assert t.get_stats()["unverified_skipped"] == 1
+        # a page stored without a record: a writer adds the record only when the stored bytes are its own
+        assert t.batch_set_v1(keys[4:5], pages_idx([4])) == [True]  # they are (this writer's, record lost)
+        assert r.batch_get_v1(keys[4:5], pages_idx([4])) == [True] and same(src, 4, dst, 4)
+        other = make_pool(seed=16)
+        fk, fv = t.data_keys("foreign")
+        kb, vb = page_bytes(other, 0)
+        assert s.put(fk, kb.numpy().tobytes()) == 0 and s.put(fv, vb.numpy().tobytes()) == 0  # a stock node's page
+        assert t.batch_set_v1(["foreign"], pages_idx([0])) == [False]  # other bytes: never vouched for
+        assert t.get_stats()["unverified_skipped"] == 1 and r.batch_exists(["foreign"]) == 0
+        hk, _ = t.data_keys("half")
+        assert s.put(hk, page_bytes(src, 2)[0].numpy().tobytes()) == 0  # a write that stopped after K
+        assert t.batch_set_v1(["half"], pages_idx([2])) == [True]  # K is ours: V and the record complete it
+        assert r.batch_get_v1(["half"], pages_idx([7])) == [True] and same(src, 2, dst, 7)
 
 
 def test_a_different_model_dtype_or_geometry_misses(cluster):

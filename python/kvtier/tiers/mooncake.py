@@ -145,6 +145,8 @@ class MooncakeTier:
         self._replicate: Any = None
         self._local = threading.local()
         self._buffers: list[HostBuffer] = []
+        self._adopt: HostBuffer | None = None  # read-back space for objects stored without a record
+        self._adopt_lock = threading.Lock()
         self._pool_exec = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvtier-mooncake")
         self._store = self._connect(protocol, device_name, local_hostname, metadata_server, global_segment_size,
                                     local_buffer_size, replica_num, setup_timeout_s)
@@ -325,11 +327,17 @@ class MooncakeTier:
         for i in range(len(keys)):
             if exist[i] == 1:
                 ok[i] = True  # already there with a record (data present or a later get misses)
-            elif all(e == 1 for e in exist[len(keys) + i * k: len(keys) + (i + 1) * k]):
-                self._count(unverified_skipped=1)  # a stock SGLang page: its bytes are not ours to vouch for
             else:
                 todo.append(i)
         self._count(skipped_present=sum(ok))
+        # data objects already there without a record (a stock SGLang node's page, or a write of ours that failed
+        # half-way): Mooncake keeps them and acknowledges a re-put without storing, so a record may only vouch
+        # for them if their bytes are ours
+        held = [j for i in todo for j in range(i * k, (i + 1) * k) if exist[len(keys) + j] == 1]
+        if held:
+            foreign = self._foreign_pages(held, names, ptrs, sizes)
+            todo = [i for i in todo if i not in foreign]
+            self._count(unverified_skipped=len(foreign))
         if not todo:
             return ok
         objs = [j for i in todo for j in range(i * k, (i + 1) * k)]
@@ -360,6 +368,29 @@ class MooncakeTier:
         self._count(put_pages=sent, put_failures=len(todo) - sent, bytes_written=sent * self.page_bytes,
                     put_s=time.perf_counter() - t0)
         return ok
+
+    def _foreign_pages(self, held: list[int], names: list[str], ptrs: list[int], sizes: list[int]) -> set[int]:
+        """Pages (indices) among the objects ``held`` whose stored bytes differ from this writer's (or cannot be
+        read back): read back into a scratch buffer and compared by checksum."""
+        k = len(self._sides)
+        with self._adopt_lock:
+            need = sum(sizes[j] for j in held)
+            if self._adopt is None or self._adopt.nbytes < need:
+                buf = HostBuffer(max(need, 1 << 20), pin=False)
+                self._buffers.append(buf)
+                self._ranges.register_region(buf._region)
+                if self._store.register_buffer(buf.ptr, buf.nbytes) != 0:
+                    return {j // k for j in held}
+                self._adopt = buf
+            dst, off = [], self._adopt.ptr
+            for j in held:
+                dst.append(off)
+                off += sizes[j]
+            hn, hs = [names[j] for j in held], [sizes[j] for j in held]
+            got = self._store.batch_get_into(hn, dst, hs)
+            stored = self._ranges.crc32c(hn, dst, hs)
+        ours = self._ranges.crc32c(hn, [ptrs[j] for j in held], hs)
+        return {j // k for j, g, a, b in zip(held, got, stored, ours) if g != sizes[j] or a != b}
 
     def batch_get_v1(self, keys: Sequence[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
         """Read pages into the host pool; True per page only when its record matches and every object read
