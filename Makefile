@@ -22,6 +22,11 @@ SGLANG := sglang==0.5.23
 SGLANG_IMPORT_DEPS := orjson psutil pybase64 requests pillow starlette msgspec pydantic pyzmq tqdm ipython \
 	aiohttp transformers dill apache-tvm-ffi sentencepiece compressed-tensors gguf ninja \
 	prometheus-client
+# The vLLM release the secondary-tier tests run against, installed without its dependency tree (the wheel
+# installs 877 MB), plus only what vllm.v1.kv_offload imports on a CPU machine (~75 MB; pins are vLLM's own).
+VLLM := vllm==0.33.0
+VLLM_IMPORT_DEPS := cbor2 oss-harmony openai cachetools cloudpickle uvloop py-cpuinfo "xgrammar==0.2.8" \
+	"fastapi>=0.133.0,<0.137.0" partial-json-parser "llguidance>=1.7.0,<1.8.0"
 
 .PHONY: help install install-test test-wheel build build-profiling demo test test-rust test-python test-gpu bench-rust gpu-wheel lint clean sanitize sanitize-quick soak
 
@@ -42,6 +47,13 @@ $(TEST_STAMP): $(DEPS_STAMP)
 	$(VPY) -m pip install -q --no-deps $(SGLANG)
 	$(VPY) -m pip install -q $(SGLANG_IMPORT_DEPS) 2>&1 | grep -v -e "requires" -e "dependency resolver" -e "dependency conflicts" || true
 	$(VPY) -c "import torch, sglang.srt.mem_cache.hicache_storage, sglang.srt.mem_cache.pool_host.mha, sglang.srt.mem_cache.storage.backend_factory"
+	@echo "kvtier: installing $(VLLM) without its dependency tree (a 336 MB wheel, 877 MB installed) and the 14 small packages vllm.v1.kv_offload imports (about 30 s with pip's cache)"
+	$(VPY) -m pip install -q --no-deps $(VLLM)
+	$(VPY) -m pip install -q $(VLLM_IMPORT_DEPS) 2>&1 | grep -v -e "requires" -e "dependency resolver" -e "dependency conflicts" || true
+	$(VPY) -c "from vllm.v1.kv_offload.tiering.base import SecondaryTierManager, JobResult, TransferJob; \
+	from vllm.v1.kv_offload.base import Locality, LookupResult, Medium, ReqContext, RequestOffloadingContext, get_offload_block_hash; \
+	from vllm.v1.kv_offload.config import OffloadingConfig; from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory; \
+	from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec; from vllm.logger import init_logger"
 	@touch $@
 
 install: $(DEPS_STAMP) ## Create .venv and install what building and the demo need (maturin, torch, numpy)
