@@ -23,6 +23,7 @@ import hashlib
 import os
 import threading
 import time
+import traceback
 from collections import deque
 from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
@@ -168,8 +169,9 @@ def _options(config: Mapping[str, Any]) -> dict[str, Any]:
     return opts
 
 
-def _rows_tensor(view: Any) -> torch.Tensor:
-    """A uint8 tensor over the primary tier's rows (zero copy), after checking the view's shape."""
+def _check_view(view: Any) -> tuple[int, int]:
+    """``(rows, row bytes)`` of the primary tier's view, after checking its shape (nothing is exported from it
+    yet: a failed construction must leave vLLM free to release it)."""
     if not isinstance(view, memoryview):
         raise InvalidArgumentError(
             f"invalid argument `primary_kv_view`: expected a memoryview, got {type(view).__name__}"
@@ -188,7 +190,7 @@ def _rows_tensor(view: Any) -> torch.Tensor:
             f"(rows x row bytes) of vLLM's CPU tier, got ndim={view.ndim}, itemsize={view.itemsize}, "
             f"shape={view.shape}, readonly={view.readonly}"
         )
-    return torch.from_numpy(np.asarray(view)).view(torch.uint8)
+    return int(view.shape[0]), int(view.shape[1])
 
 
 def _offloading_config(spec: Any) -> OffloadingConfig:
@@ -226,9 +228,8 @@ class KvtierTier(SecondaryTierManager):
         **config: Any,
     ) -> None:
         opts = _options(config)
-        rows = _rows_tensor(primary_kv_view)
+        self.num_rows, self.row_bytes = _check_view(primary_kv_view)
         cfg = _offloading_config(offloading_spec)
-        self.num_rows, self.row_bytes = int(rows.shape[0]), int(rows.shape[1])
         if opts["capacity_bytes"] < 2 * self.row_bytes:
             raise InvalidArgumentError(
                 f"invalid argument `capacity_bytes` (kvtier tier): {opts['capacity_bytes']} cannot hold two rows of "
@@ -250,10 +251,15 @@ class KvtierTier(SecondaryTierManager):
             io_threads=opts["io_threads"],
             direct=opts["direct"],
         )
+        rows = torch.from_numpy(np.asarray(primary_kv_view)).view(torch.uint8)  # zero copy
         try:
             store.register_mem_pool_host(_Rows(rows))
-        except BaseException:
+        except BaseException as e:
+            # vLLM releases its view while this exception is in flight: drop every reference to the rows
+            # (this frame's, and the locals of the frames the traceback keeps) so that release succeeds
             store.release()
+            del rows
+            traceback.clear_frames(e.__traceback__)
             raise
         self._store: _RowStore | None = store
         self._cv = threading.Condition()
