@@ -15,8 +15,11 @@ TieringOffloadingManager as its scheduler drives them (CPU primary tier in /dev/
 Geometries (bf16): llama = Llama-3.1-8B-like (32 layers, 8 KV heads, head dim 128); mimo = MiMo-like
 (48 layers, 4 KV heads, K 192 / V 128). vLLM's GPU block is 16 tokens; --chunk-tokens sets the offloaded
 chunk (vLLM's ``block_size`` extra-config key), so one row holds that many tokens of every layer.
-Rounds alternate the tiers, each in a fresh directory; figures are medians. Writes cpu-vllm-tier.json only
-into --out (checked before the bench starts).
+Each round first measures the disk's ceiling (kvtier's O_DIRECT roofline: the same row size and count, 16 in
+flight, into a preallocated file, then fdatasync; O_DIRECT pread), then runs each tier in a fresh directory;
+figures are medians. Writes cpu-vllm-tier.json only
+into --out (checked before the bench starts). Last, for each tier, one byte of one stored row is flipped on
+disk and a fresh engine restores the rows: how many are served, and how many of those are wrong.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from vllm.v1.kv_offload.config import (
 )
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
+from kvtier._native import disk_roofline
 from kvtier.benchmarks._common import fs_type, out_dir, write_results
 
 GEOMS = {  # layers, KV heads, K dim, V dim (bf16)
@@ -192,6 +196,52 @@ def one_round(tier_name, geom, chunk_tokens, data, base):
         shutil.rmtree(root, ignore_errors=True)
 
 
+def damaged_row(tier_name: str, base: str) -> dict:
+    """Four rows stored, one byte of one of them flipped on disk, a fresh engine restores them: how many rows
+    come back, and how many of those differ from what was stored."""
+    n, chunk = 4, 16
+    root = tempfile.mkdtemp(prefix=f"vllm-damage-{tier_name}-", dir=base)
+    try:
+        cfg = config("llama", chunk, n, tier_entry(tier_name, root))
+        m = OffloadingSpecFactory.create_spec(cfg).get_manager()
+        try:
+            row = np.asarray(m.primary_tier.get_kv_memoryview()).shape[1]
+            data = np.frombuffer(np.random.default_rng(7).bytes(n * row), dtype=np.int8).reshape(n, row)
+            keys = [make_offload_key(uuid.uuid4().bytes * 2, 0) for _ in range(n)]
+            store(m, keys, data, chunk)
+        finally:
+            m.shutdown()
+        files = sorted(os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs if f.endswith((".bin", ".dat")))
+        with open(files[0], "r+b") as f:  # one byte in the middle of the first row the file holds
+            f.seek(row // 2)
+            b = f.read(1)
+            f.seek(row // 2)
+            f.write(bytes([b[0] ^ 0x01]))
+        m = OffloadingSpecFactory.create_spec(config("llama", chunk, n, tier_entry(tier_name, root))).get_manager()
+        try:
+            ctx = ReqContext(req_id="damaged")
+            with m.lock:
+                m.on_new_request(ctx)
+            for _ in range(200):  # steps until every lookup has resolved
+                with m.lock:
+                    res = [m.lookup(k, ctx) for k in keys]
+                    m.on_schedule_end(END)
+                if all(r in (LookupResult.HIT, LookupResult.MISS) for r in res):
+                    break
+                time.sleep(STEP_PAUSE_S)
+            served = [i for i, r in enumerate(res) if r is LookupResult.HIT]
+            with m.lock:
+                spec = m.prepare_load([keys[i] for i in served], ctx)
+                view = np.asarray(m.primary_tier.get_kv_memoryview())
+                wrong = sum(not np.array_equal(view[c], data[i]) for c, i in zip(spec.chunk_ids, served))
+                del view
+        finally:
+            m.shutdown()
+        return dict(rows=n, served=len(served), served_wrong=int(wrong))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dir", default=None, help="directory on the disk to measure (default: the temp dir)")
@@ -213,10 +263,13 @@ def main() -> None:
         for geom in geoms:
             for chunk in chunks:
                 n, g = a.tokens // chunk, GEOMS[geom]
-                row = GPU_BLOCK * g["heads"] * (g["dk"] + g["dv"]) * 2 * g["layers"] * (chunk // GPU_BLOCK)
-                data = np.frombuffer(np.random.default_rng(n).bytes(n * row), dtype=np.int8).reshape(n, row)
+                row_bytes = GPU_BLOCK * g["heads"] * (g["dk"] + g["dv"]) * 2 * g["layers"] * (chunk // GPU_BLOCK)
+                data = np.frombuffer(np.random.default_rng(n).bytes(n * row_bytes), dtype=np.int8)
+                data = data.reshape(n, row_bytes)
                 runs: dict[str, list[dict]] = {"kvtier": [], "fs": []}
+                ceiling: list[tuple[float, float, bool]] = []
                 for _ in range(a.reps):
+                    ceiling.append(disk_roofline(base, row_bytes, n, 16))  # the disk's O_DIRECT ceiling, this round
                     for name in runs:
                         runs[name].append(one_round(name, geom, chunk, data, base))
                 for name, rs in runs.items():
@@ -235,19 +288,31 @@ def main() -> None:
                         restore_steps=[r["steps"] for r in rs],
                         all_store_GBps=[round(nbytes / r["store_s"] / 1e9, 3) for r in rs],
                         all_restore_ms=[round(1e3 * r["restore_s"], 1) for r in rs],
+                        ceiling_write_GBps=round(statistics.median(c[0] for c in ceiling), 3),
+                        ceiling_read_GBps=round(statistics.median(c[1] for c in ceiling), 3),
                         o_direct=all(r["o_direct"] for r in rs),
                         bit_exact=all(r["bit_exact"] for r in rs),
                         durable_on_ack=name == "kvtier",
                     )
+                    row["store_pct"] = round(100 * row["store_GBps"] / row["ceiling_write_GBps"], 1)
+                    row["restore_pct"] = round(100 * row["restore_GBps"] / row["ceiling_read_GBps"], 1)
                     rows.append(row)
                     print(
                         f"{geom:6} chunk {chunk:4} tokens {name:7} store {row['store_GBps']:6.3f} GB/s  "
                         f"restore {a.tokens} tokens {row['restore_ms']:8.1f} ms ({row['restore_GBps']:.3f} GB/s)"
-                        f"  bit-exact {row['bit_exact']}  O_DIRECT {row['o_direct']}"
+                        f"  ({row['store_pct']} / {row['restore_pct']} % of the disk's ceiling)  bit-exact "
+                        f"{row['bit_exact']}  O_DIRECT {row['o_direct']}"
                     )
+        damage = {name: damaged_row(name, base) for name in ("kvtier", "fs")}
+        for name, d in damage.items():
+            print(
+                f"one byte flipped on disk, {name:7}: {d['served']} of {d['rows']} rows served, "
+                f"{d['served_wrong']} of them wrong"
+            )
     finally:
         shutil.rmtree(base, ignore_errors=True)
     result = dict(
+        damaged_row=damage,
         date=time.strftime("%Y-%m-%d %H:%M:%S"),
         dir=base,
         fs=fs_type(base),
