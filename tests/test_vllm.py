@@ -39,6 +39,8 @@ TIER = {"type": "KvtierTier", "module_path": "kvtier.integrations.vllm"}
 END = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
 # per-token bytes of one layer (bf16): GQA K=V=128 x 8 heads, MiMo-like K 192 / V 128 x 4 heads, MLA 512+64
 GEOMETRIES = {"gqa": 8 * 256 * 2, "asymmetric": 4 * 320 * 2, "mla": 576 * 2}
+ONE_OF_EACH = dict(pp_size=1, pcp_size=1, dcp_size=1, data_parallel_index=0, data_parallel_size=1)
+ONE_OF_EACH.update(data_parallel_rank_local=None, is_parallelism_agnostic=False)
 
 
 def offloading_config(
@@ -79,18 +81,7 @@ def offloading_config(
         engine_id="kvtier-test-" + uuid.uuid4().hex[:12],
         model=OffloadingModelConfig(name=model, dtype=dtype),
         cache=OffloadingCacheConfig(tokens_per_hash=tokens_per_block, blocks_per_chunk=blocks_per_chunk),
-        parallel=OffloadingParallelConfig(
-            rank=0,
-            world_size=tp,
-            tp_size=tp,
-            pp_size=1,
-            pcp_size=1,
-            dcp_size=1,
-            data_parallel_index=0,
-            data_parallel_size=1,
-            data_parallel_rank_local=None,
-            is_parallelism_agnostic=False,
-        ),
+        parallel=OffloadingParallelConfig(rank=0, world_size=tp, tp_size=tp, **ONE_OF_EACH),
     )
 
 
