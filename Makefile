@@ -26,6 +26,11 @@ SGLANG_IMPORT_DEPS := orjson psutil pybase64 requests pillow starlette msgspec p
 # link are unpacked when the machine lacks them (scripts/syslibs.sh: apt-get download + dpkg -x, no root).
 MOONCAKE := mooncake-transfer-engine-non-cuda==0.3.13.post1
 SYSLIBS := $(VENV)/lib/kvtier-syslibs
+# The vLLM release the secondary-tier tests run against, installed without its dependency tree (the wheel
+# installs 877 MB), plus only what vllm.v1.kv_offload imports on a CPU machine (~75 MB; pins are vLLM's own).
+VLLM := vllm==0.33.0
+VLLM_IMPORT_DEPS := cbor2 oss-harmony openai cachetools cloudpickle uvloop py-cpuinfo "xgrammar==0.2.8" \
+	"fastapi>=0.133.0,<0.137.0" partial-json-parser "llguidance>=1.7.0,<1.8.0"
 
 .PHONY: help syslibs install install-test test-wheel build build-profiling demo test test-rust test-python test-gpu bench-rust gpu-wheel lint clean sanitize sanitize-quick soak
 
@@ -50,6 +55,13 @@ $(TEST_STAMP): $(DEPS_STAMP)
 	$(VPY) -m pip install -q $(MOONCAKE)
 	scripts/syslibs.sh $(SYSLIBS)
 	LD_LIBRARY_PATH=$(abspath $(SYSLIBS))/usr/lib/x86_64-linux-gnu:$(abspath $(SYSLIBS))/lib/x86_64-linux-gnu $(VPY) -c "import mooncake.store"
+	@echo "kvtier: installing $(VLLM) without its dependency tree (a 336 MB wheel, 877 MB installed) and the 14 small packages vllm.v1.kv_offload imports (about 30 s with pip's cache)"
+	$(VPY) -m pip install -q --no-deps $(VLLM)
+	$(VPY) -m pip install -q $(VLLM_IMPORT_DEPS) 2>&1 | grep -v -e "requires" -e "dependency resolver" -e "dependency conflicts" || true
+	$(VPY) -c "from vllm.v1.kv_offload.tiering.base import SecondaryTierManager, JobResult, TransferJob; \
+	from vllm.v1.kv_offload.base import Locality, LookupResult, Medium, ReqContext, RequestOffloadingContext, get_offload_block_hash; \
+	from vllm.v1.kv_offload.config import OffloadingConfig; from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory; \
+	from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec; from vllm.logger import init_logger"
 	@touch $@
 
 syslibs: ## Unpack libibverbs1 (Mooncake's one system dependency) into .venv without root, if the system lacks it

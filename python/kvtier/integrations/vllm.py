@@ -1,0 +1,438 @@
+"""kvtier as a secondary tier behind vLLM's CPU KV offloading tier (vLLM 0.33, ``TieringOffloadingSpec``).
+
+    --kv-transfer-config '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 34359738368,
+          "secondary_tiers": [{"type": "KvtierTier", "module_path": "kvtier.integrations.vllm",
+                               "path": "/nvme/kvtier", "capacity_bytes": 549755813888}]}}'
+
+vLLM's factory builds :class:`KvtierTier` in the scheduler process with a memoryview over the rows of its CPU
+tier (one row = one offloaded chunk of every worker's KV, ``num_chunks x row_bytes``). The tier stores a row
+as one object of a :class:`kvtier.PageStore` namespace, written from and read into that memory directly
+(O_DIRECT where the file system allows it), and reports a store job successful only once every row of it is
+durable; every read is checksum-verified, so a damaged or missing row is a failed load (vLLM recomputes it),
+never a wrong byte. The namespace names the model, KV dtype, block and chunk sizes, layer layout and parallel
+layout (see :func:`namespace`), so a row is only ever served to the configuration that wrote it.
+
+Importable only where ``vllm`` is installed; kvtier itself does not depend on it. Built and tested against
+vLLM 0.33.0 (the secondary-tier API is experimental upstream).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import time
+import traceback
+from collections import deque
+from collections.abc import Iterable, Mapping
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+import vllm
+from vllm.logger import init_logger
+from vllm.v1.kv_offload.base import (
+    Locality,
+    LookupResult,
+    Medium,
+    OffloadKey,
+    ReqContext,
+    RequestOffloadingContext,
+    get_offload_block_hash,
+)
+from vllm.v1.kv_offload.config import OffloadingConfig
+from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+
+from .._errors import ClosedError, InvalidArgumentError
+from ..store import DEFAULT_CAPACITY, PageStore
+
+logger = init_logger(__name__)
+
+#: The vLLM release this tier is built and tested against.
+VLLM_VERSION = "0.33.0"
+#: Options read from the tier's entry in ``secondary_tiers`` (``None`` for ``path``: required).
+OPTIONS: dict[str, Any] = {
+    "path": None,  # the store's root directory (one owner-only namespace per model/layout/parallel config)
+    "capacity_bytes": DEFAULT_CAPACITY,  # hard limit of the namespace's disk blocks, LRU-evicted
+    "io_threads": 16,  # IO requests in flight per batch
+    "direct": None,  # None: O_DIRECT if the file system allows it (warns otherwise); False: buffered
+    "namespace_tag": None,  # a string of the user's in the namespace (weights revision, attention backend)
+    "locality": None,  # vLLM's tier locality ("LOCAL" or "REMOTE"), for its KV events and tier filters
+}
+#: Keys vLLM's tier factory reads itself (and removes before constructing the tier).
+VLLM_KEYS = ("type", "module_path", "backpressure")
+#: Bytes of a collision-resistant block hash (vLLM's ``sha256`` / ``sha256_cbor``); shorter hashes
+#: (``xxhash``: 16 bytes) are refused — see :meth:`KvtierTier.lookup`.
+SECURE_HASH_BYTES = 32
+
+
+def _digest(parts: Iterable[str]) -> str:
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def namespace(config: OffloadingConfig, row_bytes: int, tag: str | None = None) -> str:
+    """The page-store namespace of the rows of ``config`` (rows of ``row_bytes``): model, KV dtype (vLLM's
+    cache dtype: fp8 variants differ), tokens per hash, blocks per chunk, every KV cache group (its id,
+    tokens per block, sliding window and layer names), a worker's bytes per block, the row size, the KV
+    cache layout, the canonical and replicated layout flags, the parallel layout (world, TP, PP, PCP and
+    DCP sizes — a row holds every worker's pages in rank order), the tier's rank and the DP replica; and
+    ``tag``. Any difference is another namespace, so a row is never served to a configuration that did not
+    write it."""
+    p = config.parallel
+    groups = ",".join(
+        f"{g.group_id}:{g.tokens_per_block}:{g.sliding_window_size_in_chunks}:{len(g.layer_names)}:"
+        f"{_digest(g.layer_names)}"
+        for g in config.groups
+    )
+    return (
+        f"kvtier-vllm-v1|model={config.model.name}|dtype={config.model.dtype}|tag={tag or ''}"
+        f"|tokens_per_hash={config.cache.tokens_per_hash}|blocks_per_chunk={config.cache.blocks_per_chunk}"
+        f"|groups={groups}|worker_block_bytes={config.worker_kv_bytes_per_block}|row={row_bytes}"
+        f"|kv_layout={config.kv_cache_layout}|canonical={int(config.canonical_layout)}"
+        f"|replicated={int(config.replicated_layout)}|world={p.world_size}|tp={p.tp_size}|pp={p.pp_size}"
+        f"|pcp={p.pcp_size}|dcp={p.dcp_size}|rank={p.rank}|dp={p.data_parallel_index}"
+    )
+
+
+class _Rows:
+    """vLLM's CPU-tier rows seen as a page-first host pool of one-slot pages with one object each (the
+    shape :class:`PageStore` stores, as it does an MLA pool's latent pages): page ``i`` is row ``i``."""
+
+    layout = "page_first"
+    page_size = 1
+    dtype = torch.uint8
+
+    def __init__(self, rows: torch.Tensor) -> None:
+        self.kv_buffer = rows
+        self.size = self.page_num = int(rows.shape[0])
+        self.row_bytes = int(rows.shape[1])
+        self._base = int(rows.data_ptr())
+
+    def get_page_buffer_meta(self, indices: torch.Tensor) -> tuple[list[int], list[int]]:
+        idx = [int(i) for i in indices.tolist()]
+        return [self._base + i * self.row_bytes for i in idx], [self.row_bytes] * len(idx)
+
+
+class _RowStore(PageStore):
+    """A :class:`PageStore` whose namespace is :func:`namespace`'s (not derived from a HiCache pool)."""
+
+    def __init__(self, path: str, ns: str, **kwargs: Any) -> None:
+        super().__init__(path, **kwargs)
+        self._namespace = ns
+
+    def namespace_for(self, pool: Any) -> str:
+        return self._namespace
+
+    def release(self) -> None:
+        """Close, and drop every reference to the rows (vLLM releases its memoryview after the tiers)."""
+        self.close()
+        self._pending = None
+
+
+def _options(config: Mapping[str, Any]) -> dict[str, Any]:
+    unknown = sorted(set(config) - set(OPTIONS))
+    if unknown:
+        raise InvalidArgumentError(
+            f"invalid argument `secondary_tiers` (kvtier tier): unknown key(s) {unknown}; the kvtier tier "
+            f"accepts {sorted(OPTIONS)} besides vLLM's own {list(VLLM_KEYS)}"
+        )
+    opts = {k: config.get(k, v) for k, v in OPTIONS.items()}
+    path = opts["path"]
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+        raise InvalidArgumentError(
+            f"invalid argument `path` (kvtier tier): the store's root directory is required (a non-empty "
+            f"string), got {path!r}"
+        )
+    opts["path"] = os.path.expanduser(os.fspath(path))
+    for key, low in (("capacity_bytes", 4096), ("io_threads", 1)):
+        v = opts[key]
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise InvalidArgumentError(f"invalid argument `{key}` (kvtier tier): must be an int >= {low}, got {v!r}")
+    if opts["direct"] is not None and not isinstance(opts["direct"], bool):
+        raise InvalidArgumentError(
+            f"invalid argument `direct` (kvtier tier): must be null, true or false, got {opts['direct']!r}"
+        )
+    tag = opts["namespace_tag"]
+    if tag is not None and (not isinstance(tag, str) or not tag or "|" in tag):
+        raise InvalidArgumentError(
+            f"invalid argument `namespace_tag` (kvtier tier): must be a non-empty string without '|', got {tag!r}"
+        )
+    loc = opts["locality"]
+    if loc is not None:
+        try:
+            opts["locality"] = Locality(loc)
+        except ValueError:
+            raise InvalidArgumentError(
+                f"invalid argument `locality` (kvtier tier): must be one of {[x.value for x in Locality]}, got {loc!r}"
+            ) from None
+    return opts
+
+
+def _check_view(view: Any) -> tuple[int, int]:
+    """``(rows, row bytes)`` of the primary tier's view, after checking its shape (nothing is exported from it
+    yet: a failed construction must leave vLLM free to release it)."""
+    if not isinstance(view, memoryview):
+        raise InvalidArgumentError(
+            f"invalid argument `primary_kv_view`: expected a memoryview, got {type(view).__name__}"
+        )
+    if (
+        view.ndim != 2
+        or view.itemsize != 1
+        or view.readonly
+        or not view.c_contiguous
+        or view.shape is None
+        or view.shape[0] < 1
+        or view.shape[1] < 1
+    ):
+        raise InvalidArgumentError(
+            "invalid argument `primary_kv_view`: expected a writable, C-contiguous 2-D byte view "
+            f"(rows x row bytes) of vLLM's CPU tier, got ndim={view.ndim}, itemsize={view.itemsize}, "
+            f"shape={view.shape}, readonly={view.readonly}"
+        )
+    return int(view.shape[0]), int(view.shape[1])
+
+
+def _offloading_config(spec: Any) -> OffloadingConfig:
+    cfg = getattr(spec, "config", None)
+    if not isinstance(cfg, OffloadingConfig):
+        raise InvalidArgumentError(
+            "invalid argument `offloading_spec`: expected vLLM's OffloadingSpec, whose `config` is an "
+            f"OffloadingConfig (it names the namespace), got config={type(cfg).__name__}"
+        )
+    if not cfg.model.name or not cfg.groups or cfg.worker_kv_bytes_per_block <= 0:
+        raise InvalidArgumentError(
+            "invalid argument `offloading_spec`: its OffloadingConfig has no model name, no KV cache groups or "
+            "no bytes per block, so the layout that names the namespace is unknown"
+        )
+    return cfg
+
+
+class KvtierTier(SecondaryTierManager):
+    """vLLM secondary tier over :class:`kvtier.PageStore`; built by vLLM's ``SecondaryTierFactory`` from a
+    ``secondary_tiers`` entry ``{"type": "KvtierTier", "module_path": "kvtier.integrations.vllm", "path":
+    ..., ...}`` (options: :data:`OPTIONS`). Every option and the primary view are checked before the store
+    is opened; a bad one raises :class:`kvtier.InvalidArgumentError` (a ``ValueError``) naming it.
+
+    Jobs run on two threads of the tier's own (one for loads, so a promotion never waits behind a store,
+    one for stores); each batch is one call into kvtier's core with ``io_threads`` requests in flight."""
+
+    medium: ClassVar[Medium] = Medium.STORAGE
+
+    def __init__(
+        self,
+        offloading_spec: Any,
+        primary_kv_view: memoryview,
+        tier_type: str,
+        backpressure_detector: Any = None,
+        **config: Any,
+    ) -> None:
+        opts = _options(config)
+        self.num_rows, self.row_bytes = _check_view(primary_kv_view)
+        cfg = _offloading_config(offloading_spec)
+        if opts["capacity_bytes"] < 2 * self.row_bytes:
+            raise InvalidArgumentError(
+                f"invalid argument `capacity_bytes` (kvtier tier): {opts['capacity_bytes']} cannot hold two rows of "
+                f"vLLM's CPU tier ({self.row_bytes} bytes each); give at least {2 * self.row_bytes}"
+            )
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        if vllm.__version__ != VLLM_VERSION:
+            logger.warning(
+                "kvtier's vLLM tier is built and tested against vLLM %s; this is vLLM %s",
+                VLLM_VERSION,
+                vllm.__version__,
+            )
+        self.locality = opts["locality"]
+        self.namespace = namespace(cfg, self.row_bytes, opts["namespace_tag"])
+        store = _RowStore(
+            opts["path"],
+            self.namespace,
+            capacity_bytes=opts["capacity_bytes"],
+            io_threads=opts["io_threads"],
+            direct=opts["direct"],
+        )
+        rows = torch.from_numpy(np.asarray(primary_kv_view)).view(torch.uint8)  # zero copy
+        try:
+            store.register_mem_pool_host(_Rows(rows))
+        except BaseException as e:
+            # vLLM releases its view while this exception is in flight: drop every reference to the rows
+            # (this frame's, and the locals of the frames the traceback keeps) so that release succeeds
+            store.release()
+            del rows
+            traceback.clear_frames(e.__traceback__)
+            raise
+        self._store: _RowStore | None = store
+        self._cv = threading.Condition()
+        self._queues: dict[str, deque[TransferJob]] = {"load": deque(), "store": deque()}
+        self._pending = 0  # jobs submitted and not finished
+        self._stopping = False
+        self._finished: deque[JobResult] = deque()
+        self.counters = {"refused_keys": 0, "failed_store_jobs": 0, "failed_load_jobs": 0, "job_errors": 0}
+        self._warned_hash = False
+        self._threads = [
+            threading.Thread(target=self._run, args=(kind,), name=f"kvtier-vllm-{kind}", daemon=True)
+            for kind in self._queues
+        ]
+        for t in self._threads:
+            t.start()
+
+    # ------------------------------------------------------------------ keys
+    def _name(self, key: OffloadKey) -> str | None:
+        """The store key of ``key`` (hex: keys are data, never paths); None for a block hash too short to
+        be collision-resistant."""
+        if not isinstance(key, bytes):
+            raise InvalidArgumentError(f"invalid argument `keys`: an OffloadKey is bytes, got {type(key).__name__}")
+        if len(get_offload_block_hash(key)) < SECURE_HASH_BYTES:
+            if not self._warned_hash:
+                self._warned_hash = True
+                logger.error(
+                    "kvtier tier: block hashes of %d bytes are not collision-resistant, so the tier stores and "
+                    "serves nothing (a collision would serve another prefix's KV); run vLLM with "
+                    "--prefix-caching-hash-algo sha256 (the default) or sha256_cbor",
+                    len(get_offload_block_hash(key)),
+                )
+            return None
+        return key.hex()
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._cv:
+            self.counters[name] += n
+
+    def _store_open(self) -> _RowStore:
+        if self._store is None:
+            raise ClosedError("kvtier tier: used after shutdown()")
+        return self._store
+
+    # ------------------------------------------------------------------ SecondaryTierManager
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        """HIT when the row is stored (durably) in this namespace; MISS otherwise, and for every key whose
+        block hash is shorter than :data:`SECURE_HASH_BYTES` (vLLM's non-cryptographic ``xxhash``)."""
+        name = self._name(key)
+        if name is None:
+            return LookupResult.MISS
+        return LookupResult.HIT if self._store_open().exists(name) else LookupResult.MISS
+
+    def submit_store(self, job_metadata: TransferJob) -> None:
+        self._submit("store", job_metadata)
+
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        self._submit("load", job_metadata)
+
+    def _submit(self, kind: str, job: TransferJob) -> None:
+        """Checks the job (before any IO) and queues it for the tier's thread of its kind."""
+        self._store_open()
+        keys, ids = list(job.keys), np.asarray(job.chunk_ids)
+        if ids.ndim != 1 or len(keys) != len(ids) or (ids.size and ids.dtype.kind not in "iu"):
+            raise InvalidArgumentError(
+                f"invalid argument `job_metadata`: {len(keys)} keys but chunk_ids of shape {ids.shape} and dtype "
+                f"{ids.dtype} (one integer row per key expected)"
+            )
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.num_rows):
+            raise InvalidArgumentError(
+                f"invalid argument `job_metadata`: chunk_ids must be rows in [0, {self.num_rows}), got "
+                f"{int(ids.min())}..{int(ids.max())}"
+            )
+        if kind == "load" and len(np.unique(ids)) != ids.size:
+            raise InvalidArgumentError("invalid argument `job_metadata`: a load's chunk_ids must be distinct")
+        for k in keys:
+            self._name(k)  # type check (raises) before the job is queued
+        with self._cv:
+            if self._stopping:
+                raise ClosedError("kvtier tier: used after shutdown()")
+            self._queues[kind].append(job)
+            self._pending += 1
+            self._cv.notify_all()
+
+    def _run(self, kind: str) -> None:
+        q = self._queues[kind]
+        while True:
+            with self._cv:
+                while not q and not self._stopping:
+                    self._cv.wait()
+                if not q:
+                    return
+                job = q.popleft()
+            try:
+                result = self._do(kind, job)
+            except Exception:  # noqa: BLE001 - a failed job is a result, never a dead thread
+                logger.exception("kvtier tier: %s job %s failed", kind, job.job_id)
+                self._count("job_errors")
+                result = JobResult(job_id=job.job_id, success=False)
+            self._finished.append(result)
+            with self._cv:
+                self._pending -= 1
+                self._cv.notify_all()
+
+    def _do(self, kind: str, job: TransferJob) -> JobResult:
+        keys = list(job.keys)
+        names = [self._name(k) for k in keys]
+        usable = [i for i, n in enumerate(names) if n is not None]
+        self._count("refused_keys", len(keys) - len(usable))
+        ok = [False] * len(keys)
+        t0 = time.perf_counter()
+        if usable:
+            store = self._store_open()
+            idx = torch.from_numpy(np.asarray(job.chunk_ids, dtype=np.int64)[usable])
+            names_ok = [n for n in names if n is not None]
+            res = store.batch_get_v1(names_ok, idx) if kind == "load" else store.batch_set_v1(names_ok, idx)
+            for i, r in zip(usable, res):
+                ok[i] = bool(r)
+        dt = time.perf_counter() - t0
+        n_ok = sum(ok)
+        if n_ok == len(keys):
+            return JobResult(job_id=job.job_id, success=True, transfer_time=dt, transfer_bytes=n_ok * self.row_bytes)
+        self._count("failed_load_jobs" if kind == "load" else "failed_store_jobs")
+        good = tuple(k for k, o in zip(keys, ok) if o) if kind == "load" and n_ok else None
+        return JobResult(
+            job_id=job.job_id,
+            success=False,
+            successful_keys=good,
+            transfer_time=dt,
+            transfer_bytes=n_ok * self.row_bytes,
+        )
+
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        out = []
+        while self._finished:
+            out.append(self._finished.popleft())
+        return out
+
+    def has_pending_work(self) -> bool:
+        with self._cv:
+            return self._pending > 0 or bool(self._finished)
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def drain_jobs(self) -> None:
+        """Waits until every submitted job has finished (its result is then in ``get_finished_jobs``)."""
+        with self._cv:
+            self._cv.wait_for(lambda: self._pending == 0)
+
+    def shutdown(self) -> None:
+        """Cancels queued jobs (reported as failed), waits for the ones in flight, closes the store and drops
+        every reference to vLLM's rows. Idempotent."""
+        with self._cv:
+            self._stopping = True
+            for q in self._queues.values():
+                while q:
+                    job = q.popleft()
+                    self._finished.append(JobResult(job_id=job.job_id, success=False))
+                    self._pending -= 1
+            self._cv.notify_all()
+        for t in self._threads:
+            t.join()
+        store, self._store = self._store, None
+        if store is not None:
+            store.release()
+
+    # ------------------------------------------------------------------ kvtier's own view
+    @property
+    def store(self) -> PageStore | None:
+        """The page store (for ``kvtier.metrics.KvtierCollector(stores=[tier.store])``); None after shutdown."""
+        return self._store
+
+    def kvtier_stats(self) -> dict[str, Any]:
+        """The store's counters (``PageStore.get_stats``) and the tier's: keys refused for a short block hash,
+        failed store and load jobs, jobs that raised."""
+        return {**self._store_open().get_stats(), **self.counters}
