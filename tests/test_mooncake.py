@@ -169,20 +169,21 @@ def test_bad_configuration_is_one_clear_error_at_construction(tmp_path):
     closed = free_port()
     t0 = time.monotonic()
     with pytest.raises(KvtierError, match="cannot reach the master"):
-        MooncakeTier(f"127.0.0.1:{closed}")
+        MooncakeTier(f"127.0.0.1:{closed}", model_name="m")
     assert time.monotonic() - t0 < 10
     for kw, match in (({"protocol": "udp"}, "protocol"), ({"protocol": "rdma"}, "device_name"),
                       ({"global_segment_size": -1}, "global_segment_size"), ({"replica_num": 0}, "replica_num"),
-                      ({"tp_rank": 2, "tp_size": 2}, "tp_rank")):
+                      ({"tp_rank": 2, "tp_size": 2}, "tp_rank"), ({"accept_unverified": "false"}, "accept_unverified"),
+                      ({"dcp_size": 2}, "dcp_size"), ({"model_name": ""}, "model_name"), ({"key_tag": ""}, "key_tag")):
         with pytest.raises(InvalidArgumentError, match=match):
-            MooncakeTier(f"127.0.0.1:{closed}", **kw)
+            MooncakeTier(f"127.0.0.1:{closed}", **{"model_name": "m", **kw})
     for addr in ("localhost", "127.0.0.1:0", "127.0.0.1:http", ":80"):
         with pytest.raises(InvalidArgumentError, match="master_server_address"):
-            MooncakeTier(addr)
+            MooncakeTier(addr, model_name="m")
     with LocalCluster(storage_nodes=0, log_dir=tmp_path) as c:  # a master with no memory mounted anywhere
         with pytest.raises(KvtierError, match="cannot store objects"):
-            MooncakeTier(c.master_address, global_segment_size=0)
-        t = MooncakeTier(c.master_address, global_segment_size=32 << 20)  # this client brings its own memory
+            MooncakeTier(c.master_address, model_name="m", global_segment_size=0)
+        t = MooncakeTier(c.master_address, model_name="m", global_segment_size=32 << 20)  # brings its own memory
         t.register_mem_pool_host(make_pool())
         assert t.batch_set_v1(["own"], pages_idx([0])) == [True]
         t.close()
@@ -362,3 +363,99 @@ def test_bench_runs_and_checks_bytes(tmp_path):
 
     row = json.loads((tmp_path / "out" / "cpu-mooncake.json").read_text())["rows"][0]
     assert row["bit_exact"] is True and row["raw_put_GBps"] > 0 and row["kvtier_get_GBps"] > 0
+
+
+def test_ranks_and_sizes_that_change_the_bytes_change_the_fingerprint(cluster):
+    # GQA heads replicated over ranks: rank 1 of TP 4 and rank 1 of TP 8 both hold one head per rank under
+    # the same SGLang key, but not the same head
+    src = make_pool(seed=17, heads=1)
+    keys = [f"tp-{i}" for i in range(2)]
+    with tier(cluster, src, tp_rank=1, tp_size=4) as w:
+        assert w.batch_set_v1(keys, pages_idx(range(2))) == [True] * 2
+    for kw in ({"tp_rank": 1, "tp_size": 8}, {"tp_rank": 1, "tp_size": 4, "cp_rank": 0, "cp_size": 2}):
+        with tier(cluster, make_pool(seed=18, heads=1), **kw) as r:
+            assert r.data_keys(keys[0])[0].endswith("_1_k")  # the same keys ...
+            assert r.batch_get_v1(keys, pages_idx(range(2))) == [False] * 2  # ... never served across sizes
+            assert r.get_stats()["stale"] == 2
+
+
+def test_repeated_keys(cluster):
+    src, dst = make_pool(seed=19), make_pool(seed=20)
+    with tier(cluster, src) as t:
+        assert t.batch_set_v1(["rep", "rep2", "rep"], pages_idx([0, 1, 2])) == [True] * 3
+        with pytest.raises(InvalidArgumentError, match="twice"):
+            t.batch_get_v1(["rep", "rep"], pages_idx([4, 5]))
+        assert tier(cluster, dst).batch_get_v1(["rep", "rep2"], pages_idx([4, 5])) == [True, True]
+        assert same(src, 0, dst, 4) and same(src, 1, dst, 5)  # the first occurrence was stored
+
+
+def test_a_record_whose_data_is_gone_does_not_block_the_page(cluster):
+    src, dst = make_pool(seed=21), make_pool(seed=22)
+    keys = [f"orph-{i}" for i in range(3)]
+    with tier(cluster, src) as t:
+        assert t.batch_set_v1(keys, pages_idx(range(3))) == [True] * 3
+        for k in t.data_keys(keys[1]):  # the data evicted (or lost with a node), the record left behind
+            remove_when_unleased(t._store, k)
+        assert t.batch_exists(keys) == 1
+        assert t.batch_set_v1(keys, pages_idx(range(3))) == [True] * 3  # rewritten, not "already present"
+        assert t.get_stats()["put_pages"] == 4
+        with tier(cluster, dst) as r:
+            assert r.batch_get_v1(keys, pages_idx(range(3))) == [True] * 3 and same(src, 1, dst, 1)
+
+
+def test_pages_served_unverified_are_never_vouched_for_nor_filled(tmp_path, cluster):
+    stock = make_pool(seed=23)
+    with tier(cluster, stock) as w:  # a stock SGLang node: data objects, no records
+        assert w.batch_set_v1(["stock"], pages_idx([0])) == [True]
+        remove_when_unleased(w._store, w.record_key("stock"))
+    node = make_pool(seed=24)
+    disk = PageStore(tmp_path / "d", capacity_bytes=1 << 30, model_name="org/model")
+    disk.register_mem_pool_host(node)
+    loose = tier(cluster, node, accept_unverified=True)
+    with TieredStore([("disk", disk), ("mooncake", loose)]) as c:
+        assert c.batch_get_v1(["stock"], pages_idx([3])) == [True] and same(stock, 0, node, 3)
+        assert disk.batch_exists(["stock"]) == 0  # not made durable under a fresh checksum
+        assert c.get_stats()["disk"]["fills"] == 0
+        # writing the page back from this node's host (the bytes it just read) adds no record either
+        assert loose.batch_set_v1(["stock"], pages_idx([3])) == [False]
+        with tier(cluster, make_pool(seed=25)) as strict:
+            assert strict.batch_get_v1(["stock"], pages_idx([0])) == [False]
+
+
+def test_close_waits_for_calls_in_flight(cluster):
+    import threading
+
+    hp = make_pool(seed=26, pages=64)
+    t = tier(cluster, hp)
+    errors, stop = [], threading.Event()
+
+    def work(n):
+        i = 0
+        while not stop.is_set():
+            try:
+                t.batch_set_v1([f"cl-{n}-{i}-{j}" for j in range(8)], pages_idx(range(8 * n, 8 * n + 8)))
+                t.batch_get_v1([f"cl-{n}-{i}-{j}" for j in range(8)], pages_idx(range(32 + 8 * n, 40 + 8 * n)))
+            except KvtierError as e:  # ClosedError once closed: the only acceptable failure
+                if "closed" not in str(e):
+                    errors.append(e)
+                return
+            i += 1
+
+    threads = [threading.Thread(target=work, args=(n,)) for n in range(3)]
+    for th in threads:
+        th.start()
+    time.sleep(1.0)
+    t.close()  # while the workers are inside batches
+    stop.set()
+    for th in threads:
+        th.join(timeout=30)
+    assert not errors and not any(th.is_alive() for th in threads)
+    with pytest.raises(KvtierError, match="closed"):
+        t.batch_exists(["x"])
+
+
+def test_chain_raises_on_bad_arguments_like_its_first_tier(tmp_path, cluster):
+    with chain(tmp_path, cluster, make_pool(seed=27), "args") as c:
+        for idx in (pages_idx([0]).to(torch.int32), pages_idx([0]) + 1, pages_idx([10 ** 6])):
+            with pytest.raises(InvalidArgumentError):
+                c.batch_get_v1(["a"], idx)

@@ -68,7 +68,8 @@ def test_pages_written_by_sglang_are_read_by_kvtier_only_when_allowed(tmp_path, 
     assert all(same_pages(src, i, dst, 4 + i) for i in range(4))
     st = loose.kvtier_stats()
     assert st["mooncake"]["hits"] == 4 and st["mooncake"]["store"]["unverified_served"] == 4
-    assert st["disk"]["fills"] == 4 and loose.store.batch_exists(keys) == 4  # the read filled the local disk
+    # served unverified: not copied to the local disk (it would gain a fresh, valid checksum there)
+    assert st["disk"]["fills"] == 0 and loose.store.batch_exists(keys) == 0
     loose.close()
 
 
@@ -123,6 +124,10 @@ def test_the_factory_builds_the_chain_from_extra_config(tmp_path, cluster):
     ({"tiers": ["disk", "mooncake"]}, "mooncake"),
     ({"tiers": ["disk", "mooncake"], "mooncake": {"master_server_address": "127.0.0.1:1", "protocl": "tcp"}}, "protocl"),
     ({"mooncake": {"master_server_address": "127.0.0.1:1"}}, "mooncake"),
+    ({"tiers": ["disk", "mooncake"], "mooncake": {"master_server_address": "127.0.0.1:1", "protocol": "udp"}}, "protocol"),
+    ({"tiers": ["disk", "mooncake"], "mooncake": {"master_server_address": "nohost"}}, "master_server_address"),
+    ({"tiers": ["disk", "mooncake"], "mooncake": {"master_server_address": "127.0.0.1:1", "accept_unverified": "false"}},
+     "accept_unverified"),
 ])
 def test_bad_tier_configuration_is_refused_before_anything_opens(tmp_path, extra, match):
     with pytest.raises(InvalidArgumentError, match=match):

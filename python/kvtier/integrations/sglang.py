@@ -72,6 +72,9 @@ class KvtierStorage(HiCacheStorage):
             )
         opts = {k: extra.get(k, v) for k, v in OPTIONS.items()}
         self._remote_opts = _tier_options(opts["tiers"], opts["mooncake"])
+        if self._remote_opts is not None and (getattr(storage_config, "dcp_size", 1) or 1) > 1:
+            raise InvalidArgumentError("invalid argument `tiers`: the cluster tier does not support decode context "
+                                       "parallelism (dcp_size > 1) yet; use \"tiers\": [\"disk\"]")
         self.storage_config = storage_config
         self.is_mla = bool(storage_config.is_mla_model)
         # Rank-replicated KV (MLA): every rank reads the same pages, one rank writes them.
@@ -137,8 +140,10 @@ class KvtierStorage(HiCacheStorage):
         cfg = self.storage_config
         tp = (0, 1) if self.is_mla else (cfg.tp_rank, cfg.tp_size)
         assert self._remote_opts is not None
-        remote = MooncakeTier(model_name=cfg.model_name or None, tp_rank=tp[0], tp_size=tp[1], pp_rank=cfg.pp_rank,
-                              pp_size=cfg.pp_size, kv_cache_dtype=self._opts["kv_cache_dtype"], **self._remote_opts)
+        remote = MooncakeTier(model_name=cfg.model_name or "default", tp_rank=tp[0], tp_size=tp[1],
+                              pp_rank=cfg.pp_rank, pp_size=cfg.pp_size, cp_rank=getattr(cfg, "attn_cp_rank", 0) or 0,
+                              cp_size=getattr(cfg, "attn_cp_size", 1) or 1, dcp_size=getattr(cfg, "dcp_size", 1) or 1,
+                              kv_cache_dtype=self._opts["kv_cache_dtype"], **self._remote_opts)
         try:
             remote.register_mem_pool_host(pool)
         except BaseException:
@@ -366,6 +371,9 @@ def _tier_options(tiers: Any, mooncake: Any) -> dict | None:
     if unknown:
         raise InvalidArgumentError(f"invalid argument `mooncake`: unknown key(s) {unknown}; accepted: "
                                    f"{sorted(MOONCAKE_OPTIONS)}")
+    from ..tiers.mooncake import MooncakeTier
+
+    MooncakeTier.validate_options(**mooncake)  # each option's type and range, before anything opens
     return dict(mooncake)
 
 

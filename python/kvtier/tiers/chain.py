@@ -14,6 +14,7 @@ Semantics (docs/CLUSTER.md has the fault table):
   still counts), computed tier by tier without assuming a tier holds a prefix.
 - An exception from a tier counts as an error of that tier and a miss (or a failed write) for its pages; it
   never reaches the engine. Bad arguments are checked by the first tier before any IO and do raise.
+- Pages a tier served unverified (a cluster tier's ``accept_unverified``) are not copied into faster tiers.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any
 
 import torch
 
-from .._errors import InvalidArgumentError
+from .._errors import ClosedError, InvalidArgumentError
 
 
 class _TierCounters:
@@ -137,9 +138,12 @@ class TieredStore:
             t0 = time.perf_counter()
             try:
                 res = tier.batch_get_v1([keys[i] for i in want], self._slots(host_indices, ps, want))
-            except Exception:
-                if ti == 0 and not isinstance(host_indices, torch.Tensor):
+            except (InvalidArgumentError, ClosedError):
+                if ti == 0:  # the caller's mistake (checked by the first tier before any IO): raised
                     raise
+                self._count(name, errors=1, misses=len(want))
+                continue
+            except Exception:
                 self._count(name, errors=1, misses=len(want))
                 continue
             got = [i for i, r in zip(want, res) if r]
@@ -148,7 +152,13 @@ class TieredStore:
             for i in got:
                 ok[i] = True
             if ti > 0 and got:
-                served_by.append((ti, got))
+                # pages a tier served without verifying them (a cluster tier's accept_unverified) are never
+                # copied into the tiers before it: a durable tier would give them a fresh, valid checksum
+                unverified = getattr(tier, "served_unverified", None)
+                skip = unverified([keys[i] for i in got]) if unverified is not None else set()
+                fill = [i for i in got if keys[i] not in skip]
+                if fill:
+                    served_by.append((ti, fill))
             want = [i for i in want if not ok[i]]
         if self.fill:
             for ti, got in served_by:

@@ -5,8 +5,8 @@
         tier = MooncakeTier(c.master_address, ...)
 
 Logs are kept under ``log_dir`` (a temporary directory by default, kept after :meth:`stop` and named in
-errors). Children are stopped by :meth:`stop` (also on ``with`` exit and at interpreter exit); a storage
-process also exits when its parent dies (its standard input closes). Mooncake's transfer engine listens on
+errors). Children are stopped by :meth:`stop` (also on ``with`` exit and at interpreter exit); every child
+also gets SIGTERM when its parent dies, however it dies (Linux ``PR_SET_PDEATHSIG``). Mooncake's transfer engine listens on
 all interfaces for its data port (no flag controls it in 0.3.13); the master's RPC and metrics ports are
 bound to 127.0.0.1.
 """
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -25,6 +26,16 @@ from typing import IO, Any
 
 from .._errors import InvalidArgumentError, KvtierError
 from ._mooncake_env import binary, child_env
+
+
+def _die_with_parent() -> None:
+    """(in the child, before exec) SIGTERM when the parent dies, however it dies (Linux prctl)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def free_port() -> int:
@@ -75,13 +86,16 @@ class LocalCluster:
         self.nodes: list[subprocess.Popen[Any] | None] = []
         self._logs: list[IO[Any]] = []
         self._master_starts = 0
+        self._atexit = False
 
     @property
     def master_address(self) -> str:
         return f"127.0.0.1:{self.rpc_port}"
 
     def start(self) -> LocalCluster:
-        atexit.register(self.stop)
+        if not self._atexit:
+            atexit.register(self.stop)
+            self._atexit = True
         try:
             self.start_master()
             for _ in range(self.storage_nodes):
@@ -108,7 +122,7 @@ class LocalCluster:
                    "--metrics_host=127.0.0.1", f"--metrics_port={free_port()}",
                    f"--default_kv_lease_ttl={self.lease_ttl_ms}", f"--client_ttl={self.client_ttl_s}"]
             self.master = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                           env=child_env())
+                                           env=child_env(), preexec_fn=_die_with_parent)
             try:
                 _wait_port(port, self.master, self.start_timeout_s, log)
             except KvtierError:
@@ -130,7 +144,8 @@ class LocalCluster:
         log, f = self._log(f"storage{i}.log")
         cmd = [sys.executable, "-m", "kvtier.tiers._storage_node", "--master", self.master_address,
                "--segment", str(segment_bytes or self.segment_bytes)]
-        p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=f, env=child_env())
+        p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=f, env=child_env(),
+                             preexec_fn=_die_with_parent)
         self.nodes.append(p)
         deadline = time.monotonic() + self.start_timeout_s
         assert p.stdout is not None

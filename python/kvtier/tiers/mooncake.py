@@ -20,13 +20,15 @@ before this tier in a :class:`kvtier.tiers.TieredStore`.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
+import contextlib
 import hashlib
 import struct
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -47,6 +49,7 @@ _TAIL = struct.Struct("<I")  # crc32c of everything before it (a torn record is 
 _SLOT = 64  # bytes per record in the scratch buffer
 _OVERLAP_BYTES = 256 << 10  # objects at least this large are checksummed while Mooncake sends them
 _CHUNK_BYTES = 32 << 20  # gets travel in chunks of about this many bytes, checksummed one behind
+_UNVERIFIED_KEPT = 1 << 16  # page keys remembered as served without a record
 _TOO_SMALL = -600  # Mooncake: the object is larger than the buffer given for it
 
 
@@ -72,8 +75,12 @@ def _parse(raw: bytes, fp: bytes, nobj: int) -> list[tuple[int, int]] | None:
     return [_OBJ.unpack_from(raw, _HEAD.size + i * _OBJ.size) for i in range(nobj)]
 
 
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def _int(name: str, v: Any, lo: int) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+    if not _is_int(v) or v < lo:
         raise InvalidArgumentError(f"invalid argument `{name}`: must be an int >= {lo}, got {v!r}")
     return v
 
@@ -99,37 +106,26 @@ class MooncakeTier:
         setup_timeout_s: how long construction may wait for the master.
     """
 
-    def __init__(self, master_server_address: str, *, model_name: str | None = None, key_tag: str | None = None,
-                 tp_rank: int = 0, tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1, protocol: str = "tcp",
-                 device_name: str = "", local_hostname: str = "127.0.0.1", metadata_server: str = "P2PHANDSHAKE",
+    def __init__(self, master_server_address: str, *, model_name: str, key_tag: str | None = None,
+                 tp_rank: int = 0, tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1, cp_rank: int = 0,
+                 cp_size: int = 1, dcp_size: int = 1, protocol: str = "tcp", device_name: str = "",
+                 local_hostname: str = "127.0.0.1", metadata_server: str = "P2PHANDSHAKE",
                  global_segment_size: int = 0, local_buffer_size: int = 16 << 20, replica_num: int = 1,
                  accept_unverified: bool = False, kv_cache_dtype: str | None = None,
                  setup_timeout_s: float = 30.0) -> None:
-        if not isinstance(master_server_address, str) or ":" not in master_server_address:
-            raise InvalidArgumentError(f"invalid argument `master_server_address`: expected 'host:port', got "
-                                       f"{master_server_address!r}")
-        host, _, port = master_server_address.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise InvalidArgumentError(f"invalid argument `master_server_address`: bad host or port in "
-                                       f"{master_server_address!r}")
-        if protocol not in PROTOCOLS:
-            raise InvalidArgumentError(f"invalid argument `protocol`: {protocol!r}; expected one of {PROTOCOLS}")
-        if protocol == "rdma" and not device_name:
-            raise InvalidArgumentError("invalid argument `device_name`: protocol 'rdma' needs the RDMA devices "
-                                       "(e.g. 'mlx5_0')")
-        for name, rank, size in (("tp", tp_rank, tp_size), ("pp", pp_rank, pp_size)):
-            if not (isinstance(size, int) and size >= 1 and isinstance(rank, int) and 0 <= rank < size):
-                raise InvalidArgumentError(f"invalid argument `{name}_rank`: {rank!r} is not in [0, {name}_size={size!r})")
-        _int("global_segment_size", global_segment_size, 0)
-        _int("local_buffer_size", local_buffer_size, 0)
-        _int("replica_num", replica_num, 1)
+        self.validate_options(master_server_address=master_server_address, model_name=model_name,
+                              key_tag=key_tag, tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size,
+                              cp_rank=cp_rank, cp_size=cp_size, dcp_size=dcp_size, protocol=protocol,
+                              device_name=device_name, local_hostname=local_hostname,
+                              metadata_server=metadata_server, global_segment_size=global_segment_size,
+                              local_buffer_size=local_buffer_size, replica_num=replica_num,
+                              accept_unverified=accept_unverified)
         parts = [str(key_tag)] if key_tag is not None else []
-        if model_name:
-            parts.append("-".join(str(model_name).split("/")))
-        self.prefix = "_".join(parts) or None
-        self.model_name = model_name or "default"
-        self.ranks = {"tp": (tp_rank, tp_size), "pp": (pp_rank, pp_size)}
-        self.accept_unverified = bool(accept_unverified)
+        parts.append("-".join(str(model_name).split("/")))
+        self.prefix = "_".join(parts)
+        self.model_name = model_name
+        self.ranks = {"tp": (tp_rank, tp_size), "pp": (pp_rank, pp_size), "cp": (cp_rank, cp_size)}
+        self.accept_unverified = accept_unverified
         self.kv_cache_dtype = None if kv_cache_dtype is None else str(kv_cache_dtype).removeprefix("torch.")
         self.master_server_address = master_server_address
         self.page_bytes = 0
@@ -142,9 +138,13 @@ class MooncakeTier:
                                      "bytes_written"), 0)
         self._stats.update(get_s=0.0, put_s=0.0)
         self._closed = False
+        self._cv = threading.Condition()
+        self._inflight = 0
         self._replicate: Any = None
         self._local = threading.local()
         self._buffers: list[HostBuffer] = []
+        #: page keys served without a record (bounded, oldest forgotten first); never adopted, never filled
+        self._unverified: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._adopt: HostBuffer | None = None  # read-back space for objects stored without a record
         self._adopt_lock = threading.Lock()
         self._pool_exec = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvtier-mooncake")
@@ -152,6 +152,50 @@ class MooncakeTier:
                                     local_buffer_size, replica_num, setup_timeout_s)
 
     # ------------------------------------------------------------------ set-up
+    @staticmethod
+    def validate_options(*, master_server_address: Any, model_name: Any = "default", key_tag: Any = None,
+                         tp_rank: Any = 0, tp_size: Any = 1, pp_rank: Any = 0, pp_size: Any = 1, cp_rank: Any = 0,
+                         cp_size: Any = 1, dcp_size: Any = 1, protocol: Any = "tcp", device_name: Any = "",
+                         local_hostname: Any = "127.0.0.1", metadata_server: Any = "P2PHANDSHAKE",
+                         global_segment_size: Any = 0, local_buffer_size: Any = 16 << 20, replica_num: Any = 1,
+                         accept_unverified: Any = False) -> None:
+        """Every option checked without connecting (what construction checks first; SGLang's extra config is
+        checked with it before anything opens). Raises InvalidArgumentError naming the option."""
+        if not isinstance(master_server_address, str) or ":" not in master_server_address:
+            raise InvalidArgumentError(f"invalid argument `master_server_address`: expected 'host:port', got "
+                                       f"{master_server_address!r}")
+        host, _, port = master_server_address.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise InvalidArgumentError(f"invalid argument `master_server_address`: bad host or port in "
+                                       f"{master_server_address!r}")
+        if not isinstance(model_name, str) or not model_name:
+            raise InvalidArgumentError(f"invalid argument `model_name`: a non-empty str names the keys (pages of "
+                                       f"different models must never share them), got {model_name!r}")
+        if key_tag is not None and (not isinstance(key_tag, str) or not key_tag):
+            raise InvalidArgumentError(f"invalid argument `key_tag`: a non-empty str or None, got {key_tag!r}")
+        if protocol not in PROTOCOLS:
+            raise InvalidArgumentError(f"invalid argument `protocol`: {protocol!r}; expected one of {PROTOCOLS}")
+        for name, v in (("device_name", device_name), ("local_hostname", local_hostname),
+                        ("metadata_server", metadata_server)):
+            if not isinstance(v, str):
+                raise InvalidArgumentError(f"invalid argument `{name}`: expected a str, got {v!r}")
+        if protocol == "rdma" and not device_name:
+            raise InvalidArgumentError("invalid argument `device_name`: protocol 'rdma' needs the RDMA devices "
+                                       "(e.g. 'mlx5_0')")
+        for name, rank, size in (("tp", tp_rank, tp_size), ("pp", pp_rank, pp_size), ("cp", cp_rank, cp_size)):
+            if not (_is_int(size) and size >= 1 and _is_int(rank) and 0 <= rank < size):
+                raise InvalidArgumentError(f"invalid argument `{name}_rank`: {rank!r} is not in [0, {name}_size={size!r})")
+        if dcp_size != 1:
+            raise InvalidArgumentError(f"invalid argument `dcp_size`: {dcp_size!r}; decode context parallelism is not "
+                                       "supported by the cluster tier (SGLang 0.5.23 sends it to its file and "
+                                       "mooncake backends only)")
+        _int("global_segment_size", global_segment_size, 0)
+        _int("local_buffer_size", local_buffer_size, 0)
+        _int("replica_num", replica_num, 1)
+        if not isinstance(accept_unverified, bool):
+            raise InvalidArgumentError(f"invalid argument `accept_unverified`: expected true or false, got "
+                                       f"{accept_unverified!r}")
+
     def _connect(self, protocol: str, device: str, hostname: str, metadata: str, segment: int, local_buf: int,
                  replicas: int, timeout: float) -> Any:
         cls = store_class()
@@ -179,7 +223,7 @@ class MooncakeTier:
         key, val = f"kvtier_probe_{uuid.uuid4().hex}", b"kvtier" * 64
         for _attempt in range(_PROBES):
             rc = store.put(key, val, self._replicate)
-            if rc == 0 and store.get(key) == val:
+            if rc == 0 and store.is_exist(key) == 1:  # (not a get: a read object is leased and stays)
                 break
             time.sleep(0.5)
         else:
@@ -193,7 +237,10 @@ class MooncakeTier:
     def register_mem_pool_host(self, pool: Any) -> None:
         """Attach the host pool (kvtier's or SGLang's, page-first layouts): its memory is registered with
         Mooncake and with kvtier's range checks."""
-        self._check_open()
+        with self._busy():
+            self._register(pool)
+
+    def _register(self, pool: Any) -> None:
         layout = getattr(pool, "layout", None)
         if layout not in PAGE_LAYOUTS:
             raise InvalidArgumentError(f"invalid argument `pool`: layout {layout!r} is not supported by the "
@@ -224,9 +271,15 @@ class MooncakeTier:
         tp, pp = self.ranks["tp"], self.ranks["pp"]
         # SGLang's suffixes: MHA "{tp}" (or "{tp}_{pp}"), MLA "" (or "{pp}"): one object per page for all ranks
         self._suffix = (f"{pp[0]}" if pp[1] > 1 else "") if mla else (f"{tp[0]}_{pp[0]}" if pp[1] > 1 else f"{tp[0]}")
-        geometry = (f"kvtier-mooncake-v1|model={self.model_name}|suffix={self._suffix}|dtype="
-                    f"{logical_dtype(pool, self.kv_cache_dtype)}|layout={pool.layout}|page={pool.page_size}"
-                    f"|layers={pool.layer_num}|{_heads(pool)}|objects={lay[2]},{lay[5]}")
+        # everything that decides which bytes a page holds: with GQA heads replicated over ranks, rank 1 of
+        # TP 4 and rank 1 of TP 8 hold different heads under one key, so the TP size is named (an MLA page is
+        # the same on every rank); PP ranks may hold different layers in equal numbers (start layer named)
+        cp = self.ranks["cp"]
+        ranks = (f"pp={pp[0]}/{pp[1]}" if mla else f"tp={tp[0]}/{tp[1]}|pp={pp[0]}/{pp[1]}") + f"|cp={cp[0]}/{cp[1]}"
+        geometry = (f"kvtier-mooncake-v1|model={self.model_name}|suffix={self._suffix}|{ranks}"
+                    f"|start_layer={getattr(pool, 'start_layer', 0)}|dtype={logical_dtype(pool, self.kv_cache_dtype)}"
+                    f"|layout={pool.layout}|page={pool.page_size}|layers={pool.layer_num}|{_heads(pool)}"
+                    f"|objects={lay[2]},{lay[5]}")
         self.fingerprint_text = geometry
         self._fp = hashlib.sha256(geometry.encode()).digest()[:8]
 
@@ -234,13 +287,24 @@ class MooncakeTier:
     def pool(self) -> Any:
         return self._pool
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ClosedError("MooncakeTier is closed")
+    @contextlib.contextmanager
+    def _busy(self) -> Iterator[None]:
+        """A call in flight: close() waits for every one to finish before it releases the Mooncake client and
+        the buffers a call may be using."""
+        with self._cv:
+            if self._closed:
+                raise ClosedError("MooncakeTier is closed")
+            self._inflight += 1
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._inflight -= 1
+                self._cv.notify_all()
 
     # ------------------------------------------------------------------ keys and addresses
     def _base(self, key: str) -> str:
-        return f"{self.prefix}_{key}_{self._suffix}" if self.prefix else f"{key}_{self._suffix}"
+        return f"{self.prefix}_{key}_{self._suffix}"
 
     def data_keys(self, key: str) -> list[str]:
         """The Mooncake keys of one page's data objects (SGLang's names)."""
@@ -311,8 +375,11 @@ class MooncakeTier:
 
     def batch_set_v1(self, keys: Sequence[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
         """Put pages and their integrity records. True per page when its data and record were accepted (pages
-        already there with a record are not re-sent). Not durability: see the module docs."""
-        self._check_open()
+        already there whole with a record are not re-sent). Not durability: see the module docs."""
+        with self._busy():
+            return self._set(keys, host_indices)
+
+    def _set(self, keys: Sequence[str], host_indices: torch.Tensor) -> list[bool]:
         keys, pages = self._pages(keys, host_indices)
         if not keys:
             return []
@@ -322,22 +389,40 @@ class MooncakeTier:
         t0 = time.perf_counter()
         recs = [self.record_key(x) for x in keys]
         exist = self._store.batch_is_exist(recs + names)
-        ok = [False] * len(keys)
-        todo = []
-        for i in range(len(keys)):
-            if exist[i] == 1:
-                ok[i] = True  # already there with a record (data present or a later get misses)
+        nk = len(keys)
+        ok = [False] * nk
+        todo, orphans, first = [], [], {}
+        for i in range(nk):
+            whole = all(exist[nk + i * k + s] == 1 for s in range(k))
+            if keys[i] in first:
+                continue  # a key repeated in the batch: stored once, answered like its first occurrence
+            first[keys[i]] = i
+            if exist[i] == 1 and whole:
+                ok[i] = True  # already there whole with a record
+            elif exist[i] == 1:
+                orphans.append(i)  # a record whose data is gone (evicted, a dead node): it would block the page
             else:
                 todo.append(i)
         self._count(skipped_present=sum(ok))
+        # (a record whose data is gone is rewritten by upsert after the data: an existence check leases an
+        # object, so it could not be removed now, and a plain put of an existing key stores nothing)
+        todo += orphans
+        upsert = {i for i in orphans}
+        # pages this tier served unverified: their host bytes are a stock node's, never to be vouched for
+        tainted = self._tainted([keys[i] for i in todo])
+        if tainted:
+            self._count(unverified_skipped=sum(1 for i in todo if keys[i] in tainted))
+            todo = [i for i in todo if keys[i] not in tainted]
         # data objects already there without a record (a stock SGLang node's page, or a write of ours that failed
         # half-way): Mooncake keeps them and acknowledges a re-put without storing, so a record may only vouch
         # for them if their bytes are ours
-        held = [j for i in todo for j in range(i * k, (i + 1) * k) if exist[len(keys) + j] == 1]
+        held = [j for i in todo for j in range(i * k, (i + 1) * k) if exist[nk + j] == 1]
         if held:
             foreign = self._foreign_pages(held, names, ptrs, sizes)
             todo = [i for i in todo if i not in foreign]
             self._count(unverified_skipped=len(foreign))
+        if not todo:
+            return self._repeat(keys, first, ok)
         if not todo:
             return ok
         objs = [j for i in todo for j in range(i * k, (i + 1) * k)]
@@ -351,23 +436,58 @@ class MooncakeTier:
                 rec = _record(self._fp, [(os_[n * k + s], crcs[n * k + s]) for s in range(k)])
                 rview[n * _SLOT: n * _SLOT + self._rec_bytes] = np.frombuffer(rec, dtype=np.uint8)
 
+        fresh = [n for n, i in enumerate(todo) if i not in upsert]
+        redo = [n for n, i in enumerate(todo) if i in upsert]
+
+        def put_records(data_too: bool) -> list[int]:
+            """The records (after the data, or with it), orphans' by upsert; results in the data's order."""
+            out = [0] * len(todo)
+            dk = (on, op, os_) if data_too else ([], [], [])
+            got = self._store.batch_put_from(dk[0] + [rk[n] for n in fresh], dk[1] + [rp[n] for n in fresh],
+                                             dk[2] + [rs[n] for n in fresh], self._replicate)
+            data_res, rec_res = got[: len(dk[0])], got[len(dk[0]):]
+            for n, r in zip(fresh, rec_res):
+                out[n] = r
+            if redo:
+                for n, r in zip(redo, self._store.batch_upsert_from([rk[n] for n in redo], [rp[n] for n in redo],
+                                                                    [rs[n] for n in redo], self._replicate)):
+                    out[n] = r
+            return list(data_res) + out
+
         if sum(os_) // len(os_) >= _OVERLAP_BYTES:
             # large objects: checksum while Mooncake sends them, then the records (one small batch more)
             fut = self._pool_exec.submit(self._ranges.crc32c, on, op, os_)
-            res = self._store.batch_put_from(on, op, os_, self._replicate)
+            res = list(self._store.batch_put_from(on, op, os_, self._replicate))
             records(fut.result())
-            res += self._store.batch_put_from(rk, rp, rs, self._replicate)
+            res += put_records(False)
         else:
             # small objects: Mooncake's cost is per object and per call: data and records in one call
             records(self._ranges.crc32c(on, op, os_))
-            res = self._store.batch_put_from(on + rk, op + rp, os_ + rs, self._replicate)
+            res = put_records(True)
         base = len(on)
         for n, i in enumerate(todo):
-            ok[i] = res[base + n] == 0 and all(r == 0 for r in res[n * k:(n + 1) * k])
+            data_ok = all(r == 0 for r in res[n * k:(n + 1) * k])
+            ok[i] = res[base + n] == 0 and data_ok
+            if res[base + n] == 0 and not data_ok:  # a record without its data would block the page: take it back
+                self._store.remove(rk[n])
         sent = sum(1 for i in todo if ok[i])
         self._count(put_pages=sent, put_failures=len(todo) - sent, bytes_written=sent * self.page_bytes,
                     put_s=time.perf_counter() - t0)
-        return ok
+        return self._repeat(keys, first, ok)
+
+    @staticmethod
+    def _repeat(keys: list[str], first: dict[str, int], ok: list[bool]) -> list[bool]:
+        """A key repeated in one batch gets its first occurrence's answer."""
+        return [ok[first[x]] for x in keys]
+
+    def _tainted(self, keys: list[str]) -> set[str]:
+        with self._lock:
+            return {x for x in keys if x in self._unverified}
+
+    def served_unverified(self, keys: Sequence[str]) -> set[str]:
+        """Which of ``keys`` this tier has served without an integrity record (``accept_unverified``): a tier
+        chain does not copy them into its durable tiers, and this tier never adds a record to them."""
+        return self._tainted(list(keys))
 
     def _foreign_pages(self, held: list[int], names: list[str], ptrs: list[int], sizes: list[int]) -> set[int]:
         """Pages (indices) among the objects ``held`` whose stored bytes differ from this writer's (or cannot be
@@ -394,11 +514,17 @@ class MooncakeTier:
 
     def batch_get_v1(self, keys: Sequence[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
         """Read pages into the host pool; True per page only when its record matches and every object read
-        back has the recorded size and checksum (a False page's host bytes are unspecified)."""
-        self._check_open()
+        back has the recorded size and checksum (a False page's host bytes are unspecified). A key may appear
+        once per batch (Mooncake fills only the last destination of a repeated key)."""
+        with self._busy():
+            return self._get(keys, host_indices)
+
+    def _get(self, keys: Sequence[str], host_indices: torch.Tensor) -> list[bool]:
         keys, pages = self._pages(keys, host_indices)
         if not keys:
             return []
+        if len(set(keys)) != len(keys):
+            raise InvalidArgumentError("invalid argument `keys`: a key appears twice in one batch_get_v1")
         names, ptrs, sizes = self._objects(keys, pages)
         self._ranges.check(ptrs, sizes, True, "host_indices")  # destinations: inside the pool, disjoint
         k, n_pages = len(self._sides), len(keys)
@@ -422,14 +548,14 @@ class MooncakeTier:
             res = fut.result()
             if c + 1 < len(chunks):
                 fut = self._pool_exec.submit(fetch, chunks[c + 1])
-            self._verify(ch, res, rview, names, ptrs, sizes, ok)
+            self._verify(ch, res, rview, keys, names, ptrs, sizes, ok)
         hits = sum(ok)
         self._count(hits=hits, misses=n_pages - hits, bytes_read=hits * self.page_bytes,
                     get_s=time.perf_counter() - t0)
         return ok
 
-    def _verify(self, ch: range, res: list[int], rview: np.ndarray, names: list[str], ptrs: list[int],
-                sizes: list[int], ok: list[bool]) -> None:
+    def _verify(self, ch: range, res: list[int], rview: np.ndarray, keys: list[str], names: list[str],
+                ptrs: list[int], sizes: list[int], ok: list[bool]) -> None:
         """Marks the pages of one fetched chunk that arrived whole and match their records."""
         k, nrec = len(self._sides), len(ch)
         check: list[tuple[int, list[tuple[int, int]]]] = []
@@ -450,6 +576,10 @@ class MooncakeTier:
                 if self.accept_unverified:  # data without a record: a stock SGLang page, served by option
                     ok[i] = True
                     self._count(unverified_served=1)
+                    with self._lock:
+                        self._unverified[keys[i]] = None
+                        while len(self._unverified) > _UNVERIFIED_KEPT:
+                            self._unverified.popitem(last=False)
                 continue
             check.append((i, rec))
         if check:
@@ -464,7 +594,10 @@ class MooncakeTier:
     def batch_exists(self, keys: Sequence[str], extra_info: Any = None) -> int:
         """Length of the leading run of pages whose record and data objects all exist (data alone counts
         with ``accept_unverified``)."""
-        self._check_open()
+        with self._busy():
+            return self._exists(keys)
+
+    def _exists(self, keys: Sequence[str]) -> int:
         keys = _keys(keys)
         if self._pool is None:
             raise KvtierError("MooncakeTier: call register_mem_pool_host(pool) first")
@@ -487,19 +620,19 @@ class MooncakeTier:
     def delete(self, keys: Sequence[str]) -> int:
         """Remove pages (the record first, so a page stops counting before its data goes); returns how many
         pages had a record. Objects read in the last lease period cannot be removed yet (Mooncake's lease)."""
-        self._check_open()
-        n = 0
-        for key in _keys(keys):
-            if self._store.remove(self.record_key(key)) == 0:
-                n += 1
-            for d in self.data_keys(key):
-                self._store.remove(d)
-        return n
+        with self._busy():
+            n = 0
+            for key in _keys(keys):
+                if self._store.remove(self.record_key(key)) == 0:
+                    n += 1
+                for d in self.data_keys(key):
+                    self._store.remove(d)
+            return n
 
     def clear(self) -> None:
         """Remove every object of the whole cluster (Mooncake has no per-prefix clear that respects leases)."""
-        self._check_open()
-        self._store.remove_all()
+        with self._busy():
+            self._store.remove_all()
 
     def get_stats(self) -> dict[str, Any]:
         with self._lock:
@@ -509,17 +642,21 @@ class MooncakeTier:
         return st
 
     def close(self) -> None:
-        """Release the Mooncake client. Idempotent."""
-        if not self._closed:
+        """Release the Mooncake client, after the calls in flight finish (new ones raise ClosedError).
+        Idempotent."""
+        with self._cv:
+            if self._closed:
+                return
             self._closed = True
-            self._pool_exec.shutdown(wait=True)
-            try:
-                self._store.close()
-            except Exception:
-                pass
-            for buf in self._buffers:
-                buf.close()
-            self._buffers = []
+            self._cv.wait_for(lambda: self._inflight == 0)
+        self._pool_exec.shutdown(wait=True)
+        try:
+            self._store.close()
+        except Exception:
+            pass
+        for buf in self._buffers:
+            buf.close()
+        self._buffers = []
 
     def __enter__(self) -> MooncakeTier:
         return self
