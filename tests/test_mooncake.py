@@ -16,7 +16,8 @@ from kvtier import PageStore, TierController, host_pool_for
 from kvtier._errors import InvalidArgumentError, KvtierError
 from kvtier.tiers import TieredStore
 from kvtier.tiers.local_cluster import LocalCluster, free_port
-from kvtier.tiers.mooncake import MooncakeTier, _record
+from kvtier.tiers._records import record_bytes as _record
+from kvtier.tiers.mooncake import MooncakeTier
 from test_pools_mla import filled, rows
 from test_store import make_pool, page_bytes, pages_idx
 

@@ -21,10 +21,8 @@ before this tier in a :class:`kvtier.tiers.TieredStore`.
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import contextlib
 import hashlib
-import struct
 import threading
 import time
 import uuid
@@ -39,52 +37,9 @@ from .._errors import ClosedError, InvalidArgumentError, KvtierError
 from ..buffer import HostBuffer
 from ..store import PAGE_LAYOUTS, _heads, _keys, _page_layout, logical_dtype
 from ._mooncake_env import store_class
+from ._records import HEAD, OBJ, SLOT, TAIL, TOO_SMALL, UNVERIFIED_KEPT, parse_record, record_bytes, validate_options
 
-PROTOCOLS = ("tcp", "rdma")
 _PROBES = 6  # probe puts at construction, 0.5 s apart
-_MAGIC, _VERSION = b"KVTM", 1
-_HEAD = struct.Struct("<4sHH8s")  # magic, version, objects, fingerprint (first 8 bytes of sha256)
-_OBJ = struct.Struct("<QI")  # size, crc32c(bytes + key)
-_TAIL = struct.Struct("<I")  # crc32c of everything before it (a torn record is refused)
-_SLOT = 64  # bytes per record in the scratch buffer
-_OVERLAP_BYTES = 256 << 10  # objects at least this large are checksummed while Mooncake sends them
-_CHUNK_BYTES = 32 << 20  # gets travel in chunks of about this many bytes, checksummed one behind
-_UNVERIFIED_KEPT = 1 << 16  # page keys remembered as served without a record
-_TOO_SMALL = -600  # Mooncake: the object is larger than the buffer given for it
-
-
-def _record(fp: bytes, objs: Sequence[tuple[int, int]]) -> bytes:
-    body = _HEAD.pack(_MAGIC, _VERSION, len(objs), fp) + b"".join(_OBJ.pack(n, c) for n, c in objs)
-    return body + _TAIL.pack(_crc(body))
-
-
-def _crc(b: bytes) -> int:
-    import zlib
-
-    return zlib.crc32(b) & 0xFFFFFFFF
-
-
-def _parse(raw: bytes, fp: bytes, nobj: int) -> list[tuple[int, int]] | None:
-    """The record's ``(size, crc)`` per object, or None unless it is whole, of this version and of ``fp``."""
-    want = _HEAD.size + nobj * _OBJ.size + _TAIL.size
-    if len(raw) != want or _TAIL.unpack_from(raw, want - _TAIL.size)[0] != _crc(raw[: want - _TAIL.size]):
-        return None
-    magic, ver, n, got_fp = _HEAD.unpack_from(raw, 0)
-    if magic != _MAGIC or ver != _VERSION or n != nobj or got_fp != fp:
-        return None
-    return [_OBJ.unpack_from(raw, _HEAD.size + i * _OBJ.size) for i in range(nobj)]
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _int(name: str, v: Any, lo: int) -> int:
-    if not _is_int(v) or v < lo:
-        raise InvalidArgumentError(f"invalid argument `{name}`: must be an int >= {lo}, got {v!r}")
-    return v
-
-
 class MooncakeTier:
     """See the module docs. Same batch interface as :class:`kvtier.PageStore`.
 
@@ -147,54 +102,11 @@ class MooncakeTier:
         self._unverified: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._adopt: HostBuffer | None = None  # read-back space for objects stored without a record
         self._adopt_lock = threading.Lock()
-        self._pool_exec = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvtier-mooncake")
         self._store = self._connect(protocol, device_name, local_hostname, metadata_server, global_segment_size,
                                     local_buffer_size, replica_num, setup_timeout_s)
 
     # ------------------------------------------------------------------ set-up
-    @staticmethod
-    def validate_options(*, master_server_address: Any, model_name: Any = "default", key_tag: Any = None,
-                         tp_rank: Any = 0, tp_size: Any = 1, pp_rank: Any = 0, pp_size: Any = 1, cp_rank: Any = 0,
-                         cp_size: Any = 1, dcp_size: Any = 1, protocol: Any = "tcp", device_name: Any = "",
-                         local_hostname: Any = "127.0.0.1", metadata_server: Any = "P2PHANDSHAKE",
-                         global_segment_size: Any = 0, local_buffer_size: Any = 16 << 20, replica_num: Any = 1,
-                         accept_unverified: Any = False) -> None:
-        """Every option checked without connecting (what construction checks first; SGLang's extra config is
-        checked with it before anything opens). Raises InvalidArgumentError naming the option."""
-        if not isinstance(master_server_address, str) or ":" not in master_server_address:
-            raise InvalidArgumentError(f"invalid argument `master_server_address`: expected 'host:port', got "
-                                       f"{master_server_address!r}")
-        host, _, port = master_server_address.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise InvalidArgumentError(f"invalid argument `master_server_address`: bad host or port in "
-                                       f"{master_server_address!r}")
-        if not isinstance(model_name, str) or not model_name:
-            raise InvalidArgumentError(f"invalid argument `model_name`: a non-empty str names the keys (pages of "
-                                       f"different models must never share them), got {model_name!r}")
-        if key_tag is not None and (not isinstance(key_tag, str) or not key_tag):
-            raise InvalidArgumentError(f"invalid argument `key_tag`: a non-empty str or None, got {key_tag!r}")
-        if protocol not in PROTOCOLS:
-            raise InvalidArgumentError(f"invalid argument `protocol`: {protocol!r}; expected one of {PROTOCOLS}")
-        for name, v in (("device_name", device_name), ("local_hostname", local_hostname),
-                        ("metadata_server", metadata_server)):
-            if not isinstance(v, str):
-                raise InvalidArgumentError(f"invalid argument `{name}`: expected a str, got {v!r}")
-        if protocol == "rdma" and not device_name:
-            raise InvalidArgumentError("invalid argument `device_name`: protocol 'rdma' needs the RDMA devices "
-                                       "(e.g. 'mlx5_0')")
-        for name, rank, size in (("tp", tp_rank, tp_size), ("pp", pp_rank, pp_size), ("cp", cp_rank, cp_size)):
-            if not (_is_int(size) and size >= 1 and _is_int(rank) and 0 <= rank < size):
-                raise InvalidArgumentError(f"invalid argument `{name}_rank`: {rank!r} is not in [0, {name}_size={size!r})")
-        if dcp_size != 1:
-            raise InvalidArgumentError(f"invalid argument `dcp_size`: {dcp_size!r}; decode context parallelism is not "
-                                       "supported by the cluster tier (SGLang 0.5.23 sends it to its file and "
-                                       "mooncake backends only)")
-        _int("global_segment_size", global_segment_size, 0)
-        _int("local_buffer_size", local_buffer_size, 0)
-        _int("replica_num", replica_num, 1)
-        if not isinstance(accept_unverified, bool):
-            raise InvalidArgumentError(f"invalid argument `accept_unverified`: expected true or false, got "
-                                       f"{accept_unverified!r}")
+    validate_options = staticmethod(validate_options)
 
     def _connect(self, protocol: str, device: str, hostname: str, metadata: str, segment: int, local_buf: int,
                  replicas: int, timeout: float) -> Any:
@@ -267,7 +179,7 @@ class MooncakeTier:
         self.page_bytes = lay[2] + lay[5]
         self._mla = mla
         self._sides = ("k",) if mla else ("k", "v")
-        self._rec_bytes = _HEAD.size + len(self._sides) * _OBJ.size + _TAIL.size  # one page's record
+        self._rec_bytes = HEAD.size + len(self._sides) * OBJ.size + TAIL.size  # one page's record
         tp, pp = self.ranks["tp"], self.ranks["pp"]
         # SGLang's suffixes: MHA "{tp}" (or "{tp}_{pp}"), MLA "" (or "{pp}"): one object per page for all ranks
         self._suffix = (f"{pp[0]}" if pp[1] > 1 else "") if mla else (f"{tp[0]}_{pp[0]}" if pp[1] > 1 else f"{tp[0]}")
@@ -363,8 +275,8 @@ class MooncakeTier:
         """This thread's record buffer (registered with Mooncake and the range checks) for ``n`` records: its
         address and a numpy view of it."""
         buf = getattr(self._local, "buf", None)
-        if buf is None or buf.nbytes < n * _SLOT:
-            buf = HostBuffer(max(n * _SLOT, 1 << 16), pin=False)
+        if buf is None or buf.nbytes < n * SLOT:
+            buf = HostBuffer(max(n * SLOT, 1 << 16), pin=False)
             with self._lock:
                 self._buffers.append(buf)  # kept (and registered) until close: a batch may still use an old one
             self._ranges.register_region(buf._region)
@@ -429,23 +341,23 @@ class MooncakeTier:
         on, op, os_ = [names[j] for j in objs], [ptrs[j] for j in objs], [sizes[j] for j in objs]
         rk = [recs[i] for i in todo]
         rptr, rview = self._scratch(len(todo))
-        rp, rs = [rptr + n * _SLOT for n in range(len(todo))], [self._rec_bytes] * len(todo)
+        rp, rs = [rptr + n * SLOT for n in range(len(todo))], [self._rec_bytes] * len(todo)
 
         def records(crcs: list[int]) -> None:
             for n in range(len(todo)):
-                rec = _record(self._fp, [(os_[n * k + s], crcs[n * k + s]) for s in range(k)])
-                rview[n * _SLOT: n * _SLOT + self._rec_bytes] = np.frombuffer(rec, dtype=np.uint8)
+                rec = record_bytes(self._fp, [(os_[n * k + s], crcs[n * k + s]) for s in range(k)])
+                rview[n * SLOT: n * SLOT + self._rec_bytes] = np.frombuffer(rec, dtype=np.uint8)
 
         fresh = [n for n, i in enumerate(todo) if i not in upsert]
         redo = [n for n, i in enumerate(todo) if i in upsert]
 
-        def put_records(data_too: bool) -> list[int]:
-            """The records (after the data, or with it), orphans' by upsert; results in the data's order."""
+        def put_records() -> list[int]:
+            """Data and records in one batch (orphans' records by upsert, after it); results: the data's,
+            then one per page."""
             out = [0] * len(todo)
-            dk = (on, op, os_) if data_too else ([], [], [])
-            got = self._store.batch_put_from(dk[0] + [rk[n] for n in fresh], dk[1] + [rp[n] for n in fresh],
-                                             dk[2] + [rs[n] for n in fresh], self._replicate)
-            data_res, rec_res = got[: len(dk[0])], got[len(dk[0]):]
+            got = self._store.batch_put_from(on + [rk[n] for n in fresh], op + [rp[n] for n in fresh],
+                                             os_ + [rs[n] for n in fresh], self._replicate)
+            data_res, rec_res = got[: len(on)], got[len(on):]
             for n, r in zip(fresh, rec_res):
                 out[n] = r
             if redo:
@@ -454,16 +366,10 @@ class MooncakeTier:
                     out[n] = r
             return list(data_res) + out
 
-        if sum(os_) // len(os_) >= _OVERLAP_BYTES:
-            # large objects: checksum while Mooncake sends them, then the records (one small batch more)
-            fut = self._pool_exec.submit(self._ranges.crc32c, on, op, os_)
-            res = list(self._store.batch_put_from(on, op, os_, self._replicate))
-            records(fut.result())
-            res += put_records(False)
-        else:
-            # small objects: Mooncake's cost is per object and per call: data and records in one call
-            records(self._ranges.crc32c(on, op, os_))
-            res = put_records(True)
+        # data and records in one call: Mooncake's cost is per object and per call, and the checksums cost
+        # less up front than overlapped with the send (measured on 2 cores: the send is CPU work too)
+        records(self._ranges.crc32c(on, op, os_))
+        res = put_records()
         base = len(on)
         for n, i in enumerate(todo):
             data_ok = all(r == 0 for r in res[n * k:(n + 1) * k])
@@ -531,24 +437,14 @@ class MooncakeTier:
         t0 = time.perf_counter()
         rptr, rview = self._scratch(n_pages)
         rk = [self.record_key(x) for x in keys]
-        rp, rs = [rptr + n * _SLOT for n in range(n_pages)], [self._rec_bytes] * n_pages
-        # pages in chunks: the records and data of chunk c+1 travel while chunk c is checksummed
-        per = max(1, min(n_pages, _CHUNK_BYTES // max(1, self.page_bytes)))
-        chunks = [range(c, min(c + per, n_pages)) for c in range(0, n_pages, per)]
-
-        def fetch(ch: range) -> list[int]:
-            objs = [j for i in ch for j in range(i * k, (i + 1) * k)]
-            return list(self._store.batch_get_into([rk[i] for i in ch] + [names[j] for j in objs],
-                                                   [rp[i] for i in ch] + [ptrs[j] for j in objs],
-                                                   [rs[i] for i in ch] + [sizes[j] for j in objs]))
-
+        rp, rs = [rptr + n * SLOT for n in range(n_pages)], [self._rec_bytes] * n_pages
+        # records and data in one call (measured: splitting a batch to overlap checksums with the transfer
+        # costs Mooncake more than it saves)
+        objs = [j for i in range(n_pages) for j in range(i * k, (i + 1) * k)]
+        res = list(self._store.batch_get_into(rk + [names[j] for j in objs], rp + [ptrs[j] for j in objs],
+                                              rs + [sizes[j] for j in objs]))
         ok = [False] * n_pages
-        fut = self._pool_exec.submit(fetch, chunks[0])
-        for c, ch in enumerate(chunks):
-            res = fut.result()
-            if c + 1 < len(chunks):
-                fut = self._pool_exec.submit(fetch, chunks[c + 1])
-            self._verify(ch, res, rview, keys, names, ptrs, sizes, ok)
+        self._verify(range(n_pages), res, rview, keys, names, ptrs, sizes, ok)
         hits = sum(ok)
         self._count(hits=hits, misses=n_pages - hits, bytes_read=hits * self.page_bytes,
                     get_s=time.perf_counter() - t0)
@@ -563,11 +459,11 @@ class MooncakeTier:
             arrived = all(res[nrec + n * k + s] == sizes[i * k + s] for s in range(k))
             rec = None
             if res[n] == self._rec_bytes:
-                rec = _parse(rview[i * _SLOT: i * _SLOT + self._rec_bytes].tobytes(), self._fp, k)
+                rec = parse_record(rview[i * SLOT: i * SLOT + self._rec_bytes].tobytes(), self._fp, k)
                 if rec is None or any(rec[s][0] != sizes[i * k + s] for s in range(k)):
                     self._count(stale=1)  # another geometry, dtype or version under this key, or a torn record
                     continue
-            elif res[n] > 0 or res[n] == _TOO_SMALL:
+            elif res[n] > 0 or res[n] == TOO_SMALL:
                 self._count(stale=1)  # a record of another size: not one of ours
                 continue
             if not arrived:
@@ -578,7 +474,7 @@ class MooncakeTier:
                     self._count(unverified_served=1)
                     with self._lock:
                         self._unverified[keys[i]] = None
-                        while len(self._unverified) > _UNVERIFIED_KEPT:
+                        while len(self._unverified) > UNVERIFIED_KEPT:
                             self._unverified.popitem(last=False)
                 continue
             check.append((i, rec))
@@ -649,7 +545,6 @@ class MooncakeTier:
                 return
             self._closed = True
             self._cv.wait_for(lambda: self._inflight == 0)
-        self._pool_exec.shutdown(wait=True)
         try:
             self._store.close()
         except Exception:
