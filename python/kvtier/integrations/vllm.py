@@ -89,10 +89,20 @@ def namespace(config: OffloadingConfig, row_bytes: int, tag: str | None = None) 
         f"kvtier-vllm-v1|model={config.model.name}|dtype={config.model.dtype}|tag={tag or ''}"
         f"|tokens_per_hash={config.cache.tokens_per_hash}|blocks_per_chunk={config.cache.blocks_per_chunk}"
         f"|groups={groups}|worker_block_bytes={config.worker_kv_bytes_per_block}|row={row_bytes}"
-        f"|kv_layout={config.kv_cache_layout}|canonical={int(config.canonical_layout)}"
+        f"|kv_layout={config.kv_cache_layout}|canonical={int(config.canonical_layout)}{_canonical_id(config)}"
         f"|replicated={int(config.replicated_layout)}|world={p.world_size}|tp={p.tp_size}|pp={p.pp_size}"
         f"|pcp={p.pcp_size}|dcp={p.dcp_size}|rank={p.rank}|dp={p.data_parallel_index}"
     )
+
+
+def _canonical_id(config: OffloadingConfig) -> str:
+    """vLLM's canonical row format id (``v{version}-{family}``) when rows are canonical: a vLLM that changes
+    the canonical format gets another namespace."""
+    if not config.canonical_layout:
+        return ""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.canonical_mapping import canonical_format_id
+
+    return f"|canonical_format={canonical_format_id(config.kv_cache_layout)}"
 
 
 class _Rows:
@@ -263,6 +273,7 @@ class KvtierTier(SecondaryTierManager):
             raise
         self._store: _RowStore | None = store
         self._cv = threading.Condition()
+        self._failed_loads: set[str] = set()  # rows whose load failed: MISS until stored again
         self._queues: dict[str, deque[TransferJob]] = {"load": deque(), "store": deque()}
         self._pending = 0  # jobs submitted and not finished
         self._stopping = False
@@ -308,7 +319,7 @@ class KvtierTier(SecondaryTierManager):
         """HIT when the row is stored (durably) in this namespace; MISS otherwise, and for every key whose
         block hash is shorter than :data:`SECURE_HASH_BYTES` (vLLM's non-cryptographic ``xxhash``)."""
         name = self._name(key)
-        if name is None:
+        if name is None or name in self._failed_loads:  # a row that failed to load is recomputed, not retried
             return LookupResult.MISS
         return LookupResult.HIT if self._store_open().exists(name) else LookupResult.MISS
 
@@ -354,7 +365,7 @@ class KvtierTier(SecondaryTierManager):
                 job = q.popleft()
             try:
                 result = self._do(kind, job)
-            except Exception:  # noqa: BLE001 - a failed job is a result, never a dead thread
+            except BaseException:  # noqa: BLE001 - a failed job is a result, never a dead thread (pyo3 panics too)
                 logger.exception("kvtier tier: %s job %s failed", kind, job.job_id)
                 self._count("job_errors")
                 result = JobResult(job_id=job.job_id, success=False)
@@ -377,6 +388,13 @@ class KvtierTier(SecondaryTierManager):
             res = store.batch_get_v1(names_ok, idx) if kind == "load" else store.batch_set_v1(names_ok, idx)
             for i, r in zip(usable, res):
                 ok[i] = bool(r)
+            # a row that failed to load (an IO error leaves it indexed) is a MISS until stored again: a HIT
+            # that can never load would keep vLLM waiting on it (vLLM's own fs tier does the same)
+            for i in usable:
+                if kind == "load" and not ok[i]:
+                    self._failed_loads.add(names[i])  # type: ignore[arg-type]
+                elif kind == "store" and ok[i]:
+                    self._failed_loads.discard(names[i])  # type: ignore[arg-type]
         dt = time.perf_counter() - t0
         n_ok = sum(ok)
         if n_ok == len(keys):
