@@ -394,7 +394,7 @@ class KvtierTier(SecondaryTierManager):
                 if kind == "load" and not ok[i]:
                     self._failed_loads.add(names[i])  # type: ignore[arg-type]
                 elif kind == "store" and ok[i]:
-                    self._failed_loads.discard(names[i])  # type: ignore[arg-type]
+                    self._failed_loads.discard(names[i])
         dt = time.perf_counter() - t0
         n_ok = sum(ok)
         if n_ok == len(keys):
