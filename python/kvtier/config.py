@@ -66,6 +66,31 @@ def direct_batch() -> bool:
     return _int_env("KVTIER_DIRECT_BATCH", 1, 0) != 0
 
 
+def direct_kernel_below() -> int:
+    """``KVTIER_DIRECT_KERNEL_BELOW_KB`` (default 32): a ``direct`` transfer on CUDA whose (page, layer) chunk
+    is smaller than this many KiB runs as ``kernel`` copies (the copy engine costs about a microsecond per
+    chunk: 16-24 KiB chunks reached 9-40 % of the ceiling, the kernel 85-88 %); 0 keeps every ``direct``
+    transfer on the copy engine. Returns bytes."""
+    return _int_env("KVTIER_DIRECT_KERNEL_BELOW_KB", 32, 0) << 10
+
+
+def direct_lanes() -> int:
+    """``KVTIER_DIRECT_LANES`` (default 1, at most 2): streams a copy-engine (``direct``) transfer spreads K
+    and V over, as ``KVTIER_TRANSFER_LANES`` does for kernels."""
+    return min(_int_env("KVTIER_DIRECT_LANES", 1, 1), 2)
+
+
+def direct_backup() -> str:
+    """``KVTIER_DIRECT_BACKUP``: how the ``direct`` backend backs up pools of at least 4 ×
+    ``KVTIER_STAGING_MB``. ``staged`` (default): a kernel gathers whole pages into device staging buffers
+    and the copy engine writes them to the host one page (all layers) per copy; ``dma``: one copy-engine
+    copy per (page, layer) chunk."""
+    raw = os.environ.get("KVTIER_DIRECT_BACKUP", "staged").strip().lower()
+    if raw not in ("staged", "dma"):
+        raise InvalidArgumentError(f"environment variable KVTIER_DIRECT_BACKUP={raw!r} must be 'staged' or 'dma'")
+    return raw
+
+
 def kernel_backup() -> str:
     """``KVTIER_KERNEL_BACKUP``: how the ``kernel`` backend backs up ``page_first`` pools. ``staged`` (default):
     backups of at least four staging buffers' worth (256 MiB by default) are gathered page by page into a

@@ -236,6 +236,7 @@ class _HostKVPool:
         # alternate): key -> (the index tensors, kept referenced so their ids stay unique; _Prepared)
         self._prepared: collections.OrderedDict[tuple[Any, ...], tuple[Any, _Prepared]] = collections.OrderedDict()
         self._checked_device: tuple[Any, ...] | None = None
+        self._warm: _WarmLoad | None = None  # the last per-layer load's checked arguments (see _warm_load)
         self._allocate_buffers(pin_memory)
 
     # ---------------------------------------------------------------- shapes and buffers
@@ -422,8 +423,7 @@ class _HostKVPool:
         # the direct backend), the core validates the indices when it plans them (one native call for K and
         # V); the other paths (kernels, torch copies of unpinned memory) are validated here.
         dev = layers[0][0].device
-        planned = dev.type == "cpu" or (
-            dev.type == "cuda" and io_backend == "direct" and all(s.buffer.pinned for s in self._sides()))
+        planned = self._engine.route(io_backend, self._sides(), dev.type, to_host=to_host, tokens=len(h)) in ("cpu", "dma")
         if not planned or len(h) == 0 or len(h) != len(d):
             _native.validate_transfer(h, d, self.size, rows, self.page_size, paged, paged, to_host)
         prepared = _Prepared(h, d, paged)
@@ -438,10 +438,17 @@ class _HostKVPool:
         """Host → device for one layer: ``device.k_buffer[layer_id][device_indices[i]] =
         host K[layer_id][host_indices[i]]``, then V with its own geometry (a separate call). Enqueued on the
         current CUDA stream for CUDA device pools; synchronous for CPU ones."""
+        w = self._warm
+        if (w is not None and type(layer_id) is int and w.matches(self, device_pool, host_indices, device_indices,
+                                                               io_backend, layer_id)):
+            self._engine.copy(w.pairs, w.prepared, layer_id, layer_id + 1, to_host=False, backend=io_backend)
+            return
         if isinstance(layer_id, bool) or not isinstance(layer_id, int) or not 0 <= layer_id < self.layer_num:
             raise InvalidArgumentError(f"invalid argument `layer_id`: must be an int in [0, {self.layer_num}), got {layer_id!r}")
         layers, p = self._prepare(device_pool, host_indices, device_indices, io_backend, to_host=False)
-        self._engine.copy(tuple(zip(self._sides(), layers)), p, layer_id, layer_id + 1, to_host=False, backend=io_backend)
+        pairs = tuple(zip(self._sides(), layers))
+        self._warm = _WarmLoad(device_pool, host_indices, device_indices, io_backend, layers, pairs, p)
+        self._engine.copy(pairs, p, layer_id, layer_id + 1, to_host=False, backend=io_backend)
 
     def _load_layers(self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor, io_backend: str,
                      events: Any, background: bool = True,
@@ -479,6 +486,7 @@ class _HostKVPool:
             self._engine.close()  # never unmap memory a copy still reads or writes; drops staging buffers
             self._prepared.clear()
             self._checked_device = None
+            self._warm = None
             # Drop the pool's own views so the memory goes as soon as the caller holds none.
             self.k_buffer = self.v_buffer = self.kv_buffer = None
             self._k_side = self._v_side = None
@@ -569,3 +577,34 @@ def host_pool_for(
     else:
         cls = AsymmetricMHAHostPool if geo.head_dim != geo.v_head_dim else MHAHostPool
     return cls(device_pool, host_to_device_ratio=host_to_device_ratio, host_size_gb=host_size_gb, layout=layout, pin_memory=pin_memory)
+
+
+class _WarmLoad:
+    """The checked arguments of a pool's last per-layer load. A per-layer load is called once per layer with
+    the same pools and index tensors; the next call reuses the checks when it passes the same objects, the
+    index tensors are unchanged (version, and for CPU tensors their contents) and the device tensors of its
+    layer are the ones checked (same objects, same addresses). Anything else takes the full path."""
+
+    __slots__ = ("pool", "host", "device", "backend", "versions", "snapshot", "ptrs", "pairs", "prepared")
+
+    def __init__(self, device_pool: Any, host: Any, device: Any, backend: str, layers: tuple[list[Any], ...],
+                 pairs: tuple[Any, ...], prepared: _Prepared) -> None:
+        self.pool, self.host, self.device, self.backend = device_pool, host, device, backend
+        self.versions = (getattr(host, "_version", None), getattr(device, "_version", None))
+        self.snapshot = tuple(list(ts) for ts in layers)
+        self.ptrs = tuple([t.data_ptr() for t in ts] for ts in layers)
+        self.pairs, self.prepared = pairs, prepared
+
+    def matches(self, pool: Any, device_pool: Any, host: Any, device: Any, backend: str, layer: int) -> bool:
+        if (pool._closed or device_pool is not self.pool or host is not self.host or device is not self.device
+                or backend != self.backend or not 0 <= layer < pool.layer_num
+                or (host._version, device._version) != self.versions):
+            return False
+        live = (device_pool.kv_buffer,) if len(self.snapshot) == 1 else (device_pool.k_buffer, device_pool.v_buffer)
+        for ts, snap, ptrs in zip(live, self.snapshot, self.ptrs):
+            if len(ts) != len(snap):
+                return False
+            t = ts[layer]
+            if t is not snap[layer] or t.data_ptr() != ptrs[layer]:
+                return False
+        return _unchanged(self.prepared, host, device)

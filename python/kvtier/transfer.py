@@ -114,6 +114,9 @@ class TransferEngine:
         # staged only from this many bytes per backup: below, fixed per-run costs outweigh the copy engine's
         # larger PCIe writes (16 pages of A: staged 80-84 %, SM writes 84-87 %; 256 pages: 97 % against 92-94 %)
         self.staged_min_bytes = 4 * self.staging_bytes
+        self.kernel_below = config.direct_kernel_below()  # see route()
+        self.direct_staged = config.direct_backup() == "staged"
+        self.direct_lanes = config.direct_lanes()
         self._staging: dict[Any, _Staging] = {}
         self._stage_lock = threading.Lock()
 
@@ -158,11 +161,41 @@ class TransferEngine:
         self._staging.clear()
         self._side_streams.clear()
 
-    def lanes_for(self, backend: str) -> int:
-        """Streams a ``backend`` transfer spreads K and V over: ``self.lanes`` for ``kernel``; 1 for ``direct``,
-        whose copy engines measured slower with K and V on two streams (geometry C loads: 41 % of the
-        ceiling on one stream, 7 % on two; benches/RESULTS.md)."""
-        return self.lanes if backend == "kernel" else 1
+    def lanes_for(self, backend: str, sides: Sequence[Side] = ()) -> int:
+        """Streams a ``backend`` transfer of ``sides`` spreads K and V over: ``self.lanes`` for ``kernel`` (and
+        for ``direct`` transfers that :meth:`route` runs as kernels); ``self.direct_lanes`` (1) for the copy
+        engine, which measured slower with K and V on two streams (geometry C loads: 41 % of the ceiling on
+        one stream, 7 % on two; benches/RESULTS.md)."""
+        if backend == "kernel" or (sides and self.route(backend, sides, "cuda") == "kernel"):
+            return self.lanes
+        return self.direct_lanes
+
+    def route(self, backend: str, sides: Sequence[Side], device_type: str, *, to_host: bool = False,
+              tokens: int = 0, per_layer: bool = False) -> str:
+        """How a ``backend`` transfer of ``tokens`` between ``sides`` and a ``device_type`` pool moves:
+        ``"cpu"`` (Rust memcpy), ``"torch"`` (unpinned host memory), ``"kernel"`` (Triton gather/scatter),
+        ``"staged"`` (a kernel gathers whole pages into device staging, the copy engine writes them to the
+        host) or ``"dma"`` (the copy engine, one copy per contiguous chunk). ``direct`` is the copy engine
+        except where measurements say otherwise: chunks under ``self.kernel_below`` bytes (a copy costs the
+        copy engine about a microsecond, so 16-24 KiB chunks reach 9-40 % of the ceiling and the kernel
+        85-88 %), and whole-pool backups of page-first layouts from ``self.staged_min_bytes`` up when
+        ``self.direct_staged`` (copy-engine writes of whole pages: 96-98 % against 87-92 % per chunk). The
+        pools validate indices for every route but ``dma`` before planning (``kvtier.pools._prepare``)."""
+        if device_type == "cpu":
+            return "cpu"
+        if not all(side.buffer.pinned for side in sides):
+            return "torch"
+        if backend == "kernel":
+            return "kernel" if kernels.available() else "dma"
+        if not kernels.available():
+            return "dma"
+        if self.kernel_below and min(side.page_size * side.row_bytes for side in sides) < self.kernel_below:
+            return "kernel"
+        if (to_host and not per_layer and self.direct_staged
+                and all(side.layout in ("page_first", "page_first_direct") for side in sides)
+                and tokens * sum(side.layers * side.row_bytes for side in sides) >= self.staged_min_bytes):
+            return "staged"
+        return "dma"
 
     def side_streams(self, device: torch.device, lanes: int | None = None) -> list:
         """The side streams (``lanes`` - 1 of them, default ``self.lanes`` - 1) this engine spreads K and V over
@@ -239,7 +272,7 @@ class TransferEngine:
         ``after``: a CUDA event the copies must follow (on the current stream; for a background submission,
         the submission thread makes the stream wait for it, after ``previous``)."""
         dev = pairs[0][1][0].device if pairs else None
-        if dev is not None and dev.type == "cuda":
+        if dev is not None and dev.type == "cuda" and dev.index is not None and dev.index != torch.cuda.current_device():
             with torch.cuda.device(dev):  # streams, events and launches of the pool's device
                 return self._copy(pairs, prepared, layer_begin, layer_end, to_host, backend, per_layer, events,
                                   hold, background, after, previous)
@@ -249,10 +282,18 @@ class TransferEngine:
     def _copy(self, pairs, prepared, layer_begin, layer_end, to_host, backend, per_layer, events, hold, background,
               after, previous):
         host, device = prepared.host, prepared.device
-        background_direct = (background and per_layer and events is not None and backend == "direct"
-                             and pairs and pairs[0][1][0].device.type == "cuda"
-                             and all(side.buffer.pinned for side, _ in pairs) and len(host) > 0)
-        if after is not None and not background_direct and pairs and pairs[0][1][0].device.type == "cuda":
+        cuda = bool(pairs) and pairs[0][1][0].device.type == "cuda"
+        route = None
+        if cuda and len(host) > 0:
+            # the pools validated the indices for the route taken (see route() and pools._prepare)
+            full = layer_begin == 0 and all(layer_end == side.layers for side, _ in pairs)
+            route = self.route(backend, [side for side, _ in pairs], "cuda", to_host=to_host, tokens=len(host),
+                               per_layer=per_layer or not full)
+            if route == "kernel":
+                backend = "kernel"
+        background_direct = (background and per_layer and events is not None and route == "dma"
+                             and backend == "direct")
+        if after is not None and not background_direct and cuda:
             torch.cuda.current_stream(pairs[0][1][0].device).wait_event(after)
         if len(host) == 0 or not pairs:
             if events is not None:
@@ -271,12 +312,16 @@ class TransferEngine:
                         ev.record()
             return
         regions = tuple(side.buffer._region for side, _ in pairs)
+        if route == "staged":
+            self._staged_backup(pairs, prepared, prepared.gpu(dev)[1], regions)
+            return None
         if backend == "kernel" and dev.type == "cuda" and kernels.available():
             hidx, didx = prepared.gpu(dev)
             total = len(host) * sum(side.layers * side.row_bytes for side, _ in pairs)
             if (to_host and not per_layer and self.staged_backup and layer_begin == 0
                     and total >= self.staged_min_bytes
-                    and all(side.layout == "page_first" and layer_end == side.layers for side, _ in pairs)):
+                    and all(side.layout in ("page_first", "page_first_direct") and layer_end == side.layers
+                            for side, _ in pairs)):
                 self._staged_backup(pairs, prepared, didx, regions)
                 return None
             lanes = len(events[0]) if events is not None else min(self.lanes, len(pairs))
@@ -364,7 +409,12 @@ class TransferEngine:
         Every run costs fixed host work and launch latency, so many small runs starve the copy engine
         (measured: runs of 1, 2, 4, 8 pages gave 80 % of the ceiling at 16 pages of A, SM writes 84–87 %)."""
         dev = didx.device
-        stream = torch.cuda.current_stream(dev)
+        caller = torch.cuda.current_stream(dev)
+        detour = None
+        if self.batch and caller.cuda_stream in DEFAULT_STREAMS and _native.cuda_batch_supported():
+            detour = self.detour_stream(dev)  # as in _copy: the batch API refuses the legacy default stream
+            detour.wait_stream(caller)
+        stream = detour or caller
         with self._stage_lock:
             st = self._staging.get(dev)
             need = max(side.layers * side.row_bytes * side.page_size for side, _ in pairs)
@@ -380,6 +430,8 @@ class TransferEngine:
                 st.gather.synchronize()
                 stream.synchronize()
                 raise
+            if detour is not None:
+                caller.wait_stream(detour)
             self._hold((regions, held, didx))
 
     def _stage_runs(self, pairs, prepared, didx: torch.Tensor, stream, st: _Staging, held: list) -> None:
@@ -406,7 +458,7 @@ class TransferEngine:
                 with torch.cuda.stream(st.gather):
                     st.gather.wait_event(st.copied[buf])
                     launch = kernels.prepare_rows(
-                        host=stage, layout="page_first", slots=end - pos, layers=side.layers,
+                        host=stage, layout=side.layout, slots=end - pos, layers=side.layers,
                         page_size=side.page_size, row_bytes=side.row_bytes, device_layers=tensors,
                         dev_offsets=offsets, host_idx=stage_idx, dev_idx=didx[pos:end], to_host=True,
                         blocks=self.blocks, num_warps=self.num_warps, tile_words=self.tile_words,

@@ -162,6 +162,9 @@ def run_geometry(name, g, pages_list, reps, ceil_up, ceil_down, rows_out, stream
             if backend != "naive":
                 row["loader_us_per_layer"] = round(t_loader * 1e6, 1)
                 row["loader_pct"] = round(100 * nb_layer / t_loader / 1e9 / ceil_up, 1)
+            if backend != "naive":  # what moved the bytes (kvtier.transfer.TransferEngine.route)
+                row["load_route"] = hp._engine.route(backend, hp._sides(), "cuda", tokens=len(h))
+                row["backup_route"] = hp._engine.route(backend, hp._sides(), "cuda", to_host=True, tokens=len(h))
             if backend == "kernel":
                 row["kernel_blocks"] = config.kernel_blocks()
             rows_out.append(row)
@@ -334,16 +337,17 @@ def markdown(res) -> str:
         f"Ceiling (pinned contiguous 2 GiB, the higher of the run's start and end {res.get('ceiling_runs')}): "
         f"H2D {res['ceiling_h2d_GBps']:.1f} GB/s, D2H {res['ceiling_d2h_GBps']:.1f} GB/s. "
         f"Batched DMA available: {res['batch_supported']} (flags {res.get('batch_flags')}). Kernel blocks: {res['kernel_blocks']}, warps {res['kernel_warps']}, "
-        f"lanes {res.get('transfer_lanes')}, backup {res.get('kernel_backup')}.",
+        f"lanes {res.get('transfer_lanes')}, backup {res.get('kernel_backup')}. Direct: kernel below "
+        f"{res.get('direct_kernel_below_kb')} KiB chunks, backup {res.get('direct_backup')}, lanes {res.get('direct_lanes')}.",
         "",
-        "| geom | backend | layout | caller stream | indices | pages | load µs/layer | load GB/s | load % | LayerLoader µs/layer | LayerLoader % | backup ms | backup GB/s | backup % | exact |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| geom | backend | layout | caller stream | indices | pages | load µs/layer | load GB/s | load % | LayerLoader µs/layer | LayerLoader % | backup ms | backup GB/s | backup % | exact | route (load / backup) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in res["rows"]:
         lines.append(
             f"| {r['geometry']} | {r['backend']} | {r['layout']} | {r.get('stream', 'side')} | {r.get('indices', 'cpu')} | {r['pages']} | {r['load_us_per_layer']} | {r['load_GBps']} | "
             f"{r['load_pct']} | {r.get('loader_us_per_layer', '-')} | {r.get('loader_pct', '-')} | {r['backup_ms']} | "
-            f"{r['backup_GBps']} | {r['backup_pct']} | {r['bit_exact']} |"
+            f"{r['backup_GBps']} | {r['backup_pct']} | {r['bit_exact']} | {r.get('load_route', '-')} / {r.get('backup_route', '-')} |"
         )
     if res.get("overlap"):
         lines += ["", "Overlap (geometry A, 256 pages): " + json.dumps(res["overlap"])]
@@ -407,7 +411,8 @@ def main(argv=None):
         "kvtier": kvtier.__version__, "ceiling_h2d_GBps": up, "ceiling_d2h_GBps": down,
         "batch_supported": kvtier._native.cuda_batch_supported(), "kernel_blocks": config.kernel_blocks(),
         "kernel_warps": config.kernel_warps(), "kernel_tile_words": kvtier.transfer.KERNEL_TILE_WORDS, "transfer_lanes": config.transfer_lanes(),
-        "kernel_backup": config.kernel_backup(), "rows": [],
+        "kernel_backup": config.kernel_backup(), "direct_kernel_below_kb": config.direct_kernel_below() >> 10,
+        "direct_backup": config.direct_backup(), "direct_lanes": config.direct_lanes(), "rows": [],
     }
     stream = torch.cuda.Stream()
     for name in args.geoms.split(","):

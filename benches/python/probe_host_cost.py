@@ -1,0 +1,101 @@
+"""Host time of one per-layer load call (kvtier's Python path plus the native submission), measured with the
+GPU held busy so nothing waits on it: a ``torch.cuda._sleep`` kernel occupies the stream, the calls are timed
+on the host, then the stream drains. Also times the native submission alone (cached plans) and the GPU
+time of the same loads, so a per-layer call's floor is visible:
+
+    python benches/python/probe_host_cost.py [--out DIR]
+
+Geometry A (MiMo-like: 48 layers, 4 heads, K 192 / V 128, bf16, page 64) and B (Llama-3.1-8B-like), 16 and
+64 pages, CPU and CUDA index tensors, side and default stream."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+import kvtier
+from kvtier import _native
+from kvtier.benchmarks.transfer import GEOMS, PS, event_time, make_device_pool, page_idx
+
+
+def host_us(fn, calls: int, reps: int = 5) -> float:
+    out = []
+    for _ in range(reps):
+        torch.cuda._sleep(200_000_000)  # ~100 ms of GPU time: nothing the calls enqueue can run before it ends
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        out.append((time.perf_counter() - t0) / calls * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(out)
+
+
+def measure(hp, dp, h, d, stream, mode: str, layers: int) -> tuple[float, float, float, float]:
+    """(warm call, call with every check, native submission alone, end-to-end per layer), µs."""
+    state = {"layer": 0}
+
+    def call() -> None:
+        hp.load_to_device_per_layer(dp, h, d, state["layer"], "direct")
+        state["layer"] = (state["layer"] + 1) % layers
+
+    def cold() -> None:
+        hp._warm = None
+        call()
+
+    call()
+    warm = host_us(call, layers)
+    full = host_us(cold, layers)
+    w = hp._warm
+    plans = hp._engine._plans(w.pairs, w.prepared, False)
+    idx = torch.cuda.current_device()
+    s = hp._engine.detour_stream(dp.k_buffer[0].device) if mode == "default" else stream
+    native = host_us(lambda: _native.submit_layers(plans, 3, 4, idx, s.cuda_stream, [], True, True, []), layers)
+
+    def all_layers() -> None:
+        for layer in range(layers):
+            hp.load_to_device_per_layer(dp, h, d, layer, "direct")
+
+    gpu = event_time(all_layers, 5) / layers * 1e6
+    return warm, full, native, gpu
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    rows = []
+    side = torch.cuda.Stream()
+    for name in ("A", "B"):
+        g = GEOMS[name]
+        dp = make_device_pool(g, 80 * PS)
+        hp = kvtier.host_pool_for(dp, layout="page_first_direct", host_to_device_ratio=1.0)
+        L = g["layers"]
+        for pages in (16, 64):
+            for idev in ("cpu", "cuda"):
+                for mode in ("side", "default"):
+                    h = page_idx(torch.randperm(hp.page_num)[:pages]).to(idev)
+                    d = page_idx(torch.randperm(70)[:pages] + 1).to(idev)
+                    stream = side if mode == "side" else torch.cuda.default_stream()
+                    with torch.cuda.stream(stream):
+                        warm, full, native, gpu = measure(hp, dp, h, d, stream, mode, L)
+                    nbytes = pages * PS * g["heads"] * (g["dk"] + g["dv"]) * 2
+                    row = {"geometry": name, "pages": pages, "indices": idev, "stream": mode,
+                           "host_us_per_call_warm": round(warm, 1), "host_us_per_call_full_checks": round(full, 1),
+                           "native_submit_us": round(native, 1), "us_per_layer_end_to_end": round(gpu, 1),
+                           "bytes_per_layer": nbytes}
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+        hp.close()
+        del dp
+        torch.cuda.empty_cache()
+    if args.out:
+        with open(f"{args.out}/probe-host-cost.json", "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

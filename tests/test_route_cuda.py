@@ -1,0 +1,107 @@
+"""Which mechanism moves a ``direct`` transfer (TransferEngine.route), checked on CUDA for exact bytes:
+small (page, layer) chunks run as kernels, large backups of page-first pools are staged (kernel gather,
+copy-engine page writes), the rest is one copy-engine copy per chunk. Every route is exercised from a side
+stream and from the legacy default stream, with CPU and CUDA index tensors, on random page placements."""
+
+import pytest
+import torch
+
+from kvtier import DeviceKVPool, LayerLoader, backup_async, host_pool_for
+
+pytestmark = pytest.mark.cuda
+
+PS, L = 64, 3
+
+
+def make(heads, dk, dv, layout="page_first_direct", pages=24):
+    dp = DeviceKVPool(pages * PS, PS, L, heads, dk, dv, torch.bfloat16, "cuda")
+    for t in dp.k_buffer + dp.v_buffer:
+        t.view(torch.uint8).random_(0, 256)
+    return dp, host_pool_for(dp, layout=layout, host_to_device_ratio=2.0)
+
+
+def pages_idx(pages, n, device):
+    p = torch.randperm(pages)[:n]
+    return (p[:, None] * PS + torch.arange(PS)).reshape(-1).to(device)
+
+
+def u8(t):
+    return t.contiguous().view(torch.uint8)
+
+
+def snapshot(dp, d):
+    return [u8(t[d]).clone() for t in dp.k_buffer + dp.v_buffer]
+
+
+def check(dp, d, ref):
+    got = snapshot(dp, d)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+
+
+def roundtrip(dp, hp, backend, n, stream, idev):
+    h = pages_idx(hp.page_num, n, idev)
+    d = pages_idx(dp.k_buffer[0].shape[0] // PS, n, idev)
+    ref = snapshot(dp, d.cpu())
+    with torch.cuda.stream(stream):
+        hp.backup_from_device_all_layer(dp, h, d, backend)
+        for t in dp.k_buffer + dp.v_buffer:
+            t.view(torch.uint8).index_fill_(0, d.to("cuda"), 0)  # ordered after the backup on this stream
+        for layer in range(L):
+            hp.load_to_device_per_layer(dp, h, d, layer, backend)
+    torch.cuda.synchronize()
+    check(dp, d.cpu(), ref)
+    for t in dp.k_buffer + dp.v_buffer:
+        t.view(torch.uint8).index_fill_(0, d.to("cuda"), 0)
+    loader = LayerLoader(hp, dp, backend)
+    loader.load(h, d).synchronize()
+    check(dp, d.cpu(), ref)
+    return h
+
+
+@pytest.mark.parametrize("stream_kind", ["side", "default"])
+@pytest.mark.parametrize("idev", ["cpu", "cuda"])
+def test_small_chunks_run_as_kernels_exactly(stream_kind, idev):
+    dp, hp = make(1, 192, 128)  # geometry C: 24 / 16 KiB per (page, layer)
+    eng = hp._engine
+    assert eng.route("direct", hp._sides(), "cuda") == "kernel"
+    assert eng.lanes_for("direct", hp._sides()) == eng.lanes
+    stream = torch.cuda.Stream() if stream_kind == "side" else torch.cuda.default_stream()
+    roundtrip(dp, hp, "direct", 12, stream, idev)
+
+
+def test_small_chunks_on_the_copy_engine_when_disabled(monkeypatch):
+    monkeypatch.setenv("KVTIER_DIRECT_KERNEL_BELOW_KB", "0")
+    dp, hp = make(1, 192, 128)
+    assert hp._engine.route("direct", hp._sides(), "cuda") == "dma"
+    roundtrip(dp, hp, "direct", 12, torch.cuda.Stream(), "cpu")
+
+
+@pytest.mark.parametrize("stream_kind", ["side", "default"])
+@pytest.mark.parametrize("layout, backend", [("page_first_direct", "direct"), ("page_first", "kernel")])
+def test_staged_backups_are_exact(stream_kind, layout, backend):
+    dp, hp = make(4, 192, 128, layout=layout)  # 96 / 64 KiB chunks: direct stays on the copy engine
+    eng = hp._engine
+    eng.staged_min_bytes = 1  # stage every backup
+    eng.staging_bytes = 2 * L * PS * 4 * 192 * 2  # two pages per run: several runs alternate the buffers
+    assert eng.route(backend, hp._sides(), "cuda", to_host=True, tokens=PS) in ("staged", "kernel")
+    assert eng.route(backend, hp._sides(), "cuda", tokens=PS) in ("dma", "kernel")  # loads are never staged
+    stream = torch.cuda.Stream() if stream_kind == "side" else torch.cuda.default_stream()
+    roundtrip(dp, hp, backend, 9, stream, "cpu")
+
+
+def test_staged_direct_backup_follows_its_producer():
+    dp, hp = make(4, 192, 128, pages=32)
+    hp._engine.staged_min_bytes = 1
+    h, d = hp.alloc(32 * PS), torch.arange(32 * PS)
+    producer = torch.cuda.Stream()
+    a = torch.randn(4096, 4096, device="cuda")
+    for it in range(10):
+        with torch.cuda.stream(producer):
+            for _ in range(3):
+                a = (a @ a).clamp_(-1, 1)
+            for t in dp.k_buffer + dp.v_buffer:
+                t.view(torch.uint8).fill_(it + 1)
+            ev = producer.record_event()
+        backup_async(hp, dp, h, d, "direct", after=ev).synchronize()
+        assert bool((u8(hp.k_buffer)[h[::PS] // PS] == it + 1).all()), f"iteration {it}: staged backup read stale KV"
+        assert bool((u8(hp.v_buffer)[h[::PS] // PS] == it + 1).all())

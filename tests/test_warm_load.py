@@ -1,0 +1,94 @@
+"""The per-layer load's warm path (pools._WarmLoad): a repeated call reuses the previous call's checks only
+while every object it checked is unchanged. Each test changes one thing between two per-layer calls and
+checks that the second call sees it (new data lands where the new arguments say, or a clear error)."""
+
+import pytest
+import torch
+
+import kvtier
+from kvtier._errors import ClosedError, InvalidArgumentError
+
+PS = 4
+
+
+def pools():
+    dp = kvtier.DeviceKVPool(16 * PS, PS, 3, 2, 8, 4, torch.bfloat16, "cpu")
+    hp = kvtier.host_pool_for(dp, layout="page_first_direct", host_to_device_ratio=2.0)
+    return dp, hp
+
+
+def fill(hp, h):
+    for layer in range(hp.layer_num):
+        for buf in (hp.k_buffer, hp.v_buffer):
+            pages = h[::PS] // PS
+            buf[pages, layer] = torch.randn(buf[pages, layer].shape).to(buf.dtype)
+
+
+def expect(hp, dp, h, d, layer):
+    for side, dev in ((hp.k_buffer, dp.k_buffer), (hp.v_buffer, dp.v_buffer)):
+        want = side[h[::PS] // PS, layer].reshape(-1, *side.shape[-2:])
+        got = dev[layer][d].reshape(want.shape)
+        assert torch.equal(got, want)
+
+
+def test_repeated_layers_land_exactly():
+    dp, hp = pools()
+    h, d = hp.alloc(2 * PS), torch.arange(PS, 3 * PS)
+    fill(hp, h)
+    for layer in range(hp.layer_num):
+        hp.load_to_device_per_layer(dp, h, d, layer, "direct")
+        expect(hp, dp, h, d, layer)
+    assert hp._warm is not None and hp._warm.host is h
+
+
+def test_replaced_layer_tensor_is_seen():
+    dp, hp = pools()
+    h, d = hp.alloc(2 * PS), torch.arange(PS, 3 * PS)
+    fill(hp, h)
+    hp.load_to_device_per_layer(dp, h, d, 0, "direct")
+    new = torch.zeros_like(dp.k_buffer[1])
+    dp.k_buffer[1] = new  # same list, new tensor for layer 1
+    hp.load_to_device_per_layer(dp, h, d, 1, "direct")
+    assert dp.k_buffer[1] is new
+    expect(hp, dp, h, d, 1)
+    bad = torch.zeros(dp.k_buffer[2].shape[0], 2, 5, dtype=torch.bfloat16)
+    dp.k_buffer[2] = bad  # a wrong shape must be refused, not copied into
+    with pytest.raises(InvalidArgumentError, match="k_buffer"):
+        hp.load_to_device_per_layer(dp, h, d, 2, "direct")
+
+
+def test_indices_rewritten_in_place_are_seen():
+    dp, hp = pools()
+    h, d = hp.alloc(2 * PS), torch.arange(PS, 3 * PS)
+    fill(hp, h)
+    hp.load_to_device_per_layer(dp, h, d, 0, "direct")
+    d.numpy()[:] = torch.arange(8 * PS, 10 * PS).numpy()  # no version bump: the contents check sees it
+    hp.load_to_device_per_layer(dp, h, d, 1, "direct")
+    expect(hp, dp, h, d, 1)
+    d.numpy()[0] = 10**6  # out of range: refused, not copied
+    with pytest.raises(InvalidArgumentError):
+        hp.load_to_device_per_layer(dp, h, d, 2, "direct")
+
+
+def test_bad_layer_and_closed_pool_after_warm_call():
+    dp, hp = pools()
+    h, d = hp.alloc(PS), torch.arange(PS)
+    hp.load_to_device_per_layer(dp, h, d, 0, "direct")
+    for bad in (-1, 3, True, 1.0):
+        with pytest.raises(InvalidArgumentError, match="layer_id"):
+            hp.load_to_device_per_layer(dp, h, d, bad, "direct")
+    hp.close()
+    with pytest.raises(ClosedError):
+        hp.load_to_device_per_layer(dp, h, d, 1, "direct")
+
+
+def test_other_device_pool_or_backend_takes_the_full_path():
+    dp, hp = pools()
+    h, d = hp.alloc(PS), torch.arange(PS)
+    fill(hp, h)
+    hp.load_to_device_per_layer(dp, h, d, 0, "direct")
+    other = kvtier.DeviceKVPool(16 * PS, PS, 3, 2, 8, 8, torch.bfloat16, "cpu")  # V dim differs
+    with pytest.raises(InvalidArgumentError, match="v_head_dim"):
+        hp.load_to_device_per_layer(other, h, d, 1, "direct")
+    with pytest.raises(InvalidArgumentError):
+        hp.load_to_device_per_layer(dp, h, d, 1, "kernel")  # page_first_direct is not a kernel layout
