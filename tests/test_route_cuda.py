@@ -105,3 +105,23 @@ def test_staged_direct_backup_follows_its_producer():
         backup_async(hp, dp, h, d, "direct", after=ev).synchronize()
         assert bool((u8(hp.k_buffer)[h[::PS] // PS] == it + 1).all()), f"iteration {it}: staged backup read stale KV"
         assert bool((u8(hp.v_buffer)[h[::PS] // PS] == it + 1).all())
+
+
+@pytest.mark.parametrize("stream_kind", ["side", "default"])
+def test_pool_synchronize_waits_for_warm_per_layer_loads(stream_kind):
+    """Warm per-layer loads hold no event of their own (one mark per stream): synchronize() and close()
+    must still wait for the last of them."""
+    dp, hp = make(4, 192, 128)
+    h, d = hp.alloc(8 * PS), torch.arange(8 * PS)
+    stream = torch.cuda.Stream() if stream_kind == "side" else torch.cuda.default_stream()
+    with torch.cuda.stream(stream):
+        hp.load_to_device_per_layer(dp, h, d, 0, "direct")  # cold: plans and caches
+        torch.cuda.synchronize()
+        torch.cuda._sleep(100_000_000)  # the copies below queue behind ~50 ms of GPU work
+        for layer in range(L):
+            hp.load_to_device_per_layer(dp, h, d, layer, "direct")
+        assert hp._warm is not None
+        assert not stream.query()
+        hp.synchronize()
+        assert stream.query(), "synchronize() returned before the warm loads had run"
+    hp.close()

@@ -63,10 +63,46 @@ def measure(hp, dp, h, d, stream, mode: str, layers: int) -> tuple[float, float,
     return warm, full, native, gpu
 
 
+def primitives() -> dict:
+    """Host µs of the torch and driver calls one per-layer call makes (GPU busy, as above)."""
+    s = torch.cuda.Stream()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    with torch.cuda.stream(s):
+        prims = {
+            "torch.cuda.current_stream": lambda: torch.cuda.current_stream(dev),
+            "torch.cuda.current_device": torch.cuda.current_device,
+            "Event()+record": lambda: torch.cuda.Event().record(),
+            "stream.wait_stream": lambda: s.wait_stream(torch.cuda.default_stream()),
+            "torch.cuda.device(dev) enter/exit": lambda: torch.cuda.device(dev).__enter__(),
+        }
+        return {k: round(host_us(f, 200), 2) for k, f in prims.items()}
+
+
+def profile(hp, dp, h, d, layers: int, path: str | None) -> None:
+    import cProfile
+    import pstats
+
+    pr = cProfile.Profile()
+    torch.cuda._sleep(400_000_000)
+    pr.enable()
+    for _ in range(4):
+        for layer in range(layers):
+            hp.load_to_device_per_layer(dp, h, d, layer, "direct")
+    pr.disable()
+    torch.cuda.synchronize()
+    st = pstats.Stats(pr).sort_stats("tottime")
+    st.print_stats(18)
+    if path:
+        with open(path, "w") as f:
+            pstats.Stats(pr, stream=f).sort_stats("tottime").print_stats(30)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    prims = primitives()
+    print(json.dumps(prims), flush=True)
     rows = []
     side = torch.cuda.Stream()
     for name in ("A", "B"):
@@ -82,6 +118,8 @@ def main() -> None:
                     stream = side if mode == "side" else torch.cuda.default_stream()
                     with torch.cuda.stream(stream):
                         warm, full, native, gpu = measure(hp, dp, h, d, stream, mode, L)
+                        if name == "A" and pages == 16 and idev == "cpu":
+                            profile(hp, dp, h, d, L, f"{args.out}/profile-{mode}.txt" if args.out else None)
                     nbytes = pages * PS * g["heads"] * (g["dk"] + g["dv"]) * 2
                     row = {"geometry": name, "pages": pages, "indices": idev, "stream": mode,
                            "host_us_per_call_warm": round(warm, 1), "host_us_per_call_full_checks": round(full, 1),
@@ -94,7 +132,7 @@ def main() -> None:
         torch.cuda.empty_cache()
     if args.out:
         with open(f"{args.out}/probe-host-cost.json", "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+            json.dump({"gpu": torch.cuda.get_device_name(), "primitives_us": prims, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

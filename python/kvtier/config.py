@@ -74,12 +74,6 @@ def direct_kernel_below() -> int:
     return _int_env("KVTIER_DIRECT_KERNEL_BELOW_KB", 32, 0) << 10
 
 
-def direct_lanes() -> int:
-    """``KVTIER_DIRECT_LANES`` (default 1, at most 2): streams a copy-engine (``direct``) transfer spreads K
-    and V over, as ``KVTIER_TRANSFER_LANES`` does for kernels."""
-    return min(_int_env("KVTIER_DIRECT_LANES", 1, 1), 2)
-
-
 def direct_backup() -> str:
     """``KVTIER_DIRECT_BACKUP``: how the ``direct`` backend backs up pools of at least 4 ×
     ``KVTIER_STAGING_MB``. ``staged`` (default): a kernel gathers whole pages into device staging buffers

@@ -441,14 +441,14 @@ class _HostKVPool:
         w = self._warm
         if (w is not None and type(layer_id) is int and w.matches(self, device_pool, host_indices, device_indices,
                                                                io_backend, layer_id)):
-            self._engine.copy(w.pairs, w.prepared, layer_id, layer_id + 1, to_host=False, backend=io_backend)
+            self._engine.load_layer(w.pairs, w.prepared, layer_id, io_backend, w.route, w.plans, w.regions)
             return
         if isinstance(layer_id, bool) or not isinstance(layer_id, int) or not 0 <= layer_id < self.layer_num:
             raise InvalidArgumentError(f"invalid argument `layer_id`: must be an int in [0, {self.layer_num}), got {layer_id!r}")
         layers, p = self._prepare(device_pool, host_indices, device_indices, io_backend, to_host=False)
         pairs = tuple(zip(self._sides(), layers))
-        self._warm = _WarmLoad(device_pool, host_indices, device_indices, io_backend, layers, pairs, p)
         self._engine.copy(pairs, p, layer_id, layer_id + 1, to_host=False, backend=io_backend)
+        self._warm = _WarmLoad(self._engine, device_pool, host_indices, device_indices, io_backend, layers, pairs, p)
 
     def _load_layers(self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor, io_backend: str,
                      events: Any, background: bool = True,
@@ -585,15 +585,21 @@ class _WarmLoad:
     index tensors are unchanged (version, and for CPU tensors their contents) and the device tensors of its
     layer are the ones checked (same objects, same addresses). Anything else takes the full path."""
 
-    __slots__ = ("pool", "host", "device", "backend", "versions", "snapshot", "ptrs", "pairs", "prepared")
+    __slots__ = ("pool", "host", "device", "backend", "versions", "snapshot", "ptrs", "pairs", "prepared", "route",
+                 "plans", "regions")
 
-    def __init__(self, device_pool: Any, host: Any, device: Any, backend: str, layers: tuple[list[Any], ...],
-                 pairs: tuple[Any, ...], prepared: _Prepared) -> None:
+    def __init__(self, engine: TransferEngine, device_pool: Any, host: Any, device: Any, backend: str,
+                 layers: tuple[list[Any], ...], pairs: tuple[Any, ...], prepared: _Prepared) -> None:
         self.pool, self.host, self.device, self.backend = device_pool, host, device, backend
         self.versions = (getattr(host, "_version", None), getattr(device, "_version", None))
         self.snapshot = tuple(list(ts) for ts in layers)
         self.ptrs = tuple([t.data_ptr() for t in ts] for ts in layers)
         self.pairs, self.prepared = pairs, prepared
+        sides = [side for side, _ in pairs]
+        self.route = engine.route(backend, sides, layers[0][0].device.type, tokens=len(prepared.host))
+        # the plans the first call made and cached (the copy engine's route only)
+        self.plans = engine._plans(pairs, prepared, False) if self.route == "dma" and len(prepared.host) else None
+        self.regions = tuple(side.buffer._region for side in sides)
 
     def matches(self, pool: Any, device_pool: Any, host: Any, device: Any, backend: str, layer: int) -> bool:
         if (pool._closed or device_pool is not self.pool or host is not self.host or device is not self.device

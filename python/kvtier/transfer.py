@@ -107,7 +107,8 @@ class TransferEngine:
         self.prefetch = True
         self.lanes = config.transfer_lanes()
         self._side_streams: dict[Any, list] = {}  # (device, caller stream) -> side streams, LRU order
-        self._detours: dict[Any, Any] = {}  # (device, thread) -> the stream default-stream copies run on
+        self._detours: dict[Any, Any] = {}  # (device, thread) -> (stream default-stream copies run on, fork, join)
+        self._marks: dict[Any, list] = {}  # (device, stream) -> [event after the last warm load, its refs]
         self.last_submit: tuple[int, int] | None = None  # (copies, batch calls) of the last direct submission
         self.staged_backup = config.kernel_backup() == "staged"
         self.staging_bytes = config.staging_bytes()
@@ -116,7 +117,6 @@ class TransferEngine:
         self.staged_min_bytes = 4 * self.staging_bytes
         self.kernel_below = config.direct_kernel_below()  # see route()
         self.direct_staged = config.direct_backup() == "staged"
-        self.direct_lanes = config.direct_lanes()
         self._staging: dict[Any, _Staging] = {}
         self._stage_lock = threading.Lock()
 
@@ -142,6 +142,8 @@ class TransferEngine:
 
     def synchronize(self) -> None:
         """Wait for every copy this engine issued (used before a pool releases its memory)."""
+        for event, _ in list(self._marks.values()):
+            event.synchronize()
         while True:
             with self._inflight_lock:
                 if not self._inflight:
@@ -158,17 +160,18 @@ class TransferEngine:
     def close(self) -> None:
         """Waits for every copy, then drops the staging buffers and side streams (a closing pool calls it)."""
         self.synchronize()
+        self._marks.clear()
         self._staging.clear()
         self._side_streams.clear()
 
     def lanes_for(self, backend: str, sides: Sequence[Side] = ()) -> int:
         """Streams a ``backend`` transfer of ``sides`` spreads K and V over: ``self.lanes`` for ``kernel`` (and
-        for ``direct`` transfers that :meth:`route` runs as kernels); ``self.direct_lanes`` (1) for the copy
-        engine, which measured slower with K and V on two streams (geometry C loads: 41 % of the ceiling on
-        one stream, 7 % on two; benches/RESULTS.md)."""
+        for ``direct`` transfers that :meth:`route` runs as kernels); 1 for the copy engine, which measured
+        slower with K and V on two streams (geometry C loads: 41 % of the ceiling on one stream, 7 % on two;
+        16 pages of A: 62.5 % against 75.2 %; benches/RESULTS.md)."""
         if backend == "kernel" or (sides and self.route(backend, sides, "cuda") == "kernel"):
             return self.lanes
-        return self.direct_lanes
+        return 1
 
     def route(self, backend: str, sides: Sequence[Side], device_type: str, *, to_host: bool = False,
               tokens: int = 0, per_layer: bool = False) -> str:
@@ -220,10 +223,26 @@ class TransferEngine:
         (a third of the speed for per-layer loads and backups); on this stream, forked from the caller's
         and joined back into it, they keep their place in the caller's stream order."""
         key = (device, threading.get_ident())
-        s = self._detours.get(key)
-        if s is None:
-            s = self._detours[key] = torch.cuda.Stream(device)  # non-blocking: joined by events only
-        return s
+        d = self._detours.get(key)
+        if d is None:
+            # non-blocking: joined by events only. The fork and join events are re-recorded for every call: a
+            # stream wait applies to the record made before it, so reusing them saves creating two per call.
+            d = self._detours[key] = (torch.cuda.Stream(device), torch.cuda.Event(), torch.cuda.Event())
+        return d[0]
+
+    def _fork(self, device: torch.device, caller: Any) -> Any:
+        """The detour stream of ``caller`` (a default stream), made to wait for everything ``caller`` was given
+        so far; :meth:`_join` then makes ``caller`` wait for what the detour was given."""
+        self.detour_stream(device)
+        d = self._detours[(device, threading.get_ident())]
+        d[1].record(caller)
+        d[0].wait_event(d[1])
+        return d
+
+    @staticmethod
+    def _join(caller: Any, d: Any) -> None:
+        d[2].record(d[0])
+        caller.wait_event(d[2])
 
     def _offsets(self, tensors: Sequence[torch.Tensor], word: int) -> tuple[torch.Tensor, int]:
         """The device-layer offset table (see :func:`kernels.layer_offsets`) of a device-layer list. The pools
@@ -278,6 +297,45 @@ class TransferEngine:
                                   hold, background, after, previous)
         return self._copy(pairs, prepared, layer_begin, layer_end, to_host, backend, per_layer, events, hold,
                           background, after, previous)
+
+    def load_layer(self, pairs: Sequence[tuple[Side, Sequence[torch.Tensor]]], prepared: Any, layer: int,
+                   backend: str, route: str, plans: Any, regions: tuple) -> None:
+        """Host → device for one ``layer``: what ``copy(pairs, prepared, layer, layer + 1, to_host=False,
+        backend=backend)`` does, for a repeated per-layer load whose ``route`` and DMA ``plans`` the pool has
+        already derived (``kvtier.pools._WarmLoad``). Only the copy-engine path on the current device is
+        shortened; the host time of a 16-page per-layer call bounds it (benches/RESULTS.md §4)."""
+        dev = pairs[0][1][0].device
+        if route != "dma" or plans is None or dev.index != torch.cuda.current_device():
+            self.copy(pairs, prepared, layer, layer + 1, to_host=False, backend=backend)
+            return
+        stream = torch.cuda.current_stream(dev)
+        detour = None
+        if self.batch and stream.cuda_stream in DEFAULT_STREAMS and _native.cuda_batch_supported():
+            detour = self._fork(dev, stream)  # fork and join, as in _copy
+        self.last_submit = _native.submit_layers(
+            plans, layer, layer + 1, dev.index, (detour[0] if detour else stream).cuda_stream, [], self.batch,
+            False, [],
+        )
+        if detour is not None:
+            self._join(stream, detour)
+        self._mark(dev, stream, (regions, plans))
+
+    def _mark(self, dev: torch.device, stream: Any, refs: tuple) -> None:
+        """``_hold`` for repeated per-layer loads: one event per (device, caller stream), re-recorded after
+        every load on it, marks the last of them (a stream runs in order, so it passes every earlier one
+        first); :meth:`synchronize` waits for it. Creating an event per call cost 7.6 µs of a 16-page call's
+        ~50 µs (benches/results/h200-probe-host-cost.json). ``refs`` (the pool's host regions and the plans,
+        the same objects for every call of a warm load) stay referenced until the mark is dropped."""
+        key = (dev.index, stream.cuda_stream)
+        entry = self._marks.get(key)
+        if entry is None:
+            entry = self._marks[key] = [torch.cuda.Event(), refs]
+            with self._inflight_lock:
+                while len(self._marks) > 8:  # an old mark is waited for like any other hold
+                    old = self._marks.pop(next(iter(self._marks)))
+                    self._inflight.append((old[0], None, old[1]))
+        entry[1] = refs
+        entry[0].record(stream)
 
     def _copy(self, pairs, prepared, layer_begin, layer_end, to_host, backend, per_layer, events, hold, background,
               after, previous):
@@ -356,13 +414,13 @@ class TransferEngine:
         detour = None
         if self.batch and stream.cuda_stream in DEFAULT_STREAMS and _native.cuda_batch_supported():
             # fork: the copies wait for everything the caller's stream was given before them ...
-            detour = self.detour_stream(dev)
-            detour.wait_stream(stream)
+            detour = self._fork(dev, stream)
         self.last_submit = _native.submit_layers(
-            plans, layer_begin, layer_end, index, (detour or stream).cuda_stream, sides, self.batch, per_layer, handles,
+            plans, layer_begin, layer_end, index, (detour[0] if detour else stream).cuda_stream, sides, self.batch,
+            per_layer, handles,
         )
         if detour is not None:
-            stream.wait_stream(detour)  # ... and join: what the caller gives it next waits for the copies
+            self._join(stream, detour)  # ... and join: what the caller gives it next waits for the copies
         if hold:
             self._hold((regions, plans))  # recorded on the caller's stream, after the join
         return None

@@ -338,7 +338,7 @@ def markdown(res) -> str:
         f"H2D {res['ceiling_h2d_GBps']:.1f} GB/s, D2H {res['ceiling_d2h_GBps']:.1f} GB/s. "
         f"Batched DMA available: {res['batch_supported']} (flags {res.get('batch_flags')}). Kernel blocks: {res['kernel_blocks']}, warps {res['kernel_warps']}, "
         f"lanes {res.get('transfer_lanes')}, backup {res.get('kernel_backup')}. Direct: kernel below "
-        f"{res.get('direct_kernel_below_kb')} KiB chunks, backup {res.get('direct_backup')}, lanes {res.get('direct_lanes')}.",
+        f"{res.get('direct_kernel_below_kb')} KiB chunks, backup {res.get('direct_backup')}.",
         "",
         "| geom | backend | layout | caller stream | indices | pages | load µs/layer | load GB/s | load % | LayerLoader µs/layer | LayerLoader % | backup ms | backup GB/s | backup % | exact | route (load / backup) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -412,7 +412,7 @@ def main(argv=None):
         "batch_supported": kvtier._native.cuda_batch_supported(), "kernel_blocks": config.kernel_blocks(),
         "kernel_warps": config.kernel_warps(), "kernel_tile_words": kvtier.transfer.KERNEL_TILE_WORDS, "transfer_lanes": config.transfer_lanes(),
         "kernel_backup": config.kernel_backup(), "direct_kernel_below_kb": config.direct_kernel_below() >> 10,
-        "direct_backup": config.direct_backup(), "direct_lanes": config.direct_lanes(), "rows": [],
+        "direct_backup": config.direct_backup(), "rows": [],
     }
     stream = torch.cuda.Stream()
     for name in args.geoms.split(","):
