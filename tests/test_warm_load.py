@@ -92,3 +92,17 @@ def test_other_device_pool_or_backend_takes_the_full_path():
         hp.load_to_device_per_layer(other, h, d, 1, "direct")
     with pytest.raises(InvalidArgumentError):
         hp.load_to_device_per_layer(dp, h, d, 1, "kernel")  # page_first_direct is not a kernel layout
+
+
+def test_index_tensor_given_new_storage_is_seen():
+    """`t.data = other` changes neither the object nor its version: the address and length checks see it."""
+    dp, hp = pools()
+    h, d = hp.alloc(2 * PS), torch.arange(PS, 3 * PS)
+    fill(hp, h)
+    hp.load_to_device_per_layer(dp, h, d, 0, "direct")
+    d.data = torch.arange(6 * PS, 7 * PS)  # shorter, elsewhere
+    with pytest.raises(InvalidArgumentError):  # one device page for two host pages: refused
+        hp.load_to_device_per_layer(dp, h, d, 1, "direct")
+    d.data = torch.arange(10 * PS, 12 * PS)
+    hp.load_to_device_per_layer(dp, h, d, 1, "direct")
+    expect(hp, dp, h, d, 1)

@@ -586,7 +586,7 @@ class _WarmLoad:
     layer are the ones checked (same objects, same addresses). Anything else takes the full path."""
 
     __slots__ = ("pool", "host", "device", "backend", "versions", "snapshot", "ptrs", "pairs", "prepared", "route",
-                 "plans", "regions")
+                 "plans", "regions", "contents")
 
     def __init__(self, engine: TransferEngine, device_pool: Any, host: Any, device: Any, backend: str,
                  layers: tuple[list[Any], ...], pairs: tuple[Any, ...], prepared: _Prepared) -> None:
@@ -600,6 +600,13 @@ class _WarmLoad:
         # the plans the first call made and cached (the copy engine's route only)
         self.plans = engine._plans(pairs, prepared, False) if self.route == "dma" and len(prepared.host) else None
         self.regions = tuple(side.buffer._region for side in sides)
+        # CPU index tensors: (tensor, its address, a numpy view of it, the validated bytes). Comparing the view's
+        # bytes costs 0.5 µs against 3.6 µs for _unchanged's conversions; the address check makes sure the view
+        # still shows the tensor's memory.
+        self.contents = tuple(
+            (t, t.data_ptr(), t.detach().numpy(), v.tobytes())
+            for t, v in ((host, prepared.host), (device, prepared.device)) if t.device.type == "cpu"
+        )
 
     def matches(self, pool: Any, device_pool: Any, host: Any, device: Any, backend: str, layer: int) -> bool:
         if (pool._closed or device_pool is not self.pool or host is not self.host or device is not self.device
@@ -613,4 +620,7 @@ class _WarmLoad:
             t = ts[layer]
             if t is not snap[layer] or t.data_ptr() != ptrs[layer]:
                 return False
-        return _unchanged(self.prepared, host, device)
+        for t, ptr, view, validated in self.contents:
+            if t.data_ptr() != ptr or t.numel() * 8 != len(validated) or view.tobytes() != validated:
+                return False
+        return True

@@ -30,10 +30,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
-from . import _native, config, kernels
+from . import _native, _staging, config, kernels
 from ._errors import InvalidArgumentError
 
 if TYPE_CHECKING:
@@ -117,7 +116,7 @@ class TransferEngine:
         self.staged_min_bytes = 4 * self.staging_bytes
         self.kernel_below = config.direct_kernel_below()  # see route()
         self.direct_staged = config.direct_backup() == "staged"
-        self._staging: dict[Any, _Staging] = {}
+        self._staging: dict[Any, _staging.Staging] = {}
         self._stage_lock = threading.Lock()
 
     # -- lifetime of in-flight copies ----------------------------------------------------------------
@@ -458,96 +457,9 @@ class TransferEngine:
         return out
 
     def _staged_backup(self, pairs, prepared, didx: torch.Tensor, regions: tuple) -> None:
-        """Device → host for every layer of ``page_first`` pools: the kernel gathers a run of tokens (all
-        layers) into a device staging buffer in the host's page-first order, then the copy engine moves it
-        to the host as chunks contiguous on both sides (whole pages, or runs of pages). Gathers run on a
-        helper stream, copies on the current stream, alternating between two buffers, so the gather of run
-        k+1 overlaps the copy of run k; the copies wait for their gather and each gather for the copy that last
-        read its buffer. Runs are as large as a buffer (whole pages), the first at most half the transfer.
-        Every run costs fixed host work and launch latency, so many small runs starve the copy engine
-        (measured: runs of 1, 2, 4, 8 pages gave 80 % of the ceiling at 16 pages of A, SM writes 84–87 %)."""
-        dev = didx.device
-        caller = torch.cuda.current_stream(dev)
-        detour = None
-        if self.batch and caller.cuda_stream in DEFAULT_STREAMS and _native.cuda_batch_supported():
-            detour = self.detour_stream(dev)  # as in _copy: the batch API refuses the legacy default stream
-            detour.wait_stream(caller)
-        stream = detour or caller
-        with self._stage_lock:
-            st = self._staging.get(dev)
-            need = max(side.layers * side.row_bytes * side.page_size for side, _ in pairs)
-            if st is None or st.half < need:
-                st = _Staging(dev, max(self.staging_bytes, need))
-                self._staging[dev] = st
-            held: list = [st]
-            try:
-                self._stage_runs(pairs, prepared, didx, stream, st, held)
-            except BaseException:
-                # Nothing of a failed backup may stay in flight: the staging events would no longer say when
-                # a buffer is free, and nothing would hold what the enqueued work reads.
-                st.gather.synchronize()
-                stream.synchronize()
-                raise
-            if detour is not None:
-                caller.wait_stream(detour)
-            self._hold((regions, held, didx))
-
-    def _stage_runs(self, pairs, prepared, didx: torch.Tensor, stream, st: _Staging, held: list) -> None:
-        dev = didx.device
-        start = stream.record_event()  # gathers follow the producer of the device KV
-        st.gather.wait_event(start)
-        held.append(start)
-        k = 0
-        for side, tensors in pairs:
-            token_bytes = side.layers * side.row_bytes
-            cap = max(1, st.half // (token_bytes * side.page_size)) * side.page_size
-            st.ensure_rows(cap)
-            n = len(prepared.host)
-            # the first run is at most half the transfer, so a second run's gather overlaps its copy
-            half = -(-n // 2)
-            size, pos = min(cap, max(side.page_size, -(-half // side.page_size) * side.page_size)), 0
-            offsets = self._offsets(tensors, kernels.word_of(side.row_bytes))
-            held.append(offsets)
-            while pos < n:
-                end = min(n, pos + size)
-                buf = k % 2
-                stage = st.buffers[buf][: (end - pos) * token_bytes]
-                stage_idx = st.arange[: end - pos]
-                with torch.cuda.stream(st.gather):
-                    st.gather.wait_event(st.copied[buf])
-                    launch = kernels.prepare_rows(
-                        host=stage, layout=side.layout, slots=end - pos, layers=side.layers,
-                        page_size=side.page_size, row_bytes=side.row_bytes, device_layers=tensors,
-                        dev_offsets=offsets, host_idx=stage_idx, dev_idx=didx[pos:end], to_host=True,
-                        blocks=self.blocks, num_warps=self.num_warps, tile_words=self.tile_words,
-                        prefetch=self.prefetch,
-                    )
-                    kernels.run_rows([launch], 0, side.layers, per_layer=False)
-                    st.gathered[buf].record(st.gather)
-                stream.wait_event(st.gathered[buf])
-                plan = self._stage_plan(side, prepared, stage, pos, end, st)
-                held.append((plan, stage_idx))
-                _native.submit_layers([plan], 0, 1, dev.index, stream.cuda_stream, [], self.batch, False, [])
-                st.copied[buf].record(stream)
-                k += 1
-                pos = end
-                size = cap
-
-    @staticmethod
-    def _stage_plan(side: Side, prepared: Any, stage: torch.Tensor, pos: int, end: int, st: _Staging):
-        """DMA plan from a staging buffer (one row = one token's every layer) to the host slots
-        ``prepared.host[pos:end]``, validated in Rust like every plan; cached per run for repeated calls."""
-        key = ("stage", side.offset, id(side.buffer), pos, end, stage.data_ptr(), id(st))
-        entry = prepared.plans.get(key)
-        if entry is not None and entry[0] is st:
-            return entry[1]
-        plan = _native.TransferPlan(
-            True, side.buffer._region, side.offset, "page_first", side.slots, side.page_size,
-            side.layers * side.row_bytes, [stage], prepared.host[pos:end], st.arange_np[: end - pos], 0, 1,
-            False, False, side.split,
-        )
-        prepared.plans[key] = (st, plan)
-        return plan
+        """Device → host for every layer of page-first pools through device staging buffers (see
+        :func:`kvtier._staging.staged_backup`)."""
+        _staging.staged_backup(self, pairs, prepared, didx, regions)
 
     @staticmethod
     def _plans(pairs: Sequence[tuple[Side, Sequence[torch.Tensor]]], prepared: Any, to_host: bool) -> list[Any]:
@@ -581,27 +493,3 @@ class TransferEngine:
                 view[index] = target.index_select(0, d).to("cpu")
             else:
                 target.index_copy_(0, d, view[index].to(dev, non_blocking=True))
-
-
-class _Staging:
-    """Two device staging buffers of ``half`` bytes each, the helper stream that gathers into them, and the
-    events that order gathers and copies (see ``TransferEngine._staged_backup``)."""
-
-    def __init__(self, device: torch.device, half: int) -> None:
-        self.half = half
-        self.buffers = [torch.empty(half, dtype=torch.uint8, device=device) for _ in range(2)]
-        self.gather = torch.cuda.Stream(device)
-        self.gathered = [torch.cuda.Event() for _ in range(2)]
-        self.copied = [torch.cuda.Event() for _ in range(2)]
-        for ev in self.copied:
-            ev.record()  # nothing has read the buffers yet
-        self.device = device
-        self.arange_np = np.arange(0, dtype=np.int64)
-        self.arange = torch.empty(0, dtype=torch.int64, device=device)
-
-    def ensure_rows(self, n: int) -> None:
-        """Make ``arange`` (staging row numbers, host and device copies) at least ``n`` long. In-flight gathers
-        keep the slices they were given alive."""
-        if len(self.arange_np) < n:
-            self.arange_np = np.arange(n, dtype=np.int64)
-            self.arange = torch.from_numpy(self.arange_np).to(self.device)
