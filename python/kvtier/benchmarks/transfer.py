@@ -42,6 +42,7 @@ GEOMS = {
     "B": dict(layers=32, heads=8, dk=128, dv=128),
     "C": dict(layers=48, heads=1, dk=192, dv=128),
     "D": dict(layers=61, mla=(512, 64)),  # DeepSeek-V3-like MLA: one latent + rope row per token and layer
+    "E": dict(layers=48, heads=2, dk=192, dv=128),  # MiMo at TP 4: 48 / 32 KiB per page-layer (the route's edge)
 }
 PS = 64
 DT = torch.bfloat16
@@ -387,7 +388,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(prog="kvtier bench transfer")
     ap.add_argument("--out", default=None, help="directory for transfer.json and transfer.md (default: print only)")
     ap.add_argument("--geoms", default="A,B,C,D", help="comma-separated geometries: A MiMo-V2-like (48 layers, 4 heads, K 192 / V 128), B Llama-3.1-8B-like "
-                    "(32, 8, 128/128), C MiMo at TP 8 (48, 1, 192/128), D DeepSeek-V3-like MLA (61 layers, 512+64); "
+                    "(32, 8, 128/128), C MiMo at TP 8 (48, 1, 192/128), D DeepSeek-V3-like MLA (61 layers, 512+64), E MiMo at TP 4 "
+                    "(48, 2, 192/128); "
                     "default A,B,C,D")
     ap.add_argument("--pages", default="16,64,256,1024", help="page counts per call (default 16,64,256,1024)")
     ap.add_argument("--reps", type=int, default=7, help="timed repetitions per cell; medians are reported (default 7)")

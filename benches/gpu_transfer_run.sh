@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The H200 run behind benches/results/h200-transfer.* (issue #14), in one device call (< 10 min):
+#   here:  make gpu-wheel; ../shared/anchors/fetch_wheels.sh .whl-anchor; cp ../shared/anchors/*.py .anchor/
+#   there: bash benches/gpu_transfer_run.sh OUTDIR
+# 1. every transfer-bench cell (A/B/C/D x 16/64/256/1024 pages x both backends x side/default stream x CPU/CUDA
+#    indices, and the kernel block sweep); 2. the CUDA tests; 3. SGLang's JIT kernels (the anchor) in the same
+#    session; 4. D alone at 1024 pages (is the kernel's miss there the run order?); 5. geometry E (48/32 KiB
+#    chunks) on the copy engine and as kernels (the edge of KVTIER_DIRECT_KERNEL_BELOW_KB).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${1:?usage: gpu_transfer_run.sh OUTDIR}
+tmp=$(mktemp -d)
+. benches/gpu_env.sh
+bench() { timeout "$1" python3 -m kvtier bench transfer --no-overlap --reps 5 --streams side --indices cpu "${@:3}" --out "$tmp/$2" > "$tmp/$2.log" 2>&1; cp "$tmp/$2/transfer.json" "$out/$2.json"; }
+bench 330 transfer --geoms A,B,C,D --pages 16,64,256,1024 --streams side,default --indices cpu,cuda
+cp "$tmp/transfer/transfer.md" "$out/transfer.md"; tail -2 "$tmp/transfer.log"
+timeout 150 python3 -m pytest tests/test_buffer.py tests/test_default_stream_cuda.py tests/test_pools_cuda.py tests/test_pools_mla.py tests/test_route_cuda.py tests/test_transfer_cuda.py tests/test_overlap.py tests/test_kernels_abi.py tests/test_warm_load.py tests/test_engine_lifetime.py tests/test_readme.py -p no:cacheprovider -q -rs 2>&1 | tail -25 > "$out/pytest-cuda.log"; tail -2 "$out/pytest-cuda.log"
+bench 40 d1024 --geoms D --pages 1024 --no-sweep
+bench 50 e-dma --geoms E --pages 64,256 --no-sweep
+KVTIER_DIRECT_KERNEL_BELOW_KB=64 bench 50 e-kernel --geoms E --pages 64,256 --no-sweep
+if [ -d .whl-anchor ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/anc .whl-anchor/*.whl
+  mkdir -p "$tmp/anc"; OUT="$tmp/anc" PYTHONPATH="/tmp/anc:$PYTHONPATH" timeout 120 python3 .anchor/sglang_hicache_anchor.py > "$tmp/anc.log" 2>&1
+  cp "$tmp"/anc/*.json "$out/sglang-anchor.json"; tail -2 "$tmp/anc.log"
+fi
