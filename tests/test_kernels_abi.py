@@ -19,7 +19,7 @@ def ptx(params, entries=1, body="ld.global.v2.b64 %rd1, [%rd2];\n st.global.v2.b
     return ".version 8.7\n.target sm_90a\n" + entry * entries
 
 
-GOOD = [POINTER] * 5 + [INT] * 6 + [POINTER] * 2  # 5 pointers, 6 ints, global + profile scratch
+GOOD = [POINTER] * 5 + [INT] * 7 + [POINTER] * 2  # 5 pointers, 7 ints, global + profile scratch
 
 
 def compiled(params=GOOD, entries=1, function=0x1234, **md):
@@ -31,20 +31,20 @@ def compiled(params=GOOD, entries=1, function=0x1234, **md):
 def test_the_expected_parameter_list_launches_natively():
     abi = kernels._abi_of(compiled())
     assert abi.function == 0x1234 and not abi.reason
-    assert abi.widths == (8,) * 5 + (4,) * 6 + (8, 8)
+    assert abi.widths == (8,) * 5 + (4,) * 7 + (8, 8)
     assert abi.block == 256 and abi.shared == 0 and abi.registers == 40
     assert "ld.global.v2.b64" in abi.memory_ops
     # without scratch pointers (older Triton) too
-    assert kernels._abi_of(compiled(params=GOOD[:11])).function == 0x1234
+    assert kernels._abi_of(compiled(params=GOOD[:12])).function == 0x1234
 
 
 @pytest.mark.parametrize(
     "case, params, md",
     [
-        ("an int passed as 64 bits", [POINTER] * 5 + [INT] * 5 + [".param .u64 _rows_kernel_param_{i}"] + [POINTER] * 2, {}),
+        ("an int passed as 64 bits", [POINTER] * 5 + [INT] * 6 + [".param .u64 _rows_kernel_param_{i}"] + [POINTER] * 2, {}),
         ("a parameter of another kind", GOOD + [".param .align 8 .b8 _rows_kernel_param_{i}[16]"], {}),
         ("three trailing pointers", GOOD + [POINTER], {}),
-        ("a missing parameter", GOOD[:10], {}),
+        ("a missing parameter", GOOD[:11], {}),
         ("global scratch memory", GOOD, {"global_scratch_size": 256}),
         ("programmatic dependent launch", GOOD, {"launch_pdl": True}),
         ("a cluster launch", GOOD, {"num_ctas": 2}),
@@ -63,8 +63,8 @@ def test_no_handle_or_two_entries_stay_on_tritons_launcher():
 
 def test_a_launch_whose_work_count_overflows_32_bits_is_refused_before_it_runs():
     t = torch.zeros(4, dtype=torch.int64)
-    consts = dict(ROW_WORDS=192, LAYOUT=1, TO_HOST=False, BLOCK_T=32, BLOCK_W=64, ALIGN=64, PREFETCH=True)
-    huge = kernels.RowsLaunch(t, t, t, t, t, (1 << 30, 1 << 30, 48, 64), consts, 16, 8, ("test",))
+    consts = dict(ROW_WORDS=192, TO_HOST=False, BLOCK_T=32, BLOCK_W=64, ALIGN=64, PREFETCH=True)
+    huge = kernels.RowsLaunch(t, t, t, t, t, (1 << 30, 48 * 64, 48, 1, 64), consts, 16, 8, ("test",), 48)
     with pytest.raises(ValueError, match="too many"):
         kernels.run_rows([huge], 0, 48, per_layer=False)
     with pytest.raises(ValueError, match="too many"):
@@ -74,9 +74,9 @@ def test_a_launch_whose_work_count_overflows_32_bits_is_refused_before_it_runs()
 def test_a_launch_that_overflows_only_over_all_layers_runs_layer_by_layer(monkeypatch):
     # n_tok * sub-rows fits 32 bits for one layer but not for 48: an all-layer launch is split per layer
     t = torch.zeros(4, dtype=torch.int64)
-    consts = dict(ROW_WORDS=192, LAYOUT=1, TO_HOST=False, BLOCK_T=32, BLOCK_W=64, ALIGN=64, PREFETCH=True)
+    consts = dict(ROW_WORDS=192, TO_HOST=False, BLOCK_T=32, BLOCK_W=64, ALIGN=64, PREFETCH=True)
     n_tok = (1 << 31) // 3 // 8  # x 3 sub-rows: under 2^31 for one layer, over it for 48
-    x = kernels.RowsLaunch(t, t, t, t, t, (n_tok, 1 << 30, 48, 64), consts, 16, 8, ("test",))
+    x = kernels.RowsLaunch(t, t, t, t, t, (n_tok, 48 * 64, 48, 1, 64), consts, 16, 8, ("test",), 48)
     calls = []
     monkeypatch.setattr(kernels.RowsLaunch, "run_triton", lambda self, layer, n: calls.append((layer, n)))
     kernels.run_rows([x], 0, 48, per_layer=False)

@@ -8,7 +8,7 @@ from typing import Any, final
 __all__ = [
     "HostRegion", "Progress", "PageAllocator", "TransferPlan", "PageStore", "HostRanges", "namespace_dir", "page_hashes", "disk_roofline",
     "fault_set", "fault_clear", "fault_points", "fault_hits", "cuda_host_registered", "cuda_driver_available",
-    "validate_transfer", "plan_sides", "copy_cpu", "page_numbers", "cuda_batch_supported", "cuda_batch_flags", "cuda_set_batch_limit",
+    "validate_transfer", "plan_sides", "copy_cpu", "page_numbers", "host_layout", "page_extents", "cuda_batch_supported", "cuda_batch_flags", "cuda_set_batch_limit",
     "submit_layers", "submit_layers_background", "Submission", "launch_layers", "__version__",
 ]
 
@@ -139,6 +139,10 @@ def cuda_batch_supported() -> bool: ...
 def cuda_set_batch_limit(limit: int) -> int: ...
 def cuda_batch_flags() -> int: ...
 def page_numbers(indices_: Any, page_size: int, page_num: int) -> list[int]: ...
+def host_layout(layout: str, layers: int, slots: int, page_size: int, row_bytes: int) -> tuple[int, int, int, int]: ...
+def page_extents(
+    layout: str, layers: int, slots: int, page_size: int, row_bytes: int, pages: list[int]
+) -> list[tuple[int, int]]: ...
 def validate_transfer(
     host_indices: Any,
     device_indices: Any,

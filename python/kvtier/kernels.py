@@ -39,9 +39,10 @@ except ImportError:  # pragma: no cover - torch's CUDA wheels ship triton
     triton = None
     tl = None
 
-LAYOUT_CODES = {"layer_first": 0, "page_first": 1, "page_first_direct": 2}
-# runtime parameters of _rows_kernel, in order; LAYER_PARAM is the index of ``layer0``
-_PARAMS = ("host_ptr", "dev_ptr", "dev_offs", "host_idx", "dev_idx", "n_tok", "layer0", "n_layers", "S", "L", "PS")
+# runtime parameters of _rows_kernel, in order; LAYER_PARAM is the index of ``layer0``. SP, ST, SL: the host
+# layout's strides in rows (page, token inside a page, layer), as the core computes them (_native.host_layout)
+_PARAMS = ("host_ptr", "dev_ptr", "dev_offs", "host_idx", "dev_idx", "n_tok", "layer0", "n_layers", "SP", "ST", "SL",
+           "PS")
 _POINTERS = 5
 LAYER_PARAM = 6
 
@@ -53,9 +54,8 @@ def available() -> bool:
 if triton is not None:
 
     @triton.jit
-    def _tile(start, host_idx, dev_idx, dev_offs, n_items, n_tok, layer0, S, L, PS,
-              ROW_WORDS: tl.constexpr, LAYOUT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr,
-              ALIGN: tl.constexpr):
+    def _tile(start, host_idx, dev_idx, dev_offs, n_items, n_tok, layer0, SP, ST, SL, PS,
+              ROW_WORDS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr, ALIGN: tl.constexpr):
         """Word offsets (host, device) and the live mask of the tile of items starting at ``start``."""
         SUB: tl.constexpr = ROW_WORDS // BLOCK_W
         items = start + tl.arange(0, BLOCK_T)
@@ -68,12 +68,7 @@ if triton is not None:
         layer = layer0 + r // n_tok
         h = tl.load(host_idx + t, mask=live, other=0)
         d = tl.load(dev_idx + t, mask=live, other=0)
-        if LAYOUT == 0:
-            hrow = layer.to(tl.int64) * S + h
-        elif LAYOUT == 1:
-            hrow = h * L + layer
-        else:
-            hrow = ((h // PS) * L + layer) * PS + h % PS
+        hrow = (h // PS) * SP + (h % PS) * ST + layer.to(tl.int64) * SL  # the core's layout (_native.host_layout)
         hbase = tl.multiple_of(hrow * ROW_WORDS + sub * BLOCK_W, ALIGN)
         dbase = tl.multiple_of(tl.load(dev_offs + layer, mask=live, other=0) + d * ROW_WORDS + sub * BLOCK_W, ALIGN)
         cols = tl.arange(0, BLOCK_W)
@@ -81,7 +76,7 @@ if triton is not None:
 
     # Sizes and the layer range are runtime values: without do_not_specialize Triton compiles a new variant
     # when one of them happens to be 1 or a multiple of 16 (seen as a 0.7 s stall on the first load of layer 1).
-    @triton.jit(do_not_specialize=["n_tok", "layer0", "n_layers", "S", "L", "PS"])
+    @triton.jit(do_not_specialize=["n_tok", "layer0", "n_layers", "SP", "ST", "SL", "PS"])
     def _rows_kernel(
         host_ptr,  # host buffer of this side, typed as WORD-byte words (pinned, device-accessible)
         dev_ptr,  # device layer 0, typed the same way
@@ -91,11 +86,11 @@ if triton is not None:
         n_tok,
         layer0,
         n_layers,
-        S,
-        L,
+        SP,
+        ST,
+        SL,
         PS,
         ROW_WORDS: tl.constexpr,
-        LAYOUT: tl.constexpr,
         TO_HOST: tl.constexpr,
         BLOCK_T: tl.constexpr,  # sub-rows per tile
         BLOCK_W: tl.constexpr,  # words per sub-row; divides ROW_WORDS
@@ -107,15 +102,15 @@ if triton is not None:
         n_items = n_tok * n_layers * (ROW_WORDS // BLOCK_W)
         start = pid * BLOCK_T
         if PREFETCH:
-            ho, do, m = _tile(start, host_idx, dev_idx, dev_offs, n_items, n_tok, layer0, S, L, PS,
-                              ROW_WORDS, LAYOUT, BLOCK_T, BLOCK_W, ALIGN)
+            ho, do, m = _tile(start, host_idx, dev_idx, dev_offs, n_items, n_tok, layer0, SP, ST, SL, PS,
+                              ROW_WORDS, BLOCK_T, BLOCK_W, ALIGN)
             if TO_HOST:
                 x = tl.load(dev_ptr + do, mask=m)
             else:
                 x = tl.load(host_ptr + ho, mask=m)
             while start < n_items:
-                nho, ndo, nm = _tile(start + step, host_idx, dev_idx, dev_offs, n_items, n_tok, layer0, S, L, PS,
-                                     ROW_WORDS, LAYOUT, BLOCK_T, BLOCK_W, ALIGN)
+                nho, ndo, nm = _tile(start + step, host_idx, dev_idx, dev_offs, n_items, n_tok, layer0, SP, ST, SL, PS,
+                                     ROW_WORDS, BLOCK_T, BLOCK_W, ALIGN)
                 if TO_HOST:
                     nx = tl.load(dev_ptr + ndo, mask=nm)
                     tl.store(host_ptr + ho, x, mask=m)
@@ -126,8 +121,8 @@ if triton is not None:
                 start += step
         else:
             for s in range(start, n_items, step):
-                ho, do, m = _tile(s, host_idx, dev_idx, dev_offs, n_items, n_tok, layer0, S, L, PS,
-                                  ROW_WORDS, LAYOUT, BLOCK_T, BLOCK_W, ALIGN)
+                ho, do, m = _tile(s, host_idx, dev_idx, dev_offs, n_items, n_tok, layer0, SP, ST, SL, PS,
+                                  ROW_WORDS, BLOCK_T, BLOCK_W, ALIGN)
                 if TO_HOST:
                     tl.store(host_ptr + ho, tl.load(dev_ptr + do, mask=m), mask=m)
                 else:
@@ -203,7 +198,7 @@ _PARAM = re.compile(r"\.param\s+\.([busf])(\d+)\b")
 
 def _abi_of(compiled) -> _Abi:
     """Reads the launch ABI of a Triton ``CompiledKernel`` and checks it against ``_rows_kernel``'s runtime
-    parameters (5 pointers, 6 32-bit integers, then only null scratch pointers)."""
+    parameters (5 pointers, 7 32-bit integers, then only null scratch pointers)."""
     try:
         md = compiled.metadata
         ptx = compiled.asm["ptx"]
@@ -244,11 +239,12 @@ class RowsLaunch:
     dev_offsets: torch.Tensor  # see layer_offsets
     host_idx: torch.Tensor
     dev_idx: torch.Tensor
-    ints: tuple[int, int, int, int]  # n_tok, S, L, PS
+    ints: tuple[int, int, int, int, int]  # n_tok, SP, ST, SL, PS
     consts: dict
     blocks: int
     num_warps: int
     key: tuple
+    layers: int  # layers of the host layout and of the device offset table
 
     def grid(self, n_layers: int) -> int:
         bt, bw = self.consts["BLOCK_T"], self.consts["BLOCK_W"]
@@ -256,9 +252,9 @@ class RowsLaunch:
         return max(1, min(self.blocks, triton.cdiv(n_items, bt)))
 
     def run_triton(self, layer0: int, n_layers: int):
-        n_tok, S, L, PS = self.ints
+        n_tok, sp, st, sl, ps = self.ints
         return _rows_kernel[(self.grid(n_layers),)](
-            self.host, self.dev, self.dev_offsets, self.host_idx, self.dev_idx, n_tok, layer0, n_layers, S, L, PS,
+            self.host, self.dev, self.dev_offsets, self.host_idx, self.dev_idx, n_tok, layer0, n_layers, sp, st, sl, ps,
             **self.consts, num_warps=self.num_warps,
         )
 
@@ -267,9 +263,9 @@ class RowsLaunch:
         abi = _ABIS.get(self.key)
         if abi is None or not abi.function or not _native_enabled:
             return None
-        n_tok, S, L, PS = self.ints
+        n_tok, sp, st, sl, ps = self.ints
         values = [self.host.data_ptr(), self.dev.data_ptr(), self.dev_offsets.data_ptr(), self.host_idx.data_ptr(),
-                  self.dev_idx.data_ptr(), n_tok, 0, n_layers, S, L, PS]
+                  self.dev_idx.data_ptr(), n_tok, 0, n_layers, sp, st, sl, ps]
         values += [0] * (len(abi.widths) - len(values))
         return (abi.function, self.grid(n_layers), abi.block, abi.shared, list(abi.widths), values, LAYER_PARAM)
 
@@ -305,13 +301,18 @@ def prepare_rows(
     # every sub-row start is a multiple of this many words (offsets from the buffer starts): host offsets
     # are multiples of the sub-row size, device ones also include the layer tensors' relative offsets
     align = min(bw, dev_align)
-    consts = dict(ROW_WORDS=row_words, LAYOUT=LAYOUT_CODES[layout], TO_HOST=bool(to_host), BLOCK_T=bt, BLOCK_W=bw,
-                  ALIGN=align, PREFETCH=bool(prefetch))
-    ints = (int(host_idx.numel()), int(slots), int(layers), int(page_size))
+    consts = dict(ROW_WORDS=row_words, TO_HOST=bool(to_host), BLOCK_T=bt, BLOCK_W=bw, ALIGN=align,
+                  PREFETCH=bool(prefetch))
+    sp, st, sl, _ = _native.host_layout(layout, int(layers), int(slots), int(page_size), int(row_bytes))
+    rp, rt, rl = (x // int(row_bytes) for x in (sp, st, sl))  # every stride is a whole number of rows
+    if max(rp, rt, rl) >= 1 << 31:
+        raise InvalidArgumentError(f"invalid argument `host`: a layout stride of {max(rp, rt, rl)} rows does not "
+                                   "fit the kernel's 32-bit parameters")
+    ints = (int(host_idx.numel()), rp, rt, rl, int(page_size))
     aligned = tuple(t.data_ptr() % 16 == 0 for t in (hw, dw, offsets, host_idx, dev_idx))
     # the word size is part of the variant: rows of m 4-byte and of m 8-byte words share every constant
     key = (hw.device.index, word, tuple(sorted(consts.items())), num_warps, aligned)
-    return RowsLaunch(hw, dw, offsets, host_idx, dev_idx, ints, consts, blocks, num_warps, key)
+    return RowsLaunch(hw, dw, offsets, host_idx, dev_idx, ints, consts, blocks, num_warps, key, int(layers))
 
 
 def run_rows(launches, layer_begin: int, layer_end: int, *, per_layer: bool, events=None, side_streams=()) -> None:
@@ -323,10 +324,10 @@ def run_rows(launches, layer_begin: int, layer_end: int, *, per_layer: bool, eve
     launches = [x for x in launches if x.ints[0] > 0]
     if not launches or layer_begin >= layer_end:
         return
-    for x in launches:  # layers index the offset table and the host layout: both hold ints[2] layers
-        if not 0 <= layer_begin < layer_end <= x.ints[2]:
+    for x in launches:  # layers index the offset table and the host layout: both hold x.layers layers
+        if not 0 <= layer_begin < layer_end <= x.layers:
             raise InvalidArgumentError(f"invalid argument `layer_end`: layers [{layer_begin}, {layer_end}) are not "
-                                       f"within the {x.ints[2]} layers of the transfer")
+                                       f"within the {x.layers} layers of the transfer")
     n_layers = 1 if per_layer else layer_end - layer_begin
     # the kernel counts work items in 32 bits: items of one launch, plus one grid stride of slack
     def items(x, layers):

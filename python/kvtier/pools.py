@@ -304,19 +304,14 @@ class _HostKVPool:
         self._check_open()
         pages = _native.page_numbers(_index_array("indices", indices), self.page_size, self.page_num)
         sides = self._sides()
+        # the extents come from the core's layout (one per page, or per page and layer for layer_first)
+        per_side = [_native.page_extents(s.layout, s.layers, s.slots, s.page_size, s.row_bytes, pages) for s in sides]
         ptrs: list[int] = []
         sizes: list[int] = []
-        if self.layout == "layer_first":
-            for p in pages:
-                for layer in range(self.layer_num):
-                    for side in sides:
-                        ptrs.append(side.base + (layer * self.size + p * self.page_size) * side.row_bytes)
-                        sizes.append(self.page_size * side.row_bytes)
-            return ptrs, sizes
-        for p in pages:
-            for side in sides:
-                ptrs.append(side.base + p * side.page_bytes)
-                sizes.append(side.page_bytes)
+        for extents in zip(*per_side):  # K then V of one extent, as HiCache orders them
+            for side, (offset, size) in zip(sides, extents):
+                ptrs.append(side.base + offset)
+                sizes.append(size)
         return ptrs, sizes
 
     def is_stride_page_aligned(self, page_size_bytes: int = 4096) -> bool:

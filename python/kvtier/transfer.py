@@ -64,31 +64,29 @@ class Side:
     row_bytes: int  # one token of one layer
     tensor: torch.Tensor  # the host view, shaped as the layout says
     split: int = 1 << 62  # a DMA chunk never crosses a multiple of this many bytes from the buffer start
+    # the layout as the core spells it (``_native.host_layout``): byte strides from page to page, token to
+    # token inside a page, layer to layer; and the bytes of one page (all layers)
+    strides: tuple[int, int, int] = (0, 0, 0)
+    page_bytes: int = 0
 
     @classmethod
     def of(cls, pool: Any, buffer: HostBuffer, offset: int, row_bytes: int, tensor: torch.Tensor) -> Side:
         chunks = buffer.registered_chunks
         # Registrations start at multiples of the first chunk's size; a copy must not straddle two.
         split = chunks[0][1] if len(chunks) > 1 else 1 << 62
-        return cls(buffer, offset, pool.layout, pool.size, pool.page_size, pool.layer_num, row_bytes, tensor, split)
+        page, token, layer, page_bytes = _native.host_layout(pool.layout, pool.layer_num, pool.size, pool.page_size,
+                                                             row_bytes)
+        return cls(buffer, offset, pool.layout, pool.size, pool.page_size, pool.layer_num, row_bytes, tensor, split,
+                   (page, token, layer), page_bytes)
 
     @property
     def base(self) -> int:
         return self.buffer.ptr + self.offset
 
-    @property
-    def page_bytes(self) -> int:
-        """Bytes of one page across all layers (contiguous in page-first layouts)."""
-        return self.page_size * self.layers * self.row_bytes
-
-    def layer_view(self, layer: int, host: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        """``(view, index)`` such that ``view[index]`` are the rows of ``host`` slots in ``layer``."""
-        t = self.tensor
-        if self.layout == "layer_first":
-            return t[layer], host
-        if self.layout == "page_first":
-            return t[:, layer], host
-        return t[:, layer], (host // self.page_size, host % self.page_size)
+    def rows_of(self, layer: int, host: torch.Tensor) -> torch.Tensor:
+        """Row numbers (in ``row_bytes`` units from the side's start) of ``host`` slots in ``layer``."""
+        page, token, lay = (x // self.row_bytes for x in self.strides)
+        return (host // self.page_size) * page + (host % self.page_size) * token + layer * lay
 
 
 class TransferEngine:
@@ -484,12 +482,12 @@ class TransferEngine:
         dev = device_layers[0].device
         h = torch.from_numpy(host)
         d = torch.from_numpy(device).to(dev, non_blocking=True)
+        flat = side.tensor.reshape(-1).view(torch.uint8).view(-1, side.row_bytes)  # one row per (layer, slot)
         for layer in range(layer_begin, layer_end):
             # Move raw bytes (uint8 views of the last dim): exact for every dtype, float8 included.
-            view, index = side.layer_view(layer, h)
-            view = view.view(torch.uint8)
+            rows = side.rows_of(layer, h)
             target = device_layers[layer].view(torch.uint8)
             if to_host:
-                view[index] = target.index_select(0, d).to("cpu")
+                flat[rows] = target.index_select(0, d).to("cpu").reshape(len(rows), side.row_bytes)
             else:
-                target.index_copy_(0, d, view[index].to(dev, non_blocking=True))
+                target.index_copy_(0, d, flat[rows].reshape(len(rows), *target.shape[1:]).to(dev, non_blocking=True))

@@ -106,19 +106,68 @@ impl HostGeometry {
         self.page_size * self.layers * self.row_bytes
     }
 
+    /// The layout as three byte strides: `offset(layer, slot) = (slot / page_size)·page + (slot %
+    /// page_size)·token + layer·layer`. This is the one place kvtier spells out HiCache's host layouts: the
+    /// DMA plans, the kernels' launch descriptions (via the binding), the page extents zero-copy storage
+    /// backends see and the page store's bound layout are all derived from it.
+    #[inline]
+    pub fn strides(&self) -> Strides {
+        let (r, ps, l, s) = (self.row_bytes, self.page_size, self.layers, self.slots);
+        match self.layout {
+            Layout::LayerFirst => Strides {
+                page: ps * r,
+                token: r,
+                layer: s * r,
+            },
+            Layout::PageFirst => Strides {
+                page: ps * l * r,
+                token: l * r,
+                layer: r,
+            },
+            Layout::PageFirstDirect => Strides {
+                page: l * ps * r,
+                token: r,
+                layer: ps * r,
+            },
+        }
+    }
+
     /// Byte offset of `(layer, slot)`. Callers pass validated values (`layer < L`, `slot < S`).
     #[inline]
     pub fn offset(&self, layer: usize, slot: usize) -> usize {
-        let row = self.row_bytes;
+        let st = self.strides();
+        let ps = self.page_size;
+        slot / ps * st.page + slot % ps * st.token + layer * st.layer
+    }
+
+    /// The contiguous byte extents `(offset, len)` of page `page` (`page < slots / page_size`): the whole
+    /// page in page-first layouts, one extent per layer in `layer_first`.
+    pub fn page_extents(&self, page: usize) -> Vec<(usize, usize)> {
         match self.layout {
-            Layout::LayerFirst => (layer * self.slots + slot) * row,
-            Layout::PageFirst => (slot * self.layers + layer) * row,
-            Layout::PageFirstDirect => {
-                let ps = self.page_size;
-                ((slot / ps * self.layers + layer) * ps + slot % ps) * row
+            Layout::LayerFirst => (0..self.layers)
+                .map(|l| {
+                    (
+                        self.offset(l, page * self.page_size),
+                        self.page_size * self.row_bytes,
+                    )
+                })
+                .collect(),
+            Layout::PageFirst | Layout::PageFirstDirect => {
+                vec![(self.offset(0, page * self.page_size), self.page_bytes())]
             }
         }
     }
+}
+
+/// Byte strides of a host layout (see [`HostGeometry::strides`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Strides {
+    /// From one page to the next.
+    pub page: usize,
+    /// From one token to the next inside a page.
+    pub token: usize,
+    /// From one layer to the next.
+    pub layer: usize,
 }
 
 /// Index rules of one transfer call.
@@ -367,6 +416,43 @@ mod tests {
             host_pages,
             device_runs,
             destination_is_host: false,
+        }
+    }
+
+    #[test]
+    fn page_extents_cover_each_page_once() {
+        for layout in [
+            Layout::LayerFirst,
+            Layout::PageFirst,
+            Layout::PageFirstDirect,
+        ] {
+            let g = HostGeometry::new(layout, 3, 8, 4, 6).unwrap();
+            let mut seen = vec![0u8; g.nbytes()];
+            for p in 0..2 {
+                let ext = g.page_extents(p);
+                assert_eq!(ext.iter().map(|e| e.1).sum::<usize>(), g.page_bytes());
+                for (o, n) in ext {
+                    for b in &mut seen[o..o + n] {
+                        *b += 1;
+                    }
+                }
+                // every (layer, slot) of the page lies inside one of its extents
+                for l in 0..3 {
+                    for t in p * 4..p * 4 + 4 {
+                        let o = g.offset(l, t);
+                        assert!(
+                            g.page_extents(p)
+                                .iter()
+                                .any(|&(a, n)| a <= o && o + 6 <= a + n),
+                            "{layout:?}"
+                        );
+                    }
+                }
+            }
+            assert!(
+                seen.iter().all(|&c| c == 1),
+                "{layout:?}: pages overlap or leave gaps"
+            );
         }
     }
 

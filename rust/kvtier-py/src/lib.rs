@@ -35,6 +35,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(plans::plan_sides, m)?)?;
     m.add_function(wrap_pyfunction!(plans::copy_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(transfer::page_numbers, m)?)?;
+    m.add_function(wrap_pyfunction!(transfer::host_layout, m)?)?;
+    m.add_function(wrap_pyfunction!(transfer::page_extents, m)?)?;
     m.add_function(wrap_pyfunction!(transfer::cuda_batch_supported, m)?)?;
     m.add_function(wrap_pyfunction!(engine::cuda_batch_flags, m)?)?;
     m.add_function(wrap_pyfunction!(engine::cuda_set_batch_limit, m)?)?;

@@ -2,7 +2,7 @@
 //! submissions in `engine.rs`.
 
 use kvtier_core::alloc::PageAllocator;
-use kvtier_core::plan::{self, IndexRules};
+use kvtier_core::plan::{self, HostGeometry, IndexRules, Layout};
 use kvtier_core::Error;
 use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
@@ -89,6 +89,42 @@ pub fn page_numbers(
     Ok(kvtier_core::alloc::page_starts(
         &v, page_size, page_num, "indices",
     )?)
+}
+
+/// The host layout's byte strides `(page, token, layer)` and the bytes of one page (all layers), from the
+/// core's `HostGeometry`: what the kernels and the Python views are given instead of deriving them again.
+#[pyfunction]
+pub fn host_layout(
+    layout: &str,
+    layers: usize,
+    slots: usize,
+    page_size: usize,
+    row_bytes: usize,
+) -> KvResult<(usize, usize, usize, usize)> {
+    let g = HostGeometry::new(Layout::parse(layout)?, layers, slots, page_size, row_bytes)?;
+    let st = g.strides();
+    Ok((st.page, st.token, st.layer, g.page_bytes()))
+}
+
+/// The byte extents `(offset, len)` of each page of `pages` (one per page in page-first layouts, one per
+/// layer in `layer_first`), in order; a page number out of range is a ValueError naming `pages`.
+#[pyfunction]
+pub fn page_extents(
+    layout: &str,
+    layers: usize,
+    slots: usize,
+    page_size: usize,
+    row_bytes: usize,
+    pages: Vec<usize>,
+) -> KvResult<Vec<(usize, usize)>> {
+    let g = HostGeometry::new(Layout::parse(layout)?, layers, slots, page_size, row_bytes)?;
+    let page_num = slots / page_size;
+    if let Some(p) = pages.iter().find(|&&p| p >= page_num) {
+        return Err(
+            Error::arg("pages", format!("page {p} is out of range [0, {page_num})")).into(),
+        );
+    }
+    Ok(pages.iter().flat_map(|&p| g.page_extents(p)).collect())
 }
 
 /// Validates transfer indices (ranges, page structure, distinct destinations). Raises ValueError naming
