@@ -345,7 +345,9 @@ class _HostKVPool:
         against this pool's geometry; the check is cached while the pool and its tensors are unchanged."""
         try:
             layers = self._geo.device_layers(device_pool)
-            key = (id(device_pool), *((None, *(id(t) for t in ts), *(t.data_ptr() for t in ts)) for ts in layers))
+            key: tuple[Any, ...] | None = (id(device_pool),)
+            for ts in layers:  # every layer's tensor object and address (a loop: no generator per call)
+                key += (None, *map(id, ts), *map(torch.Tensor.data_ptr, ts))
         except (AttributeError, TypeError):
             key = None
         if key is not None and self._checked_device is not None and self._checked_device[0] == key:
@@ -393,8 +395,10 @@ class _HostKVPool:
 
     def _prepare(self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor, io_backend: str,
                  to_host: bool) -> tuple[tuple[list[Any], ...], _Prepared]:
-        self._check_open()
-        self._check_backend(io_backend)
+        if self._closed:
+            self._check_open()
+        if type(io_backend) is not str or io_backend not in BACKEND_LAYOUTS or self.layout not in BACKEND_LAYOUTS[io_backend]:
+            self._check_backend(io_backend)
         layers = self._check_device_pool(device_pool)
         rows = layers[0][0].shape[0]
         # A per-layer load calls this once per layer with the same index tensors: validate once, and reuse
