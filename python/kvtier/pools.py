@@ -345,9 +345,10 @@ class _HostKVPool:
         against this pool's geometry; the check is cached while the pool and its tensors are unchanged."""
         try:
             layers = self._geo.device_layers(device_pool)
-            key: tuple[Any, ...] | None = (id(device_pool),)
+            parts: tuple[Any, ...] = (id(device_pool),)
             for ts in layers:  # every layer's tensor object and address (a loop: no generator per call)
-                key += (None, *map(id, ts), *map(torch.Tensor.data_ptr, ts))
+                parts += (None, *map(id, ts), *map(torch.Tensor.data_ptr, ts))
+            key: tuple[Any, ...] | None = parts
         except (AttributeError, TypeError):
             key = None
         if key is not None and self._checked_device is not None and self._checked_device[0] == key:
