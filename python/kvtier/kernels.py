@@ -55,7 +55,8 @@ if triton is not None:
 
     @triton.jit
     def _tile(start, host_idx, dev_idx, dev_offs, n_items, n_tok, layer0, SP, ST, SL, PS,
-              ROW_WORDS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr, ALIGN: tl.constexpr):
+              ROW_WORDS: tl.constexpr, PAGED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr,
+              ALIGN: tl.constexpr):
         """Word offsets (host, device) and the live mask of the tile of items starting at ``start``."""
         SUB: tl.constexpr = ROW_WORDS // BLOCK_W
         items = start + tl.arange(0, BLOCK_T)
@@ -68,7 +69,12 @@ if triton is not None:
         layer = layer0 + r // n_tok
         h = tl.load(host_idx + t, mask=live, other=0)
         d = tl.load(dev_idx + t, mask=live, other=0)
-        hrow = (h // PS) * SP + (h % PS) * ST + layer.to(tl.int64) * SL  # the core's layout (_native.host_layout)
+        # the core's layout (_native.host_layout); where a page is just page_size tokens in a row (SP == PS·ST)
+        # the slot maps affinely and the division is skipped: it costs D's 9-sub-row rows 7 points of PCIe
+        if PAGED:
+            hrow = (h // PS) * SP + (h % PS) * ST + layer.to(tl.int64) * SL
+        else:
+            hrow = h * ST + layer.to(tl.int64) * SL
         hbase = tl.multiple_of(hrow * ROW_WORDS + sub * BLOCK_W, ALIGN)
         dbase = tl.multiple_of(tl.load(dev_offs + layer, mask=live, other=0) + d * ROW_WORDS + sub * BLOCK_W, ALIGN)
         cols = tl.arange(0, BLOCK_W)
@@ -91,6 +97,7 @@ if triton is not None:
         SL,
         PS,
         ROW_WORDS: tl.constexpr,
+        PAGED: tl.constexpr,  # the layout needs the page / token split (SP != PS·ST)
         TO_HOST: tl.constexpr,
         BLOCK_T: tl.constexpr,  # sub-rows per tile
         BLOCK_W: tl.constexpr,  # words per sub-row; divides ROW_WORDS
@@ -103,14 +110,14 @@ if triton is not None:
         start = pid * BLOCK_T
         if PREFETCH:
             ho, do, m = _tile(start, host_idx, dev_idx, dev_offs, n_items, n_tok, layer0, SP, ST, SL, PS,
-                              ROW_WORDS, BLOCK_T, BLOCK_W, ALIGN)
+                              ROW_WORDS, PAGED, BLOCK_T, BLOCK_W, ALIGN)
             if TO_HOST:
                 x = tl.load(dev_ptr + do, mask=m)
             else:
                 x = tl.load(host_ptr + ho, mask=m)
             while start < n_items:
                 nho, ndo, nm = _tile(start + step, host_idx, dev_idx, dev_offs, n_items, n_tok, layer0, SP, ST, SL, PS,
-                                     ROW_WORDS, BLOCK_T, BLOCK_W, ALIGN)
+                                     ROW_WORDS, PAGED, BLOCK_T, BLOCK_W, ALIGN)
                 if TO_HOST:
                     nx = tl.load(dev_ptr + ndo, mask=nm)
                     tl.store(host_ptr + ho, x, mask=m)
@@ -122,7 +129,7 @@ if triton is not None:
         else:
             for s in range(start, n_items, step):
                 ho, do, m = _tile(s, host_idx, dev_idx, dev_offs, n_items, n_tok, layer0, SP, ST, SL, PS,
-                                  ROW_WORDS, BLOCK_T, BLOCK_W, ALIGN)
+                                  ROW_WORDS, PAGED, BLOCK_T, BLOCK_W, ALIGN)
                 if TO_HOST:
                     tl.store(host_ptr + ho, tl.load(dev_ptr + do, mask=m), mask=m)
                 else:
@@ -301,14 +308,17 @@ def prepare_rows(
     # every sub-row start is a multiple of this many words (offsets from the buffer starts): host offsets
     # are multiples of the sub-row size, device ones also include the layer tensors' relative offsets
     align = min(bw, dev_align)
-    consts = dict(ROW_WORDS=row_words, TO_HOST=bool(to_host), BLOCK_T=bt, BLOCK_W=bw, ALIGN=align,
-                  PREFETCH=bool(prefetch))
-    sp, st, sl, _ = _native.host_layout(layout, int(layers), int(slots), int(page_size), int(row_bytes))
+    # A staging buffer (see kvtier._staging) may hold a run of tokens that is not whole pages; the strides do not
+    # depend on the slot count in page-first layouts, so the core is asked about the whole pages around them.
+    ps = int(page_size)
+    sp, st, sl, _ = _native.host_layout(layout, int(layers), -(-int(slots) // ps) * ps, ps, int(row_bytes))
     rp, rt, rl = (x // int(row_bytes) for x in (sp, st, sl))  # every stride is a whole number of rows
     if max(rp, rt, rl) >= 1 << 31:
         raise InvalidArgumentError(f"invalid argument `host`: a layout stride of {max(rp, rt, rl)} rows does not "
                                    "fit the kernel's 32-bit parameters")
-    ints = (int(host_idx.numel()), rp, rt, rl, int(page_size))
+    ints = (int(host_idx.numel()), rp, rt, rl, ps)
+    consts = dict(ROW_WORDS=row_words, PAGED=rp != ps * rt, TO_HOST=bool(to_host), BLOCK_T=bt, BLOCK_W=bw, ALIGN=align,
+                  PREFETCH=bool(prefetch))
     aligned = tuple(t.data_ptr() % 16 == 0 for t in (hw, dw, offsets, host_idx, dev_idx))
     # the word size is part of the variant: rows of m 4-byte and of m 8-byte words share every constant
     key = (hw.device.index, word, tuple(sorted(consts.items())), num_warps, aligned)
