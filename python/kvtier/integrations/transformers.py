@@ -491,14 +491,18 @@ class KvtierCache(DynamicCache):
         ks, vs = win.k_slots[s], win.v_slots[s]
         ks[ps + t0 : ps + t1].copy_(key_states[0].transpose(0, 1))
         vs[ps + t0 : ps + t1].copy_(value_states[0].transpose(0, 1))
-        keys = ks[ps : ps + t1].transpose(0, 1).unsqueeze(0).contiguous()
-        values = vs[ps : ps + t1].transpose(0, 1).unsqueeze(0).contiguous()
+        # copies (never views: the slot is reused as soon as attention has been enqueued; with one head a
+        # transposed view would count as contiguous and .contiguous() would not copy)
+        keys = ks[ps : ps + t1].transpose(0, 1).unsqueeze(0).clone(memory_format=torch.contiguous_format)
+        values = vs[ps : ps + t1].transpose(0, 1).unsqueeze(0).clone(memory_format=torch.contiguous_format)
         layer.length = t1  # type: ignore[attr-defined]
         win.state[s] = (layer_idx, t1, self._epoch)
         # the pages this step wrote go to the host (this layer only); then the slot takes the layer `window`
         # ahead (the next forward's first layers once the last ones are done)
         host, dev = self._slots(t0 // ps, -(-t1 // ps))
-        nxt = (layer_idx + win.window) % tier.layers
+        # the slot's next user: the layer `window` ahead, or past the last layer the next forward's layer of
+        # the same slot (layers need not be a multiple of the window)
+        nxt = layer_idx + win.window if layer_idx + win.window < tier.layers else layer_idx % win.window
         nxt_len = self.layers[nxt].get_seq_length()
         if tier.stream is not None:
             tier.stream.wait_stream(compute)
