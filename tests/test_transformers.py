@@ -296,3 +296,12 @@ def test_window_streams_on_the_gpu_cuda():
             m(ids, cache=ref)
         ref.crop(288 - 300)
         assert same(gen(m, ids, again), gen(m, ids, ref))
+
+
+def test_window_slots_grow_and_reload(model):
+    ids = prompt(20)
+    with KVTier(model, model_id="test/llama", page_size=4, window=1, host_tokens=512) as tier:
+        cache = tier.cache(ids)
+        got = gen(model, ids, cache, 40)  # past the slots' first size: reallocated, every layer reloaded
+        assert tier.stats.on_demand_loads > 0 and cache._window.size >= 59
+        assert same(got, gen(model, ids, default(model), 40))
