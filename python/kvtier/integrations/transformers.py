@@ -598,6 +598,22 @@ class KvtierCache(DynamicCache):
     def __iter__(self) -> Any:
         raise TypeError("KvtierCache keeps its KV in kvtier's pools; it cannot be iterated as tensors")
 
+    def host_kv(self, layer_idx: int, tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of layer ``layer_idx``'s K and V of the first ``tokens`` tokens as kvtier holds them on the
+        host, shaped as transformers' caches (``(1, heads, tokens, dim)``): for checks."""
+        tier, ps = self.tier, self.tier.page_size
+        tokens = self.get_seq_length(layer_idx) if tokens is None else tokens
+        if not 0 <= layer_idx < tier.layers or not 0 <= tokens <= self.get_seq_length(layer_idx):
+            raise InvalidArgumentError(f"invalid argument `layer_idx`/`tokens`: {layer_idx}, {tokens}")
+        if tier.stream is not None:
+            tier.stream.synchronize()
+        pages = [s // ps for s in self.table.starts[: -(-tokens // ps)]]
+        out = []
+        for buf in (tier.host.k_buffer, tier.host.v_buffer):  # (pages, layers, page_size, heads, dim)
+            rows = buf[pages, layer_idx].reshape(-1, tier.heads, buf.shape[-1])[:tokens]
+            out.append(rows.transpose(0, 1).unsqueeze(0).contiguous())
+        return out[0], out[1]
+
     @property
     def window_bytes(self) -> int:
         """Device bytes of this cache's layer slots."""
