@@ -279,6 +279,7 @@ def test_host_pages_come_back_when_a_cache_goes(model):
         assert isinstance(c, KvtierCache) and c.get_seq_length() == 0
 
 
+@pytest.mark.cuda
 def test_window_streams_on_the_gpu_cuda():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
