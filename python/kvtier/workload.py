@@ -131,7 +131,7 @@ def run_workload(
     reqs = conversations(n_conv, turns, g, seed)
     max_tokens = max(len(r) for r in reqs)
     dev_pages = max_tokens // g.page_size + 2
-    model = TinyModel(g, device, seed)
+    toy = TinyModel(g, device, seed)
     dp = DeviceKVPool(dev_pages * g.page_size, g.page_size, g.layers, g.heads, g.k_dim, g.v_dim, torch.float32, device)
     scratch = DeviceKVPool(dev_pages * g.page_size, g.page_size, g.layers, g.heads, g.k_dim, g.v_dim, torch.float32, device)
     hp = host_pool_for(dp, host_size_gb=host_pages * g.page_size * (g.k_dim + g.v_dim) * g.heads * g.layers * 4 / 1e9 * 0.999,
@@ -188,7 +188,7 @@ def run_workload(
             t_restored = time.perf_counter()
             logits = None
             for pos in range(cached, len(tokens)):
-                logits = model.step(tokens[pos], pos, dp, rows)
+                logits = toy.step(tokens[pos], pos, dp, rows)
             sync()
             ttft = time.perf_counter() - t0
             source = ("cluster hit" if from_cluster and have > host_hit else "disk hit" if disk_hit and have > host_hit
@@ -200,7 +200,7 @@ def run_workload(
                 if pos == cached:
                     sync()
                     prefix_recompute = time.perf_counter() - t1
-                ref = model.step(tokens[pos], pos, scratch, rows)
+                ref = toy.step(tokens[pos], pos, scratch, rows)
             ok_kv = all(
                 torch.equal(dp.k_buffer[layer][rows[:cached]], scratch.k_buffer[layer][rows[:cached]])
                 and torch.equal(dp.v_buffer[layer][rows[:cached]], scratch.v_buffer[layer][rows[:cached]])

@@ -385,7 +385,7 @@ class KvtierCache(DynamicCache):
         self._adopted = r
         self._fed = tokens[: r * ps]
         for layer in self.layers:
-            layer.length = r * ps  # type: ignore[attr-defined]
+            layer.length = r * ps
         self.restored_tokens = r * ps
         self.restored_host_pages = min(host, r)
         self.restored_store_pages = r - self.restored_host_pages
@@ -495,7 +495,7 @@ class KvtierCache(DynamicCache):
         # transposed view would count as contiguous and .contiguous() would not copy)
         keys = ks[ps : ps + t1].transpose(0, 1).unsqueeze(0).clone(memory_format=torch.contiguous_format)
         values = vs[ps : ps + t1].transpose(0, 1).unsqueeze(0).clone(memory_format=torch.contiguous_format)
-        layer.length = t1  # type: ignore[attr-defined]
+        layer.length = t1
         win.state[s] = (layer_idx, t1, self._epoch)
         # the pages this step wrote go to the host (this layer only); then the slot takes the layer `window`
         # ahead (the next forward's first layers once the last ones are done)
@@ -504,7 +504,7 @@ class KvtierCache(DynamicCache):
         # the same slot (layers need not be a multiple of the window)
         nxt = layer_idx + win.window if layer_idx + win.window < tier.layers else layer_idx % win.window
         nxt_len = self.layers[nxt].get_seq_length()
-        if tier.stream is not None:
+        if tier.stream is not None and compute is not None:
             tier.stream.wait_stream(compute)
             with torch.cuda.stream(tier.stream):
                 tier.host.backup_from_device_per_layer(win, host, dev, layer_idx, "direct")
@@ -559,7 +559,8 @@ class KvtierCache(DynamicCache):
         keep = -(-tokens // ps)
         self.table.release(tier, keep)
         j = tokens // ps
-        if tokens % ps and self.table.keys[j] is not None:  # a shared page gets written again: copy it first
+        shared = self.table.keys[j] if tokens % ps else None
+        if shared is not None:  # a shared page gets written again: copy it first
             got = tier.controller.allocate(1)
             if got is None:
                 raise KvtierError("kvtier host pool full: no page to copy a shared page into; raise host_tokens")
@@ -568,12 +569,12 @@ class KvtierCache(DynamicCache):
             old, new = self.table.starts[j] // ps, got[0] // ps
             for buf in (tier.host.k_buffer, tier.host.v_buffer):
                 buf[new].copy_(buf[old])
-            tier.controller.release([self.table.keys[j]])  # type: ignore[list-item]
+            tier.controller.release([shared])
             self.table.starts[j], self.table.keys[j] = got[0], None
         self._adopted = min(self._adopted, j)
         del self._fed[tokens:]
         for layer in self.layers:
-            layer.length = tokens  # type: ignore[attr-defined]
+            layer.length = tokens
         self._epoch += 1
         self._idx.clear()
 
@@ -581,7 +582,7 @@ class KvtierCache(DynamicCache):
         """Give the sequence's host pages back now (else when the cache is garbage collected)."""
         self._finalizer()
         for layer in self.layers:
-            layer.length = 0  # type: ignore[attr-defined]
+            layer.length = 0
         self._window = None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
