@@ -271,7 +271,9 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(root, ignore_errors=True)
     with open(a.out, "w") as f:
         json.dump(results, f, indent=1, default=str)
-    bad = [k for k, r in results["decode"].items() if not r["logits_equal_default"]] + [
+    # (a static cache attends over its whole preallocated length under a mask: its logits may differ from the
+    # default cache's in the last bits, which is transformers' own behaviour, not a kvtier check)
+    bad = [k for k, r in results["decode"].items() if k.startswith("kvtier") and not r["logits_equal_default"]] + [
         f"ttft {c} {s}" for c, r in results["ttft"].items() for s in ("host", "disk") if not r[f"kvtier_{s}_exact_vs_gpu_copy"]]
     print(f"\nwrote {a.out}; bit-exact: {'all' if not bad else 'NOT ' + ', '.join(bad)}")
     return 1 if bad else 0
