@@ -139,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     top = max(contexts)
     print(f"transformers {transformers.__version__}, torch {torch.__version__}, device {device}"
           + (f" ({torch.cuda.get_device_name()})" if device == "cuda" else ""), flush=True)
+    if transformers.__version__ != "5.24.0":
+        print(f"WARNING: transformers {transformers.__version__}; kvtier's cache is tested with 5.24.0", flush=True)
     t_build = time.perf_counter()
     model = build(a.tiny, device)
     sync(device)
@@ -233,9 +235,9 @@ def main(argv: list[str] | None = None) -> int:
                     assert first.restored_tokens == 0
                     forward(model, seen.to(device), first)
                     first.release()
+                    tier.controller.wait_idle()  # its pages are in the store: no disk writes during the timing
                     for src in ("host", "disk"):
                         if src == "disk":
-                            tier.controller.wait_idle()
                             tier.drop_host_copies()
                         sync(device)
                         t0 = time.perf_counter()

@@ -37,7 +37,7 @@ class _Window:
         self.k_buffer = [self.k_slots[i % self.window] for i in range(self.layer_num)]
         self.v_buffer = [self.v_slots[i % self.window] for i in range(self.layer_num)]
         self.state: list[tuple[int, int, int] | None] = [None] * self.window  # (layer, tokens, epoch) held
-        self.loaded: list[Any] = [None] * self.window  # CUDA event of the slot's last load
+        self.loaded: list[Any] = [None] * self.window  # CUDA event of the slot's last transfer (load or backup)
 
     def ensure(self, tokens: int) -> bool:
         """Room for ``tokens``; True when the slots were reallocated (their contents are gone)."""
@@ -265,6 +265,9 @@ class KvtierCache(DynamicCache):
             tier.stream.wait_stream(compute)
             with torch.cuda.stream(tier.stream):
                 tier.host.backup_from_device_per_layer(win, host, dev, layer_idx, "direct")
+                # the slot's next writer (a load below, or the compute stream when no load is needed, as in a
+                # prefill) must wait until the backup has read it
+                win.loaded[s] = tier.stream.record_event()
         else:
             tier.host.backup_from_device_per_layer(win, host, dev, layer_idx, "direct")
         if nxt != layer_idx and nxt_len:
