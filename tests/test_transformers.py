@@ -306,3 +306,22 @@ def test_window_slots_grow_and_reload(model):
         got = gen(model, ids, cache, 40)  # past the slots' first size: reallocated, every layer reloaded
         assert tier.stats.on_demand_loads > 0 and cache._window.size >= 59
         assert same(got, gen(model, ids, default(model), 40))
+
+
+def test_pages_another_cache_kept_first_still_chain_the_keys(model):
+    ids = prompt(20)
+    with KVTier(model, model_id="test/llama", page_size=PS, host_tokens=512) as tier:
+        a, b = tier.cache(ids), tier.cache(ids)  # the same prompt computed twice at once
+        gen(model, ids, a, 2)
+        seq, _ = gen(model, ids, b, 24)  # b's first pages are already kept (a's): its own stay private
+        assert b.table.keys[0] is None and b.table.keys[3] is not None
+        c = tier.cache(seq)  # b's later pages were keyed by the whole chain: all restored
+        assert c.restored_tokens == (seq.shape[1] - 1) // PS * PS == 40
+        # the reference computes what b computed (a prefill, then one token at a time), keeps 40 tokens of it
+        ref = default(model)
+        assert torch.equal(gen(model, ids, ref, 24)[0], seq)
+        ref.crop(40 - seq.shape[1] + 1)
+        assert same(gen(model, seq, c, 3), gen(model, seq, ref, 3))
+        b.release()
+        with pytest.raises(kvtier.ClosedError, match="released"):
+            gen(model, seq, b, 1)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
-from .._errors import InvalidArgumentError, KvtierError
+from .._errors import ClosedError, InvalidArgumentError, KvtierError
 from ..store import page_hashes
 
 if TYPE_CHECKING:
@@ -118,6 +118,8 @@ class KvtierCache(DynamicCache):
         self._fed: list[int] = []  # token ids the model was fed (restored ones first)
         self._verified = True
         self._adopted = 0  # pages [0, _adopted) are in the controller's index (or were refused)
+        self._page_keys: list[str] = []  # the chained key of every full page of _fed (adopted or not)
+        self._released = False
         self._epoch = 0
         self._window: _Window | None = None
         self._idx: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -140,6 +142,7 @@ class KvtierCache(DynamicCache):
         r = len(starts)
         self.table.starts, self.table.keys = list(starts), list(keys[:r])
         self._adopted = r
+        self._page_keys = list(keys[:r])
         self._fed = tokens[: r * ps]
         for layer in self.layers:
             layer.length = r * ps
@@ -224,6 +227,8 @@ class KvtierCache(DynamicCache):
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         tier = self.tier
         tier._check_open()
+        if self._released:
+            raise ClosedError("this KvtierCache was released; make a new one with KVTier.cache()")
         if not 0 <= layer_idx < tier.layers:
             raise InvalidArgumentError(f"invalid argument `layer_idx`: {layer_idx} not in [0, {tier.layers})")
         want_k, want_v = (1, tier.heads, key_states.shape[-2], tier.k_dim), (1, tier.heads, key_states.shape[-2], tier.v_dim)
@@ -288,8 +293,9 @@ class KvtierCache(DynamicCache):
         first, full = self._adopted, tokens // ps
         if full <= first:
             return
-        prior = self.table.keys[first - 1] if first else None
+        prior = self._page_keys[first - 1] if first else None
         keys = page_hashes(self._fed[first * ps : full * ps], ps, prior)
+        self._page_keys[first:] = keys
         event = tier.stream.record_event() if tier.stream is not None else None
         took = tier.controller.adopt(keys, self.table.starts[first:full], event=event)
         for j, (k, ok) in enumerate(zip(keys, took), start=first):
@@ -332,6 +338,7 @@ class KvtierCache(DynamicCache):
             tier.controller.release([shared])
             self.table.starts[j], self.table.keys[j] = got[0], None
         self._adopted = min(self._adopted, j)
+        del self._page_keys[j:]
         del self._fed[tokens:]
         for layer in self.layers:
             layer.length = tokens
@@ -339,8 +346,10 @@ class KvtierCache(DynamicCache):
         self._idx.clear()
 
     def release(self) -> None:
-        """Give the sequence's host pages back now (else when the cache is garbage collected)."""
+        """Give the sequence's host pages back now (else when the cache is garbage collected); the cache cannot
+        be used afterwards."""
         self._finalizer()
+        self._released = True
         for layer in self.layers:
             layer.length = 0
         self._window = None
