@@ -360,8 +360,13 @@ def print_report(out: dict) -> None:
     def mean_ms(rows, key):
         return 1e3 * sum(r[key] for r in rows) / len(rows)
 
-    print("\nTTFT = restoring the cached prefix (match, prefetch from disk, per-layer load) + computing the rest of "
-          "the prompt.\nPrompts differ in length and in how much of them is cached, so compare `restore` with "
+    if out.get("model") == "llama":
+        print("\nTTFT = restoring the cached prefix (match; for a disk hit, reading its pages into the host pool) + "
+              "computing the rest of the prompt\n(the prefix's KV streams to the device layer by layer during it).")
+    else:
+        print("\nTTFT = restoring the cached prefix (match, prefetch from disk, per-layer load) + computing the rest "
+              "of the prompt.")
+    print("Prompts differ in length and in how much of them is cached, so compare `restore` with "
           "`recompute instead`:\nthe same prefix recomputed (timed in the verification pass).")
     print(f"{'source':<12} {'requests':>8} {'mean TTFT':>11} {'restore':>10} {'rest of prompt':>15} "
           f"{'cached tokens':>14} {'recompute instead':>18}")
