@@ -288,8 +288,9 @@ def test_window_streams_on_the_gpu_cuda():
     with KVTier(m, model_id="test/llama", page_size=16, window=2, host_tokens=2048) as tier:
         cache = tier.cache(ids)
         assert same(gen(m, ids, cache), gen(m, ids, DynamicCache(config=m.config)))
-        assert tier.stats.on_demand_loads == 0 and tier.host.k_buffer.is_pinned() or True
-        assert cache.window_bytes < 3 * 2 * 320 * 2 * 16 * 2 * 2  # two slots, not eight layers
+        assert tier.stats.on_demand_loads == 0 and len(cache._window.k_slots) == 2
+        every_layer = 8 * 2 * 300 * 2 * 16 * 2  # 8 layers of K and V: 300 tokens x 2 heads x 16 dims, bf16
+        assert cache.window_bytes < every_layer / 2  # two slots (with some room to grow), not eight layers
         again = tier.cache(ids)
         assert again.restored_tokens == 288
         ref = DynamicCache(config=m.config)
