@@ -212,6 +212,7 @@ class KVTier:
                 cache._fed_tokens(ids)
 
         self._hook = model.register_forward_pre_hook(hook, with_kwargs=True)
+        weakref.finalize(self, self._hook.remove)  # a tier dropped without close() leaves no hook behind
 
     # ------------------------------------------------------------------ public
     def cache(self, token_ids: Any) -> KvtierCache:
