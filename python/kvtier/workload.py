@@ -258,7 +258,8 @@ def _run_llama(*, device: str, n_conv: int, turns: int, host_pages: int, seed: i
     ps = g.page_size
     torch.manual_seed(seed)
     with torch.device(device):
-        model = LlamaForCausalLM(cfg).eval()
+        model = LlamaForCausalLM(cfg)
+    model.train(False)  # inference mode (no dropout)
     if device == "cuda":
         model = model.to(torch.bfloat16)
     max_pages = max(len(r) for r in reqs) // ps + 1
