@@ -173,99 +173,111 @@ def main(argv: list[str] | None = None) -> int:
                 if device != "cuda":
                     print("  (transformers' offloaded caches need CUDA: left out on the CPU)")
                 ref_logits = None
+                cache = None
                 for kind in kinds:
-                    if kind == "default":
-                        cache = DynamicCache(config=cfg)
-                    elif kind == "offloaded":
-                        cache = DynamicCache(config=cfg, offloading=True)
-                    elif kind == "offloaded_static":
-                        cache = StaticCache(config=cfg, max_cache_len=top + a.decode_tokens + 8, offloading=True)
-                    else:  # a tier of its own, without a store (no background writes during the timing)
-                        tier2 = KVTier(model, model_id=MODEL_ID, page_size=a.page_size, window=int(kind[-1]),
-                                       host_tokens=top + a.decode_tokens + 8 + 4 * a.page_size)
-                        cache = tier2.cache(prompt.cpu())
-                    r = decode(model, prompt, cache, a.decode_tokens, device)
-                    logits = r.pop("logits")
-                    if ref_logits is None:
-                        ref_logits = logits
-                    r["logits_equal_default"] = all(torch.equal(x, y) for x, y in zip(logits, ref_logits))
-                    if r["peak_bytes"] is not None:
-                        r["peak_minus_weights_bytes"] = r["peak_bytes"] - weights
-                        r["decode_peak_minus_weights_bytes"] = r["decode_peak_bytes"] - weights
-                    if tier2 is not None:
-                        r["window_bytes"] = cache.window_bytes
-                        r["on_demand_loads"] = tier2.stats.on_demand_loads
-                        cache.release()
-                        tier2.close()
-                        tier2 = None
-                    results["decode"][kind] = r
-                    print(f"  {kind:<17} {r['decode_tok_s']:8.2f} tok/s ({r['decode_ms_per_token']:7.1f} ms/token)  "
-                          + (f"peak {r['peak_bytes'] / 2**30:6.2f} GiB (decode {r['decode_peak_bytes'] / 2**30:6.2f}, "
-                             f"minus weights {r['decode_peak_minus_weights_bytes'] / 2**30:5.2f})  " if r["peak_bytes"] else "")
-                          + f"prefill {r['prefill_s']:.2f} s  logits = default: {r['logits_equal_default']}", flush=True)
-                    del cache
+                    try:
+                        if kind == "default":
+                            cache = DynamicCache(config=cfg)
+                        elif kind == "offloaded":
+                            cache = DynamicCache(config=cfg, offloading=True)
+                        elif kind == "offloaded_static":
+                            cache = StaticCache(config=cfg, max_cache_len=top + a.decode_tokens + 8, offloading=True)
+                        else:  # a tier of its own, without a store (no background writes during the timing)
+                            tier2 = KVTier(model, model_id=MODEL_ID, page_size=a.page_size, window=int(kind[-1]),
+                                           host_tokens=top + a.decode_tokens + 8 + 4 * a.page_size)
+                            cache = tier2.cache(prompt.cpu())
+                        r = decode(model, prompt, cache, a.decode_tokens, device)
+                        logits = r.pop("logits")
+                        if ref_logits is None:
+                            ref_logits = logits
+                        r["logits_equal_default"] = all(torch.equal(x, y) for x, y in zip(logits, ref_logits))
+                        if r["peak_bytes"] is not None:
+                            r["peak_minus_weights_bytes"] = r["peak_bytes"] - weights
+                            r["decode_peak_minus_weights_bytes"] = r["decode_peak_bytes"] - weights
+                        if tier2 is not None:
+                            r["window_bytes"] = cache.window_bytes
+                            r["on_demand_loads"] = tier2.stats.on_demand_loads
+                            cache.release()
+                            tier2.close()
+                            tier2 = None
+                        results["decode"][kind] = r
+                        print(f"  {kind:<17} {r['decode_tok_s']:8.2f} tok/s ({r['decode_ms_per_token']:7.1f} ms/token)  "
+                              + (f"peak {r['peak_bytes'] / 2**30:6.2f} GiB (decode {r['decode_peak_bytes'] / 2**30:6.2f}, "
+                                 f"minus weights {r['decode_peak_minus_weights_bytes'] / 2**30:5.2f})  " if r["peak_bytes"] else "")
+                              + f"prefill {r['prefill_s']:.2f} s  logits = default: {r['logits_equal_default']}", flush=True)
+                    except Exception as exc:  # noqa: BLE001 - one failing case must not lose the others
+                        results["decode"][kind] = dict(error=repr(exc))
+                        print(f"  {kind}: FAILED {exc!r}", flush=True)
+                        if tier2 is not None:
+                            tier2.close()
+                            tier2 = None
+                    cache = None
             # ---------------------------------------------------------------- (b) TTFT with a seen prefix
             if not a.skip_ttft:
                 print(f"\n(b) time to first token, prompt = a prefix seen before + {SUFFIX} new tokens", flush=True)
                 for i, ctx in enumerate(contexts):
-                    # each context its own tokens (no prefix shared between them, so every restore below is of
-                    # KV computed in one chunk, exactly as the reference computes it)
-                    base = torch.randint(0, vocab, (1, ctx + 2 * SUFFIX), generator=torch.Generator().manual_seed(10 + i))
-                    seen = base[:, : ctx + SUFFIX]  # served first: its prefix pages are kept
-                    new = torch.cat([base[:, :ctx], base[:, ctx + SUFFIX :]], 1)
-                    n = ctx // a.page_size * a.page_size
-                    row: dict = {}
-                    # transformers recomputes the whole prompt (each timing below is the second of two runs: the
-                    # first warms the kernels up for the shape)
-                    for _ in range(REPS):
-                        sync(device)
-                        t0 = time.perf_counter()
-                        rec = forward(model, new.to(device), DynamicCache(config=cfg))
-                        sync(device)
-                        row["recompute_s"] = time.perf_counter() - t0
-                    # transformers keeps the prefix's DynamicCache on the GPU and deep-copies it
-                    kept = DynamicCache(config=cfg)
-                    forward(model, seen.to(device), kept)
-                    kept.crop(n - seen.shape[1])
-                    for _ in range(REPS):
-                        sync(device)
-                        t0 = time.perf_counter()
-                        c = copy.deepcopy(kept)
-                        ref = forward(model, new[:, n:].to(device), c)
-                        sync(device)
-                        row["gpu_copy_s"] = time.perf_counter() - t0
-                        del c
-                    del kept
-                    # kvtier: serve `seen` once (its pages are kept), then restore for `new`
-                    first = tier.cache(seen)
-                    assert first.restored_tokens == 0
-                    forward(model, seen.to(device), first)
-                    first.release()
-                    tier.controller.wait_idle()  # its pages are in the store: no disk writes during the timing
-                    for src in ("host", "host", "disk", "disk"):
-                        if src == "disk":
-                            tier.drop_host_copies()
-                        sync(device)
-                        t0 = time.perf_counter()
-                        cache = tier.cache(new)
-                        got = forward(model, new[:, cache.restored_tokens :].to(device), cache)
-                        sync(device)
-                        row[f"kvtier_{src}_s"] = time.perf_counter() - t0
-                        row[f"kvtier_{src}_restored_tokens"] = cache.restored_tokens
-                        row[f"kvtier_{src}_pages_from"] = dict(host=cache.restored_host_pages, store=cache.restored_store_pages)
-                        row[f"kvtier_{src}_exact_vs_gpu_copy"] = torch.equal(got, ref)
-                        row[f"kvtier_{src}_same_token_as_recompute"] = bool(torch.equal(got.argmax(-1), rec.argmax(-1)))
-                        row[f"kvtier_{src}_max_abs_diff_vs_recompute"] = float((got.float() - rec.float()).abs().max())
-                        cache.release()
-                    row["gpu_copy_same_token_as_recompute"] = bool(torch.equal(ref.argmax(-1), rec.argmax(-1)))
-                    results["ttft"][ctx] = row
-                    print(f"  prefix {ctx:>6}: recompute {1e3 * row['recompute_s']:8.1f} ms | gpu_copy "
-                          f"{1e3 * row['gpu_copy_s']:7.1f} ms | kvtier host {1e3 * row['kvtier_host_s']:7.1f} ms "
-                          f"({row['kvtier_host_pages_from']}, exact {row['kvtier_host_exact_vs_gpu_copy']}) | kvtier disk "
-                          f"{1e3 * row['kvtier_disk_s']:7.1f} ms ({row['kvtier_disk_pages_from']}, exact "
-                          f"{row['kvtier_disk_exact_vs_gpu_copy']}) | same token as recompute: "
-                          f"{row['kvtier_host_same_token_as_recompute'] and row['kvtier_disk_same_token_as_recompute']}",
-                          flush=True)
+                    try:
+                        # each context its own tokens (no prefix shared between them, so every restore below is of
+                        # KV computed in one chunk, exactly as the reference computes it)
+                        base = torch.randint(0, vocab, (1, ctx + 2 * SUFFIX), generator=torch.Generator().manual_seed(10 + i))
+                        seen = base[:, : ctx + SUFFIX]  # served first: its prefix pages are kept
+                        new = torch.cat([base[:, :ctx], base[:, ctx + SUFFIX :]], 1)
+                        n = ctx // a.page_size * a.page_size
+                        row: dict = {}
+                        # transformers recomputes the whole prompt (each timing below is the second of two runs: the
+                        # first warms the kernels up for the shape)
+                        for _ in range(REPS):
+                            sync(device)
+                            t0 = time.perf_counter()
+                            rec = forward(model, new.to(device), DynamicCache(config=cfg))
+                            sync(device)
+                            row["recompute_s"] = time.perf_counter() - t0
+                        # transformers keeps the prefix's DynamicCache on the GPU and deep-copies it
+                        kept = DynamicCache(config=cfg)
+                        forward(model, seen.to(device), kept)
+                        kept.crop(n - seen.shape[1])
+                        for _ in range(REPS):
+                            sync(device)
+                            t0 = time.perf_counter()
+                            c = copy.deepcopy(kept)
+                            ref = forward(model, new[:, n:].to(device), c)
+                            sync(device)
+                            row["gpu_copy_s"] = time.perf_counter() - t0
+                            del c
+                        del kept
+                        # kvtier: serve `seen` once (its pages are kept), then restore for `new`
+                        first = tier.cache(seen)
+                        assert first.restored_tokens == 0
+                        forward(model, seen.to(device), first)
+                        first.release()
+                        tier.controller.wait_idle()  # its pages are in the store: no disk writes during the timing
+                        for src in ("host", "host", "disk", "disk"):
+                            if src == "disk":
+                                tier.drop_host_copies()
+                            sync(device)
+                            t0 = time.perf_counter()
+                            cache = tier.cache(new)
+                            got = forward(model, new[:, cache.restored_tokens :].to(device), cache)
+                            sync(device)
+                            row[f"kvtier_{src}_s"] = time.perf_counter() - t0
+                            row[f"kvtier_{src}_restored_tokens"] = cache.restored_tokens
+                            row[f"kvtier_{src}_pages_from"] = dict(host=cache.restored_host_pages, store=cache.restored_store_pages)
+                            row[f"kvtier_{src}_exact_vs_gpu_copy"] = torch.equal(got, ref)
+                            row[f"kvtier_{src}_same_token_as_recompute"] = bool(torch.equal(got.argmax(-1), rec.argmax(-1)))
+                            row[f"kvtier_{src}_max_abs_diff_vs_recompute"] = float((got.float() - rec.float()).abs().max())
+                            cache.release()
+                        row["gpu_copy_same_token_as_recompute"] = bool(torch.equal(ref.argmax(-1), rec.argmax(-1)))
+                        results["ttft"][ctx] = row
+                        print(f"  prefix {ctx:>6}: recompute {1e3 * row['recompute_s']:8.1f} ms | gpu_copy "
+                              f"{1e3 * row['gpu_copy_s']:7.1f} ms | kvtier host {1e3 * row['kvtier_host_s']:7.1f} ms "
+                              f"({row['kvtier_host_pages_from']}, exact {row['kvtier_host_exact_vs_gpu_copy']}) | kvtier disk "
+                              f"{1e3 * row['kvtier_disk_s']:7.1f} ms ({row['kvtier_disk_pages_from']}, exact "
+                              f"{row['kvtier_disk_exact_vs_gpu_copy']}) | same token as recompute: "
+                              f"{row['kvtier_host_same_token_as_recompute'] and row['kvtier_disk_same_token_as_recompute']}",
+                              flush=True)
+                    except Exception as exc:  # noqa: BLE001 - one failing case must not lose the others
+                        results["ttft"][ctx] = dict(error=repr(exc))
+                        print(f"  prefix {ctx}: FAILED {exc!r}", flush=True)
                 st = tier.page_store.get_stats() if tier.page_store is not None else {}
                 results["store"] = {k: st.get(k) for k in ("o_direct", "o_direct_note", "read_GBps", "write_GBps", "pages")}
                 print(f"  store: O_DIRECT {st.get('o_direct')}, read {st.get('read_GBps', 0):.2f} GB/s", flush=True)
@@ -281,8 +293,9 @@ def main(argv: list[str] | None = None) -> int:
         json.dump(results, f, indent=1, default=str)
     # (a static cache attends over its whole preallocated length under a mask: its logits may differ from the
     # default cache's in the last bits, which is transformers' own behaviour, not a kvtier check)
-    bad = [k for k, r in results["decode"].items() if k.startswith("kvtier") and not r["logits_equal_default"]] + [
-        f"ttft {c} {s}" for c, r in results["ttft"].items() for s in ("host", "disk") if not r[f"kvtier_{s}_exact_vs_gpu_copy"]]
+    bad = [k for k, r in results["decode"].items() if "error" in r or (k.startswith("kvtier") and not r["logits_equal_default"])]
+    bad += [f"ttft {c} {s}" for c, r in results["ttft"].items() for s in ("host", "disk")
+            if not r.get(f"kvtier_{s}_exact_vs_gpu_copy")]
     print(f"\nwrote {a.out}; bit-exact: {'all' if not bad else 'NOT ' + ', '.join(bad)}")
     return 1 if bad else 0
 
