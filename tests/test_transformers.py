@@ -242,6 +242,8 @@ def test_bad_configuration_is_one_clear_error(model, tmp_path):
         (dict(model_id=""), "model_id"),
         (dict(model_id="x", store_dir=3), "store_dir"),
         (dict(model_id="x", cluster="127.0.0.1:50051"), "cluster"),
+        (dict(model_id="x", store_dir=".", store_capacity_bytes=0), "store_capacity_bytes"),
+        (dict(model_id="x", pin_memory="yes"), "pin_memory"),
     ]
     for kw, name in cases:
         with pytest.raises(kvtier.InvalidArgumentError, match=f"`{name}`"):

@@ -130,6 +130,10 @@ class KVTier:
             raise InvalidArgumentError(f"invalid argument `host_tokens`: {host_tokens} is less than two pages of {page_size}")
         if store_dir is not None and not isinstance(store_dir, (str, os.PathLike)):
             raise InvalidArgumentError(f"invalid argument `store_dir`: expected a path, got {store_dir!r}")
+        if isinstance(store_capacity_bytes, bool) or not isinstance(store_capacity_bytes, int) or store_capacity_bytes < 4096:
+            raise InvalidArgumentError(f"invalid argument `store_capacity_bytes`: must be an int >= 4096, got {store_capacity_bytes!r}")
+        if not isinstance(pin_memory, bool):
+            raise InvalidArgumentError(f"invalid argument `pin_memory`: must be a bool, got {pin_memory!r}")
         if cluster is not None and (not isinstance(cluster, str) or store_dir is None):
             raise InvalidArgumentError("invalid argument `cluster`: a Mooncake master address (str), with `store_dir` set")
         if model_id is None:
