@@ -44,7 +44,7 @@ import transformers
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "python"))
-from kvtier.integrations.transformers import KVTier  # noqa: E402
+from kvtier.integrations.transformers import KVTier, cache_kwarg  # noqa: E402
 
 SUFFIX = 64
 REPS = 2  # each TTFT is timed twice; the second counts
@@ -89,7 +89,7 @@ def reset_peak(device: str) -> None:
 
 @torch.no_grad()
 def forward(model, ids, cache):
-    return model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+    return model(input_ids=ids, use_cache=True, logits_to_keep=1, **{cache_kwarg(model): cache}).logits[:, -1]
 
 
 @torch.no_grad()

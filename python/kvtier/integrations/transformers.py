@@ -34,6 +34,7 @@ MLA latents, …) and batch size 1 are supported; anything else is refused up fr
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import os
 import warnings
@@ -99,6 +100,15 @@ def _token_list(name: str, token_ids: Any) -> list[int]:
     return list(token_ids)
 
 
+def cache_kwarg(model: Any) -> str:
+    """The name ``model``'s forward takes a cache by: ``cache`` (transformers >= 5.2x) or ``past_key_values``."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return "cache"
+    return "cache" if "cache" in params or "past_key_values" not in params else "past_key_values"
+
+
 class KVTier:
     """kvtier's host pool, store and policy for one transformers model (see the module docs).
 
@@ -162,7 +172,8 @@ class KVTier:
         # one token through the model tells the KV geometry each layer caches (heads, K and V dims, dtype)
         device = next(iter(model.parameters())).device
         with torch.no_grad():
-            model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device), cache=probe, use_cache=True)
+            model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device), use_cache=True,
+                  **{cache_kwarg(model): probe})
         shapes = {(tuple(layer.keys.shape[1:2] + layer.keys.shape[3:]), tuple(layer.values.shape[1:2] + layer.values.shape[3:]),
                    layer.keys.dtype, layer.keys.device) for layer in probe.layers}
         if len(shapes) != 1:
