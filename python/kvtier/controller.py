@@ -369,8 +369,9 @@ class TierController:
 
     def acquire(self, page_keys: Sequence[str]) -> list[int]:
         """Host page starts of the leading run of ``page_keys`` in the index, each with one more reference (so
-        it is neither evicted nor reused until :meth:`release`); a page still being filled counts (its
-        event is returned by :meth:`pending_events`)."""
+        it is neither evicted nor reused until :meth:`release`). A page whose backup is still in flight
+        counts: the caller orders its reads after that backup (kvtier's transformers cache issues both on
+        one stream); a page still being read from the store does not."""
         with self.lock:
             self._poll_locked()
             starts = []
@@ -383,12 +384,6 @@ class TierController:
                 self.pages.move_to_end(k)
                 starts.append(pg.start)
             return starts
-
-    def pending_events(self, page_keys: Sequence[str]) -> list[Any]:
-        """CUDA events of the pages of ``page_keys`` whose bytes are still being written."""
-        with self.lock:
-            self._poll_locked()
-            return [self.pages[k].event for k in page_keys if k in self.pages and self.pages[k].event is not None]
 
     def release(self, page_keys: Sequence[str]) -> None:
         """Give back references taken by :meth:`acquire` or kept by :meth:`adopt`."""
