@@ -12,8 +12,11 @@ DEPS_STAMP := $(VENV)/.kvtier-deps
 TEST_STAMP := $(VENV)/.kvtier-test-deps
 BUILD_STAMP := $(VENV)/.kvtier-build
 RUST_SRC := $(shell find rust -name '*.rs' -o -name Cargo.toml) Cargo.toml pyproject.toml
+# The transformers release kvtier.integrations.transformers is tested with (its Cache API changes between
+# minor releases); the demo serves its workload with transformers' LlamaForCausalLM.
+TRANSFORMERS := transformers==5.24.0
 # What building kvtier and running the demo need (torch's PyPI build is a CUDA build; it runs on CPU too).
-PY_DEPS := "maturin>=1.9.4,<2" "torch>=2.4" "numpy>=1.24"
+PY_DEPS := "maturin>=1.9.4,<2" "torch>=2.4" "numpy>=1.24" $(TRANSFORMERS)
 # What only the tests need: test runners, the plot check, and the packages the conformance tests run against.
 TEST_DEPS := torchvision "pytest>=8" "pytest-timeout>=2" "hypothesis>=6" "matplotlib>=3.7" "ruff==0.17.6" "mypy==2.4.1"
 # The SGLang release the integration tests run against, installed without its dependency tree, plus only
@@ -39,10 +42,10 @@ help: ## Show this help
 
 $(DEPS_STAMP): Makefile
 	@test -x $(VPY) || $(PYTHON) -m venv $(VENV)
-	@echo "kvtier: installing maturin, numpy and torch into $(VENV) (torch is a few GB on a first run: minutes; pip's cache serves later runs)"
+	@echo "kvtier: installing maturin, numpy, torch and $(TRANSFORMERS) into $(VENV) (torch is a few GB on a first run: minutes; pip's cache serves later runs)"
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install --progress-bar on $(PY_DEPS) | grep -v "^Requirement already satisfied" || true
-	$(VPY) -c "import torch, numpy"
+	$(VPY) -c "import torch, numpy, transformers"
 	@touch $@
 
 $(TEST_STAMP): $(DEPS_STAMP)
@@ -50,7 +53,9 @@ $(TEST_STAMP): $(DEPS_STAMP)
 	$(VPY) -m pip install -q $(TEST_DEPS)
 	$(VPY) -m pip install -q --no-deps $(SGLANG)
 	$(VPY) -m pip install -q $(SGLANG_IMPORT_DEPS) 2>&1 | grep -v -e "requires" -e "dependency resolver" -e "dependency conflicts" || true
+	$(VPY) -m pip install -q $(TRANSFORMERS) 2>&1 | grep -v -e "requires" -e "dependency resolver" -e "dependency conflicts" || true
 	$(VPY) -c "import torch, sglang.srt.mem_cache.hicache_storage, sglang.srt.mem_cache.pool_host.mha, sglang.srt.mem_cache.storage.backend_factory"
+	$(VPY) -c "import transformers; assert transformers.__version__ == '$(TRANSFORMERS:transformers==%=%)', transformers.__version__"
 	@echo "kvtier: installing $(MOONCAKE) (the cluster tier's tests run a real Mooncake master and storage processes)"
 	$(VPY) -m pip install -q $(MOONCAKE)
 	scripts/syslibs.sh $(SYSLIBS)
@@ -67,7 +72,7 @@ $(TEST_STAMP): $(DEPS_STAMP)
 syslibs: ## Unpack libibverbs1 (Mooncake's one system dependency) into .venv without root, if the system lacks it
 	scripts/syslibs.sh $(SYSLIBS)
 
-install: $(DEPS_STAMP) ## Create .venv and install what building and the demo need (maturin, torch, numpy)
+install: $(DEPS_STAMP) ## Create .venv and install what building and the demo need (maturin, torch, numpy, transformers)
 
 install-test: $(TEST_STAMP) ## install plus the test dependencies (pytest, hypothesis, matplotlib, SGLang)
 

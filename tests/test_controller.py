@@ -178,3 +178,37 @@ def test_cli_bench(tmp_path):
     if not torch.cuda.is_available():
         r = run("bench", "transfer")
         assert r.returncode == 1 and "needs a CUDA GPU" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_adopt_acquire_release_pages_an_engine_filled(tmp_path):
+    """Pages filled in place (kvtier.integrations.transformers) enter the index without a copy, are written
+    through, are never evicted while referenced, and a key already kept is not adopted twice."""
+    dp, hp, st, c = setup(tmp_path, host_pages=6)
+    keys = keys_for(3)
+    starts = c.allocate(3)
+    assert len(starts) == 3 and len(set(starts)) == 3
+    for s in starts:
+        hp.k_buffer[s // PS].fill_(float(s))
+    assert c.adopt(keys, starts) == [True, True, True]
+    c.wait_idle()
+    assert c.stats.store_writes == 3 and st.batch_exists(keys) == 3
+    assert c.adopt(keys[:1], c.allocate(1)) == [False]  # already kept: stays the caller's
+    # the caller's references keep them; acquire takes more, in order, up to the first missing key
+    assert c.acquire(keys + keys_for(1, seed=99)) == starts
+    c.release(keys)
+    assert c.allocate(hp.available_size() // PS + 1) is None  # nothing referenced may be evicted
+    c.release(keys)  # the adopter's references
+    assert c.allocate(3) is not None  # now they may go
+    with pytest.raises(kvtier_error()):
+        c.allocate(-1)
+    with pytest.raises(kvtier_error()):
+        c.adopt(keys, starts[:1])
+    c.close()
+    st.close()
+    hp.close()
+
+
+def kvtier_error():
+    import kvtier
+
+    return kvtier.InvalidArgumentError

@@ -23,3 +23,23 @@ def test_cli_bad_arguments_exit_nonzero_without_traceback():
     assert "Traceback" not in r.stderr and "--layers" in r.stderr  # the option as the user typed it
     r = subprocess.run([sys.executable, "-m", "kvtier", "nope"], capture_output=True, text=True)
     assert r.returncode == 2 and "invalid choice" in r.stderr
+
+
+def test_toy_workload_where_transformers_is_missing():
+    from kvtier.workload import run_workload
+
+    out = run_workload(device="cpu", model="toy", n_conv=2, turns=2, quiet=True)
+    assert out["failures"] == [] and out["model"] == "toy" and len(out["results"]) == 4
+
+
+def test_the_workload_serves_a_real_architecture():
+    import pytest
+
+    pytest.importorskip("transformers")
+    from kvtier.workload import run_workload
+
+    out = run_workload(device="cpu", quiet=True)
+    sources = {r["source"] for r in out["results"]}
+    assert out["model"] == "llama" and out["failures"] == []
+    assert {"recomputed", "host hit", "disk hit"} <= sources
+    assert all(r["kv_exact"] and r["output_exact"] for r in out["results"])

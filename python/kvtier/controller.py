@@ -325,6 +325,74 @@ class TierController:
                 self._write_async(selective, [None] * len(selective))
         return load
 
+    # ------------------------------------------------------------------ pages an engine fills itself
+    def allocate(self, n: int) -> list[int] | None:
+        """Host page starts for ``n`` private pages (not in the index: the caller fills them and frees them
+        with :meth:`free`, or hands them over with :meth:`adopt`), evicting least-recently-used unreferenced
+        pages as needed; ``None`` when there is no room."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise InvalidArgumentError(f"invalid argument `n`: must be an int >= 0, got {n!r}")
+        with self.lock:
+            self._poll_locked()
+            return self._alloc_pages(n) if n else []
+
+    def free(self, starts: Sequence[int]) -> None:
+        """Free private pages from :meth:`allocate` that were not adopted."""
+        if starts:
+            with self.lock:
+                self.host.free(self._slots(list(starts)))
+
+    def adopt(self, page_keys: Sequence[str], starts: Sequence[int], *, event: Any = None) -> list[bool]:
+        """Put private pages the caller has filled (every layer) into the index under ``page_keys``, without a
+        copy; ``event``: a CUDA event after which their bytes are complete (None: complete now). The caller
+        keeps one reference per adopted page (give it back with :meth:`release`). A key already in the index
+        is not adopted (False): its page stays the caller's. Written to the store as :meth:`backup` does."""
+        keys = list(page_keys)
+        if len(keys) != len(starts):
+            raise InvalidArgumentError(f"invalid argument `starts`: {len(starts)} pages for {len(keys)} keys")
+        with self.lock:
+            self._poll_locked()
+            done = []
+            for k, s in zip(keys, starts):
+                if k in self.pages:
+                    done.append(False)
+                    continue
+                self.pages[k] = _HostPage(start=int(s), refs=1 if event is None else 2, ready=event is None, event=event)
+                done.append(True)
+            new = [k for k, ok in zip(keys, done) if ok]
+            self.stats.backed_up_pages += len(new)
+            if new and self.store is not None and self.write_policy == "write_through":
+                for k in new:
+                    self.pages[k].refs += 1
+                self._write_async(new, [event] * len(new))
+        return done
+
+    def acquire(self, page_keys: Sequence[str]) -> list[int]:
+        """Host page starts of the leading run of ``page_keys`` in the index, each with one more reference (so
+        it is neither evicted nor reused until :meth:`release`). A page whose backup is still in flight
+        counts: the caller orders its reads after that backup (kvtier's transformers cache issues both on
+        one stream); a page still being read from the store does not."""
+        with self.lock:
+            self._poll_locked()
+            starts = []
+            for k in page_keys:
+                pg = self.pages.get(k)
+                if pg is None or not (pg.ready or pg.event is not None):  # absent, or a store read in flight
+                    break
+                pg.refs += 1
+                pg.hits += 1
+                self.pages.move_to_end(k)
+                starts.append(pg.start)
+            return starts
+
+    def release(self, page_keys: Sequence[str]) -> None:
+        """Give back references taken by :meth:`acquire` or kept by :meth:`adopt`."""
+        with self.lock:
+            for k in page_keys:
+                pg = self.pages.get(k)
+                if pg is not None and pg.refs > 0:
+                    pg.refs -= 1
+
     def wait_idle(self) -> None:
         """Wait for every background store write, prefetch and reference release."""
         while self._pending:

@@ -7,15 +7,18 @@
    HiCache offers for these models, and checks every byte.
 3. Spills the host pages to a PageStore on disk (keyed by SGLang-compatible page hashes), wipes host and
    device, reads them back from disk, loads them to the device, and checks every byte again.
-4. Serves a multi-turn workload with a tiny transformer through TierController (kvtier.workload): TTFT by
-   source (recomputed / host hit / disk hit), hit rates, bytes moved, and a bit-for-bit check of every
-   restored prefix and every output against recomputation.
+4. Serves a multi-turn workload (kvtier.workload) with transformers' real ``LlamaForCausalLM`` (a small
+   config with random weights on the CPU, a larger one on a GPU) through kvtier's transformers cache
+   (kvtier.integrations.transformers), or with a toy transformer through TierController where transformers
+   is not installed: TTFT by source (recomputed / host hit / disk hit), hit rates, bytes moved, and a
+   bit-for-bit check of every restored prefix and every output against recomputation.
 
 Runs on the GPU when torch sees one, on the CPU otherwise; exits non-zero if any check fails.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import tempfile
 import time
@@ -76,10 +79,18 @@ def run(layers: int = 8, pages: int = 32, page_size: int = 64, heads: int = 4, s
     failures += _spill_round_trip(dp, ref, pages, page_size, layers, device, store_dir, "demo/mimo-like")
     failures += _spill_round_trip(mla, mla_ref, pages, page_size, mla_layers, device, store_dir, "demo/deepseek-like")
     if conversations > 0 and turns > 0:
-        from .workload import run_workload
+        from .workload import llama_config, run_workload
 
-        print(f"\nServing {conversations} conversations x {turns} turns with a tiny asymmetric transformer "
-              f"(K 48 / V 32 head dims) through TierController; device pool < working set, host pool < working set:")
+        if importlib.util.find_spec("transformers") is not None:
+            c = llama_config(device)
+            print(f"\nServing {conversations} conversations x {turns} turns with transformers' LlamaForCausalLM "
+                  f"({c.num_hidden_layers} layers, hidden {c.hidden_size}, {c.num_attention_heads} heads / "
+                  f"{c.num_key_value_heads} KV heads, random weights) through kvtier's transformers cache "
+                  f"(kvtier.integrations.transformers: 2 layers on the device at a time; host pool < working set):")
+        else:
+            print(f"\nServing {conversations} conversations x {turns} turns with a tiny asymmetric transformer "
+                  f"(K 48 / V 32 head dims; transformers is not installed) through TierController; device pool < "
+                  f"working set, host pool < working set:")
         out = run_workload(device=device, n_conv=conversations, turns=turns, seed=seed, keep=keep, store_dir=store_dir)
         failures += len(out["failures"])
         if out["root"] and store_dir is None:

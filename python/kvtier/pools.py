@@ -472,6 +472,16 @@ class _HostKVPool:
         layers, p = self._prepare(device_pool, host_indices, device_indices, io_backend, to_host=True)
         self._engine.copy(tuple(zip(self._sides(), layers)), p, 0, self.layer_num, to_host=True, backend=io_backend)
 
+    def backup_from_device_per_layer(self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor,
+                                     layer_id: int, io_backend: str) -> None:
+        """Device → host for one layer (the copies :meth:`backup_from_device_all_layer` makes for that layer):
+        for an engine whose device pool holds a window of the layers at a time. Enqueued on the current CUDA
+        stream for CUDA device pools."""
+        if isinstance(layer_id, bool) or not isinstance(layer_id, int) or not 0 <= layer_id < self.layer_num:
+            raise InvalidArgumentError(f"invalid argument `layer_id`: must be an int in [0, {self.layer_num}), got {layer_id!r}")
+        layers, p = self._prepare(device_pool, host_indices, device_indices, io_backend, to_host=True)
+        self._engine.copy(tuple(zip(self._sides(), layers)), p, layer_id, layer_id + 1, to_host=True, backend=io_backend)
+
     def synchronize(self) -> None:
         """Wait until every transfer this pool issued has completed."""
         self._engine.synchronize()

@@ -1,29 +1,36 @@
-"""A small transformer with real attention and asymmetric K/V head dims, serving a multi-turn workload with
-shared prefixes through :class:`kvtier.TierController` — the main part of ``kvtier demo``.
+"""The multi-turn workload of ``kvtier demo``: conversations sharing a system prompt, each turn extending its
+conversation, served with prefix reuse through kvtier — on a real architecture, transformers'
+``LlamaForCausalLM`` built from a small config (random seeded weights, nothing downloaded) behind
+:class:`kvtier.integrations.transformers.KVTier`; or, where transformers is not installed, on a toy
+transformer (:class:`TinyModel`, asymmetric K/V head dims) through :class:`kvtier.TierController`.
 
-The model processes a prompt one token at a time (each token attends to the cache of all earlier ones), so
-computing a token's KV is the same sequence of operations whether its prefix came from the cache or was
-recomputed: restored KV and outputs can be compared bit for bit with a fresh recomputation.
+Prompts are computed in page-aligned chunks (one page of tokens per forward; the toy model: one token), so a
+suffix computed after a restored prefix goes through exactly the operations a fresh recomputation does:
+every restored prefix's KV and every output are compared bit for bit with a recomputation (transformers'
+default ``DynamicCache``, chunk for chunk).
 
-The device pool holds one request at a time and the host pool less than the working set, so pages flow
-GPU → host → disk and back: a request's prefix is found on the host (a host hit), in the store (a disk hit,
-prefetched to the host first), or recomputed.
+The host pool holds less than the working set, so pages flow GPU → host → disk and back: a request's prefix
+is found on the host (a host hit), in the store (a disk hit, read into the host pool first), in the cluster
+tier (``cluster``), or recomputed.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import tempfile
 import time
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from ._cleanup import remove_tree
 from ._progress import Progress
 from . import DeviceKVPool, PageStore, TierController, host_pool_for, page_hashes
+from ._errors import InvalidArgumentError
 
 
 @dataclass
@@ -98,6 +105,7 @@ def conversations(n_conv: int, turns: int, g: Geometry, seed: int) -> list[list[
 def run_workload(
     *,
     device: str,
+    model: str = "auto",
     n_conv: int = 3,
     turns: int = 3,
     host_pages: int = 12,
@@ -108,14 +116,22 @@ def run_workload(
     quiet: bool = False,
     cluster: str | None = None,
 ) -> dict:
-    """Serve the workload; verify every reused prefix bit for bit; return the measurements. With ``cluster``
-    (a Mooncake master's address) the store is the tier chain local disk → cluster (kvtier.tiers), and a
-    prefix served by the cluster counts as a ``cluster hit``."""
+    """Serve the workload; verify every reused prefix bit for bit; return the measurements. ``model``:
+    ``"llama"`` (transformers), ``"toy"`` or ``"auto"`` (llama where transformers is installed). With
+    ``cluster`` (a Mooncake master's address) the store is the tier chain local disk → cluster (kvtier.tiers),
+    and a prefix served by the cluster counts as a ``cluster hit``."""
+    if model not in ("auto", "llama", "toy"):
+        raise InvalidArgumentError(f"invalid argument `model`: {model!r}; expected 'auto', 'llama' or 'toy'")
+    if model == "auto":
+        model = "llama" if importlib.util.find_spec("transformers") is not None else "toy"
+    if model == "llama":
+        return _run_llama(device=device, n_conv=n_conv, turns=turns, host_pages=host_pages, seed=seed,
+                          store_dir=store_dir, keep=keep, quiet=quiet, cluster=cluster)
     g = Geometry()
     reqs = conversations(n_conv, turns, g, seed)
     max_tokens = max(len(r) for r in reqs)
     dev_pages = max_tokens // g.page_size + 2
-    model = TinyModel(g, device, seed)
+    toy = TinyModel(g, device, seed)
     dp = DeviceKVPool(dev_pages * g.page_size, g.page_size, g.layers, g.heads, g.k_dim, g.v_dim, torch.float32, device)
     scratch = DeviceKVPool(dev_pages * g.page_size, g.page_size, g.layers, g.heads, g.k_dim, g.v_dim, torch.float32, device)
     hp = host_pool_for(dp, host_size_gb=host_pages * g.page_size * (g.k_dim + g.v_dim) * g.heads * g.layers * 4 / 1e9 * 0.999,
@@ -172,7 +188,7 @@ def run_workload(
             t_restored = time.perf_counter()
             logits = None
             for pos in range(cached, len(tokens)):
-                logits = model.step(tokens[pos], pos, dp, rows)
+                logits = toy.step(tokens[pos], pos, dp, rows)
             sync()
             ttft = time.perf_counter() - t0
             source = ("cluster hit" if from_cluster and have > host_hit else "disk hit" if disk_hit and have > host_hit
@@ -184,7 +200,7 @@ def run_workload(
                 if pos == cached:
                     sync()
                     prefix_recompute = time.perf_counter() - t1
-                ref = model.step(tokens[pos], pos, scratch, rows)
+                ref = toy.step(tokens[pos], pos, scratch, rows)
             ok_kv = all(
                 torch.equal(dp.k_buffer[layer][rows[:cached]], scratch.k_buffer[layer][rows[:cached]])
                 and torch.equal(dp.v_buffer[layer][rows[:cached]], scratch.v_buffer[layer][rows[:cached]])
@@ -212,7 +228,118 @@ def run_workload(
         if not keep and store_dir is None:
             remove_tree(root)
     out = dict(results=results, failures=failures, stats=ctrl.stats, store=store_stats, root=root if keep else None,
-               page_bytes=ctrl.page_bytes, page_size=g.page_size, tiers=tier_stats)
+               page_bytes=ctrl.page_bytes, page_size=g.page_size, tiers=tier_stats, model="toy")
+    if not quiet:
+        print_report(out)
+    return out
+
+
+def llama_config(device: str) -> Any:
+    """The demo's Llama: small on the CPU (runs in seconds), larger on a GPU."""
+    from transformers import LlamaConfig
+
+    if device == "cuda":
+        return LlamaConfig(num_hidden_layers=8, hidden_size=1024, intermediate_size=2816, num_attention_heads=16,
+                           num_key_value_heads=4, vocab_size=32000, max_position_embeddings=4096)
+    return LlamaConfig(num_hidden_layers=4, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=512, max_position_embeddings=4096)
+
+
+def _run_llama(*, device: str, n_conv: int, turns: int, host_pages: int, seed: int, store_dir: str | None,
+               keep: bool, quiet: bool, cluster: str | None) -> dict:
+    from transformers import DynamicCache, LlamaForCausalLM
+
+    from .integrations.transformers import KVTier
+
+    cfg = llama_config(device)
+    g = Geometry(layers=cfg.num_hidden_layers, heads=cfg.num_key_value_heads, k_dim=cfg.head_dim, v_dim=cfg.head_dim,
+                 hidden=cfg.hidden_size, vocab=cfg.vocab_size)
+    reqs = conversations(n_conv, turns, g, seed)
+    ps = g.page_size
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg)
+    model.train(False)  # inference mode (no dropout)
+    if device == "cuda":
+        model = model.to(torch.bfloat16)
+    max_pages = max(len(r) for r in reqs) // ps + 1
+    root = store_dir or tempfile.mkdtemp(prefix="kvtier-demo-", dir=os.getcwd())
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            tier = KVTier(model, model_id=f"kvtier-demo/random-llama-seed{seed}", page_size=ps, window=2,
+                          host_tokens=max(host_pages, max_pages + 1) * ps, store_dir=root, store_capacity_bytes=1 << 30,
+                          cluster=cluster)
+    except BaseException:
+        if store_dir is None:
+            remove_tree(root)
+        raise
+    chain = tier.store if cluster is not None else None
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    results, failures = [], []
+    bar = Progress(len(reqs), "serving")
+
+    @torch.no_grad()
+    def compute(ids: torch.Tensor, cache: Any, start: int, stop: int) -> Any:
+        """Forward ``ids[start:stop]`` one page-aligned chunk at a time; the last logits."""
+        logits = None
+        for a in range(start, stop, ps):
+            b = min(stop, (a // ps + 1) * ps)
+            logits = model(input_ids=ids[:, a:b], cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+        return logits
+
+    try:
+        for i, tokens in enumerate(reqs):
+            ids = torch.tensor([tokens], device=device)
+            sync()
+            t0 = time.perf_counter()
+            remote_before = _remote_hits(chain)
+            cache = tier.cache(tokens)
+            from_cluster = _remote_hits(chain) > remote_before
+            cached = cache.restored_tokens
+            t_restored = time.perf_counter()
+            logits = compute(ids, cache, cached, len(tokens))
+            sync()
+            ttft = time.perf_counter() - t0
+            host_hit, disk_hit = cache.restored_host_pages, cache.restored_store_pages
+            source = ("cluster hit" if from_cluster and disk_hit else "disk hit" if disk_hit
+                      else "host hit" if host_hit else "recomputed")
+            # verification: transformers' default cache recomputes the whole prompt, chunk for chunk (its prefix
+            # part timed: what recomputing the restored pages would have cost instead)
+            ref = DynamicCache(config=cfg)
+            t1 = time.perf_counter()
+            compute(ids, ref, 0, cached)
+            sync()
+            prefix_recompute = time.perf_counter() - t1
+            ref_logits = compute(ids, ref, cached, len(tokens))
+            ok_kv = True
+            for layer in range(cfg.num_hidden_layers):
+                k, v = cache.host_kv(layer, len(tokens))
+                ok_kv = ok_kv and torch.equal(k, ref.layers[layer].keys.cpu()) and torch.equal(v, ref.layers[layer].values.cpu())
+            ok_out = logits is not None and torch.equal(logits, ref_logits)
+            if not (ok_kv and ok_out):
+                failures.append((i, source, ok_kv, ok_out))
+            results.append(dict(request=i, tokens=len(tokens), cached_pages=cached // ps, host_hit=host_hit,
+                                disk_hit=disk_hit, source=source, ttft_s=ttft, restore_s=t_restored - t0,
+                                suffix_s=ttft - (t_restored - t0), prefix_recompute_s=prefix_recompute if cached else 0.0,
+                                kv_exact=ok_kv, output_exact=ok_out))
+            cache.release()  # its full pages stay in the host pool (and go to the store) for the next requests
+            tier.controller.wait_idle()
+            bar.update(i + 1)
+    finally:
+        bar.close()
+        ctrl = tier.controller
+        tier.controller.wait_idle()
+        store_stats = tier.page_store.get_stats() if tier.page_store is not None else {}
+        tier_stats = chain.get_stats() if chain is not None else None
+        page_bytes = ctrl.page_bytes
+        stats = dict(vars(tier.stats))
+        tier.close()
+        if not keep and store_dir is None:
+            remove_tree(root)
+    out = dict(results=results, failures=failures, stats=ctrl.stats, store=store_stats, root=root if keep else None,
+               page_bytes=page_bytes, page_size=ps, tiers=tier_stats, model="llama", transformers=stats,
+               config=cfg)
     if not quiet:
         print_report(out)
     return out
@@ -234,8 +361,13 @@ def print_report(out: dict) -> None:
     def mean_ms(rows, key):
         return 1e3 * sum(r[key] for r in rows) / len(rows)
 
-    print("\nTTFT = restoring the cached prefix (match, prefetch from disk, per-layer load) + computing the rest of "
-          "the prompt.\nPrompts differ in length and in how much of them is cached, so compare `restore` with "
+    if out.get("model") == "llama":
+        print("\nTTFT = restoring the cached prefix (match; for a disk hit, reading its pages into the host pool) + "
+              "computing the rest of the prompt\n(the prefix's KV streams to the device layer by layer during it).")
+    else:
+        print("\nTTFT = restoring the cached prefix (match, prefetch from disk, per-layer load) + computing the rest "
+              "of the prompt.")
+    print("Prompts differ in length and in how much of them is cached, so compare `restore` with "
           "`recompute instead`:\nthe same prefix recomputed (timed in the verification pass).")
     print(f"{'source':<12} {'requests':>8} {'mean TTFT':>11} {'restore':>10} {'rest of prompt':>15} "
           f"{'cached tokens':>14} {'recompute instead':>18}")
@@ -256,7 +388,14 @@ def print_report(out: dict) -> None:
           + f"{total_pages - host - disk} recomputed")
     st = out["stats"]
     s = out["store"]
-    print(f"bytes moved: device->host {st.bytes_device_to_host / 1e6:.1f} MB, host->device {st.bytes_host_to_device / 1e6:.1f} MB, "
+    if out.get("model") == "llama":
+        t = out["transformers"]
+        print(f"kvtier cache: {t['layer_loads']} per-layer loads host->device (2 of {out['config'].num_hidden_layers} "
+              f"layers on the device at a time), {t['adopted_pages']} full pages kept for reuse")
+        moved = ""
+    else:
+        moved = (f"device->host {st.bytes_device_to_host / 1e6:.1f} MB, host->device {st.bytes_host_to_device / 1e6:.1f} MB, ")
+    print(f"bytes moved: {moved}"
           f"host->disk {s['bytes_written'] / 1e6:.1f} MB at {1e3 * s['write_GBps']:.0f} MB/s (durable, small pages), "
           f"disk->host {s['bytes_read'] / 1e6:.1f} MB at {1e3 * s['read_GBps']:.0f} MB/s; host evictions {st.host_evictions}")
     ok = not out["failures"]

@@ -1,0 +1,304 @@
+"""kvtier's transformers cache against transformers' own caches, same model and prompt, one run (issue #19).
+
+    PYTHONPATH=python python benches/python/bench_transformers.py [--out results.json] [--tiny]
+        [--contexts 8192,32768] [--decode-tokens 16] [--page-size 64] [--store-dir DIR] [--skip-static]
+
+Model: transformers' own LlamaForCausalLM in the Llama-3.1-8B shape (32 layers, hidden 4096, 32 heads, 8 KV
+heads, intermediate 14336, vocab 128256), bf16, random weights from the config (seeded; nothing is
+downloaded), SDPA attention. ``--tiny``: a 2-layer model on the CPU with contexts of 256 and 1,024 tokens
+(seconds; checks the script).
+
+(a) Decode at the largest context: a prompt of that many tokens is prefilled (one forward), then
+    ``--decode-tokens`` greedy steps are timed (after two untimed ones). For each cache: tokens/s, peak GPU
+    memory (``torch.cuda.max_memory_allocated``) over the whole run and over the decode steps alone (both
+    as measured, weights included, and minus the weights), and whether every decode step's logits equal the
+    default cache's bit for bit. Caches: ``default`` (DynamicCache, all layers on the GPU), ``offloaded``
+    (``DynamicCache(offloading=True)``, 5.24's OffloadedCache), ``offloaded_static``
+    (``StaticCache(offloading=True)``, 5.24's OffloadedStaticCache), ``kvtier_w1`` / ``kvtier_w2`` (kvtier,
+    windows of 1 and 2 layers).
+(b) Time to first token of a prompt (prefix of each context + 64 new tokens) whose prefix was seen before:
+    ``recompute`` (transformers: the whole prompt prefilled, DynamicCache), ``gpu_copy`` (transformers'
+    prefix-reuse recipe: a DynamicCache of the prefix kept in GPU memory, deep-copied, then the suffix),
+    ``kvtier_host`` (prefix restored from kvtier's pinned host pool), ``kvtier_disk`` (host copies dropped
+    first: restored from the PageStore, O_DIRECT where the file system allows it). The first token's
+    logits of every restore are compared bit for bit with transformers reusing the same prefix KV
+    (``gpu_copy``), and its token with recomputation. Each TTFT is the second of two runs (the first warms
+    the kernels up for the shape; the disk one drops the host copies before each run).
+Writes ``--out`` (JSON) and prints tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+import torch
+import transformers
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "python"))
+from kvtier.integrations.transformers import KVTier, cache_kwarg  # noqa: E402
+
+SUFFIX = 64
+REPS = 2  # each TTFT is timed twice; the second counts
+MODEL_ID = "bench/llama-3.1-8b-shape-random-seed0"
+
+
+def build(tiny: bool, device: str) -> LlamaForCausalLM:
+    if tiny:
+        cfg = LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                          num_key_value_heads=2, vocab_size=256, max_position_embeddings=4096)
+        dtype = torch.float32
+    else:
+        cfg = LlamaConfig(num_hidden_layers=32, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                          num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,
+                          rms_norm_eps=1e-5)
+        dtype = torch.bfloat16
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(old)
+    return model.eval()
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def peak(device: str) -> int | None:
+    return torch.cuda.max_memory_allocated() if device == "cuda" else None
+
+
+def reset_peak(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+
+
+@torch.no_grad()
+def forward(model, ids, cache):
+    return model(input_ids=ids, use_cache=True, logits_to_keep=1, **{cache_kwarg(model): cache}).logits[:, -1]
+
+
+@torch.no_grad()
+def decode(model, prompt, cache, steps: int, device: str) -> dict:
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    reset_peak(device)
+    sync(device)
+    t0 = time.perf_counter()
+    logits = forward(model, prompt, cache)
+    sync(device)
+    prefill_s = time.perf_counter() - t0
+    out = [logits.float().cpu()]
+    nxt = logits.argmax(-1, keepdim=True)
+    for _ in range(2):  # untimed
+        logits = forward(model, nxt, cache)
+        out.append(logits.float().cpu())
+        nxt = logits.argmax(-1, keepdim=True)
+    sync(device)
+    whole_peak = peak(device)
+    reset_peak(device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        logits = forward(model, nxt, cache)
+        nxt = logits.argmax(-1, keepdim=True)
+        out.append(logits)
+    sync(device)
+    dt = time.perf_counter() - t0
+    return dict(prefill_s=prefill_s, decode_tok_s=steps / dt, decode_ms_per_token=1e3 * dt / steps,
+                peak_bytes=max(whole_peak or 0, peak(device) or 0) if device == "cuda" else None,
+                decode_peak_bytes=peak(device), logits=[x.float().cpu() for x in out])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="transformers-bench.json")
+    ap.add_argument("--tiny", action="store_true", help="a 2-layer model on the CPU (seconds)")
+    ap.add_argument("--contexts", default=None, help="prefix lengths for (b); (a) uses the largest (default 8192,32768)")
+    ap.add_argument("--decode-tokens", type=int, default=16)
+    ap.add_argument("--page-size", type=int, default=64)
+    ap.add_argument("--store-dir", default=None, help="PageStore directory (default: a new one under the current directory)")
+    ap.add_argument("--skip-static", action="store_true", help="leave out offloaded_static (the slowest)")
+    ap.add_argument("--skip-decode", action="store_true")
+    ap.add_argument("--skip-ttft", action="store_true")
+    a = ap.parse_args(argv)
+    device = "cpu" if a.tiny or not torch.cuda.is_available() else "cuda"
+    contexts = [int(x) for x in (a.contexts or ("256,1024" if a.tiny else "8192,32768")).split(",")]
+    top = max(contexts)
+    print(f"transformers {transformers.__version__}, torch {torch.__version__}, device {device}"
+          + (f" ({torch.cuda.get_device_name()})" if device == "cuda" else ""), flush=True)
+    if transformers.__version__ != "5.24.0":
+        print(f"WARNING: transformers {transformers.__version__}; kvtier's cache is tested with 5.24.0", flush=True)
+    t_build = time.perf_counter()
+    model = build(a.tiny, device)
+    sync(device)
+    weights = peak(device) or 0
+    cfg = model.config
+    print(f"model: LlamaForCausalLM {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {cfg.num_attention_heads} "
+          f"heads / {cfg.num_key_value_heads} KV heads, {next(model.parameters()).dtype}, built in "
+          f"{time.perf_counter() - t_build:.1f} s; weights {weights / 2**30:.2f} GiB", flush=True)
+    vocab = cfg.vocab_size
+    gen = torch.Generator().manual_seed(1)
+    base = torch.randint(0, vocab, (1, top + 2 * SUFFIX), generator=gen)
+    root = a.store_dir or tempfile.mkdtemp(prefix="kvtier-hf-bench-", dir=os.getcwd())
+    results: dict = dict(device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                         transformers=transformers.__version__, torch=torch.__version__, tiny=a.tiny,
+                         page_size=a.page_size, weights_bytes=weights, decode={}, ttft={})
+    host_tokens = 2 * (top + 2 * SUFFIX) + top // 2 + 4 * a.page_size  # a seen prompt, a new one, and room
+    try:
+        tier = KVTier(model, model_id=MODEL_ID, page_size=a.page_size, window=1,
+                      host_tokens=host_tokens, store_dir=root, store_capacity_bytes=1 << 40)
+        tier2 = None
+        try:
+            # ---------------------------------------------------------------- (a) decode at the top context
+            if not a.skip_decode:
+                prompt = base[:, :top].to(device)
+                offloaded = ["offloaded"] + ([] if a.skip_static else ["offloaded_static"])
+                kinds = ["default"] + (offloaded if device == "cuda" else []) + ["kvtier_w1", "kvtier_w2"]
+                print(f"\n(a) decode at {top} tokens of context, {a.decode_tokens} timed steps", flush=True)
+                if device != "cuda":
+                    print("  (transformers' offloaded caches need CUDA: left out on the CPU)")
+                ref_logits = None
+                cache = None
+                for kind in kinds:
+                    try:
+                        if kind == "default":
+                            cache = DynamicCache(config=cfg)
+                        elif kind == "offloaded":
+                            cache = DynamicCache(config=cfg, offloading=True)
+                        elif kind == "offloaded_static":
+                            cache = StaticCache(config=cfg, max_cache_len=top + a.decode_tokens + 8, offloading=True)
+                        else:  # a tier of its own, without a store (no background writes during the timing)
+                            tier2 = KVTier(model, model_id=MODEL_ID, page_size=a.page_size, window=int(kind[-1]),
+                                           host_tokens=top + a.decode_tokens + 8 + 4 * a.page_size)
+                            cache = tier2.cache(prompt.cpu())
+                        r = decode(model, prompt, cache, a.decode_tokens, device)
+                        logits = r.pop("logits")
+                        if ref_logits is None:
+                            ref_logits = logits
+                        r["logits_equal_default"] = all(torch.equal(x, y) for x, y in zip(logits, ref_logits))
+                        if r["peak_bytes"] is not None:
+                            r["peak_minus_weights_bytes"] = r["peak_bytes"] - weights
+                            r["decode_peak_minus_weights_bytes"] = r["decode_peak_bytes"] - weights
+                        if tier2 is not None:
+                            r["window_bytes"] = cache.window_bytes
+                            r["on_demand_loads"] = tier2.stats.on_demand_loads
+                            cache.release()
+                            tier2.close()
+                            tier2 = None
+                        results["decode"][kind] = r
+                        print(f"  {kind:<17} {r['decode_tok_s']:8.2f} tok/s ({r['decode_ms_per_token']:7.1f} ms/token)  "
+                              + (f"peak {r['peak_bytes'] / 2**30:6.2f} GiB (decode {r['decode_peak_bytes'] / 2**30:6.2f}, "
+                                 f"minus weights {r['decode_peak_minus_weights_bytes'] / 2**30:5.2f})  " if r["peak_bytes"] else "")
+                              + f"prefill {r['prefill_s']:.2f} s  logits = default: {r['logits_equal_default']}", flush=True)
+                    except Exception as exc:  # noqa: BLE001 - one failing case must not lose the others
+                        results["decode"][kind] = dict(error=repr(exc))
+                        print(f"  {kind}: FAILED {exc!r}", flush=True)
+                        if tier2 is not None:
+                            tier2.close()
+                            tier2 = None
+                    cache = None
+            # ---------------------------------------------------------------- (b) TTFT with a seen prefix
+            if not a.skip_ttft:
+                print(f"\n(b) time to first token, prompt = a prefix seen before + {SUFFIX} new tokens", flush=True)
+                for i, ctx in enumerate(contexts):
+                    try:
+                        # each context its own tokens (no prefix shared between them, so every restore below is of
+                        # KV computed in one chunk, exactly as the reference computes it)
+                        base = torch.randint(0, vocab, (1, ctx + 2 * SUFFIX), generator=torch.Generator().manual_seed(10 + i))
+                        seen = base[:, : ctx + SUFFIX]  # served first: its prefix pages are kept
+                        new = torch.cat([base[:, :ctx], base[:, ctx + SUFFIX :]], 1)
+                        n = ctx // a.page_size * a.page_size
+                        row: dict = {}
+                        # transformers recomputes the whole prompt (each timing below is the second of two runs: the
+                        # first warms the kernels up for the shape)
+                        for _ in range(REPS):
+                            sync(device)
+                            t0 = time.perf_counter()
+                            rec = forward(model, new.to(device), DynamicCache(config=cfg))
+                            sync(device)
+                            row["recompute_s"] = time.perf_counter() - t0
+                        # transformers keeps the prefix's DynamicCache on the GPU and deep-copies it
+                        kept = DynamicCache(config=cfg)
+                        forward(model, seen.to(device), kept)
+                        kept.crop(n - seen.shape[1])
+                        for _ in range(REPS):
+                            sync(device)
+                            t0 = time.perf_counter()
+                            c = copy.deepcopy(kept)
+                            ref = forward(model, new[:, n:].to(device), c)
+                            sync(device)
+                            row["gpu_copy_s"] = time.perf_counter() - t0
+                            del c
+                        del kept
+                        # kvtier: serve `seen` once (its pages are kept), then restore for `new`
+                        first = tier.cache(seen)
+                        assert first.restored_tokens == 0
+                        forward(model, seen.to(device), first)
+                        first.release()
+                        tier.controller.wait_idle()  # its pages are in the store: no disk writes during the timing
+                        for src in ("host", "host", "disk", "disk"):
+                            if src == "disk":
+                                tier.drop_host_copies()
+                            sync(device)
+                            t0 = time.perf_counter()
+                            cache = tier.cache(new)
+                            got = forward(model, new[:, cache.restored_tokens :].to(device), cache)
+                            sync(device)
+                            row[f"kvtier_{src}_s"] = time.perf_counter() - t0
+                            row[f"kvtier_{src}_restored_tokens"] = cache.restored_tokens
+                            row[f"kvtier_{src}_pages_from"] = dict(host=cache.restored_host_pages, store=cache.restored_store_pages)
+                            row[f"kvtier_{src}_exact_vs_gpu_copy"] = torch.equal(got, ref)
+                            row[f"kvtier_{src}_same_token_as_recompute"] = bool(torch.equal(got.argmax(-1), rec.argmax(-1)))
+                            row[f"kvtier_{src}_max_abs_diff_vs_recompute"] = float((got.float() - rec.float()).abs().max())
+                            cache.release()
+                        row["gpu_copy_same_token_as_recompute"] = bool(torch.equal(ref.argmax(-1), rec.argmax(-1)))
+                        results["ttft"][ctx] = row
+                        print(f"  prefix {ctx:>6}: recompute {1e3 * row['recompute_s']:8.1f} ms | gpu_copy "
+                              f"{1e3 * row['gpu_copy_s']:7.1f} ms | kvtier host {1e3 * row['kvtier_host_s']:7.1f} ms "
+                              f"({row['kvtier_host_pages_from']}, exact {row['kvtier_host_exact_vs_gpu_copy']}) | kvtier disk "
+                              f"{1e3 * row['kvtier_disk_s']:7.1f} ms ({row['kvtier_disk_pages_from']}, exact "
+                              f"{row['kvtier_disk_exact_vs_gpu_copy']}) | same token as recompute: "
+                              f"{row['kvtier_host_same_token_as_recompute'] and row['kvtier_disk_same_token_as_recompute']}",
+                              flush=True)
+                    except Exception as exc:  # noqa: BLE001 - one failing case must not lose the others
+                        results["ttft"][ctx] = dict(error=repr(exc))
+                        print(f"  prefix {ctx}: FAILED {exc!r}", flush=True)
+                st = tier.page_store.get_stats() if tier.page_store is not None else {}
+                results["store"] = {k: st.get(k) for k in ("o_direct", "o_direct_note", "read_GBps", "write_GBps", "pages")}
+                print(f"  store: O_DIRECT {st.get('o_direct')}, read {st.get('read_GBps', 0):.2f} GB/s", flush=True)
+            results["kvtier_stats"] = tier.stats_dict()
+        finally:
+            if tier2 is not None:
+                tier2.close()
+            tier.close()
+    finally:
+        if a.store_dir is None:
+            shutil.rmtree(root, ignore_errors=True)
+    with open(a.out, "w") as f:
+        json.dump(results, f, indent=1, default=str)
+    # (a static cache attends over its whole preallocated length under a mask: its logits may differ from the
+    # default cache's in the last bits, which is transformers' own behaviour, not a kvtier check)
+    bad = [k for k, r in results["decode"].items() if "error" in r or (k.startswith("kvtier") and not r["logits_equal_default"])]
+    bad += [f"ttft {c} {s}" for c, r in results["ttft"].items() for s in ("host", "disk")
+            if not r.get(f"kvtier_{s}_exact_vs_gpu_copy")]
+    print(f"\nwrote {a.out}; bit-exact: {'all' if not bad else 'NOT ' + ', '.join(bad)}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

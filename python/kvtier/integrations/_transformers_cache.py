@@ -1,0 +1,394 @@
+"""The per-sequence half of kvtier's transformers integration: :class:`KvtierCache` (the ``Cache`` that
+``model(...)``/``generate()`` call), its window of device layer slots and its host page table. Built by
+:meth:`kvtier.integrations.transformers.KVTier.cache`; the module docs there describe the design."""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+
+from .._errors import ClosedError, InvalidArgumentError, KvtierError
+from ..store import page_hashes
+
+if TYPE_CHECKING:
+    from .transformers import KVTier
+
+
+class _Window:
+    """``window`` device slots seen as a kvtier device pool of ``layer_num`` layers (layer l is slot
+    l % window; row ``page_size + t`` holds token t, rows ``[0, page_size)`` are the padding page)."""
+
+    def __init__(self, layers: int, window: int, heads: int, k_dim: int, v_dim: int, dtype: torch.dtype,
+                 device: torch.device, page_size: int, tokens: int) -> None:
+        self.layer_num, self.window, self.head_num, self.head_dim, self.v_head_dim = layers, window, heads, k_dim, v_dim
+        self.dtype = self.store_dtype = dtype
+        self.device, self.page_size = device, page_size
+        self._alloc(self.headroom(tokens))
+
+    def _alloc(self, tokens: int) -> None:
+        ps = self.page_size
+        self.size = max(1, -(-tokens // ps)) * ps
+        shape = (self.size + ps, self.head_num)
+        self.k_slots = [torch.zeros(*shape, self.head_dim, dtype=self.dtype, device=self.device) for _ in range(self.window)]
+        self.v_slots = [torch.zeros(*shape, self.v_head_dim, dtype=self.dtype, device=self.device) for _ in range(self.window)]
+        self.k_buffer = [self.k_slots[i % self.window] for i in range(self.layer_num)]
+        self.v_buffer = [self.v_slots[i % self.window] for i in range(self.layer_num)]
+        self.state: list[tuple[int, int, int] | None] = [None] * self.window  # (layer, tokens, epoch) held
+        self.loaded: list[Any] = [None] * self.window  # CUDA event of the slot's last transfer (load or backup)
+
+    def ensure(self, tokens: int) -> bool:
+        """Room for ``tokens``; True when the slots were reallocated (their contents are gone)."""
+        if tokens <= self.size:
+            return False
+        self._alloc(max(self.headroom(tokens), self.size * 3 // 2))
+        return True
+
+    def headroom(self, tokens: int) -> int:
+        """Slot size for ``tokens``: room for some more, so decoding does not reallocate at every page."""
+        return tokens + max(8 * self.page_size, tokens // 16)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.k_slots, *self.v_slots))
+
+
+class _Table:
+    """The host pages of one sequence: ``starts[j]`` (host token slot of page j) and ``keys[j]`` (the index
+    key of a page the controller owns and this sequence references, None for a private page)."""
+
+    def __init__(self) -> None:
+        self.starts: list[int] = []
+        self.keys: list[str | None] = []
+
+    def release(self, tier: KVTier, first: int = 0) -> None:
+        starts, keys = self.starts[first:], self.keys[first:]
+        del self.starts[first:], self.keys[first:]
+        if tier._closed or not starts:
+            return
+        if tier.stream is not None:
+            tier.stream.synchronize()  # no transfer in flight may still touch a page given back
+        tier.controller.release([k for k in keys if k is not None])
+        tier.controller.free([s for s, k in zip(starts, keys) if k is None])
+
+
+def _release(tier: KVTier, table: _Table) -> None:
+    try:
+        table.release(tier)
+    except Exception:  # noqa: BLE001 - a finalizer never raises; the pages are then lost to this pool only
+        pass
+
+
+class _Layer(DynamicLayer):
+    """One layer's view of a :class:`KvtierCache`: its length (the KV itself lives in kvtier's pools)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.length = 0
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        pass
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def offload(self) -> None:
+        pass
+
+    def prefetch(self) -> None:
+        pass
+
+
+class KvtierCache(DynamicCache):
+    """The KV cache of one sequence, kept in a :class:`KVTier` (see the module docs); made by
+    :meth:`KVTier.cache`. ``restored_tokens``, ``restored_host_pages`` and ``restored_store_pages`` say what
+    its prompt did not have to compute."""
+
+    def __init__(self, tier: KVTier, token_ids: list[int]) -> None:
+        Cache.__init__(self, layers=[_Layer() for _ in range(tier.layers)])
+        self.tier = tier
+        self.table = _Table()
+        self._finalizer = weakref.finalize(self, _release, tier, self.table)
+        self._fed: list[int] = []  # token ids the model was fed (restored ones first)
+        self._verified = True
+        self._adopted = 0  # pages [0, _adopted) are in the controller's index (or were refused)
+        self._page_keys: list[str] = []  # the chained key of every full page of _fed (adopted or not)
+        self._released = False
+        self._epoch = 0
+        self._window: _Window | None = None
+        self._idx: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.restored_tokens = self.restored_host_pages = self.restored_store_pages = 0
+        tier.stats.caches += 1
+        self._restore(token_ids)
+
+    # ------------------------------------------------------------------ restore
+    def _restore(self, tokens: list[int]) -> None:
+        tier, ps = self.tier, self.tier.page_size
+        n = (len(tokens) - 1) // ps  # at least one token is left to compute (the model must give logits)
+        if n <= 0:
+            return
+        keys = page_hashes(tokens[: n * ps], ps)
+        ctrl = tier.controller
+        host, disk = ctrl.match(keys)
+        if disk:
+            ctrl.prefetch(keys[: host + disk]).result()
+        starts = ctrl.acquire(keys)
+        r = len(starts)
+        self.table.starts, self.table.keys = list(starts), list(keys[:r])
+        self._adopted = r
+        self._page_keys = list(keys[:r])
+        self._fed = tokens[: r * ps]
+        for layer in self.layers:
+            layer.length = r * ps
+        self.restored_tokens = r * ps
+        self.restored_host_pages = min(host, r)
+        self.restored_store_pages = r - self.restored_host_pages
+        tier.stats.restored_pages += r
+        tier.stats.restored_host_pages += self.restored_host_pages
+        tier.stats.restored_store_pages += self.restored_store_pages
+        if r:
+            win = self._ensure_window(r * ps)
+            for layer_idx in range(tier.window):  # the first layers move while the embeddings compute
+                self._load(win, layer_idx, r * ps)
+
+    # ------------------------------------------------------------------ helpers
+    def _fed_tokens(self, ids: Any) -> None:
+        """The forward pre-hook: the ids about to be fed (their KV gets keyed by them)."""
+        if not self._verified:
+            return
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[0] != 1 or len(self._fed) != self.get_seq_length():
+            self._unverified()
+            return
+        self._fed.extend(ids[0].tolist())
+
+    def _unverified(self) -> None:
+        if self._verified:
+            self._verified = False
+            self.tier.stats.unverified_sequences += 1
+
+    def _slots(self, first: int, last: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(host slots, device rows) of pages [first, last), cached so repeated transfers are validated once."""
+        got = self._idx.get((first, last))
+        if got is None:
+            ps = self.tier.page_size
+            starts = torch.tensor(self.table.starts[first:last], dtype=torch.int64)
+            host = (starts[:, None] + torch.arange(ps)[None]).reshape(-1)
+            got = host, torch.arange(ps + first * ps, ps + last * ps, dtype=torch.int64)
+            if len(self._idx) > 8:
+                self._idx.clear()
+            self._idx[(first, last)] = got
+        return got
+
+    def _ensure_window(self, tokens: int) -> _Window:
+        t = self.tier
+        if self._window is None:
+            self._window = _Window(t.layers, t.window, t.heads, t.k_dim, t.v_dim, t.dtype, t.device, t.page_size, tokens)
+        elif self._window.size < tokens:
+            if t.stream is not None:
+                t.stream.synchronize()  # nothing in flight may touch the old slots
+            self._window.ensure(tokens)
+        return self._window
+
+    def _grow(self, tokens: int) -> None:
+        need = -(-tokens // self.tier.page_size) - len(self.table.starts)
+        if need > 0:
+            got = self.tier.controller.allocate(need)
+            if got is None:
+                raise KvtierError(
+                    f"kvtier host pool full: {tokens} tokens of this sequence do not fit next to the pages other "
+                    f"live caches hold (KVTier(host_tokens={self.tier.host_tokens})); raise host_tokens")
+            self.table.starts += got
+            self.table.keys += [None] * len(got)
+
+    def _load(self, win: _Window, layer_idx: int, tokens: int) -> None:
+        """Host -> slot of ``layer_idx``: its first ``tokens`` tokens (whole pages), on the transfer stream
+        after the compute stream's work so far (the slot's previous user included)."""
+        tier = self.tier
+        s = layer_idx % win.window
+        host, dev = self._slots(0, -(-tokens // tier.page_size))
+        if tier.stream is not None:
+            tier.stream.wait_stream(torch.cuda.current_stream(tier.device))
+            with torch.cuda.stream(tier.stream):
+                tier.host.load_to_device_per_layer(win, host, dev, layer_idx, "direct")
+                win.loaded[s] = tier.stream.record_event()
+        else:
+            tier.host.load_to_device_per_layer(win, host, dev, layer_idx, "direct")
+        win.state[s] = (layer_idx, tokens, self._epoch)
+        tier.stats.layer_loads += 1
+
+    # ------------------------------------------------------------------ the Cache API
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        tier = self.tier
+        tier._check_open()
+        if self._released:
+            raise ClosedError("this KvtierCache was released; make a new one with KVTier.cache()")
+        if not 0 <= layer_idx < tier.layers:
+            raise InvalidArgumentError(f"invalid argument `layer_idx`: {layer_idx} not in [0, {tier.layers})")
+        want_k, want_v = (1, tier.heads, key_states.shape[-2], tier.k_dim), (1, tier.heads, key_states.shape[-2], tier.v_dim)
+        if tuple(key_states.shape) != want_k or tuple(value_states.shape) != want_v or key_states.dtype != tier.dtype \
+                or value_states.dtype != tier.dtype or key_states.device != tier.device:
+            raise InvalidArgumentError(
+                f"invalid argument `key_states`/`value_states`: expected {want_k} and {want_v} {tier.dtype} on "
+                f"{tier.device} (batch size 1), got {tuple(key_states.shape)} {key_states.dtype} and "
+                f"{tuple(value_states.shape)} {value_states.dtype} on {key_states.device}")
+        ps, layer = tier.page_size, self.layers[layer_idx]
+        t0 = layer.get_seq_length()
+        t1 = t0 + key_states.shape[-2]
+        self._grow(t1)
+        win = self._ensure_window(t1)
+        s = layer_idx % win.window
+        if t0 and win.state[s] != (layer_idx, t0, self._epoch):
+            tier.stats.on_demand_loads += 1
+            self._load(win, layer_idx, t0)
+        compute = torch.cuda.current_stream(tier.device) if tier.cuda else None
+        if compute is not None and win.loaded[s] is not None:
+            compute.wait_event(win.loaded[s])
+        ks, vs = win.k_slots[s], win.v_slots[s]
+        ks[ps + t0 : ps + t1].copy_(key_states[0].transpose(0, 1))
+        vs[ps + t0 : ps + t1].copy_(value_states[0].transpose(0, 1))
+        # copies (never views: the slot is reused as soon as attention has been enqueued; with one head a
+        # transposed view would count as contiguous and .contiguous() would not copy)
+        keys = ks[ps : ps + t1].transpose(0, 1).unsqueeze(0).clone(memory_format=torch.contiguous_format)
+        values = vs[ps : ps + t1].transpose(0, 1).unsqueeze(0).clone(memory_format=torch.contiguous_format)
+        layer.length = t1
+        win.state[s] = (layer_idx, t1, self._epoch)
+        # the pages this step wrote go to the host (this layer only); then the slot takes the layer `window`
+        # ahead (the next forward's first layers once the last ones are done)
+        host, dev = self._slots(t0 // ps, -(-t1 // ps))
+        # the slot's next user: the layer `window` ahead, or past the last layer the next forward's layer of
+        # the same slot (layers need not be a multiple of the window)
+        nxt = layer_idx + win.window if layer_idx + win.window < tier.layers else layer_idx % win.window
+        nxt_len = self.layers[nxt].get_seq_length()
+        if tier.stream is not None and compute is not None:
+            tier.stream.wait_stream(compute)
+            with torch.cuda.stream(tier.stream):
+                tier.host.backup_from_device_per_layer(win, host, dev, layer_idx, "direct")
+                # the slot's next writer (a load below, or the compute stream when no load is needed, as in a
+                # prefill) must wait until the backup has read it
+                win.loaded[s] = tier.stream.record_event()
+        else:
+            tier.host.backup_from_device_per_layer(win, host, dev, layer_idx, "direct")
+        if nxt != layer_idx and nxt_len:
+            self._load(win, nxt, nxt_len)
+        if layer_idx == tier.layers - 1:
+            tier.stats.computed_tokens += t1 - t0
+            self._adopt(t1)
+        return keys, values
+
+    def _adopt(self, tokens: int) -> None:
+        """Hand the sequence's newly completed pages to the controller's index (keyed by the fed tokens)."""
+        if not self._verified:
+            return
+        if len(self._fed) != tokens:
+            self._unverified()
+            return
+        ps, tier = self.tier.page_size, self.tier
+        first, full = self._adopted, tokens // ps
+        if full <= first:
+            return
+        prior = self._page_keys[first - 1] if first else None
+        keys = page_hashes(self._fed[first * ps : full * ps], ps, prior)
+        self._page_keys[first:] = keys
+        event = tier.stream.record_event() if tier.stream is not None else None
+        took = tier.controller.adopt(keys, self.table.starts[first:full], event=event)
+        for j, (k, ok) in enumerate(zip(keys, took), start=first):
+            if ok:
+                self.table.keys[j] = k
+        tier.stats.adopted_pages += sum(took)
+        self._adopted = full
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.layers[layer_idx].get_seq_length() if layer_idx < len(self.layers) else 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last ``-tokens_to_remove`` tokens (a negative int, as transformers' ``crop``)."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"Calling `crop` with a positive value (`{tokens_to_remove}`) is not supported. "
+                             "Please use a negative integer to remove that number of tokens from the cache instead.")
+        if tokens_to_remove == 0:
+            return
+        self._truncate(max(0, self.get_seq_length() + tokens_to_remove))
+
+    def reset(self) -> None:
+        self._truncate(0)
+
+    def _truncate(self, tokens: int) -> None:
+        tier, ps = self.tier, self.tier.page_size
+        tier._check_open()
+        keep = -(-tokens // ps)
+        self.table.release(tier, keep)
+        j = tokens // ps
+        shared = self.table.keys[j] if tokens % ps else None
+        if shared is not None:  # a shared page gets written again: copy it first
+            got = tier.controller.allocate(1)
+            if got is None:
+                raise KvtierError("kvtier host pool full: no page to copy a shared page into; raise host_tokens")
+            if tier.stream is not None:
+                tier.stream.synchronize()
+            old, new = self.table.starts[j] // ps, got[0] // ps
+            for buf in (tier.host.k_buffer, tier.host.v_buffer):
+                buf[new].copy_(buf[old])
+            tier.controller.release([shared])
+            self.table.starts[j], self.table.keys[j] = got[0], None
+        self._adopted = min(self._adopted, j)
+        del self._page_keys[j:]
+        del self._fed[tokens:]
+        for layer in self.layers:
+            layer.length = tokens
+        self._epoch += 1
+        self._idx.clear()
+
+    def release(self) -> None:
+        """Give the sequence's host pages back now (else when the cache is garbage collected); the cache cannot
+        be used afterwards."""
+        self._finalizer()
+        self._released = True
+        for layer in self.layers:
+            layer.length = 0
+        self._window = None
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("KvtierCache holds one sequence: beam search is not supported")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if repeats != 1:
+            raise NotImplementedError("KvtierCache holds one sequence (batch size 1)")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if len(indices) != 1 or int(indices[0]) != 0:
+            raise NotImplementedError("KvtierCache holds one sequence (batch size 1)")
+
+    def __iter__(self) -> Any:
+        raise TypeError("KvtierCache keeps its KV in kvtier's pools; it cannot be iterated as tensors")
+
+    def host_kv(self, layer_idx: int, tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of layer ``layer_idx``'s K and V of the first ``tokens`` tokens as kvtier holds them on the
+        host, shaped as transformers' caches (``(1, heads, tokens, dim)``): for checks."""
+        tier, ps = self.tier, self.tier.page_size
+        tokens = self.get_seq_length(layer_idx) if tokens is None else tokens
+        if not 0 <= layer_idx < tier.layers or not 0 <= tokens <= self.get_seq_length(layer_idx):
+            raise InvalidArgumentError(f"invalid argument `layer_idx`/`tokens`: {layer_idx}, {tokens}")
+        if tier.stream is not None:
+            tier.stream.synchronize()
+        pages = [s // ps for s in self.table.starts[: -(-tokens // ps)]]
+        out = []
+        for buf in (tier.host.k_buffer, tier.host.v_buffer):  # (pages, layers, page_size, heads, dim)
+            rows = buf[pages, layer_idx].reshape(-1, tier.heads, buf.shape[-1])[:tokens]
+            out.append(rows.transpose(0, 1).unsqueeze(0).contiguous())
+        return out[0], out[1]
+
+    @property
+    def window_bytes(self) -> int:
+        """Device bytes of this cache's layer slots."""
+        return 0 if self._window is None else self._window.nbytes
+
+    def __repr__(self) -> str:
+        return (f"KvtierCache(tokens={self.get_seq_length()}, restored={self.restored_tokens}, "
+                f"window={self.tier.window}/{self.tier.layers})")

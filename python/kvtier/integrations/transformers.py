@@ -1,0 +1,284 @@
+"""kvtier as a Hugging Face transformers KV cache (the ``Cache`` API of transformers 5.24; tested with
+``transformers==5.24.0``).
+
+:class:`KVTier` is built once per model: a pinned kvtier host pool that holds every layer's KV of the live
+sequence and the pages kept for reuse, a :class:`kvtier.TierController` over it, and optionally a
+:class:`kvtier.PageStore` (and a Mooncake cluster tier behind it). :meth:`KVTier.cache` gives a
+:class:`KvtierCache` for one sequence, which ``model(...)`` and ``generate()`` take as ``cache=`` (or the
+deprecated ``past_key_values=``)::
+
+    tier = KVTier(model, model_id="my-org/my-model", page_size=16, window=2)
+    out = model.generate(ids, cache=tier.cache(ids), max_new_tokens=32)
+
+- **Layers stream.** The GPU holds ``window`` layer slots; layer ``l`` uses slot ``l % window``. When layer
+  ``l`` has been handed to attention, the slot's new pages go to the host (one per-layer backup) and layer
+  ``l + window``'s KV is loaded into it, both on one transfer stream ordered after an event of the compute
+  stream; layer ``l + window`` waits only for its own load's event (the :class:`kvtier.LayerLoader`
+  discipline). Only the new tokens' pages travel to the host; every layer's whole history travels to the GPU.
+- **Pages are keyed** by kvtier's chained page hashes (:func:`kvtier.page_hashes`) of the token ids the
+  model was actually fed (a forward pre-hook on the model records them), under a namespace made of the
+  model id, a digest of the model config (architecture, layers, heads, head dims, rope, everything in the
+  config that can change KV), the attention implementation, the device type, and the pool's dtype, layout,
+  page size and geometry. A different model, config or dtype misses.
+- **Restore.** :meth:`KVTier.cache` looks the prompt's full pages up on the host, then in the store (read
+  into the host pool, each page checksummed), and takes the leading run: those pages become the start of the
+  new sequence **without a copy** (they are referenced, not duplicated), and only the rest of the prompt is
+  computed. A page that fails its checksum or cannot be read is a miss, recomputed.
+- Full pages of the sequence are handed to the controller's index once every layer of them is written, and
+  from there written through to the store.
+
+Only full-attention decoder layers (Llama, Qwen2/3, Mistral without a sliding window, DeepSeek-V3's cached
+MLA latents, …) and batch size 1 are supported; anything else is refused up front with one clear error.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import os
+import warnings
+import weakref
+from dataclasses import asdict, dataclass
+from typing import Any
+from collections.abc import Sequence
+
+import torch
+import transformers
+from transformers.cache_utils import DynamicCache, DynamicLayer
+
+from .._errors import ClosedError, InvalidArgumentError
+from ..controller import TierController
+from ..pools import host_pool_for
+from ..store import DEFAULT_CAPACITY, PageStore
+from ._transformers_cache import KvtierCache, _Window
+
+__all__ = ["KVTier", "KvtierCache", "TransformersStats", "TESTED_TRANSFORMERS"]
+
+#: The transformers version this module is tested with (its ``Cache`` API changes between minor versions).
+TESTED_TRANSFORMERS = "5.24.0"
+# config entries that do not change a layer's KV (the rest, unknown ones included, name the namespace)
+_NOT_KV = {"_name_or_path", "transformers_version", "use_cache", "output_attentions", "output_hidden_states",
+           "return_dict", "_commit_hash", "dtype", "torch_dtype", "id2label", "label2id", "problem_type",
+           "chunk_size_feed_forward", "tokenizer_class", "prefix", "task_specific_params"}
+
+
+@dataclass
+class TransformersStats:
+    """Counters of one :class:`KVTier` (every cache it made)."""
+
+    caches: int = 0
+    restored_pages: int = 0  # pages of a prompt served instead of computed ...
+    restored_host_pages: int = 0  # ... from the host pool
+    restored_store_pages: int = 0  # ... from the store (or the cluster tier behind it)
+    computed_tokens: int = 0  # tokens whose KV the model computed (summed over layers / layers)
+    adopted_pages: int = 0  # full pages handed to the index (then to the store)
+    layer_loads: int = 0  # host -> device per-layer loads
+    on_demand_loads: int = 0  # ... of which a layer waited for because it had not been prefetched
+    unverified_sequences: int = 0  # caches fed tokens the pre-hook did not see (nothing of them persisted)
+
+
+def _positive(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise InvalidArgumentError(f"invalid argument `{name}`: must be a positive int, got {value!r}")
+    return value
+
+
+def _token_list(name: str, token_ids: Any) -> list[int]:
+    if isinstance(token_ids, torch.Tensor):
+        if token_ids.dim() == 2 and token_ids.shape[0] == 1:
+            token_ids = token_ids[0]
+        if token_ids.dim() != 1 or token_ids.dtype.is_floating_point:
+            raise InvalidArgumentError(f"invalid argument `{name}`: expected one sequence of token ids (batch size 1), "
+                                       f"got a {tuple(token_ids.shape)} {token_ids.dtype} tensor")
+        token_ids = token_ids.tolist()
+    if not isinstance(token_ids, Sequence) or isinstance(token_ids, (str, bytes)) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in token_ids):
+        raise InvalidArgumentError(f"invalid argument `{name}`: expected token ids (ints in [0, 2**32)) of one sequence")
+    if not token_ids:
+        raise InvalidArgumentError(f"invalid argument `{name}`: empty")
+    return list(token_ids)
+
+
+def cache_kwarg(model: Any) -> str:
+    """The name ``model``'s forward takes a cache by: ``cache`` (transformers >= 5.2x) or ``past_key_values``."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return "cache"
+    return "cache" if "cache" in params or "past_key_values" not in params else "past_key_values"
+
+
+class KVTier:
+    """kvtier's host pool, store and policy for one transformers model (see the module docs).
+
+    Args:
+        model: a transformers causal LM (``PreTrainedModel``) whose every decoder layer is full attention.
+        model_id: names the weights in the namespace (default: ``model.config.name_or_path`` and its commit);
+            required for a model built from a config (random or your own weights): KV of other weights with
+            the same config must never be served.
+        page_size: tokens per page (the unit of reuse and of every transfer).
+        window: layers resident on the device at once (1 … number of layers).
+        host_tokens: tokens of KV (every layer) the pinned host pool holds: the live sequence plus the pages
+            kept for reuse (least recently used ones are evicted, to the store first if it has them).
+        store_dir: a directory for a :class:`kvtier.PageStore` (pages persist across processes), or None.
+        store_capacity_bytes: the store's limit.
+        cluster: a Mooncake master address: a cluster tier behind the local store (``store_dir`` required).
+        pin_memory: pin the host pool (CUDA).
+    """
+
+    def __init__(self, model: Any, *, model_id: str | None = None, page_size: int = 16, window: int = 2,
+                 host_tokens: int = 65536, store_dir: str | os.PathLike[str] | None = None,
+                 store_capacity_bytes: int = DEFAULT_CAPACITY, cluster: str | None = None, pin_memory: bool = True) -> None:
+        config = getattr(model, "config", None)
+        if config is None or not callable(model) or not hasattr(config, "get_text_config"):
+            raise InvalidArgumentError(f"invalid argument `model`: expected a transformers model, got {type(model).__name__}")
+        self.page_size = _positive("page_size", page_size)
+        _positive("window", window)
+        self.host_tokens = _positive("host_tokens", host_tokens)
+        if host_tokens < 2 * page_size:
+            raise InvalidArgumentError(f"invalid argument `host_tokens`: {host_tokens} is less than two pages of {page_size}")
+        if store_dir is not None and not isinstance(store_dir, (str, os.PathLike)):
+            raise InvalidArgumentError(f"invalid argument `store_dir`: expected a path, got {store_dir!r}")
+        if isinstance(store_capacity_bytes, bool) or not isinstance(store_capacity_bytes, int) or store_capacity_bytes < 4096:
+            raise InvalidArgumentError(f"invalid argument `store_capacity_bytes`: must be an int >= 4096, got {store_capacity_bytes!r}")
+        if not isinstance(pin_memory, bool):
+            raise InvalidArgumentError(f"invalid argument `pin_memory`: must be a bool, got {pin_memory!r}")
+        if cluster is not None and (not isinstance(cluster, str) or store_dir is None):
+            raise InvalidArgumentError("invalid argument `cluster`: a Mooncake master address (str), with `store_dir` set")
+        if model_id is None:
+            name = getattr(config, "name_or_path", "") or getattr(config, "_name_or_path", "")
+            if not name:
+                raise InvalidArgumentError(
+                    "invalid argument `model_id`: the model has no name_or_path (it was built from a config), so "
+                    "nothing names its weights; pass model_id= naming them (KV of other weights must never be served)")
+            model_id = f"{name}@{getattr(config, '_commit_hash', None) or 'local'}"
+        if not isinstance(model_id, str) or not model_id:
+            raise InvalidArgumentError(f"invalid argument `model_id`: expected a non-empty str, got {model_id!r}")
+        if transformers.__version__ != TESTED_TRANSFORMERS:
+            warnings.warn(f"kvtier.integrations.transformers is tested with transformers {TESTED_TRANSFORMERS}; this is "
+                          f"{transformers.__version__} (its Cache API changes between minor releases)", stacklevel=2)
+        text = config.get_text_config(decoder=True)
+        probe = DynamicCache(config=text)
+        others = sorted({type(layer).__name__ for layer in probe.layers if type(layer) is not DynamicLayer})
+        if not probe.layers or others:
+            raise InvalidArgumentError(
+                f"invalid argument `model`: kvtier's cache needs every decoder layer to be full attention; "
+                f"{type(model).__name__} has {', '.join(others) or 'no layers'} (sliding-window, linear or shared layers)")
+        self.layers = len(probe.layers)
+        if window > self.layers:
+            raise InvalidArgumentError(f"invalid argument `window`: {window} is more than the model's {self.layers} layers")
+        self.window = window
+        # one token through the model tells the KV geometry each layer caches (heads, K and V dims, dtype)
+        device = next(iter(model.parameters())).device
+        with torch.no_grad():
+            model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device), use_cache=True,
+                  **{cache_kwarg(model): probe})
+        shapes = {(tuple(layer.keys.shape[1:2] + layer.keys.shape[3:]), tuple(layer.values.shape[1:2] + layer.values.shape[3:]),
+                   layer.keys.dtype, layer.keys.device) for layer in probe.layers}
+        if len(shapes) != 1:
+            raise InvalidArgumentError(f"invalid argument `model`: its layers cache KV of different shapes: {shapes}")
+        (heads, k_dim), (v_heads, v_dim), dtype, kv_device = shapes.pop()
+        if heads != v_heads:
+            raise InvalidArgumentError(f"invalid argument `model`: K has {heads} heads and V {v_heads}; kvtier needs equal")
+        self.heads, self.k_dim, self.v_dim, self.dtype, self.device = heads, k_dim, v_dim, dtype, kv_device
+        self.cuda = kv_device.type == "cuda"
+        fields = {k: v for k, v in text.to_dict().items() if k not in _NOT_KV}
+        fields.update(_kvtier="transformers-v1", attn=getattr(text, "_attn_implementation", None), device=kv_device.type,
+                      kv=[heads, k_dim, v_dim, str(dtype)])
+        digest = hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:20]
+        self.model_name = f"hf:{model_id}:{digest}"
+        self.stats = TransformersStats()
+        self._template = _Window(self.layers, 1, heads, k_dim, v_dim, dtype, kv_device, page_size, page_size)
+        token_bytes = (k_dim + v_dim) * heads * self.layers * torch.empty((), dtype=dtype).element_size()
+        self.host = host_pool_for(self._template, host_size_gb=(host_tokens + page_size) * token_bytes / 1e9,
+                                  layout="page_first_direct", pin_memory=pin_memory)
+        self.store: Any = None
+        self.page_store: PageStore | None = None
+        try:
+            if store_dir is not None:
+                self.page_store = PageStore(store_dir, capacity_bytes=store_capacity_bytes, model_name=self.model_name)
+                self.page_store.register_mem_pool_host(self.host)
+                self.store = self.page_store
+                if cluster is not None:
+                    from ..tiers import TieredStore
+                    from ..tiers.mooncake import MooncakeTier
+
+                    remote = MooncakeTier(cluster, model_name=self.model_name)
+                    remote.register_mem_pool_host(self.host)
+                    self.store = TieredStore([("disk", self.page_store), ("mooncake", remote)])
+            self.controller = TierController(self._template, self.host, self.store, write_policy="write_through")
+        except BaseException:
+            if self.store is not None:
+                self.store.close()
+            elif self.page_store is not None:
+                self.page_store.close()
+            self.host.close()
+            raise
+        self.stream = torch.cuda.Stream(kv_device) if self.cuda else None
+        self._closed = False
+        tier_ref = weakref.ref(self)
+
+        def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            tier = tier_ref()
+            cache = kwargs.get("cache", kwargs.get("past_key_values"))
+            if tier is not None and isinstance(cache, KvtierCache) and cache.tier is tier:
+                ids = kwargs.get("input_ids", args[0] if args and isinstance(args[0], torch.Tensor) else None)
+                cache._fed_tokens(ids)
+
+        self._hook = model.register_forward_pre_hook(hook, with_kwargs=True)
+        weakref.finalize(self, self._hook.remove)  # a tier dropped without close() leaves no hook behind
+
+    # ------------------------------------------------------------------ public
+    def cache(self, token_ids: Any) -> KvtierCache:
+        """A cache for the sequence that starts with ``token_ids`` (the prompt: a list or a ``(1, n)`` tensor),
+        with the longest run of its full pages kept on the host or in the store restored (at least one token
+        is left to compute). Pass the same ids to ``generate``/``model``."""
+        self._check_open()
+        return KvtierCache(self, _token_list("token_ids", token_ids))
+
+    def drop_host_copies(self) -> int:
+        """Evict every unreferenced page from the host pool (after its store write): later restores come from
+        the store. Returns the pages dropped (for benchmarks and tests)."""
+        self._check_open()
+        c = self.controller
+        c.wait_idle()
+        with c.lock:
+            c._poll_locked()
+            victims = [k for k, p in c.pages.items() if p.refs == 0 and p.ready]
+            for k in victims:
+                c._evict_locked(k)
+        return len(victims)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("KVTier is closed")
+
+    def close(self) -> None:
+        """Wait for the store writes, then release the host pool and the store. Caches made by this tier must
+        not be used afterwards."""
+        if self._closed:
+            return
+        self._closed = True
+        self._hook.remove()
+        if self.stream is not None:
+            self.stream.synchronize()
+        try:
+            self.controller.close()
+        finally:
+            if self.store is not None:
+                self.store.close()
+            self.host.close()
+
+    def __enter__(self) -> KVTier:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"KVTier({self.model_name!r}, layers={self.layers}, heads={self.heads}, k_dim={self.k_dim}, "
+                f"v_dim={self.v_dim}, dtype={self.dtype}, page_size={self.page_size}, window={self.window})")
+
+    def stats_dict(self) -> dict[str, Any]:
+        return dict(asdict(self.stats), controller=asdict(self.controller.stats))

@@ -1,0 +1,330 @@
+"""kvtier as a transformers cache (kvtier.integrations.transformers), on tiny random-weight models on the CPU:
+the same tokens and logits as transformers' default cache, bit for bit; prefixes restored from the host
+pool and from the store (counters prove it) with outputs still equal; windows of 1 and 2 layers; a
+different model, config or dtype misses; bad configuration is one clear error."""
+
+import errno
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+import kvtier  # noqa: E402
+from kvtier import testing  # noqa: E402
+from kvtier.integrations.transformers import KVTier, KvtierCache  # noqa: E402
+
+PS = 8
+TINY = dict(num_hidden_layers=3, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=128)
+
+
+def llama(dtype=torch.float32, seed=0, **kw):
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(**{**TINY, **kw})).to(dtype).eval()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return llama()
+
+
+def prompt(n, seed=1, vocab=128):
+    return torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def gen(model, ids, cache, n=5):
+    out = model.generate(ids, cache=cache, max_new_tokens=n, do_sample=False, output_logits=True,
+                         return_dict_in_generate=True, pad_token_id=0)
+    return out.sequences, torch.stack(out.logits)
+
+
+def same(a, b):
+    return torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def default(model):
+    return DynamicCache(config=model.config)
+
+
+def reused(model, first, second, tokens, n=5):
+    """What transformers gives when it reuses the first ``tokens`` of ``first``'s KV for ``second`` (a
+    DynamicCache of ``first``, cropped): the bit-exact reference for a restored prefix. (Recomputing ``second``
+    from scratch gives the same tokens, but its logits may differ in the last bits: the prefix's KV is then
+    computed in another chunk of rows.)"""
+    ref = default(model)
+    with torch.no_grad():
+        model(first, cache=ref)
+    ref.crop(tokens - first.shape[1])
+    return gen(model, second, ref, n)
+
+
+@pytest.mark.parametrize("window", [1, 2, 3])
+def test_generate_equals_the_default_cache_bit_for_bit(model, window):
+    ids = prompt(37)
+    with KVTier(model, model_id="test/llama", page_size=PS, window=window, host_tokens=512) as tier:
+        cache = tier.cache(ids)
+        assert isinstance(cache, DynamicCache) and cache.restored_tokens == 0
+        got = gen(model, ids, cache)
+        assert same(got, gen(model, ids, default(model)))
+        # the window: `window` slots on the device, every layer's load prefetched (none waited for)
+        assert len(cache._window.k_slots) == window and len({id(t) for t in cache._window.k_buffer}) == window
+        assert tier.stats.on_demand_loads == 0
+        # after the prefill layer 0 is loaded for the next step, then each of the 4 decode steps loads the
+        # layers (the last step, for a step that never comes) that share their slot (w=2: layer 1 has slot 1
+        # to itself); none with every layer resident
+        assert tier.stats.layer_loads == {1: 1 + 4 * 3, 2: 1 + 4 * 2, 3: 0}[window]
+        assert tier.stats.adopted_pages == (37 + 4) // PS  # the full pages of what the model was fed
+
+
+def test_model_forward_and_the_deprecated_kwarg(model):
+    ids = prompt(30)
+    with KVTier(model, model_id="test/llama", page_size=PS, window=1, host_tokens=512) as tier:
+        cache, ref = tier.cache(ids), default(model)
+        with torch.no_grad():
+            for chunk in (ids[:, :11], ids[:, 11:24], ids[:, 24:]):
+                a = model(chunk, past_key_values=cache).logits
+                b = model(chunk, cache=ref).logits
+                assert torch.equal(a, b)
+        assert cache.get_seq_length() == 30
+
+
+def test_second_call_restores_the_shared_prefix_from_the_host(model):
+    p1 = prompt(37)
+    p2 = torch.cat([p1[:, :30], prompt(9, seed=2)], 1)
+    with KVTier(model, model_id="test/llama", page_size=PS, window=2, host_tokens=512) as tier:
+        gen(model, p1, tier.cache(p1))
+        computed = tier.stats.computed_tokens
+        cache = tier.cache(p2)
+        assert cache.restored_tokens == 24 and cache.restored_host_pages == 3 and cache.restored_store_pages == 0
+        got = gen(model, p2, cache)
+        assert tier.stats.computed_tokens - computed == 39 - 24 + 4  # only the rest of the prompt was computed
+        assert tier.stats.on_demand_loads == 0
+        # the same as transformers reusing the same prefix KV (a DynamicCache of p1, cropped) ...
+        ref = default(model)
+        with torch.no_grad():
+            model(p1, cache=ref)
+        ref.crop(24 - 37)
+        assert same(got, gen(model, p2, ref))
+        # ... and the same tokens as recomputing everything
+        assert torch.equal(got[0], gen(model, p2, default(model))[0])
+
+
+def test_restore_from_the_store_and_from_a_new_process(model, tmp_path):
+    p1 = prompt(45)
+    p2 = torch.cat([p1[:, :40], prompt(5, seed=3)], 1)
+    with KVTier(model, model_id="test/llama", page_size=PS, host_tokens=512, store_dir=tmp_path) as tier:
+        want = gen(model, p1, tier.cache(p1))
+        tier.controller.wait_idle()
+        assert tier.drop_host_copies() > 0
+        cache = tier.cache(p1)
+        assert cache.restored_store_pages == 5 and cache.restored_host_pages == 0
+        got = gen(model, p1, cache)
+        assert same(got, reused(model, p1, p1, 40)) and torch.equal(got[0], want[0])
+    with KVTier(model, model_id="test/llama", page_size=PS, host_tokens=512, store_dir=tmp_path) as tier:
+        cache = tier.cache(p2)
+        assert cache.restored_store_pages == 5  # 40 tokens: five full pages of p1
+        assert same(gen(model, p2, cache), reused(model, p1, p2, 40))
+
+
+def test_a_failed_or_damaged_store_page_is_a_miss(model, tmp_path):
+    p1 = prompt(33)
+    with KVTier(model, model_id="test/llama", page_size=PS, host_tokens=512, store_dir=tmp_path) as tier:
+        want = gen(model, p1, tier.cache(p1))
+        tier.controller.wait_idle()
+        tier.drop_host_copies()
+        testing.clear_faults()
+        try:
+            testing.inject_fault("data_read", "error", errno=errno.EIO, times=None)
+            cache = tier.cache(p1)
+        finally:
+            testing.clear_faults()
+        assert cache.restored_tokens == 0 and tier.controller.stats.prefetch_misses > 0
+        assert same(gen(model, p1, cache), want)  # recomputed: exactly the first call
+    # a torn write: the page's checksum fails on the read, so it is recomputed
+    with KVTier(model, model_id="test/llama-torn", page_size=PS, host_tokens=512, store_dir=tmp_path) as tier:
+        try:
+            testing.inject_fault("data_write", "torn", times=None)
+            gen(model, p1, tier.cache(p1))
+            tier.controller.wait_idle()
+        finally:
+            testing.clear_faults()
+        tier.drop_host_copies()
+        cache = tier.cache(p1)
+        assert cache.restored_tokens == 0 and tier.page_store.get_stats()["corrupt_reads"] > 0
+        assert same(gen(model, p1, cache), want)
+
+
+def test_another_model_config_dtype_or_id_misses(model, tmp_path):
+    p1 = prompt(33)
+    with KVTier(model, model_id="test/llama", page_size=PS, host_tokens=512, store_dir=tmp_path) as tier:
+        gen(model, p1, tier.cache(p1))
+    assert_restores = []
+    for other, mid in ((model, "test/llama"), (llama(rope_theta=5000.0), "test/llama"), (llama(torch.bfloat16), "test/llama"),
+                       (llama(num_hidden_layers=2), "test/llama"), (model, "test/other-weights")):
+        with KVTier(other, model_id=mid, page_size=PS, host_tokens=512, store_dir=tmp_path) as tier:
+            assert_restores.append(tier.cache(p1).restored_tokens)
+    assert assert_restores == [32, 0, 0, 0, 0]
+    with KVTier(model, model_id="test/llama", page_size=16, host_tokens=512, store_dir=tmp_path) as tier:
+        assert tier.cache(p1).restored_tokens == 0  # another page size: another namespace
+
+
+ARCHS = {
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None)),
+    # MLA: transformers caches DeepSeek-V3's compressed latent (K: kv_lora_rank) and rope key (V: qk_rope_head_dim)
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+        moe_intermediate_size=32, first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+        topk_group=1)),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_other_architectures(arch):
+    conf, cls, kw = ARCHS[arch]
+    torch.manual_seed(0)
+    m = getattr(transformers, cls)(getattr(transformers, conf)(**{**TINY, "num_hidden_layers": 2, **kw})).eval()
+    p1 = prompt(29)
+    p2 = torch.cat([p1[:, :20], prompt(6, seed=4)], 1)
+    with KVTier(m, model_id=f"test/{arch}", page_size=PS, window=1, host_tokens=512) as tier:
+        if arch == "deepseek_v3":
+            assert (tier.heads, tier.k_dim, tier.v_dim) == (1, 32, 8)  # asymmetric: latent and rope key
+        assert same(gen(m, p1, tier.cache(p1), 3), gen(m, p1, DynamicCache(config=m.config), 3))
+        cache = tier.cache(p2)
+        assert cache.restored_tokens == 16
+        ref = DynamicCache(config=m.config)
+        with torch.no_grad():
+            m(p1, cache=ref)
+        ref.crop(16 - 29)
+        assert same(gen(m, p2, cache, 3), gen(m, p2, ref, 3))
+
+
+def test_crop_into_a_shared_page_copies_it(model):
+    p1 = prompt(33)
+    with KVTier(model, model_id="test/llama", page_size=PS, window=2, host_tokens=512) as tier:
+        gen(model, p1, tier.cache(p1))
+        cache = tier.cache(p1)
+        assert cache.restored_tokens == 32
+        cache.crop(-5)  # 27 tokens: page 3 is shared and gets written again
+        assert cache.table.keys[3] is None and cache.table.keys[2] is not None
+        ref = default(model)
+        with torch.no_grad():
+            model(p1, cache=ref)
+        ref.crop(27 - 33)
+        assert same(gen(model, p1, cache), gen(model, p1, ref))
+        # the shared page itself was not modified: a fresh restore still matches
+        again = tier.cache(p1)
+        assert again.restored_tokens == 32
+        assert same(gen(model, p1, again), reused(model, p1, p1, 32))
+
+
+def test_tokens_the_hook_did_not_see_are_never_persisted(model):
+    ids = prompt(20)
+    with KVTier(model, model_id="test/llama", page_size=PS, host_tokens=512) as tier:
+        cache = tier.cache(ids)
+        with torch.no_grad():
+            model(inputs_embeds=model.get_input_embeddings()(ids), cache=cache)
+        assert tier.stats.unverified_sequences == 1 and tier.stats.adopted_pages == 0
+        assert tier.cache(ids).restored_tokens == 0
+
+
+def test_bad_configuration_is_one_clear_error(model, tmp_path):
+    cases = [
+        (dict(model_id="x", page_size=0), "page_size"),
+        (dict(model_id="x", window=0), "window"),
+        (dict(model_id="x", window=4), "window"),
+        (dict(model_id="x", page_size=16, host_tokens=20), "host_tokens"),
+        (dict(), "model_id"),
+        (dict(model_id=""), "model_id"),
+        (dict(model_id="x", store_dir=3), "store_dir"),
+        (dict(model_id="x", cluster="127.0.0.1:50051"), "cluster"),
+        (dict(model_id="x", store_dir=".", store_capacity_bytes=0), "store_capacity_bytes"),
+        (dict(model_id="x", pin_memory="yes"), "pin_memory"),
+    ]
+    for kw, name in cases:
+        with pytest.raises(kvtier.InvalidArgumentError, match=f"`{name}`"):
+            KVTier(model, **kw)
+    with pytest.raises(kvtier.InvalidArgumentError, match="`model`"):
+        KVTier(object(), model_id="x")
+    sliding = transformers.MistralForCausalLM(transformers.MistralConfig(**{**TINY, "sliding_window": 8}))
+    with pytest.raises(kvtier.InvalidArgumentError, match="full attention"):
+        KVTier(sliding, model_id="x")
+    with KVTier(model, model_id="x", page_size=PS, host_tokens=64) as tier:
+        for bad in ([], "abc", torch.zeros(2, 5, dtype=torch.long), [1.5]):
+            with pytest.raises(kvtier.InvalidArgumentError, match="token_ids"):
+                tier.cache(bad)
+        with pytest.raises(kvtier.InvalidArgumentError, match="key_states"):
+            model.generate(prompt(9).repeat(2, 1), cache=tier.cache(prompt(9)), max_new_tokens=1, do_sample=False,
+                           pad_token_id=0)
+        with pytest.raises(kvtier.KvtierError, match="host_tokens"):
+            gen(model, prompt(120), tier.cache(prompt(120)), 1)  # 120 tokens in a pool of about 64
+    with pytest.raises(kvtier.ClosedError):
+        tier.cache(prompt(9))
+
+
+def test_host_pages_come_back_when_a_cache_goes(model):
+    with KVTier(model, model_id="test/llama", page_size=PS, host_tokens=64) as tier:
+        free = tier.host.available_size()
+        for seed in range(5):  # each prompt needs 5 of the pool's 8 pages: only works if they are given back
+            ids = prompt(40, seed=seed)
+            cache = tier.cache(ids)
+            gen(model, ids, cache, 1)
+            del cache
+        assert tier.host.available_size() <= free
+        c = tier.cache(prompt(40, seed=9))
+        gen(model, prompt(40, seed=9), c, 1)
+        c.release()
+        assert isinstance(c, KvtierCache) and c.get_seq_length() == 0
+
+
+@pytest.mark.cuda
+def test_window_streams_on_the_gpu_cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    m = llama(torch.bfloat16, num_hidden_layers=8).cuda()
+    ids = prompt(300).cuda()
+    with KVTier(m, model_id="test/llama", page_size=16, window=2, host_tokens=2048) as tier:
+        cache = tier.cache(ids)
+        assert same(gen(m, ids, cache), gen(m, ids, DynamicCache(config=m.config)))
+        assert tier.stats.on_demand_loads == 0 and len(cache._window.k_slots) == 2
+        every_layer = 8 * 2 * 300 * 2 * 16 * 2  # 8 layers of K and V: 300 tokens x 2 heads x 16 dims, bf16
+        assert cache.window_bytes < every_layer / 2  # two slots (with some room to grow), not eight layers
+        again = tier.cache(ids)
+        assert again.restored_tokens == 288
+        ref = DynamicCache(config=m.config)
+        with torch.no_grad():
+            m(ids, cache=ref)
+        ref.crop(288 - 300)
+        assert same(gen(m, ids, again), gen(m, ids, ref))
+
+
+def test_window_slots_grow_and_reload(model):
+    ids = prompt(20)
+    with KVTier(model, model_id="test/llama", page_size=4, window=1, host_tokens=512) as tier:
+        cache = tier.cache(ids)
+        got = gen(model, ids, cache, 40)  # past the slots' first size: reallocated, every layer reloaded
+        assert tier.stats.on_demand_loads > 0 and cache._window.size >= 59
+        assert same(got, gen(model, ids, default(model), 40))
+
+
+def test_pages_another_cache_kept_first_still_chain_the_keys(model):
+    ids = prompt(20)
+    with KVTier(model, model_id="test/llama", page_size=PS, host_tokens=512) as tier:
+        a, b = tier.cache(ids), tier.cache(ids)  # the same prompt computed twice at once
+        gen(model, ids, a, 2)
+        seq, _ = gen(model, ids, b, 24)  # b's first pages are already kept (a's): its own stay private
+        assert b.table.keys[0] is None and b.table.keys[3] is not None
+        c = tier.cache(seq)  # b's later pages were keyed by the whole chain: all restored
+        assert c.restored_tokens == (seq.shape[1] - 1) // PS * PS == 40
+        # the reference computes what b computed (a prefill, then one token at a time), keeps 40 tokens of it
+        ref = default(model)
+        assert torch.equal(gen(model, ids, ref, 24)[0], seq)
+        ref.crop(40 - seq.shape[1] + 1)
+        assert same(gen(model, seq, c, 3), gen(model, seq, ref, 3))
+        b.release()
+        with pytest.raises(kvtier.ClosedError, match="released"):
+            gen(model, seq, b, 1)
