@@ -43,8 +43,7 @@ import torch
 import transformers
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "python"))
-from kvtier.integrations.transformers import KVTier, cache_kwarg  # noqa: E402
+from kvtier.integrations.transformers import KVTier, cache_kwarg  # the installed kvtier (or PYTHONPATH=python)
 
 SUFFIX = 64
 REPS = 2  # each TTFT is timed twice; the second counts
