@@ -295,11 +295,15 @@ def test_window_streams_on_the_gpu_cuda():
         assert cache.window_bytes < every_layer / 2  # two slots (with some room to grow), not eight layers
         again = tier.cache(ids)
         assert again.restored_tokens == 288
+        # On a GPU the reference is transformers reusing the same prefix KV (a DynamicCache prefilled with the
+        # 288-token prefix), as the bench compares: kernels chosen for another prefill shape may differ in the
+        # last bits, so a crop of a 300-token prefill is not a bit-exact reference there.
         ref = DynamicCache(config=m.config)
         with torch.no_grad():
-            m(ids, cache=ref)
-        ref.crop(288 - 300)
-        assert same(gen(m, ids, again), gen(m, ids, ref))
+            m(ids[:, :288], cache=ref)
+        got, want = gen(m, ids, again), gen(m, ids, ref)
+        assert torch.equal(got[0], want[0]), "restored generate picked other tokens"
+        assert same(got, want)
 
 
 def test_window_slots_grow_and_reload(model):
