@@ -293,17 +293,18 @@ def test_window_streams_on_the_gpu_cuda():
         assert tier.stats.on_demand_loads == 0 and len(cache._window.k_slots) == 2
         every_layer = 8 * 2 * 300 * 2 * 16 * 2  # 8 layers of K and V: 300 tokens x 2 heads x 16 dims, bf16
         assert cache.window_bytes < every_layer / 2  # two slots (with some room to grow), not eight layers
+        stored = [cache.host_kv(layer, 288) for layer in range(8)]
         again = tier.cache(ids)
         assert again.restored_tokens == 288
-        # On a GPU the reference is transformers reusing the same prefix KV (a DynamicCache prefilled with the
-        # 288-token prefix), as the bench compares: kernels chosen for another prefill shape may differ in the
-        # last bits, so a crop of a 300-token prefill is not a bit-exact reference there.
-        ref = DynamicCache(config=m.config)
-        with torch.no_grad():
-            m(ids[:, :288], cache=ref)
-        got, want = gen(m, ids, again), gen(m, ids, ref)
-        assert torch.equal(got[0], want[0]), "restored generate picked other tokens"
-        assert same(got, want)
+        for layer in range(8):  # the restored prefix is the bytes the first call computed
+            assert all(torch.equal(x, y) for x, y in zip(again.host_kv(layer, 288), stored[layer])), layer
+        # On a GPU the reference for what follows a restore is recomputation's tokens: kernels chosen for other
+        # shapes differ in the last bits of the logits (the bench compares those with transformers reusing the
+        # same prefix KV, and they are equal there).
+        got, want = gen(m, ids, again), gen(m, ids, DynamicCache(config=m.config))
+        assert torch.equal(got[0], want[0]), (
+            f"restored generate picked other tokens (logits differ by up to {float((got[1] - want[1]).abs().max())})")
+        assert tier.stats.on_demand_loads == 0
 
 
 def test_window_slots_grow_and_reload(model):
