@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from ._errors import InvalidArgumentError
+
+if TYPE_CHECKING:
+    from .transfer import TransferEngine
 
 
 class _Prepared:
@@ -58,3 +61,50 @@ def _index_array(name: str, t: Any) -> np.ndarray:
     # A view of the caller's CPU tensor could be changed after validation (numpy or DLPack writes do not
     # bump the tensor's version, and validation runs with the GIL released).
     return np.array(t.detach().to("cpu").numpy(), dtype=np.int64, copy=True)
+
+
+class _WarmLoad:
+    """The checked arguments of a pool's last per-layer load. A per-layer load is called once per layer with
+    the same pools and index tensors; the next call reuses the checks when it passes the same objects, the
+    index tensors are unchanged (version, and for CPU tensors their contents) and the device tensors of its
+    layer are the ones checked (same objects, same addresses). Anything else takes the full path."""
+
+    __slots__ = ("pool", "host", "device", "backend", "versions", "snapshot", "ptrs", "pairs", "prepared", "route",
+                 "plans", "regions", "contents")
+
+    def __init__(self, engine: TransferEngine, device_pool: Any, host: Any, device: Any, backend: str,
+                 layers: tuple[list[Any], ...], pairs: tuple[Any, ...], prepared: _Prepared) -> None:
+        self.pool, self.host, self.device, self.backend = device_pool, host, device, backend
+        self.versions = (getattr(host, "_version", None), getattr(device, "_version", None))
+        self.snapshot = tuple(list(ts) for ts in layers)
+        self.ptrs = tuple([t.data_ptr() for t in ts] for ts in layers)
+        self.pairs, self.prepared = pairs, prepared
+        sides = [side for side, _ in pairs]
+        self.route = engine.route(backend, sides, layers[0][0].device.type, tokens=len(prepared.host))
+        # the plans the first call made and cached (the copy engine's route only)
+        self.plans = engine._plans(pairs, prepared, False) if self.route == "dma" and len(prepared.host) else None
+        self.regions = tuple(side.buffer._region for side in sides)
+        # CPU index tensors: (tensor, its address, a numpy view of it, the validated bytes). Comparing the view's
+        # bytes costs 0.5 µs against 3.6 µs for _unchanged's conversions; the address check makes sure the view
+        # still shows the tensor's memory.
+        self.contents = tuple(
+            (t, t.data_ptr(), t.detach().numpy(), v.tobytes())
+            for t, v in ((host, prepared.host), (device, prepared.device)) if t.device.type == "cpu"
+        )
+
+    def matches(self, pool: Any, device_pool: Any, host: Any, device: Any, backend: str, layer: int) -> bool:
+        if (pool._closed or device_pool is not self.pool or host is not self.host or device is not self.device
+                or backend != self.backend or not 0 <= layer < pool.layer_num
+                or (host._version, device._version) != self.versions):
+            return False
+        live = (device_pool.kv_buffer,) if len(self.snapshot) == 1 else (device_pool.k_buffer, device_pool.v_buffer)
+        for ts, snap, ptrs in zip(live, self.snapshot, self.ptrs):
+            if len(ts) != len(snap):
+                return False
+            t = ts[layer]
+            if t is not snap[layer] or t.data_ptr() != ptrs[layer]:
+                return False
+        for t, ptr, view, validated in self.contents:
+            if t.data_ptr() != ptr or t.numel() * 8 != len(validated) or view.tobytes() != validated:
+                return False
+        return True

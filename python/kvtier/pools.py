@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import collections
 import threading
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,132 +28,18 @@ from . import _native
 from ._errors import ClosedError, InvalidArgumentError
 from .buffer import HostBuffer
 from ._indices import _index_array, _Prepared, _unchanged
+from ._device import DeviceKVPool, _Geometry, _positive_int, device_layers, device_of
+from ._indices import _WarmLoad
 from .transfer import Side, TransferEngine
+
+__all__ = ["DeviceKVPool", "MHAHostPool", "AsymmetricMHAHostPool", "host_pool_for", "device_of", "device_layers",
+           "LAYOUTS", "IO_BACKENDS", "BACKEND_LAYOUTS", "_positive_int"]
 
 LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 IO_BACKENDS = ("kernel", "direct")
 # Layouts each backend can move (HiCache: direct needs whole contiguous chunks, kernel gathers tokens).
 BACKEND_LAYOUTS = {"direct": ("layer_first", "page_first_direct"), "kernel": ("layer_first", "page_first")}
 GB = 10**9
-
-
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise InvalidArgumentError(f"invalid argument `{name}`: must be a positive int, got {value!r}")
-    return value
-
-
-class DeviceKVPool:
-    """Per-layer K and V tensors ``k_buffer[l]`` ``(size + page_size, H, D)`` and ``v_buffer[l]``
-    ``(size + page_size, H, Dv)`` on any torch device (rows ``[0, page_size)`` are the padding page, as in
-    SGLang). Host pools accept any object with these attributes, SGLang's own device pool included."""
-
-    def __init__(
-        self,
-        size: int,
-        page_size: int,
-        layer_num: int,
-        head_num: int,
-        head_dim: int,
-        v_head_dim: int | None = None,
-        dtype: torch.dtype = torch.bfloat16,
-        device: str | torch.device = "cuda",
-    ) -> None:
-        self.size = _positive_int("size", size)
-        self.page_size = _positive_int("page_size", page_size)
-        self.layer_num = _positive_int("layer_num", layer_num)
-        self.head_num = _positive_int("head_num", head_num)
-        self.head_dim = _positive_int("head_dim", head_dim)
-        self.v_head_dim = self.head_dim if v_head_dim is None else _positive_int("v_head_dim", v_head_dim)
-        if not isinstance(dtype, torch.dtype):
-            raise InvalidArgumentError(f"invalid argument `dtype`: expected a torch.dtype, got {dtype!r}")
-        self.dtype = self.store_dtype = dtype
-        self.device = torch.device(device)
-        rows = self.size + self.page_size
-        self.k_buffer = [torch.zeros(rows, self.head_num, self.head_dim, dtype=dtype, device=self.device) for _ in range(self.layer_num)]
-        self.v_buffer = [torch.zeros(rows, self.head_num, self.v_head_dim, dtype=dtype, device=self.device) for _ in range(self.layer_num)]
-        self.row_dim = self.head_num * self.head_dim
-        self.v_row_dim = self.head_num * self.v_head_dim
-
-
-@dataclass(frozen=True)
-class _Geometry:
-    """Per-token geometry of a device pool. An MLA pool (one latent+rope row per token and layer) is one
-    side: ``head_num`` 1, ``head_dim`` the row's width, ``v_head_dim`` 0."""
-
-    layer_num: int
-    head_num: int
-    head_dim: int
-    v_head_dim: int
-    dtype: torch.dtype
-    page_size: int
-    kv_lora_rank: int | None = None  # MLA only
-    qk_rope_head_dim: int | None = None
-
-    @property
-    def mla(self) -> bool:
-        return self.kv_lora_rank is not None
-
-    @classmethod
-    def of(cls, device_pool: Any) -> _Geometry:
-        try:
-            dtype = getattr(device_pool, "store_dtype", None) or device_pool.dtype
-            if getattr(device_pool, "kv_lora_rank", None) is not None:
-                lora, rope = device_pool.kv_lora_rank, device_pool.qk_rope_head_dim
-                for name, v in (("kv_lora_rank", lora), ("qk_rope_head_dim", rope)):
-                    _positive_int(f"device_pool.{name}", v)
-                width = getattr(device_pool, "kv_cache_dim", None) or lora + rope
-                g = cls(device_pool.layer_num, 1, width, 0, dtype, device_pool.page_size, lora, rope)
-                device_pool.kv_buffer  # noqa: B018 - presence check
-            else:
-                head_dim = device_pool.head_dim
-                g = cls(
-                    layer_num=device_pool.layer_num,
-                    head_num=device_pool.head_num,
-                    head_dim=head_dim,
-                    v_head_dim=getattr(device_pool, "v_head_dim", None) or head_dim,
-                    dtype=dtype,
-                    page_size=device_pool.page_size,
-                )
-                device_pool.k_buffer, device_pool.v_buffer  # noqa: B018 - presence check
-        except AttributeError as exc:
-            raise InvalidArgumentError(
-                f"invalid argument `device_pool`: {type(device_pool).__name__} lacks {exc.name!r}; expected "
-                "layer_num, head_num, head_dim, v_head_dim, dtype, page_size, k_buffer and v_buffer (or for MLA "
-                "layer_num, kv_lora_rank, qk_rope_head_dim, dtype, page_size and kv_buffer)"
-            ) from None
-        for name in ("layer_num", "head_num", "head_dim", "page_size") + (() if g.mla else ("v_head_dim",)):
-            _positive_int(f"device_pool.{name}", getattr(g, name))
-        return g
-
-    @property
-    def itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
-
-    def device_layers(self, device_pool: Any) -> tuple[list[Any], ...]:
-        """The device pool's per-layer tensors of each side: ``(k_buffer, v_buffer)``, or ``(kv_buffer,)``
-        for MLA."""
-        if self.mla:
-            return (list(device_pool.kv_buffer),)
-        return list(device_pool.k_buffer), list(device_pool.v_buffer)
-
-    def side_dims(self) -> tuple[tuple[str, int], ...]:
-        """``(name, last dim)`` of each side's device tensors (``(rows, head_num, dim)`` each)."""
-        if self.mla:
-            return (("kv_buffer", self.head_dim),)
-        return ("k_buffer", self.head_dim), ("v_buffer", self.v_head_dim)
-
-
-def device_of(device_pool: Any) -> torch.device:
-    """The torch device of a device pool's tensors (cheap: no geometry check; for per-call paths)."""
-    k = getattr(device_pool, "k_buffer", None)
-    device: torch.device = (k if k is not None else device_pool.kv_buffer)[0].device
-    return device
-
-
-def device_layers(device_pool: Any) -> tuple[list[Any], ...]:
-    """A device pool's per-layer tensors, one list per side (K and V, or an MLA pool's one ``kv_buffer``)."""
-    return _Geometry.of(device_pool).device_layers(device_pool)
 
 
 def _host_memory_available() -> int:
@@ -587,50 +472,3 @@ def host_pool_for(
     else:
         cls = AsymmetricMHAHostPool if geo.head_dim != geo.v_head_dim else MHAHostPool
     return cls(device_pool, host_to_device_ratio=host_to_device_ratio, host_size_gb=host_size_gb, layout=layout, pin_memory=pin_memory)
-
-
-class _WarmLoad:
-    """The checked arguments of a pool's last per-layer load. A per-layer load is called once per layer with
-    the same pools and index tensors; the next call reuses the checks when it passes the same objects, the
-    index tensors are unchanged (version, and for CPU tensors their contents) and the device tensors of its
-    layer are the ones checked (same objects, same addresses). Anything else takes the full path."""
-
-    __slots__ = ("pool", "host", "device", "backend", "versions", "snapshot", "ptrs", "pairs", "prepared", "route",
-                 "plans", "regions", "contents")
-
-    def __init__(self, engine: TransferEngine, device_pool: Any, host: Any, device: Any, backend: str,
-                 layers: tuple[list[Any], ...], pairs: tuple[Any, ...], prepared: _Prepared) -> None:
-        self.pool, self.host, self.device, self.backend = device_pool, host, device, backend
-        self.versions = (getattr(host, "_version", None), getattr(device, "_version", None))
-        self.snapshot = tuple(list(ts) for ts in layers)
-        self.ptrs = tuple([t.data_ptr() for t in ts] for ts in layers)
-        self.pairs, self.prepared = pairs, prepared
-        sides = [side for side, _ in pairs]
-        self.route = engine.route(backend, sides, layers[0][0].device.type, tokens=len(prepared.host))
-        # the plans the first call made and cached (the copy engine's route only)
-        self.plans = engine._plans(pairs, prepared, False) if self.route == "dma" and len(prepared.host) else None
-        self.regions = tuple(side.buffer._region for side in sides)
-        # CPU index tensors: (tensor, its address, a numpy view of it, the validated bytes). Comparing the view's
-        # bytes costs 0.5 µs against 3.6 µs for _unchanged's conversions; the address check makes sure the view
-        # still shows the tensor's memory.
-        self.contents = tuple(
-            (t, t.data_ptr(), t.detach().numpy(), v.tobytes())
-            for t, v in ((host, prepared.host), (device, prepared.device)) if t.device.type == "cpu"
-        )
-
-    def matches(self, pool: Any, device_pool: Any, host: Any, device: Any, backend: str, layer: int) -> bool:
-        if (pool._closed or device_pool is not self.pool or host is not self.host or device is not self.device
-                or backend != self.backend or not 0 <= layer < pool.layer_num
-                or (host._version, device._version) != self.versions):
-            return False
-        live = (device_pool.kv_buffer,) if len(self.snapshot) == 1 else (device_pool.k_buffer, device_pool.v_buffer)
-        for ts, snap, ptrs in zip(live, self.snapshot, self.ptrs):
-            if len(ts) != len(snap):
-                return False
-            t = ts[layer]
-            if t is not snap[layer] or t.data_ptr() != ptrs[layer]:
-                return False
-        for t, ptr, view, validated in self.contents:
-            if t.data_ptr() != ptr or t.numel() * 8 != len(validated) or view.tobytes() != validated:
-                return False
-        return True
