@@ -14,7 +14,8 @@ BUILD_STAMP := $(VENV)/.kvtier-build
 RUST_SRC := $(shell find rust -name '*.rs' -o -name Cargo.toml) Cargo.toml pyproject.toml
 # The transformers release kvtier.integrations.transformers is tested with (its Cache API changes between
 # minor releases); the demo serves its workload with transformers' LlamaForCausalLM.
-TRANSFORMERS := transformers==5.24.0
+TRANSFORMERS_VERSION := 5.24.0
+TRANSFORMERS := transformers==$(TRANSFORMERS_VERSION)
 # What building kvtier and running the demo need (torch's PyPI build is a CUDA build; it runs on CPU too).
 PY_DEPS := "maturin>=1.9.4,<2" "torch>=2.4" "numpy>=1.24" $(TRANSFORMERS)
 # What only the tests need: test runners, the plot check, and the packages the conformance tests run against.
@@ -55,7 +56,7 @@ $(TEST_STAMP): $(DEPS_STAMP)
 	$(VPY) -m pip install -q $(SGLANG_IMPORT_DEPS) 2>&1 | grep -v -e "requires" -e "dependency resolver" -e "dependency conflicts" || true
 	$(VPY) -m pip install -q $(TRANSFORMERS) 2>&1 | grep -v -e "requires" -e "dependency resolver" -e "dependency conflicts" || true
 	$(VPY) -c "import torch, sglang.srt.mem_cache.hicache_storage, sglang.srt.mem_cache.pool_host.mha, sglang.srt.mem_cache.storage.backend_factory"
-	$(VPY) -c "import transformers; assert transformers.__version__ == '$(TRANSFORMERS:transformers==%=%)', transformers.__version__"
+	$(VPY) -c "import transformers; assert transformers.__version__ == '$(TRANSFORMERS_VERSION)', transformers.__version__"
 	@echo "kvtier: installing $(MOONCAKE) (the cluster tier's tests run a real Mooncake master and storage processes)"
 	$(VPY) -m pip install -q $(MOONCAKE)
 	scripts/syslibs.sh $(SYSLIBS)
