@@ -81,3 +81,18 @@ def test_a_launch_that_overflows_only_over_all_layers_runs_layer_by_layer(monkey
     monkeypatch.setattr(kernels.RowsLaunch, "run_triton", lambda self, layer, n: calls.append((layer, n)))
     kernels.run_rows([x], 0, 48, per_layer=False)
     assert calls == [(layer, 1) for layer in range(48)]
+
+
+def test_a_partial_page_is_refused_where_the_layout_addresses_whole_pages():
+    """Only a page_first staging run may hold a partial page (its strides do not depend on the slot count);
+    layer_first and page_first_direct would address rows past the buffer (review finding)."""
+    host = torch.zeros(10, 16, dtype=torch.uint8)
+    dev = [torch.zeros(8, 16, dtype=torch.uint8) for _ in range(2)]
+    idx = torch.arange(5)
+    for layout in ("layer_first", "page_first_direct"):
+        with pytest.raises(ValueError, match="slots"):
+            kernels.prepare_rows(host=host, layout=layout, slots=5, layers=2, page_size=4, row_bytes=16,
+                                 device_layers=dev, host_idx=idx, dev_idx=idx, to_host=False, blocks=1, num_warps=4)
+    x = kernels.prepare_rows(host=host, layout="page_first", slots=5, layers=2, page_size=4, row_bytes=16,
+                             device_layers=dev, host_idx=idx, dev_idx=idx, to_host=False, blocks=1, num_warps=4)
+    assert x.ints[1:4] == (8, 2, 1) and not x.consts["PAGED"]  # rows: page 4 tokens x 2 layers, token 2, layer 1

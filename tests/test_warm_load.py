@@ -106,3 +106,55 @@ def test_index_tensor_given_new_storage_is_seen():
     d.data = torch.arange(10 * PS, 12 * PS)
     hp.load_to_device_per_layer(dp, h, d, 1, "direct")
     expect(hp, dp, h, d, 1)
+
+
+def test_layer_tensor_changed_in_place_is_checked_again():
+    """`set_` keeps a tensor's object and address: the shape in the cache keys makes the pool check it again
+    instead of copying past the smaller tensor (review finding)."""
+    dp, hp = pools()
+    h, d = hp.alloc(2 * PS), torch.arange(12 * PS, 14 * PS)
+    fill(hp, h)
+    hp.load_to_device_per_layer(dp, h, d, 0, "direct")
+    t = dp.k_buffer[1]
+    t.set_(t.untyped_storage(), 0, (5 * PS, 2, 8))  # same object, same address, fewer rows
+    with pytest.raises(InvalidArgumentError, match="k_buffer"):
+        hp._check_device_pool(dp)
+    with pytest.raises(InvalidArgumentError, match="k_buffer"):
+        hp.load_to_device_per_layer(dp, h, d, 1, "direct")
+    with pytest.raises(InvalidArgumentError, match="k_buffer"):
+        hp.backup_from_device_all_layer(dp, h, d, "direct")
+
+
+def test_cached_indices_are_validated_for_a_route_that_needs_it(monkeypatch):
+    """Indices cached by a planned call whose planning failed must not reach a route that trusts them."""
+    dp, hp = pools()
+    h = hp.alloc(PS)
+    bad = torch.arange(10**6, 10**6 + PS)
+    with pytest.raises(InvalidArgumentError):
+        hp.backup_from_device_all_layer(dp, h, bad, "direct")  # CPU pool: the planner refuses it
+    monkeypatch.setattr(hp._engine, "route", lambda *a, **k: "kernel")  # as a CUDA pool's small chunks
+    with pytest.raises(InvalidArgumentError, match="device_indices"):
+        hp._prepare(dp, h, bad, "direct", True)
+
+
+def test_concurrent_transfers_share_the_index_cache():
+    import threading
+
+    dp, hp = pools()
+    pairs = [(hp.alloc(PS), torch.arange(i * PS, (i + 1) * PS)) for i in range(1, 8)]
+    errors = []
+
+    def work(seed):
+        try:
+            for i in range(1500):  # more index sets than the cache keeps: threads evict each other's entries
+                h, d = pairs[(seed * 7 + i * (seed + 1)) % len(pairs)]
+                hp.backup_from_device_all_layer(dp, h, d, "direct")
+        except Exception as e:  # noqa: BLE001 - collected and asserted below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]

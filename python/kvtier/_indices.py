@@ -16,10 +16,11 @@ if TYPE_CHECKING:
 class _Prepared:
     """Validated indices of one transfer call (host numpy copies, and GPU copies made on demand)."""
 
-    __slots__ = ("host", "device", "paged", "_gpu", "plans")  # _gpu: (device, (host, device) tensors, upload event)
+    __slots__ = ("host", "device", "paged", "_gpu", "plans", "validated")  # _gpu: (device, (host, device), event)
 
     def __init__(self, host: np.ndarray, device: np.ndarray, paged: bool) -> None:
         self.host, self.device, self.paged = host, device, paged
+        self.validated = False  # by _native.validate_transfer (plans validate what they plan themselves)
         self._gpu: tuple[Any, ...] | None = None
         self.plans: dict[Any, Any] = {}  # DMA plans and kernel launches per (side, direction, device tensors, ...)
 
@@ -77,7 +78,8 @@ class _WarmLoad:
         self.pool, self.host, self.device, self.backend = device_pool, host, device, backend
         self.versions = (getattr(host, "_version", None), getattr(device, "_version", None))
         self.snapshot = tuple(list(ts) for ts in layers)
-        self.ptrs = tuple([t.data_ptr() for t in ts] for ts in layers)
+        # address, shape, strides and dtype of every layer tensor, as the pool checked them
+        self.ptrs = tuple([(t.data_ptr(), t.shape, t.stride(), t.dtype) for t in ts] for ts in layers)
         self.pairs, self.prepared = pairs, prepared
         sides = [side for side, _ in pairs]
         self.route = engine.route(backend, sides, layers[0][0].device.type, tokens=len(prepared.host))
@@ -102,7 +104,7 @@ class _WarmLoad:
             if len(ts) != len(snap):
                 return False
             t = ts[layer]
-            if t is not snap[layer] or t.data_ptr() != ptrs[layer]:
+            if t is not snap[layer] or (t.data_ptr(), t.shape, t.stride(), t.dtype) != ptrs[layer]:
                 return False
         for t, ptr, view, validated in self.contents:
             if t.data_ptr() != ptr or t.numel() * 8 != len(validated) or view.tobytes() != validated:

@@ -308,10 +308,16 @@ def prepare_rows(
     # every sub-row start is a multiple of this many words (offsets from the buffer starts): host offsets
     # are multiples of the sub-row size, device ones also include the layer tensors' relative offsets
     align = min(bw, dev_align)
-    # A staging buffer (see kvtier._staging) may hold a run of tokens that is not whole pages; the strides do not
-    # depend on the slot count in page-first layouts, so the core is asked about the whole pages around them.
-    ps = int(page_size)
-    sp, st, sl, _ = _native.host_layout(layout, int(layers), -(-int(slots) // ps) * ps, ps, int(row_bytes))
+    # A page_first staging buffer (see kvtier._staging) may hold a run of tokens that is not whole pages; that
+    # layout's strides do not depend on the slot count, so the core is asked about the whole pages around them.
+    # In the other layouts they do (layer_first's layer stride) or a partial page would lie past the buffer.
+    ps, n_slots = int(page_size), int(slots)
+    if ps > 0 and n_slots % ps and layout != "page_first":
+        raise InvalidArgumentError(f"invalid argument `slots`: {n_slots} is not a multiple of page_size {ps} "
+                                   f"({layout} addresses whole pages)")
+    if ps > 0 and layout == "page_first":
+        n_slots = -(-n_slots // ps) * ps
+    sp, st, sl, _ = _native.host_layout(layout, int(layers), n_slots, ps, int(row_bytes))
     rp, rt, rl = (x // int(row_bytes) for x in (sp, st, sl))  # every stride is a whole number of rows
     if max(rp, rt, rl) >= 1 << 31:
         raise InvalidArgumentError(f"invalid argument `host`: a layout stride of {max(rp, rt, rl)} rows does not "

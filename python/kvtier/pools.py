@@ -121,6 +121,7 @@ class _HostKVPool:
         # alternate): key -> (the index tensors, kept referenced so their ids stay unique; _Prepared)
         self._prepared: collections.OrderedDict[tuple[Any, ...], tuple[Any, _Prepared]] = collections.OrderedDict()
         self._checked_device: tuple[Any, ...] | None = None
+        self._prepared_lock = threading.Lock()  # transfers may come from several threads
         self._warm: _WarmLoad | None = None  # the last per-layer load's checked arguments (see _warm_load)
         self._allocate_buffers(pin_memory)
 
@@ -231,13 +232,15 @@ class _HostKVPool:
         try:
             layers = self._geo.device_layers(device_pool)
             parts: tuple[Any, ...] = (id(device_pool),)
-            for ts in layers:  # every layer's tensor object and address (a loop: no generator per call)
-                parts += (None, *map(id, ts), *map(torch.Tensor.data_ptr, ts))
+            for ts in layers:  # every layer's tensor object, address, shape and strides (what the check read;
+                # a tensor changed in place by set_/resize_/.data= keeps its object and often its address)
+                parts += (None, *map(id, ts), *map(torch.Tensor.data_ptr, ts), *[(t.shape, t.stride(), t.dtype) for t in ts])
             key: tuple[Any, ...] | None = parts
         except (AttributeError, TypeError):
             key = None
-        if key is not None and self._checked_device is not None and self._checked_device[0] == key:
-            cached: tuple[list[Any], ...] = self._checked_device[2]
+        last = self._checked_device  # read once: another thread may replace it
+        if key is not None and last is not None and last[0] == key:
+            cached: tuple[list[Any], ...] = last[2]
             return cached
         checked = self._check_device_pool_uncached(device_pool)
         if key is not None:
@@ -293,10 +296,20 @@ class _HostKVPool:
             id(host_indices), getattr(host_indices, "_version", None), id(device_indices),
             getattr(device_indices, "_version", None), io_backend, to_host, rows,
         )
+        dev = layers[0][0].device
         cached = self._prepared.get(key)
         if cached is not None and _unchanged(cached[1], host_indices, device_indices):
-            self._prepared.move_to_end(key)
-            return layers, cached[1]
+            p = cached[1]
+            with self._prepared_lock:
+                if key in self._prepared:  # another thread may have evicted it since
+                    self._prepared.move_to_end(key)
+            # Validated when made, unless the planner was to validate it: a route that needs validated indices
+            # (kernel, staged, torch) validates them once here, whatever route the first use took.
+            if not p.validated and self._engine.route(io_backend, self._sides(), dev.type, to_host=to_host,
+                                                      tokens=len(p.host)) not in ("cpu", "dma"):
+                _native.validate_transfer(p.host, p.device, self.size, rows, self.page_size, p.paged, p.paged, to_host)
+                p.validated = True
+            return layers, p
         h = _index_array("host_indices", host_indices)
         d = _index_array("device_indices", device_indices)
         paged = self.layout == "page_first_direct"
@@ -307,15 +320,16 @@ class _HostKVPool:
         # Validated once: where the copies run from plans (CPU device pools; CUDA ones with pinned memory and
         # the direct backend), the core validates the indices when it plans them (one native call for K and
         # V); the other paths (kernels, torch copies of unpinned memory) are validated here.
-        dev = layers[0][0].device
         planned = self._engine.route(io_backend, self._sides(), dev.type, to_host=to_host, tokens=len(h)) in ("cpu", "dma")
+        prepared = _Prepared(h, d, paged)
         if not planned or len(h) == 0 or len(h) != len(d):
             _native.validate_transfer(h, d, self.size, rows, self.page_size, paged, paged, to_host)
-        prepared = _Prepared(h, d, paged)
+            prepared.validated = True
         if isinstance(host_indices, torch.Tensor) and isinstance(device_indices, torch.Tensor):
-            self._prepared[key] = ((host_indices, device_indices), prepared)
-            while len(self._prepared) > 4:
-                self._prepared.popitem(last=False)
+            with self._prepared_lock:
+                self._prepared[key] = ((host_indices, device_indices), prepared)
+                while len(self._prepared) > 4:
+                    self._prepared.popitem(last=False)
         return layers, prepared
 
     def load_to_device_per_layer(self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor,

@@ -325,6 +325,8 @@ class TransferEngine:
         the same objects for every call of a warm load) stay referenced until the mark is dropped."""
         key = (dev.index, stream.cuda_stream)
         entry = self._marks.get(key)
+        if entry is not None and entry[1] is not refs:
+            self._hold(entry[1])  # another index set: its copies, enqueued before this point, keep their refs
         if entry is None:
             entry = self._marks[key] = [torch.cuda.Event(), refs]
             with self._inflight_lock:
