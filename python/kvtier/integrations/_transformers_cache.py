@@ -13,6 +13,10 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 from .._errors import ClosedError, InvalidArgumentError, KvtierError
 from ..store import page_hashes
 
+# forward arguments that do not change the KV a token gets (positions and masks are checked, not listed here)
+_PLAIN = frozenset({"input_ids", "cache", "past_key_values", "use_cache", "logits_to_keep", "return_dict",
+                    "output_attentions", "output_hidden_states", "labels"})
+
 if TYPE_CHECKING:
     from .transformers import KVTier
 
@@ -116,6 +120,10 @@ class KvtierCache(DynamicCache):
         self.table = _Table()
         self._finalizer = weakref.finalize(self, _release, tier, self.table)
         self._fed: list[int] = []  # token ids the model was fed (restored ones first)
+        self._prompt = token_ids  # what this cache was made for: the first forwards must feed its rest
+        # per forward, whether its positions were the plain ones (an all-ones mask, positions following the
+        # cache): tensors on the model's device, read at the next adoption, so a decode step never waits on them
+        self._pending: list[Any] = []
         self._verified = True
         self._adopted = 0  # pages [0, _adopted) are in the controller's index (or were refused)
         self._page_keys: list[str] = []  # the chained key of every full page of _fed (adopted or not)
@@ -158,13 +166,37 @@ class KvtierCache(DynamicCache):
                 self._load(win, layer_idx, r * ps)
 
     # ------------------------------------------------------------------ helpers
-    def _fed_tokens(self, ids: Any) -> None:
-        """The forward pre-hook: the ids about to be fed (their KV gets keyed by them)."""
+    def _fed_tokens(self, ids: Any, kwargs: dict[str, Any]) -> None:
+        """The forward pre-hook: the ids about to be fed (their KV gets keyed by them). KV is keyed by token ids
+        alone, so a forward whose KV also depends on something else (a mask with padding, other positions,
+        embeddings, images, any argument not in _PLAIN) makes the sequence unverified: nothing more of it is
+        kept. A forward that feeds other tokens than the prompt this cache was made for is an error: its
+        restored prefix belongs to that prompt."""
+        start = len(self._fed)
+        if isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[0] == 1 and start < len(self._prompt):
+            fed = ids[0].tolist()
+            expect = self._prompt[start : start + len(fed)]
+            if fed[: len(expect)] != expect:
+                raise InvalidArgumentError(
+                    "invalid argument `input_ids`: they are not the prompt this cache was made for (KVTier.cache(ids) "
+                    "restored that prompt's prefix); pass the same ids to KVTier.cache and to generate/model")
         if not self._verified:
             return
-        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[0] != 1 or len(self._fed) != self.get_seq_length():
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[0] != 1 or start != self.get_seq_length():
             self._unverified()
             return
+        n = ids.shape[1]
+        for name, value in kwargs.items():
+            if value is None or name in _PLAIN:
+                continue
+            if name in ("position_ids", "cache_position") and isinstance(value, torch.Tensor):
+                want = torch.arange(start, start + n, device=value.device)
+                self._pending.append((value.reshape(-1) == want).all() if value.numel() == n else torch.tensor(False))
+            elif name == "attention_mask" and isinstance(value, torch.Tensor):
+                self._pending.append((value == 1).all())
+            else:  # embeddings, images, token types, anything whose effect on the KV the key cannot name
+                self._unverified()
+                return
         self._fed.extend(ids[0].tolist())
 
     def _unverified(self) -> None:
@@ -231,6 +263,9 @@ class KvtierCache(DynamicCache):
             raise ClosedError("this KvtierCache was released; make a new one with KVTier.cache()")
         if not 0 <= layer_idx < tier.layers:
             raise InvalidArgumentError(f"invalid argument `layer_idx`: {layer_idx} not in [0, {tier.layers})")
+        if key_states.dim() == 4 and key_states.shape[0] != 1:
+            raise InvalidArgumentError(f"invalid argument `key_states`: a batch of {key_states.shape[0]} sequences; kvtier's "
+                                       "cache holds one (batch size 1, no beam search or num_return_sequences > 1)")
         want_k, want_v = (1, tier.heads, key_states.shape[-2], tier.k_dim), (1, tier.heads, key_states.shape[-2], tier.v_dim)
         if tuple(key_states.shape) != want_k or tuple(value_states.shape) != want_v or key_states.dtype != tier.dtype \
                 or value_states.dtype != tier.dtype or key_states.device != tier.device:
@@ -293,6 +328,12 @@ class KvtierCache(DynamicCache):
         first, full = self._adopted, tokens // ps
         if full <= first:
             return
+        if self._pending:  # the forwards since the last adoption all had plain positions (one sync per page)
+            plain = bool(torch.stack([torch.as_tensor(x).reshape(()).cpu() for x in self._pending]).all())
+            self._pending.clear()
+            if not plain:
+                self._unverified()
+                return
         prior = self._page_keys[first - 1] if first else None
         keys = page_hashes(self._fed[first * ps : full * ps], ps, prior)
         self._page_keys[first:] = keys
@@ -372,6 +413,7 @@ class KvtierCache(DynamicCache):
         """Copies of layer ``layer_idx``'s K and V of the first ``tokens`` tokens as kvtier holds them on the
         host, shaped as transformers' caches (``(1, heads, tokens, dim)``): for checks."""
         tier, ps = self.tier, self.tier.page_size
+        tier._check_open()
         tokens = self.get_seq_length(layer_idx) if tokens is None else tokens
         if not 0 <= layer_idx < tier.layers or not 0 <= tokens <= self.get_seq_length(layer_idx):
             raise InvalidArgumentError(f"invalid argument `layer_idx`/`tokens`: {layer_idx}, {tokens}")

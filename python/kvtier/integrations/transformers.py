@@ -138,8 +138,8 @@ class KVTier:
         self.host_tokens = _positive("host_tokens", host_tokens)
         if host_tokens < 2 * page_size:
             raise InvalidArgumentError(f"invalid argument `host_tokens`: {host_tokens} is less than two pages of {page_size}")
-        if store_dir is not None and not isinstance(store_dir, (str, os.PathLike)):
-            raise InvalidArgumentError(f"invalid argument `store_dir`: expected a path, got {store_dir!r}")
+        if store_dir is not None and (not isinstance(store_dir, (str, os.PathLike)) or not os.fspath(store_dir)):
+            raise InvalidArgumentError(f"invalid argument `store_dir`: expected a non-empty path, got {store_dir!r}")
         if isinstance(store_capacity_bytes, bool) or not isinstance(store_capacity_bytes, int) or store_capacity_bytes < 4096:
             raise InvalidArgumentError(f"invalid argument `store_capacity_bytes`: must be an int >= 4096, got {store_capacity_bytes!r}")
         if not isinstance(pin_memory, bool):
@@ -152,13 +152,22 @@ class KVTier:
                 raise InvalidArgumentError(
                     "invalid argument `model_id`: the model has no name_or_path (it was built from a config), so "
                     "nothing names its weights; pass model_id= naming them (KV of other weights must never be served)")
-            model_id = f"{name}@{getattr(config, '_commit_hash', None) or 'local'}"
+            commit = getattr(config, "_commit_hash", None)
+            if not commit:
+                raise InvalidArgumentError(
+                    f"invalid argument `model_id`: {name!r} has no hub commit (a local checkpoint), so its path does "
+                    "not name its weights (new weights saved there would share the namespace); pass model_id= naming them")
+            model_id = f"{name}@{commit}"
         if not isinstance(model_id, str) or not model_id:
             raise InvalidArgumentError(f"invalid argument `model_id`: expected a non-empty str, got {model_id!r}")
         if transformers.__version__ != TESTED_TRANSFORMERS:
             warnings.warn(f"kvtier.integrations.transformers is tested with transformers {TESTED_TRANSFORMERS}; this is "
                           f"{transformers.__version__} (its Cache API changes between minor releases)", stacklevel=2)
         text = config.get_text_config(decoder=True)
+        if getattr(config, "is_encoder_decoder", False) or text is not config:
+            raise InvalidArgumentError(
+                f"invalid argument `model`: {type(model).__name__} is an encoder-decoder or multimodal model; kvtier's "
+                "cache keys pages by the decoder's own token ids and supports decoder-only language models")
         probe = DynamicCache(config=text)
         others = sorted({type(layer).__name__ for layer in probe.layers if type(layer) is not DynamicLayer})
         if not probe.layers or others:
@@ -171,9 +180,13 @@ class KVTier:
         self.window = window
         # one token through the model tells the KV geometry each layer caches (heads, K and V dims, dtype)
         device = next(iter(model.parameters())).device
-        with torch.no_grad():
-            model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device), use_cache=True,
-                  **{cache_kwarg(model): probe})
+        try:
+            with torch.no_grad():
+                model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device), use_cache=True,
+                      **{cache_kwarg(model): probe})
+        except Exception as exc:  # noqa: BLE001 - any model that cannot run one token this way is not supported
+            raise InvalidArgumentError(f"invalid argument `model`: {type(model).__name__} did not run one token with a "
+                                       f"cache ({type(exc).__name__}: {exc})") from exc
         shapes = {(tuple(layer.keys.shape[1:2] + layer.keys.shape[3:]), tuple(layer.values.shape[1:2] + layer.values.shape[3:]),
                    layer.keys.dtype, layer.keys.device) for layer in probe.layers}
         if len(shapes) != 1:
@@ -183,6 +196,8 @@ class KVTier:
             raise InvalidArgumentError(f"invalid argument `model`: K has {heads} heads and V {v_heads}; kvtier needs equal")
         self.heads, self.k_dim, self.v_dim, self.dtype, self.device = heads, k_dim, v_dim, dtype, kv_device
         self.cuda = kv_device.type == "cuda"
+        self._text_config = text
+        self.attn_implementation = getattr(text, "_attn_implementation", None)  # part of the namespace: checked per use
         fields = {k: v for k, v in text.to_dict().items() if k not in _NOT_KV}
         fields.update(_kvtier="transformers-v1", attn=getattr(text, "_attn_implementation", None), device=kv_device.type,
                       kv=[heads, k_dim, v_dim, str(dtype)])
@@ -191,8 +206,15 @@ class KVTier:
         self.stats = TransformersStats()
         self._template = _Window(self.layers, 1, heads, k_dim, v_dim, dtype, kv_device, page_size, page_size)
         token_bytes = (k_dim + v_dim) * heads * self.layers * torch.empty((), dtype=dtype).element_size()
-        self.host = host_pool_for(self._template, host_size_gb=(host_tokens + page_size) * token_bytes / 1e9,
-                                  layout="page_first_direct", pin_memory=pin_memory)
+        if store_dir is not None and store_capacity_bytes < 2 * page_size * token_bytes:
+            raise InvalidArgumentError(f"invalid argument `store_capacity_bytes`: {store_capacity_bytes} holds less than "
+                                       f"two pages of {page_size * token_bytes} bytes")
+        try:
+            self.host = host_pool_for(self._template, host_size_gb=(host_tokens + page_size) * token_bytes / 1e9,
+                                      layout="page_first_direct", pin_memory=pin_memory)
+        except InvalidArgumentError as exc:
+            raise InvalidArgumentError(f"invalid argument `host_tokens`: {host_tokens} tokens of KV "
+                                       f"({(host_tokens + page_size) * token_bytes / 1e9:.2f} GB): {exc}") from exc
         self.store: Any = None
         self.page_store: PageStore | None = None
         try:
@@ -204,7 +226,10 @@ class KVTier:
                     from ..tiers import TieredStore
                     from ..tiers.mooncake import MooncakeTier
 
-                    remote = MooncakeTier(cluster, model_name=self.model_name)
+                    try:
+                        remote = MooncakeTier(cluster, model_name=self.model_name)
+                    except InvalidArgumentError as exc:
+                        raise InvalidArgumentError(f"invalid argument `cluster`: {exc}") from exc
                     remote.register_mem_pool_host(self.host)
                     self.store = TieredStore([("disk", self.page_store), ("mooncake", remote)])
             self.controller = TierController(self._template, self.host, self.store, write_policy="write_through")
@@ -224,7 +249,9 @@ class KVTier:
             cache = kwargs.get("cache", kwargs.get("past_key_values"))
             if tier is not None and isinstance(cache, KvtierCache) and cache.tier is tier:
                 ids = kwargs.get("input_ids", args[0] if args and isinstance(args[0], torch.Tensor) else None)
-                cache._fed_tokens(ids)
+                if getattr(tier._text_config, "_attn_implementation", None) != tier.attn_implementation:
+                    cache._unverified()  # KV computed another way than the namespace says: never kept
+                cache._fed_tokens(ids, kwargs)
 
         self._hook = model.register_forward_pre_hook(hook, with_kwargs=True)
         weakref.finalize(self, self._hook.remove)  # a tier dropped without close() leaves no hook behind
@@ -235,6 +262,11 @@ class KVTier:
         with the longest run of its full pages kept on the host or in the store restored (at least one token
         is left to compute). Pass the same ids to ``generate``/``model``."""
         self._check_open()
+        now = getattr(self._text_config, "_attn_implementation", None)
+        if now != self.attn_implementation:
+            raise InvalidArgumentError(
+                f"invalid argument `model`: its attention implementation changed from {self.attn_implementation!r} to "
+                f"{now!r} since this KVTier was built (its pages were computed with the first); build a new KVTier")
         return KvtierCache(self, _token_list("token_ids", token_ids))
 
     def drop_host_copies(self) -> int:
