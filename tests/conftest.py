@@ -2,6 +2,7 @@
 profiles: ``ci`` (default, bounded) and ``thorough`` (``HYPOTHESIS_PROFILE=thorough``)."""
 
 import os
+import subprocess
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -29,3 +30,35 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+def run_cmd(*cmd):
+    return subprocess.run(cmd, capture_output=True, text=True)
+
+
+@pytest.fixture
+def mounted(tmp_path):
+    """mounted(kind, size_mib) -> a directory on a fresh tmpfs or loop-mounted ext4 of that size."""
+    mounts = []
+
+    def make(kind, mib):
+        mnt = tmp_path / f"mnt-{kind}-{len(mounts)}"
+        mnt.mkdir()
+        if kind == "tmpfs":
+            r = run_cmd("mount", "-t", "tmpfs", "-o", f"size={mib}m", "tmpfs", str(mnt))
+        else:
+            img = tmp_path / f"ext4-{len(mounts)}.img"
+            with open(img, "wb") as f:
+                f.truncate(mib << 20)
+            mk = run_cmd("mkfs.ext4", "-q", "-F", str(img))
+            if mk.returncode:
+                pytest.skip(f"mkfs.ext4 failed: {mk.stderr.strip()}")
+            r = run_cmd("mount", "-o", "loop", str(img), str(mnt))
+        if r.returncode:
+            pytest.skip(f"cannot mount a {kind} here ({r.stderr.strip() or 'mount failed'}): needs root")
+        mounts.append(mnt)
+        return mnt
+
+    yield make
+    for m in reversed(mounts):
+        run_cmd("umount", "-l", str(m))

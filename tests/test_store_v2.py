@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import run_cmd
 import torch
 
 from kvtier import DeviceKVPool, InvalidArgumentError, PageStore, TierController, host_pool_for, testing
@@ -48,38 +49,6 @@ def page(hp, p):
 def same(hp, p, want):
     return torch.equal(hp.k_buffer[p].view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(
         hp.v_buffer[p].view(torch.uint8), want[1].view(torch.uint8))
-
-
-def _run(*cmd):
-    return subprocess.run(cmd, capture_output=True, text=True)
-
-
-@pytest.fixture
-def mounted(tmp_path):
-    """mounted(kind, size_mib) -> a directory on a fresh tmpfs or loop-mounted ext4 of that size."""
-    mounts = []
-
-    def make(kind, mib):
-        mnt = tmp_path / f"mnt-{kind}-{len(mounts)}"
-        mnt.mkdir()
-        if kind == "tmpfs":
-            r = _run("mount", "-t", "tmpfs", "-o", f"size={mib}m", "tmpfs", str(mnt))
-        else:
-            img = tmp_path / f"ext4-{len(mounts)}.img"
-            with open(img, "wb") as f:
-                f.truncate(mib << 20)
-            mk = _run("mkfs.ext4", "-q", "-F", str(img))
-            if mk.returncode:
-                pytest.skip(f"mkfs.ext4 failed: {mk.stderr.strip()}")
-            r = _run("mount", "-o", "loop", str(img), str(mnt))
-        if r.returncode:
-            pytest.skip(f"cannot mount a {kind} here ({r.stderr.strip() or 'mount failed'}): needs root")
-        mounts.append(mnt)
-        return mnt
-
-    yield make
-    for m in reversed(mounts):
-        _run("umount", "-l", str(m))
 
 
 def fill_up(mnt):
@@ -309,7 +278,7 @@ def test_inspect_and_verify_on_a_read_only_file_system(mounted):
     with PageStore(mnt / "s", capacity_bytes=1 << 30) as st:
         st.register_mem_pool_host(hp)
         assert all(st.batch_set_v1(["a", "b"], idx([0, 1])))
-    r = _run("mount", "-o", "remount,ro", str(mnt))
+    r = run_cmd("mount", "-o", "remount,ro", str(mnt))
     if r.returncode:
         pytest.skip(f"cannot remount read-only: {r.stderr.strip()}")
     r = _cli("inspect", str(mnt / "s"))

@@ -19,7 +19,8 @@ import torch
 
 import kvtier
 from kvtier import _native
-from kvtier.benchmarks.transfer import GEOMS, PS, event_time, make_device_pool, page_idx
+from kvtier.benchmarks._common import write_results
+from kvtier.benchmarks.transfer import GEOMS, PS, event_time, make_device_pool, page_idx, page_layer_bytes
 
 
 def host_us(fn, calls: int, reps: int = 5) -> float:
@@ -120,7 +121,7 @@ def main() -> None:
                         warm, full, native, gpu = measure(hp, dp, h, d, stream, mode, L)
                         if name == "A" and pages == 16 and idev == "cpu":
                             profile(hp, dp, h, d, L, f"{args.out}/profile-{mode}.txt" if args.out else None)
-                    nbytes = pages * PS * g["heads"] * (g["dk"] + g["dv"]) * 2
+                    nbytes = pages * page_layer_bytes(g)
                     row = {"geometry": name, "pages": pages, "indices": idev, "stream": mode,
                            "host_us_per_call_warm": round(warm, 1), "host_us_per_call_full_checks": round(full, 1),
                            "native_submit_us": round(native, 1), "us_per_layer_end_to_end": round(gpu, 1),
@@ -131,8 +132,8 @@ def main() -> None:
         del dp
         torch.cuda.empty_cache()
     if args.out:
-        with open(f"{args.out}/probe-host-cost.json", "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "primitives_us": prims, "rows": rows}, f, indent=1)
+        write_results(args.out, {"probe-host-cost.json": json.dumps(
+            {"gpu": torch.cuda.get_device_name(), "primitives_us": prims, "rows": rows}, indent=1)})
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import json
 import torch
 
 from kvtier import LayerLoader, host_pool_for
+from kvtier.benchmarks._common import write_results
 from kvtier.benchmarks.transfer import GEOMS, PS, ceiling, check_exact, event_time, make_device_pool, page_idx, page_layer_bytes
 
 
@@ -49,8 +50,8 @@ def main() -> None:
         del dp
         torch.cuda.empty_cache()
     if args.out:
-        with open(f"{args.out}/probe-kernel-tiles.json", "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "ceiling_h2d_GBps": up, "rows": rows}, f, indent=1)
+        write_results(args.out, {"probe-kernel-tiles.json": json.dumps(
+            {"gpu": torch.cuda.get_device_name(), "ceiling_h2d_GBps": up, "rows": rows}, indent=1)})
 
 
 if __name__ == "__main__":
