@@ -27,12 +27,13 @@ import torch
 from . import _native
 from ._errors import ClosedError, InvalidArgumentError
 from .buffer import HostBuffer
-from ._indices import _index_array, _Prepared, _unchanged, _WarmLoad
-from ._device import DeviceKVPool, _Geometry, device_layers, device_of
+from ._indices import _index_array, _Prepared, _unchanged
+from ._device import DeviceKVPool, _Geometry, _positive_int, device_layers, device_of
+from ._indices import _WarmLoad
 from .transfer import Side, TransferEngine
 
 __all__ = ["DeviceKVPool", "MHAHostPool", "AsymmetricMHAHostPool", "host_pool_for", "device_of", "device_layers",
-           "LAYOUTS", "IO_BACKENDS", "BACKEND_LAYOUTS"]
+           "LAYOUTS", "IO_BACKENDS", "BACKEND_LAYOUTS", "_positive_int"]
 
 LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 IO_BACKENDS = ("kernel", "direct")
@@ -225,10 +226,6 @@ class _HostKVPool:
     def _layout_error(self, layout: Any) -> str:
         return f"Unsupported layout: {layout!r}; expected " + ", ".join(repr(x) for x in self.supported_layouts) + "."
 
-    def _check_layer(self, layer_id: Any) -> None:
-        if isinstance(layer_id, bool) or not isinstance(layer_id, int) or not 0 <= layer_id < self.layer_num:
-            raise InvalidArgumentError(f"invalid argument `layer_id`: must be an int in [0, {self.layer_num}), got {layer_id!r}")
-
     def _check_device_pool(self, device_pool: Any) -> tuple[list[Any], ...]:
         """The device pool's per-layer tensors of each side (see :meth:`_Geometry.device_layers`), checked
         against this pool's geometry; the check is cached while the pool and its tensors are unchanged."""
@@ -345,7 +342,8 @@ class _HostKVPool:
                                                                io_backend, layer_id)):
             self._engine.load_layer(w.pairs, w.prepared, layer_id, io_backend, w.route, w.plans, w.regions)
             return
-        self._check_layer(layer_id)
+        if isinstance(layer_id, bool) or not isinstance(layer_id, int) or not 0 <= layer_id < self.layer_num:
+            raise InvalidArgumentError(f"invalid argument `layer_id`: must be an int in [0, {self.layer_num}), got {layer_id!r}")
         layers, p = self._prepare(device_pool, host_indices, device_indices, io_backend, to_host=False)
         pairs = tuple(zip(self._sides(), layers))
         self._engine.copy(pairs, p, layer_id, layer_id + 1, to_host=False, backend=io_backend)
@@ -378,7 +376,8 @@ class _HostKVPool:
         """Device → host for one layer (the copies :meth:`backup_from_device_all_layer` makes for that layer):
         for an engine whose device pool holds a window of the layers at a time. Enqueued on the current CUDA
         stream for CUDA device pools."""
-        self._check_layer(layer_id)
+        if isinstance(layer_id, bool) or not isinstance(layer_id, int) or not 0 <= layer_id < self.layer_num:
+            raise InvalidArgumentError(f"invalid argument `layer_id`: must be an int in [0, {self.layer_num}), got {layer_id!r}")
         layers, p = self._prepare(device_pool, host_indices, device_indices, io_backend, to_host=True)
         self._engine.copy(tuple(zip(self._sides(), layers)), p, layer_id, layer_id + 1, to_host=True, backend=io_backend)
 

@@ -23,8 +23,7 @@ import torch
 
 from ._errors import InvalidArgumentError
 from .buffer import HostBuffer
-from ._device import _positive_int
-from .pools import LAYOUTS, _HostKVPool
+from .pools import LAYOUTS, _HostKVPool, _positive_int
 from .transfer import Side
 
 

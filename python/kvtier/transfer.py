@@ -68,7 +68,6 @@ class Side:
     # token inside a page, layer to layer; and the bytes of one page (all layers)
     strides: tuple[int, int, int] = (0, 0, 0)
     page_bytes: int = 0
-    pinned: bool = False  # registered with CUDA when the pool was made (read once: route() runs per call)
 
     @classmethod
     def of(cls, pool: Any, buffer: HostBuffer, offset: int, row_bytes: int, tensor: torch.Tensor) -> Side:
@@ -78,7 +77,7 @@ class Side:
         page, token, layer, page_bytes = _native.host_layout(pool.layout, pool.layer_num, pool.size, pool.page_size,
                                                              row_bytes)
         return cls(buffer, offset, pool.layout, pool.size, pool.page_size, pool.layer_num, row_bytes, tensor, split,
-                   (page, token, layer), page_bytes, buffer.pinned)
+                   (page, token, layer), page_bytes)
 
     @property
     def base(self) -> int:
@@ -184,7 +183,7 @@ class TransferEngine:
         pools validate indices for every route but ``dma`` before planning (``kvtier.pools._prepare``)."""
         if device_type == "cpu":
             return "cpu"
-        if not all(side.pinned for side in sides):
+        if not all(side.buffer.pinned for side in sides):
             return "torch"
         if backend == "kernel":
             return "kernel" if kernels.available() else "dma"
@@ -229,12 +228,8 @@ class TransferEngine:
         return d[0]
 
     def _fork(self, device: torch.device, caller: Any) -> Any:
-        """None when copy-engine batches may be submitted on ``caller`` itself. Otherwise (``caller`` is a
-        default stream, which the batch API refuses) the detour ``(stream, fork, join)``, its stream made to
-        wait for everything ``caller`` was given so far; :meth:`_join` then makes ``caller`` wait for what the
-        detour was given."""
-        if not (self.batch and caller.cuda_stream in DEFAULT_STREAMS and _native.cuda_batch_supported()):
-            return None
+        """The detour stream of ``caller`` (a default stream), made to wait for everything ``caller`` was given
+        so far; :meth:`_join` then makes ``caller`` wait for what the detour was given."""
         self.detour_stream(device)
         d = self._detours[(device, threading.get_ident())]
         d[1].record(caller)
@@ -311,7 +306,9 @@ class TransferEngine:
             self.copy(pairs, prepared, layer, layer + 1, to_host=False, backend=backend)
             return
         stream = torch.cuda.current_stream(dev)
-        detour = self._fork(dev, stream)  # fork and join, as in _copy
+        detour = None
+        if self.batch and stream.cuda_stream in DEFAULT_STREAMS and _native.cuda_batch_supported():
+            detour = self._fork(dev, stream)  # fork and join, as in _copy
         self.last_submit = _native.submit_layers(
             plans, layer, layer + 1, dev.index, (detour[0] if detour else stream).cuda_stream, [], self.batch,
             False, [],
@@ -362,7 +359,7 @@ class TransferEngine:
                         ev.record()
             return
         dev = pairs[0][1][0].device
-        if dev.type != "cpu" and (dev.type != "cuda" or route == "torch"):
+        if dev.type != "cpu" and (dev.type != "cuda" or not all(side.buffer.pinned for side, _ in pairs)):
             for i, layer in enumerate(range(layer_begin, layer_end) if per_layer else (layer_begin,)):
                 last = layer + 1 if per_layer else layer_end
                 for side, tensors in pairs:
@@ -413,7 +410,10 @@ class TransferEngine:
             # only the last layer's, which say when it is done) alive until it has finished
             self._hold((regions, plans, events, after), list(events[-1]), sub)
             return sub
-        detour = self._fork(dev, stream)  # from a default stream: the copies wait for what it was given before ...
+        detour = None
+        if self.batch and stream.cuda_stream in DEFAULT_STREAMS and _native.cuda_batch_supported():
+            # fork: the copies wait for everything the caller's stream was given before them ...
+            detour = self._fork(dev, stream)
         self.last_submit = _native.submit_layers(
             plans, layer_begin, layer_end, index, (detour[0] if detour else stream).cuda_stream, sides, self.batch,
             per_layer, handles,
