@@ -33,7 +33,7 @@ def test_indices_changed_behind_torchs_back_are_validated_again():
 def test_validated_indices_are_a_private_copy():
     dp, hp = pools()
     h, d = torch.arange(4), torch.arange(2, 6)
-    _, prepared = hp._prepare(dp, h, d, "direct", to_host=False)
+    _, prepared, _ = hp._prepare(dp, h, d, "direct", to_host=False)
     h.numpy()[:] = 7
     assert prepared.host.tolist() == [0, 1, 2, 3]
 

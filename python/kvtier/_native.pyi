@@ -165,7 +165,8 @@ def plan_sides(
     host_pages: bool,
     device_runs: bool,
     sides: list[tuple[HostRegion, int, int, list[Any], int]],
-) -> list[TransferPlan]: ...
+    run: tuple[int, int, int, int, list[int], bool, bool, list[int]] | None = None,
+) -> tuple[list[TransferPlan], tuple[int, int]]: ...
 def copy_cpu(plans: list[TransferPlan], layer_begin: int, layer_end: int) -> None: ...
 def submit_layers(
     plans: list[TransferPlan],

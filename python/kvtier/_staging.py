@@ -28,15 +28,10 @@ def staged_backup(engine: TransferEngine, pairs, prepared, didx: torch.Tensor, r
     read its buffer. Runs are as large as a buffer (whole pages), the first at most half the transfer.
     Every run costs fixed host work and launch latency, so many small runs starve the copy engine
     (measured: runs of 1, 2, 4, 8 pages gave 80 % of the ceiling at 16 pages of A, SM writes 84–87 %)."""
-    from .transfer import DEFAULT_STREAMS  # (transfer imports this module)
-
     dev = didx.device
     caller = torch.cuda.current_stream(dev)
-    detour = None
-    if engine.batch and caller.cuda_stream in DEFAULT_STREAMS and _native.cuda_batch_supported():
-        detour = engine.detour_stream(dev)  # as in _copy: the batch API refuses the legacy default stream
-        detour.wait_stream(caller)
-    stream = detour or caller
+    detour = engine._fork(dev, caller)  # as in copy: the batch API refuses the legacy default stream
+    stream = detour[0] if detour is not None else caller
     with engine._stage_lock:
         st = engine._staging.get(dev)
         need = max(side.layers * side.row_bytes * side.page_size for side, _ in pairs)
@@ -53,7 +48,7 @@ def staged_backup(engine: TransferEngine, pairs, prepared, didx: torch.Tensor, r
             stream.synchronize()
             raise
         if detour is not None:
-            caller.wait_stream(detour)
+            engine._join(caller, detour)
         engine._hold((regions, held, didx))
 
 

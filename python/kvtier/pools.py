@@ -27,13 +27,12 @@ import torch
 from . import _native
 from ._errors import ClosedError, InvalidArgumentError
 from .buffer import HostBuffer
-from ._indices import _index_array, _Prepared, _unchanged
-from ._device import DeviceKVPool, _Geometry, _positive_int, device_layers, device_of
-from ._indices import _WarmLoad
+from ._indices import _index_array, _Prepared, _unchanged, _WarmLoad
+from ._device import DeviceKVPool, _Geometry, device_layers, device_of
 from .transfer import Side, TransferEngine
 
 __all__ = ["DeviceKVPool", "MHAHostPool", "AsymmetricMHAHostPool", "host_pool_for", "device_of", "device_layers",
-           "LAYOUTS", "IO_BACKENDS", "BACKEND_LAYOUTS", "_positive_int"]
+           "LAYOUTS", "IO_BACKENDS", "BACKEND_LAYOUTS"]
 
 LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 IO_BACKENDS = ("kernel", "direct")
@@ -226,26 +225,36 @@ class _HostKVPool:
     def _layout_error(self, layout: Any) -> str:
         return f"Unsupported layout: {layout!r}; expected " + ", ".join(repr(x) for x in self.supported_layouts) + "."
 
-    def _check_device_pool(self, device_pool: Any) -> tuple[list[Any], ...]:
-        """The device pool's per-layer tensors of each side (see :meth:`_Geometry.device_layers`), checked
-        against this pool's geometry; the check is cached while the pool and its tensors are unchanged."""
+    def _check_layer(self, layer_id: Any) -> None:
+        if isinstance(layer_id, bool) or not isinstance(layer_id, int) or not 0 <= layer_id < self.layer_num:
+            raise InvalidArgumentError(f"invalid argument `layer_id`: must be an int in [0, {self.layer_num}), got {layer_id!r}")
+
+    def _check_device_pool(self, device_pool: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        """``(layers, pairs)``: the device pool's per-layer tensors of each side (see
+        :meth:`_Geometry.device_layers`), checked against this pool's geometry, and each side paired with
+        its layers. The check is cached while the pool and its tensors are unchanged."""
         try:
-            layers = self._geo.device_layers(device_pool)
-            parts: tuple[Any, ...] = (id(device_pool),)
-            for ts in layers:  # every layer's tensor object, address, shape and strides (what the check read;
-                # a tensor changed in place by set_/resize_/.data= keeps its object and often its address)
-                parts += (None, *map(id, ts), *map(torch.Tensor.data_ptr, ts), *[(t.shape, t.stride(), t.dtype) for t in ts])
-            key: tuple[Any, ...] | None = parts
+            layers = (list(device_pool.kv_buffer),) if self._geo.kv_lora_rank is not None else (
+                list(device_pool.k_buffer), list(device_pool.v_buffer))
+            # every layer's tensor object, address, shape, strides and dtype (what the check read; a tensor
+            # changed in place by set_/resize_/.data= keeps its object and often its address)
+            parts: list[Any] = [id(device_pool)]
+            for ts in layers:
+                parts.append(None)
+                for t in ts:
+                    parts += (id(t), t.data_ptr(), t.shape, t.stride(), t.dtype)
+            key: list[Any] | None = parts
         except (AttributeError, TypeError):
             key = None
         last = self._checked_device  # read once: another thread may replace it
         if key is not None and last is not None and last[0] == key:
-            cached: tuple[list[Any], ...] = last[2]
+            cached: tuple[tuple[Any, ...], tuple[Any, ...]] = last[2]
             return cached
-        checked = self._check_device_pool_uncached(device_pool)
+        checked = tuple(self._check_device_pool_uncached(device_pool))
+        result = (checked, tuple(zip(self._sides(), checked)))
         if key is not None:
-            self._checked_device = (key, (device_pool, layers), checked)  # holds refs: ids stay unique
-        return checked
+            self._checked_device = (key, (device_pool, layers), result)  # holds refs: ids stay unique
+        return result
 
     def _check_device_pool_uncached(self, device_pool: Any) -> tuple[list[Any], ...]:
         geo = _Geometry.of(device_pool)
@@ -283,33 +292,38 @@ class _HostKVPool:
         return layers
 
     def _prepare(self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor, io_backend: str,
-                 to_host: bool) -> tuple[tuple[list[Any], ...], _Prepared]:
+                 to_host: bool, per_layer: bool = False) -> tuple[tuple[Any, ...], _Prepared, str]:
+        """Checks one transfer's arguments and returns ``(pairs, prepared, route)``: ``(side, device layers)``
+        of K then V, the validated indices, and how the engine moves them (:meth:`TransferEngine.route`;
+        ``per_layer``: not every layer in one go)."""
         if self._closed:
             self._check_open()
         if type(io_backend) is not str or io_backend not in BACKEND_LAYOUTS or self.layout not in BACKEND_LAYOUTS[io_backend]:
             self._check_backend(io_backend)
-        layers = self._check_device_pool(device_pool)
-        rows = layers[0][0].shape[0]
+        layers, pairs = self._check_device_pool(device_pool)
+        sides = next(zip(*pairs))
+        first = layers[0][0]
+        rows = first.shape[0]
         # A per-layer load calls this once per layer with the same index tensors: validate once, and reuse
         # while neither tensor has been modified (torch bumps ``_version`` on every in-place write).
         key = (
             id(host_indices), getattr(host_indices, "_version", None), id(device_indices),
             getattr(device_indices, "_version", None), io_backend, to_host, rows,
         )
-        dev = layers[0][0].device
         cached = self._prepared.get(key)
         if cached is not None and _unchanged(cached[1], host_indices, device_indices):
             p = cached[1]
             with self._prepared_lock:
                 if key in self._prepared:  # another thread may have evicted it since
                     self._prepared.move_to_end(key)
+            route = self._engine.route(io_backend, sides, first.device.type, to_host=to_host, tokens=len(p.host),
+                                       per_layer=per_layer)
             # Validated when made, unless the planner was to validate it: a route that needs validated indices
             # (kernel, staged, torch) validates them once here, whatever route the first use took.
-            if not p.validated and self._engine.route(io_backend, self._sides(), dev.type, to_host=to_host,
-                                                      tokens=len(p.host)) not in ("cpu", "dma"):
+            if not p.validated and route not in ("cpu", "dma"):
                 _native.validate_transfer(p.host, p.device, self.size, rows, self.page_size, p.paged, p.paged, to_host)
                 p.validated = True
-            return layers, p
+            return pairs, p, route
         h = _index_array("host_indices", host_indices)
         d = _index_array("device_indices", device_indices)
         paged = self.layout == "page_first_direct"
@@ -318,11 +332,12 @@ class _HostKVPool:
                 f"invalid argument `host_indices`: length {len(h)} is not a multiple of page_size {self.page_size}"
             )
         # Validated once: where the copies run from plans (CPU device pools; CUDA ones with pinned memory and
-        # the direct backend), the core validates the indices when it plans them (one native call for K and
-        # V); the other paths (kernels, torch copies of unpinned memory) are validated here.
-        planned = self._engine.route(io_backend, self._sides(), dev.type, to_host=to_host, tokens=len(h)) in ("cpu", "dma")
+        # the direct backend), the core validates the indices when it plans them, in the call that makes the
+        # first copies; the other paths (kernels, torch copies of unpinned memory) are validated here.
+        route = self._engine.route(io_backend, sides, first.device.type, to_host=to_host, tokens=len(h),
+                                   per_layer=per_layer)
         prepared = _Prepared(h, d, paged)
-        if not planned or len(h) == 0 or len(h) != len(d):
+        if route not in ("cpu", "dma") or len(h) == 0 or len(h) != len(d):
             _native.validate_transfer(h, d, self.size, rows, self.page_size, paged, paged, to_host)
             prepared.validated = True
         if isinstance(host_indices, torch.Tensor) and isinstance(device_indices, torch.Tensor):
@@ -330,7 +345,7 @@ class _HostKVPool:
                 self._prepared[key] = ((host_indices, device_indices), prepared)
                 while len(self._prepared) > 4:
                     self._prepared.popitem(last=False)
-        return layers, prepared
+        return pairs, prepared, route
 
     def load_to_device_per_layer(self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor,
                                  layer_id: int, io_backend: str) -> None:
@@ -342,12 +357,10 @@ class _HostKVPool:
                                                                io_backend, layer_id)):
             self._engine.load_layer(w.pairs, w.prepared, layer_id, io_backend, w.route, w.plans, w.regions)
             return
-        if isinstance(layer_id, bool) or not isinstance(layer_id, int) or not 0 <= layer_id < self.layer_num:
-            raise InvalidArgumentError(f"invalid argument `layer_id`: must be an int in [0, {self.layer_num}), got {layer_id!r}")
-        layers, p = self._prepare(device_pool, host_indices, device_indices, io_backend, to_host=False)
-        pairs = tuple(zip(self._sides(), layers))
-        self._engine.copy(pairs, p, layer_id, layer_id + 1, to_host=False, backend=io_backend)
-        self._warm = _WarmLoad(self._engine, device_pool, host_indices, device_indices, io_backend, layers, pairs, p)
+        self._check_layer(layer_id)
+        pairs, p, route = self._prepare(device_pool, host_indices, device_indices, io_backend, False, True)
+        self._engine.copy(pairs, p, layer_id, layer_id + 1, to_host=False, backend=io_backend, route=route)
+        self._warm = _WarmLoad(self._engine, device_pool, host_indices, device_indices, io_backend, pairs, p, route)
 
     def _load_layers(self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor, io_backend: str,
                      events: Any, background: bool = True,
@@ -358,28 +371,26 @@ class _HostKVPool:
         for each layer. With ``background``, ``direct`` copies are submitted by a native thread and the
         returned ``Submission`` must be waited on before an event is used (see LayerLoader); else None.
         ``after``: an event the copies follow; ``previous``: the last background submission on this stream."""
-        layers, p = self._prepare(device_pool, host_indices, device_indices, io_backend, to_host=False)
-        return self._engine.copy(tuple(zip(self._sides(), layers)), p, 0, self.layer_num, to_host=False,
-                                 backend=io_backend, per_layer=True, events=events, background=background,
-                                 after=after, previous=previous)
+        pairs, p, route = self._prepare(device_pool, host_indices, device_indices, io_backend, False, True)
+        return self._engine.copy(pairs, p, 0, self.layer_num, to_host=False, backend=io_backend, per_layer=True,
+                                 events=events, background=background, after=after, previous=previous, route=route)
 
     def backup_from_device_all_layer(self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor,
                                      io_backend: str) -> None:
         """Device → host for every layer, K then V (separate calls, separate geometries). Enqueued on the
         current CUDA stream for CUDA device pools: order it after the producer of the device KV (see
         :func:`kvtier.backup_async`)."""
-        layers, p = self._prepare(device_pool, host_indices, device_indices, io_backend, to_host=True)
-        self._engine.copy(tuple(zip(self._sides(), layers)), p, 0, self.layer_num, to_host=True, backend=io_backend)
+        pairs, p, route = self._prepare(device_pool, host_indices, device_indices, io_backend, True)
+        self._engine.copy(pairs, p, 0, self.layer_num, to_host=True, backend=io_backend, route=route)
 
     def backup_from_device_per_layer(self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor,
                                      layer_id: int, io_backend: str) -> None:
         """Device → host for one layer (the copies :meth:`backup_from_device_all_layer` makes for that layer):
         for an engine whose device pool holds a window of the layers at a time. Enqueued on the current CUDA
         stream for CUDA device pools."""
-        if isinstance(layer_id, bool) or not isinstance(layer_id, int) or not 0 <= layer_id < self.layer_num:
-            raise InvalidArgumentError(f"invalid argument `layer_id`: must be an int in [0, {self.layer_num}), got {layer_id!r}")
-        layers, p = self._prepare(device_pool, host_indices, device_indices, io_backend, to_host=True)
-        self._engine.copy(tuple(zip(self._sides(), layers)), p, layer_id, layer_id + 1, to_host=True, backend=io_backend)
+        self._check_layer(layer_id)
+        pairs, p, route = self._prepare(device_pool, host_indices, device_indices, io_backend, True, True)
+        self._engine.copy(pairs, p, layer_id, layer_id + 1, to_host=True, backend=io_backend, route=route)
 
     def synchronize(self) -> None:
         """Wait until every transfer this pool issued has completed."""

@@ -23,7 +23,8 @@ import torch
 
 from ._errors import InvalidArgumentError
 from .buffer import HostBuffer
-from .pools import LAYOUTS, _HostKVPool, _positive_int
+from ._device import _positive_int
+from .pools import LAYOUTS, _HostKVPool
 from .transfer import Side
 
 

@@ -223,40 +223,37 @@ class PageStore:
         return self._native
 
     # ------------------------------------------------------------------ zero-copy v1
-    def _indices(self, keys: Sequence[str], host_indices: torch.Tensor) -> tuple[list[str], Any]:
-        keys = _keys(keys)
+    def _batch(self, write: bool, keys: Sequence[str], host_indices: torch.Tensor) -> list[bool]:
+        """One page batch (``batch_set_v1`` / ``batch_get_v1``): arguments checked, then one native call."""
+        if isinstance(keys, str):
+            raise InvalidArgumentError("invalid argument `keys`: expected a sequence of str, got one str")
+        keys = list(keys)
+        for k in keys:
+            if not isinstance(k, str) or not k:
+                raise InvalidArgumentError(f"invalid argument `keys`: every key must be a non-empty str, got {k!r}")
         if not isinstance(host_indices, torch.Tensor) or host_indices.dtype != torch.int64 or host_indices.dim() != 1:
             raise InvalidArgumentError("invalid argument `host_indices`: expected a 1-D torch.int64 tensor")
-        return keys, host_indices.detach().cpu().numpy()
+        store = self._native if self._native is not None and not self._closed else self._reader_store()
+        if store is None:
+            return [False] * len(keys)
+        idx = host_indices.detach().cpu().numpy()
+        if not keys and not idx.size:
+            return []
+        t0 = time.perf_counter()
+        ok: list[bool] = store.put_pages(keys, idx) if write else store.get_pages(keys, idx)
+        self.latency["write" if write else "read"].observe(time.perf_counter() - t0)
+        return ok
 
     def batch_set_v1(self, keys: Sequence[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
         """Write the pages at ``host_indices`` (``page_size`` slots per key) under ``keys``; returns per key
         whether the page (K and V) is durably stored. Keys already stored are kept and reported True. An IO
         error (a full disk, a failing device) makes the pages concerned False; it is never raised."""
-        store = self._reader_store()
-        keys, idx = self._indices(keys, host_indices)
-        if store is None:
-            return [False] * len(keys)
-        if not keys and not idx.size:
-            return []
-        t0 = time.perf_counter()
-        ok: list[bool] = store.put_pages(keys, idx)
-        self.latency["write"].observe(time.perf_counter() - t0)
-        return ok
+        return self._batch(True, keys, host_indices)
 
     def batch_get_v1(self, keys: Sequence[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
         """Read pages into the host pool at ``host_indices``; returns per key whether K and V were found with
         the pool's sizes and their checksums verified (a False page's host bytes are unspecified)."""
-        store = self._reader_store()
-        keys, idx = self._indices(keys, host_indices)
-        if store is None:
-            return [False] * len(keys)
-        if not keys and not idx.size:
-            return []
-        t0 = time.perf_counter()
-        ok: list[bool] = store.get_pages(keys, idx)
-        self.latency["read"].observe(time.perf_counter() - t0)
-        return ok
+        return self._batch(False, keys, host_indices)
 
     def batch_exists(self, keys: Sequence[str], extra_info: Any = None) -> int:
         """Length of the leading run of keys whose page (K and V) is stored."""

@@ -25,6 +25,7 @@ Which engine runs depends on where the device tensors live:
 from __future__ import annotations
 
 import collections
+import operator
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -50,6 +51,9 @@ KERNEL_TILE_WORDS = 2048
 #: ``cudaStreamPerThread``.
 DEFAULT_STREAMS = (0, 1, 2)
 
+#: The host mapping of a side (what a copy's holds keep alive).
+_REGION = operator.attrgetter("buffer._region")
+
 
 @dataclass(frozen=True)
 class Side:
@@ -68,6 +72,7 @@ class Side:
     # token inside a page, layer to layer; and the bytes of one page (all layers)
     strides: tuple[int, int, int] = (0, 0, 0)
     page_bytes: int = 0
+    pinned: bool = False  # registered with CUDA when the pool was made (read once: route() runs per call)
 
     @classmethod
     def of(cls, pool: Any, buffer: HostBuffer, offset: int, row_bytes: int, tensor: torch.Tensor) -> Side:
@@ -77,7 +82,7 @@ class Side:
         page, token, layer, page_bytes = _native.host_layout(pool.layout, pool.layer_num, pool.size, pool.page_size,
                                                              row_bytes)
         return cls(buffer, offset, pool.layout, pool.size, pool.page_size, pool.layer_num, row_bytes, tensor, split,
-                   (page, token, layer), page_bytes)
+                   (page, token, layer), page_bytes, buffer.pinned)
 
     @property
     def base(self) -> int:
@@ -106,6 +111,7 @@ class TransferEngine:
         self._side_streams: dict[Any, list] = {}  # (device, caller stream) -> side streams, LRU order
         self._detours: dict[Any, Any] = {}  # (device, thread) -> (stream default-stream copies run on, fork, join)
         self._marks: dict[Any, list] = {}  # (device, stream) -> [event after the last warm load, its refs]
+        self._batch_api: bool | None = None  # the driver has cuMemcpyBatchAsync (see _fork)
         self.last_submit: tuple[int, int] | None = None  # (copies, batch calls) of the last direct submission
         self.staged_backup = config.kernel_backup() == "staged"
         self.staging_bytes = config.staging_bytes()
@@ -183,17 +189,21 @@ class TransferEngine:
         pools validate indices for every route but ``dma`` before planning (``kvtier.pools._prepare``)."""
         if device_type == "cpu":
             return "cpu"
-        if not all(side.buffer.pinned for side in sides):
-            return "torch"
+        chunk, token_bytes, page_first = 1 << 62, 0, True
+        for side in sides:
+            if not side.pinned:
+                return "torch"
+            chunk = min(chunk, side.page_size * side.row_bytes)
+            token_bytes += side.layers * side.row_bytes
+            page_first = page_first and side.layout != "layer_first"
         if backend == "kernel":
             return "kernel" if kernels.available() else "dma"
         if not kernels.available():
             return "dma"
-        if self.kernel_below and min(side.page_size * side.row_bytes for side in sides) < self.kernel_below:
+        if chunk < self.kernel_below:
             return "kernel"
-        if (to_host and not per_layer and self.direct_staged
-                and all(side.layout in ("page_first", "page_first_direct") for side in sides)
-                and tokens * sum(side.layers * side.row_bytes for side in sides) >= self.staged_min_bytes):
+        if (to_host and not per_layer and self.direct_staged and page_first
+                and tokens * token_bytes >= self.staged_min_bytes):
             return "staged"
         return "dma"
 
@@ -228,8 +238,16 @@ class TransferEngine:
         return d[0]
 
     def _fork(self, device: torch.device, caller: Any) -> Any:
-        """The detour stream of ``caller`` (a default stream), made to wait for everything ``caller`` was given
-        so far; :meth:`_join` then makes ``caller`` wait for what the detour was given."""
+        """None when copy-engine batches may be submitted on ``caller`` itself. Otherwise (``caller`` is a
+        default stream, which the batch API refuses) the detour ``(stream, fork, join)``, its stream made to
+        wait for everything ``caller`` was given so far; :meth:`_join` then makes ``caller`` wait for what the
+        detour was given."""
+        if not (self.batch and caller.cuda_stream in DEFAULT_STREAMS):
+            return None
+        if self._batch_api is None:  # whether the driver has the batch API: asked once
+            self._batch_api = _native.cuda_batch_supported()
+        if not self._batch_api:
+            return None
         self.detour_stream(device)
         d = self._detours[(device, threading.get_ident())]
         d[1].record(caller)
@@ -270,6 +288,7 @@ class TransferEngine:
         background: bool = False,
         after: Any = None,
         previous: Any = None,
+        route: str | None = None,
     ) -> Any:
         """Copy layers ``[layer_begin, layer_end)`` of each ``(side, device_layers)`` pair (K, then V: separate
         copies with their own geometry) for validated indices ``prepared`` (``kvtier.pools._Prepared``: host and
@@ -286,14 +305,82 @@ class TransferEngine:
         background submission on the same stream, which this one follows in stream order.
 
         ``after``: a CUDA event the copies must follow (on the current stream; for a background submission,
-        the submission thread makes the stream wait for it, after ``previous``)."""
+        the submission thread makes the stream wait for it, after ``previous``).
+
+        ``route``: :meth:`route`'s answer for this transfer, when the caller has it (the pools do)."""
         dev = pairs[0][1][0].device if pairs else None
-        if dev is not None and dev.type == "cuda" and dev.index is not None and dev.index != torch.cuda.current_device():
+        cuda = dev is not None and dev.type == "cuda"
+        if dev is not None and cuda and dev.index is not None and dev.index != torch.cuda.current_device():
             with torch.cuda.device(dev):  # streams, events and launches of the pool's device
-                return self._copy(pairs, prepared, layer_begin, layer_end, to_host, backend, per_layer, events,
-                                  hold, background, after, previous)
-        return self._copy(pairs, prepared, layer_begin, layer_end, to_host, backend, per_layer, events, hold,
-                          background, after, previous)
+                return self.copy(pairs, prepared, layer_begin, layer_end, to_host=to_host, backend=backend,
+                                 per_layer=per_layer, events=events, hold=hold, background=background, after=after,
+                                 previous=previous, route=route)
+        host, device = prepared.host, prepared.device
+        if cuda and len(host) > 0:
+            # the pools validated the indices for the route taken (see route() and pools._prepare)
+            if route is None:
+                host_sides = next(zip(*pairs))
+                full = layer_begin == 0 and layer_end == host_sides[0].layers
+                route = self.route(backend, host_sides, "cuda", to_host=to_host, tokens=len(host),
+                                   per_layer=per_layer or not full)
+            if route == "kernel":
+                backend = "kernel"
+        background_direct = (background and per_layer and events is not None and route == "dma"
+                             and backend == "direct")
+        if after is not None and not background_direct and cuda:
+            torch.cuda.current_stream(dev).wait_event(after)
+        if len(host) == 0 or not pairs:
+            if events is not None:
+                for evs in events:
+                    for ev in evs:
+                        ev.record()
+            return None
+        assert dev is not None  # pairs is not empty
+        if dev.type != "cpu" and (not cuda or route == "torch"):
+            for i, layer in enumerate(range(layer_begin, layer_end) if per_layer else (layer_begin,)):
+                last = layer + 1 if per_layer else layer_end
+                for side, tensors in pairs:
+                    self._copy_torch(side, tensors, host, device, layer, last, to_host)
+                if events is not None:
+                    for ev in events[i]:
+                        ev.record()
+            return None
+        regions = tuple(map(_REGION, next(zip(*pairs))))  # each side's host mapping
+        if route == "staged":
+            _staging.staged_backup(self, pairs, prepared, prepared.gpu(dev)[1], regions)
+            return None
+        if backend == "kernel" and cuda and kernels.available():
+            return self._kernel(pairs, prepared, layer_begin, layer_end, to_host, per_layer, events, hold, regions)
+        if not cuda:
+            self._dma(pairs, prepared, to_host, (layer_begin, layer_end, -1, 0, [], False, False, []))
+            return None
+        stream = torch.cuda.current_stream(dev)
+        handles = [int(ev.cuda_event) for evs in events for ev in evs] if events is not None else []
+        if events is not None and not all(handles):
+            raise InvalidArgumentError("invalid argument `events`: record each event once before passing it")
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        # lanes: the copy engine runs every side on the caller's stream (see lanes_for) unless events say more
+        sides = [st.cuda_stream for st in self.side_streams(dev, len(events[0]))] if events is not None else []
+        if background_direct:
+            assert events is not None
+            plans = self._dma(pairs, prepared, to_host)
+            sub = _native.submit_layers_background(
+                plans, layer_begin, layer_end, index, stream.cuda_stream, sides, self.batch, handles,
+                int(after.cuda_event) if after is not None else 0, previous,
+            )
+            # the submission thread records every event of the load and waits on `after`: keep them all (not
+            # only the last layer's, which say when it is done) alive until it has finished
+            self._hold((regions, plans, events, after), list(events[-1]), sub)
+            return sub
+        detour = self._fork(dev, stream)  # from a default stream: the copies wait for what it was given before ...
+        target = detour[0] if detour is not None else stream
+        plans = self._dma(pairs, prepared, to_host,
+                          (layer_begin, layer_end, index, target.cuda_stream, sides, self.batch, per_layer, handles))
+        if detour is not None:
+            self._join(stream, detour)  # ... and join: what the caller gives it next waits for the copies
+        if hold:
+            self._hold((regions, plans))  # recorded on the caller's stream, after the join
+        return None
 
     def load_layer(self, pairs: Sequence[tuple[Side, Sequence[torch.Tensor]]], prepared: Any, layer: int,
                    backend: str, route: str, plans: Any, regions: tuple) -> None:
@@ -303,12 +390,10 @@ class TransferEngine:
         shortened; the host time of a 16-page per-layer call bounds it (benches/RESULTS.md §4)."""
         dev = pairs[0][1][0].device
         if route != "dma" or plans is None or dev.index != torch.cuda.current_device():
-            self.copy(pairs, prepared, layer, layer + 1, to_host=False, backend=backend)
+            self.copy(pairs, prepared, layer, layer + 1, to_host=False, backend=backend, route=route)
             return
         stream = torch.cuda.current_stream(dev)
-        detour = None
-        if self.batch and stream.cuda_stream in DEFAULT_STREAMS and _native.cuda_batch_supported():
-            detour = self._fork(dev, stream)  # fork and join, as in _copy
+        detour = self._fork(dev, stream)  # fork and join, as in copy
         self.last_submit = _native.submit_layers(
             plans, layer, layer + 1, dev.index, (detour[0] if detour else stream).cuda_stream, [], self.batch,
             False, [],
@@ -335,94 +420,6 @@ class TransferEngine:
                     self._inflight.append((old[0], None, old[1]))
         entry[1] = refs
         entry[0].record(stream)
-
-    def _copy(self, pairs, prepared, layer_begin, layer_end, to_host, backend, per_layer, events, hold, background,
-              after, previous):
-        host, device = prepared.host, prepared.device
-        cuda = bool(pairs) and pairs[0][1][0].device.type == "cuda"
-        route = None
-        if cuda and len(host) > 0:
-            # the pools validated the indices for the route taken (see route() and pools._prepare)
-            full = layer_begin == 0 and all(layer_end == side.layers for side, _ in pairs)
-            route = self.route(backend, [side for side, _ in pairs], "cuda", to_host=to_host, tokens=len(host),
-                               per_layer=per_layer or not full)
-            if route == "kernel":
-                backend = "kernel"
-        background_direct = (background and per_layer and events is not None and route == "dma"
-                             and backend == "direct")
-        if after is not None and not background_direct and cuda:
-            torch.cuda.current_stream(pairs[0][1][0].device).wait_event(after)
-        if len(host) == 0 or not pairs:
-            if events is not None:
-                for evs in events:
-                    for ev in evs:
-                        ev.record()
-            return
-        dev = pairs[0][1][0].device
-        if dev.type != "cpu" and (dev.type != "cuda" or not all(side.buffer.pinned for side, _ in pairs)):
-            for i, layer in enumerate(range(layer_begin, layer_end) if per_layer else (layer_begin,)):
-                last = layer + 1 if per_layer else layer_end
-                for side, tensors in pairs:
-                    self._copy_torch(side, tensors, host, device, layer, last, to_host)
-                if events is not None:
-                    for ev in events[i]:
-                        ev.record()
-            return
-        regions = tuple(side.buffer._region for side, _ in pairs)
-        if route == "staged":
-            self._staged_backup(pairs, prepared, prepared.gpu(dev)[1], regions)
-            return None
-        if backend == "kernel" and dev.type == "cuda" and kernels.available():
-            hidx, didx = prepared.gpu(dev)
-            total = len(host) * sum(side.layers * side.row_bytes for side, _ in pairs)
-            if (to_host and not per_layer and self.staged_backup and layer_begin == 0
-                    and total >= self.staged_min_bytes
-                    and all(side.layout in ("page_first", "page_first_direct") and layer_end == side.layers
-                            for side, _ in pairs)):
-                self._staged_backup(pairs, prepared, didx, regions)
-                return None
-            lanes = len(events[0]) if events is not None else min(self.lanes, len(pairs))
-            sides = self.side_streams(dev, lanes)
-            blocks = self._split_blocks([side.row_bytes for side, _ in pairs], lanes)
-            launches = [self._rows(side, tensors, prepared, hidx, didx, to_host, b) for (side, tensors), b in zip(pairs, blocks)]
-            kernels.run_rows(launches, layer_begin, layer_end, per_layer=per_layer, events=events, side_streams=sides)
-            if hold:
-                self._hold((regions, hidx, didx, [x.dev_offsets for x in launches]))
-            return None
-        plans = self._plans(pairs, prepared, to_host)
-        if dev.type == "cpu":
-            for layer in range(layer_begin, layer_end) if per_layer else (layer_begin,):
-                _native.copy_cpu(plans, layer, layer + 1 if per_layer else layer_end)
-            return
-        stream = torch.cuda.current_stream(dev)
-        handles = [int(ev.cuda_event) for evs in events for ev in evs] if events is not None else []
-        if events is not None and not all(handles):
-            raise InvalidArgumentError("invalid argument `events`: record each event once before passing it")
-        index = dev.index if dev.index is not None else torch.cuda.current_device()
-        lanes = len(events[0]) if events is not None else self.lanes_for("direct")
-        sides = [st.cuda_stream for st in self.side_streams(dev, lanes)]
-        if background_direct:
-            sub = _native.submit_layers_background(
-                plans, layer_begin, layer_end, index, stream.cuda_stream, sides, self.batch, handles,
-                int(after.cuda_event) if after is not None else 0, previous,
-            )
-            # the submission thread records every event of the load and waits on `after`: keep them all (not
-            # only the last layer's, which say when it is done) alive until it has finished
-            self._hold((regions, plans, events, after), list(events[-1]), sub)
-            return sub
-        detour = None
-        if self.batch and stream.cuda_stream in DEFAULT_STREAMS and _native.cuda_batch_supported():
-            # fork: the copies wait for everything the caller's stream was given before them ...
-            detour = self._fork(dev, stream)
-        self.last_submit = _native.submit_layers(
-            plans, layer_begin, layer_end, index, (detour[0] if detour else stream).cuda_stream, sides, self.batch,
-            per_layer, handles,
-        )
-        if detour is not None:
-            self._join(stream, detour)  # ... and join: what the caller gives it next waits for the copies
-        if hold:
-            self._hold((regions, plans))  # recorded on the caller's stream, after the join
-        return None
 
     def _rows(self, side: Side, tensors, prepared: Any, hidx, didx, to_host: bool, blocks: int):
         """The kernel launch description of one side for ``prepared``'s indices (layer range excluded), made
@@ -456,27 +453,53 @@ class TransferEngine:
         out[-1] = max(1, self.blocks - sum(out[:-1]))
         return out
 
-    def _staged_backup(self, pairs, prepared, didx: torch.Tensor, regions: tuple) -> None:
-        """Device → host for every layer of page-first pools through device staging buffers (see
-        :func:`kvtier._staging.staged_backup`)."""
-        _staging.staged_backup(self, pairs, prepared, didx, regions)
+    def _kernel(self, pairs, prepared, layer_begin, layer_end, to_host, per_layer, events, hold, regions) -> None:
+        """The ``kernel`` route of :meth:`copy`: Triton gathers/scatters on the caller's stream and side
+        streams, or staged when ``KVTIER_KERNEL_BACKUP=staged`` and this is a large whole-pool backup."""
+        dev = pairs[0][1][0].device
+        hidx, didx = prepared.gpu(dev)
+        total = len(prepared.host) * sum([side.layers * side.row_bytes for side, _ in pairs])
+        if (to_host and not per_layer and self.staged_backup and layer_begin == 0
+                and total >= self.staged_min_bytes
+                and all([side.layout in ("page_first", "page_first_direct") and layer_end == side.layers
+                         for side, _ in pairs])):
+            _staging.staged_backup(self, pairs, prepared, didx, regions)
+            return
+        lanes = len(events[0]) if events is not None else min(self.lanes, len(pairs))
+        sides = self.side_streams(dev, lanes)
+        blocks = self._split_blocks([side.row_bytes for side, _ in pairs], lanes)
+        launches = [self._rows(side, tensors, prepared, hidx, didx, to_host, b) for (side, tensors), b in zip(pairs, blocks)]
+        kernels.run_rows(launches, layer_begin, layer_end, per_layer=per_layer, events=events, side_streams=sides)
+        if hold:
+            self._hold((regions, hidx, didx, [x.dev_offsets for x in launches]))
 
-    @staticmethod
-    def _plans(pairs: Sequence[tuple[Side, Sequence[torch.Tensor]]], prepared: Any, to_host: bool) -> list[Any]:
-        """The DMA plans of every side for ``prepared``'s indices, made in one native call that validates the
-        indices once (every layer), and cached there. Cached per device-layer lists; the entry keeps those
-        lists, so the identity check cannot be fooled by a recycled id."""
-        key = ("plans", tuple((side.offset, id(side.buffer), id(t)) for side, t in pairs), to_host)
+    def _dma(self, pairs, prepared: Any, to_host: bool, run: tuple | None = None) -> list[Any]:
+        """The copy-engine (or CPU) plans of every side for ``prepared``'s indices, cached there. With ``run``
+        (``_native.plan_sides``' ``run``: layer range, device index or -1 for CPU memcpy, stream, side streams,
+        batch, per layer, events) those layers are also copied: by the same native call that validates the
+        indices and plans them when the plans are new, so an operation crosses into Rust once, warm or cold.
+        Keyed by the ids of the sides and device-layer lists; the entry holds them, so an id in the key cannot
+        be reused by another object while the entry lives."""
+        sides, lists = zip(*pairs)
+        key = ("plans", to_host, *map(id, sides), *map(id, lists))
         entry = prepared.plans.get(key)
-        if entry is not None and all(a is b for a, b in zip(entry[0], (t for _, t in pairs))):
-            return entry[1]
-        first = pairs[0][0]
-        plans = _native.plan_sides(
-            to_host, first.layout, first.slots, first.page_size, prepared.host, prepared.device, 0,
-            len(pairs[0][1]), prepared.paged, prepared.paged,
-            [(side.buffer._region, side.offset, side.row_bytes, list(t), side.split) for side, t in pairs],
-        )
-        prepared.plans[key] = (tuple(t for _, t in pairs), plans)
+        if entry is not None:
+            plans: list[Any] = entry[2]
+            if run is not None and run[2] < 0:
+                _native.copy_cpu(plans, run[0], run[1])
+            elif run is not None:
+                self.last_submit = _native.submit_layers(plans, *run)
+            return plans
+        args = []
+        for side, ts in pairs:
+            args.append((side.buffer._region, side.offset, side.row_bytes, list(ts), side.split))
+        first = sides[0]
+        plans, counts = _native.plan_sides(to_host, first.layout, first.slots, first.page_size, prepared.host,
+                                           prepared.device, 0, len(lists[0]), prepared.paged, prepared.paged, args,
+                                           run)
+        if run is not None and run[2] >= 0:
+            self.last_submit = counts
+        prepared.plans[key] = (sides, lists, plans)
         return plans
 
     @staticmethod

@@ -143,8 +143,7 @@ def part_direct(out, reps, up, down, stream):
             t = event_time(lambda: loader.load(h, d).synchronize(), reps) / L
             row["load_pct"] = round(100 * nb / t / 1e9 / up, 1)
             row["load_us_per_copy"] = round(t / 512 * 1e6, 3)
-            layers, p = hp._prepare(dp, h, d, "direct", to_host=True)
-            pairs = tuple(zip(hp._sides(), layers))
+            pairs, p, _ = hp._prepare(dp, h, d, "direct", to_host=True)
             for name, per_layer, limit in (("one_batch_per_side", False, 16384), ("batch_per_layer", True, 16384),
                                            ("batches_of_1024", False, 1024), ("batches_of_256", False, 256)):
                 old = kvtier._native.cuda_set_batch_limit(limit)

@@ -137,7 +137,12 @@ impl HostGeometry {
     pub fn offset(&self, layer: usize, slot: usize) -> usize {
         let st = self.strides();
         let ps = self.page_size;
-        slot / ps * st.page + slot % ps * st.token + layer * st.layer
+        if st.page == ps * st.token {
+            // a page is page_size tokens in a row (layer_first, page_first): no division on the plans' hot loop
+            slot * st.token + layer * st.layer
+        } else {
+            slot / ps * st.page + slot % ps * st.token + layer * st.layer
+        }
     }
 
     /// The contiguous byte extents `(offset, len)` of page `page` (`page < slots / page_size`): the whole

@@ -1,7 +1,7 @@
 //! Transfer plan bindings (`kvtier_core::engine::Plan`): device tensors converted into address ranges and
 //! the objects that own them, indices read once; the submissions are in `engine.rs`.
 
-use kvtier_core::engine::{Plan, PlanRequest};
+use kvtier_core::engine::{self, Plan, PlanRequest};
 use kvtier_core::plan::{Direction, HostGeometry, Layout, RawRange};
 use kvtier_core::Error;
 use pyo3::prelude::*;
@@ -122,10 +122,18 @@ type SideArgs<'py> = (
     usize,
 );
 
+/// `plan_sides`' `run`: `(layer_begin, layer_end, device, stream, side_streams, batch, per_layer, events)`;
+/// `device` < 0 runs CPU `memcpy` (the rest ignored).
+type RunArgs = (usize, usize, i32, usize, Vec<usize>, bool, bool, Vec<usize>);
+
 /// Plans every side of one transfer (a pool's K and V) with one validation of the shared indices (see
 /// `kvtier_core::engine::Plan::new_sides`): one native call where a TransferPlan per side took one each and
-/// validated the indices each time.
+/// validated the indices each time. With `run`, also copies (CPU) or submits (CUDA) those layers in the same
+/// call (`kvtier_core::engine::plan_and_run`) and returns `(plans, (copies, batch_calls))`; the caller keeps
+/// the device tensors alive as `submit_layers` requires.
 #[pyfunction]
+#[pyo3(signature = (to_host, layout, slots, page_size, host_indices, device_indices, layer_begin, layer_end,
+    host_pages, device_runs, sides, run=None))]
 #[allow(clippy::too_many_arguments)]
 pub fn plan_sides<'py>(
     py: Python<'py>,
@@ -140,7 +148,8 @@ pub fn plan_sides<'py>(
     host_pages: bool,
     device_runs: bool,
     sides: Vec<SideArgs<'py>>,
-) -> KvResult<Vec<PyTransferPlan>> {
+    run: Option<RunArgs>,
+) -> KvResult<(Vec<PyTransferPlan>, (usize, usize))> {
     let h = indices(py, "host_indices", host_indices)?;
     let d = indices(py, "device_indices", device_indices)?;
     let mut reqs = Vec::with_capacity(sides.len());
@@ -165,12 +174,35 @@ pub fn plan_sides<'py>(
         reqs.push(req);
         owners.push(own);
     }
-    let plans = py.detach(|| Plan::new_sides(reqs))?;
-    plans
+    let (plans, counts) = match run {
+        None => (py.detach(|| Plan::new_sides(reqs))?, (0, 0)),
+        Some((begin, end, device, stream, side_streams, batch, per_layer, events)) => {
+            let run = if device < 0 {
+                engine::Run::Cpu { layers: begin..end }
+            } else {
+                engine::Run::Cuda {
+                    layers: begin..end,
+                    device,
+                    stream,
+                    side_streams: &side_streams,
+                    batch,
+                    per_layer,
+                    events: &events,
+                }
+            };
+            // the device ranges are the memory of the tensors `owners` holds (CPU ones checked disjoint from
+            // the host region by `request`), live for the call; the caller keeps CUDA memory alive until the
+            // stream passes the copies and passes live streams and events (submit_layers' contract).
+            // SAFETY: plan_and_run's contract, upheld as described above.
+            py.detach(|| unsafe { engine::plan_and_run(reqs, run) })?
+        }
+    };
+    let plans = plans
         .into_iter()
         .zip(owners)
         .map(|(p, o)| wrap(py, p, o))
-        .collect()
+        .collect::<KvResult<Vec<_>>>()?;
+    Ok((plans, counts))
 }
 
 /// Copies layers `[layer_begin, layer_end)` of every plan now with CPU `memcpy` (CPU device tensors), in one

@@ -212,6 +212,77 @@ impl Plan {
     }
 }
 
+/// Where [`plan_and_run`] runs the plans it has just made.
+pub enum Run<'a> {
+    /// CPU `memcpy` of `layers` (plans of CPU device tensors).
+    Cpu {
+        /// Layers copied.
+        layers: Range<usize>,
+    },
+    /// [`submit_layers`] of `layers` on CUDA `stream` of `device`, with its lanes, batching and events.
+    Cuda {
+        /// Layers submitted.
+        layers: Range<usize>,
+        /// CUDA device ordinal.
+        device: i32,
+        /// The caller's stream.
+        stream: usize,
+        /// Side streams (lanes) forked from `stream` and joined back.
+        side_streams: &'a [usize],
+        /// Whether copies go through `cuMemcpyBatchAsync`.
+        batch: bool,
+        /// Layer by layer, with `events`.
+        per_layer: bool,
+        /// One event per lane and layer (`per_layer` only).
+        events: &'a [usize],
+    },
+}
+
+/// Plans the sides of one transfer ([`Plan::new_sides`]: the indices validated once) and runs their first
+/// copies in the same call, so a transfer with new indices costs its caller one crossing, like a transfer
+/// that reuses its plans. Returns the plans (for later layers or repeated transfers) and `(copies,
+/// batch_calls)` of a CUDA run (`(0, 0)` for CPU). Nothing is copied unless every side planned.
+///
+/// # Safety
+/// For [`Run::Cpu`], [`Plan::copy_cpu`]'s contract; for [`Run::Cuda`], [`submit_layers`]' (the caller keeps
+/// the device memory alive until the stream has passed the copies).
+pub unsafe fn plan_and_run(
+    reqs: Vec<PlanRequest>,
+    run: Run<'_>,
+) -> Result<(Vec<Plan>, (usize, usize))> {
+    let plans = Plan::new_sides(reqs)?;
+    let refs: Vec<&Plan> = plans.iter().collect();
+    let counts = match run {
+        Run::Cpu { layers } => {
+            for p in &refs {
+                // SAFETY: this function's contract (Plan::copy_cpu's), passed on by the caller.
+                unsafe { p.copy_cpu(layers.start, layers.end)? };
+            }
+            (0, 0)
+        }
+        Run::Cuda {
+            layers,
+            device,
+            stream,
+            side_streams,
+            batch,
+            per_layer,
+            events,
+        } => submit_layers(
+            &refs,
+            layers.start,
+            layers.end,
+            device,
+            stream,
+            side_streams,
+            batch,
+            per_layer,
+            events,
+        )?,
+    };
+    Ok((plans, counts))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -308,6 +379,74 @@ mod tests {
         assert!(Plan::new(r).is_err());
         // a plan for CPU memory is never handed to the copy engine
         let err = submit_layers(&[&load], 0, 2, 0, 7, &[], true, true, &[]).unwrap_err();
+        assert!(err.to_string().contains("CPU tensors"), "{err}");
+    }
+
+    #[test]
+    fn plan_and_run_copies_once_planned_and_nothing_when_a_side_is_refused() {
+        let region = Arc::new(HostRegion::new(4096, &Default::default()).unwrap());
+        let mut device: Vec<Vec<u8>> = (0..2u8)
+            .map(|l| (0..48).map(|i| i ^ (l * 100)).collect())
+            .collect();
+        let orig = device.clone();
+        let reqs = vec![request(
+            region.clone(),
+            &mut device,
+            vec![2, 3],
+            vec![4, 5],
+            true,
+        )];
+        // SAFETY: `device` is live CPU memory disjoint from the region for the whole call.
+        let (plans, counts) = unsafe { plan_and_run(reqs, Run::Cpu { layers: 0..2 }) }.unwrap();
+        assert_eq!((plans.len(), counts), (1, (0, 0)));
+        for v in device.iter_mut() {
+            v.fill(0);
+        }
+        // the returned plan is reusable: a load through a second call copies the bytes back
+        let reqs = vec![request(
+            region.clone(),
+            &mut device,
+            vec![2, 3],
+            vec![0, 1],
+            false,
+        )];
+        // SAFETY: as above.
+        let (load, _) = unsafe { plan_and_run(reqs, Run::Cpu { layers: 0..1 }) }.unwrap();
+        assert_eq!(&device[0][0..16], &orig[0][32..48]);
+        assert!(
+            device[1].iter().all(|&b| b == 0),
+            "only the layers asked for are copied"
+        );
+        // SAFETY: as above.
+        unsafe { load[0].copy_cpu(1, 2).unwrap() };
+        assert_eq!(&device[1][0..16], &orig[1][32..48]);
+        // the second side's device rows are out of range: no side is copied
+        let before = device.clone();
+        let good = request(region.clone(), &mut device, vec![0, 1], vec![0, 1], false);
+        let mut bad = request(region.clone(), &mut device, vec![0, 1], vec![0, 1], false);
+        bad.device_indices = vec![6, 7];
+        // SAFETY: as above.
+        assert!(unsafe { plan_and_run(vec![good, bad], Run::Cpu { layers: 0..2 }) }.is_err());
+        assert_eq!(device, before);
+        // CPU plans are never handed to the copy engine, planned or not
+        let reqs = vec![request(
+            region.clone(),
+            &mut device,
+            vec![0, 1],
+            vec![0, 1],
+            false,
+        )];
+        let run = Run::Cuda {
+            layers: 0..2,
+            device: 0,
+            stream: 7,
+            side_streams: &[],
+            batch: true,
+            per_layer: false,
+            events: &[],
+        };
+        // SAFETY: refused before any submission (CPU plans).
+        let err = unsafe { plan_and_run(reqs, run) }.err().unwrap();
         assert!(err.to_string().contains("CPU tensors"), "{err}");
     }
 
