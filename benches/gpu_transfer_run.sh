@@ -8,15 +8,19 @@
 #    chunks) on the copy engine and as kernels (the edge of KVTIER_DIRECT_KERNEL_BELOW_KB).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${1:?usage: gpu_transfer_run.sh OUTDIR}
+out=${1:?usage: gpu_transfer_run.sh OUTDIR [1|2]}  # part 1 or 2 (each under 10 min), or both
+part=${2:-all}
 tmp=$(mktemp -d)
 . benches/gpu_env.sh
 bench() { timeout "$1" python3 -m kvtier bench transfer --no-overlap --reps 5 --streams side --indices cpu "${@:3}" --out "$tmp/$2" > "$tmp/$2.log" 2>&1; cp "$tmp/$2/transfer.json" "$out/$2.json"; }
+if [ "$part" != 2 ]; then
 bench 330 transfer --geoms A,B,C,D --pages 16,64,256,1024 --streams side,default --indices cpu,cuda
 cp "$tmp/transfer/transfer.md" "$out/transfer.md"; tail -2 "$tmp/transfer.log"
 timeout 150 python3 -m pytest tests/test_buffer.py tests/test_default_stream_cuda.py tests/test_pools_cuda.py tests/test_pools_mla.py tests/test_route_cuda.py tests/test_transfer_cuda.py tests/test_overlap.py tests/test_kernels_abi.py tests/test_warm_load.py tests/test_engine_lifetime.py tests/test_round_trip_calls.py tests/test_readme.py -p no:cacheprovider -q -rs 2>&1 | tail -25 > "$out/pytest-cuda.log"; tail -2 "$out/pytest-cuda.log"
 # one new page's round trip: kvtier Python functions and native calls on the CUDA path, side and default stream
 for flag in "" --default-stream; do timeout 60 python3 benches/python/count_round_trip.py cuda $flag --out "$out/count-round-trip.jsonl" > "$tmp/count.log" 2>&1; tail -8 "$tmp/count.log"; done
+fi
+if [ "$part" != 1 ]; then
 timeout 90 python3 benches/python/probe_host_cost.py --out "$tmp/probe" > "$tmp/probe.log" 2>&1; cp "$tmp"/probe/*.json "$out/" 2>/dev/null; tail -3 "$tmp/probe.log"
 bench 40 d1024 --geoms D --pages 1024 --no-sweep
 bench 50 e-dma --geoms E --pages 64,256 --no-sweep
@@ -28,3 +32,4 @@ if [ -d .whl-anchor ]; then
 fi
 # the GPU soak on the final engine: 2 processes x 4 threads of backups, loads and store traffic on their streams
 timeout 80 python3 tests/soak/soak.py --seconds 40 --procs 2 --threads 4 --device cuda --out "$out/soak-cuda.json" > "$tmp/soak.log" 2>&1; tail -2 "$tmp/soak.log"
+fi
