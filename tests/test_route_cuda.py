@@ -118,9 +118,12 @@ def test_pool_synchronize_waits_for_warm_per_layer_loads(stream_kind):
         hp.load_to_device_per_layer(dp, h, d, 0, "direct")  # cold: plans and caches
         torch.cuda.synchronize()
         torch.cuda._sleep(100_000_000)  # the copies below queue behind ~50 ms of GPU work
+        held = len(hp._engine._inflight)
         for layer in range(L):
             hp.load_to_device_per_layer(dp, h, d, layer, "direct")
         assert hp._warm is not None
+        # no call held anything of its own (a hold per call cost D's 16-page loads half their speed)
+        assert len(hp._engine._inflight) <= held, (held, len(hp._engine._inflight))
         assert not stream.query()
         hp.synchronize()
         assert stream.query(), "synchronize() returned before the warm loads had run"

@@ -71,7 +71,7 @@ class _WarmLoad:
     layer are the ones checked (same objects, same addresses). Anything else takes the full path."""
 
     __slots__ = ("pool", "host", "device", "backend", "versions", "snapshot", "ptrs", "pairs", "prepared", "route",
-                 "plans", "regions", "contents")
+                 "plans", "refs", "contents")
 
     def __init__(self, engine: TransferEngine, device_pool: Any, host: Any, device: Any, backend: str,
                  pairs: tuple[Any, ...], prepared: _Prepared, route: str) -> None:
@@ -87,10 +87,12 @@ class _WarmLoad:
             self.snapshot.append(list(ts))
             self.ptrs.append(ptrs)
             regions.append(side.buffer._region)
-        self.regions = tuple(regions)
         self.pairs, self.prepared, self.route = pairs, prepared, route
         # the plans the first call made and cached (the copy engine's route only)
         self.plans = engine._dma(pairs, prepared, False) if route == "dma" and len(prepared.host) else None
+        # what every load of this index set keeps alive until the GPU has passed it: one object for all of
+        # them, so the engine's mark sees the same refs from call to call (TransferEngine._mark)
+        self.refs = (tuple(regions), self.plans)
         # CPU index tensors: (tensor, its address, a numpy view of it, the validated bytes). Comparing the view's
         # bytes costs 0.5 µs against 3.6 µs for _unchanged's conversions; the address check makes sure the view
         # still shows the tensor's memory.

@@ -355,7 +355,7 @@ class _HostKVPool:
         w = self._warm
         if (w is not None and type(layer_id) is int and w.matches(self, device_pool, host_indices, device_indices,
                                                                io_backend, layer_id)):
-            self._engine.load_layer(w.pairs, w.prepared, layer_id, io_backend, w.route, w.plans, w.regions)
+            self._engine.load_layer(w.pairs, w.prepared, layer_id, io_backend, w.route, w.plans, w.refs)
             return
         self._check_layer(layer_id)
         pairs, p, route = self._prepare(device_pool, host_indices, device_indices, io_backend, False, True)

@@ -383,11 +383,12 @@ class TransferEngine:
         return None
 
     def load_layer(self, pairs: Sequence[tuple[Side, Sequence[torch.Tensor]]], prepared: Any, layer: int,
-                   backend: str, route: str, plans: Any, regions: tuple) -> None:
+                   backend: str, route: str, plans: Any, refs: tuple) -> None:
         """Host → device for one ``layer``: what ``copy(pairs, prepared, layer, layer + 1, to_host=False,
         backend=backend)`` does, for a repeated per-layer load whose ``route`` and DMA ``plans`` the pool has
         already derived (``kvtier.pools._WarmLoad``). Only the copy-engine path on the current device is
-        shortened; the host time of a 16-page per-layer call bounds it (benches/RESULTS.md §4)."""
+        shortened; the host time of a 16-page per-layer call bounds it (benches/RESULTS.md §4). ``refs``: the
+        host regions and plans, one tuple for every call with these plans (see :meth:`_mark`)."""
         dev = pairs[0][1][0].device
         if route != "dma" or plans is None or dev.index != torch.cuda.current_device():
             self.copy(pairs, prepared, layer, layer + 1, to_host=False, backend=backend, route=route)
@@ -400,7 +401,7 @@ class TransferEngine:
         )
         if detour is not None:
             self._join(stream, detour)
-        self._mark(dev, stream, (regions, plans))
+        self._mark(dev, stream, refs)
 
     def _mark(self, dev: torch.device, stream: Any, refs: tuple) -> None:
         """``_hold`` for repeated per-layer loads: one event per (device, caller stream), re-recorded after
