@@ -5,7 +5,8 @@ time of the same loads, so a per-layer call's floor is visible:
 
     python benches/python/probe_host_cost.py [--out DIR]
 
-Geometry A (MiMo-like: 48 layers, 4 heads, K 192 / V 128, bf16, page 64) and B (Llama-3.1-8B-like), 16 and
+Geometry A (MiMo-like: 48 layers, 4 heads, K 192 / V 128, bf16, page 64), B (Llama-3.1-8B-like) and D
+(DeepSeek-V3-like MLA, 61 layers of 72 KiB page-layers: the one host-bound at 16 pages), 16 and
 64 pages, CPU and CUDA index tensors, side and default stream."""
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def measure(hp, dp, h, d, stream, mode: str, layers: int) -> tuple[float, float,
     w = hp._warm
     plans = hp._engine._dma(w.pairs, w.prepared, False)
     idx = torch.cuda.current_device()
-    s = hp._engine.detour_stream(dp.k_buffer[0].device) if mode == "default" else stream
+    s = hp._engine.detour_stream(w.pairs[0][1][0].device) if mode == "default" else stream
     native = host_us(lambda: _native.submit_layers(plans, 3, 4, idx, s.cuda_stream, [], True, True, []), layers)
 
     def all_layers() -> None:
@@ -106,7 +107,7 @@ def main() -> None:
     print(json.dumps(prims), flush=True)
     rows = []
     side = torch.cuda.Stream()
-    for name in ("A", "B"):
+    for name in ("A", "B", "D"):
         g = GEOMS[name]
         dp = make_device_pool(g, 80 * PS)
         hp = kvtier.host_pool_for(dp, layout="page_first_direct", host_to_device_ratio=1.0)
@@ -119,8 +120,8 @@ def main() -> None:
                     stream = side if mode == "side" else torch.cuda.default_stream()
                     with torch.cuda.stream(stream):
                         warm, full, native, gpu = measure(hp, dp, h, d, stream, mode, L)
-                        if name == "A" and pages == 16 and idev == "cpu":
-                            profile(hp, dp, h, d, L, f"{args.out}/profile-{mode}.txt" if args.out else None)
+                        if name in ("A", "D") and pages == 16 and idev == "cpu":
+                            profile(hp, dp, h, d, L, f"{args.out}/profile-{name}-{mode}.txt" if args.out else None)
                     nbytes = pages * page_layer_bytes(g)
                     row = {"geometry": name, "pages": pages, "indices": idev, "stream": mode,
                            "host_us_per_call_warm": round(warm, 1), "host_us_per_call_full_checks": round(full, 1),

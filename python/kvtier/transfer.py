@@ -394,22 +394,24 @@ class TransferEngine:
             self.copy(pairs, prepared, layer, layer + 1, to_host=False, backend=backend, route=route)
             return
         stream = torch.cuda.current_stream(dev)
-        detour = self._fork(dev, stream)  # fork and join, as in copy
+        handle = stream.cuda_stream
+        # fork and join as in copy (only a default stream can need it: skip the call otherwise)
+        detour = self._fork(dev, stream) if handle in DEFAULT_STREAMS else None
         self.last_submit = _native.submit_layers(
-            plans, layer, layer + 1, dev.index, (detour[0] if detour else stream).cuda_stream, [], self.batch,
-            False, [],
+            plans, layer, layer + 1, dev.index, detour[0].cuda_stream if detour else handle, [], self.batch, False, [],
         )
         if detour is not None:
             self._join(stream, detour)
-        self._mark(dev, stream, refs)
+        self._mark(dev.index, handle, stream, refs)
 
-    def _mark(self, dev: torch.device, stream: Any, refs: tuple) -> None:
+    def _mark(self, index: int, handle: int, stream: Any, refs: tuple) -> None:
         """``_hold`` for repeated per-layer loads: one event per (device, caller stream), re-recorded after
         every load on it, marks the last of them (a stream runs in order, so it passes every earlier one
         first); :meth:`synchronize` waits for it. Creating an event per call cost 7.6 µs of a 16-page call's
         ~50 µs (benches/results/h200-probe-host-cost.json). ``refs`` (the pool's host regions and the plans,
-        the same objects for every call of a warm load) stay referenced until the mark is dropped."""
-        key = (dev.index, stream.cuda_stream)
+        the same objects for every call of a warm load) stay referenced until the mark is dropped. ``index``,
+        ``handle``: the device's index and the stream's handle."""
+        key = (index, handle)
         entry = self._marks.get(key)
         if entry is not None and entry[1] is not refs:
             self._hold(entry[1])  # another index set: its copies, enqueued before this point, keep their refs
