@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -103,6 +104,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
     prims = primitives()
     print(json.dumps(prims), flush=True)
     rows = []
