@@ -128,3 +128,35 @@ def test_pool_synchronize_waits_for_warm_per_layer_loads(stream_kind):
         hp.synchronize()
         assert stream.query(), "synchronize() returned before the warm loads had run"
     hp.close()
+
+
+@pytest.mark.parametrize("indices", ["cpu", "cuda"])
+def test_repeated_per_layer_loads_take_one_native_call_and_land_exactly(indices, monkeypatch):
+    """After the first pass, a per-layer load on the stream of the previous one is one native call that
+    submits the copies and re-records the stream's mark (no Python event record): the bytes must still land,
+    pass after pass, and synchronize() must wait for the last of them."""
+    from kvtier import _native
+
+    dp, hp = make(4, 192, 128)
+    h, d = pages_idx(hp.page_num, 6, indices), pages_idx(24, 6, indices)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        hp.backup_from_device_all_layer(dp, h, d, "direct")
+        ref = snapshot(dp, d)
+        for layer in range(L):  # the first pass: cold, then warm with a Python mark
+            hp.load_to_device_per_layer(dp, h, d, layer, "direct")
+        calls = []
+        real = _native.submit_layers
+        monkeypatch.setattr(_native, "submit_layers", lambda *a: calls.append(a) or real(*a))
+        for _ in range(3):
+            for t in dp.k_buffer + dp.v_buffer:
+                t.zero_()
+            torch.cuda._sleep(20_000_000)  # the loads queue behind GPU work: synchronize must wait for them
+            for layer in range(L):
+                hp.load_to_device_per_layer(dp, h, d, layer, "direct")
+            hp.synchronize()
+            assert stream.query()
+            check(dp, d, ref)
+    assert len(calls) == 3 * L and all(c[7] is True and len(c[8]) == 1 for c in calls), calls[:2]
+    assert len(hp._engine._marks) == 1
+    hp.close()

@@ -51,6 +51,11 @@ KERNEL_TILE_WORDS = 2048
 #: ``cudaStreamPerThread``.
 DEFAULT_STREAMS = (0, 1, 2)
 
+#: The raw handle of a device's current stream without making a ``torch.cuda.Stream`` (torch's generated code
+#: reads it so): ``torch.cuda.current_stream`` cost 3.2 µs of a warm per-layer call's ~30 on the H200
+#: (benches/results/h200-probe-host-cost.json). None where this torch lacks it (then the public API is used).
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
 #: The host mapping of a side (what a copy's holds keep alive).
 _REGION = operator.attrgetter("buffer._region")
 
@@ -110,7 +115,8 @@ class TransferEngine:
         self.lanes = config.transfer_lanes()
         self._side_streams: dict[Any, list] = {}  # (device, caller stream) -> side streams, LRU order
         self._detours: dict[Any, Any] = {}  # (device, thread) -> (stream default-stream copies run on, fork, join)
-        self._marks: dict[Any, list] = {}  # (device, stream) -> [event after the last warm load, its refs]
+        # (device, stream) -> [event after the last warm load, its refs, the event's handle]
+        self._marks: dict[Any, list] = {}
         self._batch_api: bool | None = None  # the driver has cuMemcpyBatchAsync (see _fork)
         self.last_submit: tuple[int, int] | None = None  # (copies, batch calls) of the last direct submission
         self.staged_backup = config.kernel_backup() == "staged"
@@ -145,8 +151,8 @@ class TransferEngine:
 
     def synchronize(self) -> None:
         """Wait for every copy this engine issued (used before a pool releases its memory)."""
-        for event, _ in list(self._marks.values()):
-            event.synchronize()
+        for mark in list(self._marks.values()):
+            mark[0].synchronize()
         while True:
             with self._inflight_lock:
                 if not self._inflight:
@@ -390,9 +396,19 @@ class TransferEngine:
         shortened; the host time of a 16-page per-layer call bounds it (benches/RESULTS.md §4). ``refs``: the
         host regions and plans, one tuple for every call with these plans (see :meth:`_mark`)."""
         dev = pairs[0][1][0].device
-        if route != "dma" or plans is None or dev.index != torch.cuda.current_device():
+        index = dev.index
+        if route != "dma" or plans is None or index != torch.cuda.current_device():
             self.copy(pairs, prepared, layer, layer + 1, to_host=False, backend=backend, route=route)
             return
+        if _raw_stream is not None:
+            handle = _raw_stream(index)
+            mark = self._marks.get((index, handle))
+            if mark is not None and mark[1] is refs and handle not in DEFAULT_STREAMS:
+                # the previous load of this index set ran on this stream: one native call submits the copies
+                # and re-records the stream's mark event after them (what _mark does from Python)
+                self.last_submit = _native.submit_layers(plans, layer, layer + 1, index, handle, [], self.batch,
+                                                         True, [mark[2]])
+                return
         stream = torch.cuda.current_stream(dev)
         handle = stream.cuda_stream
         # fork and join as in copy (only a default stream can need it: skip the call otherwise)
@@ -416,13 +432,14 @@ class TransferEngine:
         if entry is not None and entry[1] is not refs:
             self._hold(entry[1])  # another index set: its copies, enqueued before this point, keep their refs
         if entry is None:
-            entry = self._marks[key] = [torch.cuda.Event(), refs]
+            entry = self._marks[key] = [torch.cuda.Event(), refs, 0]
             with self._inflight_lock:
                 while len(self._marks) > 8:  # an old mark is waited for like any other hold
                     old = self._marks.pop(next(iter(self._marks)))
                     self._inflight.append((old[0], None, old[1]))
         entry[1] = refs
         entry[0].record(stream)
+        entry[2] = entry[0].cuda_event  # recorded once: load_layer may now have the core re-record it
 
     def _rows(self, side: Side, tensors, prepared: Any, hidx, didx, to_host: bool, blocks: int):
         """The kernel launch description of one side for ``prepared``'s indices (layer range excluded), made
