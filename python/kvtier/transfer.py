@@ -27,17 +27,14 @@ from __future__ import annotations
 import collections
 import operator
 import threading
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from collections.abc import Sequence
 
 import torch
 
 from . import _native, _staging, config, kernels
 from ._errors import InvalidArgumentError
-
-if TYPE_CHECKING:
-    from .buffer import HostBuffer
+from ._side import Side
 
 
 # Words per tile of the kernel backend: with 8 warps, 2,048 (16 KiB) moved as much as 4,096 with 16 warps
@@ -58,45 +55,6 @@ _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 #: The host mapping of a side (what a copy's holds keep alive).
 _REGION = operator.attrgetter("buffer._region")
-
-
-@dataclass(frozen=True)
-class Side:
-    """One host buffer (K or V) of a pool: where it lives and its geometry."""
-
-    buffer: HostBuffer
-    offset: int  # byte offset of this side inside ``buffer``
-    layout: str
-    slots: int
-    page_size: int
-    layers: int
-    row_bytes: int  # one token of one layer
-    tensor: torch.Tensor  # the host view, shaped as the layout says
-    split: int = 1 << 62  # a DMA chunk never crosses a multiple of this many bytes from the buffer start
-    # the layout as the core spells it (``_native.host_layout``): byte strides from page to page, token to
-    # token inside a page, layer to layer; and the bytes of one page (all layers)
-    strides: tuple[int, int, int] = (0, 0, 0)
-    page_bytes: int = 0
-    pinned: bool = False  # registered with CUDA when the pool was made (read once: route() runs per call)
-
-    @classmethod
-    def of(cls, pool: Any, buffer: HostBuffer, offset: int, row_bytes: int, tensor: torch.Tensor) -> Side:
-        chunks = buffer.registered_chunks
-        # Registrations start at multiples of the first chunk's size; a copy must not straddle two.
-        split = chunks[0][1] if len(chunks) > 1 else 1 << 62
-        page, token, layer, page_bytes = _native.host_layout(pool.layout, pool.layer_num, pool.size, pool.page_size,
-                                                             row_bytes)
-        return cls(buffer, offset, pool.layout, pool.size, pool.page_size, pool.layer_num, row_bytes, tensor, split,
-                   (page, token, layer), page_bytes, buffer.pinned)
-
-    @property
-    def base(self) -> int:
-        return self.buffer.ptr + self.offset
-
-    def rows_of(self, layer: int, host: torch.Tensor) -> torch.Tensor:
-        """Row numbers (in ``row_bytes`` units from the side's start) of ``host`` slots in ``layer``."""
-        page, token, lay = (x // self.row_bytes for x in self.strides)
-        return (host // self.page_size) * page + (host % self.page_size) * token + layer * lay
 
 
 class TransferEngine:

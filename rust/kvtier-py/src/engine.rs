@@ -45,6 +45,28 @@ pub fn submit_layers(
     })?)
 }
 
+/// Copies layers `[layer_begin, layer_end)` of every plan now with CPU `memcpy` (CPU device tensors), in one
+/// native call with the GIL released.
+#[pyfunction]
+pub fn copy_cpu(
+    py: Python<'_>,
+    plans: Vec<PyRef<'_, PyTransferPlan>>,
+    layer_begin: usize,
+    layer_end: usize,
+) -> KvResult<()> {
+    let refs = self::plans(&plans);
+    py.detach(|| -> kvtier_core::Result<()> {
+        for p in &refs {
+            // each plan's device ranges are the memory of contiguous CPU tensors its `_owners` holds (checked
+            // when it was made, disjoint from the host region); the plan re-checks every chunk.
+            // SAFETY: live, disjoint CPU ranges held by the plans (Plan::copy_cpu's contract).
+            unsafe { p.copy_cpu(layer_begin, layer_end)? };
+        }
+        Ok(())
+    })?;
+    Ok(())
+}
+
 /// A per-layer submission running on a native thread (`kvtier_core::engine::Submission`).
 #[pyclass(name = "Submission", module = "kvtier._native", frozen)]
 pub struct PySubmission(Submission);

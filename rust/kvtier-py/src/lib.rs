@@ -33,7 +33,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(buffer::cuda_driver_available, m)?)?;
     m.add_function(wrap_pyfunction!(transfer::validate_transfer, m)?)?;
     m.add_function(wrap_pyfunction!(plans::plan_sides, m)?)?;
-    m.add_function(wrap_pyfunction!(plans::copy_cpu, m)?)?;
+    m.add_function(wrap_pyfunction!(engine::copy_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(transfer::page_numbers, m)?)?;
     m.add_function(wrap_pyfunction!(transfer::host_layout, m)?)?;
     m.add_function(wrap_pyfunction!(transfer::page_extents, m)?)?;
