@@ -94,6 +94,10 @@ def test_transfer_plan_refuses_memory_it_cannot_trust():
     plan = transfer_plan(hp, list(dp.k_buffer))
     with pytest.raises(kvtier.InvalidArgumentError, match="CPU tensors"):
         kvtier._native.submit_layers([plan], 0, 1, 0, 1, [], True, False, [])
+    shrunk = [t.clone() for t in dp.k_buffer]
+    shrunk[2].untyped_storage().resize_(16)  # the shape stays: its nbytes would span freed memory
+    with pytest.raises(kvtier.InvalidArgumentError, match=r"\[2\] spans .* storage"):
+        transfer_plan(hp, shrunk)
 
 
 def test_a_put_never_captures_a_page_a_concurrent_get_is_writing(tmp_path):

@@ -77,6 +77,11 @@ def test_reopen_finds_pages_and_other_geometry_misses(tmp_path):
     st.close()
     with pytest.raises(kvtier.ClosedError):
         st.batch_exists(keys)
+    for bad in ((keys, pages_idx([0, 1]).to(torch.int32)), ("k", pages_idx([0])), ([""], pages_idx([0]))):
+        with pytest.raises(kvtier.ClosedError):  # the store's state first, as every store call checks it
+            st.batch_get_v1(*bad)
+        with pytest.raises(kvtier.ClosedError):
+            st.batch_set_v1(*bad)
     hp2 = make_pool(seed=1)  # a restarted server: same geometry, fresh memory
     st2 = PageStore(tmp_path, model_name="m")
     st2.register_mem_pool_host(hp2)

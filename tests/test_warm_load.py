@@ -158,3 +158,44 @@ def test_concurrent_transfers_share_the_index_cache():
     for t in threads:
         t.join()
     assert not errors, errors[:3]
+
+
+@pytest.mark.parametrize("size", [0, 64])
+def test_device_storage_shrunk_in_place_is_refused(size):
+    """A storage resized in place (untyped_storage().resize_, as memory savers do) keeps its tensor's shape:
+    neither a cold call, nor a warm one after it, nor a cached plan may copy past the storage's end
+    (independent review finding; it segfaulted before)."""
+    dp, hp = pools()
+    h, d = hp.alloc(2 * PS), torch.arange(12 * PS, 14 * PS)  # the last rows of each layer
+    fill(hp, h)
+    hp.load_to_device_per_layer(dp, h, d, 0, "direct")  # warm for layer 1, plans cached
+    hp.backup_from_device_all_layer(dp, h, d, "direct")
+    dp.k_buffer[1].untyped_storage().resize_(size)
+    for call in (lambda: hp.load_to_device_per_layer(dp, h, d, 1, "direct"),  # warm before: its layer changed
+                 lambda: hp.backup_from_device_all_layer(dp, h, d, "direct"),  # cached index set and plans
+                 lambda: hp.load_to_device_per_layer(dp, h.clone(), d.clone(), 1, "direct")):  # cold
+        with pytest.raises(InvalidArgumentError, match=r"k_buffer\[1\].*storage"):
+            call()
+    # a layer whose memory is intact may still be loaded: its copies touch only that layer
+    hp.load_to_device_per_layer(dp, h, d, 0, "direct")
+    expect(hp, dp, h, d, 0)
+
+
+def test_plan_cache_of_one_index_set_is_bounded():
+    """One index set used with ever new device tensors keeps the latest plans only (review finding)."""
+    dps = [kvtier.DeviceKVPool(16 * PS, PS, 3, 2, 8, 4, torch.bfloat16, "cpu") for _ in range(2)]
+    hp = kvtier.host_pool_for(dps[0], layout="page_first_direct", host_to_device_ratio=2.0)
+    h, d = hp.alloc(PS), torch.arange(PS)
+    for i in range(40):
+        hp.backup_from_device_all_layer(dps[i % 2], h, d, "direct")
+    (_, p), = hp._prepared.values()
+    assert 0 < len(p.plans) <= 8
+
+
+def test_empty_layer_range_per_layer_is_a_no_op():
+    dp, hp = pools()
+    h, d = hp.alloc(PS), torch.arange(PS)
+    pairs, p, route = hp._prepare(dp, h, d, "direct", False, True)
+    before = [t.clone() for t in dp.k_buffer]
+    assert hp._engine.copy(pairs, p, 1, 1, to_host=False, per_layer=True, route=route) is None
+    assert all(torch.equal(a, b) for a, b in zip(before, dp.k_buffer))

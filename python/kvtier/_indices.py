@@ -78,12 +78,13 @@ class _WarmLoad:
         self.pool, self.host, self.device, self.backend = device_pool, host, device, backend
         self.versions = (getattr(host, "_version", None), getattr(device, "_version", None))
         self.snapshot: list[list[Any]] = []
-        self.ptrs: list[list[Any]] = []  # address, shape, strides and dtype of every layer tensor, as checked
+        # address, shape, strides, dtype and storage size of every layer tensor, as checked
+        self.ptrs: list[list[Any]] = []
         regions = []
         for side, ts in pairs:  # (plain loops: this runs once per per-layer load, on its first layer)
             ptrs = []
             for t in ts:
-                ptrs.append((t.data_ptr(), t.shape, t.stride(), t.dtype))
+                ptrs.append((t.data_ptr(), t.shape, t.stride(), t.dtype, t.untyped_storage().nbytes()))
             self.snapshot.append(list(ts))
             self.ptrs.append(ptrs)
             regions.append(side.buffer._region)
@@ -111,7 +112,8 @@ class _WarmLoad:
             if len(ts) != len(snap):
                 return False
             t = ts[layer]
-            if t is not snap[layer] or (t.data_ptr(), t.shape, t.stride(), t.dtype) != ptrs[layer]:
+            if (t is not snap[layer]
+                    or (t.data_ptr(), t.shape, t.stride(), t.dtype, t.untyped_storage().nbytes()) != ptrs[layer]):
                 return False
         for t, ptr, view, validated in self.contents:
             if t.data_ptr() != ptr or t.numel() * 8 != len(validated) or view.tobytes() != validated:

@@ -236,13 +236,14 @@ class _HostKVPool:
         try:
             layers = (list(device_pool.kv_buffer),) if self._geo.kv_lora_rank is not None else (
                 list(device_pool.k_buffer), list(device_pool.v_buffer))
-            # every layer's tensor object, address, shape, strides and dtype (what the check read; a tensor
-            # changed in place by set_/resize_/.data= keeps its object and often its address)
+            # every layer's tensor object, address, shape, strides, dtype and storage size (what the check
+            # read; a tensor changed in place by set_/resize_/.data= keeps its object and often its address,
+            # and a storage resized in place keeps the tensor's shape)
             parts: list[Any] = [id(device_pool)]
             for ts in layers:
                 parts.append(None)
                 for t in ts:
-                    parts += (id(t), t.data_ptr(), t.shape, t.stride(), t.dtype)
+                    parts += (id(t), t.data_ptr(), t.shape, t.stride(), t.dtype, t.untyped_storage().nbytes())
             key: list[Any] | None = parts
         except (AttributeError, TypeError):
             key = None
@@ -288,6 +289,14 @@ class _HostKVPool:
                     raise InvalidArgumentError(
                         f"invalid argument `device_pool`: {side}[{layer}] must be a contiguous "
                         f"({rows}, {mine.head_num}, {dim}) {mine.dtype} tensor on {device}, got {got}"
+                    )
+                # its shape must have memory behind it: a storage shrunk in place (untyped_storage().resize_,
+                # as memory savers do) keeps the shape, and a copy would run past the storage's end
+                have = t.untyped_storage().nbytes()
+                if t.storage_offset() * t.element_size() + t.nbytes > have:
+                    raise InvalidArgumentError(
+                        f"invalid argument `device_pool`: {side}[{layer}] needs {t.nbytes} bytes at storage offset "
+                        f"{t.storage_offset() * t.element_size()}, its storage has {have} (was it resized?)"
                     )
         return layers
 

@@ -224,7 +224,10 @@ class PageStore:
 
     # ------------------------------------------------------------------ zero-copy v1
     def _batch(self, write: bool, keys: Sequence[str], host_indices: torch.Tensor) -> list[bool]:
-        """One page batch (``batch_set_v1`` / ``batch_get_v1``): arguments checked, then one native call."""
+        """One page batch (``batch_set_v1`` / ``batch_get_v1``): the store's state, then the arguments, are
+        checked (as every store call orders them), then one native call."""
+        native = self._native  # read once: close() clears it
+        store = native if native is not None and not self._closed else self._reader_store()
         if isinstance(keys, str):
             raise InvalidArgumentError("invalid argument `keys`: expected a sequence of str, got one str")
         keys = list(keys)
@@ -233,7 +236,6 @@ class PageStore:
                 raise InvalidArgumentError(f"invalid argument `keys`: every key must be a non-empty str, got {k!r}")
         if not isinstance(host_indices, torch.Tensor) or host_indices.dtype != torch.int64 or host_indices.dim() != 1:
             raise InvalidArgumentError("invalid argument `host_indices`: expected a 1-D torch.int64 tensor")
-        store = self._native if self._native is not None and not self._closed else self._reader_store()
         if store is None:
             return [False] * len(keys)
         idx = host_indices.detach().cpu().numpy()

@@ -208,7 +208,9 @@ class TransferEngine:
         detour was given."""
         if not (self.batch and caller.cuda_stream in DEFAULT_STREAMS):
             return None
-        if self._batch_api is None:  # whether the driver has the batch API: asked once
+        # whether the driver has the batch API: asked once (should the core later turn batching off after a
+        # refused batch, copies from a default stream still take the detour: same order, a fork/join more)
+        if self._batch_api is None:
             self._batch_api = _native.cuda_batch_supported()
         if not self._batch_api:
             return None
@@ -279,6 +281,8 @@ class TransferEngine:
                 return self.copy(pairs, prepared, layer_begin, layer_end, to_host=to_host, backend=backend,
                                  per_layer=per_layer, events=events, hold=hold, background=background, after=after,
                                  previous=previous, route=route)
+        if per_layer and layer_end <= layer_begin and not events:
+            return None  # no layer: nothing to enqueue or record
         host, device = prepared.host, prepared.device
         if cuda and len(host) > 0:
             # the pools validated the indices for the route taken (see route() and pools._prepare)
@@ -418,6 +422,8 @@ class TransferEngine:
             tile_words=self.tile_words, prefetch=self.prefetch,
         )
         prepared.plans[key] = (tensors, launch)
+        if len(prepared.plans) > 8:  # as in _dma: the latest 8
+            prepared.plans.pop(next(iter(prepared.plans)))
         return launch
 
     def _split_blocks(self, row_bytes: list[int], lanes: int) -> list[int]:
@@ -478,6 +484,8 @@ class TransferEngine:
         if run is not None and run[2] >= 0:
             self.last_submit = counts
         prepared.plans[key] = (sides, lists, plans)
+        if len(prepared.plans) > 8:  # one index set used with ever new device tensors: keep the latest 8
+            prepared.plans.pop(next(iter(prepared.plans)))
         return plans
 
     @staticmethod

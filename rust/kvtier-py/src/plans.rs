@@ -76,11 +76,23 @@ fn request<'py>(
             )
             .into());
         }
+        // ... and lies inside its storage: a storage shrunk in place (`untyped_storage().resize_`) keeps the
+        // tensor's shape, so `nbytes` alone would span memory the tensor no longer owns.
+        let storage = t.call_method0("untyped_storage")?;
+        let s_ptr: usize = storage.call_method0("data_ptr")?.extract()?;
+        let s_len: usize = storage.call_method0("nbytes")?.extract()?;
+        if len > 0 && (ptr < s_ptr || ptr.saturating_add(len) > s_ptr.saturating_add(s_len)) {
+            return Err(Error::arg(
+                "device_layers",
+                format!("[{i}] spans {len} bytes that its storage ({s_len} bytes) does not hold (was it resized?)"),
+            )
+            .into());
+        }
         kinds.insert(kind);
         rows = rows.min(len / row_bytes);
         device.push(RawRange { ptr, len });
         owners.push(t.clone());
-        owners.push(t.call_method0("untyped_storage")?);
+        owners.push(storage);
     }
     if kinds.len() > 1 {
         return Err(Error::arg("device_layers", "mixes CPU and CUDA tensors").into());
