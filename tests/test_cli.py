@@ -88,8 +88,11 @@ def test_ctrl_c_during_the_demo_is_one_line(tmp_path):
     import signal
     import time
 
+    # a terminal's Ctrl-C: SIGINT at its default in the demo, whatever this runner inherited (a background job
+    # of a non-interactive shell starts with SIGINT ignored, and Python keeps it so)
     p = subprocess.Popen([sys.executable, "-m", "kvtier", "demo", "--store-dir", str(tmp_path / "s")],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not (tmp_path / "s").exists():  # the demo is at work
         time.sleep(0.1)
