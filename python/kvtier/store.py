@@ -228,12 +228,7 @@ class PageStore:
         checked (as every store call orders them), then one native call."""
         native = self._native  # read once: close() clears it
         store = native if native is not None and not self._closed else self._reader_store()
-        if isinstance(keys, str):
-            raise InvalidArgumentError("invalid argument `keys`: expected a sequence of str, got one str")
-        keys = list(keys)
-        for k in keys:
-            if not isinstance(k, str) or not k:
-                raise InvalidArgumentError(f"invalid argument `keys`: every key must be a non-empty str, got {k!r}")
+        keys = _keys(keys)
         if not isinstance(host_indices, torch.Tensor) or host_indices.dtype != torch.int64 or host_indices.dim() != 1:
             raise InvalidArgumentError("invalid argument `host_indices`: expected a 1-D torch.int64 tensor")
         if store is None:
