@@ -235,7 +235,7 @@ impl PageStore {
         };
         // what the journal holds on disk, its earlier reserve past the end included (kept, not given up:
         // another process could take that space before the reserve is established again)
-        let held = files::allocated_bytes(&journal.file).div_ceil(ALIGN) * ALIGN;
+        let held = files::extent_bytes(&journal.file).div_ceil(ALIGN) * ALIGN;
         index.j_alloc = (index.j_end.div_ceil(ALIGN) * ALIGN).max(if writable { held } else { 0 });
         let mut store = Self {
             dir,

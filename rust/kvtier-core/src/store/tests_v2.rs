@@ -418,3 +418,31 @@ fn direct_probe_tells_enospc_from_einval() {
     assert!(!s.direct() && s.direct_note().unwrap().contains("refused O_DIRECT"));
     std::fs::remove_dir_all(root).unwrap();
 }
+
+/// The journal's blocks are counted at open as its data extents — written, and preallocated past its
+/// end — without the file system's metadata: a file of many extents on ext4 holds an extent-tree block
+/// that `st_blocks` counts and the store never allocated (a reopened full store once evicted an
+/// acknowledged object for it).
+#[test]
+fn extent_bytes_counts_data_and_preallocation_not_metadata() {
+    use std::os::unix::fs::FileExt;
+    let root = tmp();
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(root.join("f"))
+        .unwrap();
+    // 12 separate 4 KiB extents (a hole between each), then 3 blocks preallocated past the end
+    for i in 0..12u64 {
+        f.write_all_at(&[7u8; 4096], i * 8192).unwrap();
+    }
+    f.sync_all().unwrap();
+    super::files::fallocate(&f, libc::FALLOC_FL_KEEP_SIZE, 24 * 4096, 3 * 4096).unwrap();
+    let data = super::files::extent_bytes(&f);
+    let blocks = super::files::allocated_bytes(&f);
+    assert_eq!(data, 15 * 4096, "st_blocks says {blocks}");
+    assert!(blocks >= data);
+    std::fs::remove_dir_all(root).unwrap();
+}
