@@ -182,3 +182,24 @@ fn failing_punches_keep_memory_and_journal_in_step() {
     }
     assert!(seen["punch"] > 0, "no punch failed");
 }
+
+/// The workload of [`every_io_point_failing_loses_no_acknowledged_object`] with `KVTIER_FAULT_SEEDS` seeds
+/// (default 3) at every point and kind: a longer hunt for orders that only some runs take (hash order,
+/// thread timing). Not in CI: `cargo test -p kvtier-core --lib -- --ignored every_io_point_many_seeds`.
+#[test]
+#[ignore]
+fn every_io_point_many_seeds() {
+    let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let seeds: u64 = std::env::var("KVTIER_FAULT_SEEDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(3);
+    let mut seen = HashMap::new();
+    for seed in 0..seeds {
+        for point in POINTS {
+            for kind in [Fault::Error(libc::ENOSPC), Fault::Error(libc::EIO)] {
+                workload(point, kind, 0x5EED_0000 + seed * 131, &mut seen);
+            }
+        }
+    }
+}
