@@ -454,6 +454,18 @@ impl PageStore {
                 ),
             ));
         }
+        // A key is written into the journal as it is. Without control characters no key can hold a whole
+        // journal record (every record's kind byte is 1 or 2), so the parser's resynchronisation after a
+        // torn or damaged record can never find one inside a key and replay it (docs/STORE.md, "Journal").
+        if let Some(c) = key.chars().find(|c| c.is_ascii_control()) {
+            return Err(Error::arg(
+                "keys",
+                format!(
+                    "a key must not contain control characters, got {:?} in {key:?}",
+                    c
+                ),
+            ));
+        }
         Ok(())
     }
 

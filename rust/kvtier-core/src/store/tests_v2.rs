@@ -448,3 +448,51 @@ fn extent_bytes_counts_data_and_preallocation_not_metadata() {
     assert!(blocks >= data);
     std::fs::remove_dir_all(root).unwrap();
 }
+
+/// Keys reach the journal as they are: a key holding a whole record (its kind byte is a control
+/// character) would be found by the parser's resynchronisation when the record around it is torn, and
+/// replayed — here a del of an acknowledged object. Such keys are refused before any byte is written (the
+/// property test `journal::no_record_is_found_inside_an_accepted_key` covers every other key).
+#[test]
+fn a_key_that_could_hold_a_journal_record_is_refused() {
+    use super::journal::{parse_resync, Record};
+    let (victim, inner) = (0u64..)
+        .find_map(|n| {
+            let key = format!("victim-{n}");
+            let mut b = Vec::new();
+            Record::Del { key: key.clone() }.encode(&mut b);
+            String::from_utf8(b).ok().map(|s| (key, s))
+        })
+        .unwrap();
+    let evil = format!("{inner}{}", "a".repeat(100));
+    // what the rule prevents: half of evil's put record on disk parses as the del it carries
+    let mut rec = Vec::new();
+    Record::Put {
+        key: evil.clone(),
+        class: 4096,
+        slot: 1,
+        len: 4096,
+        crc: 0,
+    }
+    .encode(&mut rec);
+    let torn = parse_resync(&rec[..rec.len() / 2]);
+    assert_eq!(torn.records, vec![Record::Del { key: victim }]);
+    // the store refuses the key, for every operation, and writes nothing
+    let root = tmp();
+    let s = PageStore::open(&root, "ns", opts(1 << 20)).unwrap();
+    let journal = s.dir().join("journal.log");
+    let before = std::fs::read(&journal).unwrap();
+    let src = payload(1, 4096, 1);
+    // SAFETY: inside `src`.
+    let put = unsafe { s.put(&[(&evil, src.as_ptr() as usize, 4096)]) };
+    let msg = put.unwrap_err().to_string();
+    assert!(
+        msg.contains("keys") && msg.contains("control characters"),
+        "{msg}"
+    );
+    assert!(s.delete(&[evil.as_str()]).is_err());
+    assert!(s.delete(&["tab\there"]).is_err());
+    assert_eq!(std::fs::read(&journal).unwrap(), before);
+    assert!(s.keys().is_empty());
+    std::fs::remove_dir_all(root).unwrap();
+}
