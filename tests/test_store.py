@@ -132,8 +132,7 @@ def test_bad_arguments(tmp_path):
         for bad in ("a\x01b", "tab\there", "nul\x00", "del\x7f"):
             with pytest.raises(ValueError, match="keys.*control characters"):
                 st.batch_set_v1(["fine", bad], pages_idx([0, 1]))
-            with pytest.raises(ValueError, match="control characters"):
-                st.batch_get_v1([bad], pages_idx([0]))
+            assert st.batch_get_v1([bad], pages_idx([0])) == [False]  # reads take any key: a miss
         assert st.batch_exists(["fine"]) == 0
     for kw in ({"capacity_bytes": 10}, {"io_threads": 0}, {"tp_rank": 2, "tp_size": 2}):
         with pytest.raises(ValueError):

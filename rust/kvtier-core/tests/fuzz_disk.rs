@@ -237,8 +237,11 @@ fn record() -> impl Strategy<Value = Record> {
 /// `bug_replay_large_slot_allocates_free_list`.
 fn record_with_slots(slot: impl Strategy<Value = u32>) -> impl Strategy<Value = Record> {
     prop_oneof![
-        3 => (key(), any::<u32>(), slot, any::<u64>(), any::<u32>())
-            .prop_map(|(key, class, slot, len, crc)| Record::Put { key, class, slot, len, crc }),
+        // a put of a shape the store writes (a class that is a positive multiple of 4096, a length in
+        // (0, class]): any other shape is not a record (`Break::Shape`)
+        3 => (key(), (1u32..=(u32::MAX / 4096)).prop_flat_map(|c| (Just(c * 4096), 1..=u64::from(c) * 4096)),
+              slot, any::<u32>())
+            .prop_map(|(key, (class, len), slot, crc)| Record::Put { key, class, slot, len, crc }),
         1 => key().prop_map(|key| Record::Del { key }),
     ]
 }
@@ -263,6 +266,9 @@ enum Break {
     LongKey(u16),
     /// Another magic, record crc updated.
     Magic(u32),
+    /// Class and length fields of a shape the store never writes (for a del: not zero), record crc
+    /// updated.
+    Shape(u32, u64),
 }
 
 fn brk() -> impl Strategy<Value = Break> {
@@ -281,7 +287,21 @@ fn brk() -> impl Strategy<Value = Break> {
         any::<u32>()
             .prop_filter("not the magic", |m| *m != journal::MAGIC)
             .prop_map(Break::Magic),
+        (
+            prop_oneof![Just(0u32), any::<u32>(), (1u32..16).prop_map(|c| c * 4096)],
+            any::<u64>()
+        )
+            .prop_filter(
+                "a shape the store never writes",
+                |&(c, l)| !plausible_shape(c, l)
+            )
+            .prop_map(|(c, l)| Break::Shape(c, l)),
     ]
+}
+
+/// The shapes the store writes: a class that is a positive multiple of 4096, a length in (0, class].
+fn plausible_shape(class: u32, len: u64) -> bool {
+    class > 0 && class % 4096 == 0 && len > 0 && len <= u64::from(class)
 }
 
 fn broken(rec: &Record, b: &Break) -> Vec<u8> {
@@ -328,6 +348,11 @@ fn broken(rec: &Record, b: &Break) -> Vec<u8> {
         }
         Break::Magic(m) => {
             e[..4].copy_from_slice(&m.to_le_bytes());
+            fix_record_crc(&mut e);
+        }
+        Break::Shape(class, len) => {
+            e[7..11].copy_from_slice(&class.to_le_bytes());
+            e[15..23].copy_from_slice(&len.to_le_bytes());
             fix_record_crc(&mut e);
         }
     }
@@ -572,6 +597,7 @@ fn journal_replay_matches_model() {
         };
         // model: key -> (class, slot, len, crc), in LRU order (oldest first)
         let mut model: Vec<(String, (u32, u32, u64, u32))> = Vec::new();
+        let mut last_valid = 0; // records up to the last one that parses
         for op in &c.ops {
             match op {
                 Op::Put {
@@ -602,16 +628,16 @@ fn journal_replay_matches_model() {
                         len: *len,
                         crc,
                     });
+                    // a shape the store never writes is not a record: damaged bytes, or part of the tail
+                    if !plausible_shape(class, *len) {
+                        continue;
+                    }
+                    last_valid = recs.len();
                     model.retain(|(k, _)| *k != key);
-                    // open drops a record that names no bytes the store could have written: a class that
-                    // is not a positive multiple of 4096, a length outside (0, class], an object past the
-                    // end of the class file (a missing file has length 0)
+                    // open drops a record that names no bytes the store could have written: an object past
+                    // the end of the class file (a missing file has length 0)
                     let flen = data.get(&class).map_or(0, |d| d.len() as u64);
-                    let plausible = class > 0
-                        && class % 4096 == 0
-                        && *len > 0
-                        && *len <= class as u64
-                        && *slot as u64 * class as u64 + *len <= flen;
+                    let plausible = *slot as u64 * class as u64 + *len <= flen;
                     if plausible {
                         // a later put naming a slot another live key holds overwrote that key's bytes
                         model.retain(|(_, e)| (e.0, e.1) != (class, *slot));
@@ -621,10 +647,12 @@ fn journal_replay_matches_model() {
                 Op::Del(k) => {
                     let key = REPLAY_KEYS[*k].to_owned();
                     recs.push(Record::Del { key: key.clone() });
+                    last_valid = recs.len();
                     model.retain(|(k, _)| *k != key);
                 }
             }
         }
+        let valid_end = jbytes.len() + encode_all(&recs[..last_valid]).len();
         jbytes.extend_from_slice(&encode_all(&recs));
         let jlen = jbytes.len();
         jbytes.extend_from_slice(&c.tail);
@@ -632,7 +660,14 @@ fn journal_replay_matches_model() {
 
         let s = PageStore::open(&tmp.0, ns, opts(c.capacity, c.direct))
             .map_err(|e| TestCaseError::fail(format!("open failed: {e}")))?;
-        prop_assert_eq!(s.recovered_tail(), c.tail.len() as u64);
+        // bytes after the last record that parses: records of shapes the store never writes, and the tail
+        // (from the churn's end when no op record parses)
+        let valid_end = if last_valid == 0 && !c.churn {
+            0
+        } else {
+            valid_end
+        };
+        prop_assert_eq!(s.recovered_tail(), (jbytes.len() - valid_end) as u64);
         let mut keys = s.keys();
         keys.sort();
         // eviction at open (the capacity counts data and journal) keeps the most recently used suffix

@@ -278,7 +278,7 @@ impl PageStore {
     pub fn delete(&self, keys: &[&str]) -> Result<usize> {
         self.writable()?;
         for k in keys {
-            Self::check_key(k)?;
+            Self::check_journal_key(k)?;
         }
         let mut j = self.lock_journal();
         let present: Vec<String> = {

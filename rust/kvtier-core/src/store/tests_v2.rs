@@ -451,8 +451,8 @@ fn extent_bytes_counts_data_and_preallocation_not_metadata() {
 
 /// Keys reach the journal as they are: a key holding a whole record (its kind byte is a control
 /// character) would be found by the parser's resynchronisation when the record around it is torn, and
-/// replayed — here a del of an acknowledged object. Such keys are refused before any byte is written (the
-/// property test `journal::no_record_is_found_inside_an_accepted_key` covers every other key).
+/// replayed — here a del of an acknowledged object. Put and delete refuse such keys before any byte is
+/// written (the property test `journal::no_record_is_found_inside_an_accepted_key` covers every other key).
 #[test]
 fn a_key_that_could_hold_a_journal_record_is_refused() {
     use super::journal::{parse_resync, Record};
@@ -477,7 +477,7 @@ fn a_key_that_could_hold_a_journal_record_is_refused() {
     .encode(&mut rec);
     let torn = parse_resync(&rec[..rec.len() / 2]);
     assert_eq!(torn.records, vec![Record::Del { key: victim }]);
-    // the store refuses the key, for every operation, and writes nothing
+    // put and delete refuse the key and write nothing; a read of it is a miss
     let root = tmp();
     let s = PageStore::open(&root, "ns", opts(1 << 20)).unwrap();
     let journal = s.dir().join("journal.log");
@@ -492,6 +492,8 @@ fn a_key_that_could_hold_a_journal_record_is_refused() {
     );
     assert!(s.delete(&[evil.as_str()]).is_err());
     assert!(s.delete(&["tab\there"]).is_err());
+    let dst = payload(1, 4096, 0);
+    assert!(!get1(&s, &evil, dst.as_ptr() as usize, 4096));
     assert_eq!(std::fs::read(&journal).unwrap(), before);
     assert!(s.keys().is_empty());
     std::fs::remove_dir_all(root).unwrap();

@@ -35,7 +35,7 @@ impl PageStore {
     /// Each `[ptr, ptr+len)` must be readable memory that stays alive and unmodified during the call.
     pub unsafe fn put(&self, objs: &[(&str, usize, u64)]) -> Result<Vec<bool>> {
         for (k, _, len) in objs {
-            Self::check_key(k)?;
+            Self::check_journal_key(k)?;
             if *len == 0 || *len > MAX_OBJECT {
                 return Err(Error::arg(
                     "sizes",
