@@ -321,6 +321,35 @@ impl PageStore {
         })
     }
 
+    /// At a writable open over its capacity: gives back the journal's blocks past what it needs before
+    /// anything is evicted. A store used with a larger capacity preallocated a larger reserve (its growth
+    /// step is a 64th of the capacity, up to 1 MiB); reopened with a smaller one, eviction would otherwise
+    /// pay for that reserve with acknowledged objects and still not get under the limit. The file is cut
+    /// to its length (ext4 and XFS drop the blocks preallocated past it) and the range past it punched
+    /// (tmpfs), then the reserve is grown again to what this capacity wants (R4). Between the two another
+    /// process could take the space: the open then reports that puts fail until the reserve can be grown,
+    /// as on any full disk; deletes and eviction need no more than the journal then holds.
+    pub(super) fn shrink_reserve(&self) {
+        let j = self.lock_journal();
+        let (end, held, need) = {
+            let ix = self.lock_index();
+            if ix.occupancy_with(0, 0) <= self.opts.capacity_bytes {
+                return;
+            }
+            (ix.j_end, ix.j_alloc, round_up(ix.journal_need()))
+        };
+        if held <= need {
+            return;
+        }
+        let from = round_up(end);
+        let _ = j.file.set_len(end);
+        let _ = super::files::punch(&j.file, from, held - from);
+        let _ = j.file.sync_all();
+        let now = super::files::extent_bytes(&j.file).div_ceil(4096) * 4096;
+        self.lock_index().j_alloc = from.max(now);
+        let _ = self.ensure_reserve(&j, 0);
+    }
+
     fn maybe_compact(&self, j: &mut JournalFile) {
         let (end, live) = {
             let ix = self.lock_index();

@@ -283,12 +283,13 @@ impl PageStore {
         // later open (the class file grew as new objects took its slot), it would come back. After a
         // compaction these deletes are redundant, and harmless.
         self.append_forgotten(forgotten);
-        let note = self.establish_reserve();
-        // Honour a capacity smaller than what is stored (reopened with a lower limit); the reserve may
-        // only fit once that has made room.
+        let _ = self.establish_reserve();
+        // Honour a capacity smaller than what is stored (reopened with a lower limit): first the journal's
+        // reserve shrinks to what this capacity wants, then objects are evicted; the reserve may only fit
+        // once that has made room (a no-op where it is already in place).
+        self.shrink_reserve();
         self.evict_to_capacity();
-        let note = note.and_then(|_| self.establish_reserve());
-        (compacted, note)
+        (compacted, self.establish_reserve())
     }
 
     fn lock_index(&self) -> MutexGuard<'_, Index> {

@@ -498,3 +498,55 @@ fn a_key_that_could_hold_a_journal_record_is_refused() {
     assert!(s.keys().is_empty());
     std::fs::remove_dir_all(root).unwrap();
 }
+
+/// A store used with a large capacity holds a journal reserve sized for it (a growth step of up to 1 MiB).
+/// Reopened with a smaller capacity that its objects fit, it keeps every object and takes new puts: the
+/// reserve shrinks to what the new capacity wants before anything is evicted (it once evicted all eight
+/// objects to pay for the old reserve, stayed over the limit and refused every put). With a capacity the
+/// objects do not fit, eviction keeps the most recently used ones and the limit holds.
+#[test]
+fn reopen_with_a_smaller_capacity_keeps_what_fits() {
+    let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let root = tmp();
+    let n = 8usize;
+    let src = payload(n + 1, 4096, 7);
+    let base = src.as_ptr() as usize;
+    {
+        let s = PageStore::open(&root, "ns", opts(64 << 20)).unwrap();
+        for i in 0..n {
+            assert!(put1(&s, &format!("k{i}"), base + i * 4096, 4096));
+        }
+        assert!(s.occupancy().1 > 512 << 10, "{:?}", s.occupancy());
+    }
+    let dst = payload(1, 4096, 0);
+    for (cap, kept) in [(512u64 << 10, n), (24 << 10, 4)] {
+        let s = PageStore::open(&root, "ns", opts(cap)).unwrap();
+        let (data, journal) = s.occupancy();
+        assert!(data + journal <= cap, "cap {cap}: {data} + {journal}");
+        let have: Vec<usize> = (0..n)
+            .filter(|i| get1(&s, &format!("k{i}"), dst.as_ptr() as usize, 4096))
+            .collect();
+        // eviction keeps the most recently used: the last puts
+        assert_eq!(have, ((n - kept)..n).collect::<Vec<_>>(), "cap {cap}");
+        assert!(
+            s.open_report().reserve_note.is_none(),
+            "cap {cap}: {:?}",
+            s.open_report()
+        );
+        if cap == 512 << 10 {
+            assert!(
+                put1(&s, "new", base + n * 4096, 4096),
+                "cap {cap}: a put fails"
+            );
+            assert!(s.delete(&["new"]).is_ok());
+        }
+        let (data, journal) = s.occupancy();
+        assert!(data + journal <= cap, "cap {cap}: {data} + {journal}");
+        assert!(
+            s.disk_blocks() <= cap + (64 << 10),
+            "cap {cap}: {} on disk",
+            s.disk_blocks()
+        );
+    }
+    std::fs::remove_dir_all(root).unwrap();
+}
