@@ -1,6 +1,6 @@
 //! Fault injection for tests and chaos runs: named points in the page store's IO path ([`POINTS`]: block
 //! allocation, object writes, syncs and reads, journal appends, syncs, cut-backs and reserve growth, hole
-//! punching, the O_DIRECT probe, compaction) can be made to fail with a chosen errno, to stall (a slow
+//! punching, the O_DIRECT probe, compaction, the directory sync that makes a file's name durable) can be made to fail with a chosen errno, to stall (a slow
 //! disk), or — at `data_write` and `journal_write` — to write only part of what was asked, reporting an
 //! error (a short write) or, at `data_write`, success (a torn write, which only the checksum on read can
 //! catch).
@@ -26,7 +26,7 @@ pub enum Fault {
 }
 
 /// The IO points the store checks.
-pub const POINTS: [&str; 11] = [
+pub const POINTS: [&str; 12] = [
     "fallocate",
     "data_write",
     "data_sync",
@@ -38,6 +38,7 @@ pub const POINTS: [&str; 11] = [
     "punch",
     "probe",
     "compact",
+    "dir_sync",
 ];
 
 #[cfg(any(test, feature = "failpoints"))]

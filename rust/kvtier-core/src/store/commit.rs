@@ -37,7 +37,6 @@ pub(super) struct JournalFile {
 impl JournalFile {
     pub(super) fn open(path: &Path, writable: bool, capacity: u64) -> io::Result<Self> {
         let file = if writable {
-            let existed = path.exists();
             let f = OpenOptions::new()
                 .read(true)
                 .write(true)
@@ -45,10 +44,10 @@ impl JournalFile {
                 .truncate(false)
                 .mode(0o600)
                 .open(path)?;
-            if !existed {
-                if let Some(dir) = path.parent() {
-                    super::namespace::sync_dir(dir)?;
-                }
+            // at every writable open, not only when the file is new: an open that created the journal and
+            // failed to sync its name leaves a file the next open must not take as durable
+            if let Some(dir) = path.parent() {
+                super::namespace::sync_dir(dir)?;
             }
             f
         } else {

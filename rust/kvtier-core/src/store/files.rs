@@ -26,11 +26,11 @@ impl ClassFile {
     ) -> std::io::Result<Self> {
         let path = dir.join(format!("class-{class}.dat"));
         let buffered = if writable {
-            let existed = path.exists();
             let f = open_rw(&path, 0)?;
-            if !existed {
-                super::namespace::sync_dir(dir)?; // the new file's name is as durable as its data
-            }
+            // The file's name must be as durable as the objects acknowledged in it. Synced at every open of
+            // the file (once per class and open store), not only when it was created: an open whose sync
+            // failed created the file and failed, and the next open must not take the name as durable.
+            super::namespace::sync_dir(dir)?;
             f
         } else {
             File::open(&path)?

@@ -168,6 +168,7 @@ fn check_namespace_file(dir: &Path, namespace: &str) -> Result<bool> {
 
 /// Makes `dir`'s entries durable (a file just created in it must survive a crash with its data).
 pub(super) fn sync_dir(dir: &Path) -> std::io::Result<()> {
+    crate::fault::check("dir_sync")?;
     File::open(dir)?.sync_all()
 }
 

@@ -25,10 +25,11 @@ fn every_io_point_failing_loses_no_acknowledged_object() {
             workload(point, kind, 0x1234_5678u64 + n as u64, &mut seen_faults);
         }
     }
-    // every point was really hit by the workload (the probe runs at open, before any fault is set)
+    // every point was really hit by the workload (the probe runs at open, before any fault is set, and the
+    // directory sync when a file is first opened: tests_v2::a_failed_directory_sync_is_retried)
     let missed: Vec<_> = POINTS
         .iter()
-        .filter(|p| **p != "probe" && seen_faults[*p] == 0)
+        .filter(|p| **p != "probe" && **p != "dir_sync" && seen_faults[*p] == 0)
         .collect();
     assert!(
         missed.is_empty(),

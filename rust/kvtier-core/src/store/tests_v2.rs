@@ -550,3 +550,45 @@ fn reopen_with_a_smaller_capacity_keeps_what_fits() {
     }
     std::fs::remove_dir_all(root).unwrap();
 }
+
+/// A new file's name is durable only once its directory is synced. When that sync fails the put (or the
+/// open) fails, and the next attempt syncs again rather than taking the file it finds as durable (it
+/// skipped the sync when the file existed: an acknowledged object's class file, or the journal, could lose
+/// its name in a crash).
+#[test]
+fn a_failed_directory_sync_is_retried() {
+    let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let root = tmp();
+    let src = payload(3, 4096, 5);
+    let p = src.as_ptr() as usize;
+    {
+        let s = PageStore::open(&root, "ns", opts(1 << 20)).unwrap();
+        for attempt in 0..2 {
+            fault::set("dir_sync", 0, 1, Fault::Error(libc::EIO));
+            assert!(
+                !put1(&s, "a", p, 4096),
+                "attempt {attempt}: acknowledged without a synced name"
+            );
+            assert_eq!(
+                fault::hits("dir_sync"),
+                1,
+                "attempt {attempt}: the directory was not synced"
+            );
+        }
+        fault::clear();
+        assert!(put1(&s, "a", p, 4096));
+    }
+    // the journal: every writable open syncs its name
+    for attempt in 0..2 {
+        fault::set("dir_sync", 0, u64::MAX, Fault::Error(libc::EIO));
+        assert!(
+            PageStore::open(&root, "ns", opts(1 << 20)).is_err(),
+            "attempt {attempt}"
+        );
+        fault::clear();
+    }
+    let s = PageStore::open(&root, "ns", opts(1 << 20)).unwrap();
+    let dst = payload(1, 4096, 0);
+    assert!(get1(&s, "a", dst.as_ptr() as usize, 4096));
+    std::fs::remove_dir_all(root).unwrap();
+}
