@@ -4,6 +4,7 @@ misses, prefetch budget; the CLI's inspect and verify on a real (and a corrupted
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -212,3 +213,89 @@ def kvtier_error():
     import kvtier
 
     return kvtier.InvalidArgumentError
+
+
+def _stored_and_evicted(c, hp, keys):
+    """The pages of ``keys`` backed up (device pages 1, 2), written to the store, then dropped from the host
+    and their host memory zeroed (as reuse would leave it)."""
+    c.backup(rows([1, 2]), keys)
+    c.wait_idle()
+    with c.lock:
+        for k in keys:
+            c._evict_locked(k)
+    for t in (hp.k_buffer, hp.v_buffer):
+        t.zero_()
+
+
+def test_a_page_being_read_from_the_store_is_not_loadable(tmp_path):
+    """A prefetch's pages enter the index before their store read: until the read has verified them,
+    match() must not count them and load() must refuse them — also when the read then fails its checksum
+    (the device would get bytes the store rejected). Found by an adversarial review."""
+    import kvtier
+
+    dp, hp, st, c = setup(tmp_path)
+    ref = [t.clone() for t in dp.k_buffer + dp.v_buffer]
+    keys = keys_for(2)
+    _stored_and_evicted(c, hp, keys)
+    for corrupt in (False, True):
+        if corrupt:
+            for d, _, files in os.walk(tmp_path):
+                for f in files:
+                    if f.endswith(".dat"):
+                        with open(os.path.join(d, f), "r+b") as fh:
+                            fh.write(b"\xff" * 64)
+        with kvtier.testing.faults("data_read", "delay", delay_ms=400, times=None):
+            fut = c.prefetch(keys)
+            deadline = time.monotonic() + 5
+            while not all(k in c.pages for k in keys) and time.monotonic() < deadline:
+                time.sleep(0.005)  # the read has started: its pages are in the index
+            assert all(k in c.pages for k in keys)
+            assert c.match(keys)[0] == 0, "pages whose store read is in flight reported on the host"
+            with pytest.raises(kvtier.InvalidArgumentError, match="still being read"):
+                c.load(keys, rows([5, 6]))
+            got = fut.result()
+        if not corrupt:
+            assert got == 2 and c.match(keys)[0] == 2
+            c.load(keys, rows([5, 6])).synchronize()
+            assert all(torch.equal(x[rows([5, 6])], y[rows([1, 2])]) for x, y in zip(dp.k_buffer + dp.v_buffer, ref))
+            with c.lock:
+                assert all(c.pages[k].refs == 0 for k in keys), "a read reset or leaked references"
+                for k in keys:
+                    c._evict_locked(k)
+        else:
+            assert got < 2 and c.match(keys)[0] < 2
+    c.close()
+
+
+def test_ctrl_c_during_backup_leaves_no_page_behind(tmp_path, monkeypatch):
+    """A Ctrl-C while backup() issues its copy: the new pages leave the index and their host memory is
+    freed (they were left in it, referenced and never backed up, and load() copied their bytes)."""
+    import signal
+
+    import kvtier.controller as ctl
+
+    dp, hp, st, c = setup(tmp_path)
+    keys = keys_for(2)
+    free_before = hp.available_size()
+    real = ctl.backup_async
+
+    def ctrl_c(*a, **kw):
+        os.kill(os.getpid(), signal.SIGINT)
+        return real(*a, **kw)
+
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)  # a background-launched runner ignores it
+    try:
+        monkeypatch.setattr(ctl, "backup_async", ctrl_c)
+        with pytest.raises(KeyboardInterrupt):
+            c.backup(rows([1, 2]), keys)
+    finally:
+        signal.signal(signal.SIGINT, old)
+    monkeypatch.setattr(ctl, "backup_async", real)
+    assert c.match(keys)[0] == 0 and not any(k in c.pages for k in keys)
+    assert hp.available_size() == free_before, "host pages of the interrupted backup leaked"
+    with pytest.raises(ValueError, match="not on the host"):
+        c.load(keys, rows([5, 6]))
+    c.backup(rows([1, 2]), keys)  # and the same pages back up normally afterwards
+    c.wait_idle()
+    assert c.match(keys)[0] == 2
+    c.close()

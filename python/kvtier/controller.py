@@ -7,7 +7,9 @@ and writes finished host pages to the store in the background under ``write_thro
 been hit ``hit_threshold`` times under ``write_through_selective``).
 
 Errors of any tier become misses for the pages concerned, never wrong data: a page whose backup or store
-read failed is not in the host index, so it is never reported as loadable.
+read failed is not in the host index, and a page whose store read is still in flight (or whose backup is
+not issued yet) is in it but not usable, so neither is ever reported as loadable. A Ctrl-C in the middle
+of a call leaves the index as it was before the call (what was enqueued is waited for first).
 
 Threading: public methods may be called from any thread (one lock guards the state); store IO runs on one
 background thread (:meth:`wait_idle` waits for it).
@@ -39,6 +41,12 @@ class _HostPage:
     event: Any = None  # CUDA event of the backup, until it is seen complete
     hits: int = 0
     in_store: bool = False
+
+    @property
+    def usable(self) -> bool:
+        """Its bytes are there, or on their way on a stream a load can follow (a backup in flight); not a
+        page whose store read is in flight, or whose backup is not issued yet."""
+        return self.ready or self.event is not None
 
 
 @dataclass
@@ -135,10 +143,12 @@ class TierController:
         return None if got is None else got[:: self.ps].tolist()
 
     def _evict_locked(self, key: str) -> None:
-        pg = self.pages.pop(key)
+        pg = self.pages[key]
         if self.write_policy == "write_back" and self.store is not None and not pg.in_store:
             ok = self._store_write([key], [pg.start])  # spill before the memory is reused
             self.stats.spills += sum(ok)
+        # out of the index only now: a Ctrl-C during the spill leaves the page indexed and its memory held
+        del self.pages[key]
         self.host.free(self._slots([pg.start]))
         self.stats.host_evictions += 1
 
@@ -203,7 +213,8 @@ class TierController:
         dev = torch.cat([device_indices[i * self.ps : (i + 1) * self.ps] for i in new])
         try:
             ev = backup_async(self.host, self.device_pool, self._slots(starts), dev, self.io_backend, after=after)
-        except Exception:
+        except BaseException:  # an error, or a Ctrl-C: the new pages leave the index, their memory is freed
+            self._drain()  # ... once whatever was enqueued into it has run
             with self.lock:
                 for i in new:
                     pg = self.pages.pop(keys[i], None)
@@ -225,14 +236,22 @@ class TierController:
                 self._write_async([keys[i] for i in new], [ev] * len(new))
         return ev
 
+    def _drain(self) -> None:
+        """Waits for everything enqueued on the device pool's device (a call interrupted part-way may have
+        enqueued copies on side streams that were not joined back yet)."""
+        dev = device_of(self.device_pool)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
     def match(self, page_keys: Sequence[str]) -> tuple[int, int]:
-        """``(host_hits, store_hits)``: the leading run of keys on the host, then how many of the following
-        keys are in the store (the store part of the prefix)."""
+        """``(host_hits, store_hits)``: the leading run of keys on the host and usable (a page still being
+        read from the store is not), then how many of the following keys are in the store (the store part of
+        the prefix)."""
         keys = list(page_keys)
         with self.lock:
             self._poll_locked()
             n = 0
-            while n < len(keys) and keys[n] in self.pages:
+            while n < len(keys) and keys[n] in self.pages and self.pages[keys[n]].usable:
                 n += 1
         m = self.store.batch_exists(keys[n:]) if self.store is not None and n < len(keys) else 0
         self.stats.host_hit_pages += n
@@ -266,8 +285,9 @@ class TierController:
             with self.lock:
                 for k, good in zip(want, ok):
                     pg = self.pages[k]
+                    pg.refs -= 1  # the read's own reference (nothing else can hold one: it was not usable)
                     if good:
-                        pg.ready, pg.refs, pg.in_store = True, 0, True
+                        pg.ready, pg.in_store = True, True
                     else:  # a miss: never leave unverified bytes reachable
                         del self.pages[k]
                         self.host.free(self._slots([pg.start]))
@@ -282,13 +302,16 @@ class TierController:
 
     def load(self, page_keys: Sequence[str], device_indices: torch.Tensor) -> LayerLoad:
         """Load host pages into ``device_indices`` layer by layer (a :class:`kvtier.LayerLoad`). Every key
-        must be on the host (see :meth:`match`); the pages are pinned until the load completes."""
+        must be on the host and usable (see :meth:`match`); the pages are pinned until the load completes."""
         keys = list(page_keys)
         with self.lock:
             self._poll_locked()
-            missing = [k for k in keys if k not in self.pages]
+            missing = [k for k in keys if k not in self.pages or not self.pages[k].usable]
             if missing:
-                raise InvalidArgumentError(f"invalid argument `page_keys`: {len(missing)} page(s) are not on the host")
+                raise InvalidArgumentError(
+                    f"invalid argument `page_keys`: {len(missing)} page(s) are not on the host (or still being "
+                    "read from the store: wait for the prefetch)"
+                )
             events = [self.pages[k].event for k in keys if self.pages[k].event is not None]
             for k in keys:
                 pg = self.pages[k]
@@ -298,12 +321,20 @@ class TierController:
             starts = [self.pages[k].start for k in keys]
             selective = [k for k in keys if self.write_policy == "write_through_selective" and self.store is not None
                          and not self.pages[k].in_store and self.pages[k].hits == self.hit_threshold]
-        after = None
-        if events:
-            for ev in events:  # a page still being backed up: the load follows its backup
-                torch.cuda.current_stream().wait_event(ev)
-            after = torch.cuda.current_stream().record_event()
-        load = self.loader.load(self._slots(starts), device_indices, after=after)
+        try:
+            after = None
+            if events:
+                for ev in events:  # a page still being backed up: the load follows its backup
+                    torch.cuda.current_stream().wait_event(ev)
+                after = torch.cuda.current_stream().record_event()
+            load = self.loader.load(self._slots(starts), device_indices, after=after)
+        except BaseException:  # an error, or a Ctrl-C: the references go back once nothing reads the pages
+            self._drain()
+            with self.lock:
+                for k in keys:
+                    if k in self.pages:
+                        self.pages[k].refs -= 1
+            raise
 
         def release() -> None:
             load.synchronize()
