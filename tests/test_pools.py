@@ -468,3 +468,63 @@ def test_bad_constructor_arguments():
         host_pool_for(object())
     with pytest.raises(ValueError, match="head_num"):
         DeviceKVPool(8, 2, 1, 0, 4, device="cpu")
+
+
+@pytest.mark.parametrize("op", ["load", "backup"])
+def test_device_tensor_overlapping_the_other_sides_host_buffer_is_refused(op):
+    """A CPU device layer made of the host pool's own memory is refused also when it aliases the other
+    side's host buffer (an asymmetric pool keeps K and V in two buffers; only the side's own was checked,
+    and a load wrote K bytes into host V memory). Found by an adversarial review."""
+    ps = 4
+    dp = kvtier.DeviceKVPool(16 * ps, ps, 3, 2, 8, 4, torch.bfloat16, "cpu")  # K dim 8, V dim 4
+    hp = kvtier.host_pool_for(dp, layout="page_first_direct", host_to_device_ratio=2.0)
+    assert isinstance(hp, AsymmetricMHAHostPool)
+    h = hp.alloc(ps)
+    hp.k_buffer[h[0] // ps] = 3
+    hp.v_buffer[h[0] // ps] = 7
+    k_before, v_before = hp.k_buffer.clone(), hp.v_buffer.clone()
+    rows = dp.k_buffer[0].shape[0]
+    dp.k_buffer[0] = hp.v_buffer.reshape(-1)[: rows * 2 * 8].view(rows, 2, 8)
+    with pytest.raises(kvtier.InvalidArgumentError, match="overlaps a host buffer"):
+        if op == "load":
+            hp.load_to_device_per_layer(dp, h, torch.arange(0, ps), 0, "direct")
+        else:
+            hp.backup_from_device_all_layer(dp, h, torch.arange(0, ps), "direct")
+    assert torch.equal(hp.v_buffer, v_before) and torch.equal(hp.k_buffer, k_before)
+
+
+@pytest.mark.parametrize("make", [lambda: torch.arange(4, device="meta"), lambda: torch.arange(4).to_sparse(),
+                                  lambda: torch.nested.nested_tensor([torch.arange(4)])],
+                         ids=["meta", "sparse", "nested"])
+def test_unusable_index_tensors_name_the_argument(make):
+    """int64 index tensors no copy can use get InvalidArgumentError naming the argument (torch's own errors
+    before), and leave the pools untouched; a lazily negated view is read as its values."""
+    ps = 4
+    dp = kvtier.DeviceKVPool(16 * ps, ps, 3, 2, 8, 4, torch.bfloat16, "cpu")
+    hp = kvtier.host_pool_for(dp, layout="page_first_direct", host_to_device_ratio=2.0)
+    before = [t.clone() for t in dp.k_buffer + dp.v_buffer]
+    with pytest.raises(kvtier.InvalidArgumentError, match="host_indices.*dense"):
+        hp.load_to_device_per_layer(dp, make(), torch.arange(ps, 2 * ps), 0, "direct")
+    with pytest.raises(kvtier.InvalidArgumentError, match="device_indices.*dense"):
+        hp.backup_from_device_all_layer(dp, hp.alloc(ps), make(), "direct")
+    assert all(torch.equal(a, b) for a, b in zip(dp.k_buffer + dp.v_buffer, before))
+
+
+def test_a_negated_view_of_indices_is_read_as_its_values():
+    ps = 4
+    dp = kvtier.DeviceKVPool(16 * ps, ps, 3, 2, 8, 4, torch.bfloat16, "cpu")
+    hp = kvtier.host_pool_for(dp, layout="page_first_direct", host_to_device_ratio=2.0)
+    h = hp.alloc(ps)
+    d = (-torch.arange(ps, 2 * ps))._neg_view()  # values ps..2ps-1, stored negated
+    assert d.is_neg() and d.tolist() == list(range(ps, 2 * ps))
+    for t in dp.k_buffer + dp.v_buffer:
+        t.copy_(torch.randn(t.shape).to(t.dtype))
+    hp.backup_from_device_all_layer(dp, h, d, "direct")
+    want = [t[ps:2 * ps].clone() for t in dp.k_buffer + dp.v_buffer]
+    for t in dp.k_buffer + dp.v_buffer:
+        t.zero_()
+    for layer in range(3):
+        hp.load_to_device_per_layer(dp, h, d, layer, "direct")
+    assert all(torch.equal(t[ps:2 * ps], w) for t, w in zip(dp.k_buffer + dp.v_buffer, want))
+    with pytest.raises(kvtier.InvalidArgumentError, match="device_indices"):
+        hp.load_to_device_per_layer(dp, h, torch.arange(ps)._neg_view(), 0, "direct")  # values -0..-3

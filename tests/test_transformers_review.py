@@ -142,3 +142,19 @@ def test_bad_configuration_names_the_users_argument():
         ids = prompt(9)
         with pytest.raises(InvalidArgumentError, match="batch size 1"):
             gen(m, ids, tier.cache(ids), num_beams=2)
+
+
+def test_generate_under_inference_mode_restores_exactly():
+    """An engine or script under ``torch.inference_mode()``: pages stored and restored inside it (index
+    tensors without a version counter) give the same tokens and logits as a DynamicCache."""
+    m = llama()
+    ids = prompt(40)
+    with torch.inference_mode():
+        want = gen(m, ids, DynamicCache(config=m.config))
+    with tempfile.TemporaryDirectory() as d, KVTier(m, model_id="t/llama", page_size=PS, window=2,
+                                                     host_tokens=512, store_dir=d) as tier:
+        with torch.inference_mode():
+            first = gen(m, ids, tier.cache(ids))
+            second = gen(m, ids, tier.cache(ids))  # restores the stored prefix
+        assert tier.stats.restored_pages > 0
+    assert same(first, want) and same(second, want)

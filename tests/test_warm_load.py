@@ -199,3 +199,34 @@ def test_empty_layer_range_per_layer_is_a_no_op():
     before = [t.clone() for t in dp.k_buffer]
     assert hp._engine.copy(pairs, p, 1, 1, to_host=False, per_layer=True, route=route) is None
     assert all(torch.equal(a, b) for a, b in zip(before, dp.k_buffer))
+
+
+@pytest.mark.parametrize("op", ["load_per_layer", "backup_all", "backup_per_layer"])
+def test_index_tensors_made_under_inference_mode(op):
+    """Index tensors made under ``torch.inference_mode()`` (engines run their loop in it) have no version
+    counter: they are accepted (a RuntimeError from torch before), and an in-place rewrite of one between
+    two per-layer calls is still seen (CPU tensors are recognised by their contents)."""
+    dp, hp = pools()
+    with torch.inference_mode():
+        h, d = hp.alloc(2 * PS), torch.arange(PS, 3 * PS)
+    assert h.is_inference() and d.is_inference()
+    fill(hp, h)
+    if op == "load_per_layer":
+        for layer in range(hp.layer_num):
+            hp.load_to_device_per_layer(dp, h, d, layer, "direct")
+            expect(hp, dp, h, d, layer)
+        with torch.inference_mode():
+            d.copy_(torch.arange(8 * PS, 10 * PS))  # torch counts no write of an inference tensor
+        for layer in range(hp.layer_num):
+            hp.load_to_device_per_layer(dp, h, d, layer, "direct")
+            expect(hp, dp, h, d, layer)
+    else:
+        for t in dp.k_buffer + dp.v_buffer:
+            t.copy_(torch.randn(t.shape).to(t.dtype))
+        if op == "backup_all":
+            hp.backup_from_device_all_layer(dp, h, d, "direct")
+        else:
+            for layer in range(hp.layer_num):
+                hp.backup_from_device_per_layer(dp, h, d, layer, "direct")
+        for layer in range(hp.layer_num):
+            expect(hp, dp, h, d, layer)

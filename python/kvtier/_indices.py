@@ -37,6 +37,29 @@ class _Prepared:
         return pair
 
 
+#: What :func:`version_of` returns for a tensor whose in-place writes torch does not count (one made under
+#: ``torch.inference_mode()``): a CUDA one is never reused by the caches below, a CPU one by its contents.
+UNTRACKED = object()
+
+
+def version_of(t: Any) -> Any:
+    """``t._version``; :data:`UNTRACKED` for an inference tensor (reading its version raises); None for an
+    object without one."""
+    try:
+        return t._version
+    except AttributeError:
+        return None
+    except RuntimeError:  # "Inference tensors do not track version counter"
+        return UNTRACKED
+
+
+def reusable(t: Any) -> bool:
+    """Whether a cache may recognise ``t`` again: a plain tensor (not a lazily negated view, whose contents
+    cannot be compared in place) whose version counts its writes, or a CPU one (whose contents the caches
+    compare)."""
+    return not t.is_neg() and (version_of(t) is not UNTRACKED or t.device.type == "cpu")
+
+
 def _unchanged(prepared: _Prepared, host_indices: Any, device_indices: Any) -> bool:
     """Whether CPU index tensors still hold what was validated: writes through ``.numpy()`` or DLPack do not
     bump ``_version``, so the cache key alone cannot tell. A length-n comparison, cheap next to the copy it
@@ -54,8 +77,13 @@ def _index_array(name: str, t: Any) -> np.ndarray:
     """A 1-D int64 numpy view (CPU) of an index tensor; CUDA tensors are copied to the host."""
     if not isinstance(t, torch.Tensor):
         raise InvalidArgumentError(f"invalid argument `{name}`: expected a torch.Tensor, got {type(t).__name__}")
+    if t.is_nested or t.layout != torch.strided or t.device.type == "meta":
+        what = "nested" if t.is_nested else (f"{t.layout}" if t.layout != torch.strided else "on the meta device")
+        raise InvalidArgumentError(f"invalid argument `{name}`: must be a dense CPU or CUDA tensor, got one {what}")
     if t.dtype != torch.int64:
         raise InvalidArgumentError(f"invalid argument `{name}`: dtype must be torch.int64, got {t.dtype}")
+    if t.is_neg():
+        t = t.resolve_neg()  # a lazily negated view (``_neg_view``): its values, materialised
     if t.dim() != 1:
         raise InvalidArgumentError(f"invalid argument `{name}`: must be 1-D, got shape {tuple(t.shape)}")
     # A private copy: the validated indices must be exactly those that reach the copies and the kernel.
@@ -70,13 +98,19 @@ class _WarmLoad:
     index tensors are unchanged (version, and for CPU tensors their contents) and the device tensors of its
     layer are the ones checked (same objects, same addresses). Anything else takes the full path."""
 
-    __slots__ = ("pool", "host", "device", "backend", "versions", "snapshot", "ptrs", "pairs", "prepared", "route",
-                 "plans", "refs", "contents")
+    __slots__ = ("pool", "host", "device", "backend", "versions", "reusable", "snapshot", "ptrs", "pairs",
+                 "prepared", "route", "plans", "refs", "contents")
 
     def __init__(self, engine: TransferEngine, device_pool: Any, host: Any, device: Any, backend: str,
                  pairs: tuple[Any, ...], prepared: _Prepared, route: str) -> None:
         self.pool, self.host, self.device, self.backend = device_pool, host, device, backend
-        self.versions = (getattr(host, "_version", None), getattr(device, "_version", None))
+        try:
+            self.versions = (host._version, device._version)
+            # (a lazily negated view's contents cannot be compared in place: never reused)
+            self.reusable = not (host.is_neg() or device.is_neg())
+        except RuntimeError:  # an inference tensor: reused only where its contents are compared (CPU)
+            self.versions = (version_of(host), version_of(device))
+            self.reusable = reusable(host) and reusable(device)
         self.snapshot: list[list[Any]] = []
         # address, shape, strides, dtype and storage size of every layer tensor, as checked
         self.ptrs: list[list[Any]] = []
@@ -99,13 +133,18 @@ class _WarmLoad:
         # still shows the tensor's memory.
         self.contents: list[tuple[Any, ...]] = []
         for t, v in ((host, prepared.host), (device, prepared.device)):
-            if t.device.type == "cpu":
+            if t.device.type == "cpu" and self.reusable:
                 self.contents.append((t, t.data_ptr(), t.detach().numpy(), v.tobytes()))
 
     def matches(self, pool: Any, device_pool: Any, host: Any, device: Any, backend: str, layer: int) -> bool:
         if (pool._closed or device_pool is not self.pool or host is not self.host or device is not self.device
-                or backend != self.backend or not 0 <= layer < pool.layer_num
-                or (host._version, device._version) != self.versions):
+                or backend != self.backend or not 0 <= layer < pool.layer_num):
+            return False
+        try:
+            versions = (host._version, device._version)
+        except RuntimeError:  # inference tensors (CPU ones: their contents are compared below)
+            versions = (version_of(host), version_of(device))
+        if versions != self.versions:
             return False
         live = (device_pool.kv_buffer,) if len(self.snapshot) == 1 else (device_pool.k_buffer, device_pool.v_buffer)
         for ts, snap, ptrs in zip(live, self.snapshot, self.ptrs):

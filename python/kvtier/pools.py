@@ -27,7 +27,7 @@ import torch
 from . import _native
 from ._errors import ClosedError, InvalidArgumentError
 from .buffer import HostBuffer
-from ._indices import _index_array, _Prepared, _unchanged, _WarmLoad
+from ._indices import _index_array, _Prepared, _unchanged, _WarmLoad, reusable, version_of
 from ._device import DeviceKVPool, _Geometry, device_layers, device_of
 from .transfer import Side, TransferEngine
 
@@ -315,11 +315,16 @@ class _HostKVPool:
         rows = first.shape[0]
         # A per-layer load calls this once per layer with the same index tensors: validate once, and reuse
         # while neither tensor has been modified (torch bumps ``_version`` on every in-place write).
-        key = (
-            id(host_indices), getattr(host_indices, "_version", None), id(device_indices),
-            getattr(device_indices, "_version", None), io_backend, to_host, rows,
-        )
-        cached = self._prepared.get(key)
+        try:
+            key = (id(host_indices), host_indices._version, id(device_indices), device_indices._version, io_backend,
+                   to_host, rows)
+            cacheable = not (host_indices.is_neg() or device_indices.is_neg())
+        except (AttributeError, RuntimeError):  # not tensors, or inference tensors (torch counts no version):
+            key = (id(host_indices), version_of(host_indices), id(device_indices), version_of(device_indices),
+                   io_backend, to_host, rows)  # a CPU one is recognised by its contents, a CUDA one never
+            cacheable = (isinstance(host_indices, torch.Tensor) and isinstance(device_indices, torch.Tensor)
+                         and reusable(host_indices) and reusable(device_indices))
+        cached = self._prepared.get(key) if cacheable else None
         if cached is not None and _unchanged(cached[1], host_indices, device_indices):
             p = cached[1]
             with self._prepared_lock:
@@ -349,7 +354,7 @@ class _HostKVPool:
         if route not in ("cpu", "dma") or len(h) == 0 or len(h) != len(d):
             _native.validate_transfer(h, d, self.size, rows, self.page_size, paged, paged, to_host)
             prepared.validated = True
-        if isinstance(host_indices, torch.Tensor) and isinstance(device_indices, torch.Tensor):
+        if cacheable:
             with self._prepared_lock:
                 self._prepared[key] = ((host_indices, device_indices), prepared)
                 while len(self._prepared) > 4:
@@ -369,7 +374,8 @@ class _HostKVPool:
         self._check_layer(layer_id)
         pairs, p, route = self._prepare(device_pool, host_indices, device_indices, io_backend, False, True)
         self._engine.copy(pairs, p, layer_id, layer_id + 1, to_host=False, backend=io_backend, route=route)
-        self._warm = _WarmLoad(self._engine, device_pool, host_indices, device_indices, io_backend, pairs, p, route)
+        w = _WarmLoad(self._engine, device_pool, host_indices, device_indices, io_backend, pairs, p, route)
+        self._warm = w if w.reusable else None
 
     def _load_layers(self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor, io_backend: str,
                      events: Any, background: bool = True,
