@@ -521,3 +521,25 @@ def test_prometheus_collector_reads_the_tier(tmp_path, managers):
     reg.register(KvtierCollector(stores=[m.secondary_tiers[0].store]))
     text = generate_latest(reg).decode()
     assert re.search(r"kvtier_store_objects\{[^}]*\} 2\.0", text), text[-800:]
+
+
+def test_a_job_runs_on_the_rows_it_was_submitted_with(tmp_path, managers):
+    """A job's rows are checked at submit; the tier's thread then runs it later. A caller that reuses the
+    job's chunk_ids array in between must not redirect it (it read them again when it ran: unchecked rows)."""
+    m = managers(offloading_config(tmp_path, rows=4))
+    tier, ctx = m.secondary_tiers[0], ReqContext("x")
+    view = rows(m)
+    view[:] = random_rows(m, 4, seed=5)
+    want = view[[0, 1]].copy()
+    ks = keys(2, start=500)
+    ids = np.array([0, 1], dtype=np.int64)
+    with tier._cv:  # the tier's thread cannot take the job before the array changes
+        tier.submit_store(TransferJob(job_id=7, keys=ks, chunk_ids=ids, is_promotion=False, req_context=ctx))
+        ids[:] = [2, 3]
+    tier.drain_jobs()
+    assert [r.success for r in tier.get_finished_jobs()] == [True]
+    view[:] = 0
+    tier.submit_load(TransferJob(job_id=8, keys=ks, chunk_ids=np.array([3, 2]), is_promotion=True, req_context=ctx))
+    tier.drain_jobs()
+    assert [r.success for r in tier.get_finished_jobs()] == [True]
+    assert np.array_equal(view[3], want[0]) and np.array_equal(view[2], want[1])

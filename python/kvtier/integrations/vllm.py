@@ -274,7 +274,8 @@ class KvtierTier(SecondaryTierManager):
         self._store: _RowStore | None = store
         self._cv = threading.Condition()
         self._failed_loads: set[str] = set()  # rows whose load failed: MISS until stored again
-        self._queues: dict[str, deque[TransferJob]] = {"load": deque(), "store": deque()}
+        # queued jobs with the keys and rows checked at submit (private copies: the job's own lists may change)
+        self._queues: dict[str, deque[tuple[TransferJob, list[Any], np.ndarray]]] = {"load": deque(), "store": deque()}
         self._pending = 0  # jobs submitted and not finished
         self._stopping = False
         self._finished: deque[JobResult] = deque()
@@ -350,7 +351,7 @@ class KvtierTier(SecondaryTierManager):
         with self._cv:
             if self._stopping:
                 raise ClosedError("kvtier tier: used after shutdown()")
-            self._queues[kind].append(job)
+            self._queues[kind].append((job, keys, np.array(ids, dtype=np.int64, copy=True)))
             self._pending += 1
             self._cv.notify_all()
 
@@ -362,9 +363,9 @@ class KvtierTier(SecondaryTierManager):
                     self._cv.wait()
                 if not q:
                     return
-                job = q.popleft()
+                job, keys, rows = q.popleft()
             try:
-                result = self._do(kind, job)
+                result = self._do(kind, job, keys, rows)
             except BaseException:  # noqa: BLE001 - a failed job is a result, never a dead thread (pyo3 panics too)
                 logger.exception("kvtier tier: %s job %s failed", kind, job.job_id)
                 self._count("job_errors")
@@ -374,8 +375,8 @@ class KvtierTier(SecondaryTierManager):
                 self._pending -= 1
                 self._cv.notify_all()
 
-    def _do(self, kind: str, job: TransferJob) -> JobResult:
-        keys = list(job.keys)
+    def _do(self, kind: str, job: TransferJob, keys: list[Any], rows: np.ndarray) -> JobResult:
+        """Runs one job on the keys and rows checked when it was submitted."""
         names = [self._name(k) for k in keys]
         usable = [i for i, n in enumerate(names) if n is not None]
         self._count("refused_keys", len(keys) - len(usable))
@@ -383,7 +384,7 @@ class KvtierTier(SecondaryTierManager):
         t0 = time.perf_counter()
         if usable:
             store = self._store_open()
-            idx = torch.from_numpy(np.asarray(job.chunk_ids, dtype=np.int64)[usable])
+            idx = torch.from_numpy(rows[usable])
             names_ok = [n for n in names if n is not None]
             res = store.batch_get_v1(names_ok, idx) if kind == "load" else store.batch_set_v1(names_ok, idx)
             for i, r in zip(usable, res):
@@ -434,7 +435,7 @@ class KvtierTier(SecondaryTierManager):
             self._stopping = True
             for q in self._queues.values():
                 while q:
-                    job = q.popleft()
+                    job = q.popleft()[0]
                     self._finished.append(JobResult(job_id=job.job_id, success=False))
                     self._pending -= 1
             self._cv.notify_all()
