@@ -5,6 +5,7 @@ reachable with `kvtier bench NAME --help`, also for the GPU benches on a CPU mac
 import hashlib
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -258,3 +259,17 @@ def test_commands_that_need_torch_say_so_in_one_line():
         r = py(code)
         assert r.returncode == 1 and "needs torch" in r.stderr and "Traceback" not in r.stderr, (argv, r.stderr)
         assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_verify_repair_fails_on_damage_it_does_not_repair(tmp_path):
+    """A copied namespace directory is reported DAMAGED and left alone by --repair: the exit status must not
+    say success (it was 0)."""
+    _store(tmp_path)
+    (ns,) = [p for p in tmp_path.iterdir() if p.name.startswith("ns-")]
+    shutil.copytree(ns, tmp_path / (ns.name + ".bak"))
+    r = kv("verify", "--repair", str(tmp_path))
+    assert r.returncode == 1 and "not repaired" in r.stdout, r.stdout + r.stderr
+    assert (tmp_path / (ns.name + ".bak")).exists()
+    shutil.rmtree(tmp_path / (ns.name + ".bak"))
+    r = kv("verify", "--repair", str(tmp_path))
+    assert r.returncode == 0, r.stdout + r.stderr

@@ -460,3 +460,74 @@ def test_chain_raises_on_bad_arguments_like_its_first_tier(tmp_path, cluster):
         for idx in (pages_idx([0]).to(torch.int32), pages_idx([0]) + 1, pages_idx([10 ** 6])):
             with pytest.raises(InvalidArgumentError):
                 c.batch_get_v1(["a"], idx)
+
+
+# ------------------------------------------------------------------ session 9's review of the cluster tier
+def test_key_tag_namespaces_do_not_serve_each_others_pages(cluster):
+    """A tagged page "x" and an untagged page "m_x" of model "m" are the same Mooncake objects (SGLang joins
+    the names with "_"): the record names the key tag, so each namespace misses the other's page instead of
+    serving it as a verified hit."""
+    src, dst = make_pool("page_first", seed=11), make_pool("page_first", seed=12)
+    with tier(cluster, src, model_name="m", key_tag="m") as b, tier(cluster, dst, model_name="m") as a:
+        assert b.data_keys("x") == a.data_keys("m_x")
+        assert b.batch_set_v1(["x"], pages_idx([0])) == [True]
+        assert a.batch_get_v1(["m_x"], pages_idx([3])) == [False]
+        assert b.batch_get_v1(["x"], pages_idx([4])) == [True] and same(src, 0, src, 4)
+
+
+@pytest.mark.parametrize("bad", [-1, 0, "5", True])
+def test_setup_timeout_is_checked(cluster, bad):
+    with pytest.raises(InvalidArgumentError, match="setup_timeout_s"):
+        MooncakeTier(cluster.master_address, model_name="m", setup_timeout_s=bad)
+
+
+def test_chain_does_not_make_an_unverified_page_durable_on_write_back(tmp_path, cluster):
+    """A page a stock node stored without a record, served unverified, then backed up again by the engine
+    through the chain: the durable disk must not take it (it would vouch for its bytes)."""
+    stock = make_pool("page_first", seed=23)
+    with tier(cluster, stock) as w:  # a stock SGLang node: data objects, no records
+        assert w.batch_set_v1(["stock2"], pages_idx([0])) == [True]
+        remove_when_unleased(w._store, w.record_key("stock2"))
+    node = make_pool("page_first", seed=24)
+    disk = PageStore(tmp_path / "d", capacity_bytes=1 << 30, model_name="org/model")
+    disk.register_mem_pool_host(node)
+    with TieredStore([("disk", disk), ("mooncake", tier(cluster, node, accept_unverified=True))]) as c:
+        assert c.batch_get_v1(["stock2"], pages_idx([3])) == [True]
+        assert disk.batch_exists(["stock2"]) == 0
+        assert c.batch_set_v1(["own", "stock2"], pages_idx([3, 4])) == [True, False]
+        assert disk.batch_exists(["stock2"]) == 0 and disk.batch_exists(["own"]) == 1
+
+
+def test_chain_delete_is_not_undone_by_a_tier_that_keeps_the_page(tmp_path, cluster):
+    """Mooncake keeps an object another node read within its lease: the chain's delete must still make the
+    page a miss (it was served again from the cluster and filled back into the disk), until it is stored
+    again."""
+    node, other = make_pool("page_first", seed=31), make_pool("page_first", seed=32)
+    disk = PageStore(tmp_path / "d2", capacity_bytes=1 << 30, model_name="org/model")
+    disk.register_mem_pool_host(node)
+    with TieredStore([("disk", disk), ("mooncake", tier(cluster, node))]) as c, tier(cluster, other) as peer:
+        assert c.batch_set_v1(["gone"], pages_idx([0])) == [True]
+        assert peer.batch_get_v1(["gone"], pages_idx([5])) == [True]  # another node reads it (a lease)
+        assert c.delete(["gone"]) == 1
+        assert c.batch_get_v1(["gone"], pages_idx([1])) == [False] and c.batch_exists(["gone"]) == 0
+        assert disk.batch_exists(["gone"]) == 0
+        assert c.batch_set_v1(["gone"], pages_idx([0])) == [True]  # stored again: served again
+        assert c.batch_get_v1(["gone"], pages_idx([2])) == [True]
+
+
+def test_chain_checks_its_arguments_like_the_disk(tmp_path):
+    """One str as keys, or host indices that are not a tensor: the chain raises as its first tier does,
+    before any IO (it split "ab" into pages "a" and "b" and deleted them; bad indices became misses)."""
+    hp = make_pool("page_first", seed=1)
+    disk = PageStore(tmp_path / "d", capacity_bytes=1 << 30, model_name="m")
+    disk.register_mem_pool_host(hp)
+    with TieredStore([("disk", disk)]) as c:
+        assert c.batch_set_v1(["a", "b"], pages_idx([0, 1])) == [True, True]
+        for call in (lambda: c.delete("ab"), lambda: c.batch_set_v1("xy", pages_idx([2, 3])),
+                     lambda: c.batch_exists("ab"), lambda: c.batch_get_v1("ab", pages_idx([2, 3]))):
+            with pytest.raises(InvalidArgumentError, match="keys"):
+                call()
+        for bad in (pages_idx([2, 3]).tolist(), pages_idx([2, 3]).numpy(), pages_idx([2, 3]).int()):
+            with pytest.raises(InvalidArgumentError, match="host_indices"):
+                c.batch_get_v1(["a", "b"], bad)
+        assert disk.batch_exists(["a", "b"]) == 2 and disk.batch_exists(["x"]) == 0

@@ -130,11 +130,12 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     repair = args.repair or args.drop
-    damaged = 0
+    damaged = unrepaired = 0  # (a namespace directory with a problem is reported, never repaired)
     for d, ns, problem in _namespaces(args.path):
         if problem:
             damaged += 1
-            print(f"{os.path.basename(d)}: DAMAGED — {problem}")
+            unrepaired += 1
+            print(f"{os.path.basename(d)}: DAMAGED — {problem}" + (" (not repaired)" if repair else ""))
             continue
         s = _open(args.path, ns, writable=repair)
         try:
@@ -163,7 +164,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             if st["live_writer"]:
                 print("  note: a running process has this store open; objects replaced while this ran can "
                       "show as checksum failures")
-    return 1 if damaged and not repair else 0
+    return 1 if (damaged and not repair) or unrepaired else 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

@@ -14,11 +14,16 @@ Semantics (docs/CLUSTER.md has the fault table):
   still counts), computed tier by tier without assuming a tier holds a prefix.
 - An exception from a tier counts as an error of that tier and a miss (or a failed write) for its pages; it
   never reaches the engine. Bad arguments are checked by the first tier before any IO and do raise.
-- Pages a tier served unverified (a cluster tier's ``accept_unverified``) are not copied into faster tiers.
+- Pages a tier served unverified (a cluster tier's ``accept_unverified``) are not copied into faster tiers,
+  neither by a read's fill nor by the engine writing them back (``batch_set_v1`` reports them False).
+- ``delete`` removes from every tier; a later tier may refuse for a while (Mooncake keeps an object another
+  node read within its lease), so the chain also remembers the keys it deleted (the last 65,536) and serves
+  none of them from a later tier until they are stored again.
 """
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 from collections.abc import Sequence
@@ -27,6 +32,10 @@ from typing import Any
 import torch
 
 from .._errors import ClosedError, InvalidArgumentError
+from ..store import _keys
+
+#: Keys a chain remembers as deleted (oldest forgotten first), see the module docs.
+DELETED_KEPT = 65536
 
 
 class _TierCounters:
@@ -73,6 +82,7 @@ class TieredStore:
         self.page_bytes = int(tiers[0][1].page_bytes)
         self._counters = {n: _TierCounters() for n in names}
         self._lock = threading.Lock()
+        self._deleted: collections.OrderedDict[str, None] = collections.OrderedDict()  # see DELETED_KEPT
 
     @property
     def pool(self) -> Any:
@@ -99,10 +109,35 @@ class TieredStore:
         sel = torch.tensor(pages, dtype=torch.int64)
         return host_indices.view(-1, ps)[sel].reshape(-1)
 
+    def _unverified(self, keys: list[str]) -> set[str]:
+        """Which of ``keys`` a later tier has served without verifying them."""
+        out: set[str] = set()
+        for _, tier in self.tiers[1:]:
+            check = getattr(tier, "served_unverified", None)
+            if check is not None:
+                out |= check(keys)
+        return out
+
     def batch_set_v1(self, keys: Sequence[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
-        """Every tier, in order, inside the call; True where the first (durable) tier has the page."""
-        keys = list(keys)
+        """Every tier, in order, inside the call; True where the first (durable) tier has the page. A page a
+        later tier served unverified is not written (False): the durable tier would vouch for its bytes."""
+        keys = _keys(keys)
         name0, first = self.tiers[0]
+        skip = self._unverified(keys)
+        if skip:
+            ps = self.pool.page_size
+            if len(host_indices) != len(keys) * ps:  # (the first tier checks everything else)
+                raise InvalidArgumentError(
+                    f"invalid argument `host_indices`: {len(host_indices)} slots for {len(keys)} pages of {ps}")
+            keep = [i for i, k in enumerate(keys) if k not in skip]
+            res = self.batch_set_v1([keys[i] for i in keep], self._slots(host_indices, ps, keep)) if keep else []
+            out = [False] * len(keys)
+            for i, r in zip(keep, res):
+                out[i] = r
+            return out
+        with self._lock:
+            for k in keys:
+                self._deleted.pop(k, None)
         t0 = time.perf_counter()
         ok: list[bool] = first.batch_set_v1(keys, host_indices)  # checks the arguments; raises on bad ones
         self._count(name0, writes=sum(ok), write_failures=len(ok) - sum(ok), bytes_out=sum(ok) * self.page_bytes,
@@ -124,15 +159,24 @@ class TieredStore:
 
     def batch_get_v1(self, keys: Sequence[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
         """Each tier in order for what the tiers before it missed; then fills the faster tiers."""
-        keys = list(keys)
+        keys = _keys(keys)
         ps = self.pool.page_size
+        if not isinstance(host_indices, torch.Tensor) or host_indices.dim() != 1 or host_indices.dtype != torch.int64:
+            raise InvalidArgumentError(
+                "invalid argument `host_indices`: expected a 1-D torch.int64 tensor, got "
+                + (f"{host_indices.dtype} of shape {tuple(host_indices.shape)}" if isinstance(host_indices, torch.Tensor)
+                   else type(host_indices).__name__))
         if len(host_indices) != len(keys) * ps:
             raise InvalidArgumentError(
                 f"invalid argument `host_indices`: {len(host_indices)} slots for {len(keys)} pages of {ps}")
         ok = [False] * len(keys)
         want = list(range(len(keys)))
         served_by: list[tuple[int, list[int]]] = []
+        with self._lock:
+            deleted = {k for k in keys if k in self._deleted}
         for ti, (name, tier) in enumerate(self.tiers):
+            if ti == 1 and deleted:  # deleted here: not served from a tier that may not have let go yet
+                want = [i for i in want if keys[i] not in deleted]
             if not want:
                 break
             t0 = time.perf_counter()
@@ -169,13 +213,19 @@ class TieredStore:
 
     def batch_exists(self, keys: Sequence[str], extra_info: Any = None) -> int:
         """The leading run of pages that some tier holds."""
-        keys = list(keys)
+        keys = _keys(keys)
+        with self._lock:
+            deleted = next((i for i, k in enumerate(keys) if k in self._deleted), len(keys))
         pos = 0
         while pos < len(keys):
             best = 0
-            for name, tier in self.tiers:
+            for ti, (name, tier) in enumerate(self.tiers):
+                # a later tier answers only up to the first key deleted here (it may still hold that one)
+                part = keys[pos:] if ti == 0 else keys[pos:max(pos, deleted)]
+                if not part:
+                    continue
                 try:
-                    best = max(best, int(tier.batch_exists(keys[pos:])))
+                    best = max(best, int(tier.batch_exists(part)))
                 except Exception:
                     self._count(name, errors=1)
                 if best == len(keys) - pos:
@@ -190,8 +240,14 @@ class TieredStore:
 
     def delete(self, keys: Sequence[str]) -> int:
         """Delete from every tier; returns how many pages the first tier had."""
-        keys = list(keys)
+        keys = _keys(keys)
         n = int(self.tiers[0][1].delete(keys))
+        with self._lock:
+            for k in keys:
+                self._deleted[k] = None
+                self._deleted.move_to_end(k)
+            while len(self._deleted) > DELETED_KEPT:
+                self._deleted.popitem(last=False)
         for name, tier in self.tiers[1:]:
             try:
                 tier.delete(keys)

@@ -75,9 +75,13 @@ class MooncakeTier:
                               metadata_server=metadata_server, global_segment_size=global_segment_size,
                               local_buffer_size=local_buffer_size, replica_num=replica_num,
                               accept_unverified=accept_unverified)
+        if isinstance(setup_timeout_s, bool) or not isinstance(setup_timeout_s, (int, float)) or not setup_timeout_s > 0:
+            raise InvalidArgumentError(
+                f"invalid argument `setup_timeout_s`: must be a number of seconds > 0, got {setup_timeout_s!r}")
         parts = [str(key_tag)] if key_tag is not None else []
         parts.append("-".join(str(model_name).split("/")))
         self.prefix = "_".join(parts)
+        self.key_tag = key_tag
         self.model_name = model_name
         self.ranks = {"tp": (tp_rank, tp_size), "pp": (pp_rank, pp_size), "cp": (cp_rank, cp_size)}
         self.accept_unverified = accept_unverified
@@ -188,7 +192,9 @@ class MooncakeTier:
         # the same on every rank); PP ranks may hold different layers in equal numbers (start layer named)
         cp = self.ranks["cp"]
         ranks = (f"pp={pp[0]}/{pp[1]}" if mla else f"tp={tp[0]}/{tp[1]}|pp={pp[0]}/{pp[1]}") + f"|cp={cp[0]}/{cp[1]}"
-        geometry = (f"kvtier-mooncake-v1|model={self.model_name}|suffix={self._suffix}|{ranks}"
+        # the key tag too: a tagged page "x" and an untagged page "<tag>_x" of one model are the same objects
+        # (SGLang joins the names with "_"), and only the record tells them apart
+        geometry = (f"kvtier-mooncake-v1|model={self.model_name}|key_tag={self.key_tag!r}|suffix={self._suffix}|{ranks}"
                     f"|start_layer={getattr(pool, 'start_layer', 0)}|dtype={logical_dtype(pool, self.kv_cache_dtype)}"
                     f"|layout={pool.layout}|page={pool.page_size}|layers={pool.layer_num}|{_heads(pool)}"
                     f"|objects={lay[2]},{lay[5]}")

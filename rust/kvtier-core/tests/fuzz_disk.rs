@@ -424,6 +424,7 @@ fn journal_parse_mutated_records() {
         let mut expect_len = 0;
         let mut ends = Vec::new(); // end offset of each expected record
         let mut clean = true;
+        let mut truncated = Vec::new(); // (offset, whole encoding) of each record cut short
         for c in &chunks {
             match c {
                 Chunk::Valid(r) => {
@@ -435,6 +436,9 @@ fn journal_parse_mutated_records() {
                     }
                 }
                 Chunk::Broken(r, b) => {
+                    if matches!(b, Break::Truncate(_)) {
+                        truncated.push((buf.len(), encode_all(std::slice::from_ref(r))));
+                    }
                     buf.extend_from_slice(&broken(r, b));
                     clean = false;
                 }
@@ -443,6 +447,11 @@ fn journal_parse_mutated_records() {
                     clean = false;
                 }
             }
+        }
+        // a record cut short and followed by the very bytes it lost (the next chunk starts with them) is
+        // whole again: not a broken record, and this case tests nothing about one
+        if truncated.iter().any(|(at, whole)| buf[*at..].starts_with(whole)) {
+            return Ok(());
         }
         let (recs, valid) = journal::parse(&buf);
         prop_assert_eq!(&recs, &expect);
