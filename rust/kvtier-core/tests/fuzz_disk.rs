@@ -450,7 +450,10 @@ fn journal_parse_mutated_records() {
         }
         // a record cut short and followed by the very bytes it lost (the next chunk starts with them) is
         // whole again: not a broken record, and this case tests nothing about one
-        if truncated.iter().any(|(at, whole)| buf[*at..].starts_with(whole)) {
+        if truncated
+            .iter()
+            .any(|(at, whole)| buf[*at..].starts_with(whole))
+        {
             return Ok(());
         }
         let (recs, valid) = journal::parse(&buf);
