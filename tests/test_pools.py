@@ -485,7 +485,7 @@ def test_device_tensor_overlapping_the_other_sides_host_buffer_is_refused(op):
     k_before, v_before = hp.k_buffer.clone(), hp.v_buffer.clone()
     rows = dp.k_buffer[0].shape[0]
     dp.k_buffer[0] = hp.v_buffer.reshape(-1)[: rows * 2 * 8].view(rows, 2, 8)
-    with pytest.raises(kvtier.InvalidArgumentError, match="overlaps a host buffer"):
+    with pytest.raises(kvtier.InvalidArgumentError, match="overlaps the host buffer"):
         if op == "load":
             hp.load_to_device_per_layer(dp, h, torch.arange(0, ps), 0, "direct")
         else:

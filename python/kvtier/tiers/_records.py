@@ -56,7 +56,7 @@ def validate_options(*, master_server_address: Any, model_name: Any = "default",
                      cp_size: Any = 1, dcp_size: Any = 1, protocol: Any = "tcp", device_name: Any = "",
                      local_hostname: Any = "127.0.0.1", metadata_server: Any = "P2PHANDSHAKE",
                      global_segment_size: Any = 0, local_buffer_size: Any = 16 << 20, replica_num: Any = 1,
-                     accept_unverified: Any = False) -> None:
+                     accept_unverified: Any = False, setup_timeout_s: Any = 30.0) -> None:
     """Every option checked without connecting (what construction checks first; SGLang's extra config is
     checked with it before anything opens). Raises InvalidArgumentError naming the option."""
     if not isinstance(master_server_address, str) or ":" not in master_server_address:
@@ -90,6 +90,9 @@ def validate_options(*, master_server_address: Any, model_name: Any = "default",
     _int("global_segment_size", global_segment_size, 0)
     _int("local_buffer_size", local_buffer_size, 0)
     _int("replica_num", replica_num, 1)
+    if isinstance(setup_timeout_s, bool) or not isinstance(setup_timeout_s, (int, float)) or not setup_timeout_s > 0:
+        raise InvalidArgumentError(
+            f"invalid argument `setup_timeout_s`: must be a number of seconds > 0, got {setup_timeout_s!r}")
     if not isinstance(accept_unverified, bool):
         raise InvalidArgumentError(f"invalid argument `accept_unverified`: expected true or false, got "
                                    f"{accept_unverified!r}")

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from .._errors import ClosedError, InvalidArgumentError
+from .._indices import _index_array
 from ..store import _keys
 
 #: Keys a chain remembers as deleted (oldest forgotten first), see the module docs.
@@ -109,6 +110,16 @@ class TieredStore:
         sel = torch.tensor(pages, dtype=torch.int64)
         return host_indices.view(-1, ps)[sel].reshape(-1)
 
+    def _check_slots(self, keys: list[str], host_indices: Any) -> int:
+        """Checks ``host_indices`` as the first tier would (a 1-D int64 tensor, ``page_size`` slots per key)
+        before the chain slices it per tier; returns the page size."""
+        _index_array("host_indices", host_indices)
+        ps: int = self.pool.page_size
+        if len(host_indices) != len(keys) * ps:
+            raise InvalidArgumentError(
+                f"invalid argument `host_indices`: {len(host_indices)} slots for {len(keys)} pages of {ps}")
+        return ps
+
     def _unverified(self, keys: list[str]) -> set[str]:
         """Which of ``keys`` a later tier has served without verifying them."""
         out: set[str] = set()
@@ -125,19 +136,17 @@ class TieredStore:
         name0, first = self.tiers[0]
         skip = self._unverified(keys)
         if skip:
-            ps = self.pool.page_size
-            if len(host_indices) != len(keys) * ps:  # (the first tier checks everything else)
-                raise InvalidArgumentError(
-                    f"invalid argument `host_indices`: {len(host_indices)} slots for {len(keys)} pages of {ps}")
+            ps = self._check_slots(keys, host_indices)
             keep = [i for i, k in enumerate(keys) if k not in skip]
             res = self.batch_set_v1([keys[i] for i in keep], self._slots(host_indices, ps, keep)) if keep else []
             out = [False] * len(keys)
             for i, r in zip(keep, res):
                 out[i] = r
             return out
-        with self._lock:
-            for k in keys:
-                self._deleted.pop(k, None)
+        if self._deleted:
+            with self._lock:
+                for k in keys:
+                    self._deleted.pop(k, None)
         t0 = time.perf_counter()
         ok: list[bool] = first.batch_set_v1(keys, host_indices)  # checks the arguments; raises on bad ones
         self._count(name0, writes=sum(ok), write_failures=len(ok) - sum(ok), bytes_out=sum(ok) * self.page_bytes,
@@ -160,15 +169,7 @@ class TieredStore:
     def batch_get_v1(self, keys: Sequence[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
         """Each tier in order for what the tiers before it missed; then fills the faster tiers."""
         keys = _keys(keys)
-        ps = self.pool.page_size
-        if not isinstance(host_indices, torch.Tensor) or host_indices.dim() != 1 or host_indices.dtype != torch.int64:
-            raise InvalidArgumentError(
-                "invalid argument `host_indices`: expected a 1-D torch.int64 tensor, got "
-                + (f"{host_indices.dtype} of shape {tuple(host_indices.shape)}" if isinstance(host_indices, torch.Tensor)
-                   else type(host_indices).__name__))
-        if len(host_indices) != len(keys) * ps:
-            raise InvalidArgumentError(
-                f"invalid argument `host_indices`: {len(host_indices)} slots for {len(keys)} pages of {ps}")
+        ps = self._check_slots(keys, host_indices)
         ok = [False] * len(keys)
         want = list(range(len(keys)))
         served_by: list[tuple[int, list[int]]] = []

@@ -74,10 +74,7 @@ class MooncakeTier:
                               device_name=device_name, local_hostname=local_hostname,
                               metadata_server=metadata_server, global_segment_size=global_segment_size,
                               local_buffer_size=local_buffer_size, replica_num=replica_num,
-                              accept_unverified=accept_unverified)
-        if isinstance(setup_timeout_s, bool) or not isinstance(setup_timeout_s, (int, float)) or not setup_timeout_s > 0:
-            raise InvalidArgumentError(
-                f"invalid argument `setup_timeout_s`: must be a number of seconds > 0, got {setup_timeout_s!r}")
+                              accept_unverified=accept_unverified, setup_timeout_s=setup_timeout_s)
         parts = [str(key_tag)] if key_tag is not None else []
         parts.append("-".join(str(model_name).split("/")))
         self.prefix = "_".join(parts)

@@ -24,7 +24,7 @@ pub struct PyTransferPlan {
 }
 
 /// The side-specific part of a plan request: the device tensors converted to ranges (checked contiguous, of
-/// one kind, and not overlapping the host buffer), and the Python objects that own them.
+/// one kind, and inside their storages), and the Python objects that own them.
 #[allow(clippy::too_many_arguments)]
 fn request<'py>(
     region: &PyHostRegion,
@@ -54,7 +54,6 @@ fn request<'py>(
     let mut rows = usize::MAX;
     let mut kinds = std::collections::BTreeSet::new();
     let mut owners = Vec::with_capacity(2 * device_layers.len());
-    let host_span = region.as_ptr() as usize..region.as_ptr() as usize + region.len();
     for (i, t) in device_layers.iter().enumerate() {
         // `nbytes` spans the tensor's memory only when it is contiguous (an expanded view reports more
         // bytes than it has); every range below is trusted to be exactly the tensor's memory.
@@ -69,13 +68,7 @@ fn request<'py>(
         }
         let ptr: usize = t.call_method0("data_ptr")?.extract()?;
         let len: usize = t.getattr("nbytes")?.extract()?;
-        if kind == "cpu" && ptr < host_span.end && host_span.start < ptr.saturating_add(len) {
-            return Err(Error::arg(
-                "device_layers",
-                format!("[{i}] overlaps the host buffer it would be copied to or from"),
-            )
-            .into());
-        }
+        // (a CPU range overlapping a host region of the transfer is refused by the core's plan)
         // ... and lies inside its storage: a storage shrunk in place (`untyped_storage().resize_`) keeps the
         // tensor's shape, so `nbytes` alone would span memory the tensor no longer owns.
         let storage = t.call_method0("untyped_storage")?;

@@ -72,7 +72,29 @@ pub struct PlanRequest {
 impl Plan {
     /// Validates the indices, plans the chunks and checks each against both buffers.
     pub fn new(r: PlanRequest) -> Result<Self> {
+        Self::check_disjoint(std::slice::from_ref(&r))?;
         Self::build(r, true)
+    }
+
+    /// CPU device memory must not overlap any host region of the transfer (its own side's, or — for a pool
+    /// whose K and V live in two host buffers — the other side's): the copy would read or write host memory
+    /// as device memory.
+    fn check_disjoint(reqs: &[PlanRequest]) -> Result<()> {
+        for r in reqs.iter().filter(|r| !r.cuda) {
+            for (i, d) in r.device.iter().enumerate() {
+                let hit = reqs.iter().any(|o| {
+                    let start = o.region.as_ptr() as usize;
+                    d.ptr < start + o.region.len() && start < d.ptr.saturating_add(d.len)
+                });
+                if hit {
+                    return Err(Error::arg(
+                        "device_layers",
+                        format!("[{i}] overlaps the host buffer of this transfer's K or V"),
+                    ));
+                }
+            }
+        }
+        Ok(())
     }
 
     /// `validate`: check the indices against the rules (skipped only by `new_sides` for a request whose
@@ -138,23 +160,9 @@ impl Plan {
     /// Plans several sides (a pool's K and V) of one transfer: the indices are validated once when every
     /// request carries the same indices, rules and layers (checked here, element by element: a cheap
     /// comparison next to the validation it saves), else each request is validated on its own.
-    /// CPU device memory must not overlap any side's host region either: a pool whose K and V live in two
-    /// host buffers would otherwise copy one side's device layers into (or out of) the other's host memory.
+    /// CPU device memory is checked against every side's host region ([`Plan::check_disjoint`]).
     pub fn new_sides(reqs: Vec<PlanRequest>) -> Result<Vec<Self>> {
-        for r in reqs.iter().filter(|r| !r.cuda) {
-            for (i, d) in r.device.iter().enumerate() {
-                let hit = reqs.iter().any(|o| {
-                    let start = o.region.as_ptr() as usize;
-                    d.ptr < start + o.region.len() && start < d.ptr.saturating_add(d.len)
-                });
-                if hit {
-                    return Err(Error::arg(
-                        "device_layers",
-                        format!("[{i}] overlaps a host buffer of this transfer (K or V): the copy would read or write host memory as device memory"),
-                    ));
-                }
-            }
-        }
+        Self::check_disjoint(&reqs)?;
         let shared = reqs.windows(2).all(|w| {
             w[0].host_indices == w[1].host_indices
                 && w[0].device_indices == w[1].device_indices

@@ -197,8 +197,8 @@ pub(super) fn extent_bytes(f: &File) -> u64 {
                 reserved: [0; 3],
             }; FIEMAP_BATCH],
         };
-        // SAFETY: `m` is a `struct fiemap` with room for `extent_count` extents, as the ioctl expects; it
-        // lives across the call and the kernel writes at most that many.
+        // `m` lives across the call, and the kernel writes at most `extent_count` extents into it.
+        // SAFETY: `m` is a `#[repr(C)]` `struct fiemap` with room for `extent_count` extents.
         let rc = unsafe { libc::ioctl(fd, FS_IOC_FIEMAP as _, &mut m as *mut Fiemap) };
         if rc != 0 {
             return allocated_bytes(f);

@@ -53,7 +53,6 @@ fn workload(
     let mut rng = seed;
     // key -> offset in src of its bytes (keys name content: a key always has the same bytes)
     let content = |k: u64| (k % 32) as usize * 8192;
-    let mut deleted = 0u64;
     let mut acked: HashMap<String, usize> = HashMap::new();
     for step in 0..1500u64 {
         if step % 50 == 10 || step % 50 == 40 {
@@ -89,7 +88,7 @@ fn workload(
             }
             6 | 7 => {
                 if s.delete(&[&key]).is_ok() {
-                    deleted += u64::from(acked.remove(&key).is_some());
+                    acked.remove(&key);
                 }
             }
             _ => {
@@ -159,8 +158,15 @@ fn workload(
     }
     let (data, journal) = s.occupancy();
     assert!(data + journal <= cap, "{point}: {data} + {journal} > {cap}");
-    let _ = deleted;
     std::fs::remove_dir_all(root).unwrap();
+}
+
+/// How many seeds to run: the environment variable `var`, else `default`.
+fn seeds(var: &str, default: u64) -> u64 {
+    std::env::var(var)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
 }
 
 /// Hole punching failing part-way, with many seeds: the order in which free slots are punched differs
@@ -169,10 +175,7 @@ fn workload(
 fn failing_punches_keep_memory_and_journal_in_step() {
     let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     let mut seen = HashMap::new();
-    let seeds: u64 = std::env::var("KVTIER_PUNCH_SEEDS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(12);
+    let seeds = seeds("KVTIER_PUNCH_SEEDS", 12);
     for seed in 0..seeds {
         workload(
             "punch",
@@ -191,10 +194,7 @@ fn failing_punches_keep_memory_and_journal_in_step() {
 #[ignore]
 fn every_io_point_many_seeds() {
     let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
-    let seeds: u64 = std::env::var("KVTIER_FAULT_SEEDS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(3);
+    let seeds = seeds("KVTIER_FAULT_SEEDS", 3);
     let mut seen = HashMap::new();
     for seed in 0..seeds {
         for point in POINTS {
