@@ -5,6 +5,8 @@ different model, config or dtype misses; bad configuration is one clear error.""
 
 import errno
 
+import functools
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -14,7 +16,11 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E4
 
 import kvtier  # noqa: E402
 from kvtier import testing  # noqa: E402
-from kvtier.integrations.transformers import KVTier, KvtierCache  # noqa: E402
+from kvtier.integrations.transformers import KVTier as _KVTier, KvtierCache  # noqa: E402
+
+# These tests pin the restore mechanics (which pages come back, from where): every cached page is taken
+# (restore="all"), so no decision depends on timing; tests/test_restore_planning.py covers the planner.
+KVTier = functools.partial(_KVTier, restore="all")  # noqa: E402
 
 PS = 8
 TINY = dict(num_hidden_layers=3, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,

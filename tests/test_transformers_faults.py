@@ -12,12 +12,18 @@ import sys
 import textwrap
 import time
 
+import functools
+
 import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from kvtier import KvtierError
-from kvtier.integrations.transformers import KVTier
+from kvtier.integrations.transformers import KVTier as _KVTier
+
+# These tests pin the restore mechanics (which pages come back, from where): every cached page is taken
+# (restore="all"), so no decision depends on timing; tests/test_restore_planning.py covers the planner.
+KVTier = functools.partial(_KVTier, restore="all")  # noqa: E402
 
 PS = 8
 CFG = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
@@ -104,7 +110,7 @@ WRITER = textwrap.dedent("""
     from test_transformers_faults import llama, prompt, gen
     from kvtier.integrations.transformers import KVTier
     m = llama()
-    tier = KVTier(m, model_id="t", page_size={ps}, host_tokens=4096, store_dir={root!r})
+    tier = KVTier(m, model_id="t", restore="all", page_size={ps}, host_tokens=4096, store_dir={root!r})
     for s in range(1000):
         ids = prompt(41, s)
         gen(m, ids, tier.cache(ids))

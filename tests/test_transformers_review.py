@@ -3,13 +3,19 @@ version served KV computed for something else than the key said (or accepted a c
 
 import tempfile
 
+import functools
+
 import pytest
 import torch
 import transformers
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from kvtier._errors import InvalidArgumentError
-from kvtier.integrations.transformers import KVTier
+from kvtier.integrations.transformers import KVTier as _KVTier
+
+# These tests pin the restore mechanics (which pages come back, from where): every cached page is taken
+# (restore="all"), so no decision depends on timing; tests/test_restore_planning.py covers the planner.
+KVTier = functools.partial(_KVTier, restore="all")  # noqa: E402
 
 PS = 8
 TINY = dict(num_hidden_layers=3, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,

@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 from collections.abc import Sequence
@@ -28,6 +29,7 @@ import torch
 
 from ._errors import InvalidArgumentError
 from .overlap import LayerLoad, LayerLoader, backup_async
+from .planner import PlannerStats, PrefillModel, RestorePlan, TierEstimate, TierMeter, plan_restore
 from .pools import device_of
 
 POLICIES = ("write_through", "write_back", "write_through_selective")
@@ -82,6 +84,10 @@ class TierController:
         write_policy: ``"write_through"`` (default), ``"write_back"`` or ``"write_through_selective"``.
         hit_threshold: hits before a page is written under ``write_through_selective`` (default 2).
         prefetch_budget_pages: most pages one :meth:`prefetch` may bring in (default: half the host pool).
+        prefill: the engine's prefill cost for :meth:`plan_restore` — a :class:`kvtier.planner.PrefillModel`
+            (fixed by the caller, or learned from :meth:`observe_prefill`; default: learned), or a number:
+            the engine's prefill tokens/s.
+        probe: measure host → device copies once at construction (the host tier's seed figure).
     """
 
     def __init__(
@@ -94,7 +100,15 @@ class TierController:
         write_policy: str = "write_through",
         hit_threshold: int = 2,
         prefetch_budget_pages: int | None = None,
+        prefill: PrefillModel | float | None = None,
+        probe: bool = True,
     ) -> None:
+        if device_pool is None or host_pool is None:
+            raise InvalidArgumentError("invalid argument `device_pool`/`host_pool`: both are required (got None)")
+        if isinstance(prefill, (int, float)) and not isinstance(prefill, bool):
+            prefill = PrefillModel.fixed(prefill)
+        elif prefill is not None and not isinstance(prefill, PrefillModel):
+            raise InvalidArgumentError(f"invalid argument `prefill`: a PrefillModel or tokens/s, got {prefill!r}")
         if write_policy not in POLICIES:
             raise InvalidArgumentError(f"invalid argument `write_policy`: {write_policy!r}; expected one of {POLICIES}")
         if store is not None:
@@ -120,6 +134,37 @@ class TierController:
         self._io = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-store")
         self._pending: list[concurrent.futures.Future[Any]] = []
         self.page_bytes = host_pool.get_size_per_token() * self.ps
+        #: the engine's prefill cost (learned from observe_prefill unless given) and every decision counted
+        self.prefill = prefill if prefill is not None else PrefillModel()
+        self.planner_stats = PlannerStats()
+        #: the host tier's estimate of itself: host -> device copies (probed once; CPU loads observed)
+        self.host_meter = TierMeter("host")
+        if probe:
+            self._probe_host()
+
+    def _probe_host(self) -> None:
+        """Times a copy of up to 64 MiB of the host pool's memory to the device (the second of two), the
+        host tier's seed figure. Reads host memory only; a probe that cannot run seeds nothing."""
+        try:
+            buf = getattr(self.host, "k_buffer", None)
+            if buf is None:
+                buf = self.host.kv_buffer
+            src = buf.reshape(-1).view(torch.uint8)[: 64 << 20]
+            dev = device_of(self.device_pool)
+            dst = torch.empty(src.numel(), dtype=torch.uint8, device=dev)
+            for _ in range(2):
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
+                t0 = time.perf_counter()
+                dst.copy_(src, non_blocking=True)
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
+                dt = time.perf_counter() - t0
+            del dst
+        except Exception:  # noqa: BLE001 - a probe never fails construction
+            return
+        if dt > 0:
+            self.host_meter.seed(read_GBps=src.numel() / dt / 1e9)
 
     # ------------------------------------------------------------------ helpers
     def _slots(self, starts: Sequence[int]) -> torch.Tensor:
@@ -243,21 +288,82 @@ class TierController:
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
 
-    def match(self, page_keys: Sequence[str]) -> tuple[int, int]:
-        """``(host_hits, store_hits)``: the leading run of keys on the host and usable (a page still being
-        read from the store is not), then how many of the following keys are in the store (the store part of
-        the prefix)."""
-        keys = list(page_keys)
+    def _host_run(self, keys: list[str]) -> int:
         with self.lock:
             self._poll_locked()
             n = 0
             while n < len(keys) and keys[n] in self.pages and self.pages[keys[n]].usable:
                 n += 1
-        m = self.store.batch_exists(keys[n:]) if self.store is not None and n < len(keys) else 0
+        self.host_meter.observe_lookup(n, len(keys))
+        return n
+
+    def _count_lookup(self, keys: list[str], n: int, m: int) -> None:
         self.stats.host_hit_pages += n
         self.stats.store_hit_pages += m
         self.stats.miss_pages += len(keys) - n - m
+
+    def match(self, page_keys: Sequence[str]) -> tuple[int, int]:
+        """``(host_hits, store_hits)``: the leading run of keys on the host and usable (a page still being
+        read from the store is not), then how many of the following keys are in the store (the store part of
+        the prefix)."""
+        keys = list(page_keys)
+        n = self._host_run(keys)
+        m = self.store.batch_exists(keys[n:]) if self.store is not None and n < len(keys) else 0
+        self._count_lookup(keys, n, m)
         return n, m
+
+    # ------------------------------------------------------------------ restore planning
+    def measured(self) -> dict[str, TierEstimate]:
+        """What every tier measured about itself: ``host`` (host → device copies) and the store's tiers
+        (``disk``, ``mooncake``, ...), each a :class:`kvtier.planner.TierEstimate`."""
+        out = {"host": self.host_meter.estimate()}
+        own = getattr(self.store, "measured", None)
+        if own is not None:
+            out.update(own())
+        return out
+
+    def plan_restore(self, page_keys: Sequence[str], prompt_tokens: int, *, can_split: bool = True) -> RestorePlan:
+        """How to restore the prefix of a prompt of ``prompt_tokens`` tokens whose full pages have the keys
+        ``page_keys`` (:func:`kvtier.page_hashes`): which leading pages to take from the host, which to
+        recompute, which to load from each store tier, and the predicted time to first token — the fastest
+        plan by the tiers' measurements and the prefill model, never one predicted slower than recomputing
+        everything (:func:`kvtier.planner.plan_restore`). Counted in :attr:`planner_stats`.
+
+        Carrying a plan out: pages ``[0, host_pages)`` are on the host (:meth:`acquire` or :meth:`load`);
+        with ``can_split``, start :meth:`prefetch` of ``page_keys[recompute_to:load_to]`` (it reads in the
+        background), compute the head ``[host_pages, recompute_to)`` meanwhile, wait for the prefetch, then
+        use pages ``[recompute_to, load_to)`` and compute the rest; report the forward times
+        (:meth:`observe_prefill`) and the time to first token (:meth:`observe_ttft`)."""
+        if isinstance(prompt_tokens, bool) or not isinstance(prompt_tokens, int) or prompt_tokens <= 0:
+            raise InvalidArgumentError(f"invalid argument `prompt_tokens`: must be a positive int, got {prompt_tokens!r}")
+        keys = list(page_keys)
+        if len(keys) * self.ps > prompt_tokens:
+            raise InvalidArgumentError(f"invalid argument `page_keys`: {len(keys)} pages of {self.ps} tokens are more than "
+                                       f"the prompt's {prompt_tokens} tokens")
+        keys = keys[: (prompt_tokens - 1) // self.ps]  # the last token is always computed
+        n = self._host_run(keys)
+        segments: list[tuple[str, int]] = []
+        if self.store is not None and n < len(keys):
+            locate = getattr(self.store, "locate", None)
+            if locate is not None:
+                segments = list(locate(keys[n:]))
+            else:
+                m = int(self.store.batch_exists(keys[n:]))
+                segments = [("store", m)] if m else []
+        self._count_lookup(keys, n, sum(p for _, p in segments))
+        plan = plan_restore(prompt_tokens=prompt_tokens, page_tokens=self.ps, page_bytes=self.page_bytes, host_pages=n,
+                            store_segments=segments, tiers=self.measured(), prefill=self.prefill, can_split=can_split)
+        self.planner_stats.record(plan)
+        return plan
+
+    def observe_prefill(self, new_tokens: int, context_tokens: int, seconds: float) -> None:
+        """One forward of the engine: ``new_tokens`` computed after ``context_tokens`` cached ones took
+        ``seconds`` (what the learned prefill model fits)."""
+        self.prefill.observe(new_tokens, context_tokens, seconds)
+
+    def observe_ttft(self, plan: RestorePlan, seconds: float) -> None:
+        """The time to first token measured for a request restored by ``plan`` (predicted against observed)."""
+        self.planner_stats.observe(plan, seconds)
 
     def prefetch(self, page_keys: Sequence[str]) -> concurrent.futures.Future[int]:
         """Bring the pages of ``page_keys`` that are not on the host in from the store, in the background
@@ -327,7 +433,10 @@ class TierController:
                 for ev in events:  # a page still being backed up: the load follows its backup
                     torch.cuda.current_stream().wait_event(ev)
                 after = torch.cuda.current_stream().record_event()
+            t0 = time.perf_counter()
             load = self.loader.load(self._slots(starts), device_indices, after=after)
+            if not self.loader.cuda:  # a CPU load is done on return: its time is the host tier's
+                self.host_meter.observe("read", len(keys) * self.page_bytes, time.perf_counter() - t0)
         except BaseException:  # an error, or a Ctrl-C: the references go back once nothing reads the pages
             self._drain()
             with self.lock:
@@ -373,14 +482,20 @@ class TierController:
             with self.lock:
                 self.host.free(self._slots(list(starts)))
 
-    def adopt(self, page_keys: Sequence[str], starts: Sequence[int], *, event: Any = None) -> list[bool]:
+    def adopt(self, page_keys: Sequence[str], starts: Sequence[int], *, event: Any = None,
+              stored: Sequence[bool] | None = None) -> list[bool]:
         """Put private pages the caller has filled (every layer) into the index under ``page_keys``, without a
         copy; ``event``: a CUDA event after which their bytes are complete (None: complete now). The caller
         keeps one reference per adopted page (give it back with :meth:`release`). A key already in the index
-        is not adopted (False): its page stays the caller's. Written to the store as :meth:`backup` does."""
+        is not adopted (False): its page stays the caller's. Written to the store as :meth:`backup` does,
+        except the pages ``stored`` marks True (the caller recomputed pages the store already holds: a
+        split restore's head)."""
         keys = list(page_keys)
         if len(keys) != len(starts):
             raise InvalidArgumentError(f"invalid argument `starts`: {len(starts)} pages for {len(keys)} keys")
+        if stored is not None and len(stored) != len(keys):
+            raise InvalidArgumentError(f"invalid argument `stored`: {len(stored)} flags for {len(keys)} keys")
+        held = {k for k, s in zip(keys, stored) if s} if stored is not None else set()
         with self.lock:
             self._poll_locked()
             done = []
@@ -388,10 +503,12 @@ class TierController:
                 if k in self.pages:
                     done.append(False)
                     continue
-                self.pages[k] = _HostPage(start=int(s), refs=1 if event is None else 2, ready=event is None, event=event)
+                self.pages[k] = _HostPage(start=int(s), refs=1 if event is None else 2, ready=event is None, event=event,
+                                          in_store=k in held)
                 done.append(True)
             new = [k for k, ok in zip(keys, done) if ok]
             self.stats.backed_up_pages += len(new)
+            new = [k for k in new if k not in held]
             if new and self.store is not None and self.write_policy == "write_through":
                 for k in new:
                     self.pages[k].refs += 1

@@ -24,10 +24,13 @@ import torch
 
 from . import _native
 from .metrics import LatencyHistogram
+from .planner import TierEstimate, TierMeter
 from ._errors import ClosedError, InvalidArgumentError, KvtierError
 
 #: Default hard limit of one namespace's data (bytes).
 DEFAULT_CAPACITY = 64 << 30
+#: Bytes the probe at open writes (twice) and reads back, in a file of its own beside the namespaces.
+DEFAULT_PROBE_BYTES = 16 << 20
 PAGE_LAYOUTS = ("page_first", "page_first_direct")
 
 
@@ -65,7 +68,15 @@ class PageStore:
         kv_cache_dtype: the KV cache's logical dtype when the host pool holds it as raw bytes and cannot say
             (SGLang's pools keep every fp8 variant as ``uint8``): named in the namespace, so pages of an
             ``fp8_e5m2`` cache are never served to an ``fp8_e4m3`` one. kvtier's own pools know it.
+        probe_bytes: when a writable store registers its pool, it measures the disk with the store's own IO
+            (O_DIRECT objects of the pool's page-object size, ``io_threads`` in flight, durable writes) on
+            this many bytes in a temporary file beside the namespaces (removed at once; skipped when the
+            file system has less than 4× that free): the figure that seeds :meth:`measured` until the
+            store's own batches have been timed. 0 disables it.
     """
+
+    #: the tier's name in plans and measurements
+    name = "disk"
 
     def __init__(
         self,
@@ -86,7 +97,10 @@ class PageStore:
         direct: bool | None = None,
         read_only: bool = False,
         kv_cache_dtype: str | None = None,
+        probe_bytes: int = DEFAULT_PROBE_BYTES,
     ) -> None:
+        if isinstance(probe_bytes, bool) or not isinstance(probe_bytes, int) or probe_bytes < 0:
+            raise InvalidArgumentError(f"invalid argument `probe_bytes`: must be an int >= 0, got {probe_bytes!r}")
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes < 4096:
             raise InvalidArgumentError(f"invalid argument `capacity_bytes`: must be an int >= 4096, got {capacity_bytes!r}")
         if isinstance(io_threads, bool) or not isinstance(io_threads, int) or io_threads < 1:
@@ -116,6 +130,9 @@ class PageStore:
         self._lock = threading.Lock()
         #: batch latency histograms ("write": until durable, "read": until verified), for kvtier.metrics
         self.latency = {"write": LatencyHistogram(), "read": LatencyHistogram()}
+        self.probe_bytes = probe_bytes
+        #: this tier's moving estimate of itself (read/write GB/s, batch latency, hit rate): see :meth:`measured`
+        self.meter = TierMeter(self.name)
 
     # ------------------------------------------------------------------ registration
     def namespace_for(self, pool: Any) -> str:
@@ -174,6 +191,35 @@ class PageStore:
         note = native.direct_note if native is not None else None
         if note and self.direct is None and not native.direct:  # a buffered fallback is worth a warning
             warnings.warn(f"kvtier.PageStore at {self.path}: {note}", RuntimeWarning, stacklevel=2)
+        if native is not None and not self.read_only:
+            self._probe(layout[2])
+
+    def _probe(self, object_bytes: int) -> None:
+        """Seeds the meter with the disk's speed for this pool's objects (see ``probe_bytes``); a probe that
+        cannot run (a full or read-only file system) leaves the meter unseeded, never fails the open."""
+        if self.probe_bytes <= 0 or object_bytes <= 0:
+            return
+        size = -(-object_bytes // 4096) * 4096
+        count = max(1, self.probe_bytes // size)
+        try:
+            st = os.statvfs(self.path)
+            if st.f_bavail * st.f_frsize < 4 * size * count:
+                return
+            write, read, _ = _native.disk_roofline(self.path, size, count, min(self.io_threads, count))
+        except (OSError, KvtierError, ValueError):
+            return
+        self.meter.seed(read_GBps=read, write_GBps=write)
+
+    def measured(self) -> dict[str, TierEstimate]:
+        """What this tier measured about itself (``{"disk": TierEstimate}``): read and write GB/s and the
+        fixed cost of a batch over its recent batches, the recent hit rate of lookups; the probe at open
+        until batches have been timed."""
+        return {self.name: self.meter.estimate()}
+
+    def locate(self, keys: Sequence[str]) -> list[tuple[str, int]]:
+        """The leading run of ``keys`` this tier holds, as ``[(tier, pages)]`` (empty on a miss)."""
+        n = self.batch_exists(keys)
+        return [(self.name, n)] if n else []
 
     def _open_native(self) -> Any:
         """Opens the namespace of the registered pool (lock held). A reader whose writer has not created the
@@ -238,7 +284,9 @@ class PageStore:
             return []
         t0 = time.perf_counter()
         ok: list[bool] = store.put_pages(keys, idx) if write else store.get_pages(keys, idx)
-        self.latency["write" if write else "read"].observe(time.perf_counter() - t0)
+        dt = time.perf_counter() - t0
+        self.latency["write" if write else "read"].observe(dt)
+        self.meter.observe("write" if write else "read", sum(ok) * self.page_bytes, dt)
         return ok
 
     def batch_set_v1(self, keys: Sequence[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
@@ -256,7 +304,9 @@ class PageStore:
         """Length of the leading run of keys whose page (K and V) is stored."""
         keys = _keys(keys)
         store = self._reader_store()
-        return store.pages_exist(keys) if store is not None else 0
+        n = int(store.pages_exist(keys)) if store is not None else 0
+        self.meter.observe_lookup(n, len(keys))
+        return n
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1

@@ -11,6 +11,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from .._errors import ClosedError, InvalidArgumentError, KvtierError
+from ..planner import RestorePlan
 from ..store import page_hashes
 
 # forward arguments that do not change the KV a token gets (positions and masks are checked, not listed here)
@@ -114,7 +115,7 @@ class KvtierCache(DynamicCache):
     :meth:`KVTier.cache`. ``restored_tokens``, ``restored_host_pages`` and ``restored_store_pages`` say what
     its prompt did not have to compute."""
 
-    def __init__(self, tier: KVTier, token_ids: list[int]) -> None:
+    def __init__(self, tier: KVTier, token_ids: list[int], *, restore: bool = True) -> None:
         Cache.__init__(self, layers=[_Layer() for _ in range(tier.layers)])
         self.tier = tier
         self.table = _Table()
@@ -132,8 +133,15 @@ class KvtierCache(DynamicCache):
         self._window: _Window | None = None
         self._idx: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.restored_tokens = self.restored_host_pages = self.restored_store_pages = 0
+        self.recomputed_tokens = 0  # tokens of the cached prefix recomputed by the restore (a split plan's head)
+        self.plan: RestorePlan | None = None  # the restore's plan (None: restore="all", or nothing cached)
+        self._forward: Any = None  # (start, new tokens, cached tokens) of the forward in flight
+        self._ttft: Any = None  # (plan, start) until the forward that completes the prompt
+        self._stored: set[str] = set()  # keys of pages recomputed by a split plan that the store already has
+        self._checked = 0  # leading tokens checked against generate's input_ids
         tier.stats.caches += 1
-        self._restore(token_ids)
+        if restore:
+            self._restore(token_ids)
 
     # ------------------------------------------------------------------ restore
     def _restore(self, tokens: list[int]) -> None:
@@ -143,27 +151,60 @@ class KvtierCache(DynamicCache):
             return
         keys = page_hashes(tokens[: n * ps], ps)
         ctrl = tier.controller
-        host, disk = ctrl.match(keys)
-        if disk:
-            ctrl.prefetch(keys[: host + disk]).result()
-        starts = ctrl.acquire(keys)
+        if tier.restore == "all":  # every cached page, loaded: no measurement, no planning
+            host, disk = ctrl.match(keys)
+            if disk:
+                ctrl.prefetch(keys[: host + disk]).result()
+            self._attach(ctrl.acquire(keys), keys, host)
+            return
+        t0 = tier._marks.mark()
+        plan = self.plan = ctrl.plan_restore(keys, len(tokens), can_split=True)
+        h, j, k = plan.host_pages, plan.recompute_to, plan.load_to
+        # the tail's read starts first: it runs in the background while the head is computed
+        tail = ctrl.prefetch(keys[j:k]) if k > j else None
+        try:
+            got = ctrl.acquire(keys[:h]) if h else []
+            self._attach(got, keys, len(got))
+            r = len(got)
+            if j > r:  # the head: computed here, while the tail streams in (its pages are in the store already)
+                model = tier._model()
+                self._stored = set(keys[h:j])
+                with torch.no_grad():
+                    model(input_ids=torch.tensor([tokens[r * ps : j * ps]], device=tier.device), use_cache=True,
+                          logits_to_keep=1, **{tier._cache_kwarg: self})
+                self.recomputed_tokens = (j - r) * ps
+                tier.stats.recomputed_head_tokens += self.recomputed_tokens
+        finally:
+            if tail is not None:
+                tail.result()
+        if tail is not None and self.get_seq_length() == j * ps:
+            more = ctrl.acquire(keys[j:k])
+            self._attach(more, keys, 0, first=j)
+        self._ttft = (plan, t0)
+
+    def _attach(self, starts: list[int], keys: list[str], host: int, *, first: int = 0) -> None:
+        """Pages ``[first, first + len(starts))`` of the prompt, acquired from the controller, become the
+        sequence's (without a copy); ``host`` of them came from the host pool, the rest from the store."""
+        tier, ps = self.tier, self.tier.page_size
         r = len(starts)
-        self.table.starts, self.table.keys = list(starts), list(keys[:r])
-        self._adopted = r
-        self._page_keys = list(keys[:r])
-        self._fed = tokens[: r * ps]
+        if not r:
+            return
+        self.table.starts += list(starts)
+        self.table.keys += list(keys[first : first + r])
+        self._adopted = first + r
+        self._page_keys[first:] = list(keys[first : first + r])
+        self._fed[first * ps:] = self._prompt[first * ps : (first + r) * ps]
         for layer in self.layers:
-            layer.length = r * ps
-        self.restored_tokens = r * ps
-        self.restored_host_pages = min(host, r)
-        self.restored_store_pages = r - self.restored_host_pages
+            layer.length = (first + r) * ps
+        self.restored_tokens += r * ps
+        self.restored_host_pages += min(host, r)
+        self.restored_store_pages += r - min(host, r)
         tier.stats.restored_pages += r
-        tier.stats.restored_host_pages += self.restored_host_pages
-        tier.stats.restored_store_pages += self.restored_store_pages
-        if r:
-            win = self._ensure_window(r * ps)
-            for layer_idx in range(tier.window):  # the first layers move while the embeddings compute
-                self._load(win, layer_idx, r * ps)
+        tier.stats.restored_host_pages += min(host, r)
+        tier.stats.restored_store_pages += r - min(host, r)
+        win = self._ensure_window((first + r) * ps)
+        for layer_idx in range(tier.window):  # the first layers move while the embeddings compute
+            self._load(win, layer_idx, (first + r) * ps)
 
     # ------------------------------------------------------------------ helpers
     def _fed_tokens(self, ids: Any, kwargs: dict[str, Any]) -> None:
@@ -198,6 +239,22 @@ class KvtierCache(DynamicCache):
                 self._unverified()
                 return
         self._fed.extend(ids[0].tolist())
+
+    def _check_sequence(self, input_ids: torch.Tensor, first: bool = True) -> None:
+        """``generate``'s whole sequence (it feeds the model only the tokens after this cache's length) must
+        start with what this cache holds: a prompt that differs inside the restored prefix is refused, never
+        answered from the other prompt's KV. Checks the tokens not checked before (one sync per prompt)."""
+        held = self.get_seq_length()
+        if not first and held - self._checked <= 1:
+            return  # a decode step: the one new token is the one generate fed
+        m = min(held, int(input_ids.shape[1]), len(self._fed))  # (an unverified sequence stops tracking _fed)
+        if m > self._checked:
+            got = input_ids[0, self._checked : m].tolist()
+            if got != self._fed[self._checked : m] or int(input_ids.shape[1]) < held:
+                raise InvalidArgumentError(
+                    "invalid argument `input_ids`: they differ from the tokens this cache holds (KVTier.cache(ids) "
+                    "restored the prefix of another prompt); pass the same ids to KVTier.cache and to generate")
+        self._checked = max(self._checked, m)
 
     def _unverified(self) -> None:
         if self._verified:
@@ -338,7 +395,8 @@ class KvtierCache(DynamicCache):
         keys = page_hashes(self._fed[first * ps : full * ps], ps, prior)
         self._page_keys[first:] = keys
         event = tier.stream.record_event() if tier.stream is not None else None
-        took = tier.controller.adopt(keys, self.table.starts[first:full], event=event)
+        stored = [k in self._stored for k in keys] if self._stored else None
+        took = tier.controller.adopt(keys, self.table.starts[first:full], event=event, stored=stored)
         for j, (k, ok) in enumerate(zip(keys, took), start=first):
             if ok:
                 self.table.keys[j] = k
@@ -381,6 +439,7 @@ class KvtierCache(DynamicCache):
         self._adopted = min(self._adopted, j)
         del self._page_keys[j:]
         del self._fed[tokens:]
+        self._checked = min(self._checked, tokens)
         for layer in self.layers:
             layer.length = tokens
         self._epoch += 1

@@ -49,11 +49,16 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from .._errors import ClosedError, InvalidArgumentError
 from ..controller import TierController
+from ..planner import PrefillModel
 from ..pools import host_pool_for
 from ..store import DEFAULT_CAPACITY, PageStore
 from ._transformers_cache import KvtierCache, _Window
+from ._transformers_plan import Marks, after_forward, before_forward, calibrate as _calibrate
 
-__all__ = ["KVTier", "KvtierCache", "TransformersStats", "TESTED_TRANSFORMERS"]
+__all__ = ["KVTier", "KvtierCache", "TransformersStats", "TESTED_TRANSFORMERS", "RESTORE_MODES"]
+
+#: ``KVTier(restore=...)``: ``"plan"`` decides every restore with measurements; ``"all"`` takes every cached page
+RESTORE_MODES = ("plan", "all")
 
 #: The transformers version this module is tested with (its ``Cache`` API changes between minor versions).
 TESTED_TRANSFORMERS = "5.24.0"
@@ -71,6 +76,7 @@ class TransformersStats:
     restored_pages: int = 0  # pages of a prompt served instead of computed ...
     restored_host_pages: int = 0  # ... from the host pool
     restored_store_pages: int = 0  # ... from the store (or the cluster tier behind it)
+    recomputed_head_tokens: int = 0  # cached tokens recomputed while the rest of their prefix loaded (split plans)
     computed_tokens: int = 0  # tokens whose KV the model computed (summed over layers / layers)
     adopted_pages: int = 0  # full pages handed to the index (then to the store)
     layer_loads: int = 0  # host -> device per-layer loads
@@ -125,11 +131,20 @@ class KVTier:
         store_capacity_bytes: the store's limit.
         cluster: a Mooncake master address: a cluster tier behind the local store (``store_dir`` required).
         pin_memory: pin the host pool (CUDA).
+        restore: ``"plan"`` (default): every restore is decided with measurements — the prefix's pages are
+            loaded, recomputed, or its head recomputed while its tail loads, whichever the tiers' measured
+            speeds and the model's measured prefill predict fastest (:meth:`TierController.plan_restore`);
+            ``"all"``: every cached page is loaded, however slow its tier.
+        prefill: the model's prefill cost for planning: a :class:`kvtier.planner.PrefillModel`, or tokens/s;
+            default: learned from this tier's own forwards (seeded by a calibration at construction).
+        calibrate: with a learned prefill model, time a few forwards of random tokens at construction (up
+            to 4K tokens) so the first request is planned with a model.
     """
 
     def __init__(self, model: Any, *, model_id: str | None = None, page_size: int = 16, window: int = 2,
                  host_tokens: int = 65536, store_dir: str | os.PathLike[str] | None = None,
-                 store_capacity_bytes: int = DEFAULT_CAPACITY, cluster: str | None = None, pin_memory: bool = True) -> None:
+                 store_capacity_bytes: int = DEFAULT_CAPACITY, cluster: str | None = None, pin_memory: bool = True,
+                 restore: str = "plan", prefill: PrefillModel | float | None = None, calibrate: bool = True) -> None:
         config = getattr(model, "config", None)
         if config is None or not callable(model) or not hasattr(config, "get_text_config"):
             raise InvalidArgumentError(f"invalid argument `model`: expected a transformers model, got {type(model).__name__}")
@@ -144,6 +159,12 @@ class KVTier:
             raise InvalidArgumentError(f"invalid argument `store_capacity_bytes`: must be an int >= 4096, got {store_capacity_bytes!r}")
         if not isinstance(pin_memory, bool):
             raise InvalidArgumentError(f"invalid argument `pin_memory`: must be a bool, got {pin_memory!r}")
+        if restore not in RESTORE_MODES:
+            raise InvalidArgumentError(f"invalid argument `restore`: {restore!r}; expected one of {RESTORE_MODES}")
+        if isinstance(prefill, (int, float)) and not isinstance(prefill, bool):
+            prefill = PrefillModel.fixed(prefill)
+        elif prefill is not None and not isinstance(prefill, PrefillModel):
+            raise InvalidArgumentError(f"invalid argument `prefill`: a PrefillModel or tokens/s, got {prefill!r}")
         if cluster is not None and (not isinstance(cluster, str) or store_dir is None):
             raise InvalidArgumentError("invalid argument `cluster`: a Mooncake master address (str), with `store_dir` set")
         if model_id is None:
@@ -232,7 +253,8 @@ class KVTier:
                         raise InvalidArgumentError(f"invalid argument `cluster`: {exc}") from exc
                     remote.register_mem_pool_host(self.host)
                     self.store = TieredStore([("disk", self.page_store), ("mooncake", remote)])
-            self.controller = TierController(self._template, self.host, self.store, write_policy="write_through")
+            self.controller = TierController(self._template, self.host, self.store, write_policy="write_through",
+                                             prefill=prefill, probe=restore == "plan")
         except BaseException:
             if self.store is not None:
                 self.store.close()
@@ -252,9 +274,27 @@ class KVTier:
                 if getattr(tier._text_config, "_attn_implementation", None) != tier.attn_implementation:
                     cache._unverified()  # KV computed another way than the namespace says: never kept
                 cache._fed_tokens(ids, kwargs)
+                if isinstance(ids, torch.Tensor) and ids.dim() == 2:
+                    before_forward(tier, cache, int(ids.shape[1]))
 
+        def done(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+            tier = tier_ref()
+            cache = kwargs.get("cache", kwargs.get("past_key_values"))
+            if tier is not None and isinstance(cache, KvtierCache) and cache.tier is tier:
+                after_forward(tier, cache)
+
+        self.restore = restore
+        self._model = weakref.ref(model)
+        self._cache_kwarg = cache_kwarg(model)
+        self._marks = Marks(kv_device)
+        self._observe = True
         self._hook = model.register_forward_pre_hook(hook, with_kwargs=True)
-        weakref.finalize(self, self._hook.remove)  # a tier dropped without close() leaves no hook behind
+        self._done_hook = model.register_forward_hook(done, with_kwargs=True)
+        self._unwrap = _check_generate_inputs(model, tier_ref)
+        # a tier dropped without close() leaves no hook behind
+        weakref.finalize(self, _unhook, self._hook, self._done_hook, self._unwrap)
+        if restore == "plan" and prefill is None and calibrate:
+            _calibrate(self, model, self._cache_kwarg, int(getattr(text, "vocab_size", 0) or 2))
 
     # ------------------------------------------------------------------ public
     def cache(self, token_ids: Any) -> KvtierCache:
@@ -267,7 +307,9 @@ class KVTier:
             raise InvalidArgumentError(
                 f"invalid argument `model`: its attention implementation changed from {self.attn_implementation!r} to "
                 f"{now!r} since this KVTier was built (its pages were computed with the first); build a new KVTier")
-        return KvtierCache(self, _token_list("token_ids", token_ids))
+        tokens = _token_list("token_ids", token_ids)
+        self._marks.poll()
+        return KvtierCache(self, tokens)
 
     def drop_host_copies(self) -> int:
         """Evict every unreferenced page from the host pool (after its store write): later restores come from
@@ -292,7 +334,8 @@ class KVTier:
         if self._closed:
             return
         self._closed = True
-        self._hook.remove()
+        _unhook(self._hook, self._done_hook, self._unwrap)
+        self._marks.poll(wait=True)
         if self.stream is not None:
             self.stream.synchronize()
         try:
@@ -314,3 +357,32 @@ class KVTier:
 
     def stats_dict(self) -> dict[str, Any]:
         return dict(asdict(self.stats), controller=asdict(self.controller.stats))
+
+
+def _unhook(*undo: Any) -> None:
+    for u in undo:
+        (u.remove if hasattr(u, "remove") else u)()
+
+
+def _check_generate_inputs(model: Any, tier_ref: Any) -> Any:
+    """Wraps ``model.prepare_inputs_for_generation`` (on this instance) so that ``generate`` with a cache of
+    the tier refuses ids that differ from the cache's prefix: ``generate`` feeds the model only the tokens
+    after the cache's length, so the forward pre-hook alone would never see a prompt that differs inside
+    the restored prefix. Returns the undo."""
+    original = model.prepare_inputs_for_generation
+
+    def prepare(input_ids: Any, *args: Any, **kwargs: Any) -> Any:
+        tier = tier_ref()
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if tier is not None and isinstance(cache, KvtierCache) and cache.tier is tier and isinstance(input_ids, torch.Tensor) \
+                and input_ids.dim() == 2 and input_ids.shape[0] == 1:
+            cache._check_sequence(input_ids, bool(kwargs.get("is_first_iteration")))
+        return original(input_ids, *args, **kwargs)
+
+    model.prepare_inputs_for_generation = prepare
+
+    def undo() -> None:
+        if model.__dict__.get("prepare_inputs_for_generation") is prepare:
+            del model.prepare_inputs_for_generation
+
+    return undo

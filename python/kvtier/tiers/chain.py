@@ -33,6 +33,7 @@ import torch
 
 from .._errors import ClosedError, InvalidArgumentError
 from .._indices import _index_array
+from ..planner import TierEstimate
 from ..store import _keys
 
 #: Keys a chain remembers as deleted (oldest forgotten first), see the module docs.
@@ -238,6 +239,48 @@ class TieredStore:
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
+
+    def locate(self, keys: Sequence[str]) -> list[tuple[str, int]]:
+        """Which tier serves each page of the leading run that some tier holds, as runs ``[(tier name,
+        pages), ...]`` in key order: each page from the first (fastest) tier that has it, as
+        :meth:`batch_get_v1` would read it. Its total is :meth:`batch_exists`."""
+        keys = _keys(keys)
+        with self._lock:
+            deleted = next((i for i, k in enumerate(keys) if k in self._deleted), len(keys))
+        out: list[tuple[str, int]] = []
+        pos = 0
+        while pos < len(keys):
+            found = None
+            for ti, (name, tier) in enumerate(self.tiers):
+                part = keys[pos:] if ti == 0 else keys[pos:max(pos, deleted)]
+                if not part:
+                    continue
+                try:
+                    n = int(tier.batch_exists(part))
+                except Exception:
+                    self._count(name, errors=1)
+                    continue
+                if n:
+                    found = (name, n)
+                    break
+            if found is None:
+                break
+            if out and out[-1][0] == found[0]:
+                out[-1] = (found[0], out[-1][1] + found[1])
+            else:
+                out.append(found)
+            pos += found[1]
+        return out
+
+    def measured(self) -> dict[str, TierEstimate]:
+        """Each tier's own estimate of itself, by the chain's tier names (see :class:`kvtier.PageStore`)."""
+        out: dict[str, TierEstimate] = {}
+        for name, tier in self.tiers:
+            own = getattr(tier, "measured", None)
+            if own is not None:
+                est = next(iter(own().values()))
+                out[name] = TierEstimate(**{**est.__dict__, "name": name})
+        return out
 
     def delete(self, keys: Sequence[str]) -> int:
         """Delete from every tier; returns how many pages the first tier had."""

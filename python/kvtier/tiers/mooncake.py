@@ -35,6 +35,7 @@ import torch
 from .. import _native
 from .._errors import ClosedError, InvalidArgumentError, KvtierError
 from ..buffer import HostBuffer
+from ..planner import TierEstimate, TierMeter
 from ..store import PAGE_LAYOUTS, _heads, _keys, _page_layout, logical_dtype
 from ._mooncake_env import store_class
 from ._records import HEAD, OBJ, SLOT, TAIL, TOO_SMALL, UNVERIFIED_KEPT, parse_record, record_bytes, validate_options
@@ -60,6 +61,9 @@ class MooncakeTier:
         kv_cache_dtype: as :class:`kvtier.PageStore` (fp8 caches held as ``uint8``).
         setup_timeout_s: how long construction may wait for the master.
     """
+
+    #: the tier's name in plans and measurements
+    name = "mooncake"
 
     def __init__(self, master_server_address: str, *, model_name: str, key_tag: str | None = None,
                  tp_rank: int = 0, tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1, cp_rank: int = 0,
@@ -94,6 +98,9 @@ class MooncakeTier:
                                      "bytes_written"), 0)
         self._stats.update(get_s=0.0, put_s=0.0)
         self._closed = False
+        #: this tier's moving estimate of itself (see :meth:`measured`); no probe at open (it would put
+        #: objects into a shared cluster): until its first batches, planners treat it as unmeasured
+        self.meter = TierMeter(self.name)
         self._cv = threading.Condition()
         self._inflight = 0
         self._replicate: Any = None
@@ -380,8 +387,9 @@ class MooncakeTier:
             if res[base + n] == 0 and not data_ok:  # a record without its data would block the page: take it back
                 self._store.remove(rk[n])
         sent = sum(1 for i in todo if ok[i])
-        self._count(put_pages=sent, put_failures=len(todo) - sent, bytes_written=sent * self.page_bytes,
-                    put_s=time.perf_counter() - t0)
+        dt = time.perf_counter() - t0
+        self._count(put_pages=sent, put_failures=len(todo) - sent, bytes_written=sent * self.page_bytes, put_s=dt)
+        self.meter.observe("write", sent * self.page_bytes, dt)
         return self._repeat(keys, first, ok)
 
     @staticmethod
@@ -449,8 +457,9 @@ class MooncakeTier:
         ok = [False] * n_pages
         self._verify(range(n_pages), res, rview, keys, names, ptrs, sizes, ok)
         hits = sum(ok)
-        self._count(hits=hits, misses=n_pages - hits, bytes_read=hits * self.page_bytes,
-                    get_s=time.perf_counter() - t0)
+        dt = time.perf_counter() - t0
+        self._count(hits=hits, misses=n_pages - hits, bytes_read=hits * self.page_bytes, get_s=dt)
+        self.meter.observe("read", hits * self.page_bytes, dt)
         return ok
 
     def _verify(self, ch: range, res: list[int], rview: np.ndarray, keys: list[str], names: list[str],
@@ -511,7 +520,17 @@ class MooncakeTier:
             if not data or not (exist[i] == 1 or self.accept_unverified):
                 break
             n += 1
+        self.meter.observe_lookup(n, len(keys))
         return n
+
+    def measured(self) -> dict[str, TierEstimate]:
+        """What this tier measured about itself (``{"mooncake": TierEstimate}``), from its recent batches."""
+        return {self.name: self.meter.estimate()}
+
+    def locate(self, keys: Sequence[str]) -> list[tuple[str, int]]:
+        """The leading run of ``keys`` this tier holds, as ``[(tier, pages)]``."""
+        n = self.batch_exists(keys)
+        return [(self.name, n)] if n else []
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1

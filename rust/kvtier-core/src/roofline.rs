@@ -28,7 +28,10 @@ pub fn odirect_roofline(
     if count == 0 || threads == 0 {
         return Err(Error::arg("count", "count and threads must be positive"));
     }
-    let path = dir.join(format!(".kvtier-roofline-{}", std::process::id()));
+    // One name per call: two probes of one process (two stores opening in one directory) never share a file.
+    static CALLS: AtomicUsize = AtomicUsize::new(0);
+    let call = CALLS.fetch_add(1, Ordering::Relaxed);
+    let path = dir.join(format!(".kvtier-roofline-{}-{call}", std::process::id()));
     let open = |direct: bool| {
         std::fs::OpenOptions::new()
             .read(true)

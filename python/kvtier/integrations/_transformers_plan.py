@@ -1,0 +1,114 @@
+"""The measuring half of kvtier's transformers integration: timing the model's forwards through a tier's caches
+(what the tier's prefill model learns from), the time to first token of each planned restore, and the short
+calibration a new :class:`~kvtier.integrations.transformers.KVTier` runs so its first plan has a prefill model.
+
+Nothing here waits for the GPU: a forward is timed by two CUDA events (the clock on the CPU) and read once the
+later one has passed, at the next forward or the next restore."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from .transformers import KVTier
+
+#: Tokens of the calibration prompt at most (its largest forward), and its forwards (new tokens, in pages).
+CALIBRATION_TOKENS = 4096
+CALIBRATION_PAGES = (8, 32, 128)
+
+
+class Marks:
+    """Points in time on the model's device: ``mark()`` now; ``after(start, end, fn)`` calls ``fn(seconds)``
+    once ``end`` has passed (polled by :meth:`poll`, never waited for)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self._waiting: list[tuple[Any, Any, Any]] = []
+
+    def mark(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
+
+    def after(self, start: Any, end: Any, fn: Any) -> None:
+        self._waiting.append((start, end, fn))
+        if len(self._waiting) > 256:  # a caller that never polls: keep the newest
+            del self._waiting[:128]
+
+    def poll(self, wait: bool = False) -> None:
+        keep = []
+        for start, end, fn in self._waiting:
+            if not self.cuda:
+                fn(end - start)
+            elif wait or end.query():
+                end.synchronize()
+                fn(start.elapsed_time(end) / 1e3)
+            else:
+                keep.append((start, end, fn))
+        self._waiting = keep
+
+
+def before_forward(tier: KVTier, cache: Any, n: int) -> None:
+    """The forward pre-hook's part: the start of a forward of ``n`` new tokens through ``cache``."""
+    tier._marks.poll()
+    if tier._observe:
+        cache._forward = (tier._marks.mark(), n, cache.get_seq_length())
+
+
+def after_forward(tier: KVTier, cache: Any) -> None:
+    """The forward hook's part: the forward's time goes to the prefill model (forwards of a page or more:
+    decode steps say little about prefill); the first forward that completes the prompt ends the time to
+    first token of the cache's plan."""
+    started, cache._forward = cache._forward, None
+    if started is None:
+        return
+    start, n, ctx = started
+    end = tier._marks.mark()
+    ctrl = tier.controller
+    if n >= tier.page_size:
+        tier._marks.after(start, end, lambda s: ctrl.observe_prefill(n, ctx, s))
+    ttft = cache._ttft
+    if ttft is not None and len(cache._fed) >= len(cache._prompt):
+        cache._ttft = None
+        plan, t0 = ttft
+        tier._marks.after(t0, end, lambda s: ctrl.observe_ttft(plan, s))
+
+
+def calibrate(tier: KVTier, model: Any, cache_kwarg: str, vocab: int) -> None:
+    """A few timed forwards of random tokens through a cache of the tier that restores and keeps nothing
+    (pages of increasing length, then a short one after the longest: the cost of cached context), so the
+    prefill model predicts from the first request on. Counters are left as they were."""
+    from ..controller import Stats
+    from ._transformers_cache import KvtierCache
+    from .transformers import TransformersStats
+
+    ps = tier.page_size
+    room = min(CALIBRATION_TOKENS, tier.host_tokens // 2, int(getattr(model.config, "max_position_embeddings", 0) or
+                                                                CALIBRATION_TOKENS) // 2)
+    sizes = [p * ps for p in CALIBRATION_PAGES if p * ps <= room - 2 * ps]
+    if not sizes:
+        return
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, max(2, vocab), (1, sizes[-1] + 2 * ps), generator=gen).to(tier.device)
+    stats, cstats = tier.stats, tier.controller.stats
+    tier.stats, tier.controller.stats = TransformersStats(), Stats()
+    try:
+        with torch.no_grad():
+            for timed, n in [(False, 2 * ps), *[(True, n) for n in sizes]]:
+                tier._observe = timed
+                cache = KvtierCache(tier, ids[0, : n + 2 * ps].tolist(), restore=False)
+                cache._unverified()  # nothing of it is ever kept
+                model(input_ids=ids[:, :n], use_cache=True, logits_to_keep=1, **{cache_kwarg: cache})
+                if timed and n == sizes[-1]:  # a short forward after a long context
+                    model(input_ids=ids[:, n : n + 2 * ps], use_cache=True, logits_to_keep=1, **{cache_kwarg: cache})
+                cache.release()
+        tier._marks.poll(wait=True)
+    finally:
+        tier._observe = True
+        tier.stats, tier.controller.stats = stats, cstats

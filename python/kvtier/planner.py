@@ -1,0 +1,439 @@
+"""Deciding every restore with measurements: load a cached prefix, recompute it, or both at once.
+
+A cached prefix pays only when bringing it back is faster than computing it again. Which one wins depends on
+the tier (pinned host memory at tens of GB/s; a local disk anywhere from 1 to 7 GB/s; a cluster store behind
+a network) and on the engine (how fast its GPU prefills this model at this context length). kvtier decides
+with three measured inputs:
+
+- :class:`TierMeter`: what each tier measured about itself — read and write GB/s, the fixed cost of a batch,
+  the recent hit rate — a moving estimate over kvtier's own transfers, seeded by a short probe when the tier
+  opens (:class:`TierEstimate` is one reading of it).
+- :class:`PrefillModel`: the engine's prefill time for ``n`` new tokens after ``ctx`` cached ones,
+  ``a + b·n + c·n·(ctx + n/2) + d·ctx`` (fixed cost, per-token work, attention, reading the cached context),
+  fitted online from the engine's own forwards, or given by the caller (:meth:`PrefillModel.fixed`).
+- the request: its length, and which of its leading pages each tier holds (host first, then the store's
+  tiers in order).
+
+:func:`plan_restore` turns them into a :class:`RestorePlan`: the leading pages taken from the host, the
+pages recomputed, the pages loaded from each slower tier, and the predicted time to first token. Recomputing
+everything is always a candidate, so no plan is ever predicted slower than it. An engine that drives its
+own forward (``can_split=True``; kvtier's transformers cache) may recompute the head of the cached prefix
+while the tail streams from the store, the two meeting where they finish together (Cake, arXiv 2410.03065);
+an engine that cannot (SGLang, vLLM) gets the number of leading pages worth loading.
+
+Everything here is plain arithmetic on numbers kvtier measured; nothing touches a tier.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ._errors import InvalidArgumentError
+
+#: Observations a meter or a prefill model keeps (the oldest are forgotten first).
+WINDOW = 64
+#: Candidates a plan search evaluates at most per dimension (every page when the run is shorter).
+GRID = 256
+
+
+@dataclass(frozen=True)
+class TierEstimate:
+    """One reading of a tier's meter. ``read_GBps``/``write_GBps`` are sustained rates (bytes after the
+    fixed per-batch cost); ``0.0`` means nothing is known. ``source``: ``"measured"`` (kvtier's own
+    transfers), ``"probe"`` (the probe at open) or ``"none"``."""
+
+    name: str
+    read_GBps: float = 0.0
+    write_GBps: float = 0.0
+    read_latency_s: float = 0.0
+    write_latency_s: float = 0.0
+    hit_rate: float = 0.0
+    samples: int = 0
+    source: str = "none"
+
+    @property
+    def known(self) -> bool:
+        return self.read_GBps > 0
+
+    def read_s(self, nbytes: int) -> float:
+        """Predicted seconds to read ``nbytes`` in one batch (``inf`` when the tier was never measured)."""
+        if nbytes <= 0:
+            return 0.0
+        if self.read_GBps <= 0:
+            return math.inf
+        return self.read_latency_s + nbytes / (self.read_GBps * 1e9)
+
+    def write_s(self, nbytes: int) -> float:
+        if nbytes <= 0:
+            return 0.0
+        if self.write_GBps <= 0:
+            return math.inf
+        return self.write_latency_s + nbytes / (self.write_GBps * 1e9)
+
+
+def _fit_rate(obs: Sequence[tuple[int, float]]) -> tuple[float, float]:
+    """``(GB/s, latency s)`` of ``seconds = latency + bytes / rate`` over observations: a least-squares line
+    when the batch sizes vary enough to tell the two apart, else the plain ratio (latency 0)."""
+    b = np.array([o[0] for o in obs], dtype=np.float64)
+    s = np.array([o[1] for o in obs], dtype=np.float64)
+    if len(obs) >= 3 and b.max() > 1.5 * max(b.min(), 1.0):
+        slope, icept = np.polyfit(b, s, 1)
+        if slope > 0 and icept >= 0:
+            return float(1.0 / slope / 1e9), float(icept)
+    total = float(s.sum())
+    return (float(b.sum()) / total / 1e9 if total > 0 else 0.0), 0.0
+
+
+class TierMeter:
+    """A tier's moving estimate of itself (thread-safe): every batch kvtier moves is observed
+    (:meth:`observe`), every lookup too (:meth:`observe_lookup`); :meth:`estimate` fits the last
+    :data:`WINDOW` batches of each direction. Until a direction has been observed, the probe's figure
+    (:meth:`seed`) stands in for it."""
+
+    def __init__(self, name: str, *, window: int = WINDOW) -> None:
+        self.name = name
+        self._obs: dict[str, collections.deque[tuple[int, float]]] = {
+            "read": collections.deque(maxlen=window), "write": collections.deque(maxlen=window)}
+        self._seed = {"read": 0.0, "write": 0.0}
+        self._looked: collections.deque[tuple[int, int]] = collections.deque(maxlen=4 * window)
+        self._lock = threading.Lock()
+
+    def seed(self, read_GBps: float | None = None, write_GBps: float | None = None) -> None:
+        """The probe's figures (GB/s), used until kvtier's own transfers have been observed."""
+        with self._lock:
+            if read_GBps is not None and read_GBps > 0 and math.isfinite(read_GBps):
+                self._seed["read"] = float(read_GBps)
+            if write_GBps is not None and write_GBps > 0 and math.isfinite(write_GBps):
+                self._seed["write"] = float(write_GBps)
+
+    def observe(self, kind: str, nbytes: int, seconds: float) -> None:
+        """One batch of ``kind`` (``"read"`` or ``"write"``) moved ``nbytes`` in ``seconds``; batches that
+        moved nothing (misses, failures) tell nothing about speed and are ignored."""
+        if nbytes > 0 and seconds > 0 and math.isfinite(seconds):
+            with self._lock:
+                self._obs[kind].append((int(nbytes), float(seconds)))
+
+    def observe_lookup(self, found: int, asked: int) -> None:
+        if asked > 0:
+            with self._lock:
+                self._looked.append((int(found), int(asked)))
+
+    def estimate(self) -> TierEstimate:
+        with self._lock:
+            obs = {k: list(v) for k, v in self._obs.items()}
+            seed = dict(self._seed)
+            looked = list(self._looked)
+        out: dict[str, tuple[float, float]] = {}
+        for kind in ("read", "write"):
+            out[kind] = _fit_rate(obs[kind]) if obs[kind] else (seed[kind], 0.0)
+        asked = sum(a for _, a in looked)
+        measured = bool(obs["read"] or obs["write"])
+        return TierEstimate(
+            name=self.name, read_GBps=out["read"][0], write_GBps=out["write"][0], read_latency_s=out["read"][1],
+            write_latency_s=out["write"][1], hit_rate=sum(f for f, _ in looked) / asked if asked else 0.0,
+            samples=len(obs["read"]), source="measured" if measured else ("probe" if any(seed.values()) else "none"))
+
+
+def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with non-negative coefficients (columns scaled; a negative one is dropped and the rest
+    refitted, at most once per column): enough for the four terms of the prefill model."""
+    scale = np.maximum(np.abs(x).max(axis=0), 1e-30)
+    xs = x / scale
+    active = [i for i in range(x.shape[1]) if np.any(xs[:, i] != 0)]
+    coef = np.zeros(x.shape[1])
+    for _ in range(x.shape[1]):
+        if not active:
+            break
+        sol, *_ = np.linalg.lstsq(xs[:, active], y, rcond=None)
+        if (sol >= 0).all():
+            coef[active] = sol
+            break
+        active.pop(int(np.argmin(sol)))
+    return coef / scale
+
+
+class PrefillModel:
+    """The engine's prefill time, ``seconds(n, ctx) = a + b·n + c·n·(ctx + n/2) + d·ctx`` for ``n`` new
+    tokens after ``ctx`` cached ones (thread-safe). Fitted with non-negative coefficients over the last
+    :data:`WINDOW` forwards the engine reported (:meth:`observe`), or fixed by the caller
+    (:meth:`fixed`, or ``coefficients``). Predicts nothing (``None``) until it has a fit."""
+
+    def __init__(self, coefficients: Sequence[float] | None = None, *, window: int = WINDOW) -> None:
+        self._obs: collections.deque[tuple[int, int, float]] = collections.deque(maxlen=window)
+        self._lock = threading.Lock()
+        self._fixed = coefficients is not None
+        self._coef: np.ndarray | None = None
+        if coefficients is not None:
+            c = [float(v) for v in coefficients]
+            if len(c) != 4 or any(not math.isfinite(v) or v < 0 for v in c):
+                raise InvalidArgumentError(f"invalid argument `coefficients`: four finite values >= 0 (a, b, c, d), got {coefficients!r}")
+            self._coef = np.array(c)
+
+    @classmethod
+    def fixed(cls, tokens_per_s: float, *, overhead_s: float = 0.0) -> PrefillModel:
+        """A prefill rate the operator knows (e.g. from the engine's own logs): ``n / tokens_per_s``."""
+        if isinstance(tokens_per_s, bool) or not isinstance(tokens_per_s, (int, float)) or not tokens_per_s > 0 \
+                or not math.isfinite(tokens_per_s):
+            raise InvalidArgumentError(f"invalid argument `prefill_tokens_per_s`: must be a number > 0, got {tokens_per_s!r}")
+        return cls((overhead_s, 1.0 / float(tokens_per_s), 0.0, 0.0))
+
+    @property
+    def learned(self) -> bool:
+        """Fitted from observations (not fixed by the caller)."""
+        return not self._fixed
+
+    @property
+    def samples(self) -> int:
+        with self._lock:
+            return len(self._obs)
+
+    def observe(self, n: int, ctx: int, seconds: float) -> None:
+        """One forward of ``n`` new tokens after ``ctx`` cached ones took ``seconds`` (ignored when fixed)."""
+        if self._fixed or n <= 0 or ctx < 0 or not (seconds > 0 and math.isfinite(seconds)):
+            return
+        with self._lock:
+            self._obs.append((int(n), int(ctx), float(seconds)))
+            self._coef = None  # refitted on the next prediction
+
+    @staticmethod
+    def _features(n: float, ctx: float) -> list[float]:
+        return [1.0, n, n * (ctx + n / 2.0), ctx]
+
+    def coefficients(self) -> tuple[float, float, float, float] | None:
+        """``(a, b, c, d)`` of the current fit, or None before any observation."""
+        with self._lock:
+            if self._coef is None:
+                if not self._obs:
+                    return None
+                x = np.array([self._features(n, c) for n, c, _ in self._obs])
+                y = np.array([s for _, _, s in self._obs])
+                self._coef = _nnls(x, y)
+            a, b, c, d = (float(v) for v in self._coef)
+        return a, b, c, d
+
+    def seconds(self, n: int, ctx: int) -> float | None:
+        """Predicted seconds of a forward of ``n`` new tokens after ``ctx`` cached ones (0 for none)."""
+        if n <= 0:
+            return 0.0
+        coef = self.coefficients()
+        if coef is None:
+            return None
+        return float(np.dot(coef, self._features(n, ctx)))
+
+
+@dataclass
+class RestorePlan:
+    """What to do with a request's cached prefix (pages of ``page_tokens`` tokens):
+
+    - pages ``[0, host_pages)`` are taken from the host pool;
+    - pages ``[host_pages, recompute_to)`` are recomputed (the *head*; empty unless the plan splits);
+    - pages ``[recompute_to, load_to)`` are loaded from the slower tiers, ``load`` saying how many from
+      which tier in order; with a head, the load runs while the head is computed;
+    - the rest of the prompt, tokens ``[load_to · page_tokens, prompt_tokens)``, is computed last.
+
+    ``kind``: ``"recompute"`` (nothing reused), ``"host"`` (host pages only), ``"load"`` (store pages
+    loaded, nothing recomputed before them) or ``"split"``. ``predicted_s`` is the plan's predicted time to
+    first token and ``recompute_s`` recomputing the whole prompt's, both from the same model (``None`` when
+    the prefill cost is not known yet: the plan then is what the tiers hold, as before planning)."""
+
+    prompt_tokens: int
+    page_tokens: int
+    host_pages: int = 0
+    recompute_to: int = 0
+    load_to: int = 0
+    load: list[tuple[str, int]] = field(default_factory=list)
+    predicted_s: float | None = None
+    recompute_s: float | None = None
+    kind: str = "recompute"
+    cached_pages: int = 0  # the leading pages some tier holds (what was available)
+
+    @property
+    def reused_pages(self) -> int:
+        """Pages whose KV is not computed again (host + loaded)."""
+        return self.host_pages + (self.load_to - self.recompute_to)
+
+    @property
+    def loaded_pages(self) -> int:
+        return self.load_to - self.recompute_to
+
+    @property
+    def recomputed_tokens(self) -> int:
+        """Tokens of the prompt computed: the head and the rest."""
+        return self.prompt_tokens - self.reused_pages * self.page_tokens
+
+    @property
+    def speedup(self) -> float | None:
+        if self.predicted_s is None or self.recompute_s is None or self.predicted_s <= 0:
+            return None
+        return self.recompute_s / self.predicted_s
+
+    def as_dict(self) -> dict[str, object]:
+        return dict(kind=self.kind, prompt_tokens=self.prompt_tokens, page_tokens=self.page_tokens,
+                    host_pages=self.host_pages, recompute_to=self.recompute_to, load_to=self.load_to,
+                    load=list(self.load), cached_pages=self.cached_pages, predicted_s=self.predicted_s,
+                    recompute_s=self.recompute_s)
+
+
+def _segments_between(segments: Sequence[tuple[str, int]], first: int, last: int) -> list[tuple[str, int]]:
+    """The part of ``segments`` (consecutive runs of pages, by tier) covering pages ``[first, last)``
+    counted from the segments' start."""
+    out, pos = [], 0
+    for name, n in segments:
+        lo, hi = max(pos, first), min(pos + n, last)
+        if hi > lo:
+            out.append((name, hi - lo))
+        pos += n
+    return out
+
+
+def plan_restore(
+    *,
+    prompt_tokens: int,
+    page_tokens: int,
+    page_bytes: int,
+    host_pages: int,
+    store_segments: Sequence[tuple[str, int]] = (),
+    tiers: Mapping[str, TierEstimate] | None = None,
+    prefill: PrefillModel | None = None,
+    can_split: bool = True,
+    margin: float = 0.02,
+    split_margin: float = 0.05,
+) -> RestorePlan:
+    """The fastest predicted plan for a request (see :class:`RestorePlan`).
+
+    Args:
+        prompt_tokens: the prompt's length; at least its last token is always computed (the engine needs
+            its logits), so at most ``(prompt_tokens - 1) // page_tokens`` pages are reused.
+        page_tokens, page_bytes: a page's tokens and its bytes (every layer, K and V).
+        host_pages: the leading run of pages in the host pool.
+        store_segments: the pages after them, by tier, in order (``[("disk", 40), ("mooncake", 8)]``).
+        tiers: each store tier's estimate (:meth:`TierMeter.estimate`). A tier with no figure yet (never
+            probed, never read: a read-only follower, a cluster tier) is loaded from as if it cost nothing,
+            so its first reads measure it.
+        prefill: the engine's prefill model; until it predicts, the plan takes every cached page (as
+            kvtier did before planning) and predicts nothing.
+        can_split: the engine can recompute the head of the prefix while its tail loads (two forwards).
+        margin: a plan that reuses stored pages must be predicted at least this fraction faster than the
+            best plan without them, so a close call never makes time to first token worse.
+        split_margin: a split (a second forward, IO beside compute) must be predicted at least this fraction
+            faster than the best plan without one.
+    """
+    for name, v in (("prompt_tokens", prompt_tokens), ("page_tokens", page_tokens), ("page_bytes", page_bytes)):
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise InvalidArgumentError(f"invalid argument `{name}`: must be a positive int, got {v!r}")
+    if isinstance(host_pages, bool) or not isinstance(host_pages, int) or host_pages < 0:
+        raise InvalidArgumentError(f"invalid argument `host_pages`: must be an int >= 0, got {host_pages!r}")
+    segs = [(str(n), int(p)) for n, p in store_segments if int(p) > 0]
+    if any(p < 0 for _, p in store_segments):
+        raise InvalidArgumentError(f"invalid argument `store_segments`: negative page counts in {store_segments!r}")
+    limit = (prompt_tokens - 1) // page_tokens  # pages that may be reused at most
+    h = min(host_pages, limit)
+    segs = _segments_between(segs, 0, max(0, limit - h))
+    cached = h + sum(p for _, p in segs)
+    ps = page_tokens
+    tiers = dict(tiers or {})
+
+    def full(kind: str, host: int, j: int, k: int, predicted: float | None, recompute: float | None) -> RestorePlan:
+        return RestorePlan(prompt_tokens, ps, host, j, k, _segments_between(segs, j - h, k - h), predicted,
+                           recompute, kind, cached)
+
+    P = prefill.seconds if prefill is not None else None
+    recompute = P(prompt_tokens, 0) if P is not None else None
+    if P is None or recompute is None:  # nothing to decide with: take what the tiers hold
+        return full("load" if cached > h else "host" if h else "recompute", h, h, cached, None, None)
+
+    def read_s(j: int, k: int) -> float:
+        """Seconds to read pages [j, k) (counted from 0) from their tiers, one batch per tier, in order."""
+        total = 0.0
+        for name, n in _segments_between(segs, j - h, k - h):
+            est = tiers.get(name)
+            total += est.read_s(n * page_bytes) if est is not None and est.known else 0.0
+        return total
+
+    def rest(k: int) -> float:
+        return P(prompt_tokens - k * ps, k * ps)  # type: ignore[misc]
+
+    best = full("recompute", 0, 0, 0, recompute, recompute)
+    if h:
+        t = rest(h)
+        if t < best.predicted_s:  # type: ignore[operator]
+            best = full("host", h, h, h, t, recompute)
+
+    def better(t: float, than: RestorePlan, by: float) -> bool:
+        """Worth the extra work (more IO, or a second forward): faster than ``than`` by the fraction ``by``."""
+        return t < than.predicted_s * (1.0 - by)  # type: ignore[operator]
+
+    if cached > h:
+        k = cached
+        floor = best  # the best plan without the store
+        # load [h, k2) and compute the rest (k2 < k: stop before a slow tier late in the run)
+        grid = range(h + 1, k + 1) if k - h <= GRID else sorted({h + (k - h) * i // GRID for i in range(1, GRID + 1)})
+        for k2 in grid:
+            t = read_s(h, k2) + rest(k2)
+            if t < best.predicted_s and better(t, floor, margin):  # type: ignore[operator]
+                best = full("load", h, h, k2, t, recompute)
+        if can_split:  # recompute the head [h, j) while the tail [j, k) loads
+            floor = best
+            grid = range(h + 1, k) if k - h <= GRID else sorted({h + (k - h) * i // GRID for i in range(1, GRID)})
+            for j in grid:
+                t = max(P((j - h) * ps, h * ps), read_s(j, k)) + rest(k)  # type: ignore[operator]
+                if t < best.predicted_s and better(t, floor, split_margin):  # type: ignore[operator]
+                    best = full("split", h, j, k, t, recompute)
+    return best
+
+
+class PlannerStats:
+    """Every restore decision, counted (thread-safe): plans by kind, tokens taken from each tier (``host``
+    and the store's tiers by name) and tokens recomputed, and — for the plans whose time to first token
+    the engine reported — predicted against observed."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.plans: collections.Counter[str] = collections.Counter()
+        self.tokens_loaded: collections.Counter[str] = collections.Counter()
+        self.tokens_recomputed = 0
+        self.cached_tokens = 0  # tokens some tier held (what could have been reused)
+        self.observed = 0
+        self.predicted_s = 0.0  # sums over the observed plans
+        self.observed_s = 0.0
+        self._ratios: collections.deque[float] = collections.deque(maxlen=WINDOW)
+
+    def record(self, plan: RestorePlan) -> None:
+        with self._lock:
+            self.plans[plan.kind] += 1
+            if plan.host_pages:
+                self.tokens_loaded["host"] += plan.host_pages * plan.page_tokens
+            for name, n in plan.load:
+                self.tokens_loaded[name] += n * plan.page_tokens
+            self.tokens_recomputed += plan.recomputed_tokens
+            self.cached_tokens += plan.cached_pages * plan.page_tokens
+
+    def observe(self, plan: RestorePlan, seconds: float) -> None:
+        """The time to first token the engine measured for ``plan``."""
+        if plan.predicted_s is None or not (seconds > 0 and math.isfinite(seconds)):
+            return
+        with self._lock:
+            self.observed += 1
+            self.predicted_s += plan.predicted_s
+            self.observed_s += seconds
+            self._ratios.append(plan.predicted_s / seconds)
+
+    def median_error(self) -> float | None:
+        """Median of ``|predicted / observed - 1|`` over the last :data:`WINDOW` observed plans."""
+        with self._lock:
+            r = list(self._ratios)
+        return float(np.median(np.abs(np.array(r) - 1.0))) if r else None
+
+    def as_dict(self) -> dict[str, object]:
+        err = self.median_error()
+        with self._lock:
+            return dict(plans=dict(self.plans), tokens_loaded=dict(self.tokens_loaded),
+                        tokens_recomputed=self.tokens_recomputed, cached_tokens=self.cached_tokens,
+                        observed=self.observed, predicted_s=self.predicted_s, observed_s=self.observed_s,
+                        median_prediction_error=err)

@@ -1,0 +1,160 @@
+"""Deciding every restore with measurements (kvtier.planner, TierController.plan_restore, the transformers
+cache's planned restores): the plan is never predicted slower than recomputing; a fast tier is loaded, a slow
+one recomputed, a balanced one split (head recomputed while the tail loads); the split's output is recompute's
+and its loaded pages are the stored bytes; a prompt that differs inside a restored prefix is refused."""
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvtier.planner import PlannerStats, PrefillModel, TierEstimate, TierMeter, plan_restore
+
+KB = 1 << 10
+
+
+# ---------------------------------------------------------------------------------------------- the planner
+def model(per_token=30e-6, attn=1e-9, fixed=2e-3, ctx=0.0):
+    return PrefillModel((fixed, per_token, attn, ctx))
+
+
+def disk(gbps, latency=0.0):
+    return {"disk": TierEstimate("disk", read_GBps=gbps, read_latency_s=latency, source="probe")}
+
+
+def plan(gbps, can_split=True, host=0, pages=128, prompt=None, **kw):
+    ps = 64
+    return plan_restore(prompt_tokens=prompt or pages * ps + 64, page_tokens=ps, page_bytes=ps * 128 * KB,
+                        host_pages=host, store_segments=[("disk", pages - host)], tiers=disk(gbps),
+                        prefill=kw.pop("prefill", model()), can_split=can_split, **kw)
+
+
+def test_a_fast_tier_is_loaded_a_slow_one_recomputed():
+    fast, slow = plan(500.0), plan(0.05)
+    assert fast.kind == "load" and fast.load == [("disk", 128)] and fast.recomputed_tokens == 64
+    assert fast.predicted_s < fast.recompute_s
+    assert slow.kind == "recompute" and slow.reused_pages == 0 and slow.predicted_s == slow.recompute_s
+    # a tier at 0.3 GB/s is 14x slower per token than this prefill: at most a short tail is read beside it
+    third = plan(0.3)
+    assert third.loaded_pages <= 12 and third.predicted_s > 0.9 * third.recompute_s
+
+
+def test_a_balanced_tier_is_split_where_head_and_tail_finish_together():
+    p = plan(1.8)  # the H200's disk: ~73 us/token read against ~31 us/token of prefill
+    assert p.kind == "split" and 0 < p.recompute_to < p.load_to == 128
+    pm = model()
+    head = pm.seconds(p.recompute_to * 64, 0)
+    tail = disk(1.8)["disk"].read_s(p.loaded_pages * 64 * 128 * KB)
+    assert abs(head - tail) < 0.02 * max(head, tail) + pm.seconds(64, 0)  # one page of either side
+    assert p.predicted_s < 0.8 * p.recompute_s
+    # an engine that cannot split gets all or nothing of the load, never a head
+    q = plan(1.8, can_split=False)
+    assert q.recompute_to == q.host_pages == 0 and q.kind in ("load", "recompute")
+
+
+def test_host_pages_come_first_and_the_last_token_is_always_computed():
+    p = plan(50.0, host=40)
+    assert p.host_pages == 40 and p.load == [("disk", 88)]
+    exact = plan(50.0, pages=4, prompt=4 * 64)  # the prompt ends on a page boundary: its last page is computed
+    assert exact.load_to == 3 and exact.recomputed_tokens == 64
+
+
+def test_without_a_prefill_model_every_cached_page_is_taken():
+    p = plan_restore(prompt_tokens=1000, page_tokens=64, page_bytes=1 << 20, host_pages=2,
+                     store_segments=[("disk", 5)], tiers=disk(0.001), prefill=PrefillModel())
+    assert p.kind == "load" and p.load_to == 7 and p.predicted_s is None
+
+
+def test_an_unmeasured_tier_is_explored():
+    p = plan_restore(prompt_tokens=8256, page_tokens=64, page_bytes=64 * 128 * KB, host_pages=0,
+                     store_segments=[("mooncake", 128)], tiers={"mooncake": TierEstimate("mooncake")}, prefill=model())
+    assert p.kind == "load" and p.load == [("mooncake", 128)]
+
+
+def test_a_slow_tier_late_in_the_run_is_cut_off():
+    segs = [("disk", 64), ("mooncake", 64)]
+    tiers = {"disk": TierEstimate("disk", read_GBps=40.0), "mooncake": TierEstimate("mooncake", read_GBps=0.05)}
+    p = plan_restore(prompt_tokens=128 * 64 + 64, page_tokens=64, page_bytes=64 * 128 * KB, host_pages=0,
+                     store_segments=segs, tiers=tiers, prefill=model(), can_split=False)
+    assert p.kind == "load" and p.load == [("disk", 64)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(gbps=st.floats(0.01, 100.0), latency=st.floats(0.0, 0.05), host=st.integers(0, 40), pages=st.integers(0, 300),
+       extra=st.integers(1, 5000), per_token=st.floats(1e-7, 1e-3), attn=st.floats(0.0, 1e-8),
+       fixed=st.floats(0.0, 0.05), ctx=st.floats(0.0, 1e-5), split=st.booleans())
+def test_no_plan_is_predicted_slower_than_recomputing(gbps, latency, host, pages, extra, per_token, attn, fixed, ctx, split):
+    ps = 16
+    pm = model(per_token, attn, fixed, ctx)
+    total = host + pages
+    p = plan_restore(prompt_tokens=total * ps + extra, page_tokens=ps, page_bytes=ps * 64 * KB, host_pages=host,
+                     store_segments=[("disk", pages)], tiers=disk(gbps, latency), prefill=pm, can_split=split)
+    assert p.predicted_s <= p.recompute_s + 1e-12
+    assert 0 <= p.host_pages <= p.recompute_to <= p.load_to <= total
+    assert sum(n for _, n in p.load) == p.loaded_pages
+    assert split or p.recompute_to == p.host_pages
+    assert p.recomputed_tokens + p.reused_pages * ps == p.prompt_tokens
+    # the prediction is the model's own arithmetic for the chosen pages
+    h, j, k = p.host_pages, p.recompute_to, p.load_to
+    if p.kind != "recompute":
+        read = disk(gbps, latency)["disk"].read_s((k - j) * ps * 64 * KB)
+        want = max(pm.seconds((j - h) * ps, h * ps), read) + pm.seconds(p.prompt_tokens - k * ps, k * ps)
+        assert math.isclose(p.predicted_s, want, rel_tol=1e-9)
+
+
+def test_bad_arguments_name_themselves():
+    for kw, name in ((dict(prompt_tokens=0), "prompt_tokens"), (dict(page_tokens=-1), "page_tokens"),
+                     (dict(host_pages=-2), "host_pages"), (dict(page_bytes=True), "page_bytes")):
+        args = {**dict(prompt_tokens=100, page_tokens=16, page_bytes=4096, host_pages=0), **kw}
+        with pytest.raises(ValueError, match=f"`{name}`"):
+            plan_restore(**args)
+    with pytest.raises(ValueError, match="prefill_tokens_per_s"):
+        PrefillModel.fixed(0)
+    with pytest.raises(ValueError, match="coefficients"):
+        PrefillModel((1.0, -1.0, 0.0, 0.0))
+
+
+# ---------------------------------------------------------------------------------------------- the estimates
+def test_prefill_model_recovers_its_terms():
+    true = (3e-3, 25e-6, 2e-9, 1e-6)
+    pm = PrefillModel()
+    assert pm.seconds(100, 0) is None and pm.coefficients() is None
+    for n, ctx in ((128, 0), (512, 0), (2048, 0), (4096, 0), (128, 4096), (64, 8192), (1024, 2048)):
+        pm.observe(n, ctx, PrefillModel(true).seconds(n, ctx))
+    for n, ctx in ((8192, 0), (256, 16384), (3000, 3000)):
+        assert math.isclose(pm.seconds(n, ctx), PrefillModel(true).seconds(n, ctx), rel_tol=1e-6)
+    fixed = PrefillModel.fixed(1000.0)
+    fixed.observe(10, 0, 99.0)  # a fixed model ignores observations
+    assert fixed.seconds(500, 100) == pytest.approx(0.5) and not fixed.learned
+
+
+def test_tier_meter_fits_rate_and_latency():
+    m = TierMeter("disk")
+    assert m.estimate().source == "none" and m.estimate().read_s(1) == math.inf
+    m.seed(read_GBps=2.0, write_GBps=1.0)
+    e = m.estimate()
+    assert e.source == "probe" and e.read_GBps == 2.0 and e.write_GBps == 1.0
+    for nbytes in (1 << 20, 4 << 20, 16 << 20, 64 << 20):
+        m.observe("read", nbytes, 0.001 + nbytes / 5e9)
+    m.observe("read", 0, 1.0)  # a batch of misses says nothing about speed
+    e = m.estimate()
+    assert e.source == "measured" and e.read_GBps == pytest.approx(5.0, rel=1e-6)
+    assert e.read_latency_s == pytest.approx(0.001, rel=1e-6) and e.write_GBps == 1.0
+    m.observe_lookup(3, 4)
+    m.observe_lookup(0, 4)
+    assert m.estimate().hit_rate == pytest.approx(3 / 8)
+
+
+def test_planner_stats_count_every_decision():
+    stats = PlannerStats()
+    p = plan(1.8)
+    stats.record(p)
+    stats.record(plan(0.3))
+    stats.observe(p, p.predicted_s * 1.1)
+    d = stats.as_dict()
+    assert d["plans"] == {"split": 1, "recompute": 1}
+    assert d["tokens_loaded"] == {"disk": p.loaded_pages * 64}
+    assert d["tokens_recomputed"] == p.recomputed_tokens + 128 * 64 + 64
+    assert d["observed"] == 1
+    assert stats.median_error() == pytest.approx(abs(1 / 1.1 - 1), rel=1e-6)
