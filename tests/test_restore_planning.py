@@ -150,7 +150,7 @@ def test_planner_stats_count_every_decision():
     stats = PlannerStats()
     p = plan(1.8)
     stats.record(p)
-    stats.record(plan(0.3))
+    stats.record(plan(0.05))
     stats.observe(p, p.predicted_s * 1.1)
     d = stats.as_dict()
     assert d["plans"] == {"split": 1, "recompute": 1}

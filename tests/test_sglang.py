@@ -23,7 +23,9 @@ def config(path, *, tp_rank=0, tp_size=1, mla=False, layout="page_first_direct",
         is_mla_model=mla, enable_storage_metrics=metrics, is_page_first_layout=(layout == "page_first"),
         model_name="XiaomiMiMo/MiMo-V2-Flash",
         extra_config={"backend_name": "kvtier", "module_path": "kvtier.integrations.sglang",
-                      "class_name": "KvtierStorage", "interface_v1": 1, "path": str(path), **extra},
+                      "class_name": "KvtierStorage", "interface_v1": 1, "path": str(path),
+                      # the planner is off here (these tests pin the mechanics; test_engine_planning.py covers it)
+                      "restore_planner": False, **extra},
     )
 
 
@@ -400,3 +402,36 @@ def test_kvtier_and_sglang_mla_pools_share_pages(tmp_path, layout):
     if layout == "page_first_direct":
         assert torch.equal(flat_kv[4 * page:8 * page], flat_sg[:4 * page])
     a.close()
+
+
+def test_batch_exists_answers_with_the_pages_worth_loading(tmp_path):
+    """The restore planner (on by default): SGLang is told only the leading pages whose read is predicted faster
+    than its prefill computing them, judged by the tier's own measurement; the pages themselves stay stored."""
+    from kvtier.planner import TierMeter
+
+    pool = sglang_pool("page_first_direct")
+    keys = [f"{i:064x}" for i in range(6)]
+    extra = {k: v for k, v in config(tmp_path).extra_config.items() if k != "restore_planner"}
+    cfg = config(tmp_path)
+    cfg.extra_config = extra  # the defaults: planner on, prefill rate from the default engine
+    be = KvtierStorage(cfg)
+    be.register_mem_pool_host(pool)
+    assert be.planner.enabled and be.batch_set_v1(keys, idx(range(6))) == [True] * 6
+    for gbps, want in ((1000.0, 6), (1e-4, 0)):  # a tier far faster / far slower than a prefill
+        be.store.meter = TierMeter("disk")
+        be.store.meter.seed(read_GBps=gbps)
+        assert be.batch_exists(keys) == want and be.store.batch_exists(keys) == 6
+    assert be.kvtier_stats()["restore_planner"]["plans"] == {"load": 1, "recompute": 1}
+    be.close()
+    # the operator's prefill rate decides against the measured tier: compute that costs nothing never loads,
+    # compute that takes a second per token always does
+    for rate, want in ((1e15, 0), (1.0, 6)):
+        be = KvtierStorage(config(tmp_path, restore_planner=True, prefill_tokens_per_s=rate))
+        be.register_mem_pool_host(pool)
+        assert be.batch_exists(keys) == want
+        assert be.batch_get_v1(keys, idx(range(6))) == [True] * 6  # what SGLang is told to load still loads
+        be.close()
+    for bad, name in (({"restore_planner": "yes"}, "restore_planner"), ({"prefill_tokens_per_s": -1}, "prefill_tokens_per_s"),
+                      ({"prefill_tokens_per_s": True}, "prefill_tokens_per_s")):
+        with pytest.raises(ValueError, match=name):
+            KvtierStorage(config(tmp_path, **bad))

@@ -61,7 +61,8 @@ def offloading_config(
     kvtier as its one secondary tier."""
     block = tokens_per_block * layers * GEOMETRIES[geometry]
     row = -(-block * tp * blocks_per_chunk // 4096) * 4096
-    entry = {**TIER, "path": str(root), "capacity_bytes": 1 << 30, **tier}
+    # the restore planner is off here (these tests pin the tier's mechanics; test_engine_planning.py covers it)
+    entry = {**TIER, "path": str(root), "capacity_bytes": 1 << 30, "restore_planner": False, **tier}
     entry = {k: v for k, v in entry.items() if v is not None}
     names = [f"model.layers.{i}.self_attn.attn" for i in range(layers * groups)]
     return OffloadingConfig(
@@ -543,3 +544,25 @@ def test_a_job_runs_on_the_rows_it_was_submitted_with(tmp_path, managers):
     tier.drain_jobs()
     assert [r.success for r in tier.get_finished_jobs()] == [True]
     assert np.array_equal(view[3], want[0]) and np.array_equal(view[2], want[1])
+
+
+def test_lookup_reports_only_rows_worth_loading(tmp_path, managers):
+    """The restore planner (on by default): a stored row is a HIT through vLLM's tiering manager only when
+    reading it is predicted faster than vLLM recomputing its tokens; otherwise a MISS (vLLM recomputes), and
+    the row stays stored for a faster day. Paired: the same rows are HITs when compute is slow."""
+    results = {}
+    for rate in (1.0, 1e15):  # a prefill of one token per second, and one that costs nothing
+        root = tmp_path / str(rate)
+        m = managers(offloading_config(root, rows=4, restore_planner=True, prefill_tokens_per_s=rate))
+        ks = keys(4, start=500)
+        assert all(r.success for r in store(m, ks, random_rows(m, 4, seed=7)))
+        store(m, keys(4, start=600), random_rows(m, 4, seed=8))  # evicts ks from the primary tier
+        _, res = load(m, ks)
+        tier = m.secondary_tiers[0]
+        results[rate] = (res, tier.counters["planned_misses"], tier.store.batch_exists([tier._name(k) for k in ks]))
+        shutdown(m)
+    assert results[1.0] == ([LookupResult.HIT] * 4, 0, 4)
+    res, misses, stored = results[1e15]
+    assert res[0] is LookupResult.MISS and misses >= 1 and stored == 4
+    with pytest.raises(ValueError, match="prefill_tokens_per_s"):
+        managers(offloading_config(tmp_path / "bad", prefill_tokens_per_s="fast"))

@@ -213,10 +213,10 @@ class KvtierCache(DynamicCache):
         embeddings, images, any argument not in _PLAIN) makes the sequence unverified: nothing more of it is
         kept. A forward that feeds other tokens than the prompt this cache was made for is an error: its
         restored prefix belongs to that prompt."""
-        start = len(self._fed)
-        if isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[0] == 1 and start < len(self._prompt):
+        start, pos = len(self._fed), self.get_seq_length()  # (an unverified sequence stops tracking _fed)
+        if isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[0] == 1 and pos < len(self._prompt):
             fed = ids[0].tolist()
-            expect = self._prompt[start : start + len(fed)]
+            expect = self._prompt[pos : pos + len(fed)]
             if fed[: len(expect)] != expect:
                 raise InvalidArgumentError(
                     "invalid argument `input_ids`: they are not the prompt this cache was made for (KVTier.cache(ids) "

@@ -24,6 +24,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 from .._errors import InvalidArgumentError
 from ..buffer import HostBuffer
 from ..store import DEFAULT_CAPACITY, PageStore
+from ._engine_planner import EnginePlanner
 from ._pools_v2 import PoolStore
 
 #: v2 pools whose pages every TP rank holds its own shard of, even in a model whose KV is rank-replicated
@@ -39,6 +40,10 @@ OPTIONS = {
     "kv_cache_dtype": None,  # the --kv-cache-dtype of an fp8 cache (SGLang's host pools hold fp8 as uint8)
     "tiers": ["disk"],  # the tiers in order: ["disk"] or ["disk", "mooncake"] (the cluster tier, kvtier.tiers)
     "mooncake": None,  # the cluster tier's options (MOONCAKE_OPTIONS), with "tiers": ["disk", "mooncake"]
+    # batch_exists answers with the leading pages worth loading (kvtier.integrations._engine_planner):
+    # SGLang recomputes the rest instead of waiting on a tier measured slower than its prefill
+    "restore_planner": True,
+    "prefill_tokens_per_s": None,  # the engine's prefill throughput for this model (default: a fast engine)
 }
 #: Options of the ``"mooncake"`` object (see :class:`kvtier.tiers.mooncake.MooncakeTier`).
 MOONCAKE_OPTIONS = {"master_server_address", "protocol", "device_name", "local_hostname", "metadata_server",
@@ -82,6 +87,7 @@ class KvtierStorage(HiCacheStorage):
         self.is_writer = bool(writer) if writer is not None else (not self.is_mla or storage_config.tp_rank == 0)
         tp_rank, tp_size = (0, 1) if self.is_mla else (storage_config.tp_rank, storage_config.tp_size)
         self._opts = opts
+        self.planner = EnginePlanner(opts["restore_planner"], opts["prefill_tokens_per_s"])
         self._pools: dict[str, PoolStore] = {}  # the v2 interface's extra pools, by name
         self.store = PageStore(
             os.path.expanduser(str(opts["path"])),
@@ -184,7 +190,7 @@ class KvtierStorage(HiCacheStorage):
         ``all_pages``: every page of the prefix; ``trailing_pages``: the last ``len(keys)`` pages of it)."""
         from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransferResult
 
-        kv_pages = self.store.batch_exists(keys)
+        kv_pages = self._worth_loading(self.store, keys, extra_info)
         hits: dict = {PoolName.KV: kv_pages} if kv_pages else {}
         restorable = set(range(1, kv_pages + 1))
         for t in pool_transfers or []:
@@ -268,7 +274,18 @@ class KvtierStorage(HiCacheStorage):
             self._metrics[f"{kind}_bandwidth"].append(gbps)
 
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
-        return int(self._v1.batch_exists(keys))
+        """The leading run of ``keys`` stored, cut to the pages worth loading: reading them must be predicted
+        faster than SGLang computing them (after the ``prefix_keys`` SGLang passes, when it passes them), by
+        the tiers' measured speeds (``"restore_planner": false`` turns this off)."""
+        return self._worth_loading(self._v1, keys, extra_info)
+
+    def _worth_loading(self, tiers: Any, keys: list[str], extra_info: Any) -> int:
+        if not self.planner.enabled:
+            return int(tiers.batch_exists(keys))
+        prefix = getattr(extra_info, "prefix_keys", None) or []
+        return self.planner.worth_loading(tiers.locate(keys), context_pages=len(prefix),
+                                          page_tokens=self.store.pool.page_size, page_bytes=self.store.page_bytes,
+                                          tiers=tiers.measured())
 
     def exists(self, key: str) -> bool:
         return bool(self._v1.exists(key))
@@ -335,7 +352,9 @@ class KvtierStorage(HiCacheStorage):
         """The page store's counters (:meth:`kvtier.PageStore.get_stats`); with the cluster tier, per tier
         (``{"disk": {...}, "mooncake": {...}}``: hits, misses, fills, writes, errors, bytes, GB/s and each
         tier's own counters under ``"store"``)."""
-        return self.tiers.get_stats() if self.tiers is not None else self.store.get_stats()
+        st = self.tiers.get_stats() if self.tiers is not None else self.store.get_stats()
+        st["restore_planner"] = self.planner.stats.as_dict()
+        return st
 
     def close(self) -> None:
         if self.tiers is not None:

@@ -45,7 +45,9 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from .._errors import ClosedError, InvalidArgumentError
+from ..planner import TierEstimate
 from ..store import DEFAULT_CAPACITY, PageStore
+from ._engine_planner import EnginePlanner, check_options
 
 logger = init_logger(__name__)
 
@@ -59,6 +61,10 @@ OPTIONS: dict[str, Any] = {
     "direct": None,  # None: O_DIRECT if the file system allows it (warns otherwise); False: buffered
     "namespace_tag": None,  # a string of the user's in the namespace (weights revision, attention backend)
     "locality": None,  # vLLM's tier locality ("LOCAL" or "REMOTE"), for its KV events and tier filters
+    # lookup answers HIT only for rows worth loading (kvtier.integrations._engine_planner): vLLM recomputes a
+    # row rather than wait on a tier measured slower than its prefill
+    "restore_planner": True,
+    "prefill_tokens_per_s": None,  # the engine's prefill throughput for this model (default: a fast engine)
 }
 #: Keys vLLM's tier factory reads itself (and removes before constructing the tier).
 VLLM_KEYS = ("type", "module_path", "backpressure")
@@ -168,6 +174,7 @@ def _options(config: Mapping[str, Any]) -> dict[str, Any]:
         raise InvalidArgumentError(
             f"invalid argument `namespace_tag` (kvtier tier): must be a non-empty string without '|', got {tag!r}"
         )
+    check_options(opts["restore_planner"], opts["prefill_tokens_per_s"])
     loc = opts["locality"]
     if loc is not None:
         try:
@@ -253,6 +260,8 @@ class KvtierTier(SecondaryTierManager):
                 vllm.__version__,
             )
         self.locality = opts["locality"]
+        self.planner = EnginePlanner(opts["restore_planner"], opts["prefill_tokens_per_s"])
+        self.tokens_per_row = int(cfg.cache.tokens_per_hash) * int(cfg.cache.blocks_per_chunk)
         self.namespace = namespace(cfg, self.row_bytes, opts["namespace_tag"])
         store = _RowStore(
             opts["path"],
@@ -279,7 +288,8 @@ class KvtierTier(SecondaryTierManager):
         self._pending = 0  # jobs submitted and not finished
         self._stopping = False
         self._finished: deque[JobResult] = deque()
-        self.counters = {"refused_keys": 0, "failed_store_jobs": 0, "failed_load_jobs": 0, "job_errors": 0}
+        self.counters = {"refused_keys": 0, "failed_store_jobs": 0, "failed_load_jobs": 0, "job_errors": 0,
+                         "planned_misses": 0}
         self._warned_hash = False
         self._threads = [
             threading.Thread(target=self._run, args=(kind,), name=f"kvtier-vllm-{kind}", daemon=True)
@@ -322,7 +332,25 @@ class KvtierTier(SecondaryTierManager):
         name = self._name(key)
         if name is None or name in self._failed_loads:  # a row that failed to load is recomputed, not retried
             return LookupResult.MISS
-        return LookupResult.HIT if self._store_open().exists(name) else LookupResult.MISS
+        store = self._store_open()
+        if not store.exists(name):
+            return LookupResult.MISS
+        return LookupResult.HIT if self._worth_loading(store, key, req_context) else LookupResult.MISS
+
+    def _worth_loading(self, store: PageStore, key: OffloadKey, req_context: ReqContext) -> bool:
+        """Whether reading this row is predicted faster than vLLM recomputing its tokens (rows are promoted in
+        batches, so a row is judged by the tier's sustained rate, without the per-batch cost)."""
+        if not self.planner.enabled:
+            return True
+        est = store.measured()["disk"]
+        end = req_context.get_offload_key_position(key) if req_context is not None else None
+        context_rows = max(0, int(end) // self.tokens_per_row - 1) if end else 0
+        ok = self.planner.worth_loading([("disk", 1)], context_pages=context_rows, page_tokens=self.tokens_per_row,
+                                        page_bytes=self.row_bytes,
+                                        tiers={"disk": TierEstimate(**{**est.__dict__, "read_latency_s": 0.0})}) == 1
+        if not ok:
+            self._count("planned_misses")
+        return ok
 
     def submit_store(self, job_metadata: TransferJob) -> None:
         self._submit("store", job_metadata)
@@ -453,5 +481,6 @@ class KvtierTier(SecondaryTierManager):
 
     def kvtier_stats(self) -> dict[str, Any]:
         """The store's counters (``PageStore.get_stats``) and the tier's: keys refused for a short block hash,
-        failed store and load jobs, jobs that raised."""
-        return {**self._store_open().get_stats(), **self.counters}
+        failed store and load jobs, jobs that raised, rows not loaded because recomputing them was predicted
+        faster (``planned_misses``; the planner's own counters under ``restore_planner``)."""
+        return {**self._store_open().get_stats(), **self.counters, "restore_planner": self.planner.stats.as_dict()}
