@@ -13,8 +13,8 @@ def test_demo_verifies_everything(capsys):
     assert "all checks passed" in out
     assert "MLAHostPool[page_first_direct, direct]" in out and "MLAHostPool[page_first, kernel]" in out
     assert "PageStore[demo/deepseek-like]" in out and out.count("restored from disk bit-exact: True") == 2
-    assert "outputs equal for all 4 requests: True" in out and "host hit" in out
-    assert "recompute instead" in out and "restore" in out  # load time apart from the suffix's compute
+    assert "for all 4 requests: True" in out and "host hit" in out
+    assert "no tier" in out and "faster to first token than no tier" in out and "worst request" in out
 
 
 def test_cli_bad_arguments_exit_nonzero_without_traceback():
@@ -38,8 +38,37 @@ def test_the_workload_serves_a_real_architecture():
     pytest.importorskip("transformers")
     from kvtier.workload import run_workload
 
-    out = run_workload(device="cpu", quiet=True)
+    out = run_workload(device="cpu", quiet=True, restore="all")
     sources = {r["source"] for r in out["results"]}
     assert out["model"] == "llama" and out["failures"] == []
     assert {"recomputed", "host hit", "disk hit"} <= sources
     assert all(r["kv_exact"] and r["output_exact"] for r in out["results"])
+
+
+def _over(out):
+    """Requests whose TTFT with kvtier is above the bound: 5% over no tier's (the mean of its two runs, one
+    just before and one just after kvtier's), plus twice the spread of those two runs (the machine's noise at
+    that moment) and 2 ms (the clock and the scheduler on a shared 2-core machine)."""
+    return [(r["request"], r["source"], r["ttft_s"], r["no_tier_s"], r["no_tier_spread_s"]) for r in out["results"]
+            if r["ttft_s"] > 1.05 * r["no_tier_s"] + 2 * r["no_tier_spread_s"] + 0.002]
+
+
+def test_the_demo_is_never_slower_than_no_tier():
+    """The demo's own measurements, planner on (its default): no request is slower with kvtier than with no
+    tier (within the bound of _over), and kvtier does help (paired: a tier that never restored anything
+    would pass the first check). A shared machine can stall one request of a run: a second run is allowed."""
+    import pytest
+
+    pytest.importorskip("transformers")
+    from kvtier.workload import run_workload
+
+    for attempt in range(2):
+        out = run_workload(device="cpu", quiet=True)
+        assert out["failures"] == [] and out["restore"] == "plan"
+        over = _over(out)
+        if not over:
+            break
+    assert not over, f"requests slower with kvtier than with no tier (twice): {over}"
+    res = out["results"]
+    assert {"host hit", "disk hit"} <= {r["source"] for r in res}
+    assert sum(r["no_tier_s"] for r in res) > 1.5 * sum(r["ttft_s"] for r in res)

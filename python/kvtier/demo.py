@@ -7,11 +7,13 @@
    HiCache offers for these models, and checks every byte.
 3. Spills the host pages to a PageStore on disk (keyed by SGLang-compatible page hashes), wipes host and
    device, reads them back from disk, loads them to the device, and checks every byte again.
-4. Serves a multi-turn workload (kvtier.workload) with transformers' real ``LlamaForCausalLM`` (a small
-   config with random weights on the CPU, a larger one on a GPU) through kvtier's transformers cache
-   (kvtier.integrations.transformers), or with a toy transformer through TierController where transformers
-   is not installed: TTFT by source (recomputed / host hit / disk hit), hit rates, bytes moved, and a
-   bit-for-bit check of every restored prefix and every output against recomputation.
+4. Serves a multi-turn workload with transformers' real ``LlamaForCausalLM`` (random weights; sized per
+   device so a prompt's prefill is real work) through kvtier's transformers cache, every restore decided
+   by kvtier's planner (kvtier.workload_transformers): each request is timed with kvtier and with no tier
+   (the same prompt, transformers' default cache), by source (recomputed / host / disk / cluster), with one
+   summary line (how much faster, and the worst request against no tier); every reused page is checked
+   bit for bit against the bytes first stored, and every first token against no tier's. Where
+   transformers is not installed, a toy transformer is served through TierController instead.
 
 Runs on the GPU when torch sees one, on the CPU otherwise; exits non-zero if any check fails.
 """
@@ -85,8 +87,8 @@ def run(layers: int = 8, pages: int = 32, page_size: int = 64, heads: int = 4, s
             c = llama_config(device)
             print(f"\nServing {conversations} conversations x {turns} turns with transformers' LlamaForCausalLM "
                   f"({c.num_hidden_layers} layers, hidden {c.hidden_size}, {c.num_attention_heads} heads / "
-                  f"{c.num_key_value_heads} KV heads, random weights) through kvtier's transformers cache "
-                  f"(kvtier.integrations.transformers: 2 layers on the device at a time; host pool < working set):")
+                  f"{c.num_key_value_heads} KV heads, random weights) through kvtier's transformers cache, every "
+                  f"restore planned from measurements (host pool < working set, so pages also come from disk):")
         else:
             print(f"\nServing {conversations} conversations x {turns} turns with a tiny asymmetric transformer "
                   f"(K 48 / V 32 head dims; transformers is not installed) through TierController; device pool < "

@@ -115,18 +115,22 @@ def run_workload(
     io_backend: str = "direct",
     quiet: bool = False,
     cluster: str | None = None,
+    restore: str = "plan",
 ) -> dict:
     """Serve the workload; verify every reused prefix bit for bit; return the measurements. ``model``:
     ``"llama"`` (transformers), ``"toy"`` or ``"auto"`` (llama where transformers is installed). With
     ``cluster`` (a Mooncake master's address) the store is the tier chain local disk → cluster (kvtier.tiers),
-    and a prefix served by the cluster counts as a ``cluster hit``."""
+    and a prefix served by the cluster counts as a ``cluster hit``. ``restore``: the transformers tier's restore
+    mode (``"plan"``: decided with measurements; ``"all"``: every cached page loaded)."""
     if model not in ("auto", "llama", "toy"):
         raise InvalidArgumentError(f"invalid argument `model`: {model!r}; expected 'auto', 'llama' or 'toy'")
     if model == "auto":
         model = "llama" if importlib.util.find_spec("transformers") is not None else "toy"
     if model == "llama":
-        return _run_llama(device=device, n_conv=n_conv, turns=turns, host_pages=host_pages, seed=seed,
-                          store_dir=store_dir, keep=keep, quiet=quiet, cluster=cluster)
+        from .workload_transformers import run
+
+        return run(device=device, n_conv=n_conv, turns=turns, seed=seed, store_dir=store_dir, keep=keep, quiet=quiet,
+                   cluster=cluster, restore=restore)
     g = Geometry()
     reqs = conversations(n_conv, turns, g, seed)
     max_tokens = max(len(r) for r in reqs)
@@ -235,116 +239,10 @@ def run_workload(
 
 
 def llama_config(device: str) -> Any:
-    """The demo's Llama: small on the CPU (runs in seconds), larger on a GPU."""
-    from transformers import LlamaConfig
+    """The demo's Llama on ``device`` (see :mod:`kvtier.workload_transformers`)."""
+    from .workload_transformers import llama_config as config
 
-    if device == "cuda":
-        return LlamaConfig(num_hidden_layers=8, hidden_size=1024, intermediate_size=2816, num_attention_heads=16,
-                           num_key_value_heads=4, vocab_size=32000, max_position_embeddings=4096)
-    return LlamaConfig(num_hidden_layers=4, hidden_size=128, intermediate_size=256, num_attention_heads=4,
-                       num_key_value_heads=2, vocab_size=512, max_position_embeddings=4096)
-
-
-def _run_llama(*, device: str, n_conv: int, turns: int, host_pages: int, seed: int, store_dir: str | None,
-               keep: bool, quiet: bool, cluster: str | None) -> dict:
-    from transformers import DynamicCache, LlamaForCausalLM
-
-    from .integrations.transformers import KVTier
-
-    cfg = llama_config(device)
-    g = Geometry(layers=cfg.num_hidden_layers, heads=cfg.num_key_value_heads, k_dim=cfg.head_dim, v_dim=cfg.head_dim,
-                 hidden=cfg.hidden_size, vocab=cfg.vocab_size)
-    reqs = conversations(n_conv, turns, g, seed)
-    ps = g.page_size
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = LlamaForCausalLM(cfg)
-    model.train(False)  # inference mode (no dropout)
-    if device == "cuda":
-        model = model.to(torch.bfloat16)
-    max_pages = max(len(r) for r in reqs) // ps + 1
-    root = store_dir or tempfile.mkdtemp(prefix="kvtier-demo-", dir=os.getcwd())
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("always")
-            tier = KVTier(model, model_id=f"kvtier-demo/random-llama-seed{seed}", page_size=ps, window=2,
-                          host_tokens=max(host_pages, max_pages + 1) * ps, store_dir=root, store_capacity_bytes=1 << 30,
-                          cluster=cluster)
-    except BaseException:
-        if store_dir is None:
-            remove_tree(root)
-        raise
-    chain = tier.store if cluster is not None else None
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    results, failures = [], []
-    bar = Progress(len(reqs), "serving")
-
-    @torch.no_grad()
-    def compute(ids: torch.Tensor, cache: Any, start: int, stop: int) -> Any:
-        """Forward ``ids[start:stop]`` one page-aligned chunk at a time; the last logits."""
-        logits = None
-        for a in range(start, stop, ps):
-            b = min(stop, (a // ps + 1) * ps)
-            logits = model(input_ids=ids[:, a:b], cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
-        return logits
-
-    with torch.no_grad():  # untimed warm-up (first-call costs of the kernels), outside any kvtier cache
-        model(input_ids=torch.tensor([reqs[0][:ps]], device=device), use_cache=True, logits_to_keep=1)
-    try:
-        for i, tokens in enumerate(reqs):
-            ids = torch.tensor([tokens], device=device)
-            sync()
-            t0 = time.perf_counter()
-            remote_before = _remote_hits(chain)
-            cache = tier.cache(tokens)
-            from_cluster = _remote_hits(chain) > remote_before
-            cached = cache.restored_tokens
-            t_restored = time.perf_counter()
-            logits = compute(ids, cache, cached, len(tokens))
-            sync()
-            ttft = time.perf_counter() - t0
-            host_hit, disk_hit = cache.restored_host_pages, cache.restored_store_pages
-            source = ("cluster hit" if from_cluster and disk_hit else "disk hit" if disk_hit
-                      else "host hit" if host_hit else "recomputed")
-            # verification: transformers' default cache recomputes the whole prompt, chunk for chunk (its prefix
-            # part timed: what recomputing the restored pages would have cost instead)
-            ref = DynamicCache(config=cfg)
-            t1 = time.perf_counter()
-            compute(ids, ref, 0, cached)
-            sync()
-            prefix_recompute = time.perf_counter() - t1
-            ref_logits = compute(ids, ref, cached, len(tokens))
-            ok_kv = True
-            for layer in range(cfg.num_hidden_layers):
-                k, v = cache.host_kv(layer, len(tokens))
-                ok_kv = ok_kv and torch.equal(k, ref.layers[layer].keys.cpu()) and torch.equal(v, ref.layers[layer].values.cpu())
-            ok_out = logits is not None and torch.equal(logits, ref_logits)
-            if not (ok_kv and ok_out):
-                failures.append((i, source, ok_kv, ok_out))
-            results.append(dict(request=i, tokens=len(tokens), cached_pages=cached // ps, host_hit=host_hit,
-                                disk_hit=disk_hit, source=source, ttft_s=ttft, restore_s=t_restored - t0,
-                                suffix_s=ttft - (t_restored - t0), prefix_recompute_s=prefix_recompute if cached else 0.0,
-                                kv_exact=ok_kv, output_exact=ok_out))
-            cache.release()  # its full pages stay in the host pool (and go to the store) for the next requests
-            tier.controller.wait_idle()
-            bar.update(i + 1)
-    finally:
-        bar.close()
-        ctrl = tier.controller
-        tier.controller.wait_idle()
-        store_stats = tier.page_store.get_stats() if tier.page_store is not None else {}
-        tier_stats = chain.get_stats() if chain is not None else None
-        page_bytes = ctrl.page_bytes
-        stats = dict(vars(tier.stats))
-        tier.close()
-        if not keep and store_dir is None:
-            remove_tree(root)
-    out = dict(results=results, failures=failures, stats=ctrl.stats, store=store_stats, root=root if keep else None,
-               page_bytes=page_bytes, page_size=ps, tiers=tier_stats, model="llama", transformers=stats,
-               config=cfg)
-    if not quiet:
-        print_report(out)
-    return out
+    return config(device)
 
 
 def _remote_hits(chain: object) -> int:

@@ -80,18 +80,21 @@ def after_forward(tier: KVTier, cache: Any) -> None:
         tier._marks.after(t0, end, lambda s: ctrl.observe_ttft(plan, s))
 
 
-def calibrate(tier: KVTier, model: Any, cache_kwarg: str, vocab: int) -> None:
+def calibrate(tier: KVTier, model: Any, cache_kwarg: str, vocab: int, lengths: list[int] | None = None) -> None:
     """A few timed forwards of random tokens through a cache of the tier that restores and keeps nothing
-    (pages of increasing length, then a short one after the longest: the cost of cached context), so the
-    prefill model predicts from the first request on. Counters are left as they were."""
+    (pages of increasing length, or ``lengths``, then a short one after the longest: the cost of cached
+    context), so the prefill model predicts from the first request on. Counters are left as they were."""
     from ..controller import Stats
     from ._transformers_cache import KvtierCache
     from .transformers import TransformersStats
 
     ps = tier.page_size
-    room = min(CALIBRATION_TOKENS, tier.host_tokens // 2, int(getattr(model.config, "max_position_embeddings", 0) or
-                                                                CALIBRATION_TOKENS) // 2)
-    sizes = [p * ps for p in CALIBRATION_PAGES if p * ps <= room - 2 * ps]
+    room = min(CALIBRATION_TOKENS, tier.host_tokens - 4 * ps,  # (no live cache holds host pages yet)
+               int(getattr(model.config, "max_position_embeddings", 0) or CALIBRATION_TOKENS) // 2)
+    if lengths is None:
+        sizes = [p * ps for p in CALIBRATION_PAGES if p * ps <= room - 2 * ps]
+    else:
+        sizes = sorted({int(n) for n in lengths if 0 < int(n) <= tier.host_tokens - 4 * ps})
     if not sizes:
         return
     gen = torch.Generator().manual_seed(0)

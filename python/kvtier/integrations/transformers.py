@@ -311,6 +311,20 @@ class KVTier:
         self._marks.poll()
         return KvtierCache(self, tokens)
 
+    def calibrate(self, lengths: Sequence[int] | None = None) -> None:
+        """Time forwards of random tokens of each of ``lengths`` (default: a few up to 4K tokens) through a
+        cache that keeps nothing, for the learned prefill model (also a warm-up of those shapes). Counters
+        are left as they were. A no-op with a prefill model the caller fixed."""
+        self._check_open()
+        model = self._model()
+        if model is None or not self.controller.prefill.learned:
+            return
+        if lengths is not None and (isinstance(lengths, (str, bytes)) or not all(
+                isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in lengths)):
+            raise InvalidArgumentError(f"invalid argument `lengths`: positive token counts, got {lengths!r}")
+        _calibrate(self, model, self._cache_kwarg, int(getattr(self._text_config, "vocab_size", 0) or 2),
+                   None if lengths is None else list(lengths))
+
     def drop_host_copies(self) -> int:
         """Evict every unreferenced page from the host pool (after its store write): later restores come from
         the store. Returns the pages dropped (for benchmarks and tests)."""

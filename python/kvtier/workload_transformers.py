@@ -1,0 +1,254 @@
+"""The demo's workload on a real architecture: transformers' ``LlamaForCausalLM`` (random seeded weights from a
+config, nothing downloaded) served through :class:`kvtier.integrations.transformers.KVTier`, every request
+timed with kvtier and with no tier (the same whole prompt in one forward with transformers' default
+``DynamicCache``, timed just before and just after kvtier: their mean is the comparison, their difference the
+noise), so the report says whether kvtier made each request faster or slower.
+
+Conversations share a system prompt and each turn extends its conversation; the host pool holds less than the
+working set, so pages flow to the disk (and the cluster tier) and come back, or are recomputed — whichever
+kvtier's restore planner predicts fastest from what it measured (``restore="plan"``).
+
+Checks, per request: every page kvtier reused (from the host, the disk or the cluster) holds exactly the bytes
+computed for it when it was first stored (a checksum taken then, compared now), and the first token equals
+the one the no-tier run computes (its logits are reported against no tier's: other chunkings of the same
+prompt round differently)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+import warnings
+import zlib
+from typing import Any
+
+import torch
+
+from ._cleanup import remove_tree
+from ._progress import Progress
+
+#: Per device: the model config, tokens per page, and the workload's sizes in pages (system prompt, each
+#: conversation's own start, each turn). Large enough that a prompt's prefill is what TTFT is made of.
+SIZES = {
+    "cpu": dict(config=dict(num_hidden_layers=4, hidden_size=512, intermediate_size=2816, num_attention_heads=8,
+                            num_key_value_heads=2, vocab_size=4096, max_position_embeddings=8192),
+                page_size=32, system=12, start=4, turn=6, host_pages=60),
+    "cuda": dict(config=dict(num_hidden_layers=16, hidden_size=2048, intermediate_size=8192, num_attention_heads=16,
+                             num_key_value_heads=8, vocab_size=32000, max_position_embeddings=32768),
+                 page_size=64, system=48, start=16, turn=24, host_pages=400),
+}
+#: logits of the same prompt computed in other chunks differ by rounding; more than this is a wrong output
+LOGIT_TOLERANCE = {"cpu": 1e-3, "cuda": 0.5}
+
+
+def llama_config(device: str) -> Any:
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(**SIZES["cuda" if device == "cuda" else "cpu"]["config"])
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+def conversations(n_conv: int, turns: int, device: str, vocab: int, seed: int) -> list[list[int]]:
+    """Requests (token lists): ``n_conv`` conversations sharing a system prompt, each turn extending its
+    conversation (plus a few tokens of answer, so prompts do not end on page boundaries); interleaved across
+    conversations, so the host pool cannot keep them all."""
+    s = SIZES["cuda" if device == "cuda" else "cpu"]
+    ps = s["page_size"]
+    gen = torch.Generator().manual_seed(seed + 1)
+
+    def toks(n: int) -> list[int]:
+        return torch.randint(1, vocab, (n,), generator=gen).tolist()
+
+    system = toks(s["system"] * ps)
+    ctx = [system + toks(s["start"] * ps) for _ in range(n_conv)]
+    out = []
+    for _ in range(turns):
+        for c in range(n_conv):
+            ctx[c] = ctx[c] + toks(s["turn"] * ps + 5)
+            out.append(list(ctx[c]))
+    return out
+
+
+def _page_sum(tier: Any, start: int) -> int:
+    """Checksum of the host bytes (K and V, every layer) of the page at host slot ``start``."""
+    p = start // tier.page_size
+    kb = tier.host.k_buffer[p].contiguous().view(torch.uint8).numpy().tobytes()
+    vb = tier.host.v_buffer[p].contiguous().view(torch.uint8).numpy().tobytes()
+    return zlib.crc32(vb, zlib.crc32(kb))
+
+
+def run(*, device: str, n_conv: int, turns: int, seed: int, store_dir: str | None, keep: bool, quiet: bool,
+        cluster: str | None, restore: str = "plan") -> dict:
+    from transformers import DynamicCache, LlamaForCausalLM
+
+    from .integrations.transformers import KVTier
+
+    cfg = llama_config(device)
+    s = SIZES["cuda" if device == "cuda" else "cpu"]
+    ps = s["page_size"]
+    reqs = conversations(n_conv, turns, device, cfg.vocab_size, seed)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg)
+    model.train(False)  # inference mode (no dropout)
+    if device == "cuda":
+        model = model.to(torch.bfloat16)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    max_pages = max(len(r) for r in reqs) // ps + 1
+    root = store_dir or tempfile.mkdtemp(prefix="kvtier-demo-", dir=os.getcwd())
+
+    @torch.no_grad()
+    def first_logits(ids: torch.Tensor, cache: Any) -> torch.Tensor:
+        return model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1].float()
+
+    with torch.no_grad():  # untimed warm-up (kernels, allocator) up to the longest prompt, outside any kvtier cache
+        longest = max(len(r) for r in reqs)
+        for n in (ps, 4 * ps, longest // 2, longest):
+            first_logits(torch.randint(1, cfg.vocab_size, (1, n), device=device), DynamicCache(config=cfg))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            tier = KVTier(model, model_id=f"kvtier-demo/random-llama-{device}-seed{seed}", page_size=ps, window=2,
+                          host_tokens=max(s["host_pages"], max_pages + 1) * ps, store_dir=root,
+                          store_capacity_bytes=4 << 30, cluster=cluster, restore=restore)
+    except BaseException:
+        if store_dir is None:
+            remove_tree(root)
+        raise
+    if restore == "plan":  # the same warm-up through kvtier's cache (nothing of it kept), timed for the planner
+        tier.calibrate([longest // 2, longest])
+    chain = tier.store if cluster is not None else None
+    results: list[dict] = []
+    failures: list[tuple] = []
+    sums: dict[str, int] = {}  # page key -> checksum of its bytes when it was first kept
+    bar = Progress(len(reqs), "serving")
+    try:
+        for i, tokens in enumerate(reqs):
+            ids = torch.tensor([tokens], device=device)
+
+            def no_tier() -> tuple[float, torch.Tensor]:
+                """The whole prompt in one forward, transformers' default cache."""
+                sync()
+                t0 = time.perf_counter()
+                logits = first_logits(ids, DynamicCache(config=cfg))
+                sync()
+                return time.perf_counter() - t0, logits
+
+            # no tier is timed before and after kvtier (the machine's drift and noise show in their difference)
+            none_a, want = no_tier()
+            # kvtier: restore as planned, then the rest of the prompt in one forward
+            remote_before = _remote_hits(chain)
+            sync()
+            t0 = time.perf_counter()
+            cache = tier.cache(tokens)
+            got = first_logits(ids[:, cache.get_seq_length():], cache)
+            sync()
+            kvtier_s = time.perf_counter() - t0
+            none_b, _ = no_tier()
+            none_s = (none_a + none_b) / 2
+            plan = cache.plan
+            loaded = dict(plan.load) if plan is not None else {}
+            from_cluster = _remote_hits(chain) > remote_before
+            source = ("recomputed" if cache.restored_tokens == 0 else
+                      "cluster hit" if from_cluster else "disk hit" if cache.restored_store_pages else "host hit")
+            # the reused pages hold the bytes computed for them when they were first kept
+            reused = [j for j in range(len(cache.table.keys)) if j < cache.restored_host_pages or
+                      (plan is not None and plan.recompute_to <= j < plan.load_to and j < len(cache.table.keys))]
+            if tier.stream is not None:
+                tier.stream.synchronize()
+            ok_kv = all(cache.table.keys[j] is not None and
+                        sums.get(cache.table.keys[j]) == _page_sum(tier, cache.table.starts[j]) for j in reused)
+            diff = float((got - want).abs().max())
+            ok_out = bool(torch.equal(got.argmax(), want.argmax())) and diff <= LOGIT_TOLERANCE[device]
+            if not (ok_kv and ok_out):
+                failures.append((i, source, ok_kv, ok_out))
+            cache.release()  # its full pages stay in the host pool (and go to the store) for the next requests
+            tier.controller.wait_idle()
+            _remember(tier, tokens, sums)
+            results.append(dict(request=i, tokens=len(tokens), source=source, plan=plan.kind if plan else "all",
+                                cached_pages=plan.cached_pages if plan else cache.restored_tokens // ps,
+                                host_hit=cache.restored_host_pages, disk_hit=cache.restored_store_pages,
+                                recomputed_head=cache.recomputed_tokens, loaded=loaded,
+                                predicted_s=plan.predicted_s if plan else None, ttft_s=kvtier_s, no_tier_s=none_s,
+                                no_tier_spread_s=abs(none_a - none_b),
+                                max_logit_diff=diff, kv_exact=ok_kv, output_exact=ok_out))
+            bar.update(i + 1)
+    finally:
+        bar.close()
+        tier.controller.wait_idle()
+        tier._marks.poll(wait=True)
+        store_stats = tier.page_store.get_stats() if tier.page_store is not None else {}
+        tier_stats = chain.get_stats() if chain is not None else None
+        ctrl = tier.controller
+        planner = ctrl.planner_stats.as_dict()
+        measured = {k: v.__dict__ for k, v in ctrl.measured().items()}
+        stats = dict(vars(tier.stats))
+        tier.close()
+        if not keep and store_dir is None:
+            remove_tree(root)
+    out = dict(results=results, failures=failures, stats=ctrl.stats, store=store_stats, root=root if keep else None,
+               page_bytes=ctrl.page_bytes, page_size=ps, tiers=tier_stats, model="llama", transformers=stats,
+               config=cfg, planner=planner, measured=measured, device=device, restore=restore)
+    if not quiet:
+        report(out)
+    return out
+
+
+def _remember(tier: Any, tokens: list[int], sums: dict[str, int]) -> None:
+    """Checksums of the pages of ``tokens`` the controller now keeps on the host, for pages not seen before."""
+    from .store import page_hashes
+
+    ps, ctrl = tier.page_size, tier.controller
+    keys = page_hashes(tokens[: len(tokens) // ps * ps], ps)
+    with ctrl.lock:
+        held = [(k, ctrl.pages[k].start) for k in keys if k not in sums and k in ctrl.pages and ctrl.pages[k].ready]
+    for k, start in held:
+        sums[k] = _page_sum(tier, start)
+
+
+def _remote_hits(chain: Any) -> int:
+    if chain is None:
+        return 0
+    return int(chain.get_stats()["mooncake"]["hits"])
+
+
+def report(out: dict) -> None:
+    res = out["results"]
+    c = out["config"]
+    print(f"\nEvery request timed twice: with kvtier (its prefix restored as planned, then the rest of the prompt) "
+          f"and with no tier\n(the whole prompt in one forward, transformers' DynamicCache). Model: LlamaForCausalLM "
+          f"{c.num_hidden_layers} layers, hidden {c.hidden_size}, {c.num_key_value_heads} KV heads, random weights.")
+    print(f"{'source':<12} {'requests':>8} {'prompt':>8} {'reused':>8} {'no tier':>10} {'kvtier':>10} {'kvtier/no tier':>15}"
+          f" {'plans':>22}")
+    for src in ("recomputed", "host hit", "disk hit", "cluster hit"):
+        rows = [r for r in res if r["source"] == src]
+        if not rows:
+            continue
+        n = len(rows)
+        reused = sum(r["host_hit"] + r["disk_hit"] for r in rows) * out["page_size"] / n
+        none_ms = 1e3 * sum(r["no_tier_s"] for r in rows) / n
+        kv_ms = 1e3 * sum(r["ttft_s"] for r in rows) / n
+        ratios = sorted(r["ttft_s"] / r["no_tier_s"] for r in rows)
+        plans: dict[str, int] = {}
+        for r in rows:
+            plans[r["plan"]] = plans.get(r["plan"], 0) + 1
+        print(f"{src:<12} {n:>8} {sum(r['tokens'] for r in rows) / n:>8.0f} {reused:>8.0f} {none_ms:>7.1f} ms "
+              f"{kv_ms:>7.1f} ms {ratios[len(ratios) // 2]:>14.2f}x {', '.join(f'{k} {v}' for k, v in plans.items()):>22}")
+    total_none = sum(r["no_tier_s"] for r in res)
+    total_kv = sum(r["ttft_s"] for r in res)
+    worst = max(res, key=lambda r: r["ttft_s"] / r["no_tier_s"])
+    print(f"kvtier: {total_none / total_kv:.2f}x faster to first token than no tier over all {len(res)} requests "
+          f"({1e3 * total_kv:.0f} ms against {1e3 * total_none:.0f} ms); worst request: "
+          f"{worst['ttft_s'] / worst['no_tier_s']:.2f}x no tier's (request {worst['request']}, {worst['source']})")
+    p = out["planner"]
+    err = p["median_prediction_error"]
+    m = out["measured"]
+    print("measured tiers: " + ", ".join(f"{k} {v['read_GBps']:.2f} GB/s read ({v['source']})" for k, v in m.items())
+          + (f"; planner's predicted TTFT within {100 * err:.0f}% of the observed (median)" if err is not None else ""))
+    s = out["store"]
+    print(f"disk: {s.get('bytes_written', 0) / 1e6:.1f} MB written, {s.get('bytes_read', 0) / 1e6:.1f} MB read; "
+          f"host evictions {out['stats'].host_evictions}")
+    ok = not out["failures"]
+    print(f"verification: every reused page bit-identical to the bytes first stored, and the first token equal to no "
+          f"tier's, for all {len(res)} requests: {ok}")
