@@ -16,21 +16,17 @@ downloaded), SDPA attention. ``--tiny``: a 2-layer model on the CPU with context
     (``DynamicCache(offloading=True)``, 5.24's OffloadedCache), ``offloaded_static``
     (``StaticCache(offloading=True)``, 5.24's OffloadedStaticCache), ``kvtier_w1`` / ``kvtier_w2`` (kvtier,
     windows of 1 and 2 layers).
-(b) Time to first token of a prompt (prefix of each context + 64 new tokens) whose prefix was seen before:
-    ``recompute`` (transformers: the whole prompt prefilled, DynamicCache), ``gpu_copy`` (transformers'
-    prefix-reuse recipe: a DynamicCache of the prefix kept in GPU memory, deep-copied, then the suffix),
-    ``kvtier_host`` (prefix restored from kvtier's pinned host pool), ``kvtier_disk`` (host copies dropped
-    first: restored from the PageStore, O_DIRECT where the file system allows it). The first token's
-    logits of every restore are compared bit for bit with transformers reusing the same prefix KV
-    (``gpu_copy``), and its token with recomputation. Each TTFT is the second of two runs (the first warms
-    the kernels up for the shape; the disk one drops the host copies before each run).
+(b) Time to first token of a prompt (prefix of each context + 64 new tokens) whose prefix was seen before,
+    against recomputing it, for every way kvtier restores it: every cached page loaded from the host or the
+    disk (what kvtier did before it planned), the restore planner from the host, the disk, a prefix mixed
+    of host, disk and new tokens, and a disk throttled to ``--slow-gbps`` (ttft_rows.py says how each row is
+    made and checked). The planner's predicted TTFT is set beside the measured one.
 Writes ``--out`` (JSON) and prints tables.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import gc
 import json
 import os
@@ -43,6 +39,7 @@ import torch
 import transformers
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache
 
+import ttft_rows  # noqa: E402 - beside this file
 from kvtier.integrations.transformers import KVTier, cache_kwarg  # the installed kvtier (or PYTHONPATH=python)
 
 SUFFIX = 64
@@ -134,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-static", action="store_true", help="leave out offloaded_static (the slowest)")
     ap.add_argument("--skip-decode", action="store_true")
     ap.add_argument("--skip-ttft", action="store_true")
+    ap.add_argument("--slow-gbps", type=float, default=0.3, help="the throttled disk of the planned_slow row (GB/s)")
     a = ap.parse_args(argv)
     device = "cpu" if a.tiny or not torch.cuda.is_available() else "cuda"
     contexts = [int(x) for x in (a.contexts or ("256,1024" if a.tiny else "8192,32768")).split(",")]
@@ -159,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
                          page_size=a.page_size, weights_bytes=weights, decode={}, ttft={})
     host_tokens = 2 * (top + 2 * SUFFIX) + top // 2 + 4 * a.page_size  # a seen prompt, a new one, and room
     try:
-        tier = KVTier(model, model_id=MODEL_ID, page_size=a.page_size, window=1,
+        tier = KVTier(model, model_id=MODEL_ID, page_size=a.page_size, window=2,
                       host_tokens=host_tokens, store_dir=root, store_capacity_bytes=1 << 40)
         tier2 = None
         try:
@@ -215,73 +213,20 @@ def main(argv: list[str] | None = None) -> int:
                     cache = None
             # ---------------------------------------------------------------- (b) TTFT with a seen prefix
             if not a.skip_ttft:
-                print(f"\n(b) time to first token, prompt = a prefix seen before + {SUFFIX} new tokens", flush=True)
-                for i, ctx in enumerate(contexts):
-                    try:
-                        # each context its own tokens (no prefix shared between them, so every restore below is of
-                        # KV computed in one chunk, exactly as the reference computes it)
-                        base = torch.randint(0, vocab, (1, ctx + 2 * SUFFIX), generator=torch.Generator().manual_seed(10 + i))
-                        seen = base[:, : ctx + SUFFIX]  # served first: its prefix pages are kept
-                        new = torch.cat([base[:, :ctx], base[:, ctx + SUFFIX :]], 1)
-                        n = ctx // a.page_size * a.page_size
-                        row: dict = {}
-                        # transformers recomputes the whole prompt (each timing below is the second of two runs: the
-                        # first warms the kernels up for the shape)
-                        for _ in range(REPS):
-                            sync(device)
-                            t0 = time.perf_counter()
-                            rec = forward(model, new.to(device), DynamicCache(config=cfg))
-                            sync(device)
-                            row["recompute_s"] = time.perf_counter() - t0
-                        # transformers keeps the prefix's DynamicCache on the GPU and deep-copies it
-                        kept = DynamicCache(config=cfg)
-                        forward(model, seen.to(device), kept)
-                        kept.crop(n - seen.shape[1])
-                        for _ in range(REPS):
-                            sync(device)
-                            t0 = time.perf_counter()
-                            c = copy.deepcopy(kept)
-                            ref = forward(model, new[:, n:].to(device), c)
-                            sync(device)
-                            row["gpu_copy_s"] = time.perf_counter() - t0
-                            del c
-                        del kept
-                        # kvtier: serve `seen` once (its pages are kept), then restore for `new`
-                        first = tier.cache(seen)
-                        assert first.restored_tokens == 0
-                        forward(model, seen.to(device), first)
-                        first.release()
-                        tier.controller.wait_idle()  # its pages are in the store: no disk writes during the timing
-                        for src in ("host", "host", "disk", "disk"):
-                            if src == "disk":
-                                tier.drop_host_copies()
-                            sync(device)
-                            t0 = time.perf_counter()
-                            cache = tier.cache(new)
-                            got = forward(model, new[:, cache.restored_tokens :].to(device), cache)
-                            sync(device)
-                            row[f"kvtier_{src}_s"] = time.perf_counter() - t0
-                            row[f"kvtier_{src}_restored_tokens"] = cache.restored_tokens
-                            row[f"kvtier_{src}_pages_from"] = dict(host=cache.restored_host_pages, store=cache.restored_store_pages)
-                            row[f"kvtier_{src}_exact_vs_gpu_copy"] = torch.equal(got, ref)
-                            row[f"kvtier_{src}_same_token_as_recompute"] = bool(torch.equal(got.argmax(-1), rec.argmax(-1)))
-                            row[f"kvtier_{src}_max_abs_diff_vs_recompute"] = float((got.float() - rec.float()).abs().max())
-                            cache.release()
-                        row["gpu_copy_same_token_as_recompute"] = bool(torch.equal(ref.argmax(-1), rec.argmax(-1)))
-                        results["ttft"][ctx] = row
-                        print(f"  prefix {ctx:>6}: recompute {1e3 * row['recompute_s']:8.1f} ms | gpu_copy "
-                              f"{1e3 * row['gpu_copy_s']:7.1f} ms | kvtier host {1e3 * row['kvtier_host_s']:7.1f} ms "
-                              f"({row['kvtier_host_pages_from']}, exact {row['kvtier_host_exact_vs_gpu_copy']}) | kvtier disk "
-                              f"{1e3 * row['kvtier_disk_s']:7.1f} ms ({row['kvtier_disk_pages_from']}, exact "
-                              f"{row['kvtier_disk_exact_vs_gpu_copy']}) | same token as recompute: "
-                              f"{row['kvtier_host_same_token_as_recompute'] and row['kvtier_disk_same_token_as_recompute']}",
-                              flush=True)
-                    except Exception as exc:  # noqa: BLE001 - one failing case must not lose the others
-                        results["ttft"][ctx] = dict(error=repr(exc))
-                        print(f"  prefix {ctx}: FAILED {exc!r}", flush=True)
+                print(f"\n(b) time to first token, prompt = a prefix seen before + {SUFFIX} new tokens (ratios: to "
+                      "recompute)", flush=True)
+                results["ttft"] = ttft_rows.run(model, tier, contexts, vocab, device, a.page_size, cache_kwarg(model),
+                                                a.slow_gbps)
                 st = tier.page_store.get_stats() if tier.page_store is not None else {}
                 results["store"] = {k: st.get(k) for k in ("o_direct", "o_direct_note", "read_GBps", "write_GBps", "pages")}
-                print(f"  store: O_DIRECT {st.get('o_direct')}, read {st.get('read_GBps', 0):.2f} GB/s", flush=True)
+                errs = sorted(abs(r[f"{k}_predicted_s"] / r[f"{k}_s"] - 1) for r in results["ttft"].values()
+                              for k in ("planned_host", "planned_disk", "planned_slow", "planned_mixed")
+                              if r.get(f"{k}_predicted_s"))
+                results["prediction_error_median"] = errs[len(errs) // 2] if errs else None
+                print(f"  store: O_DIRECT {st.get('o_direct')}, read {st.get('read_GBps', 0):.2f} GB/s; planner's "
+                      f"predicted TTFT against the measured: median error "
+                      + (f"{100 * errs[len(errs) // 2]:.1f}% over {len(errs)} planned rows" if errs else "n/a"),
+                      flush=True)
             results["kvtier_stats"] = tier.stats_dict()
         finally:
             if tier2 is not None:
@@ -299,8 +244,12 @@ def main(argv: list[str] | None = None) -> int:
     # must be equal.
     exact = "logits_equal_default" if device == "cpu" else "tokens_equal_default"
     bad = [k for k, r in results["decode"].items() if "error" in r or (k.startswith("kvtier") and not r[exact])]
-    bad += [f"ttft {c} {s}" for c, r in results["ttft"].items() for s in ("host", "disk")
-            if not r.get(f"kvtier_{s}_exact_vs_gpu_copy")]
+    for c, r in results["ttft"].items():
+        if "error" in r:
+            bad.append(f"ttft {c}: {r['error']}")
+            continue
+        bad += [f"ttft {c} {k}" for k in r if k.endswith("_exact_vs_gpu_copy") and not r[k]]
+        bad += [f"ttft {c} {k}" for k in r if k.endswith(("_same_token_as_recompute", "_bit_identical")) and not r[k]]
     print(f"\nwrote {a.out}; bit-exact: {'all' if not bad else 'NOT ' + ', '.join(bad)}")
     return 1 if bad else 0
 

@@ -31,6 +31,7 @@ import math
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -38,8 +39,6 @@ from ._errors import InvalidArgumentError
 
 #: Observations a meter or a prefill model keeps (the oldest are forgotten first).
 WINDOW = 64
-#: Candidates a plan search evaluates at most per dimension (every page when the run is shorter).
-GRID = 256
 
 
 @dataclass(frozen=True)
@@ -102,6 +101,7 @@ class TierMeter:
             "read": collections.deque(maxlen=window), "write": collections.deque(maxlen=window)}
         self._seed = {"read": 0.0, "write": 0.0}
         self._looked: collections.deque[tuple[int, int]] = collections.deque(maxlen=4 * window)
+        self._fits: dict[str, tuple[float, float]] = {}  # per direction, until its next observation
         self._lock = threading.Lock()
 
     def seed(self, read_GBps: float | None = None, write_GBps: float | None = None) -> None:
@@ -111,6 +111,7 @@ class TierMeter:
                 self._seed["read"] = float(read_GBps)
             if write_GBps is not None and write_GBps > 0 and math.isfinite(write_GBps):
                 self._seed["write"] = float(write_GBps)
+            self._fits.clear()
 
     def observe(self, kind: str, nbytes: int, seconds: float) -> None:
         """One batch of ``kind`` (``"read"`` or ``"write"``) moved ``nbytes`` in ``seconds``; batches that
@@ -118,6 +119,7 @@ class TierMeter:
         if nbytes > 0 and seconds > 0 and math.isfinite(seconds):
             with self._lock:
                 self._obs[kind].append((int(nbytes), float(seconds)))
+                self._fits.pop(kind, None)
 
     def observe_lookup(self, found: int, asked: int) -> None:
         if asked > 0:
@@ -126,18 +128,20 @@ class TierMeter:
 
     def estimate(self) -> TierEstimate:
         with self._lock:
-            obs = {k: list(v) for k, v in self._obs.items()}
+            for kind in ("read", "write"):  # refitted only after new observations
+                if kind not in self._fits:
+                    obs = self._obs[kind]
+                    self._fits[kind] = _fit_rate(list(obs)) if obs else (self._seed[kind], 0.0)
+            out = dict(self._fits)
             seed = dict(self._seed)
             looked = list(self._looked)
-        out: dict[str, tuple[float, float]] = {}
-        for kind in ("read", "write"):
-            out[kind] = _fit_rate(obs[kind]) if obs[kind] else (seed[kind], 0.0)
+            samples = len(self._obs["read"])
+            measured = bool(self._obs["read"] or self._obs["write"])
         asked = sum(a for _, a in looked)
-        measured = bool(obs["read"] or obs["write"])
         return TierEstimate(
             name=self.name, read_GBps=out["read"][0], write_GBps=out["write"][0], read_latency_s=out["read"][1],
             write_latency_s=out["write"][1], hit_rate=sum(f for f, _ in looked) / asked if asked else 0.0,
-            samples=len(obs["read"]), source="measured" if measured else ("probe" if any(seed.values()) else "none"))
+            samples=samples, source="measured" if measured else ("probe" if any(seed.values()) else "none"))
 
 
 def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -343,48 +347,58 @@ def plan_restore(
         return RestorePlan(prompt_tokens, ps, host, j, k, _segments_between(segs, j - h, k - h), predicted,
                            recompute, kind, cached)
 
-    P = prefill.seconds if prefill is not None else None
-    recompute = P(prompt_tokens, 0) if P is not None else None
-    if P is None or recompute is None:  # nothing to decide with: take what the tiers hold
+    coef = prefill.coefficients() if prefill is not None else None
+    if coef is None:  # nothing to decide with: take what the tiers hold
         return full("load" if cached > h else "host" if h else "recompute", h, h, cached, None, None)
+    a, b, c, d = coef
+    N = float(prompt_tokens)
 
-    def read_s(j: int, k: int) -> float:
-        """Seconds to read pages [j, k) (counted from 0) from their tiers, one batch per tier, in order."""
-        total = 0.0
-        for name, n in _segments_between(segs, j - h, k - h):
-            est = tiers.get(name)
-            total += est.read_s(n * page_bytes) if est is not None and est.known else 0.0
-        return total
+    def P(n: Any, ctx: Any) -> Any:
+        """The prefill model over arrays (0 for no new tokens)."""
+        n, ctx = np.asarray(n, dtype=np.float64), np.asarray(ctx, dtype=np.float64)
+        return np.where(n > 0, a + b * n + c * n * (ctx + n / 2.0) + d * ctx, 0.0)
 
-    def rest(k: int) -> float:
-        return P(prompt_tokens - k * ps, k * ps)  # type: ignore[misc]
-
+    recompute = float(P(N, 0.0))
     best = full("recompute", 0, 0, 0, recompute, recompute)
     if h:
-        t = rest(h)
-        if t < best.predicted_s:  # type: ignore[operator]
+        t = float(P(N - h * ps, h * ps))
+        if t < recompute:
             best = full("host", h, h, h, t, recompute)
+    m = cached - h
+    if m <= 0:
+        return best
+    # pages h .. cached-1 by tier: per tier, how many of the first p pages it holds (p = 0 .. m)
+    owner = np.concatenate([np.full(n, ti) for ti, (_, n) in enumerate(segs)])
+    cum, fixed, per_page = [], [], []
+    for ti, (name, _) in enumerate(segs):
+        est = tiers.get(name)
+        known = est is not None and est.known
+        cum.append(np.concatenate([[0], np.cumsum(owner == ti)]))
+        fixed.append(est.read_latency_s if known else 0.0)  # type: ignore[union-attr]
+        per_page.append(page_bytes / (est.read_GBps * 1e9) if known else 0.0)  # type: ignore[union-attr]
 
-    def better(t: float, than: RestorePlan, by: float) -> bool:
-        """Worth the extra work (more IO, or a second forward): faster than ``than`` by the fraction ``by``."""
-        return t < than.predicted_s * (1.0 - by)  # type: ignore[operator]
+    def read(first: Any, last: Any) -> Any:
+        """Seconds to read pages [h + first, h + last), one batch per tier in order (arrays)."""
+        total = np.zeros(np.broadcast(first, last).shape)
+        for cu, lat, pp in zip(cum, fixed, per_page):
+            cnt = cu[last] - cu[first]
+            total = total + np.where(cnt > 0, lat, 0.0) + cnt * pp
+        return total
 
-    if cached > h:
-        k = cached
-        floor = best  # the best plan without the store
-        # load [h, k2) and compute the rest (k2 < k: stop before a slow tier late in the run)
-        grid = range(h + 1, k + 1) if k - h <= GRID else sorted({h + (k - h) * i // GRID for i in range(1, GRID + 1)})
-        for k2 in grid:
-            t = read_s(h, k2) + rest(k2)
-            if t < best.predicted_s and better(t, floor, margin):  # type: ignore[operator]
-                best = full("load", h, h, k2, t, recompute)
-        if can_split:  # recompute the head [h, j) while the tail [j, k) loads
-            floor = best
-            grid = range(h + 1, k) if k - h <= GRID else sorted({h + (k - h) * i // GRID for i in range(1, GRID)})
-            for j in grid:
-                t = max(P((j - h) * ps, h * ps), read_s(j, k)) + rest(k)  # type: ignore[operator]
-                if t < best.predicted_s and better(t, floor, split_margin):  # type: ignore[operator]
-                    best = full("split", h, j, k, t, recompute)
+    floor = best.predicted_s  # the best plan without the store
+    # load [h, h + p) and compute the rest (p < m: stop before a slow tier late in the run)
+    p = np.arange(1, m + 1)
+    t = read(0, p) + P(N - (h + p) * ps, (h + p) * ps)
+    i = int(np.argmin(t))
+    if t[i] < floor * (1.0 - margin):  # type: ignore[operator]
+        best = full("load", h, h, h + int(p[i]), float(t[i]), recompute)
+    if can_split and m > 1:  # recompute the head [h, h + p) while the tail [h + p, cached) loads
+        floor = best.predicted_s
+        p = np.arange(1, m)
+        t = np.maximum(P(p * ps, h * ps), read(p, m)) + P(N - cached * ps, cached * ps)
+        i = int(np.argmin(t))
+        if t[i] < floor * (1.0 - split_margin):  # type: ignore[operator]
+            best = full("split", h, h + int(p[i]), cached, float(t[i]), recompute)
     return best
 
 
