@@ -160,3 +160,54 @@ def test_repeated_per_layer_loads_take_one_native_call_and_land_exactly(indices,
     assert len(calls) == 3 * L and all(c[7] is True and len(c[8]) == 1 for c in calls), calls[:2]
     assert len(hp._engine._marks) == 1
     hp.close()
+
+
+@pytest.mark.parametrize("geom,backend", [((1, 192, 128), "direct"), ((4, 192, 128), "kernel")])
+@pytest.mark.parametrize("stream_kind", ["side", "default"])
+@pytest.mark.parametrize("indices", ["cpu", "cuda"])
+def test_repeated_kernel_route_loads_take_one_native_call_and_land_exactly(geom, backend, stream_kind, indices,
+                                                                           monkeypatch):
+    """The kernel route's warm per-layer load (small chunks of ``direct``, or ``kernel``): after the first
+    pass each call is one native launch call that also re-records the stream's mark, from a side stream and
+    from the default stream alike. The bytes land pass after pass, synchronize() waits for the last load,
+    and a load of another index set on the same stream in between is ordered and exact too."""
+    from kvtier import _native
+
+    # (the kernel backend moves page_first pools; asymmetric page_first_direct pools are direct-only)
+    dp, hp = make(*geom, layout="page_first_direct" if backend == "direct" else "page_first")
+    assert hp._engine.route(backend, hp._sides(), "cuda", per_layer=True) == "kernel"
+    hs, ds = pages_idx(hp.page_num, 9, indices), pages_idx(24, 9, indices)  # two disjoint index sets
+    h, d, h2, d2 = hs[:6 * PS], ds[:6 * PS], hs[6 * PS:], ds[6 * PS:]
+    stream = torch.cuda.Stream() if stream_kind == "side" else torch.cuda.default_stream()
+    with torch.cuda.stream(stream):
+        hp.backup_from_device_all_layer(dp, h, d, backend)
+        hp.backup_from_device_all_layer(dp, h2, d2, backend)
+        ref, ref2 = snapshot(dp, d), snapshot(dp, d2)
+        for layer in range(L):  # the first pass: cold, then warm with a Python mark
+            hp.load_to_device_per_layer(dp, h, d, layer, backend)
+        assert hp._warm is not None and hp._warm.plans is not None, "no warm kernel launches"
+        calls = []
+        real = _native.launch_layers
+        monkeypatch.setattr(_native, "launch_layers", lambda *a: calls.append(a) or real(*a))
+        for _ in range(3):
+            for t in dp.k_buffer + dp.v_buffer:
+                t.zero_()
+            torch.cuda._sleep(20_000_000)  # the loads queue behind GPU work: synchronize must wait for them
+            for layer in range(L):
+                hp.load_to_device_per_layer(dp, h, d, layer, backend)
+            hp.synchronize()
+            assert stream.query()
+            check(dp, d, ref)
+        assert len(calls) == 3 * L and all(len(c) == 8 and c[7] != 0 for c in calls), calls[:2]
+        # another index set on the same stream, then back: each lands exactly
+        for t in dp.k_buffer + dp.v_buffer:
+            t.zero_()
+        for layer in range(L):
+            hp.load_to_device_per_layer(dp, h2, d2, layer, backend)
+        torch.cuda._sleep(20_000_000)
+        for layer in range(L):
+            hp.load_to_device_per_layer(dp, h, d, layer, backend)
+        hp.synchronize()
+        check(dp, d2, ref2)
+        check(dp, d, ref)
+    hp.close()

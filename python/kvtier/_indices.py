@@ -123,8 +123,12 @@ class _WarmLoad:
             self.ptrs.append(ptrs)
             regions.append(side.buffer._region)
         self.pairs, self.prepared, self.route = pairs, prepared, route
-        # the plans the first call made and cached (the copy engine's route only)
-        self.plans = engine._dma(pairs, prepared, False) if route == "dma" and len(prepared.host) else None
+        # the plans the first call made and cached (the copy engine's route), or the kernel route's launches
+        self.plans = None
+        if len(prepared.host) and route == "dma":
+            self.plans = engine._dma(pairs, prepared, False)
+        elif len(prepared.host) and route == "kernel":
+            self.plans = engine.warm_kernel(pairs, prepared)
         # what every load of this index set keeps alive until the GPU has passed it: one object for all of
         # them, so the engine's mark sees the same refs from call to call (TransferEngine._mark)
         self.refs = (tuple(regions), self.plans)

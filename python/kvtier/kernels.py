@@ -331,6 +331,41 @@ def prepare_rows(
     return RowsLaunch(hw, dw, offsets, host_idx, dev_idx, ints, consts, blocks, num_warps, key, int(layers))
 
 
+def _items(x: RowsLaunch, layers: int) -> int:
+    """Work items of one launch over ``layers`` layers, plus one grid stride of slack: the kernel counts
+    them in 32 bits."""
+    return x.ints[0] * layers * (x.consts["ROW_WORDS"] // x.consts["BLOCK_W"]) + x.blocks * x.consts["BLOCK_T"]
+
+
+class WarmLaunches:
+    """The launches of a repeated per-layer load (``kvtier.pools._WarmLoad``), fixed but for the layer: the
+    tuples ``_native.launch_layers`` takes, made once instead of on every call as :func:`run_rows` does, the
+    lanes they run on, and per caller stream its side streams. Holding it keeps every buffer the launches
+    address alive (the launch descriptions hold them)."""
+
+    __slots__ = ("natives", "lanes", "launches", "sides")
+
+    def __init__(self, natives: list, lanes: int, launches: list[RowsLaunch]) -> None:
+        self.natives, self.lanes, self.launches = natives, lanes, launches
+        # caller stream handle -> (side stream handles, the side streams themselves, kept alive here)
+        self.sides: dict[int, tuple[list[int], list[Any]]] = {}
+
+    @staticmethod
+    def of(launches: list[RowsLaunch], lanes: int) -> WarmLaunches | None:
+        """From the launch descriptions of one layer's copies (one per side, made by the first call with
+        ``blocks`` split over ``lanes``); None when they do not all launch natively with 32-bit arguments
+        (:func:`run_rows` then serves every call)."""
+        launches = [x for x in launches if x.ints[0] > 0]
+        if (not launches or not all(x.host_idx.is_cuda for x in launches)
+                or not all(v < 2**31 for x in launches for v in x.ints)
+                or any(_items(x, 1) >= 2**31 for x in launches)):
+            return None
+        natives = [x.native(1) for x in launches]
+        if any(n is None for n in natives):
+            return None
+        return WarmLaunches(natives, lanes, launches)
+
+
 def run_rows(launches, layer_begin: int, layer_end: int, *, per_layer: bool, events=None, side_streams=()) -> None:
     """Enqueue ``launches`` on the current stream for layers ``[layer_begin, layer_end)``: one launch each
     covering all of them, or (``per_layer``) one launch each per layer, recording after layer
@@ -345,11 +380,8 @@ def run_rows(launches, layer_begin: int, layer_end: int, *, per_layer: bool, eve
             raise InvalidArgumentError(f"invalid argument `layer_end`: layers [{layer_begin}, {layer_end}) are not "
                                        f"within the {x.layers} layers of the transfer")
     n_layers = 1 if per_layer else layer_end - layer_begin
-    # the kernel counts work items in 32 bits: items of one launch, plus one grid stride of slack
-    def items(x, layers):
-        return x.ints[0] * layers * (x.consts["ROW_WORDS"] // x.consts["BLOCK_W"]) + x.blocks * x.consts["BLOCK_T"]
-    if any(items(x, n_layers) >= 2**31 for x in launches):
-        if any(items(x, 1) >= 2**31 for x in launches):
+    if any(_items(x, n_layers) >= 2**31 for x in launches):
+        if any(_items(x, 1) >= 2**31 for x in launches):
             raise InvalidArgumentError(f"invalid argument `host_indices`: {launches[0].ints[0]} tokens are too many "
                                        "for one kernel transfer; split the call")
         if not per_layer and events is None:  # one launch per layer keeps each within range

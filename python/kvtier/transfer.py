@@ -350,15 +350,53 @@ class TransferEngine:
             self._hold((regions, plans))  # recorded on the caller's stream, after the join
         return None
 
+    def warm_kernel(self, pairs: Sequence[tuple[Side, Sequence[torch.Tensor]]], prepared: Any) -> Any:
+        """The kernel route's launches of a repeated per-layer load (``kvtier.pools._WarmLoad``), as ``copy``
+        makes them for one layer (same lanes, same blocks per launch), ready for :meth:`load_layer`; None
+        where they do not launch natively."""
+        dev = pairs[0][1][0].device
+        if dev.type != "cuda" or not kernels.available():
+            return None
+        hidx, didx = prepared.gpu(dev)
+        lanes = min(self.lanes, len(pairs))
+        blocks = self._split_blocks([side.row_bytes for side, _ in pairs], lanes)
+        launches = [self._rows(side, ts, prepared, hidx, didx, False, b) for (side, ts), b in zip(pairs, blocks)]
+        return kernels.WarmLaunches.of(launches, lanes)
+
+    def _load_layer_kernel(self, prepared: Any, layer: int, dev: torch.device, warm: Any, refs: tuple) -> None:
+        """:meth:`load_layer` on the kernel route: the launches ``warm`` (:meth:`warm_kernel`) for ``layer``
+        in one native call, which on the stream of the previous load of this index set also re-records the
+        stream's mark after them (see :meth:`_mark`). Kernels need no detour from a default stream."""
+        index = dev.index
+        handle = _raw_stream(index) if _raw_stream is not None else torch.cuda.current_stream(dev).cuda_stream
+        sides = warm.sides.get(handle)
+        mark = self._marks.get((index, handle))
+        if sides is not None and mark is not None and mark[1] is refs:
+            _native.launch_layers(index, handle, sides[0], warm.natives, layer, layer + 1, [], mark[2])
+            return
+        stream = torch.cuda.current_stream(dev)
+        prepared.gpu(dev)  # a new stream waits for the indices' upload
+        if sides is None:
+            if len(warm.sides) >= 8:
+                warm.sides.clear()
+            streams = self.side_streams(dev, warm.lanes)
+            sides = warm.sides[handle] = ([st.cuda_stream for st in streams], streams)
+        _native.launch_layers(index, handle, sides[0], warm.natives, layer, layer + 1, [])
+        self._mark(index, handle, stream, refs)
+
     def load_layer(self, pairs: Sequence[tuple[Side, Sequence[torch.Tensor]]], prepared: Any, layer: int,
                    backend: str, route: str, plans: Any, refs: tuple) -> None:
         """Host → device for one ``layer``: what ``copy(pairs, prepared, layer, layer + 1, to_host=False,
-        backend=backend)`` does, for a repeated per-layer load whose ``route`` and DMA ``plans`` the pool has
-        already derived (``kvtier.pools._WarmLoad``). Only the copy-engine path on the current device is
-        shortened; the host time of a 16-page per-layer call bounds it (benches/RESULTS.md §4). ``refs``: the
-        host regions and plans, one tuple for every call with these plans (see :meth:`_mark`)."""
+        backend=backend)`` does, for a repeated per-layer load whose ``route`` and ``plans`` the pool has
+        already derived (``kvtier.pools._WarmLoad``): the copy engine's plans, or the kernel route's launches
+        (:meth:`warm_kernel`). Only those two routes on the current device are shortened; the host time of a
+        16-page per-layer call bounds them (benches/RESULTS.md §4). ``refs``: the host regions and
+        ``plans``, one tuple for every call with these plans (see :meth:`_mark`)."""
         dev = pairs[0][1][0].device
         index = dev.index
+        if route == "kernel" and plans is not None and index == torch.cuda.current_device():
+            self._load_layer_kernel(prepared, layer, dev, plans, refs)
+            return
         if route != "dma" or plans is None or index != torch.cuda.current_device():
             self.copy(pairs, prepared, layer, layer + 1, to_host=False, backend=backend, route=route)
             return

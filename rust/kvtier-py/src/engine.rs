@@ -126,9 +126,13 @@ pub fn submit_layers_background(
 /// `kvtier_core::engine::launch_layers`). Each launch is `(function, grid, block, shared_bytes, widths,
 /// values, layer_param)`: `widths[i]` is 4 or 8, the byte width of parameter i.
 ///
-/// Private to `kvtier.kernels`, which passes only functions it compiled, whose parameter list it checked
-/// against the compiled code, and addresses of buffers it validated and keeps alive.
+/// `mark`: an event recorded on `stream` after every launch (0 = none).
+///
+/// Private to `kvtier.kernels` and the transfer engine's warm per-layer load, which pass only functions
+/// kvtier.kernels compiled, whose parameter list it checked against the compiled code, and addresses of
+/// buffers they validated and keep alive.
 #[pyfunction]
+#[pyo3(signature = (device, stream, side_streams, launches, layer_begin, layer_end, events, mark=0))]
 #[allow(clippy::too_many_arguments, clippy::type_complexity)]
 pub fn launch_layers(
     py: Python<'_>,
@@ -139,6 +143,7 @@ pub fn launch_layers(
     layer_begin: usize,
     layer_end: usize,
     events: Vec<usize>,
+    mark: usize,
 ) -> KvResult<()> {
     let launches = launches
         .into_iter()
@@ -173,6 +178,7 @@ pub fn launch_layers(
             layer_begin,
             layer_end,
             &events,
+            mark,
         )
     })?)
 }

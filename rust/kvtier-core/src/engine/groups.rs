@@ -53,7 +53,8 @@ pub(super) struct Group<T> {
 
 /// Enqueues `groups` on `stream` and the side streams (forked from `stream` once at the start and joined
 /// back at the end, so `stream` orders everything), after `stream` waits for `after` (an event, 0 = none),
-/// calling `before(g)` ahead of group g and `recorded` after each group's events.
+/// calling `before(g)` ahead of group g and `recorded` after each group's events; then records `mark` (an
+/// event, 0 = none) on `stream` after the join, where it follows everything this call enqueued.
 ///
 /// On an error, whatever was already enqueued is waited for (the lanes joined and the streams synchronized)
 /// before the error is returned: a caller that sees an error has nothing of this call left in flight.
@@ -63,6 +64,7 @@ pub(super) fn run_groups<T>(
     stream: usize,
     sides: &[usize],
     after: usize,
+    mark: usize,
     groups: &mut [Group<T>],
     recorded: &dyn Fn(),
     mut before: impl FnMut(&Current, usize) -> Result<()>,
@@ -93,7 +95,11 @@ pub(super) fn run_groups<T>(
         Ok(())
     };
     let res = body();
-    let joined = lanes.join();
+    let mut joined = lanes.join();
+    if res.is_ok() && joined.is_ok() && mark != 0 {
+        // SAFETY: the caller passes a live event of this device.
+        joined = unsafe { cur.record_event(mark, stream) };
+    }
     if res.is_err() || joined.is_err() {
         for &s in std::iter::once(&stream).chain(sides) {
             // SAFETY: live streams (see above); errors here change nothing about the error we return.
@@ -196,6 +202,7 @@ pub(super) fn copy_groups(
         stream,
         sides,
         after,
+        0,
         groups,
         recorded,
         before,

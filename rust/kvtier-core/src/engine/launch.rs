@@ -59,13 +59,15 @@ impl KernelLaunch {
 
 /// Enqueues `launches` for layers `[layer_begin, layer_end)`: for each layer, every launch with its layer
 /// parameter set to the layer (launch i on lane i mod (1 + `side_streams`)), then the layer's events, one
-/// per lane (when given).
+/// per lane (when given); `mark` (an event, 0 = none) is recorded on `stream` after the lanes have joined
+/// back into it, so it follows every launch.
 ///
 /// # Safety
 /// Every launch's function must be loaded in `device`'s primary context, with the parameter list its
 /// compiled code expects, and every address among the parameters must point to memory that is valid for the
 /// kernel and stays alive until `stream` has passed the launches. Streams and events must be live on
 /// `device`.
+#[allow(clippy::too_many_arguments)]
 pub unsafe fn launch_layers(
     device: i32,
     stream: usize,
@@ -74,6 +76,7 @@ pub unsafe fn launch_layers(
     layer_begin: usize,
     layer_end: usize,
     events: &[usize],
+    mark: usize,
 ) -> Result<()> {
     check_sides(stream, side_streams)?;
     let n_groups = layer_end.saturating_sub(layer_begin);
@@ -99,6 +102,7 @@ pub unsafe fn launch_layers(
         stream,
         side_streams,
         0,
+        mark,
         &mut groups,
         &|| {},
         |_, _| Ok(()),
