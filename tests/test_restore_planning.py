@@ -158,3 +158,137 @@ def test_planner_stats_count_every_decision():
     assert d["tokens_recomputed"] == p.recomputed_tokens + 128 * 64 + 64
     assert d["observed"] == 1
     assert stats.median_error() == pytest.approx(abs(1 / 1.1 - 1), rel=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------- the transformers cache
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+import kvtier  # noqa: E402
+from kvtier.integrations.transformers import KVTier  # noqa: E402
+
+PS = 16
+
+
+def llama(device="cpu", dtype=torch.float32, layers=3):
+    torch.manual_seed(0)
+    cfg = LlamaConfig(num_hidden_layers=layers, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=256)
+    return LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
+
+
+def tokens(n, seed=1):
+    return torch.randint(1, 256, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def greedy(model, ids, cache, n=4):
+    return model.generate(ids, cache=cache, max_new_tokens=n, do_sample=False, pad_token_id=0)
+
+
+def stored_then_dropped(tier, model, ids):
+    """Serve ``ids`` once (its pages go to the host pool and the store), then drop the host copies: the next
+    restore of that prefix can only come from the disk. Returns the host KV (every layer) it computed."""
+    c = tier.cache(ids)
+    greedy(model, ids, c, 1)
+    kv = [c.host_kv(layer, (ids.shape[1] - 1) // PS * PS) for layer in range(tier.layers)]
+    c.release()
+    tier.controller.wait_idle()
+    assert tier.drop_host_copies() > 0
+    return kv
+
+
+def with_disk_at(tier, gbps):
+    """The planner sees the disk at ``gbps`` (its measurements replaced, for a decision that does not depend on
+    this machine's disk)."""
+    real = tier.controller.measured
+
+    def measured():
+        out = real()
+        out["disk"] = TierEstimate("disk", read_GBps=gbps, source="probe")
+        return out
+
+    tier.controller.measured = measured
+
+
+def split_rate(tier, prompt):
+    """A disk speed at which reading the prefix takes about twice computing it: the plan splits."""
+    per_token = tier.controller.prefill.seconds(prompt, 0) / prompt
+    return tier.controller.page_bytes / PS / per_token / 1e9 / 2
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_a_split_restore_recomputes_the_head_while_the_tail_loads(tmp_path, device):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = llama(device, dtype)
+    ids = tokens(40 * PS + 5)
+    with KVTier(model, model_id="t/split", page_size=PS, host_tokens=4096, store_dir=tmp_path) as tier:
+        assert tier.controller.prefill.coefficients() is not None and tier.stats.caches == 0  # calibrated, uncounted
+        want = greedy(model, ids, DynamicCache(config=model.config))
+        kv = stored_then_dropped(tier, model, ids)
+        written = tier.page_store.get_stats()["bytes_written"]
+        with_disk_at(tier, split_rate(tier, ids.shape[1]))
+        c = tier.cache(ids)
+        p = c.plan
+        assert p.kind == "split" and 0 < p.recompute_to < p.load_to == 40, p
+        assert c.recomputed_tokens == p.recompute_to * PS and c.restored_store_pages == 40 - p.recompute_to
+        assert c.restored_tokens == c.restored_store_pages * PS and c.get_seq_length() == 40 * PS
+        # the loaded tail is the bytes first stored, every layer
+        for layer in range(tier.layers):
+            k, v = c.host_kv(layer, 40 * PS)
+            lo = p.recompute_to * PS
+            assert torch.equal(k[:, :, lo:], kv[layer][0][:, :, lo:]) and torch.equal(v[:, :, lo:], kv[layer][1][:, :, lo:])
+        got = greedy(model, ids, c)
+        assert torch.equal(got, want)  # the same tokens as recomputing everything
+        tier.controller.wait_idle()
+        # the head's pages were already stored: not written again
+        assert tier.page_store.get_stats()["bytes_written"] == written
+        tier._marks.poll(wait=True)
+        st = tier.controller.planner_stats.as_dict()
+        assert st["plans"]["split"] == 1 and st["observed"] >= 1 and st["tokens_loaded"]["disk"] == (40 - p.recompute_to) * PS
+
+
+def test_slow_and_fast_disks_are_recomputed_and_loaded(tmp_path):
+    model = llama()
+    ids = tokens(30 * PS + 3)
+    with KVTier(model, model_id="t/speeds", page_size=PS, host_tokens=4096, store_dir=tmp_path) as tier:
+        want = greedy(model, ids, DynamicCache(config=model.config))
+        stored_then_dropped(tier, model, ids)
+        with_disk_at(tier, 1e-6)
+        slow = tier.cache(ids)
+        assert slow.plan.kind == "recompute" and slow.restored_tokens == 0 and slow.get_seq_length() == 0
+        assert torch.equal(greedy(model, ids, slow), want)
+        slow.release()
+        tier.controller.wait_idle()
+        tier.drop_host_copies()
+        with_disk_at(tier, 1e6)
+        fast = tier.cache(ids)
+        assert fast.plan.kind == "load" and fast.restored_store_pages == 30
+        assert torch.equal(greedy(model, ids, fast), want)
+
+
+def test_a_prompt_that_differs_inside_the_restored_prefix_is_refused(tmp_path):
+    """KVTier.cache(a) restores a's prefix; generate(b) feeds only b's tokens after it, so without a check b
+    would be answered from a's KV (the README promises a refusal)."""
+    model = llama()
+    a = tokens(6 * PS + 3)
+    b = a.clone()
+    b[0, 5] = (b[0, 5] + 1) % 256 or 1  # one token differs, inside the first page
+    with KVTier(model, model_id="t/mismatch", page_size=PS, host_tokens=2048, restore="all") as tier:
+        greedy(model, a, tier.cache(a), 1)
+        c = tier.cache(a)
+        assert c.restored_tokens == 6 * PS
+        with pytest.raises(kvtier.InvalidArgumentError, match="input_ids"):
+            greedy(model, b, c)
+        c2 = tier.cache(a)  # the same ids pass, and a continuation of them too
+        out = greedy(model, a, c2)
+        assert torch.equal(greedy(model, out, c2, 2)[:, : out.shape[1]], out)
+        with pytest.raises(kvtier.InvalidArgumentError, match="input_ids"):
+            with torch.no_grad():
+                model(b[:, :PS], cache=tier.cache(a))  # a direct forward of other tokens is refused too
+        with pytest.raises(kvtier.InvalidArgumentError, match="restore"):
+            KVTier(model, model_id="x", restore="some")
+        with pytest.raises(kvtier.InvalidArgumentError, match="prefill"):
+            KVTier(model, model_id="x", prefill="fast")
