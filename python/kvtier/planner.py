@@ -164,8 +164,8 @@ def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 class PrefillModel:
     """The engine's prefill time, ``seconds(n, ctx) = a + b·n + c·n·(ctx + n/2) + d·ctx`` for ``n`` new
-    tokens after ``ctx`` cached ones (thread-safe). Fitted with non-negative coefficients over the last
-    :data:`WINDOW` forwards the engine reported (:meth:`observe`), or fixed by the caller
+    tokens after ``ctx`` cached ones (thread-safe). Fitted with non-negative coefficients, minimising the
+    relative error, over the last :data:`WINDOW` forwards the engine reported (:meth:`observe`), or fixed by the caller
     (:meth:`fixed`, or ``coefficients``). Predicts nothing (``None``) until it has a fit."""
 
     def __init__(self, coefficients: Sequence[float] | None = None, *, window: int = WINDOW) -> None:
@@ -215,9 +215,11 @@ class PrefillModel:
             if self._coef is None:
                 if not self._obs:
                     return None
+                # relative errors count (a 20 ms forward predicted as 40 ms is as wrong as 2 s as 4 s): each
+                # observation weighted by 1 / its time
                 x = np.array([self._features(n, c) for n, c, _ in self._obs])
                 y = np.array([s for _, _, s in self._obs])
-                self._coef = _nnls(x, y)
+                self._coef = _nnls(x / y[:, None], np.ones_like(y))
             a, b, c, d = (float(v) for v in self._coef)
         return a, b, c, d
 
