@@ -407,6 +407,18 @@ class _HostKVPool:
         pairs, p, route = self._prepare(device_pool, host_indices, device_indices, io_backend, True, True)
         self._engine.copy(pairs, p, layer_id, layer_id + 1, to_host=True, backend=io_backend, route=route)
 
+    def _copy_layer(self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor, layer_id: int,
+                    io_backend: str, *, to_host: bool, events: Any, after: Any = None, previous: Any = None) -> Any:
+        """One layer either way (the copies of ``backup_from_device_per_layer`` / ``load_to_device_per_layer``),
+        recording ``events`` (one per lane) after it; ``direct`` copies are submitted by a native thread (the
+        returned ``Submission`` says when the events are recorded: wait for it before using them), after
+        ``after`` and after ``previous`` (the last background submission on the current stream); other routes
+        enqueue before returning (None)."""
+        self._check_layer(layer_id)
+        pairs, p, route = self._prepare(device_pool, host_indices, device_indices, io_backend, to_host, True)
+        return self._engine.copy(pairs, p, layer_id, layer_id + 1, to_host=to_host, backend=io_backend, per_layer=True,
+                                 events=[events], background=True, after=after, previous=previous, route=route)
+
     def synchronize(self) -> None:
         """Wait until every transfer this pool issued has completed."""
         self._engine.synchronize()

@@ -295,6 +295,8 @@ class TransferEngine:
                 backend = "kernel"
         background_direct = (background and per_layer and events is not None and route == "dma"
                              and backend == "direct")
+        if previous is not None and not background_direct:
+            previous.join()  # enqueued here, in stream order: after what the earlier background submission enqueues
         if after is not None and not background_direct and cuda:
             torch.cuda.current_stream(dev).wait_event(after)
         if len(host) == 0 or not pairs:

@@ -155,8 +155,7 @@ def run(*, device: str, n_conv: int, turns: int, seed: int, store_dir: str | Non
             # the reused pages hold the bytes computed for them when they were first kept
             reused = [j for j in range(len(cache.table.keys)) if j < cache.restored_host_pages or
                       (plan is not None and plan.recompute_to <= j < plan.load_to and j < len(cache.table.keys))]
-            if tier.stream is not None:
-                tier.stream.synchronize()
+            tier._drain()
             ok_kv = all(cache.table.keys[j] is not None and
                         sums.get(cache.table.keys[j]) == _page_sum(tier, cache.table.starts[j]) for j in reused)
             diff = float((got - want).abs().max())

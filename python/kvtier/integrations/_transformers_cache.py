@@ -73,8 +73,7 @@ class _Table:
         del self.starts[first:], self.keys[first:]
         if tier._closed or not starts:
             return
-        if tier.stream is not None:
-            tier.stream.synchronize()  # no transfer in flight may still touch a page given back
+        tier._drain()  # no transfer in flight may still touch a page given back
         tier.controller.release([k for k in keys if k is not None])
         tier.controller.free([s for s, k in zip(starts, keys) if k is None])
 
@@ -279,8 +278,7 @@ class KvtierCache(DynamicCache):
         if self._window is None:
             self._window = _Window(t.layers, t.window, t.heads, t.k_dim, t.v_dim, t.dtype, t.device, t.page_size, tokens)
         elif self._window.size < tokens:
-            if t.stream is not None:
-                t.stream.synchronize()  # nothing in flight may touch the old slots
+            t._drain()  # nothing in flight may touch the old slots
             self._window.ensure(tokens)
         return self._window
 
@@ -301,15 +299,43 @@ class KvtierCache(DynamicCache):
         tier = self.tier
         s = layer_idx % win.window
         host, dev = self._slots(0, -(-tokens // tier.page_size))
-        if tier.stream is not None:
-            tier.stream.wait_stream(torch.cuda.current_stream(tier.device))
-            with torch.cuda.stream(tier.stream):
-                tier.host.load_to_device_per_layer(win, host, dev, layer_idx, "direct")
-                win.loaded[s] = tier.stream.record_event()
-        else:
-            tier.host.load_to_device_per_layer(win, host, dev, layer_idx, "direct")
+        win.loaded[s] = self._transfer(win, layer_idx, host, dev, to_host=False)
         win.state[s] = (layer_idx, tokens, self._epoch)
         tier.stats.layer_loads += 1
+
+    def _transfer(self, win: _Window, layer_idx: int, host: torch.Tensor, dev: torch.Tensor, *, to_host: bool) -> Any:
+        """One layer between host pages and its window slot. On CUDA: on the transfer stream, after the compute
+        stream's work so far, submitted by a native thread (the Python thread never waits on the driver, so the
+        model's next kernels are enqueued meanwhile) in order after the tier's previous transfer; returns what
+        the slot's next user waits for (:meth:`_wait`). On the CPU: done on return (None)."""
+        tier = self.tier
+        if tier.stream is None:
+            copy = tier.host.backup_from_device_per_layer if to_host else tier.host.load_to_device_per_layer
+            copy(win, host, dev, layer_idx, "direct")
+            return None
+        after = torch.cuda.current_stream(tier.device).record_event()
+        events = [torch.cuda.Event() for _ in range(tier._lanes)]
+        for ev in events:
+            ev.record(tier.stream)  # (creates it; the transfer records it again after its copies)
+        with torch.cuda.stream(tier.stream):
+            sub = tier.host._copy_layer(win, host, dev, layer_idx, "direct", to_host=to_host, events=events, after=after,
+                                        previous=tier._sub)
+        if sub is not None:
+            tier._sub = sub
+            with tier._subs_lock:
+                tier._subs.append(sub)
+        return sub, events
+
+    @staticmethod
+    def _wait(stream: Any, pending: Any) -> None:
+        """``stream`` waits for a transfer from :meth:`_transfer` (once its events are recorded)."""
+        if pending is None or stream is None:
+            return
+        sub, events = pending
+        if sub is not None:
+            sub.wait_recorded(0)
+        for ev in events:
+            stream.wait_event(ev)
 
     # ------------------------------------------------------------------ the Cache API
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
@@ -340,8 +366,7 @@ class KvtierCache(DynamicCache):
             tier.stats.on_demand_loads += 1
             self._load(win, layer_idx, t0)
         compute = torch.cuda.current_stream(tier.device) if tier.cuda else None
-        if compute is not None and win.loaded[s] is not None:
-            compute.wait_event(win.loaded[s])
+        self._wait(compute, win.loaded[s])
         ks, vs = win.k_slots[s], win.v_slots[s]
         ks[ps + t0 : ps + t1].copy_(key_states[0].transpose(0, 1))
         vs[ps + t0 : ps + t1].copy_(value_states[0].transpose(0, 1))
@@ -358,15 +383,9 @@ class KvtierCache(DynamicCache):
         # the same slot (layers need not be a multiple of the window)
         nxt = layer_idx + win.window if layer_idx + win.window < tier.layers else layer_idx % win.window
         nxt_len = self.layers[nxt].get_seq_length()
-        if tier.stream is not None and compute is not None:
-            tier.stream.wait_stream(compute)
-            with torch.cuda.stream(tier.stream):
-                tier.host.backup_from_device_per_layer(win, host, dev, layer_idx, "direct")
-                # the slot's next writer (a load below, or the compute stream when no load is needed, as in a
-                # prefill) must wait until the backup has read it
-                win.loaded[s] = tier.stream.record_event()
-        else:
-            tier.host.backup_from_device_per_layer(win, host, dev, layer_idx, "direct")
+        # the slot's next writer (a load below, ordered after it on the transfer stream, or the compute stream
+        # when no load is needed, as in a prefill) must wait until the backup has read it
+        win.loaded[s] = self._transfer(win, layer_idx, host, dev, to_host=True)
         if nxt != layer_idx and nxt_len:
             self._load(win, nxt, nxt_len)
         if layer_idx == tier.layers - 1:
@@ -394,7 +413,7 @@ class KvtierCache(DynamicCache):
         prior = self._page_keys[first - 1] if first else None
         keys = page_hashes(self._fed[first * ps : full * ps], ps, prior)
         self._page_keys[first:] = keys
-        event = tier.stream.record_event() if tier.stream is not None else None
+        event = tier._fence()
         stored = [k in self._stored for k in keys] if self._stored else None
         took = tier.controller.adopt(keys, self.table.starts[first:full], event=event, stored=stored)
         for j, (k, ok) in enumerate(zip(keys, took), start=first):
@@ -429,8 +448,7 @@ class KvtierCache(DynamicCache):
             got = tier.controller.allocate(1)
             if got is None:
                 raise KvtierError("kvtier host pool full: no page to copy a shared page into; raise host_tokens")
-            if tier.stream is not None:
-                tier.stream.synchronize()
+            tier._drain()
             old, new = self.table.starts[j] // ps, got[0] // ps
             for buf in (tier.host.k_buffer, tier.host.v_buffer):
                 buf[new].copy_(buf[old])
@@ -476,8 +494,7 @@ class KvtierCache(DynamicCache):
         tokens = self.get_seq_length(layer_idx) if tokens is None else tokens
         if not 0 <= layer_idx < tier.layers or not 0 <= tokens <= self.get_seq_length(layer_idx):
             raise InvalidArgumentError(f"invalid argument `layer_idx`/`tokens`: {layer_idx}, {tokens}")
-        if tier.stream is not None:
-            tier.stream.synchronize()
+        tier._drain()
         pages = [s // ps for s in self.table.starts[: -(-tokens // ps)]]
         out = []
         for buf in (tier.host.k_buffer, tier.host.v_buffer):  # (pages, layers, page_size, heads, dim)

@@ -37,6 +37,7 @@ import hashlib
 import inspect
 import json
 import os
+import threading
 import warnings
 import weakref
 from dataclasses import asdict, dataclass
@@ -263,6 +264,10 @@ class KVTier:
             self.host.close()
             raise
         self.stream = torch.cuda.Stream(kv_device) if self.cuda else None
+        self._sub: Any = None  # the last background submission on self.stream (transfers follow it in order)
+        self._subs: list[Any] = []  # every submission since the last fence: each one's error must be seen
+        self._subs_lock = threading.Lock()
+        self._lanes = self.host._engine.lanes_for("direct", self.host._sides()) if self.cuda else 1
         self._closed = False
         tier_ref = weakref.ref(self)
 
@@ -338,6 +343,27 @@ class KVTier:
                 c._evict_locked(k)
         return len(victims)
 
+    def _joined(self) -> None:
+        """Every background submission has enqueued its copies; the first that failed raises its error."""
+        with self._subs_lock:
+            subs, self._subs = self._subs, []
+        for sub in subs:
+            sub.join()
+
+    def _drain(self) -> None:
+        """Wait until every transfer this tier issued has completed (a failed one raises its error)."""
+        self._joined()
+        if self.stream is not None:
+            self.stream.synchronize()
+
+    def _fence(self) -> Any:
+        """A CUDA event after every transfer this tier has issued so far (None on the CPU); raises the error of
+        any that failed, so nothing is adopted after a backup that did not happen."""
+        if self.stream is None:
+            return None
+        self._joined()  # their copies are enqueued: an event recorded now follows them
+        return self.stream.record_event()
+
     def _check_open(self) -> None:
         if self._closed:
             raise ClosedError("KVTier is closed")
@@ -350,8 +376,7 @@ class KVTier:
         self._closed = True
         _unhook(self._hook, self._done_hook, self._unwrap)
         self._marks.poll(wait=True)
-        if self.stream is not None:
-            self.stream.synchronize()
+        self._drain()
         try:
             self.controller.close()
         finally:

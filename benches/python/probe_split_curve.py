@@ -1,0 +1,115 @@
+"""Time to first token of a restore from the disk against where it splits: the head (pages [0, j)) recomputed
+while the tail [j, n) loads, for a range of j, with the planner's prediction beside each, and the parts
+measured apart (the head's forward alone, the tail's read alone). One model, one prefix, one run.
+
+    PYTHONPATH=python python benches/python/probe_split_curve.py [--ctx 8192] [--out split.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+import time
+
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+from kvtier.integrations.transformers import KVTier, cache_kwarg
+from kvtier.planner import RestorePlan
+from kvtier.store import page_hashes
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ctx", type=int, default=8192)
+    ap.add_argument("--ps", type=int, default=64)
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--out", default="split-curve.json")
+    a = ap.parse_args()
+    dev = "cuda" if torch.cuda.is_available() and not a.tiny else "cpu"
+    if a.tiny:
+        cfg = LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                          num_key_value_heads=2, vocab_size=256)
+    else:
+        cfg = LlamaConfig(num_hidden_layers=32, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                          num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device(dev):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16 if dev == "cuda" else torch.float32).eval()
+    kw = cache_kwarg(model)
+    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+    ps, ctx = a.ps, a.ctx
+    ids = torch.randint(0, cfg.vocab_size, (1, ctx + 64), generator=torch.Generator().manual_seed(3))
+    n = ctx // ps
+    root = tempfile.mkdtemp(dir=os.getcwd())
+    out: dict = {"ctx": ctx, "rows": []}
+    try:
+        tier = KVTier(model, model_id="probe/split", page_size=ps, window=2, host_tokens=2 * ctx + 8 * ps, store_dir=root)
+        tier.calibrate([ctx // 4, ctx // 2, ctx])
+        with torch.no_grad():
+            for _ in range(2):
+                sync()
+                t0 = time.perf_counter()
+                model(input_ids=ids.to(dev), use_cache=True, logits_to_keep=1, **{kw: DynamicCache(config=cfg)})
+                sync()
+                out["recompute_s"] = time.perf_counter() - t0
+            c = tier.cache(ids)
+            model(input_ids=ids.to(dev), use_cache=True, logits_to_keep=1, **{kw: c})
+            c.release()
+            tier.controller.wait_idle()
+            keys = page_hashes(ids[0, : n * ps].tolist(), ps)
+            ctrl = tier.controller
+            real_plan = ctrl.plan_restore
+            for j in sorted({0, n // 4, n // 2, 5 * n // 8, 3 * n // 4, 7 * n // 8, n - 4, n}):
+                for rep in range(2):
+                    tier.drop_host_copies()
+                    # the tail's read alone
+                    if rep == 0 and j < n:
+                        starts = ctrl.allocate(n - j)
+                        slots = ctrl._slots(starts)
+                        t0 = time.perf_counter()
+                        ok = tier.page_store.batch_get_v1(keys[j:], slots)
+                        read_s = time.perf_counter() - t0
+                        ctrl.free(starts)
+                        assert all(ok)
+                    est = real_plan(keys, ids.shape[1])  # the planner's own model of this prefix (for its numbers)
+                    kind = "recompute" if j == n and False else ("load" if j == 0 else "split")
+                    plan = RestorePlan(ids.shape[1], ps, 0, j, n, [("disk", n - j)] if j < n else [], None,
+                                       est.recompute_s, kind if j < n else "recompute", n)
+                    if j == n:
+                        plan = RestorePlan(ids.shape[1], ps, 0, 0, 0, [], None, est.recompute_s, "recompute", n)
+                    ctrl.plan_restore = lambda *x, _p=plan, **y: _p
+                    sync()
+                    t0 = time.perf_counter()
+                    c = tier.cache(ids)
+                    t1 = time.perf_counter()
+                    model(input_ids=ids[:, c.get_seq_length():].to(dev), use_cache=True, logits_to_keep=1, **{kw: c})
+                    sync()
+                    t2 = time.perf_counter()
+                    ctrl.plan_restore = real_plan
+                    c.release()
+                    tier.controller.wait_idle()
+                pm = ctrl.prefill
+                head_pred = pm.seconds(j * ps, 0) if j < n else None
+                read_pred = ctrl.measured()["disk"].read_s((n - j) * ctrl.page_bytes) if j < n else 0.0
+                rest_pred = pm.seconds(ids.shape[1] - n * ps, n * ps) if j < n else pm.seconds(ids.shape[1], 0)
+                row = dict(j=j, ttft_s=t2 - t0, cache_s=t1 - t0, rest_s=t2 - t1, tail_read_alone_s=read_s if j < n else 0.0,
+                           head_pred_s=head_pred, read_pred_s=read_pred, rest_pred_s=rest_pred)
+                out["rows"].append(row)
+                print({k: (round(v * 1e3, 1) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+        out["disk"] = ctrl.measured()["disk"].__dict__
+        out["prefill"] = ctrl.prefill.coefficients()
+        print("recompute", round(out["recompute_s"] * 1e3, 1), "disk", out["disk"], "prefill", out["prefill"])
+        tier.close()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    with open(a.out, "w") as f:
+        json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
