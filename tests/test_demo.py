@@ -62,7 +62,7 @@ def test_the_demo_is_never_slower_than_no_tier():
     pytest.importorskip("transformers")
     from kvtier.workload import run_workload
 
-    for attempt in range(2):
+    for _ in range(2):
         out = run_workload(device="cpu", quiet=True)
         assert out["failures"] == [] and out["restore"] == "plan"
         over = _over(out)

@@ -127,7 +127,7 @@ def run(*, device: str, n_conv: int, turns: int, seed: int, store_dir: str | Non
         for i, tokens in enumerate(reqs):
             ids = torch.tensor([tokens], device=device)
 
-            def no_tier() -> tuple[float, torch.Tensor]:
+            def no_tier(ids: torch.Tensor = ids) -> tuple[float, torch.Tensor]:
                 """The whole prompt in one forward, transformers' default cache."""
                 sync()
                 t0 = time.perf_counter()
