@@ -9,7 +9,8 @@ with three measured inputs:
   the recent hit rate — a moving estimate over kvtier's own transfers, seeded by a short probe when the tier
   opens (:class:`TierEstimate` is one reading of it).
 - :class:`PrefillModel`: the engine's prefill time for ``n`` new tokens after ``ctx`` cached ones,
-  ``a + b·n + c·n·(ctx + n/2) + d·ctx`` (fixed cost, per-token work, attention, reading the cached context),
+  ``a + b·n + c·n·ctx + d·ctx + e·n²/2`` (fixed cost, per-token work, attention to the cached context,
+  reading the cached context, attention within the new tokens),
   fitted online from the engine's own forwards, or given by the caller (:meth:`PrefillModel.fixed`).
 - the request: its length, and which of its leading pages each tier holds (host first, then the store's
   tiers in order).
@@ -163,7 +164,7 @@ def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 class PrefillModel:
-    """The engine's prefill time, ``seconds(n, ctx) = a + b·n + c·n·(ctx + n/2) + d·ctx`` for ``n`` new
+    """The engine's prefill time, ``seconds(n, ctx) = a + b·n + c·n·ctx + d·ctx + e·n²/2`` for ``n`` new
     tokens after ``ctx`` cached ones (thread-safe). Fitted with non-negative coefficients, minimising the
     relative error, over the last :data:`WINDOW` forwards the engine reported (:meth:`observe`), or fixed by the caller
     (:meth:`fixed`, or ``coefficients``). Predicts nothing (``None``) until it has a fit."""
@@ -175,9 +176,10 @@ class PrefillModel:
         self._coef: np.ndarray | None = None
         if coefficients is not None:
             c = [float(v) for v in coefficients]
-            if len(c) != 4 or any(not math.isfinite(v) or v < 0 for v in c):
-                raise InvalidArgumentError(f"invalid argument `coefficients`: four finite values >= 0 (a, b, c, d), got {coefficients!r}")
-            self._coef = np.array(c)
+            if len(c) not in (4, 5) or any(not math.isfinite(v) or v < 0 for v in c):
+                raise InvalidArgumentError("invalid argument `coefficients`: four or five finite values >= 0 (a, b, c, d[, e]; "
+                                           f"e defaults to c), got {coefficients!r}")
+            self._coef = np.array(c if len(c) == 5 else [*c, c[2]])
 
     @classmethod
     def fixed(cls, tokens_per_s: float, *, overhead_s: float = 0.0) -> PrefillModel:
@@ -185,7 +187,7 @@ class PrefillModel:
         if isinstance(tokens_per_s, bool) or not isinstance(tokens_per_s, (int, float)) or not tokens_per_s > 0 \
                 or not math.isfinite(tokens_per_s):
             raise InvalidArgumentError(f"invalid argument `prefill_tokens_per_s`: must be a number > 0, got {tokens_per_s!r}")
-        return cls((overhead_s, 1.0 / float(tokens_per_s), 0.0, 0.0))
+        return cls((overhead_s, 1.0 / float(tokens_per_s), 0.0, 0.0, 0.0))
 
     @property
     def learned(self) -> bool:
@@ -207,10 +209,10 @@ class PrefillModel:
 
     @staticmethod
     def _features(n: float, ctx: float) -> list[float]:
-        return [1.0, n, n * (ctx + n / 2.0), ctx]
+        return [1.0, n, n * ctx, ctx, n * n / 2.0]
 
-    def coefficients(self) -> tuple[float, float, float, float] | None:
-        """``(a, b, c, d)`` of the current fit, or None before any observation."""
+    def coefficients(self) -> tuple[float, float, float, float, float] | None:
+        """``(a, b, c, d, e)`` of the current fit, or None before any observation."""
         with self._lock:
             if self._coef is None:
                 if not self._obs:
@@ -220,8 +222,8 @@ class PrefillModel:
                 x = np.array([self._features(n, c) for n, c, _ in self._obs])
                 y = np.array([s for _, _, s in self._obs])
                 self._coef = _nnls(x / y[:, None], np.ones_like(y))
-            a, b, c, d = (float(v) for v in self._coef)
-        return a, b, c, d
+            a, b, c, d, e = (float(v) for v in self._coef)
+        return a, b, c, d, e
 
     def seconds(self, n: int, ctx: int) -> float | None:
         """Predicted seconds of a forward of ``n`` new tokens after ``ctx`` cached ones (0 for none)."""
@@ -352,13 +354,13 @@ def plan_restore(
     coef = prefill.coefficients() if prefill is not None else None
     if coef is None:  # nothing to decide with: take what the tiers hold
         return full("load" if cached > h else "host" if h else "recompute", h, h, cached, None, None)
-    a, b, c, d = coef
+    a, b, c, d, e = coef
     N = float(prompt_tokens)
 
     def P(n: Any, ctx: Any) -> Any:
         """The prefill model over arrays (0 for no new tokens)."""
         n, ctx = np.asarray(n, dtype=np.float64), np.asarray(ctx, dtype=np.float64)
-        return np.where(n > 0, a + b * n + c * n * (ctx + n / 2.0) + d * ctx, 0.0)
+        return np.where(n > 0, a + b * n + c * n * ctx + d * ctx + e * n * n / 2.0, 0.0)
 
     recompute = float(P(N, 0.0))
     best = full("recompute", 0, 0, 0, recompute, recompute)

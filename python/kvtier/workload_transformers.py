@@ -182,13 +182,14 @@ def run(*, device: str, n_conv: int, turns: int, seed: int, store_dir: str | Non
         ctrl = tier.controller
         planner = ctrl.planner_stats.as_dict()
         measured = {k: v.__dict__ for k, v in ctrl.measured().items()}
+        prefill = ctrl.prefill.coefficients()
         stats = dict(vars(tier.stats))
         tier.close()
         if not keep and store_dir is None:
             remove_tree(root)
     out = dict(results=results, failures=failures, stats=ctrl.stats, store=store_stats, root=root if keep else None,
                page_bytes=ctrl.page_bytes, page_size=ps, tiers=tier_stats, model="llama", transformers=stats,
-               config=cfg, planner=planner, measured=measured, device=device, restore=restore)
+               config=cfg, planner=planner, measured=measured, prefill=prefill, device=device, restore=restore)
     if not quiet:
         report(out)
     return out
