@@ -82,8 +82,9 @@ def after_forward(tier: KVTier, cache: Any) -> None:
 
 def calibrate(tier: KVTier, model: Any, cache_kwarg: str, vocab: int, lengths: list[int] | None = None) -> None:
     """A few timed forwards of random tokens through a cache of the tier that restores and keeps nothing
-    (pages of increasing length, or ``lengths``, then a short one after the longest: the cost of cached
-    context), so the prefill model predicts from the first request on. Counters are left as they were."""
+    (pages of increasing length, or ``lengths``; after the longest, a short and a quarter-length forward on
+    its context: what reading cached context costs, apart from attending to it), so the prefill model
+    predicts from the first request on. Counters are left as they were."""
     from ..controller import Stats
     from ._transformers_cache import KvtierCache
     from .transformers import TransformersStats
@@ -92,24 +93,28 @@ def calibrate(tier: KVTier, model: Any, cache_kwarg: str, vocab: int, lengths: l
     room = min(CALIBRATION_TOKENS, tier.host_tokens - 4 * ps,  # (no live cache holds host pages yet)
                int(getattr(model.config, "max_position_embeddings", 0) or CALIBRATION_TOKENS) // 2)
     if lengths is None:
-        sizes = [p * ps for p in CALIBRATION_PAGES if p * ps <= room - 2 * ps]
+        sizes = [p * ps for p in CALIBRATION_PAGES]
     else:
-        sizes = sorted({int(n) for n in lengths if 0 < int(n) <= tier.host_tokens - 4 * ps})
+        room = tier.host_tokens - 4 * ps
+        sizes = sorted({int(n) for n in lengths if int(n) > 0})
+    sizes = [n for n in sizes if n + 4 * ps + n // 4 <= room]  # the longest and the forwards on its context fit
     if not sizes:
         return
     gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(1, max(2, vocab), (1, sizes[-1] + 2 * ps), generator=gen).to(tier.device)
+    ids = torch.randint(1, max(2, vocab), (1, sizes[-1] + 4 * ps + sizes[-1] // 4), generator=gen).to(tier.device)
     stats, cstats = tier.stats, tier.controller.stats
     tier.stats, tier.controller.stats = TransformersStats(), Stats()
     try:
         with torch.no_grad():
             for timed, n in [(False, 2 * ps), *[(True, n) for n in sizes]]:
                 tier._observe = timed
-                cache = KvtierCache(tier, ids[0, : n + 2 * ps].tolist(), restore=False)
+                cache = KvtierCache(tier, ids[0, : n + 4 * ps + n // 4].tolist(), restore=False)
                 cache._unverified()  # nothing of it is ever kept
                 model(input_ids=ids[:, :n], use_cache=True, logits_to_keep=1, **{cache_kwarg: cache})
-                if timed and n == sizes[-1]:  # a short forward after a long context
-                    model(input_ids=ids[:, n : n + 2 * ps], use_cache=True, logits_to_keep=1, **{cache_kwarg: cache})
+                if timed and n == sizes[-1]:  # after the longest: a short forward and a long one on its context
+                    for m in (2 * ps, max(2 * ps, n // 4 // ps * ps)):  # (tell reading it from attending to it)
+                        at = cache.get_seq_length()
+                        model(input_ids=ids[:, at : at + m], use_cache=True, logits_to_keep=1, **{cache_kwarg: cache})
                 cache.release()
         tier._marks.poll(wait=True)
     finally:
