@@ -260,6 +260,8 @@ class RestorePlan:
     recompute_s: float | None = None
     kind: str = "recompute"
     cached_pages: int = 0  # the leading pages some tier holds (what was available)
+    #: the best predicted time of each kind of plan considered (``recompute``, ``host``, ``load``, ``split``)
+    candidates: dict[str, float] = field(default_factory=dict)
 
     @property
     def reused_pages(self) -> int:
@@ -285,7 +287,7 @@ class RestorePlan:
         return dict(kind=self.kind, prompt_tokens=self.prompt_tokens, page_tokens=self.page_tokens,
                     host_pages=self.host_pages, recompute_to=self.recompute_to, load_to=self.load_to,
                     load=list(self.load), cached_pages=self.cached_pages, predicted_s=self.predicted_s,
-                    recompute_s=self.recompute_s)
+                    recompute_s=self.recompute_s, candidates=dict(self.candidates))
 
 
 def _segments_between(segments: Sequence[tuple[str, int]], first: int, last: int) -> list[tuple[str, int]]:
@@ -363,13 +365,15 @@ def plan_restore(
         return np.where(n > 0, a + b * n + c * n * ctx + d * ctx + e * n * n / 2.0, 0.0)
 
     recompute = float(P(N, 0.0))
+    seen = {"recompute": recompute}
     best = full("recompute", 0, 0, 0, recompute, recompute)
     if h:
-        t = float(P(N - h * ps, h * ps))
+        t = seen["host"] = float(P(N - h * ps, h * ps))
         if t < recompute:
             best = full("host", h, h, h, t, recompute)
     m = cached - h
     if m <= 0:
+        best.candidates = seen
         return best
     # pages h .. cached-1 by tier: per tier, how many of the first p pages it holds (p = 0 .. m)
     owner = np.concatenate([np.full(n, ti) for ti, (_, n) in enumerate(segs)])
@@ -394,6 +398,7 @@ def plan_restore(
     p = np.arange(1, m + 1)
     t = read(0, p) + P(N - (h + p) * ps, (h + p) * ps)
     i = int(np.argmin(t))
+    seen["load"] = float(t[i])
     if t[i] < floor * (1.0 - margin):  # type: ignore[operator]
         best = full("load", h, h, h + int(p[i]), float(t[i]), recompute)
     if can_split and m > 1:  # recompute the head [h, h + p) while the tail [h + p, cached) loads
@@ -401,8 +406,10 @@ def plan_restore(
         p = np.arange(1, m)
         t = np.maximum(P(p * ps, h * ps), read(p, m)) + P(N - cached * ps, cached * ps)
         i = int(np.argmin(t))
+        seen["split"] = float(t[i])
         if t[i] < floor * (1.0 - split_margin):  # type: ignore[operator]
             best = full("split", h, h + int(p[i]), cached, float(t[i]), recompute)
+    best.candidates = seen
     return best
 
 

@@ -169,7 +169,8 @@ def run(*, device: str, n_conv: int, turns: int, seed: int, store_dir: str | Non
                                 cached_pages=plan.cached_pages if plan else cache.restored_tokens // ps,
                                 host_hit=cache.restored_host_pages, disk_hit=cache.restored_store_pages,
                                 recomputed_head=cache.recomputed_tokens, loaded=loaded,
-                                predicted_s=plan.predicted_s if plan else None, ttft_s=kvtier_s, no_tier_s=none_s,
+                                predicted_s=plan.predicted_s if plan else None, candidates=plan.candidates if plan else {},
+                                ttft_s=kvtier_s, no_tier_s=none_s,
                                 no_tier_spread_s=abs(none_a - none_b),
                                 max_logit_diff=diff, kv_exact=ok_kv, output_exact=ok_out))
             bar.update(i + 1)
@@ -219,22 +220,28 @@ def report(out: dict) -> None:
     print(f"\nEvery request timed twice: with kvtier (its prefix restored as planned, then the rest of the prompt) "
           f"and with no tier\n(the whole prompt in one forward, transformers' DynamicCache). Model: LlamaForCausalLM "
           f"{c.num_hidden_layers} layers, hidden {c.hidden_size}, {c.num_key_value_heads} KV heads, random weights.")
-    print(f"{'source':<12} {'requests':>8} {'prompt':>8} {'reused':>8} {'no tier':>10} {'kvtier':>10} {'kvtier/no tier':>15}"
-          f" {'plans':>22}")
+    print(f"{'source':<12} {'requests':>8} {'prompt':>8} {'cached':>8} {'reused':>8} {'no tier':>10} {'kvtier':>10} "
+          f"{'kvtier/no tier':>15} {'plans':>22}")
     for src in ("recomputed", "host hit", "disk hit", "cluster hit"):
         rows = [r for r in res if r["source"] == src]
         if not rows:
             continue
         n = len(rows)
         reused = sum(r["host_hit"] + r["disk_hit"] for r in rows) * out["page_size"] / n
+        cached = sum(r["cached_pages"] for r in rows) * out["page_size"] / n
         none_ms = 1e3 * sum(r["no_tier_s"] for r in rows) / n
         kv_ms = 1e3 * sum(r["ttft_s"] for r in rows) / n
         ratios = sorted(r["ttft_s"] / r["no_tier_s"] for r in rows)
         plans: dict[str, int] = {}
         for r in rows:
             plans[r["plan"]] = plans.get(r["plan"], 0) + 1
-        print(f"{src:<12} {n:>8} {sum(r['tokens'] for r in rows) / n:>8.0f} {reused:>8.0f} {none_ms:>7.1f} ms "
+        print(f"{src:<12} {n:>8} {sum(r['tokens'] for r in rows) / n:>8.0f} {cached:>8.0f} {reused:>8.0f} {none_ms:>7.1f} ms "
               f"{kv_ms:>7.1f} ms {ratios[len(ratios) // 2]:>14.2f}x {', '.join(f'{k} {v}' for k, v in plans.items()):>22}")
+    skipped = [r for r in res if r["source"] == "recomputed" and r["cached_pages"]]
+    if skipped:  # cached pages the planner chose not to use: what it predicted for each kind of plan
+        kinds = sorted({k for r in skipped for k in r["candidates"]})
+        print(f"recomputed although cached ({len(skipped)} requests), mean predicted TTFT by plan: " + ", ".join(
+            f"{k} {1e3 * sum(r['candidates'].get(k, 0.0) for r in skipped) / len(skipped):.1f} ms" for k in kinds))
     total_none = sum(r["no_tier_s"] for r in res)
     total_kv = sum(r["ttft_s"] for r in res)
     worst = max(res, key=lambda r: r["ttft_s"] / r["no_tier_s"])
@@ -246,6 +253,10 @@ def report(out: dict) -> None:
     m = out["measured"]
     print("measured tiers: " + ", ".join(f"{k} {v['read_GBps']:.2f} GB/s read ({v['source']})" for k, v in m.items())
           + (f"; planner's predicted TTFT within {100 * err:.0f}% of the observed (median)" if err is not None else ""))
+    if out.get("prefill"):
+        a, b, c, d, e = out["prefill"]
+        print(f"prefill model (learned): {1e3 * a:.2f} ms + {1e6 * b:.2f} us/token + {1e9 * e:.3f} ns x new^2/2 + "
+              f"{1e9 * c:.3f} ns x new x cached + {1e6 * d:.3f} us/cached token")
     s = out["store"]
     print(f"disk: {s.get('bytes_written', 0) / 1e6:.1f} MB written, {s.get('bytes_read', 0) / 1e6:.1f} MB read; "
           f"host evictions {out['stats'].host_evictions}")
