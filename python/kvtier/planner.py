@@ -227,12 +227,34 @@ class PrefillModel:
 
     def seconds(self, n: int, ctx: int) -> float | None:
         """Predicted seconds of a forward of ``n`` new tokens after ``ctx`` cached ones (0 for none)."""
-        if n <= 0:
-            return 0.0
+        out = self.predict(np.asarray([n], dtype=np.float64), np.asarray([ctx], dtype=np.float64))
+        return None if out is None else float(out[0])
+
+    def predict(self, n: np.ndarray, ctx: np.ndarray) -> np.ndarray | None:
+        """:meth:`seconds` over arrays (broadcast), or None before any fit. A learned model corrects its fit by
+        the forwards it observed near each point (within about 1.5x in new and in cached tokens: their
+        measured/fitted ratios, weighted by closeness), so a shape the engine has run is predicted as it
+        ran even where the five terms cannot follow the engine's curve exactly."""
         coef = self.coefficients()
         if coef is None:
             return None
-        return float(np.dot(coef, self._features(n, ctx)))
+        a, b, c, d, e = coef
+        n, ctx = np.broadcast_arrays(np.asarray(n, dtype=np.float64), np.asarray(ctx, dtype=np.float64))
+        fit = a + b * n + c * n * ctx + d * ctx + e * n * n / 2.0
+        with self._lock:
+            obs = list(self._obs) if not self._fixed else []
+        if obs:
+            on = np.array([o[0] for o in obs], dtype=np.float64)
+            oc = np.array([o[1] for o in obs], dtype=np.float64)
+            os_ = np.array([o[2] for o in obs], dtype=np.float64)
+            ofit = a + b * on + c * on * oc + d * oc + e * on * on / 2.0
+            ratio = np.where(ofit > 0, os_ / np.maximum(ofit, 1e-12), 1.0)
+            # distance in (log new tokens, log cached tokens), in units of log 1.5
+            dn = (np.log(np.maximum(n, 1.0))[..., None] - np.log(np.maximum(on, 1.0))) / math.log(1.5)
+            dc = (np.log1p(ctx)[..., None] - np.log1p(oc)) / math.log(1.5)
+            w = np.exp(-(dn * dn + dc * dc))
+            fit = fit * (0.1 + (w * ratio).sum(-1)) / (0.1 + w.sum(-1))  # (a weak prior: the fit itself)
+        return np.where(n > 0, fit, 0.0)
 
 
 @dataclass
@@ -360,13 +382,11 @@ def plan_restore(
     coef = prefill.coefficients() if prefill is not None else None
     if coef is None:  # nothing to decide with: take what the tiers hold
         return full("load" if cached > h else "host" if h else "recompute", h, h, cached, None, None)
-    a, b, c, d, e = coef
     N = float(prompt_tokens)
 
     def P(n: Any, ctx: Any) -> Any:
         """The prefill model over arrays (0 for no new tokens)."""
-        n, ctx = np.asarray(n, dtype=np.float64), np.asarray(ctx, dtype=np.float64)
-        return np.where(n > 0, a + b * n + c * n * ctx + d * ctx + e * n * n / 2.0, 0.0)
+        return prefill.predict(n, ctx)  # type: ignore[union-attr]
 
     recompute = float(P(N, 0.0))
     seen = {"recompute": recompute}
