@@ -10,7 +10,8 @@ with three measured inputs:
   opens (:class:`TierEstimate` is one reading of it).
 - :class:`PrefillModel`: the engine's prefill time for ``n`` new tokens after ``ctx`` cached ones,
   ``a + b·n + c·n·ctx + d·ctx + e·n²/2`` (fixed cost, per-token work, attention to the cached context,
-  reading the cached context, attention within the new tokens),
+  reading the cached context, attention within the new tokens — ``f`` instead of ``e`` after a cached context,
+  where engines leave their fused causal kernel for a masked one),
   fitted online from the engine's own forwards, or given by the caller (:meth:`PrefillModel.fixed`).
 - the request: its length, and which of its leading pages each tier holds (host first, then the store's
   tiers in order).
@@ -164,7 +165,7 @@ def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 class PrefillModel:
-    """The engine's prefill time, ``seconds(n, ctx) = a + b·n + c·n·ctx + d·ctx + e·n²/2`` for ``n`` new
+    """The engine's prefill time, ``seconds(n, ctx) = a + b·n + c·n·ctx + d·ctx + (e or f)·n²/2`` for ``n`` new
     tokens after ``ctx`` cached ones (thread-safe). Fitted with non-negative coefficients, minimising the
     relative error, over the last :data:`WINDOW` forwards the engine reported (:meth:`observe`), or fixed by the caller
     (:meth:`fixed`, or ``coefficients``). Predicts nothing (``None``) until it has a fit."""
@@ -176,10 +177,11 @@ class PrefillModel:
         self._coef: np.ndarray | None = None
         if coefficients is not None:
             c = [float(v) for v in coefficients]
-            if len(c) not in (4, 5) or any(not math.isfinite(v) or v < 0 for v in c):
-                raise InvalidArgumentError("invalid argument `coefficients`: four or five finite values >= 0 (a, b, c, d[, e]; "
-                                           f"e defaults to c), got {coefficients!r}")
-            self._coef = np.array(c if len(c) == 5 else [*c, c[2]])
+            if len(c) not in (4, 5, 6) or any(not math.isfinite(v) or v < 0 for v in c):
+                raise InvalidArgumentError("invalid argument `coefficients`: four to six finite values >= 0 (a, b, c, d[, e[, "
+                                           f"f]]; e defaults to c, f to e), got {coefficients!r}")
+            c = c + [c[2]] * (len(c) == 4)
+            self._coef = np.array(c + [c[4]] * (len(c) == 5))
 
     @classmethod
     def fixed(cls, tokens_per_s: float, *, overhead_s: float = 0.0) -> PrefillModel:
@@ -187,7 +189,7 @@ class PrefillModel:
         if isinstance(tokens_per_s, bool) or not isinstance(tokens_per_s, (int, float)) or not tokens_per_s > 0 \
                 or not math.isfinite(tokens_per_s):
             raise InvalidArgumentError(f"invalid argument `prefill_tokens_per_s`: must be a number > 0, got {tokens_per_s!r}")
-        return cls((overhead_s, 1.0 / float(tokens_per_s), 0.0, 0.0, 0.0))
+        return cls((overhead_s, 1.0 / float(tokens_per_s), 0.0, 0.0, 0.0, 0.0))
 
     @property
     def learned(self) -> bool:
@@ -209,10 +211,10 @@ class PrefillModel:
 
     @staticmethod
     def _features(n: float, ctx: float) -> list[float]:
-        return [1.0, n, n * ctx, ctx, n * n / 2.0]
+        return [1.0, n, n * ctx, ctx, n * n / 2.0 * (ctx == 0), n * n / 2.0 * (ctx > 0)]
 
-    def coefficients(self) -> tuple[float, float, float, float, float] | None:
-        """``(a, b, c, d, e)`` of the current fit, or None before any observation."""
+    def coefficients(self) -> tuple[float, float, float, float, float, float] | None:
+        """``(a, b, c, d, e, f)`` of the current fit, or None before any observation."""
         with self._lock:
             if self._coef is None:
                 if not self._obs:
@@ -222,8 +224,8 @@ class PrefillModel:
                 x = np.array([self._features(n, c) for n, c, _ in self._obs])
                 y = np.array([s for _, _, s in self._obs])
                 self._coef = _nnls(x / y[:, None], np.ones_like(y))
-            a, b, c, d, e = (float(v) for v in self._coef)
-        return a, b, c, d, e
+            a, b, c, d, e, f = (float(v) for v in self._coef)
+        return a, b, c, d, e, f
 
     def seconds(self, n: int, ctx: int) -> float | None:
         """Predicted seconds of a forward of ``n`` new tokens after ``ctx`` cached ones (0 for none)."""
@@ -234,20 +236,24 @@ class PrefillModel:
         """:meth:`seconds` over arrays (broadcast), or None before any fit. A learned model corrects its fit by
         the forwards it observed near each point (within about 1.5x in new and in cached tokens: their
         measured/fitted ratios, weighted by closeness), so a shape the engine has run is predicted as it
-        ran even where the five terms cannot follow the engine's curve exactly."""
+        ran even where the six terms cannot follow the engine's curve exactly."""
         coef = self.coefficients()
         if coef is None:
             return None
-        a, b, c, d, e = coef
+        a, b, c, d, e, f = coef
+
+        def curve(n: np.ndarray, ctx: np.ndarray) -> np.ndarray:
+            return a + b * n + c * n * ctx + d * ctx + np.where(ctx > 0, f, e) * n * n / 2.0
+
         n, ctx = np.broadcast_arrays(np.asarray(n, dtype=np.float64), np.asarray(ctx, dtype=np.float64))
-        fit = a + b * n + c * n * ctx + d * ctx + e * n * n / 2.0
+        fit = curve(n, ctx)
         with self._lock:
             obs = list(self._obs) if not self._fixed else []
         if obs:
             on = np.array([o[0] for o in obs], dtype=np.float64)
             oc = np.array([o[1] for o in obs], dtype=np.float64)
             os_ = np.array([o[2] for o in obs], dtype=np.float64)
-            ofit = a + b * on + c * on * oc + d * oc + e * on * on / 2.0
+            ofit = curve(on, oc)
             ratio = np.where(ofit > 0, os_ / np.maximum(ofit, 1e-12), 1.0)
             # distance in (log new tokens, log cached tokens), in units of log 1.5
             dn = (np.log(np.maximum(n, 1.0))[..., None] - np.log(np.maximum(on, 1.0))) / math.log(1.5)

@@ -254,9 +254,9 @@ def report(out: dict) -> None:
     print("measured tiers: " + ", ".join(f"{k} {v['read_GBps']:.2f} GB/s read ({v['source']})" for k, v in m.items())
           + (f"; planner's predicted TTFT within {100 * err:.0f}% of the observed (median)" if err is not None else ""))
     if out.get("prefill"):
-        a, b, c, d, e = out["prefill"]
-        print(f"prefill model (learned): {1e3 * a:.2f} ms + {1e6 * b:.2f} us/token + {1e9 * e:.3f} ns x new^2/2 + "
-              f"{1e9 * c:.3f} ns x new x cached + {1e6 * d:.3f} us/cached token")
+        a, b, c, d, e, f = out["prefill"]
+        print(f"prefill model (learned): {1e3 * a:.2f} ms + {1e6 * b:.2f} us/token + {1e9 * e:.3f} ns x new^2/2 (no cache; "
+              f"{1e9 * f:.3f} after one) + {1e9 * c:.3f} ns x new x cached + {1e6 * d:.3f} us/cached token")
     s = out["store"]
     print(f"disk: {s.get('bytes_written', 0) / 1e6:.1f} MB written, {s.get('bytes_read', 0) / 1e6:.1f} MB read; "
           f"host evictions {out['stats'].host_evictions}")

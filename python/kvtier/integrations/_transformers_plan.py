@@ -117,6 +117,15 @@ def calibrate(tier: KVTier, model: Any, cache_kwarg: str, vocab: int, lengths: l
                         at = cache.get_seq_length()
                         model(input_ids=ids[:, at : at + m], use_cache=True, logits_to_keep=1, **{cache_kwarg: cache})
                 cache.release()
+                if n == sizes[-1]:  # and half of it after a quarter of it: attention among new tokens after a context
+                    q = max(ps, n // 4 // ps * ps)
+                    cache = KvtierCache(tier, ids[0, : q + n // 2 + ps].tolist(), restore=False)
+                    cache._unverified()
+                    tier._observe = False
+                    model(input_ids=ids[:, :q], use_cache=True, logits_to_keep=1, **{cache_kwarg: cache})
+                    tier._observe = timed
+                    model(input_ids=ids[:, q : q + n // 2], use_cache=True, logits_to_keep=1, **{cache_kwarg: cache})
+                    cache.release()
         tier._marks.poll(wait=True)
     finally:
         tier._observe = True
