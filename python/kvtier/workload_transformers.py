@@ -29,7 +29,7 @@ from ._progress import Progress
 
 #: Per device: the model config, tokens per page, and the workload's sizes in pages (system prompt, each
 #: conversation's own start, each turn). Large enough that a prompt's prefill is what TTFT is made of.
-SIZES = {
+SIZES: dict[str, dict[str, Any]] = {
     "cpu": dict(config=dict(num_hidden_layers=4, hidden_size=512, intermediate_size=2816, num_attention_heads=8,
                             num_key_value_heads=2, vocab_size=4096, max_position_embeddings=8192),
                 page_size=32, system=12, start=4, turn=6, host_pages=60),
@@ -156,8 +156,8 @@ def run(*, device: str, n_conv: int, turns: int, seed: int, store_dir: str | Non
             reused = [j for j in range(len(cache.table.keys)) if j < cache.restored_host_pages or
                       (plan is not None and plan.recompute_to <= j < plan.load_to and j < len(cache.table.keys))]
             tier._drain()
-            ok_kv = all(cache.table.keys[j] is not None and
-                        sums.get(cache.table.keys[j]) == _page_sum(tier, cache.table.starts[j]) for j in reused)
+            ok_kv = all((key := cache.table.keys[j]) is not None and sums.get(key) == _page_sum(tier, cache.table.starts[j])
+                        for j in reused)
             diff = float((got - want).abs().max())
             ok_out = bool(torch.equal(got.argmax(), want.argmax())) and diff <= LOGIT_TOLERANCE[device]
             if not (ok_kv and ok_out):

@@ -167,6 +167,8 @@ class KvtierCache(DynamicCache):
             r = len(got)
             if j > r:  # the head: computed here, while the tail streams in (its pages are in the store already)
                 model = tier._model()
+                if model is None:
+                    raise ClosedError("the model of this KVTier is gone; build a KVTier for the model in use")
                 self._stored = set(keys[h:j])
                 with torch.no_grad():
                     model(input_ids=torch.tensor([tokens[r * ps : j * ps]], device=tier.device), use_cache=True,
