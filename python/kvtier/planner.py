@@ -64,18 +64,17 @@ class TierEstimate:
 
     def read_s(self, nbytes: int) -> float:
         """Predicted seconds to read ``nbytes`` in one batch (``inf`` when the tier was never measured)."""
-        if nbytes <= 0:
-            return 0.0
-        if self.read_GBps <= 0:
-            return math.inf
-        return self.read_latency_s + nbytes / (self.read_GBps * 1e9)
+        return _batch_s(nbytes, self.read_GBps, self.read_latency_s)
 
     def write_s(self, nbytes: int) -> float:
-        if nbytes <= 0:
-            return 0.0
-        if self.write_GBps <= 0:
-            return math.inf
-        return self.write_latency_s + nbytes / (self.write_GBps * 1e9)
+        """Predicted seconds to write ``nbytes`` in one batch (``inf`` when never measured)."""
+        return _batch_s(nbytes, self.write_GBps, self.write_latency_s)
+
+
+def _batch_s(nbytes: int, gbps: float, latency_s: float) -> float:
+    if nbytes <= 0:
+        return 0.0
+    return latency_s + nbytes / (gbps * 1e9) if gbps > 0 else math.inf
 
 
 def _fit_rate(obs: Sequence[tuple[int, float]]) -> tuple[float, float]:
