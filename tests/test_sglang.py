@@ -435,3 +435,11 @@ def test_batch_exists_answers_with_the_pages_worth_loading(tmp_path):
                       ({"prefill_tokens_per_s": True}, "prefill_tokens_per_s")):
         with pytest.raises(ValueError, match=name):
             KvtierStorage(config(tmp_path, **bad))
+
+
+def test_sizes_with_units_in_the_extra_config(tmp_path):
+    be = KvtierStorage(config(tmp_path, capacity_bytes="64G"))
+    assert be.store.capacity_bytes == 64 << 30
+    be.close()
+    with pytest.raises(ValueError, match="`capacity_bytes`"):
+        KvtierStorage(config(tmp_path, capacity_bytes="64 gallons"))

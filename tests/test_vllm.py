@@ -407,7 +407,7 @@ def test_capacity_is_enforced_lru(tmp_path, managers):
         ({"path": None}, "path"),
         ({"path": ""}, "path"),
         ({"capacity": 1}, "secondary_tiers"),
-        ({"capacity_bytes": "64G"}, "capacity_bytes"),
+        ({"capacity_bytes": "64 gallons"}, "capacity_bytes"),  # ("64G" is a size: accepted)
         ({"capacity_bytes": True}, "capacity_bytes"),
         ({"capacity_bytes": 8192}, "capacity_bytes"),
         ({"io_threads": 0}, "io_threads"),

@@ -62,6 +62,8 @@ class HostBuffer:
         for name, value in (("nbytes", nbytes), ("alignment", alignment)):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise InvalidArgumentError(f"invalid argument `{name}`: must be an int, got {type(value).__name__}")
+            if not 0 <= value < 1 << 63:
+                raise InvalidArgumentError(f"invalid argument `{name}`: {value} is outside [0, 2**63)")
         if pin is None:
             default = config.pin_default()
             pin = "auto" if default == "auto" else default == "1"

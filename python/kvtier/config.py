@@ -124,3 +124,36 @@ def progress(nbytes: int) -> bool:
     if raw == "0" or nbytes < (4 << 30):
         return False
     return raw == "1" or sys.stderr.isatty()
+
+
+#: Largest size kvtier takes (bytes): what the core's 64-bit offsets hold.
+MAX_SIZE = (1 << 63) - 1
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, "p": 1 << 50}
+
+
+def parse_size(name: str, value: object, minimum: int = 0) -> int:
+    """A size in bytes from an int or a string with a binary unit (``"64G"``, ``"512GiB"``, ``"1.5T"``,
+    ``"4096"``; K, M, G, T, P are powers of 1024, with or without ``i``/``B``). Raises InvalidArgumentError
+    naming ``name`` for anything else, below ``minimum`` or past 2**63 - 1."""
+    if isinstance(value, bool):
+        raise InvalidArgumentError(f"invalid argument `{name}`: a size in bytes (an int, or a string like '64G'), "
+                                   f"got {value!r}")
+    if isinstance(value, str):
+        raw = value.strip().lower().replace("_", "")
+        num = raw.rstrip("bi").rstrip()
+        unit = num[-1:] if num[-1:] in _UNITS else ""
+        num = num[: len(num) - len(unit)].strip()
+        try:
+            size = float(num) * _UNITS[unit]
+        except ValueError:
+            raise InvalidArgumentError(f"invalid argument `{name}`: {value!r} is not a size (bytes, or a number with "
+                                       "K, M, G, T or P, e.g. '64G')") from None
+        if size != size or size in (float("inf"), float("-inf")) or size != int(size):
+            raise InvalidArgumentError(f"invalid argument `{name}`: {value!r} is not a whole number of bytes")
+        value = int(size)
+    if not isinstance(value, int):
+        raise InvalidArgumentError(f"invalid argument `{name}`: a size in bytes (an int, or a string like '64G'), got "
+                                   f"{type(value).__name__}")
+    if value < minimum or value > MAX_SIZE:
+        raise InvalidArgumentError(f"invalid argument `{name}`: {value} is outside [{minimum}, 2**63 - 1]")
+    return value

@@ -75,6 +75,8 @@ class LayerLoader:
     def __init__(self, host_pool: Any, device_pool: Any, io_backend: str = "direct", *, stream: Any = None, event_sets: int = 3) -> None:
         if event_sets < 1:
             raise InvalidArgumentError(f"invalid argument `event_sets`: must be >= 1, got {event_sets}")
+        if io_backend not in ("direct", "kernel"):
+            raise InvalidArgumentError(f"invalid argument `io_backend`: {io_backend!r}; expected 'direct' or 'kernel'")
         self.host_pool, self.device_pool, self.io_backend = host_pool, device_pool, io_backend
         self.device = device_of(device_pool)
         self.cuda = self.device.type == "cuda"

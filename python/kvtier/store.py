@@ -26,6 +26,7 @@ from . import _native
 from .metrics import LatencyHistogram
 from .planner import TierEstimate, TierMeter
 from ._errors import ClosedError, InvalidArgumentError, KvtierError
+from .config import parse_size
 
 #: Default hard limit of one namespace's data (bytes).
 DEFAULT_CAPACITY = 64 << 30
@@ -54,7 +55,8 @@ class PageStore:
     Args:
         path: the store's root directory (created owner-only); namespaces are subdirectories.
         capacity_bytes: hard limit on the disk blocks of this namespace — data files and journal (default
-            64 GiB); least-recently-used pages are evicted to stay under it (docs/STORE.md).
+            64 GiB; an int, or a string such as ``"512G"``); least-recently-used pages are evicted to stay
+            under it (docs/STORE.md).
         model_name, tp_rank, tp_size, pp_rank, pp_size, cp_rank, cp_size, dp_rank, dcp_rank, dcp_size: identify
             the KV this store holds (``dp_rank``: with DP attention the TP rank is group-local, so ranks of
             different DP groups need their own namespace; ``dcp_*``: a decode-context-parallel shard);
@@ -82,7 +84,7 @@ class PageStore:
         self,
         path: str | os.PathLike[str],
         *,
-        capacity_bytes: int = DEFAULT_CAPACITY,
+        capacity_bytes: int | str = DEFAULT_CAPACITY,
         model_name: str = "default",
         tp_rank: int = 0,
         tp_size: int = 1,
@@ -101,8 +103,9 @@ class PageStore:
     ) -> None:
         if isinstance(probe_bytes, bool) or not isinstance(probe_bytes, int) or probe_bytes < 0:
             raise InvalidArgumentError(f"invalid argument `probe_bytes`: must be an int >= 0, got {probe_bytes!r}")
-        if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes < 4096:
-            raise InvalidArgumentError(f"invalid argument `capacity_bytes`: must be an int >= 4096, got {capacity_bytes!r}")
+        capacity_bytes = parse_size("capacity_bytes", capacity_bytes, 4096)
+        if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+            raise InvalidArgumentError(f"invalid argument `path`: the store's root directory (a non-empty path), got {path!r}")
         if isinstance(io_threads, bool) or not isinstance(io_threads, int) or io_threads < 1:
             raise InvalidArgumentError(f"invalid argument `io_threads`: must be an int >= 1, got {io_threads!r}")
         if isinstance(dp_rank, bool) or not isinstance(dp_rank, int) or dp_rank < 0:

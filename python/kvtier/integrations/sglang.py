@@ -23,6 +23,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 
 from .._errors import InvalidArgumentError
 from ..buffer import HostBuffer
+from ..config import parse_size
 from ..store import DEFAULT_CAPACITY, PageStore
 from ._engine_planner import EnginePlanner
 from ._pools_v2 import PoolStore
@@ -34,7 +35,7 @@ RANK_SHARDED_POOLS = {"mamba"}
 #: Options read from ``--hicache-storage-backend-extra-config`` (with defaults).
 OPTIONS = {
     "path": "/tmp/kvtier-hicache",  # the store's root directory (one namespace per model/rank/geometry)
-    "capacity_bytes": DEFAULT_CAPACITY,  # hard limit per namespace (i.e. per rank), LRU-evicted
+    "capacity_bytes": DEFAULT_CAPACITY,  # hard limit per namespace (i.e. per rank), LRU-evicted; bytes or "512G"
     "io_threads": 16,  # IO requests in flight per batch
     "direct": None,  # None: O_DIRECT if the file system allows it (warns otherwise); False: buffered
     "kv_cache_dtype": None,  # the --kv-cache-dtype of an fp8 cache (SGLang's host pools hold fp8 as uint8)
@@ -91,7 +92,7 @@ class KvtierStorage(HiCacheStorage):
         self._pools: dict[str, PoolStore] = {}  # the v2 interface's extra pools, by name
         self.store = PageStore(
             os.path.expanduser(str(opts["path"])),
-            capacity_bytes=int(opts["capacity_bytes"]),
+            capacity_bytes=parse_size("capacity_bytes", opts["capacity_bytes"], 4096),
             model_name=(storage_config.model_name or "default") + ("|mla" if self.is_mla else ""),
             tp_rank=tp_rank,
             tp_size=tp_size,

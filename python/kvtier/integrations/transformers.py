@@ -49,6 +49,7 @@ import transformers
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from .._errors import ClosedError, InvalidArgumentError
+from ..config import parse_size
 from ..controller import TierController
 from ..planner import PrefillModel
 from ..pools import host_pool_for
@@ -144,7 +145,7 @@ class KVTier:
 
     def __init__(self, model: Any, *, model_id: str | None = None, page_size: int = 16, window: int = 2,
                  host_tokens: int = 65536, store_dir: str | os.PathLike[str] | None = None,
-                 store_capacity_bytes: int = DEFAULT_CAPACITY, cluster: str | None = None, pin_memory: bool = True,
+                 store_capacity_bytes: int | str = DEFAULT_CAPACITY, cluster: str | None = None, pin_memory: bool = True,
                  restore: str = "plan", prefill: PrefillModel | float | None = None, calibrate: bool = True) -> None:
         config = getattr(model, "config", None)
         if config is None or not callable(model) or not hasattr(config, "get_text_config"):
@@ -156,8 +157,7 @@ class KVTier:
             raise InvalidArgumentError(f"invalid argument `host_tokens`: {host_tokens} is less than two pages of {page_size}")
         if store_dir is not None and (not isinstance(store_dir, (str, os.PathLike)) or not os.fspath(store_dir)):
             raise InvalidArgumentError(f"invalid argument `store_dir`: expected a non-empty path, got {store_dir!r}")
-        if isinstance(store_capacity_bytes, bool) or not isinstance(store_capacity_bytes, int) or store_capacity_bytes < 4096:
-            raise InvalidArgumentError(f"invalid argument `store_capacity_bytes`: must be an int >= 4096, got {store_capacity_bytes!r}")
+        store_capacity_bytes = parse_size("store_capacity_bytes", store_capacity_bytes, 4096)
         if not isinstance(pin_memory, bool):
             raise InvalidArgumentError(f"invalid argument `pin_memory`: must be a bool, got {pin_memory!r}")
         if restore not in RESTORE_MODES:

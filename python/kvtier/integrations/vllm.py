@@ -45,6 +45,7 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from .._errors import ClosedError, InvalidArgumentError
+from ..config import parse_size
 from ..planner import TierEstimate
 from ..store import DEFAULT_CAPACITY, PageStore
 from ._engine_planner import EnginePlanner, check_options
@@ -161,6 +162,7 @@ def _options(config: Mapping[str, Any]) -> dict[str, Any]:
             f"string), got {path!r}"
         )
     opts["path"] = os.path.expanduser(os.fspath(path))
+    opts["capacity_bytes"] = parse_size("capacity_bytes", opts["capacity_bytes"], 4096)
     for key, low in (("capacity_bytes", 4096), ("io_threads", 1)):
         v = opts[key]
         if isinstance(v, bool) or not isinstance(v, int) or v < low:

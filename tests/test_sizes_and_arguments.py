@@ -1,0 +1,51 @@
+"""Arguments refused before anything happens, by name: sizes with units wherever a size is taken, an empty
+store path, sizes past 64 bits, a missing pool, an unknown IO backend (each once a generic error or a silent
+acceptance)."""
+
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import kvtier  # noqa: E402
+from kvtier.config import parse_size  # noqa: E402
+
+
+@pytest.mark.parametrize("text,want", [("64G", 64 << 30), ("512GiB", 512 << 30), ("1.5T", 3 << 39), ("4096", 4096),
+                                       (" 2 gb ", 2 << 30), ("10MiB", 10 << 20), ("0.5K", 512), (7, 7)])
+def test_sizes_with_units(text, want):
+    assert parse_size("x", text) == want
+
+
+@pytest.mark.parametrize("bad", ["abc", "G", "1.5", "inf", "nan", "-5", 1 << 80, True, 3.5, None, "64X"])
+def test_bad_sizes_name_the_argument(bad):
+    with pytest.raises(kvtier.InvalidArgumentError, match="`capacity_bytes`"):
+        parse_size("capacity_bytes", bad)
+
+
+def test_page_store_arguments(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for kw, name in ((dict(path=""), "path"), (dict(path=str(tmp_path), capacity_bytes=1 << 80), "capacity_bytes"),
+                     (dict(path=str(tmp_path), capacity_bytes="lots"), "capacity_bytes"),
+                     (dict(path=str(tmp_path), capacity_bytes=100), "capacity_bytes")):
+        with pytest.raises(kvtier.InvalidArgumentError, match=f"`{name}`"):
+            kvtier.PageStore(**kw)
+    assert os.listdir(tmp_path) == []  # nothing created by a refused store
+    store = kvtier.PageStore(str(tmp_path / "s"), capacity_bytes="1G")
+    assert store.capacity_bytes == 1 << 30
+    store.close()
+
+
+def test_buffer_controller_and_loader_arguments():
+    with pytest.raises(kvtier.InvalidArgumentError, match="`nbytes`"):
+        kvtier.HostBuffer(1 << 70)
+    with pytest.raises(kvtier.InvalidArgumentError, match="device_pool"):
+        kvtier.TierController(None, None, None)
+    dev = kvtier.DeviceKVPool(64, 16, 2, 1, 8, 8, torch.float32, "cpu")
+    host = kvtier.host_pool_for(dev, layout="page_first_direct")
+    with pytest.raises(kvtier.InvalidArgumentError, match="`io_backend`"):
+        kvtier.LayerLoader(host, dev, "bogus")
+    with pytest.raises(kvtier.InvalidArgumentError, match="`prefill`"):
+        kvtier.TierController(dev, host, prefill="fast")
+    host.close()
