@@ -29,7 +29,8 @@ import torch
 
 from ._errors import InvalidArgumentError
 from .overlap import LayerLoad, LayerLoader, backup_async
-from .planner import PlannerStats, PrefillModel, RestorePlan, TierEstimate, TierMeter, plan_restore
+from ._restore_planning import RestorePlanning
+from .planner import PlannerStats, PrefillModel, TierMeter
 from .pools import device_of
 
 POLICIES = ("write_through", "write_back", "write_through_selective")
@@ -72,7 +73,7 @@ class Stats:
     miss_pages: int = 0  # ... and the rest (to be recomputed)
 
 
-class TierController:
+class TierController(RestorePlanning):
     """See the module docs.
 
     Args:
@@ -141,30 +142,6 @@ class TierController:
         self.host_meter = TierMeter("host")
         if probe:
             self._probe_host()
-
-    def _probe_host(self) -> None:
-        """Times a copy of up to 64 MiB of the host pool's memory to the device (the second of two), the
-        host tier's seed figure. Reads host memory only; a probe that cannot run seeds nothing."""
-        try:
-            buf = getattr(self.host, "k_buffer", None)
-            if buf is None:
-                buf = self.host.kv_buffer
-            src = buf.reshape(-1).view(torch.uint8)[: 64 << 20]
-            dev = device_of(self.device_pool)
-            dst = torch.empty(src.numel(), dtype=torch.uint8, device=dev)
-            for _ in range(2):
-                if dev.type == "cuda":
-                    torch.cuda.synchronize(dev)
-                t0 = time.perf_counter()
-                dst.copy_(src, non_blocking=True)
-                if dev.type == "cuda":
-                    torch.cuda.synchronize(dev)
-                dt = time.perf_counter() - t0
-            del dst
-        except Exception:  # noqa: BLE001 - a probe never fails construction
-            return
-        if dt > 0:
-            self.host_meter.seed(read_GBps=src.numel() / dt / 1e9)
 
     # ------------------------------------------------------------------ helpers
     def _slots(self, starts: Sequence[int]) -> torch.Tensor:
@@ -288,20 +265,6 @@ class TierController:
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
 
-    def _host_run(self, keys: list[str]) -> int:
-        with self.lock:
-            self._poll_locked()
-            n = 0
-            while n < len(keys) and keys[n] in self.pages and self.pages[keys[n]].usable:
-                n += 1
-        self.host_meter.observe_lookup(n, len(keys))
-        return n
-
-    def _count_lookup(self, keys: list[str], n: int, m: int) -> None:
-        self.stats.host_hit_pages += n
-        self.stats.store_hit_pages += m
-        self.stats.miss_pages += len(keys) - n - m
-
     def match(self, page_keys: Sequence[str]) -> tuple[int, int]:
         """``(host_hits, store_hits)``: the leading run of keys on the host and usable (a page still being
         read from the store is not), then how many of the following keys are in the store (the store part of
@@ -311,59 +274,6 @@ class TierController:
         m = self.store.batch_exists(keys[n:]) if self.store is not None and n < len(keys) else 0
         self._count_lookup(keys, n, m)
         return n, m
-
-    # ------------------------------------------------------------------ restore planning
-    def measured(self) -> dict[str, TierEstimate]:
-        """What every tier measured about itself: ``host`` (host → device copies) and the store's tiers
-        (``disk``, ``mooncake``, ...), each a :class:`kvtier.planner.TierEstimate`."""
-        out = {"host": self.host_meter.estimate()}
-        own = getattr(self.store, "measured", None)
-        if own is not None:
-            out.update(own())
-        return out
-
-    def plan_restore(self, page_keys: Sequence[str], prompt_tokens: int, *, can_split: bool = True) -> RestorePlan:
-        """How to restore the prefix of a prompt of ``prompt_tokens`` tokens whose full pages have the keys
-        ``page_keys`` (:func:`kvtier.page_hashes`): which leading pages to take from the host, which to
-        recompute, which to load from each store tier, and the predicted time to first token — the fastest
-        plan by the tiers' measurements and the prefill model, never one predicted slower than recomputing
-        everything (:func:`kvtier.planner.plan_restore`). Counted in :attr:`planner_stats`.
-
-        Carrying a plan out: pages ``[0, host_pages)`` are on the host (:meth:`acquire` or :meth:`load`);
-        with ``can_split``, start :meth:`prefetch` of ``page_keys[recompute_to:load_to]`` (it reads in the
-        background), compute the head ``[host_pages, recompute_to)`` meanwhile, wait for the prefetch, then
-        use pages ``[recompute_to, load_to)`` and compute the rest; report the forward times
-        (:meth:`observe_prefill`) and the time to first token (:meth:`observe_ttft`)."""
-        if isinstance(prompt_tokens, bool) or not isinstance(prompt_tokens, int) or prompt_tokens <= 0:
-            raise InvalidArgumentError(f"invalid argument `prompt_tokens`: must be a positive int, got {prompt_tokens!r}")
-        keys = list(page_keys)
-        if len(keys) * self.ps > prompt_tokens:
-            raise InvalidArgumentError(f"invalid argument `page_keys`: {len(keys)} pages of {self.ps} tokens are more than "
-                                       f"the prompt's {prompt_tokens} tokens")
-        keys = keys[: (prompt_tokens - 1) // self.ps]  # the last token is always computed
-        n = self._host_run(keys)
-        segments: list[tuple[str, int]] = []
-        if self.store is not None and n < len(keys):
-            locate = getattr(self.store, "locate", None)
-            if locate is not None:
-                segments = list(locate(keys[n:]))
-            else:
-                m = int(self.store.batch_exists(keys[n:]))
-                segments = [("store", m)] if m else []
-        self._count_lookup(keys, n, sum(p for _, p in segments))
-        plan = plan_restore(prompt_tokens=prompt_tokens, page_tokens=self.ps, page_bytes=self.page_bytes, host_pages=n,
-                            store_segments=segments, tiers=self.measured(), prefill=self.prefill, can_split=can_split)
-        self.planner_stats.record(plan)
-        return plan
-
-    def observe_prefill(self, new_tokens: int, context_tokens: int, seconds: float) -> None:
-        """One forward of the engine: ``new_tokens`` computed after ``context_tokens`` cached ones took
-        ``seconds`` (what the learned prefill model fits)."""
-        self.prefill.observe(new_tokens, context_tokens, seconds)
-
-    def observe_ttft(self, plan: RestorePlan, seconds: float) -> None:
-        """The time to first token measured for a request restored by ``plan`` (predicted against observed)."""
-        self.planner_stats.observe(plan, seconds)
 
     def prefetch(self, page_keys: Sequence[str]) -> concurrent.futures.Future[int]:
         """Bring the pages of ``page_keys`` that are not on the host in from the store, in the background
