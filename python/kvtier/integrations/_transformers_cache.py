@@ -13,6 +13,7 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 from .._errors import ClosedError, InvalidArgumentError, KvtierError
 from ..planner import RestorePlan
 from ..store import page_hashes
+from ._transformers_window import _release, _Table, _Window
 
 # forward arguments that do not change the KV a token gets (positions and masks are checked, not listed here)
 _PLAIN = frozenset({"input_ids", "cache", "past_key_values", "use_cache", "logits_to_keep", "return_dict",
@@ -20,69 +21,6 @@ _PLAIN = frozenset({"input_ids", "cache", "past_key_values", "use_cache", "logit
 
 if TYPE_CHECKING:
     from .transformers import KVTier
-
-
-class _Window:
-    """``window`` device slots seen as a kvtier device pool of ``layer_num`` layers (layer l is slot
-    l % window; row ``page_size + t`` holds token t, rows ``[0, page_size)`` are the padding page)."""
-
-    def __init__(self, layers: int, window: int, heads: int, k_dim: int, v_dim: int, dtype: torch.dtype,
-                 device: torch.device, page_size: int, tokens: int) -> None:
-        self.layer_num, self.window, self.head_num, self.head_dim, self.v_head_dim = layers, window, heads, k_dim, v_dim
-        self.dtype = self.store_dtype = dtype
-        self.device, self.page_size = device, page_size
-        self._alloc(self.headroom(tokens))
-
-    def _alloc(self, tokens: int) -> None:
-        ps = self.page_size
-        self.size = max(1, -(-tokens // ps)) * ps
-        shape = (self.size + ps, self.head_num)
-        self.k_slots = [torch.zeros(*shape, self.head_dim, dtype=self.dtype, device=self.device) for _ in range(self.window)]
-        self.v_slots = [torch.zeros(*shape, self.v_head_dim, dtype=self.dtype, device=self.device) for _ in range(self.window)]
-        self.k_buffer = [self.k_slots[i % self.window] for i in range(self.layer_num)]
-        self.v_buffer = [self.v_slots[i % self.window] for i in range(self.layer_num)]
-        self.state: list[tuple[int, int, int] | None] = [None] * self.window  # (layer, tokens, epoch) held
-        self.loaded: list[Any] = [None] * self.window  # CUDA event of the slot's last transfer (load or backup)
-
-    def ensure(self, tokens: int) -> bool:
-        """Room for ``tokens``; True when the slots were reallocated (their contents are gone)."""
-        if tokens <= self.size:
-            return False
-        self._alloc(max(self.headroom(tokens), self.size * 3 // 2))
-        return True
-
-    def headroom(self, tokens: int) -> int:
-        """Slot size for ``tokens``: room for some more, so decoding does not reallocate at every page."""
-        return tokens + max(8 * self.page_size, tokens // 16)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.k_slots, *self.v_slots))
-
-
-class _Table:
-    """The host pages of one sequence: ``starts[j]`` (host token slot of page j) and ``keys[j]`` (the index
-    key of a page the controller owns and this sequence references, None for a private page)."""
-
-    def __init__(self) -> None:
-        self.starts: list[int] = []
-        self.keys: list[str | None] = []
-
-    def release(self, tier: KVTier, first: int = 0) -> None:
-        starts, keys = self.starts[first:], self.keys[first:]
-        del self.starts[first:], self.keys[first:]
-        if tier._closed or not starts:
-            return
-        tier._drain()  # no transfer in flight may still touch a page given back
-        tier.controller.release([k for k in keys if k is not None])
-        tier.controller.free([s for s, k in zip(starts, keys) if k is None])
-
-
-def _release(tier: KVTier, table: _Table) -> None:
-    try:
-        table.release(tier)
-    except Exception:  # noqa: BLE001 - a finalizer never raises; the pages are then lost to this pool only
-        pass
 
 
 class _Layer(DynamicLayer):

@@ -54,7 +54,8 @@ from ..controller import TierController
 from ..planner import PrefillModel
 from ..pools import host_pool_for
 from ..store import DEFAULT_CAPACITY, PageStore
-from ._transformers_cache import KvtierCache, _Window
+from ._transformers_cache import KvtierCache
+from ._transformers_window import _Window
 from ._transformers_plan import Marks, after_forward, before_forward, calibrate as _calibrate
 
 __all__ = ["KVTier", "KvtierCache", "TransformersStats", "TESTED_TRANSFORMERS", "RESTORE_MODES"]
