@@ -49,3 +49,15 @@ def test_buffer_controller_and_loader_arguments():
     with pytest.raises(kvtier.InvalidArgumentError, match="`prefill`"):
         kvtier.TierController(dev, host, prefill="fast")
     host.close()
+
+
+def test_page_hashes_need_no_torch():
+    """A storage host without torch computes SGLang's page keys (it needed torch through kvtier.store)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['torch'] = None; import kvtier; "
+            "k = kvtier.page_hashes([1, 2, 3, 4, 5], 2); print(len(k), len(k[0]))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.split() == ["3", "64"], r.stderr[-2000:]
+    assert kvtier.page_hashes(torch.arange(5), 2) == kvtier.page_hashes([0, 1, 2, 3, 4], 2)

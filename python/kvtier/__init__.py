@@ -38,11 +38,12 @@ _LAZY = {
     "MLADeviceKVPool": "pools_mla",
     "MLAHostPool": "pools_mla",
     "PageStore": "store",
-    "page_hashes": "store",
+    "page_hashes": "hashes",
     "MooncakeTier": "tiers.mooncake",
     "TieredStore": "tiers.chain",
 }
-_SUBMODULES = {"buffer", "cli", "config", "controller", "demo", "kernels", "metrics", "overlap", "pools", "pools_mla", "store", "testing",
+_SUBMODULES = {"buffer", "cli", "config", "controller", "demo", "hashes", "kernels", "metrics", "overlap", "planner", "pools",
+               "pools_mla", "store", "testing",
                "transfer", "workload", "benchmarks", "integrations", "tiers"}
 
 

@@ -24,6 +24,7 @@ import torch
 
 from . import _native
 from .metrics import LatencyHistogram
+from .hashes import page_hashes  # noqa: F401 - kvtier.store.page_hashes stays importable
 from .planner import TierEstimate, TierMeter
 from ._errors import ClosedError, InvalidArgumentError, KvtierError
 from .config import parse_size
@@ -33,20 +34,6 @@ DEFAULT_CAPACITY = 64 << 30
 #: Bytes the probe at open writes (twice) and reads back, in a file of its own beside the namespaces.
 DEFAULT_PROBE_BYTES = 16 << 20
 PAGE_LAYOUTS = ("page_first", "page_first_direct")
-
-
-def page_hashes(token_ids: Sequence[int], page_size: int, prior_hash: str | None = None) -> list[str]:
-    """SGLang HiCache's chained SHA-256 page keys (64 lowercase hex characters each) of ``token_ids``: page i
-    hashes the previous page's digest followed by its token ids as 4-byte little-endian integers; a trailing
-    partial page is hashed over the tokens it has, exactly as SGLang's ``get_hash_str``. Computed in Rust."""
-    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
-        raise InvalidArgumentError(f"invalid argument `page_size`: must be a positive int, got {page_size!r}")
-    if isinstance(token_ids, torch.Tensor):
-        token_ids = token_ids.tolist()
-    try:
-        return _native.page_hashes(list(token_ids), page_size, prior_hash)
-    except OverflowError:
-        raise InvalidArgumentError("invalid argument `token_ids`: token ids must be in [0, 2**32)") from None
 
 
 class PageStore:
