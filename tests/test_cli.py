@@ -160,6 +160,11 @@ def test_bench_store_writes_only_where_told_and_plots(tmp_path):
     r = run(*quick)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "| small |" in r.stdout and list(tmp_path.iterdir()) == []  # printed; nothing left behind
+    r = run(*quick, "--dir", "nosuch")  # a --dir the run created goes with it; one that existed stays
+    assert r.returncode == 0 and list(tmp_path.iterdir()) == [], r.stderr[-2000:]
+    (tmp_path / "mine").mkdir()
+    assert run(*quick, "--dir", "mine").returncode == 0 and (tmp_path / "mine").is_dir()
+    (tmp_path / "mine").rmdir()
     with open("/proc/mounts") as f:
         mounts = f.read()
     fs = r.stdout.split("disk: ")[1].split(" on ")[0]

@@ -137,6 +137,7 @@ def main(argv=None):
         ap.error("--reps and --pages must be at least 1")
     check_plot_path(a.plot)
     out = out_dir(a.out)
+    created = a.dir is not None and not os.path.exists(a.dir)  # a --dir this run makes is removed after it
     try:
         root = a.dir or tempfile.mkdtemp(prefix="kvtier-bench-store-", dir=os.getcwd())
         os.makedirs(root, exist_ok=True)
@@ -152,7 +153,7 @@ def main(argv=None):
                 case["batch"] = min(case["batch"], a.pages)
             res["rows"].append(run_case(name, case, root, a.reps))
     finally:
-        if a.dir is None:
+        if a.dir is None or created:
             remove_tree(root)
     lines = [f"# kvtier page store — {res['date']} — {res['fs']}", "",
              "| case | objects | ceiling write | kvtier write (durable) | % | ceiling read | kvtier read (O_DIRECT) | % | exact |",
