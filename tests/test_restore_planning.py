@@ -110,7 +110,7 @@ def test_bad_arguments_name_themselves():
         with pytest.raises(ValueError, match=f"`{name}`"):
             plan_restore(**args)
     with pytest.raises(ValueError, match="prefill_tokens_per_s"):
-        PrefillModel.fixed(0)
+        PrefillModel.fixed(0, name="prefill_tokens_per_s")
     with pytest.raises(ValueError, match="coefficients"):
         PrefillModel((1.0, -1.0, 0.0, 0.0))
 

@@ -23,6 +23,7 @@ class RestorePlanning:
     store: Any
     ps: int
     page_bytes: int
+    prefetch_budget: int
     prefill: PrefillModel
     planner_stats: PlannerStats
     host_meter: TierMeter
@@ -82,6 +83,15 @@ class RestorePlanning:
             out.update(own())
         return out
 
+    @property
+    def durable_tier(self) -> str | None:
+        """The name of the store's durable tier (a :class:`kvtier.PageStore`'s, or a tier chain's first), whose
+        copy of a page makes writing it again unnecessary; None without a store."""
+        tiers = getattr(self.store, "tiers", None)
+        if tiers and isinstance(tiers, list):
+            return str(tiers[0][0])
+        return getattr(self.store, "name", None) if self.store is not None else None
+
     def plan_restore(self, page_keys: Sequence[str], prompt_tokens: int, *, can_split: bool = True) -> RestorePlan:
         """How to restore the prefix of a prompt of ``prompt_tokens`` tokens whose full pages have the keys
         ``page_keys`` (:func:`kvtier.page_hashes`): which leading pages to take from the host, which to
@@ -111,6 +121,8 @@ class RestorePlanning:
                 m = int(self.store.batch_exists(keys[n:]))
                 segments = [("store", m)] if m else []
         self._count_lookup(keys, n, sum(p for _, p in segments))
+        # one prefetch brings in at most the budget: pages past it are not loadable by this restore
+        segments = _cap(segments, self.prefetch_budget)
         plan = plan_restore(prompt_tokens=prompt_tokens, page_tokens=self.ps, page_bytes=self.page_bytes, host_pages=n,
                             store_segments=segments, tiers=self.measured(), prefill=self.prefill, can_split=can_split)
         self.planner_stats.record(plan)
@@ -125,3 +137,14 @@ class RestorePlanning:
         """The time to first token measured for a request restored by ``plan`` (predicted against observed)."""
         self.planner_stats.observe(plan, seconds)
 
+
+
+def _cap(segments: list[tuple[str, int]], pages: int) -> list[tuple[str, int]]:
+    """The first ``pages`` pages of ``segments``."""
+    out = []
+    for name, n in segments:
+        if pages <= 0:
+            break
+        out.append((name, min(n, pages)))
+        pages -= n
+    return out

@@ -4,6 +4,7 @@ variables"); the rest of the package takes these values as arguments."""
 from __future__ import annotations
 
 import os
+import re
 
 from ._errors import InvalidArgumentError
 
@@ -139,18 +140,19 @@ def parse_size(name: str, value: object, minimum: int = 0) -> int:
         raise InvalidArgumentError(f"invalid argument `{name}`: a size in bytes (an int, or a string like '64G'), "
                                    f"got {value!r}")
     if isinstance(value, str):
-        raw = value.strip().lower().replace("_", "")
-        num = raw.rstrip("bi").rstrip()
-        unit = num[-1:] if num[-1:] in _UNITS else ""
-        num = num[: len(num) - len(unit)].strip()
-        try:
-            size = float(num) * _UNITS[unit]
-        except ValueError:
+        m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?(?:e[0-9]+)?)\s*([kmgtp]?)(?:i?b)?\s*", value.replace("_", ""),
+                         flags=re.IGNORECASE | re.ASCII)
+        if m is None:
             raise InvalidArgumentError(f"invalid argument `{name}`: {value!r} is not a size (bytes, or a number with "
-                                       "K, M, G, T or P, e.g. '64G')") from None
-        if size != size or size in (float("inf"), float("-inf")) or size != int(size):
-            raise InvalidArgumentError(f"invalid argument `{name}`: {value!r} is not a whole number of bytes")
-        value = int(size)
+                                       "K, M, G, T or P, e.g. '64G')")
+        num, unit = m.group(1), m.group(2).lower()
+        if num.isdigit():  # whole numbers exactly (a float would round past 2**53)
+            value = int(num) * _UNITS[unit]
+        else:
+            size = float(num) * _UNITS[unit]
+            if size in (float("inf"), float("-inf")) or size != int(size):
+                raise InvalidArgumentError(f"invalid argument `{name}`: {value!r} is not a whole number of bytes")
+            value = int(size)
     if not isinstance(value, int):
         raise InvalidArgumentError(f"invalid argument `{name}`: a size in bytes (an int, or a string like '64G'), got "
                                    f"{type(value).__name__}")

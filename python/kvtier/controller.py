@@ -107,7 +107,7 @@ class TierController(RestorePlanning):
         if device_pool is None or host_pool is None:
             raise InvalidArgumentError("invalid argument `device_pool`/`host_pool`: both are required (got None)")
         if isinstance(prefill, (int, float)) and not isinstance(prefill, bool):
-            prefill = PrefillModel.fixed(prefill)
+            prefill = PrefillModel.fixed(prefill, name="prefill")
         elif prefill is not None and not isinstance(prefill, PrefillModel):
             raise InvalidArgumentError(f"invalid argument `prefill`: a PrefillModel or tokens/s, got {prefill!r}")
         if write_policy not in POLICIES:

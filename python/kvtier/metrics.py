@@ -176,38 +176,39 @@ class KvtierCollector:
         predicted against observed time to first token; each tier's measured read and write GB/s."""
         p = self.prefix
         plans = core.CounterMetricFamily(f"{p}_restore_plans", "restore decisions, by kind (recompute, host, load, "
-                                         "split)", labels=["kind"])
+                                         "split)", labels=["planner", "kind"])
         tokens = core.CounterMetricFamily(f"{p}_restore_tokens", "prompt tokens of planned restores, by where their "
-                                          "KV came from (a tier, or recomputed)", labels=["source"])
+                                          "KV came from (a tier, or recomputed)", labels=["planner", "source"])
         timing = core.CounterMetricFamily(f"{p}_restore_ttft_seconds", "time to first token of the planned restores "
-                                          "the engine timed, summed: predicted and observed", labels=["which"])
+                                          "the engine timed, summed: predicted and observed", labels=["planner", "which"])
         rates = core.GaugeMetricFamily(f"{p}_tier_measured_gbps", "each tier's moving estimate of itself (GB/s)",
-                                       labels=["tier", "direction"])
-        sources: list[tuple[Any, Any]] = []
+                                       labels=["planner", "tier", "direction"])
+        # (one label value per planner: the controller's, and each SGLang backend's by its position in `stores`)
+        sources: list[tuple[str, Any, Any]] = []
         if self.controller is not None:
-            sources.append((self.controller.planner_stats, self.controller.measured))
-        for s in self.stores:
+            sources.append(("controller", self.controller.planner_stats, self.controller.measured))
+        for i, s in enumerate(self.stores):
             planner = getattr(s, "planner", None)
             if planner is not None and hasattr(planner, "stats"):
-                sources.append((planner.stats, getattr(getattr(s, "_v1", None), "measured", None)))
+                sources.append((f"store{i}", planner.stats, getattr(getattr(s, "_v1", None), "measured", None)))
         if not sources:
             return
-        for stats, measured in sources:
+        for who, stats, measured in sources:
             d = stats.as_dict()
             for kind, n in d["plans"].items():
-                plans.add_metric([kind], float(n))
+                plans.add_metric([who, kind], float(n))
             for tier, n in d["tokens_loaded"].items():
-                tokens.add_metric([tier], float(n))
-            tokens.add_metric(["recomputed"], float(d["tokens_recomputed"]))
-            timing.add_metric(["predicted"], float(d["predicted_s"]))
-            timing.add_metric(["observed"], float(d["observed_s"]))
+                tokens.add_metric([who, tier], float(n))
+            tokens.add_metric([who, "recomputed"], float(d["tokens_recomputed"]))
+            timing.add_metric([who, "predicted"], float(d["predicted_s"]))
+            timing.add_metric([who, "observed"], float(d["observed_s"]))
             try:
                 estimates = measured() if measured is not None else {}
             except Exception:  # noqa: BLE001 - a closed store must not fail the scrape
                 estimates = {}
             for name, est in estimates.items():
-                rates.add_metric([name, "read"], float(est.read_GBps))
-                rates.add_metric([name, "write"], float(est.write_GBps))
+                rates.add_metric([who, name, "read"], float(est.read_GBps))
+                rates.add_metric([who, name, "write"], float(est.write_GBps))
         yield from (plans, tokens, timing, rates)
 
     def describe(self) -> list[Any]:

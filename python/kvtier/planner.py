@@ -183,11 +183,13 @@ class PrefillModel:
             self._coef = np.array(c + [c[4]] * (len(c) == 5))
 
     @classmethod
-    def fixed(cls, tokens_per_s: float, *, overhead_s: float = 0.0) -> PrefillModel:
-        """A prefill rate the operator knows (e.g. from the engine's own logs): ``n / tokens_per_s``."""
+    def fixed(cls, tokens_per_s: float, *, overhead_s: float = 0.0, name: str = "tokens_per_s") -> PrefillModel:
+        """A prefill rate the operator knows (e.g. from the engine's own logs): ``n / tokens_per_s``. ``name``:
+        the argument a bad rate is reported as (the caller's own)."""
         if isinstance(tokens_per_s, bool) or not isinstance(tokens_per_s, (int, float)) or not tokens_per_s > 0 \
                 or not math.isfinite(tokens_per_s):
-            raise InvalidArgumentError(f"invalid argument `prefill_tokens_per_s`: must be a number > 0, got {tokens_per_s!r}")
+            raise InvalidArgumentError(f"invalid argument `{name}`: must be a number > 0 (prefill tokens/s), got "
+                                       f"{tokens_per_s!r}")
         return cls((overhead_s, 1.0 / float(tokens_per_s), 0.0, 0.0, 0.0, 0.0))
 
     @property
@@ -289,6 +291,8 @@ class RestorePlan:
     cached_pages: int = 0  # the leading pages some tier holds (what was available)
     #: the best predicted time of each kind of plan considered (``recompute``, ``host``, ``load``, ``split``)
     candidates: dict[str, float] = field(default_factory=dict)
+    #: which tier holds the pages after the host's (``[(tier, pages)]`` from ``host_pages`` on, in order)
+    segments: list[tuple[str, int]] = field(default_factory=list)
 
     @property
     def reused_pages(self) -> int:
@@ -314,7 +318,7 @@ class RestorePlan:
         return dict(kind=self.kind, prompt_tokens=self.prompt_tokens, page_tokens=self.page_tokens,
                     host_pages=self.host_pages, recompute_to=self.recompute_to, load_to=self.load_to,
                     load=list(self.load), cached_pages=self.cached_pages, predicted_s=self.predicted_s,
-                    recompute_s=self.recompute_s, candidates=dict(self.candidates))
+                    recompute_s=self.recompute_s, candidates=dict(self.candidates), segments=list(self.segments))
 
 
 def _segments_between(segments: Sequence[tuple[str, int]], first: int, last: int) -> list[tuple[str, int]]:
@@ -382,7 +386,7 @@ def plan_restore(
 
     def full(kind: str, host: int, j: int, k: int, predicted: float | None, recompute: float | None) -> RestorePlan:
         return RestorePlan(prompt_tokens, ps, host, j, k, _segments_between(segs, j - h, k - h), predicted,
-                           recompute, kind, cached)
+                           recompute, kind, cached, segments=list(segs))
 
     coef = prefill.coefficients() if prefill is not None else None
     if coef is None:  # nothing to decide with: take what the tiers hold

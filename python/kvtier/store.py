@@ -123,6 +123,7 @@ class PageStore:
         self.probe_bytes = probe_bytes
         #: this tier's moving estimate of itself (read/write GB/s, batch latency, hit rate): see :meth:`measured`
         self.meter = TierMeter(self.name)
+        self._writes_seen = (0, 0)  # the store's bytes written and write time at the last measured()
 
     # ------------------------------------------------------------------ registration
     def namespace_for(self, pool: Any) -> str:
@@ -202,8 +203,21 @@ class PageStore:
 
     def measured(self) -> dict[str, TierEstimate]:
         """What this tier measured about itself (``{"disk": TierEstimate}``): read and write GB/s and the
-        fixed cost of a batch over its recent batches, the recent hit rate of lookups; the probe at open
-        until batches have been timed."""
+        fixed cost of a batch over its recent batches (writes: the bytes the store wrote and the time it
+        spent writing since the last reading, so pages already stored, acknowledged without IO, do not count),
+        the recent hit rate of lookups; the probe at open until batches have been timed."""
+        native = self._native
+        if native is not None and not self._closed:
+            try:
+                st = native.stats()
+                written, ns = int(st["bytes_written"]), int(st["put_ns"])
+            except Exception:  # noqa: BLE001 - a store closing meanwhile reports what it had
+                written = ns = -1
+            last_written, last_ns = self._writes_seen
+            if written > last_written and ns > last_ns >= 0:
+                self.meter.observe("write", written - last_written, (ns - last_ns) / 1e9)
+            if written >= 0:
+                self._writes_seen = (written, ns)
         return {self.name: self.meter.estimate()}
 
     def locate(self, keys: Sequence[str]) -> list[tuple[str, int]]:
@@ -276,7 +290,8 @@ class PageStore:
         ok: list[bool] = store.put_pages(keys, idx) if write else store.get_pages(keys, idx)
         dt = time.perf_counter() - t0
         self.latency["write" if write else "read"].observe(dt)
-        self.meter.observe("write" if write else "read", sum(ok) * self.page_bytes, dt)
+        if not write:  # (writes are timed from the store's own counters: a page already stored costs no IO)
+            self.meter.observe("read", sum(ok) * self.page_bytes, dt)
         return ok
 
     def batch_set_v1(self, keys: Sequence[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:

@@ -45,7 +45,7 @@ class EnginePlanner:
     def prefill(self, bytes_per_token: float) -> PrefillModel:
         if self._prefill is None:
             rate = self.tokens_per_s or DEFAULT_PREFILL_KV_GBPS * 1e9 / max(bytes_per_token, 1.0)
-            self._prefill = PrefillModel.fixed(rate)
+            self._prefill = PrefillModel.fixed(rate, name="prefill_tokens_per_s")
         return self._prefill
 
     def worth_loading(self, segments: Sequence[tuple[str, int]], *, context_pages: int, page_tokens: int,

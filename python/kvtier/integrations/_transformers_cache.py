@@ -75,7 +75,7 @@ class KvtierCache(DynamicCache):
         self._forward: Any = None  # (start, new tokens, cached tokens) of the forward in flight
         self._ttft: Any = None  # (plan, start) until the forward that completes the prompt
         self._stored: set[str] = set()  # keys of pages recomputed by a split plan that the store already has
-        self._checked = 0  # leading tokens checked against generate's input_ids
+        self._last_held = -2  # the cache's length at generate's last step (its next is a decode step when +1)
         tier.stats.caches += 1
         if restore:
             self._restore(token_ids)
@@ -97,17 +97,24 @@ class KvtierCache(DynamicCache):
         t0 = tier._marks.mark()
         plan = self.plan = ctrl.plan_restore(keys, len(tokens), can_split=True)
         h, j, k = plan.host_pages, plan.recompute_to, plan.load_to
-        # the tail's read starts first: it runs in the background while the head is computed
+        # the host pages are held first (a reference each): the tail's read cannot evict them to make room
+        got = ctrl.acquire(keys[:h]) if h else []
+        self._attach(got, keys, len(got))
+        r = len(got)
+        # the tail's read runs in the background while the head is computed
         tail = ctrl.prefetch(keys[j:k]) if k > j else None
         try:
-            got = ctrl.acquire(keys[:h]) if h else []
-            self._attach(got, keys, len(got))
-            r = len(got)
-            if j > r:  # the head: computed here, while the tail streams in (its pages are in the store already)
+            if j > r:  # the head: computed here, while the tail streams in
                 model = tier._model()
                 if model is None:
                     raise ClosedError("the model of this KVTier is gone; build a KVTier for the model in use")
-                self._stored = set(keys[h:j])
+                # head pages the durable tier already holds are not written again (those only a later tier,
+                # such as the cluster, holds are: its copy is not durability)
+                durable, pos = ctrl.durable_tier, h
+                for name, count in plan.segments:
+                    if name == durable:
+                        self._stored.update(keys[max(pos, h) : min(pos + count, j)])
+                    pos += count
                 with torch.no_grad():
                     model(input_ids=torch.tensor([tokens[r * ps : j * ps]], device=tier.device), use_cache=True,
                           logits_to_keep=1, **{tier._cache_kwarg: self})
@@ -181,19 +188,21 @@ class KvtierCache(DynamicCache):
 
     def _check_sequence(self, input_ids: torch.Tensor, first: bool = True) -> None:
         """``generate``'s whole sequence (it feeds the model only the tokens after this cache's length) must
-        start with what this cache holds: a prompt that differs inside the restored prefix is refused, never
-        answered from the other prompt's KV. Checks the tokens not checked before (one sync per prompt)."""
+        start with every token this cache holds: ids that differ inside the held prefix — restored, cropped
+        to, or left by an earlier ``generate`` — are refused, never answered from another prompt's KV. The
+        whole held prefix is compared at each call's first step and whenever the cache's length moved other
+        than by the one token of a decode step (one sync each); decode steps are not compared."""
         held = self.get_seq_length()
-        if not first and held - self._checked <= 1:
-            return  # a decode step: the one new token is the one generate fed
-        m = min(held, int(input_ids.shape[1]), len(self._fed))  # (an unverified sequence stops tracking _fed)
-        if m > self._checked:
-            got = input_ids[0, self._checked : m].tolist()
-            if got != self._fed[self._checked : m] or int(input_ids.shape[1]) < held:
-                raise InvalidArgumentError(
-                    "invalid argument `input_ids`: they differ from the tokens this cache holds (KVTier.cache(ids) "
-                    "restored the prefix of another prompt); pass the same ids to KVTier.cache and to generate")
-        self._checked = max(self._checked, m)
+        step = not first and held == self._last_held + 1  # generate fed the one token it just produced
+        self._last_held = held
+        if step:
+            return
+        m = min(held, len(self._fed))  # (an unverified sequence stops tracking _fed)
+        if int(input_ids.shape[1]) < held or input_ids[0, :m].tolist() != self._fed[:m]:
+            raise InvalidArgumentError(
+                "invalid argument `input_ids`: they do not start with the tokens this cache holds (KVTier.cache(ids) "
+                "restored the prefix of another prompt, or the cache holds another conversation); pass the same ids "
+                "to KVTier.cache and to generate")
 
     def _unverified(self) -> None:
         if self._verified:
@@ -397,7 +406,7 @@ class KvtierCache(DynamicCache):
         self._adopted = min(self._adopted, j)
         del self._page_keys[j:]
         del self._fed[tokens:]
-        self._checked = min(self._checked, tokens)
+        self._last_held = -2
         for layer in self.layers:
             layer.length = tokens
         self._epoch += 1

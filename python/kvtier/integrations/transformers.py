@@ -164,7 +164,7 @@ class KVTier:
         if restore not in RESTORE_MODES:
             raise InvalidArgumentError(f"invalid argument `restore`: {restore!r}; expected one of {RESTORE_MODES}")
         if isinstance(prefill, (int, float)) and not isinstance(prefill, bool):
-            prefill = PrefillModel.fixed(prefill)
+            prefill = PrefillModel.fixed(prefill, name="prefill")
         elif prefill is not None and not isinstance(prefill, PrefillModel):
             raise InvalidArgumentError(f"invalid argument `prefill`: a PrefillModel or tokens/s, got {prefill!r}")
         if cluster is not None and (not isinstance(cluster, str) or store_dir is None):

@@ -243,33 +243,45 @@ class TieredStore:
     def locate(self, keys: Sequence[str]) -> list[tuple[str, int]]:
         """Which tier serves each page of the leading run that some tier holds, as runs ``[(tier name,
         pages), ...]`` in key order: each page from the first (fastest) tier that has it, as
-        :meth:`batch_get_v1` would read it. Its total is :meth:`batch_exists`."""
+        :meth:`batch_get_v1` reads it — page by page against the first tier (its lookups are local), by
+        leading runs among the later ones. Its total is :meth:`batch_exists`."""
         keys = _keys(keys)
         with self._lock:
             deleted = next((i for i, k in enumerate(keys) if k in self._deleted), len(keys))
         out: list[tuple[str, int]] = []
-        pos = 0
+
+        def run(ti: int, name: str, tier: Any, part: list[str]) -> int:
+            if not part:
+                return 0
+            try:
+                return int(tier.batch_exists(part))
+            except Exception:
+                self._count(name, errors=1)
+                return 0
+
+        def add(name: str, n: int) -> None:
+            if out and out[-1][0] == name:
+                out[-1] = (name, out[-1][1] + n)
+            else:
+                out.append((name, n))
+
+        (name0, first), pos = self.tiers[0], 0
         while pos < len(keys):
-            found = None
-            for ti, (name, tier) in enumerate(self.tiers):
-                part = keys[pos:] if ti == 0 else keys[pos:max(pos, deleted)]
-                if not part:
-                    continue
-                try:
-                    n = int(tier.batch_exists(part))
-                except Exception:
-                    self._count(name, errors=1)
-                    continue
-                if n:
-                    found = (name, n)
-                    break
+            n = run(0, name0, first, keys[pos:])
+            if n:
+                add(name0, n)
+                pos += n
+                continue
+            found = next(((name, n) for ti, (name, tier) in enumerate(self.tiers[1:], 1)
+                          if (n := run(ti, name, tier, keys[pos:max(pos, deleted)]))), None)
             if found is None:
                 break
-            if out and out[-1][0] == found[0]:
-                out[-1] = (found[0], out[-1][1] + found[1])
-            else:
-                out.append(found)
-            pos += found[1]
+            name, n = found
+            end = pos + 1  # the first tier lacks keys[pos]; the later tier serves up to the next page it has
+            while end < pos + n and not run(0, name0, first, [keys[end]]):
+                end += 1
+            add(name, end - pos)
+            pos = end
         return out
 
     def measured(self) -> dict[str, TierEstimate]:
