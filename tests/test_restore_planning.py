@@ -238,7 +238,7 @@ def test_a_split_restore_recomputes_the_head_while_the_tail_loads(tmp_path, devi
         assert p.kind == "split" and 24 <= p.recompute_to <= 30 and p.load_to == 40, p
         assert c.recomputed_tokens == p.recompute_to * PS and c.restored_store_pages == 40 - p.recompute_to
         assert c.restored_tokens == c.restored_store_pages * PS and c.get_seq_length() == 40 * PS
-        # the loaded tail is the bytes first stored, every layer
+        # the loaded tail is the stored bytes, every layer
         for layer in range(tier.layers):
             k, v = c.host_kv(layer, 40 * PS)
             lo = p.recompute_to * PS

@@ -14,7 +14,7 @@ Rows (each TTFT the second of two runs; the first warms the kernels up and lets 
   real read batch: the store measures the throttled rate); the planner must not be slower than recompute.
 
 Checks: restored logits equal ``gpu_copy``'s bit for bit where every reused page was loaded; every planned row
-picks recompute's token; the pages a planned row loaded are the bytes first stored (layers 0 and last).
+picks recompute's token; the pages a planned row loaded are the stored bytes (layers 0 and last).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@
    by kvtier's planner (kvtier.workload_transformers): each request is timed with kvtier and with no tier
    (the same prompt, transformers' default cache), by source (recomputed / host / disk / cluster), with one
    summary line (how much faster, and the worst request against no tier); every reused page is checked
-   bit for bit against the bytes first stored, and every first token against no tier's. Where
+   bit for bit against the bytes stored for it, and every first token against no tier's. Where
    transformers is not installed, a toy transformer is served through TierController instead.
 
 Runs on the GPU when torch sees one, on the CPU otherwise; exits non-zero if any check fails.

@@ -9,7 +9,7 @@ working set, so pages flow to the disk (and the cluster tier) and come back, or 
 kvtier's restore planner predicts fastest from what it measured (``restore="plan"``).
 
 Checks, per request: every page kvtier reused (from the host, the disk or the cluster) holds exactly the bytes
-computed for it when it was first stored (a checksum taken then, compared now), and the first token equals
+computed for it when it was stored (a checksum taken then, compared now), and the first token equals
 the one the no-tier run computes (its logits are reported against no tier's: other chunkings of the same
 prompt round differently)."""
 
@@ -282,6 +282,6 @@ def report(out: dict) -> None:
     print(f"disk: {s.get('bytes_written', 0) / 1e6:.1f} MB written, {s.get('bytes_read', 0) / 1e6:.1f} MB read; "
           f"host evictions {out['stats'].host_evictions}")
     ok = not out["failures"]
-    print(f"verification: every reused page bit-identical to the bytes first stored (within {KV_TOLERANCE[out['device']]} of "
+    print(f"verification: every reused page bit-identical to the bytes stored for it (within {KV_TOLERANCE[out['device']]} of "
           f"no tier's KV where another node stored it), and the first token equal to no tier's, for all {len(res)} "
           f"requests: {ok}")
