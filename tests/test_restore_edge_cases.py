@@ -5,6 +5,7 @@ plans past the prefetch budget, head pages only a later tier holds, locate namin
 page, one metric series per planner, exact sizes, the right argument named, write rates measured from the
 store's own counters. Each docstring says what used to go wrong."""
 
+import contextlib
 import gc
 import math
 
@@ -233,23 +234,29 @@ def _pool():
     return hp
 
 
-def test_tiered_locate_names_the_tier_batch_get_reads_from(tmp_path):
-    """TieredStore.locate (tiers/chain.py) promises "each page from the first (fastest) tier that has
-    it, as batch_get_v1 would read it", but at each position it takes the first tier with a *leading run*
-    and credits that tier with the whole run. The disk missing only page 0 (a corrupt page it dropped) makes
-    locate report all 4 pages as the cluster tier's, while batch_get_v1 reads 3 of them from the disk: the
-    planner prices disk pages at the remote tier's speed (recomputing what the disk would serve fast, or the
-    reverse)."""
+@contextlib.contextmanager
+def _disk_and_remote(tmp_path):
+    """Two page stores over one host pool, chained disk -> remote."""
     hp = _pool()
-    keys = [f"{i:064x}" for i in range(4)]
-    idx = torch.arange(4 * 4)
     with PageStore(tmp_path / "d", model_name="m", probe_bytes=0) as disk, \
             PageStore(tmp_path / "r", model_name="m", probe_bytes=0) as remote:
         disk.register_mem_pool_host(hp)
         remote.register_mem_pool_host(hp)
+        yield disk, remote, TieredStore([("disk", disk), ("remote", remote)])
+
+
+def test_tiered_locate_names_the_tier_batch_get_reads_from(tmp_path):
+    """TieredStore.locate (tiers/chain.py) promises "each page from the first (fastest) tier that has
+    it, as batch_get_v1 would read it"; it used to take the first tier with a *leading run* at each position
+    and credit that tier with the whole run. The disk missing only page 0 (a corrupt page it dropped) makes
+    locate report all 4 pages as the cluster tier's, while batch_get_v1 reads 3 of them from the disk: the
+    planner prices disk pages at the remote tier's speed (recomputing what the disk would serve fast, or the
+    reverse)."""
+    keys = [f"{i:064x}" for i in range(4)]
+    idx = torch.arange(4 * 4)
+    with _disk_and_remote(tmp_path) as (disk, remote, chain):
         assert remote.batch_set_v1(keys, idx) == [True] * 4
         assert disk.batch_set_v1(keys[1:], idx[4:]) == [True] * 3
-        chain = TieredStore([("disk", disk), ("remote", remote)])
         where = chain.locate(keys)
         assert chain.batch_get_v1(keys, torch.arange(8 * 4, 12 * 4)) == [True] * 4
         st = chain.get_stats()
@@ -261,16 +268,11 @@ def test_tiered_locate_names_the_tier_batch_get_reads_from(tmp_path):
 def test_tiered_locate_total_is_batch_exists_with_deleted_keys(tmp_path):
     """locate's total equals batch_exists, with a key deleted through the chain (a later tier still holding
     it is not counted), and with runs that alternate between tiers."""
-    hp = _pool()
     keys = [f"{i:064x}" for i in range(6)]
     idx = torch.arange(6 * 4)
-    with PageStore(tmp_path / "d", model_name="m", probe_bytes=0) as disk, \
-            PageStore(tmp_path / "r", model_name="m", probe_bytes=0) as remote:
-        disk.register_mem_pool_host(hp)
-        remote.register_mem_pool_host(hp)
+    with _disk_and_remote(tmp_path) as (disk, remote, chain):
         remote.batch_set_v1(keys, idx)
         disk.batch_set_v1([keys[0], keys[2]], torch.cat([idx[:4], idx[8:12]]))
-        chain = TieredStore([("disk", disk), ("remote", remote)])
         assert sum(n for _, n in chain.locate(keys)) == chain.batch_exists(keys) == 6
         disk.delete([keys[3]])
         chain._deleted[keys[3]] = None  # what chain.delete leaves when the later tier refuses to let go

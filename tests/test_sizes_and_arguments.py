@@ -61,3 +61,27 @@ def test_page_hashes_need_no_torch():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout.split() == ["3", "64"], r.stderr[-2000:]
     assert kvtier.page_hashes(torch.arange(5), 2) == kvtier.page_hashes([0, 1, 2, 3, 4], 2)
+
+
+def test_a_probe_file_left_by_a_killed_process_is_removed(tmp_path):
+    """The disk probe at open writes a file beside the namespaces and removes it; a process killed during the
+    probe leaves it behind. The next probe in that directory removes it (its process is gone); a live
+    process's probe file is left alone, and nothing else in the directory is touched."""
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = tmp_path / f".kvtier-roofline-{int(dead.stdout)}-0"
+    live = tmp_path / f".kvtier-roofline-{os.getpid()}-999"
+    other = tmp_path / "notes.txt"
+    for f in (stale, live, other):
+        f.write_bytes(b"x" * 4096)
+    dev = kvtier.DeviceKVPool(64, 16, 2, 1, 8, 8, torch.float32, "cpu")
+    host = kvtier.host_pool_for(dev, layout="page_first_direct")
+    store = kvtier.PageStore(tmp_path, capacity_bytes="64M")
+    store.register_mem_pool_host(host)
+    assert not stale.exists() and live.exists() and other.exists()
+    assert store.measured()["disk"].source == "probe"
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".kvtier-roofline")) == [live.name]
+    store.close()
+    host.close()

@@ -77,10 +77,10 @@ def main() -> None:
                         ctrl.free(starts)
                         assert all(ok)
                     est = real_plan(keys, ids.shape[1])  # the planner's own model of this prefix (for its numbers)
-                    kind = "recompute" if j == n and False else ("load" if j == 0 else "split")
-                    plan = RestorePlan(ids.shape[1], ps, 0, j, n, [("disk", n - j)] if j < n else [], None,
-                                       est.recompute_s, kind if j < n else "recompute", n)
-                    if j == n:
+                    if j < n:  # recompute [0, j), load [j, n)
+                        plan = RestorePlan(ids.shape[1], ps, 0, j, n, [("disk", n - j)], None, est.recompute_s,
+                                           "load" if j == 0 else "split", n)
+                    else:
                         plan = RestorePlan(ids.shape[1], ps, 0, 0, 0, [], None, est.recompute_s, "recompute", n)
                     ctrl.plan_restore = lambda *x, _p=plan, **y: _p
                     sync()

@@ -50,13 +50,13 @@ class RestorePlanning:
         self.stats.miss_pages += len(keys) - n - m
 
     def _probe_host(self) -> None:
-        """Times a copy of up to 64 MiB of the host pool's memory to the device (the second of two), the
+        """Times a copy of up to 16 MiB of the host pool's memory to the device (the second of two), the
         host tier's seed figure. Reads host memory only; a probe that cannot run seeds nothing."""
         try:
             buf = getattr(self.host, "k_buffer", None)
             if buf is None:
                 buf = self.host.kv_buffer
-            src = buf.reshape(-1).view(torch.uint8)[: 64 << 20]
+            src = buf.reshape(-1).view(torch.uint8)[: 16 << 20]
             dev = device_of(self.device_pool)
             dst = torch.empty(src.numel(), dtype=torch.uint8, device=dev)
             for _ in range(2):
@@ -136,7 +136,6 @@ class RestorePlanning:
     def observe_ttft(self, plan: RestorePlan, seconds: float) -> None:
         """The time to first token measured for a request restored by ``plan`` (predicted against observed)."""
         self.planner_stats.observe(plan, seconds)
-
 
 
 def _cap(segments: list[tuple[str, int]], pages: int) -> list[tuple[str, int]]:

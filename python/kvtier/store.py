@@ -188,8 +188,8 @@ class PageStore:
     def _probe(self, object_bytes: int) -> None:
         """Seeds the meter with the disk's speed for this pool's objects (see ``probe_bytes``); a probe that
         cannot run (a full or read-only file system) leaves the meter unseeded, never fails the open."""
-        if self.probe_bytes <= 0 or object_bytes <= 0:
-            return
+        if self.probe_bytes <= 0 or object_bytes <= 0 or self.meter.estimate().source != "none":
+            return  # (a pool registered again: the disk was measured already)
         size = -(-object_bytes // 4096) * 4096
         count = max(1, self.probe_bytes // size)
         try:

@@ -19,6 +19,7 @@ vLLM 0.33.0 (the secondary-tier API is experimental upstream).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import threading
@@ -46,7 +47,6 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 
 from .._errors import ClosedError, InvalidArgumentError
 from ..config import parse_size
-from ..planner import TierEstimate
 from ..store import DEFAULT_CAPACITY, PageStore
 from ._engine_planner import EnginePlanner, check_options
 
@@ -349,7 +349,7 @@ class KvtierTier(SecondaryTierManager):
         context_rows = max(0, int(end) // self.tokens_per_row - 1) if end else 0
         ok = self.planner.worth_loading([("disk", 1)], context_pages=context_rows, page_tokens=self.tokens_per_row,
                                         page_bytes=self.row_bytes,
-                                        tiers={"disk": TierEstimate(**{**est.__dict__, "read_latency_s": 0.0})}) == 1
+                                        tiers={"disk": dataclasses.replace(est, read_latency_s=0.0)}) == 1
         if not ok:
             self._count("planned_misses")
         return ok

@@ -24,6 +24,7 @@ Semantics (docs/CLUSTER.md has the fault table):
 from __future__ import annotations
 
 import collections
+import dataclasses
 import threading
 import time
 from collections.abc import Sequence
@@ -291,7 +292,7 @@ class TieredStore:
             own = getattr(tier, "measured", None)
             if own is not None:
                 est = next(iter(own().values()))
-                out[name] = TierEstimate(**{**est.__dict__, "name": name})
+                out[name] = dataclasses.replace(est, name=name)
         return out
 
     def delete(self, keys: Sequence[str]) -> int:

@@ -28,6 +28,7 @@ pub fn odirect_roofline(
     if count == 0 || threads == 0 {
         return Err(Error::arg("count", "count and threads must be positive"));
     }
+    remove_stale(dir);
     // One name per call: two probes of one process (two stores opening in one directory) never share a file.
     static CALLS: AtomicUsize = AtomicUsize::new(0);
     let call = CALLS.fetch_add(1, Ordering::Relaxed);
@@ -117,4 +118,31 @@ pub fn odirect_roofline(
     let r = w.as_ref().ok().map(|_| run(false));
     let _ = std::fs::remove_file(&path);
     Ok((w?, r.expect("read runs after a successful write")?, direct))
+}
+
+/// Removes the files of measurements whose process is gone (killed while it measured: the file is removed
+/// at the end of a measurement, so only a process that died during one leaves it behind).
+fn remove_stale(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some(rest) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix(".kvtier-roofline-"))
+        else {
+            continue;
+        };
+        let Some(Ok(pid)) = rest.split('-').next().map(str::parse::<i32>) else {
+            continue;
+        };
+        // SAFETY: kill with signal 0 sends nothing; it only asks whether the process exists.
+        let gone = pid > 0
+            && unsafe { libc::kill(pid, 0) } != 0
+            && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH);
+        if gone {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
 }
