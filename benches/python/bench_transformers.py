@@ -5,7 +5,8 @@
 
 Model: transformers' own LlamaForCausalLM in the Llama-3.1-8B shape (32 layers, hidden 4096, 32 heads, 8 KV
 heads, intermediate 14336, vocab 128256), bf16, random weights from the config (seeded; nothing is
-downloaded), SDPA attention. ``--tiny``: a 2-layer model on the CPU with contexts of 256 and 1,024 tokens
+downloaded), SDPA attention. ``--small``: the demo's CPU model (4 layers, hidden 512) at 1K and 4K tokens.
+``--tiny``: a 2-layer model on the CPU with contexts of 256 and 1,024 tokens
 (seconds; checks the script).
 
 (a) Decode at the largest context: a prompt of that many tokens is prefilled (one forward), then
@@ -47,10 +48,12 @@ REPS = 2  # each TTFT is timed twice; the second counts
 MODEL_ID = "bench/llama-3.1-8b-shape-random-seed0"
 
 
-def build(tiny: bool, device: str) -> LlamaForCausalLM:
-    if tiny:
-        cfg = LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                          num_key_value_heads=2, vocab_size=256, max_position_embeddings=4096)
+def build(tiny: bool, device: str, small: bool = False) -> LlamaForCausalLM:
+    if tiny or small:  # small: the demo's CPU model (4 layers, hidden 512), where a prefill is real work
+        cfg = (LlamaConfig(num_hidden_layers=4, hidden_size=512, intermediate_size=2816, num_attention_heads=8,
+                           num_key_value_heads=2, vocab_size=4096, max_position_embeddings=16384) if small else
+               LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                           num_key_value_heads=2, vocab_size=256, max_position_embeddings=4096))
         dtype = torch.float32
     else:
         cfg = LlamaConfig(num_hidden_layers=32, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
@@ -124,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="transformers-bench.json")
     ap.add_argument("--tiny", action="store_true", help="a 2-layer model on the CPU (seconds)")
+    ap.add_argument("--small", action="store_true", help="the demo's CPU model (4 layers, hidden 512) on the CPU")
     ap.add_argument("--contexts", default=None, help="prefix lengths for (b); (a) uses the largest (default 8192,32768)")
     ap.add_argument("--decode-tokens", type=int, default=16)
     ap.add_argument("--page-size", type=int, default=64)
@@ -133,15 +137,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-ttft", action="store_true")
     ap.add_argument("--slow-gbps", type=float, default=0.3, help="the throttled disk of the planned_slow row (GB/s)")
     a = ap.parse_args(argv)
-    device = "cpu" if a.tiny or not torch.cuda.is_available() else "cuda"
-    contexts = [int(x) for x in (a.contexts or ("256,1024" if a.tiny else "8192,32768")).split(",")]
+    device = "cpu" if a.tiny or a.small or not torch.cuda.is_available() else "cuda"
+    contexts = [int(x) for x in (a.contexts or ("256,1024" if a.tiny else "1024,4096" if a.small else "8192,32768")).split(",")]
     top = max(contexts)
     print(f"transformers {transformers.__version__}, torch {torch.__version__}, device {device}"
           + (f" ({torch.cuda.get_device_name()})" if device == "cuda" else ""), flush=True)
     if transformers.__version__ != "5.24.0":
         print(f"WARNING: transformers {transformers.__version__}; kvtier's cache is tested with 5.24.0", flush=True)
     t_build = time.perf_counter()
-    model = build(a.tiny, device)
+    model = build(a.tiny, device, a.small)
     sync(device)
     weights = peak(device) or 0
     cfg = model.config

@@ -142,9 +142,12 @@ def _context(row: dict, model: Any, tier: Any, ctx: int, i: int, vocab: int, dev
         if plan is not None:
             row[f"{name}_plan"] = plan.as_dict()
             row[f"{name}_predicted_s"] = plan.predicted_s
-            if plan.loaded_pages:
-                loaded = _pages_kv(cache, layers, plan.recompute_to, plan.load_to, ps)
-                want = [t[:, :, (plan.recompute_to * ps):(plan.load_to * ps)] for t in stored]
+            # the loaded pages the first prompt stored (a page past its prefix, [n, ...), was stored by an earlier
+            # row's run of this prompt: no reference here) against the bytes that prompt computed
+            last = min(plan.load_to, n // ps)
+            if last > plan.recompute_to:
+                loaded = _pages_kv(cache, layers, plan.recompute_to, last, ps)
+                want = [t[:, :, (plan.recompute_to * ps):(last * ps)] for t in stored]
                 row[f"{name}_loaded_pages_bit_identical"] = all(torch.equal(a, b) for a, b in zip(loaded, want))
         cache.release()
         tier.controller.wait_idle()
