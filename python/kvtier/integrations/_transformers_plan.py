@@ -55,9 +55,11 @@ class Marks:
 
 
 def before_forward(tier: KVTier, cache: Any, n: int) -> None:
-    """The forward pre-hook's part: the start of a forward of ``n`` new tokens through ``cache``."""
-    tier._marks.poll()
-    if tier._observe:
+    """The forward pre-hook's part: the start of a forward of ``n`` new tokens through ``cache`` — timed only
+    when it says something (a page or more of new tokens, or the forward that may end a time to first token),
+    so a decode step makes no event."""
+    if tier._observe and (n >= tier.page_size or cache._ttft is not None):
+        tier._marks.poll()
         cache._forward = (tier._marks.mark(), n, cache.get_seq_length())
 
 
