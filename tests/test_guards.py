@@ -171,3 +171,31 @@ def test_dlpack_capsules_keep_the_memory_until_dropped_consumed_or_not():
     assert vm_size() >= before + n  # the unconsumed capsule still holds it
     del unconsumed  # its destructor releases the last reference
     assert vm_size() < before + n // 2
+
+
+def test_a_device_pool_with_layers_version_is_checked_again_only_when_it_changes():
+    """A device pool that declares ``layers_version`` is trusted while the number holds (kvtier's own layer
+    windows); a new number means new tensors, checked in full before a byte moves."""
+    dp, hp = pools()
+    dp.layers_version = 1
+    h, d = torch.arange(4), torch.arange(2, 6)
+    hp.load_to_device_per_layer(dp, h, d, 0, "direct")
+    got = hp._check_device_pool(dp)
+    assert hp._check_device_pool(dp) is got  # cached: nothing re-read
+    dp.k_buffer = [torch.zeros(16, 2, 5, dtype=torch.float16) for _ in range(3)]  # a wrong head dim
+    dp.layers_version = 2
+    before = [t.clone() for t in dp.k_buffer + dp.v_buffer]
+    with pytest.raises(kvtier.InvalidArgumentError, match="head_dim|k_buffer"):
+        hp.load_to_device_per_layer(dp, h, d, 1, "direct")
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(before, dp.k_buffer + dp.v_buffer))
+
+
+def test_the_transformers_window_bumps_its_layers_version_when_it_reallocates():
+    from kvtier.integrations._transformers_window import _Window
+
+    w = _Window(4, 2, 2, 8, 8, torch.float32, torch.device("cpu"), 16, 16)
+    v = w.layers_version
+    assert not w.ensure(w.size)  # room already: same tensors, same number
+    assert w.layers_version == v
+    assert w.ensure(w.size + 1)
+    assert w.layers_version == v + 1 and w.k_buffer[0] is w.k_slots[0]

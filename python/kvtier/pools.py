@@ -232,7 +232,22 @@ class _HostKVPool:
     def _check_device_pool(self, device_pool: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
         """``(layers, pairs)``: the device pool's per-layer tensors of each side (see
         :meth:`_Geometry.device_layers`), checked against this pool's geometry, and each side paired with
-        its layers. The check is cached while the pool and its tensors are unchanged."""
+        its layers. The check is cached while the pool and its tensors are unchanged.
+
+        A device pool that defines an int ``layers_version`` promises that while it keeps its value, its layer
+        lists hold the same tensors, unchanged in place (kvtier's own layer windows do: they bump it when they
+        reallocate); the cache is then keyed by the pool and that number instead of every tensor's address,
+        shape, strides and storage (about 2 µs per tensor, for every per-layer call)."""
+        version = getattr(device_pool, "layers_version", None)
+        if type(version) is int:
+            last = self._checked_device
+            if last is not None and last[0] == (id(device_pool), version):
+                cached_fast: tuple[tuple[Any, ...], tuple[Any, ...]] = last[2]
+                return cached_fast
+            checked_fast = tuple(self._check_device_pool_uncached(device_pool))
+            result_fast = (checked_fast, tuple(zip(self._sides(), checked_fast)))
+            self._checked_device = ((id(device_pool), version), (device_pool,), result_fast)  # holds it: ids unique
+            return result_fast
         try:
             layers = (list(device_pool.kv_buffer),) if self._geo.kv_lora_rank is not None else (
                 list(device_pool.k_buffer), list(device_pool.v_buffer))

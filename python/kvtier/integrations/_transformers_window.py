@@ -20,6 +20,9 @@ class _Window:
         self.layer_num, self.window, self.head_num, self.head_dim, self.v_head_dim = layers, window, heads, k_dim, v_dim
         self.dtype = self.store_dtype = dtype
         self.device, self.page_size = device, page_size
+        # bumped whenever the slots are reallocated: the host pool's check of this device pool holds while
+        # it is unchanged (kvtier.pools: `layers_version`); nothing outside this window sees its tensors
+        self.layers_version = 0
         self._alloc(self.headroom(tokens))
 
     def _alloc(self, tokens: int) -> None:
@@ -30,6 +33,7 @@ class _Window:
         self.v_slots = [torch.zeros(*shape, self.v_head_dim, dtype=self.dtype, device=self.device) for _ in range(self.window)]
         self.k_buffer = [self.k_slots[i % self.window] for i in range(self.layer_num)]
         self.v_buffer = [self.v_slots[i % self.window] for i in range(self.layer_num)]
+        self.layers_version += 1
         self.state: list[tuple[int, int, int] | None] = [None] * self.window  # (layer, tokens, epoch) held
         self.loaded: list[Any] = [None] * self.window  # CUDA event of the slot's last transfer (load or backup)
 

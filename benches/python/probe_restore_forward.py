@@ -1,0 +1,200 @@
+"""Where the forward after a host restore spends its time: a prefix of ``--ctx`` tokens is on kvtier's host
+pool, the prompt's last 64 tokens are computed through kvtier's cache (its window streams every layer's
+prefix to the GPU). Beside it, the same 64 tokens on a DynamicCache that already holds the prefix on the GPU
+(the floor), the raw per-layer loads of the prefix alone (GB/s), and the host time inside the cache's
+``update`` calls. Variants: window sizes (``w2``: 2 layers); run each twice (``w2,w2``) to see the order's
+effect (the first variant after the floor ran 15-20 ms slower in two runs on the H200). With ``--profile DIR`` one
+forward of each variant is profiled (torch.profiler tables and a Chrome trace).
+
+    PYTHONPATH=python python benches/python/probe_restore_forward.py [--ctx 8192] [--out probe.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import time
+
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+from kvtier import pools, transfer
+from kvtier.integrations import _transformers_cache as tc
+from kvtier.integrations.transformers import KVTier, cache_kwarg
+
+SUFFIX = 64
+# host time inside these (inclusive, summed over one forward): where the cache's update() spends it
+TIMED = [(tc.KvtierCache, "update"), (tc.KvtierCache, "_transfer"), (tc.KvtierCache, "_wait"),
+         (pools._HostKVPool, "_prepare"), (pools._HostKVPool, "_check_device_pool"), (transfer.TransferEngine, "copy"),
+         (transfer.TransferEngine, "_dma"), (transfer.TransferEngine, "_hold")]
+
+
+def instrument(acc: dict) -> list:
+    undo = []
+    for owner, name in TIMED:
+        real = owner.__dict__[name]
+        fn = real.__func__ if isinstance(real, staticmethod) else real
+
+        def timed(*x, _fn=fn, _key=f"{owner.__name__}.{name}", **y):
+            t0 = time.perf_counter()
+            try:
+                return _fn(*x, **y)
+            finally:
+                acc[_key] = acc.get(_key, 0.0) + time.perf_counter() - t0
+
+        setattr(owner, name, staticmethod(timed) if isinstance(real, staticmethod) else timed)
+        undo.append((owner, name, real))
+    return undo
+
+
+def build(tiny: bool, dev: str) -> LlamaForCausalLM:
+    if tiny:
+        cfg = LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                          num_key_value_heads=2, vocab_size=256)
+    else:
+        cfg = LlamaConfig(num_hidden_layers=32, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                          num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device(dev):
+        return LlamaForCausalLM(cfg).to(torch.bfloat16 if dev == "cuda" else torch.float32).eval()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ctx", type=int, default=8192)
+    ap.add_argument("--ps", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--variants", default="w2,w4,w8")
+    ap.add_argument("--profile", default=None, help="a directory for one profiled forward per variant")
+    ap.add_argument("--out", default="restore-forward.json")
+    a = ap.parse_args()
+    dev = "cuda" if torch.cuda.is_available() and not a.tiny else "cpu"
+    cuda = dev == "cuda"
+    model = build(a.tiny, dev)
+    cfg, kw = model.config, cache_kwarg(model)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    ps, ctx = a.ps, a.ctx
+    ids = torch.randint(0, cfg.vocab_size, (1, ctx + SUFFIX), generator=torch.Generator().manual_seed(3))
+    out: dict = {"ctx": ctx, "page_size": ps, "device": torch.cuda.get_device_name() if cuda else "cpu", "variants": {}}
+
+    with torch.no_grad():
+        # the floor: the prefix's KV already on the GPU, the last 64 tokens computed on it
+        kept = DynamicCache(config=cfg)
+        model(input_ids=ids[:, :ctx].to(dev), use_cache=True, logits_to_keep=1, **{kw: kept})
+        floor = []
+        for _ in range(a.reps):
+            c = copy.deepcopy(kept)
+            sync()
+            t0 = time.perf_counter()
+            model(input_ids=ids[:, ctx:].to(dev), use_cache=True, logits_to_keep=1, **{kw: c})
+            sync()
+            floor.append(time.perf_counter() - t0)
+        out["floor_dynamic_s"] = statistics.median(floor)
+        del kept, c
+        print(f"floor (prefix on the GPU): {1e3 * out['floor_dynamic_s']:.1f} ms", flush=True)
+
+        for variant in a.variants.split(","):
+            window = int(variant.split("-")[0][1:])
+            tier = KVTier(model, model_id="probe/restore-forward", page_size=ps, window=window,
+                          host_tokens=2 * (ctx + SUFFIX) + 8 * ps, restore="all")
+            first = tier.cache(ids)
+            model(input_ids=ids.to(dev), use_cache=True, logits_to_keep=1, **{kw: first})
+            first.release()
+            tier.controller.wait_idle()
+            acc: dict = {}
+            undo = instrument(acc)
+            row: dict = {"cache_s": [], "forward_s": [], "decode_s": [], "host_s": []}
+            try:
+                for rep in range(a.reps + 1):
+                    sync()
+                    t0 = time.perf_counter()
+                    c = tier.cache(ids)
+                    t1 = time.perf_counter()
+                    acc.clear()
+                    model(input_ids=ids[:, c.get_seq_length():].to(dev), use_cache=True, logits_to_keep=1, **{kw: c})
+                    sync()
+                    t2 = time.perf_counter()
+                    upd = dict(acc)
+                    nxt = torch.randint(0, cfg.vocab_size, (1, 1), device=dev)
+                    sync()
+                    t3 = time.perf_counter()
+                    model(input_ids=nxt, use_cache=True, logits_to_keep=1, **{kw: c})
+                    sync()
+                    t4 = time.perf_counter()
+                    if rep:
+                        row["cache_s"].append(t1 - t0)
+                        row["forward_s"].append(t2 - t1)
+                        row["decode_s"].append(t4 - t3)
+                        row["host_s"].append(upd)
+                    if rep == a.reps and a.profile:
+                        c.release()
+                        tier.controller.wait_idle()
+                        os.makedirs(a.profile, exist_ok=True)
+                        import cProfile
+                        import pstats
+
+                        c = tier.cache(ids)
+                        pr = cProfile.Profile()
+                        pr.enable()
+                        model(input_ids=ids[:, c.get_seq_length():].to(dev), use_cache=True, logits_to_keep=1, **{kw: c})
+                        sync()
+                        pr.disable()
+                        with open(os.path.join(a.profile, f"{variant}-python.txt"), "w") as f:
+                            pstats.Stats(pr, stream=f).sort_stats("tottime").print_stats(45)
+                        c.release()
+                        tier.controller.wait_idle()
+                    if rep == a.reps and a.profile and cuda:
+                        from torch.profiler import ProfilerActivity, profile
+
+                        c = tier.cache(ids)
+                        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                            model(input_ids=ids[:, c.get_seq_length():].to(dev), use_cache=True, logits_to_keep=1, **{kw: c})
+                            sync()
+                        with open(os.path.join(a.profile, f"{variant}-cpu.txt"), "w") as f:
+                            f.write(prof.key_averages().table(sort_by="cpu_time_total", row_limit=40))
+                        with open(os.path.join(a.profile, f"{variant}-cuda.txt"), "w") as f:
+                            f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40))
+                        prof.export_chrome_trace(os.path.join(a.profile, f"{variant}-trace.json"))
+                    c.release()
+                    tier.controller.wait_idle()
+                # the raw per-layer loads of the prefix into the window's slots, back to back
+                c = tier.cache(ids)
+                win = c._ensure_window(c.get_seq_length() + SUFFIX)
+                loads = []
+                for _ in range(3):
+                    sync()
+                    t0 = time.perf_counter()
+                    for layer in range(tier.layers):
+                        c._load(win, layer, c.get_seq_length())
+                    tier._drain()
+                    sync()
+                    loads.append(time.perf_counter() - t0)
+                kv_bytes = c.get_seq_length() * tier.layers * tier.heads * (tier.k_dim + tier.v_dim) * \
+                    torch.empty((), dtype=tier.dtype).element_size()
+                c.release()
+                hosts = row.pop("host_s")
+                row = {k: statistics.median(v) for k, v in row.items()}
+                row["host_ms"] = {k: round(1e3 * statistics.median(h.get(k, 0.0) for h in hosts), 2) for k in hosts[0]}
+                row["raw_loads_s"] = statistics.median(loads)
+                row["raw_loads_GBps"] = kv_bytes / row["raw_loads_s"] / 1e9
+                row["prefix_bytes"] = kv_bytes
+                row["route"] = tier.host._engine.route("direct", tier.host._sides(), dev, per_layer=True)
+                row["lanes"] = tier._lanes
+            finally:
+                for owner, name, real in undo:
+                    setattr(owner, name, real)
+                tier.close()
+            out["variants"][variant] = row
+            print(variant, {k: (round(v * 1e3, 2) if isinstance(v, float) and k.endswith("_s") else v)
+                            for k, v in row.items()}, flush=True)
+    with open(a.out, "w") as f:
+        json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
