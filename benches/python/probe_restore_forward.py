@@ -2,7 +2,8 @@
 pool, the prompt's last 64 tokens are computed through kvtier's cache (its window streams every layer's
 prefix to the GPU). Beside it, the same 64 tokens on a DynamicCache that already holds the prefix on the GPU
 (the floor), the raw per-layer loads of the prefix alone (GB/s), and the host time inside the cache's
-``update`` calls. Variants: window sizes (``w2``: 2 layers); run each twice (``w2,w2``) to see the order's
+``update`` calls. Variants: window sizes (``w2``: 2 layers), ``-kernel`` for the window's transfers as
+kernels instead of copy-engine copies; run each twice (``w2,w2``) to see the order's
 effect (the first variant after the floor ran 15-20 ms slower in two runs on the H200). With ``--profile DIR`` one
 forward of each variant is profiled (torch.profiler tables and a Chrome trace).
 
@@ -100,6 +101,10 @@ def main() -> None:
 
         for variant in a.variants.split(","):
             window = int(variant.split("-")[0][1:])
+            if variant.endswith("-kernel"):  # the window's transfers as kernels (KVTIER_DIRECT_KERNEL_BELOW_KB)
+                os.environ["KVTIER_DIRECT_KERNEL_BELOW_KB"] = str(1 << 20)
+            else:
+                os.environ.pop("KVTIER_DIRECT_KERNEL_BELOW_KB", None)
             tier = KVTier(model, model_id="probe/restore-forward", page_size=ps, window=window,
                           host_tokens=2 * (ctx + SUFFIX) + 8 * ps, restore="all")
             first = tier.cache(ids)
