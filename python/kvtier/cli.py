@@ -249,12 +249,15 @@ def _main(argv: list[str] | None) -> int:
                      help="delete corrupt objects and rewrite the journal without damaged records (needs the store "
                      "closed)")
     ver.add_argument("--drop", action="store_true", help="the same as --repair (kept for old scripts)")
+    from . import _cluster_cli
+
+    _cluster_cli.add_parser(sub)
     args, rest = parser.parse_known_args(argv)
-    if rest and args.command != "bench":
+    if rest and args.command not in ("bench", "cluster"):
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     commands = {"demo": lambda: cmd_demo(args), "bench": lambda: cmd_bench(args, rest, bench),
                 "inspect": lambda: cmd_inspect(args), "verify": lambda: cmd_verify(args),
-                "stats": lambda: cmd_stats(args)}
+                "stats": lambda: cmd_stats(args), "cluster": lambda: _cluster_cli.run(args, rest)}
     try:
         return commands[args.command]()
     except BrokenPipeError:  # `kvtier stats DIR | head`: the reader left; say nothing, as other tools do

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -66,7 +67,8 @@ class LocalCluster:
         client_ttl_s: seconds the master keeps a silent client's segments listed (Mooncake's ``client_ttl``).
         lease_ttl_ms: Mooncake's ``default_kv_lease_ttl`` (a read object cannot be evicted or removed for
             this long).
-        log_dir: where the children's logs go (default: a new temporary directory).
+        log_dir: where the children's logs go (default: a new temporary directory, removed by :meth:`stop`
+            unless a child failed to start: its log is then kept and named in the error).
         start_timeout_s: how long each child may take to be ready.
     """
 
@@ -79,6 +81,8 @@ class LocalCluster:
                 raise InvalidArgumentError(f"invalid argument `{name}`: must be an int >= {lo}, got {v!r}")
         self.storage_nodes, self.segment_bytes = storage_nodes, segment_bytes
         self.client_ttl_s, self.lease_ttl_ms, self.start_timeout_s = client_ttl_s, lease_ttl_ms, start_timeout_s
+        self._own_logs = log_dir is None
+        self._failed = False
         self.log_dir = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="kvtier-cluster-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.rpc_port = 0
@@ -128,6 +132,7 @@ class LocalCluster:
             except KvtierError:
                 self.stop_master()
                 if attempt == 2 or self.rpc_port:
+                    self._failed = True
                     raise
                 continue  # the free port was taken meanwhile: try another
             self.rpc_port, self._master_starts = port, self._master_starts + 1
@@ -157,10 +162,12 @@ class LocalCluster:
             if b"ready" in buf:
                 return i
             if p.poll() is not None:
+                self._failed = True
                 raise KvtierError(f"storage process {i} exited with {p.returncode}: {buf.decode(errors='replace')!r}; "
                                   f"log: {log}")
             time.sleep(0.05)
         _end(p)
+        self._failed = True
         raise KvtierError(f"storage process {i} was not ready within {self.start_timeout_s:.0f} s; log: {log}")
 
     def kill_node(self, i: int) -> None:
@@ -181,6 +188,8 @@ class LocalCluster:
         for f in self._logs:
             f.close()
         self._logs = []
+        if self._own_logs and not self._failed:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
 
     def __enter__(self) -> LocalCluster:
         return self.start()
