@@ -67,7 +67,10 @@ def _preload() -> None:
 
 
 def store_class() -> Any:
-    """``mooncake.store.MooncakeDistributedStore``, or one clear error saying what to install."""
+    """``mooncake.store.MooncakeDistributedStore``, or one clear error saying what to install. Mooncake's client
+    logs at WARNING and above in this process unless ``MC_LOG_LEVEL`` says otherwise (its INFO lines, a dozen
+    per client, say nothing an operator acts on)."""
+    os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
     _preload()
     try:
         from mooncake.store import MooncakeDistributedStore
