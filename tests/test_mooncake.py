@@ -531,3 +531,51 @@ def test_chain_checks_its_arguments_like_the_disk(tmp_path):
             with pytest.raises(InvalidArgumentError, match="host_indices"):
                 c.batch_get_v1(["a", "b"], bad)
         assert disk.batch_exists(["a", "b"]) == 2 and disk.batch_exists(["x"]) == 0
+
+
+def test_a_truncated_or_extended_object_is_counted_corrupt(cluster):
+    """An object whose record is intact but which comes back shorter or longer than recorded is a miss, and
+    counted: the docs promise that corruption is counted."""
+    src, dst = make_pool(seed=31), make_pool(seed=32)
+    with tier(cluster, src) as t, tier(cluster, dst) as r:
+        keys = ["trunc-0", "trunc-1", "trunc-2"]
+        assert t.batch_set_v1(keys, pages_idx(range(3))) == [True] * 3
+        s = t._store
+        n = page_bytes(src, 0)[0].numel()
+        k0, _ = t.data_keys(keys[0])
+        k1, _ = t.data_keys(keys[1])
+        raw0, raw1 = s.get(k0), s.get(k1)
+        remove_when_unleased(s, k0)
+        assert s.put(k0, raw0[: n - 512]) == 0  # truncated
+        remove_when_unleased(s, k1)
+        assert s.put(k1, raw1 + bytes(512)) == 0  # extended
+        before = r.get_stats()["corrupt"]
+        assert r.batch_get_v1(keys, pages_idx(range(3))) == [False, False, True]
+        assert r.get_stats()["corrupt"] - before == 2
+        assert same(src, 2, dst, 2)
+
+
+def test_unverified_pages_stay_unvouched_past_the_exact_memory(tmp_path, cluster):
+    """More pages served unverified than the tier remembers exactly: none of them is filled into the disk or
+    given a record afterwards (the older ones live on in the tier's filter)."""
+    from kvtier.tiers._records import Taint
+
+    stock = make_pool(seed=33)
+    keys = [f"stock-many-{i}" for i in range(6)]
+    with tier(cluster, stock) as w:  # a stock SGLang node: data objects, no records
+        assert w.batch_set_v1(keys, pages_idx(range(6))) == [True] * 6
+        for k in keys:
+            remove_when_unleased(w._store, w.record_key(k))
+    node = make_pool(seed=34)
+    disk = PageStore(tmp_path / "d", capacity_bytes=1 << 30, model_name="org/model")
+    disk.register_mem_pool_host(node)
+    loose = tier(cluster, node, accept_unverified=True)
+    loose._unverified = Taint(exact=2)  # remembers two exactly; the rest only in its filter
+    with TieredStore([("disk", disk), ("mooncake", loose)]) as c:
+        for i, k in enumerate(keys):  # one batch per page: the first four leave the exact set
+            assert c.batch_get_v1([k], pages_idx([i])) == [True]
+        assert loose._unverified.spilled == 4
+        assert disk.batch_exists(keys) == 0 and c.get_stats()["disk"]["fills"] == 0
+        assert loose.served_unverified(keys) == set(keys)
+        assert c.batch_set_v1(keys, pages_idx(range(6))) == [False] * 6  # the engine's write-back: refused
+        assert disk.batch_exists(keys) == 0

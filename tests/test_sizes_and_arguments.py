@@ -85,3 +85,18 @@ def test_a_probe_file_left_by_a_killed_process_is_removed(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".kvtier-roofline")) == [live.name]
     store.close()
     host.close()
+
+
+def test_taint_finds_every_key_it_was_given_however_many():
+    from kvtier.tiers._records import Taint
+
+    t = Taint(exact=4, bits=1 << 16)
+    added = [f"page-{i}" for i in range(500)]
+    for k in added:
+        t.add(k)
+    assert t.spilled == 496
+    assert all(k in t for k in added)  # no false negative, whatever the order
+    others = sum(f"other-{i}" in t for i in range(2000))
+    assert others < 100  # a filter of 64 Kbit holds 496 keys with few false positives
+    fresh = Taint()
+    assert "page-0" not in fresh and 42 not in fresh  # an empty filter answers no

@@ -20,7 +20,6 @@ before this tier in a :class:`kvtier.tiers.TieredStore`.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import hashlib
 import threading
@@ -38,7 +37,7 @@ from ..buffer import HostBuffer
 from ..planner import TierEstimate, TierMeter
 from ..store import PAGE_LAYOUTS, _heads, _keys, _page_layout, logical_dtype
 from ._mooncake_env import store_class
-from ._records import HEAD, OBJ, SLOT, TAIL, TOO_SMALL, UNVERIFIED_KEPT, parse_record, record_bytes, validate_options
+from ._records import HEAD, OBJ, SLOT, TAIL, TOO_SMALL, Taint, parse_record, record_bytes, validate_options
 
 _PROBES = 6  # probe puts at construction, 0.5 s apart
 class MooncakeTier:
@@ -107,7 +106,7 @@ class MooncakeTier:
         self._local = threading.local()
         self._buffers: list[HostBuffer] = []
         #: page keys served without a record (bounded, oldest forgotten first); never adopted, never filled
-        self._unverified: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._unverified = Taint()  # keys served without a record: never vouched for nor filled, however many
         self._adopt: HostBuffer | None = None  # read-back space for objects stored without a record
         self._adopt_lock = threading.Lock()
         self._store = self._connect(protocol, device_name, local_hostname, metadata_server, global_segment_size,
@@ -479,15 +478,16 @@ class MooncakeTier:
                 self._count(stale=1)  # a record of another size: not one of ours
                 continue
             if not arrived:
+                got = [res[nrec + n * k + s] for s in range(k)]
+                if rec is not None and any(g == TOO_SMALL or 0 < g != want for g, want in zip(got, sizes[i * k:(i + 1) * k])):
+                    self._count(corrupt=1)  # recorded, but an object came back truncated or extended
                 continue
             if rec is None:
                 if self.accept_unverified:  # data without a record: a stock SGLang page, served by option
                     ok[i] = True
                     self._count(unverified_served=1)
                     with self._lock:
-                        self._unverified[keys[i]] = None
-                        while len(self._unverified) > UNVERIFIED_KEPT:
-                            self._unverified.popitem(last=False)
+                        self._unverified.add(keys[i])
                 continue
             check.append((i, rec))
         if check:
