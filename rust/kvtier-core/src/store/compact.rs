@@ -22,9 +22,11 @@ use crate::fault;
 /// finish long before the journal passes its budget (the trigger plus a quarter, `Index::journal_budget`).
 const STEP_FACTOR: u64 = 8;
 /// The least a step writes, so small commits still move a compaction along.
-const STEP_MIN: u64 = 256 << 10;
+const STEP_MIN: u64 = 16 << 10;
 /// Entries encoded per hold of the index lock.
 const CHUNK: usize = 4096;
+/// The longest record (a key of `journal::MAX_KEY` bytes).
+const MAX_RECORD: u64 = 31 + journal::MAX_KEY as u64;
 
 /// A compaction in progress: the new journal (`journal.compact`) being written.
 pub(super) struct Compaction {
@@ -71,7 +73,9 @@ impl PageStore {
                 }
             }
         };
-        match self.compaction_work(c, STEP_FACTOR) {
+        let end = self.lock_index().j_end;
+        let budget = (STEP_FACTOR * end.saturating_sub(c.seen_end)).max(STEP_MIN);
+        match self.compaction_work(c, budget) {
             Ok(left) => *running = left,
             Err(_) => self.compaction_failed(),
         }
@@ -87,7 +91,7 @@ impl PageStore {
             Some(c) => Ok(c),
             None => self.compaction_begin(),
         }
-        .and_then(|c| self.compaction_work(c, 0));
+        .and_then(|c| self.compaction_work(c, u64::MAX));
         match r {
             Ok(left) => {
                 debug_assert!(left.is_none(), "an unbounded step finishes the compaction");
@@ -104,7 +108,7 @@ impl PageStore {
     /// Creates `journal.compact` and, under the commit lock, fixes the start: the journal's length and the
     /// walk over the entries live now (while the lock is held, the index is the replay of exactly that
     /// journal: R1).
-    fn compaction_begin(&self) -> io::Result<Compaction> {
+    pub(super) fn compaction_begin(&self) -> io::Result<Compaction> {
         let tmp = self.dir.join("journal.compact");
         let _ = std::fs::remove_file(&tmp);
         fault::check("compact")?;
@@ -131,21 +135,22 @@ impl PageStore {
         })
     }
 
-    /// One step: `factor` bytes of the new journal (walk, then tail) per byte the journal grew by since
-    /// the last step, at least [`STEP_MIN`] (`factor` 0: everything), synced. When the tail left fits
-    /// the step, the compaction is finished. Returns the compaction if it is still running.
-    fn compaction_work(&self, mut c: Compaction, factor: u64) -> io::Result<Option<Compaction>> {
-        let end = self.lock_index().j_end;
-        let budget = match factor {
-            0 => u64::MAX,
-            f => (f * end.saturating_sub(c.seen_end)).max(STEP_MIN),
-        };
-        c.seen_end = end;
+    /// One step: about `budget` bytes of the new journal (walk, then tail), synced. When the tail left
+    /// fits the step, the compaction is finished. Returns the compaction if it is still running.
+    pub(super) fn compaction_work(
+        &self,
+        mut c: Compaction,
+        budget: u64,
+    ) -> io::Result<Option<Compaction>> {
+        c.seen_end = self.lock_index().j_end;
+        // no chunk writes more than the budget (a record has at most MAX_RECORD bytes)
+        let chunk = (budget / MAX_RECORD).clamp(1, CHUNK as u64) as usize;
         let mut done = 0u64;
         let mut buf = Vec::new();
         while c.copied.is_none() && done < budget {
             buf.clear();
-            let walked = self.lock_index().walk_chunk(CHUNK, &mut buf);
+            let walked = self.lock_index().walk_chunk(chunk, &mut buf);
+            fault::check("compact")?;
             c.file.write_all_at(&buf, c.written)?;
             c.written += buf.len() as u64;
             done += buf.len() as u64;
@@ -161,7 +166,7 @@ impl PageStore {
         let left = budget.saturating_sub(done);
         if end - from > left {
             // more tail than this step copies: a piece now (never less than a whole record), the rest later
-            self.copy_tail(&mut c, from, from + left.max(STEP_MIN))?;
+            self.copy_tail(&mut c, from, from + left.max(MAX_RECORD))?;
             c.file.sync_data()?;
             return Ok(Some(c));
         }
@@ -193,6 +198,7 @@ impl PageStore {
         for r in &records {
             r.encode(&mut out);
         }
+        fault::check("compact")?;
         c.file.write_all_at(&out, c.written)?;
         c.written += out.len() as u64;
         c.copied = Some(from + used as u64);

@@ -29,6 +29,8 @@ pub(super) struct Follow {
     offset: u64,
     /// When the journal was last looked at.
     checked: Instant,
+    /// How many times it was looked at.
+    pub(super) looks: u64,
 }
 
 impl Follow {
@@ -37,6 +39,7 @@ impl Follow {
             ino,
             offset,
             checked: Instant::now(),
+            looks: 0,
         })
     }
 }
@@ -83,6 +86,7 @@ impl PageStore {
             return;
         }
         st.checked = Instant::now();
+        st.looks += 1;
         self.refresh(&mut st);
     }
 

@@ -30,6 +30,8 @@ mod write;
 #[cfg(test)]
 mod tests;
 #[cfg(test)]
+mod tests_compaction;
+#[cfg(test)]
 mod tests_faults;
 #[cfg(test)]
 mod tests_pages;
