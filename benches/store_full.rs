@@ -10,8 +10,9 @@
 //! `PageStore::put` in batches of `--batch` pages with fresh keys, so once the store holds `capacity` every
 //! batch evicts. A batch belongs to the *filling* phase until the first one that evicts; every batch from
 //! there on is *full*. Printed per phase: pages/s (pages over the phase's summed batch time), the median
-//! and worst batch, and the compactions it did. Then: the disk's fdatasync latency (4 KiB write +
-//! fdatasync, 200 times, on the same directory), the time to reopen the store (drop, open, per million
+//! and worst batch, and the compactions it did. Measured first on the same directory: the disk's
+//! fdatasync latency (4 KiB write + fdatasync, 200 times) and what a batch's bytes cost without the store
+//! (one buffered write of a batch's bytes + fdatasync, 100 times). Then the time to reopen the store (drop, open, per million
 //! live objects) and the RSS the open index takes per live object (RSS with the store open minus after
 //! it is dropped and `malloc_trim`). The store directory is removed at the end unless `--keep`. One JSON
 //! line goes to stdout last. Only `open`, `put` and `stats` are used, so the same file builds against
@@ -84,8 +85,8 @@ fn pct(sorted: &[f64], p: f64) -> f64 {
     sorted[((sorted.len() - 1) as f64 * p).round() as usize]
 }
 
-/// 4 KiB write + fdatasync latencies (ms) on a scratch file in `dir`: median, p99, max.
-fn fdatasync_ms(dir: &std::path::Path) -> (f64, f64, f64) {
+/// `size`-byte write + fdatasync latencies (ms), `n` times, on a scratch file in `dir`: median, p99, max.
+fn fdatasync_ms(dir: &std::path::Path, size: usize, n: u64) -> (f64, f64, f64) {
     let p = dir.join("fdatasync-probe");
     let f = std::fs::OpenOptions::new()
         .create(true)
@@ -94,11 +95,12 @@ fn fdatasync_ms(dir: &std::path::Path) -> (f64, f64, f64) {
         .write(true)
         .open(&p)
         .expect("probe file");
-    let buf = vec![7u8; 4096];
+    let buf = vec![7u8; size];
     let mut t = Vec::new();
-    for i in 0..200u64 {
+    for i in 0..n {
         let t0 = Instant::now();
-        f.write_all_at(&buf, (i % 64) * 4096).expect("probe write");
+        f.write_all_at(&buf, (i % 16) * size as u64)
+            .expect("probe write");
         f.sync_data().expect("probe fdatasync");
         t.push(t0.elapsed().as_secs_f64() * 1e3);
     }
@@ -149,7 +151,10 @@ fn main() {
     let a = args();
     let _ = std::fs::remove_dir_all(&a.dir);
     std::fs::create_dir_all(&a.dir).expect("bench dir");
-    let (sync_med, sync_p99, sync_max) = fdatasync_ms(&a.dir);
+    let (sync_med, sync_p99, sync_max) = fdatasync_ms(&a.dir, 4096, 200);
+    // what one batch's data costs the disk alone: its bytes written (buffered) and synced
+    let batch_bytes = (a.batch * 2 * a.object) as usize;
+    let (io_med, io_p99, io_max) = fdatasync_ms(&a.dir, batch_bytes, 100);
     println!(
         "{} pages x (K {} + V {} bytes), batches of {}, capacity {:.2} GiB, dir {}",
         a.pages,
@@ -161,6 +166,10 @@ fn main() {
     );
     println!(
         "fdatasync (4 KiB): median {sync_med:.2} ms  p99 {sync_p99:.2} ms  max {sync_max:.2} ms"
+    );
+    println!(
+        "a batch's bytes ({:.1} MiB) written + fdatasync, no store: median {io_med:.1} ms  p99 {io_p99:.1} ms  max {io_max:.1} ms",
+        batch_bytes as f64 / (1u64 << 20) as f64
     );
     let opts = StoreOptions {
         capacity_bytes: a.capacity,
@@ -249,7 +258,7 @@ fn main() {
         let _ = std::fs::remove_dir_all(&a.dir);
     }
     println!(
-        "{{\"pages\":{},\"batch\":{},\"object_bytes\":{},\"capacity\":{},\"failed_objects\":{failed},\"live_objects\":{live},\"journal_bytes\":{jlen},{fj},{uj},\"reopen_s\":{reopen:.3},\"reopen_s_per_million\":{per_m:.3},\"index_rss_bytes_per_object\":{per_obj:.0},\"fdatasync_ms\":{{\"median\":{sync_med:.3},\"p99\":{sync_p99:.3},\"max\":{sync_max:.3}}}}}",
+        "{{\"pages\":{},\"batch\":{},\"object_bytes\":{},\"capacity\":{},\"failed_objects\":{failed},\"live_objects\":{live},\"journal_bytes\":{jlen},{fj},{uj},\"reopen_s\":{reopen:.3},\"reopen_s_per_million\":{per_m:.3},\"index_rss_bytes_per_object\":{per_obj:.0},\"fdatasync_ms\":{{\"median\":{sync_med:.3},\"p99\":{sync_p99:.3},\"max\":{sync_max:.3}}},\"batch_bytes_write_sync_ms\":{{\"median\":{io_med:.2},\"p99\":{io_p99:.2},\"max\":{io_max:.2}}}}}",
         a.pages, a.batch, a.object, a.capacity
     );
 }
