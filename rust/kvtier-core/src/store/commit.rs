@@ -1,5 +1,5 @@
 //! The commit path: the journal file, the commit lock that orders every change of which keys exist, the
-//! prepaid delete reserve, and compaction (docs/STORE.md, rules R1, R4 and "Compaction").
+//! prepaid delete reserve (docs/STORE.md, rules R1 and R4); compaction is `compact`.
 
 use std::fs::{File, OpenOptions};
 use std::io;
@@ -18,8 +18,7 @@ use crate::fault;
 /// Journal growth step beyond what a commit needs: 1 MiB, at most a 64th of the capacity (and never more
 /// than the capacity left).
 const JOURNAL_STEP: u64 = 1 << 20;
-/// Compaction waits for the journal to pass this size (less in small stores) and four times its live
-/// records.
+/// Compaction waits for the journal to pass this size (less in small stores; `Index::compact_trigger`).
 const COMPACT_MIN: u64 = 1 << 20;
 
 /// The journal file. Held behind the commit lock (`PageStore::journal`).
@@ -110,10 +109,10 @@ impl JournalFile {
     }
 }
 
-/// Journal size from which compaction is considered: 1 MiB, less for small stores (a sixteenth of the
-/// capacity, at least 16 KiB), so that dead records never crowd out data.
-fn compact_base(capacity: u64) -> u64 {
-    COMPACT_MIN.min((capacity / 16).max(16 << 10))
+/// Journal size from which compaction is considered: 1 MiB, less for small stores (a 64th of the
+/// capacity): the capacity holds room for the journal up to this size (`Index::journal_budget`).
+pub(super) fn compact_base(capacity: u64) -> u64 {
+    COMPACT_MIN.min(capacity / 64)
 }
 
 fn round_up(n: u64) -> u64 {
@@ -133,7 +132,7 @@ impl PageStore {
         self.journal.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn writable(&self) -> Result<()> {
+    pub(super) fn writable(&self) -> Result<()> {
         if self.read_only {
             return Err(Error::Os {
                 what: format!("page store {} was opened read-only", self.dir.display()),
@@ -236,8 +235,6 @@ impl PageStore {
         for (key, class, slot, len, crc) in items {
             ix.insert(key.clone(), Entry::new(*class, *slot, *len, *crc));
         }
-        drop(ix);
-        self.maybe_compact(&mut j);
         Ok(())
     }
 
@@ -268,8 +265,6 @@ impl PageStore {
         for k in &keys {
             ix.remove(k);
         }
-        drop(ix);
-        self.maybe_compact(j);
         Ok(keys)
     }
 
@@ -292,6 +287,8 @@ impl PageStore {
             .dels_locked(&mut j, present)
             .map_err(|e| io_err("appending del records to journal.log", e))?
             .len();
+        drop(j);
+        self.compact_step();
         Ok(n)
     }
 
@@ -347,93 +344,5 @@ impl PageStore {
         let now = super::files::extent_bytes(&j.file).div_ceil(4096) * 4096;
         self.lock_index().j_alloc = from.max(now);
         let _ = self.ensure_reserve(&j, 0);
-    }
-
-    fn maybe_compact(&self, j: &mut JournalFile) {
-        let (end, live) = {
-            let ix = self.lock_index();
-            (ix.j_end, ix.del_bytes)
-        };
-        if end >= j.compact_at && end > 4 * live {
-            match self.compact_locked(j) {
-                Ok(()) => j.compact_at = j.compact_base,
-                // not retried until the journal has doubled
-                Err(_) => j.compact_at = end.saturating_mul(2),
-            }
-        }
-    }
-
-    /// Rewrites the journal as one put per live entry (commit lock held through `j`): written beside,
-    /// synced, renamed over, directory synced; then it replaces the open handle.
-    pub(super) fn compact_locked(&self, j: &mut JournalFile) -> Result<()> {
-        self.writable()?;
-        let (buf, reserve) = {
-            let ix = self.lock_index();
-            let mut buf = Vec::with_capacity(ix.del_bytes as usize);
-            for (key, e) in ix.live_in_lru_order() {
-                Record::Put {
-                    key: key.clone(),
-                    class: e.class,
-                    slot: e.slot,
-                    len: e.len,
-                    crc: e.crc,
-                }
-                .encode(&mut buf);
-            }
-            let reserve = round_up(buf.len() as u64 + ix.del_bytes + JOURNAL_SLACK);
-            (buf, reserve)
-        };
-        let tmp = self.dir.join("journal.compact");
-        let r = (|| -> io::Result<(File, Option<io::Error>)> {
-            let _ = std::fs::remove_file(&tmp);
-            let f = OpenOptions::new()
-                .read(true)
-                .write(true)
-                .create_new(true)
-                .mode(0o600)
-                .open(&tmp)?;
-            fault::check("compact")?;
-            f.write_all_at(&buf, 0)?;
-            // the new journal must carry the delete reserve too (R4), or it would not replace the old one
-            fault::check("journal_reserve")?;
-            fallocate(&f, libc::FALLOC_FL_KEEP_SIZE, 0, reserve).or_else(|e| {
-                if e.raw_os_error() == Some(libc::EOPNOTSUPP) {
-                    Ok(())
-                } else {
-                    Err(e)
-                }
-            })?;
-            f.sync_all()?;
-            std::fs::rename(&tmp, &j.path)?;
-            // From here the new file is journal.log: it must become the handle appends go to, whatever
-            // happens next. Until the directory is synced the rename may not survive a crash (the old
-            // journal would come back without the records appended to the new one): if that sync fails,
-            // the journal is poisoned and nothing more is acknowledged until a reopen.
-            let synced = File::open(&self.dir).and_then(|d| d.sync_all());
-            Ok((f, synced.err()))
-        })();
-        match r {
-            Ok((f, unsynced)) => {
-                j.file = f;
-                j.poisoned = unsynced
-                    .map(|e| format!("the directory could not be synced after compaction ({e})"));
-                self.poisoned.store(j.poisoned.is_some(), Ordering::Relaxed);
-                let mut ix = self.lock_index();
-                ix.j_end = buf.len() as u64;
-                ix.j_alloc = reserve.max(round_up(buf.len() as u64));
-                self.stats.compactions.fetch_add(1, Ordering::Relaxed);
-                Ok(())
-            }
-            Err(e) => {
-                let _ = std::fs::remove_file(&tmp);
-                Err(io_err("compacting journal.log", e))
-            }
-        }
-    }
-
-    /// Compacts now (commit lock taken here): `kvtier verify --repair` uses it to drop damaged spans.
-    pub fn compact(&self) -> Result<()> {
-        let mut j = self.lock_journal();
-        self.compact_locked(&mut j)
     }
 }

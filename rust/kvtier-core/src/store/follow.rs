@@ -1,17 +1,25 @@
 //! Read-only stores follow the namespace's writer (another process: SGLang's MLA ranks other than the one
-//! that writes, `kvtier inspect` on a live store). Before each lookup the records the writer appended since
-//! the last look are applied; when the writer compacted (a new journal file) or the journal shrank, the
-//! index is rebuilt from the whole journal. A follower never writes, so it cannot hurt the writer; the
+//! that writes, `kvtier inspect` on a live store). A lookup that misses a key, and any lookup once
+//! [`RECHECK`] has passed since the last look, first applies the records the writer appended since then
+//! (one `stat` of the journal tells whether there are any); when the writer compacted (a new journal file)
+//! or the journal shrank, the index is rebuilt from the whole journal. So an object the writer acknowledged
+//! before a lookup began is always found by it, and lookups that hit cost no system call. A follower never writes, so it cannot hurt the writer; the
 //! writer may meanwhile reuse a slot the follower still maps to an older key — reading it then fails that
 //! key's checksum (a miss, never wrong bytes), and the writer's del record arrives at the next refresh.
 
 use std::os::unix::fs::{FileExt, MetadataExt};
 use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 use super::index::{put_shape_ok, Entry, Index};
 use super::journal::{self, Record};
 use super::stats::OpenReport;
 use super::{recovery, PageStore};
+
+/// How long lookups that find every key go without looking at the journal: the longest a follower keeps
+/// an object the writer has deleted (its bytes, verified, are still the key's own: a slot the writer reuses
+/// fails the old key's checksum).
+pub(super) const RECHECK: Duration = Duration::from_millis(100);
 
 /// Where a follower is in the writer's journal.
 pub(super) struct Follow {
@@ -19,11 +27,20 @@ pub(super) struct Follow {
     ino: u64,
     /// Bytes of it applied (up to the last whole record).
     offset: u64,
+    /// When the journal was last looked at.
+    checked: Instant,
+    /// How many times it was looked at.
+    pub(super) looks: u64,
 }
 
 impl Follow {
     pub(super) fn new(ino: u64, offset: u64) -> Mutex<Self> {
-        Mutex::new(Self { ino, offset })
+        Mutex::new(Self {
+            ino,
+            offset,
+            checked: Instant::now(),
+            looks: 0,
+        })
     }
 }
 
@@ -55,11 +72,27 @@ fn apply(ix: &mut Index, r: Record) {
 }
 
 impl PageStore {
-    /// Brings a read-only store up to date with its writer's journal (a no-op for writable stores). IO
-    /// errors leave the index as it was: a follower then serves what it knew, checksum-verified.
-    pub(super) fn refresh(&self) {
+    /// Before a lookup of `keys` (all keys: `None`): brings a read-only store up to date with its writer's
+    /// journal if a key is not in its index or [`RECHECK`] has passed since the last look (a no-op for
+    /// writable stores).
+    pub(super) fn refresh_for(&self, keys: Option<&[&str]>) {
         let Some(follow) = &self.follow else { return };
+        let missing = keys.is_none_or(|keys| {
+            let ix = self.lock_index();
+            keys.iter().any(|k| ix.get(k).is_none())
+        });
         let mut st = follow.lock().unwrap_or_else(|p| p.into_inner());
+        if !missing && st.checked.elapsed() < RECHECK {
+            return;
+        }
+        st.checked = Instant::now();
+        st.looks += 1;
+        self.refresh(&mut st);
+    }
+
+    /// Applies what the writer appended since the last look, or rebuilds the index after a compaction.
+    /// IO errors leave the index as it was: a follower then serves what it knew, checksum-verified.
+    fn refresh(&self, st: &mut Follow) {
         let path = self.dir.join("journal.log");
         let Ok(md) = std::fs::metadata(&path) else {
             return;

@@ -1,12 +1,21 @@
 //! The in-memory index: keys to entries, LRU order, the state of every slot, and the occupancy the
 //! capacity limit is checked against (docs/STORE.md, "In memory").
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
-use super::journal::encoded_len;
+use super::journal::{encoded_len, Record};
 
 /// Bytes the journal keeps beyond the prepaid del records (R4).
 pub(super) const JOURNAL_SLACK: u64 = 4096;
+
+/// Journal bytes a put reserves in the capacity until it commits: what the journal budget grows by when
+/// its record commits, at most — its prepaid del and the allowance its record earns (1.25 × 2 records,
+/// plus a byte of rounding): 3.5 records (docs/STORE.md, "Capacity, exactly"). Evicting an object gives
+/// as much back while the journal is within its allowance, so a full store evicts one object per object
+/// it takes, however many batches it runs.
+pub(super) fn put_journal_cost(key_len: usize) -> u64 {
+    (7 * encoded_len(key_len) as u64).div_ceil(2) + 1
+}
 
 /// Whether a put record's shape is one the store writes: a size class that is a positive multiple of 4096
 /// and a length within it (replay also checks the slot against the data file; a follower cannot).
@@ -76,6 +85,23 @@ pub(super) struct Index {
     pub(super) j_alloc: u64,
     /// Journal bytes of put batches between their reservation and their commit (records + reserve).
     pub(super) j_pending: u64,
+    /// Journal length below which it is never compacted (small journals are not worth a rewrite).
+    pub(super) compact_floor: u64,
+    /// Entries failed their checksum and kept (`Entry::bad`): eviction takes them first.
+    bad_entries: usize,
+    /// A compaction copying the live entries (see [`Walk`]).
+    pub(super) walk: Option<Walk>,
+}
+
+/// A compaction's walk over the entries live when it began, oldest first, in chunks taken under the index
+/// lock between commits (docs/STORE.md, "Compaction"). `pos` is the last tick copied; `end` the newest tick
+/// when the walk began. An entry touched before the walk reached it moves past `end`: it is kept in
+/// `touched` and copied after the walk, so every entry live at the start is copied once unless it changes
+/// (and then its record is in the journal's tail, which the compaction copies after the walk).
+pub(super) struct Walk {
+    pos: u64,
+    end: u64,
+    touched: Vec<String>,
 }
 
 impl Index {
@@ -85,10 +111,31 @@ impl Index {
         self.j_end + self.del_bytes + JOURNAL_SLACK + self.j_pending
     }
 
+    /// The journal length at which a compaction starts: when its dead records are as many bytes as its
+    /// live ones (the live part is `del_bytes`: a put and a del record of a key have the same size), and
+    /// never below the floor.
+    pub(super) fn compact_trigger(&self) -> u64 {
+        (2 * self.del_bytes).max(self.compact_floor)
+    }
+
+    /// What the capacity holds for the journal: its length up to the compaction trigger plus a quarter
+    /// (the records committed while a compaction runs), or more if it is longer; every live key's del
+    /// (R4); the slack; and what batches in flight will add. Eviction keeps data within the capacity
+    /// minus this, so the journal's garbage never has to be paid for by a compaction inside a batch.
+    pub(super) fn journal_budget(&self) -> u64 {
+        self.j_end.max(self.journal_allowance()) + self.del_bytes + JOURNAL_SLACK + self.j_pending
+    }
+
+    /// The journal length the budget holds room for: the compaction trigger plus a quarter.
+    pub(super) fn journal_allowance(&self) -> u64 {
+        let t = self.compact_trigger();
+        t + t / 4
+    }
+
     /// Occupancy if `grow` more data bytes were allocated and `journal` more journal bytes were pending
     /// (the journal in whole 4 KiB blocks, as its growth allocates them).
     pub(super) fn occupancy_with(&self, grow: u64, journal: u64) -> u64 {
-        let need = (self.journal_need() + journal).div_ceil(4096) * 4096;
+        let need = (self.journal_budget() + journal).div_ceil(4096) * 4096;
         self.data_alloc + grow + self.j_alloc.max(need)
     }
 
@@ -101,9 +148,24 @@ impl Index {
         self.tick += 1;
         let t = self.tick;
         if let Some(e) = self.map.get_mut(key) {
+            if let Some(w) = &mut self.walk {
+                if e.tick > w.pos && e.tick <= w.end {
+                    w.touched.push(key.to_owned()); // leaves the walk's range before it was copied
+                }
+            }
             self.lru.remove(&e.tick);
             e.tick = t;
             self.lru.insert(t, key.to_owned());
+        }
+    }
+
+    /// Marks the entry `key` of generation `gen` bad (failed its checksum, not dropped durably).
+    pub(super) fn mark_bad(&mut self, key: &str, gen: u64) {
+        if let Some(e) = self.map.get_mut(key) {
+            if e.gen == gen && !e.bad {
+                e.bad = true;
+                self.bad_entries += 1;
+            }
         }
     }
 
@@ -120,6 +182,7 @@ impl Index {
         match &old {
             Some(o) => {
                 self.lru.remove(&o.tick);
+                self.bad_entries -= usize::from(o.bad);
                 self.release(o);
             }
             None => self.del_bytes += dl,
@@ -132,6 +195,7 @@ impl Index {
         let e = self.map.remove(key)?;
         self.lru.remove(&e.tick);
         self.del_bytes -= encoded_len(key.len()) as u64;
+        self.bad_entries -= usize::from(e.bad);
         self.release(&e);
         Some(e)
     }
@@ -231,31 +295,34 @@ impl Index {
     pub(super) fn victims(
         &self,
         bytes: u64,
-        exclude: &[&str],
+        exclude: &HashSet<&str>,
         only: Option<u32>,
     ) -> Vec<(String, u64)> {
         let mut out: Vec<(String, u64)> = Vec::new();
+        let mut taken: HashSet<&str> = HashSet::new();
         let mut got = 0u64;
-        let bad = self.map.iter().filter(|(_, e)| e.bad);
+        // bad entries are rare: the whole map is searched for them only when there are some
+        let bad = self
+            .map
+            .iter()
+            .take(if self.bad_entries > 0 { usize::MAX } else { 0 })
+            .filter(|(_, e)| e.bad);
         let lru = self.lru.values().filter_map(|k| self.map.get_key_value(k));
         let evictable = |k: &str, e: &Entry| {
-            e.pins == 0 && !exclude.contains(&k) && only.is_none_or(|c| c == e.class)
+            e.pins == 0 && !exclude.contains(k) && only.is_none_or(|c| c == e.class)
         };
         for (k, e) in bad.chain(lru.filter(|(_, e)| !e.bad)) {
             if got >= bytes.max(1) {
                 break;
             }
-            if !evictable(k, e) || out.iter().any(|v| v.0 == *k) {
+            if !evictable(k, e) || !taken.insert(k.as_str()) {
                 continue;
             }
             out.push((k.clone(), e.gen));
             got += u64::from(e.class);
             if let Some(sib) = sibling(k) {
                 if let Some((sk, se)) = self.map.get_key_value(sib.as_str()) {
-                    if se.pins == 0
-                        && !exclude.contains(&sk.as_str())
-                        && !out.iter().any(|v| v.0 == *sk)
-                    {
+                    if se.pins == 0 && !exclude.contains(sk.as_str()) && taken.insert(sk.as_str()) {
                         out.push((sk.clone(), se.gen));
                         got += u64::from(se.class);
                     }
@@ -265,13 +332,61 @@ impl Index {
         out
     }
 
-    /// Live, servable entries in LRU order (oldest first), for compaction (a bad entry is left out: the
-    /// new journal does not bring it back).
-    pub(super) fn live_in_lru_order(&self) -> impl Iterator<Item = (&String, &Entry)> {
-        self.lru
-            .values()
-            .map(|k| (k, &self.map[k]))
-            .filter(|(_, e)| e.servable())
+    /// Starts a compaction's walk over the entries live now.
+    pub(super) fn start_walk(&mut self) {
+        self.walk = Some(Walk {
+            pos: 0,
+            end: self.tick,
+            touched: Vec::new(),
+        });
+    }
+
+    /// Appends put records of up to `max` more entries of the walk to `out`, oldest first, then those
+    /// touched before the walk reached them. A bad entry is left out: the new journal does not bring it
+    /// back. Returns whether the walk is done (then it is ended).
+    pub(super) fn walk_chunk(&mut self, max: usize, out: &mut Vec<u8>) -> bool {
+        let Some(w) = &mut self.walk else {
+            return true;
+        };
+        let mut n = 0;
+        let put = |k: &str, e: &Entry, out: &mut Vec<u8>| {
+            if e.servable() {
+                Record::Put {
+                    key: k.to_owned(),
+                    class: e.class,
+                    slot: e.slot,
+                    len: e.len,
+                    crc: e.crc,
+                }
+                .encode(out);
+            }
+        };
+        let range = if w.pos < w.end {
+            self.lru.range(w.pos + 1..=w.end)
+        } else {
+            self.lru.range(1..1) // nothing left (an empty range; a reversed one would panic)
+        };
+        for (&t, k) in range {
+            if n == max {
+                return false;
+            }
+            put(k, &self.map[k], out);
+            w.pos = t;
+            n += 1;
+        }
+        w.pos = w.end;
+        while let Some(k) = w.touched.pop() {
+            // a key removed since is not live; one put again since has its record in the tail
+            if let Some(e) = self.map.get(&k) {
+                put(&k, e, out);
+            }
+            n += 1;
+            if n == max && !w.touched.is_empty() {
+                return false;
+            }
+        }
+        self.walk = None;
+        true
     }
 }
 

@@ -8,11 +8,13 @@
 //! - `index`: keys, LRU order, slot states and occupancy;
 //! - `files`: data files, block allocation, hole punching, the O_DIRECT probe;
 //! - [`journal`]: record format and the resynchronising parser;
-//! - `commit`: the commit lock, journal appends, the prepaid delete reserve, compaction;
+//! - `commit`: the commit lock, journal appends, the prepaid delete reserve; `compact`: compaction in
+//!   steps between commits;
 //! - `write` / `read`: put, get and verify; `pages`: page-level batches over a bound host pool;
 //! - `recovery`: replay at open; [`stats`]: counters and the open report.
 
 mod commit;
+mod compact;
 mod files;
 mod follow;
 mod index;
@@ -27,6 +29,8 @@ mod write;
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_compaction;
 #[cfg(test)]
 mod tests_faults;
 #[cfg(test)]
@@ -90,6 +94,8 @@ pub struct PageStore {
     index: Mutex<Index>,
     /// The commit lock (docs/STORE.md, R1). Lock order: `journal` before `index`, never the reverse.
     journal: Mutex<JournalFile>,
+    /// The running compaction, if any (`compact`). Lock order: `compaction` before `journal`.
+    compaction: Mutex<Option<compact::Compaction>>,
     classes: Mutex<HashMap<u32, Arc<ClassFile>>>,
     /// Serializes block allocation and the file-length bookkeeping around it.
     alloc_lock: Mutex<()>,
@@ -237,6 +243,7 @@ impl PageStore {
         // another process could take that space before the reserve is established again)
         let held = files::extent_bytes(&journal.file).div_ceil(ALIGN) * ALIGN;
         index.j_alloc = (index.j_end.div_ceil(ALIGN) * ALIGN).max(if writable { held } else { 0 });
+        index.compact_floor = journal.compact_base;
         let mut store = Self {
             dir,
             namespace: namespace.to_owned(),
@@ -248,6 +255,7 @@ impl PageStore {
             _lock: lock,
             index: Mutex::new(index),
             journal: Mutex::new(journal),
+            compaction: Mutex::new(None),
             classes: Mutex::new(HashMap::new()),
             alloc_lock: Mutex::new(()),
             punch_ok: AtomicBool::new(punch_ok),
@@ -273,12 +281,11 @@ impl PageStore {
     /// Writable open, steps 6–8: compaction, forgotten keys, the delete reserve, capacity. Returns whether
     /// the journal was compacted and a note when the reserve could not be established.
     fn after_open(&self, forgotten: Vec<String>) -> (bool, Option<String>) {
-        let (end, live) = {
+        let (end, trigger) = {
             let ix = self.lock_index();
-            (ix.j_end, ix.del_bytes)
+            (ix.j_end, ix.compact_trigger())
         };
-        let base = self.lock_journal().compact_base;
-        let compacted = end >= base && end > 4 * live.max(1) && self.compact().is_ok();
+        let compacted = end >= trigger && self.compact().is_ok();
         // A key whose latest record was dropped is deleted for good: if the record became plausible at a
         // later open (the class file grew as new objects took its slot), it would come back. After a
         // compaction these deletes are redundant, and harmless.
@@ -315,7 +322,7 @@ impl PageStore {
                         continue;
                     }
                 }
-                let v = ix.victims(over, &[], None);
+                let v = ix.victims(over, &Default::default(), None);
                 if !self.punch_ok.load(Ordering::Relaxed) {
                     // freed blocks stay counted where they cannot be punched: evicting frees nothing
                     return;
@@ -397,7 +404,7 @@ impl PageStore {
     }
     /// All servable keys.
     pub fn keys(&self) -> Vec<String> {
-        self.refresh();
+        self.refresh_for(None);
         let ix = self.lock_index();
         ix.map
             .iter()

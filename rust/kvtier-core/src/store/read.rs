@@ -34,7 +34,7 @@ impl PageStore {
         for (k, _, _) in objs {
             Self::check_key(k)?;
         }
-        self.refresh();
+        self.refresh_for(Some(&objs.iter().map(|o| o.0).collect::<Vec<_>>()));
         let t0 = std::time::Instant::now();
         let mut work: Vec<(usize, Entry)> = Vec::new();
         {
@@ -126,25 +126,21 @@ impl PageStore {
         if dropped.is_err() {
             let mut ix = self.lock_index();
             for (k, g) in bad {
-                if let Some(e) = ix.map.get_mut(k) {
-                    if e.gen == *g {
-                        e.bad = true;
-                    }
-                }
+                ix.mark_bad(k, *g);
             }
         }
     }
 
     /// Whether each key is stored (and servable).
     pub fn exists(&self, keys: &[&str]) -> Vec<bool> {
-        self.refresh();
+        self.refresh_for(Some(keys));
         let ix = self.lock_index();
         keys.iter().map(|k| ix.get(k).is_some()).collect()
     }
 
     /// Length of the stored object `key`, if any.
     pub fn len_of(&self, key: &str) -> Option<u64> {
-        self.refresh();
+        self.refresh_for(Some(&[key]));
         self.lock_index().get(key).map(|e| e.len)
     }
 
@@ -152,7 +148,7 @@ impl PageStore {
     /// unreadable objects are deleted and the journal is compacted (removing damaged spans and dropped
     /// records).
     pub fn verify(&self, repair: bool) -> Result<VerifyReport> {
-        self.refresh();
+        self.refresh_for(None);
         let keys: Vec<String> = self.lock_index().map.keys().cloned().collect();
         self.stats.verify_done.store(0, Ordering::Relaxed);
         self.stats

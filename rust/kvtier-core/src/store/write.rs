@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use super::files::ClassFile;
-use super::journal::encoded_len;
+use super::index::put_journal_cost;
 use super::{PageStore, ALIGN, MAX_OBJECT};
 use crate::error::{Error, Result};
 use crate::fault;
@@ -81,6 +81,7 @@ impl PageStore {
         for (d, f) in dups {
             ok[d] = ok[f];
         }
+        self.compact_step();
         let stored = ok.iter().filter(|&&b| b).count() as u64;
         self.stats.puts.fetch_add(stored, Ordering::Relaxed);
         self.stats.bytes_written.fetch_add(bytes, Ordering::Relaxed);
@@ -127,11 +128,11 @@ impl PageStore {
                 }
                 // MAX_OBJECT keeps every class within u32 (checked by the caller)
                 let class = u32::try_from(class).expect("class <= MAX_OBJECT fits u32");
-                want.push((i, class, 2 * encoded_len(k.len()) as u64));
+                want.push((i, class, put_journal_cost(k.len())));
             }
         }
         let mut plan = Vec::new();
-        let batch_keys: Vec<&str> = objs.iter().map(|o| o.0).collect();
+        let batch_keys: std::collections::HashSet<&str> = objs.iter().map(|o| o.0).collect();
         let mut compacted = false;
         for _ in 0..MAX_ROUNDS {
             let victims = {
@@ -166,10 +167,12 @@ impl PageStore {
                 let punching = self.punch_ok.load(Ordering::Relaxed);
                 if ix.free.get(&class).is_some_and(|v| !v.is_empty()) {
                     // Only the journal is short of room (the object could reuse a free slot): evicting
-                    // frees nothing for it (a del consumes what was prepaid). Compact the journal if it
-                    // holds dead records; else give free slots' blocks back (objects then take new blocks,
-                    // which eviction provides).
-                    if !compacted && ix.j_end > ix.del_bytes {
+                    // frees nothing for it (a del consumes what was prepaid). The budget holds room for
+                    // the journal's garbage up to past the compaction trigger, so this happens only when a
+                    // compaction failed or fell behind: finish one now if the journal holds dead records;
+                    // else give free slots' blocks back (objects then take new blocks, which eviction
+                    // provides).
+                    if !compacted && ix.j_end > ix.journal_allowance() && ix.j_end > ix.del_bytes {
                         drop(ix);
                         compacted = true;
                         let _ = self.compact();

@@ -1,0 +1,259 @@
+//! Journal compaction, in steps between commits (docs/STORE.md, "Compaction"). A compaction starts when the
+//! journal's dead records are as many bytes as its live ones. Its steps run after put and delete calls,
+//! outside the commit lock, each doing work in proportion to what the journal grew by since the last one:
+//! first the walk (put records of the entries live at the start, oldest first, a chunk at a time under the
+//! index lock), then the tail (the records the old journal got since the start, copied as they are), each
+//! step synced. Only the last piece of the tail, the sync, the rename and the directory sync hold the
+//! commit lock.
+
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::sync::atomic::Ordering;
+
+use super::files::fallocate;
+use super::index::JOURNAL_SLACK;
+use super::journal;
+use super::{io_err, PageStore};
+use crate::error::Result;
+use crate::fault;
+
+/// Bytes a step writes for each byte the journal grew by since the last step: the walk and the tail copy
+/// finish long before the journal passes its budget (the trigger plus a quarter, `Index::journal_budget`).
+const STEP_FACTOR: u64 = 8;
+/// The least a step writes, so small commits still move a compaction along.
+const STEP_MIN: u64 = 16 << 10;
+/// Entries encoded per hold of the index lock.
+const CHUNK: usize = 4096;
+/// The longest record (a key of `journal::MAX_KEY` bytes).
+const MAX_RECORD: u64 = 31 + journal::MAX_KEY as u64;
+
+/// A compaction in progress: the new journal (`journal.compact`) being written.
+pub(super) struct Compaction {
+    file: File,
+    /// A handle on the old journal, to copy its tail from.
+    old: File,
+    /// The old journal's length when the compaction started: its records from here on are the tail.
+    start: u64,
+    /// Bytes of the new journal written.
+    written: u64,
+    /// How far the old journal's tail is copied (an offset in it); `None` while the walk runs.
+    copied: Option<u64>,
+    /// The old journal's length at the last step.
+    seen_end: u64,
+}
+
+fn round_up(n: u64) -> u64 {
+    n.div_ceil(4096) * 4096
+}
+
+impl PageStore {
+    /// One step of the running compaction, or the start of one if the journal is due (a no-op while
+    /// another thread steps it). Called after put and delete, outside every lock.
+    pub(super) fn compact_step(&self) {
+        if self.read_only {
+            return;
+        }
+        let Ok(mut running) = self.compaction.try_lock() else {
+            return;
+        };
+        let c = match running.take() {
+            Some(c) => c,
+            None => {
+                let (end, trigger) = {
+                    let ix = self.lock_index();
+                    (ix.j_end, ix.compact_trigger())
+                };
+                if end < trigger || end < self.lock_journal().compact_at {
+                    return;
+                }
+                match self.compaction_begin() {
+                    Ok(c) => c,
+                    Err(_) => return self.compaction_failed(),
+                }
+            }
+        };
+        let end = self.lock_index().j_end;
+        let budget = (STEP_FACTOR * end.saturating_sub(c.seen_end)).max(STEP_MIN);
+        match self.compaction_work(c, budget) {
+            Ok(left) => *running = left,
+            Err(_) => self.compaction_failed(),
+        }
+    }
+
+    /// Compacts now and to the end (the running compaction, or a new one), waiting for a step in another
+    /// thread: at open, by `kvtier verify --repair` (it drops damaged spans), and when a batch finds only
+    /// the journal short of room.
+    pub fn compact(&self) -> Result<()> {
+        self.writable()?;
+        let mut running = self.compaction.lock().unwrap_or_else(|p| p.into_inner());
+        let r = match running.take() {
+            Some(c) => Ok(c),
+            None => self.compaction_begin(),
+        }
+        .and_then(|c| self.compaction_work(c, u64::MAX));
+        match r {
+            Ok(left) => {
+                debug_assert!(left.is_none(), "an unbounded step finishes the compaction");
+                *running = left;
+                Ok(())
+            }
+            Err(e) => {
+                self.compaction_failed();
+                Err(io_err("compacting journal.log", e))
+            }
+        }
+    }
+
+    /// Creates `journal.compact` and, under the commit lock, fixes the start: the journal's length and the
+    /// walk over the entries live now (while the lock is held, the index is the replay of exactly that
+    /// journal: R1).
+    pub(super) fn compaction_begin(&self) -> io::Result<Compaction> {
+        let tmp = self.dir.join("journal.compact");
+        let _ = std::fs::remove_file(&tmp);
+        fault::check("compact")?;
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&tmp)?;
+        let j = self.lock_journal();
+        if let Some(why) = &j.poisoned {
+            return Err(io::Error::other(why.clone()));
+        }
+        let old = j.file.try_clone()?;
+        let mut ix = self.lock_index();
+        ix.start_walk();
+        Ok(Compaction {
+            file,
+            old,
+            start: ix.j_end,
+            written: 0,
+            copied: None,
+            seen_end: ix.j_end,
+        })
+    }
+
+    /// One step: about `budget` bytes of the new journal (walk, then tail), synced. When the tail left
+    /// fits the step, the compaction is finished. Returns the compaction if it is still running.
+    pub(super) fn compaction_work(
+        &self,
+        mut c: Compaction,
+        budget: u64,
+    ) -> io::Result<Option<Compaction>> {
+        c.seen_end = self.lock_index().j_end;
+        // no chunk writes more than the budget (a record has at most MAX_RECORD bytes)
+        let chunk = (budget / MAX_RECORD).clamp(1, CHUNK as u64) as usize;
+        let mut done = 0u64;
+        let mut buf = Vec::new();
+        while c.copied.is_none() && done < budget {
+            buf.clear();
+            let walked = self.lock_index().walk_chunk(chunk, &mut buf);
+            fault::check("compact")?;
+            c.file.write_all_at(&buf, c.written)?;
+            c.written += buf.len() as u64;
+            done += buf.len() as u64;
+            if walked {
+                c.copied = Some(c.start);
+            }
+        }
+        let Some(from) = c.copied else {
+            c.file.sync_data()?;
+            return Ok(Some(c));
+        };
+        let end = self.lock_index().j_end;
+        let left = budget.saturating_sub(done);
+        if end - from > left {
+            // more tail than this step copies: a piece now (never less than a whole record), the rest later
+            self.copy_tail(&mut c, from, from + left.max(MAX_RECORD))?;
+            c.file.sync_data()?;
+            return Ok(Some(c));
+        }
+        self.copy_tail(&mut c, from, end)?;
+        c.file.sync_data()?;
+        self.compaction_finish(c).map(|()| None)
+    }
+
+    /// Copies the old journal's records in `[from, to)` to the new one (`to` is cut to the committed
+    /// length). A piece that ends at the committed length ends at a record boundary and is parsed with
+    /// resynchronisation, as a journal is at open; a shorter one takes only the whole records at its
+    /// start (strict parsing: the record it cuts is read again by the next piece).
+    fn copy_tail(&self, c: &mut Compaction, from: u64, to: u64) -> io::Result<()> {
+        let end = self.lock_index().j_end;
+        let to = to.min(end);
+        let mut piece = vec![0u8; (to - from) as usize];
+        c.old.read_exact_at(&mut piece, from)?;
+        let (records, used) = if to == end {
+            (journal::parse_resync(&piece).records, piece.len())
+        } else {
+            journal::parse(&piece)
+        };
+        if used == 0 && to < end {
+            // a damaged record at the start of a piece (a piece holds at least one whole record):
+            // resynchronise over the committed rest
+            return self.copy_tail(c, from, end);
+        }
+        let mut out = Vec::with_capacity(used);
+        for r in &records {
+            r.encode(&mut out);
+        }
+        fault::check("compact")?;
+        c.file.write_all_at(&out, c.written)?;
+        c.written += out.len() as u64;
+        c.copied = Some(from + used as u64);
+        Ok(())
+    }
+
+    /// Under the commit lock: the records committed since the last step, the delete reserve (R4), `fsync`,
+    /// `rename` over `journal.log`, `fsync` of the directory; then the new file takes the old one's place.
+    fn compaction_finish(&self, mut c: Compaction) -> io::Result<()> {
+        let mut j = self.lock_journal();
+        if let Some(why) = &j.poisoned {
+            return Err(io::Error::other(why.clone()));
+        }
+        let from = c.copied.expect("the tail is being copied");
+        let end = self.lock_index().j_end;
+        if end > from {
+            self.copy_tail(&mut c, from, end)?;
+        }
+        let reserve = round_up(c.written + self.lock_index().del_bytes + JOURNAL_SLACK);
+        // the new journal must carry the delete reserve too (R4), or it could not replace the old one
+        fault::check("journal_reserve")?;
+        fallocate(&c.file, libc::FALLOC_FL_KEEP_SIZE, 0, reserve).or_else(|e| {
+            if e.raw_os_error() == Some(libc::EOPNOTSUPP) {
+                Ok(())
+            } else {
+                Err(e)
+            }
+        })?;
+        c.file.sync_all()?;
+        std::fs::rename(self.dir.join("journal.compact"), &j.path)?;
+        // From here the new file is journal.log: it must become the handle appends go to, whatever happens
+        // next. Until the directory is synced the rename may not survive a crash (the old journal would
+        // come back without the records appended to the new one): if that sync fails, the journal is
+        // poisoned and nothing more is acknowledged until a reopen.
+        let synced = File::open(&self.dir).and_then(|d| d.sync_all());
+        j.file = c.file;
+        j.poisoned = synced
+            .err()
+            .map(|e| format!("the directory could not be synced after compaction ({e})"));
+        self.poisoned.store(j.poisoned.is_some(), Ordering::Relaxed);
+        j.compact_at = j.compact_base;
+        let mut ix = self.lock_index();
+        ix.j_end = c.written;
+        ix.j_alloc = reserve.max(round_up(c.written));
+        self.stats.compactions.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// A compaction that failed (its file is closed): the file removed, the walk ended, and no new one
+    /// until the journal has doubled.
+    fn compaction_failed(&self) {
+        let _ = std::fs::remove_file(self.dir.join("journal.compact"));
+        let j = &mut *self.lock_journal();
+        let mut ix = self.lock_index();
+        ix.walk = None;
+        j.compact_at = ix.j_end.saturating_mul(2).max(j.compact_base);
+    }
+}
