@@ -1,16 +1,46 @@
 #!/usr/bin/env bash
-# The installed experience without torch: build the abi3 wheel, install it with pip into a fresh virtualenv
-# (no torch, nothing from the repository on the path), and run what a storage host runs: `kvtier --help`,
-# `--version`, `inspect`, `stats` and `verify` on a store, and `import kvtier` with a clear error where torch
-# is needed. Usage: scripts/test_wheel.sh [PYTHON]  (run by `make test`).
+# How a user installs kvtier, and the installed experience without torch:
+# 1. the README's install commands (its `install-commands` block) as written, from the repository root, each
+#    into a fresh virtualenv: `pip install .` (a build from the checkout) and `pip wheel` + `pip install` of the
+#    wheel; then the source distribution (`maturin sdist`) installed into a third one (a build from what the
+#    sdist holds: nothing the checkout has and the sdist lacks);
+# 2. in the wheel's virtualenv (no torch, nothing from the repository on the path) what a storage host runs:
+#    `kvtier --help`, `--version`, `inspect`, `stats` and `verify` on a store, and `import kvtier` with a clear
+#    error where torch is needed.
+# Builds reuse target/ (CARGO_TARGET_DIR), so only kvtier's own crates compile. Usage: scripts/test_wheel.sh
+# [PYTHON]  (run by `make test`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+repo=$PWD
 py=${1:-.venv/bin/python}
 work=$(mktemp -d /tmp/kvtier-wheel-test.XXXX)
-trap 'rm -rf "$work"' EXIT
-.venv/bin/maturin build --release -q -o "$work/dist" 2>&1 | grep -v "^📦\|^🐍\|^🔗\|^📡" || true
+had_dist=$([ -e dist ] && echo 1 || echo 0)
+cleanup() { rm -rf "$work"; [ "$had_dist" = 1 ] || rm -rf "$repo/dist"; }
+trap cleanup EXIT
+export CARGO_TARGET_DIR="$repo/target"
+t0=$SECONDS
+# the README's block, minus the `cd` into the checkout (we are in it)
+mapfile -t lines < <(awk '/<!-- install-commands/{f=1; next} f && /^```bash/{g=1; next} g && /^```/{exit} g' README.md \
+  | sed 's/[[:space:]]*#.*$//' | grep -v '^cd ' | grep -v '^$')
+[ "${#lines[@]}" -ge 3 ] || { echo "wheel test: README's install-commands block not found" >&2; exit 1; }
+python3 -m venv "$work/src-venv"
 python3 -m venv "$work/venv"
-"$work/venv/bin/python" -m pip install -q --no-index --no-deps "$work"/dist/kvtier-*.whl
+for line in "${lines[@]}"; do
+  case "$line" in
+    "pip install .") venv=src-venv ;;
+    *) venv=venv ;;
+  esac
+  echo "wheel test: [$venv] $line"
+  (PATH="$work/$venv/bin:$PATH" VIRTUAL_ENV="$work/$venv" bash -c "$line -q" 2>&1 | grep -v "^📦\|^🐍\|^🔗\|^📡" || true)
+done
+"$work/src-venv/bin/kvtier" --version >/dev/null || { echo "wheel test: 'pip install .' gave no working kvtier" >&2; exit 1; }
+"$work/venv/bin/python" -c "import kvtier._native" || { echo "wheel test: the README's wheel did not install" >&2; exit 1; }
+# the source distribution
+"$py" -m maturin sdist -o "$work/sdist" >/dev/null 2>&1
+python3 -m venv "$work/sdist-venv"
+"$work/sdist-venv/bin/pip" install -q "$work"/sdist/kvtier-*.tar.gz
+"$work/sdist-venv/bin/kvtier" --version >/dev/null || { echo "wheel test: the sdist gave no working kvtier" >&2; exit 1; }
+echo "wheel test: README install commands and the sdist installed ($((SECONDS - t0)) s)"
 # a small store written by the development environment (which has torch)
 "$py" - "$work/store" <<'PY'
 import sys, torch, kvtier

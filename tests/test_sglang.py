@@ -443,3 +443,28 @@ def test_sizes_with_units_in_the_extra_config(tmp_path):
     be.close()
     with pytest.raises(ValueError, match="`capacity_bytes`"):
         KvtierStorage(config(tmp_path, capacity_bytes="64 gallons"))
+
+
+def test_the_documented_extra_configs_open_a_backend(tmp_path):
+    """Every --hicache-storage-backend-extra-config of the README and docs/SGLANG.md is accepted as written
+    (its path swapped for the test's): sizes with units, the cluster keys only where a cluster is named."""
+    import json
+    import os
+    import re
+
+    root = os.path.join(os.path.dirname(__file__), "..")
+    texts = []
+    for p in ("README.md", os.path.join("docs", "SGLANG.md")):
+        with open(os.path.join(root, p)) as f:
+            texts.append(f.read())
+    found = [json.loads(raw) for t in texts for raw in re.findall(r"--hicache-storage-backend-extra-config '(\{.*?\})'", t, flags=re.S)]
+    assert len(found) >= 4
+    for i, extra in enumerate(found):
+        if "mooncake" in extra.get("tiers", []):
+            continue  # needs a running cluster: tests/test_mooncake_sglang.py runs that one
+        extra = {**extra, "path": str(tmp_path / str(i))}
+        cfg = config(tmp_path)
+        cfg.extra_config = extra
+        be = KvtierStorage(cfg)
+        assert be.store.capacity_bytes == kvtier.config.parse_size("capacity_bytes", extra.get("capacity_bytes", 64 << 30), 1)
+        be.close()

@@ -220,10 +220,10 @@ def test_factory_builds_the_tier_from_config(tmp_path, managers):
 
 
 def test_readme_config_runs_through_vllm(tmp_path, managers):
-    """The JSON of the README's "Use with vLLM" section is what vLLM's KVTransferConfig accepts, and its
+    """The JSON of the README's "Use it with vLLM" section is what vLLM's KVTransferConfig accepts, and its
     extra config builds kvtier's tier through vLLM's factories (path and sizes swapped for the test's)."""
     with open(os.path.join(os.path.dirname(__file__), "..", "README.md")) as f:
-        section = f.read().split("## Use with vLLM", 1)[1].split("\n## ", 1)[0]
+        section = f.read().split("## Use it with vLLM", 1)[1].split("\n## ", 1)[0]
     (raw,) = re.findall(r"--kv-transfer-config '(\{.*?\})'", section, flags=re.S)
     ktc = KVTransferConfig(**json.loads(raw))
     assert ktc.kv_connector == "OffloadingConnector" and ktc.kv_role == "kv_both"
