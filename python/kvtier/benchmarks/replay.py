@@ -112,7 +112,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _setup(a: argparse.Namespace, trace: tr.Trace, root: str) -> Setup:
-    page_bytes = parse_size("--page-bytes", a.page_bytes, 8192)
+    page_bytes = parse_size("--page-bytes", a.page_bytes, 1)
     if page_bytes % 8192:
         raise KvtierError(
             f"--page-bytes {a.page_bytes}: must be a multiple of 8K (K and V halves in whole 4 KiB "
