@@ -25,6 +25,7 @@ the bench prints the page counts both held).
 from __future__ import annotations
 
 import collections
+import itertools
 from collections.abc import Hashable, Sequence
 
 
@@ -63,7 +64,7 @@ class LruTier:
         if self.capacity is not None:
             room = self.capacity - len(self.pages)
             if room < len(new):
-                victims = [k for k in self.pages if k not in batch][: len(new) - room]
+                victims = list(itertools.islice((k for k in self.pages if k not in batch), len(new) - room))
                 for k in victims:
                     del self.pages[k]
                 self.evictions += len(victims)
