@@ -17,6 +17,7 @@ import pytest
 import kvtier
 
 from kvtier._errors import KvtierError
+from kvtier.benchmarks import replay
 from kvtier.benchmarks import replay_trace as tr
 from kvtier.benchmarks.replay_model import LruTier, ModelNode, one_lru_pct
 from kvtier.benchmarks.replay_report import disagreements
@@ -178,11 +179,16 @@ def test_two_nodes_shared_store_against_separate(tmp_path):
     assert shr["kvtier"]["store_pct"] > 0  # the second node found the first node's blocks in the shared store
 
 
-def test_prefix_routing_sends_a_request_where_its_prefix_is(tmp_path):
-    trace = reqs([(1024, [1, 2]), (1024, [3, 4]), (1536, [3, 4, 5]), (1536, [1, 2, 6])])
-    row = run(trace, setup(tmp_path, 4), nodes=2, store_pages=None, shared=False, routing="prefix", seed=0, label="p")
-    assert row["served_per_node"] == [2, 2]
-    assert row["kvtier"]["hit_pct"] == row["model"]["hit_pct"] == pytest.approx(100 * 2048 / 5120)
+def test_prefix_routing_sends_a_request_where_most_of_its_prefix_is(tmp_path):
+    """Every request starts with block 0 (as the conversation trace's do). r1 [0,1,2]: nothing cached, node 0
+    (least served); r2 [0,3,4]: node 0 holds a third, under half: node 1 (least served); r3 [0,1,2,5]: node 0
+    holds 3 of 4 (1536 tokens hit); r4 [0,9,10]: each node holds a third: node 1, least served (512 hit);
+    r5 [0,3,5]: node 1 holds 2 of 3 (1024 hit)."""
+    trace = reqs([(1536, [0, 1, 2]), (1536, [0, 3, 4]), (2048, [0, 1, 2, 5]), (1536, [0, 9, 10]), (1536, [0, 3, 5])])
+    row = run(trace, setup(tmp_path, 8), nodes=2, store_pages=None, shared=False, routing="prefix", seed=0, label="p")
+    assert row["served_per_node"] == [2, 3]
+    hit = 100 * (1536 + 512 + 1024) / (4 * 1536 + 2048)
+    assert row["kvtier"]["hit_pct"] == pytest.approx(hit) and row["model"]["hit_pct"] == pytest.approx(hit)
 
 
 def test_store_capacity_holds_the_pages_and_its_journal():
@@ -240,21 +246,33 @@ def test_bad_trace_lines_are_named_with_their_line_number(tmp_path, text, messag
         tr.load(str(p))
 
 
-def test_bad_arguments_are_one_line_errors(tmp_path):
-    cases = [
-        (("--trace", str(tmp_path / "missing.jsonl")), "no such file"),
-        (("--trace", SAMPLE, "--capacities", "3M,lots"), "--capacities: 'lots' is not a token count"),
-        (("--trace", SAMPLE, "--capacities", "100"), "less than one 512-token block"),
-        (("--trace", SAMPLE, "--page-bytes", "4K"), "--page-bytes 4K: must be a multiple of 8K"),
-        (("--trace", SAMPLE, "--host-tokens", "inf"), "--host-tokens inf: give a finite size"),
-        (("--trace", SAMPLE, "--nodes", "0"), "--nodes must be in [1, 64]"),
-        (("--trace", SAMPLE, "--read-gbps", "disk=fast"), "--read-gbps: 'disk=fast' is not TIER=GBPS"),
-        (("--trace", SAMPLE, "--cluster"), "no Mooncake cluster tier"),
-        (("--trace", SAMPLE, "--plot", str(tmp_path / "x.bogus")), "--plot"),
-    ]
-    for args, message in cases:
-        r = kv("bench replay", *args, cwd=tmp_path)
-        assert r.returncode == 1 and message in r.stderr, (args, r.stderr)
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("--capacities", "3M,lots"), "--capacities: 'lots' is not a token count"),
+        (("--capacities", "100"), "less than one 512-token block"),
+        (("--page-bytes", "4K"), "--page-bytes 4K: must be a multiple of 8K"),
+        (("--host-tokens", "inf"), "--host-tokens inf: give a finite size"),
+        (("--nodes", "0"), "--nodes must be in \\[1, 64\\]"),
+        (("--limit", "0"), "--limit must be at least 1"),
+        (("--read-gbps", "disk=fast"), "--read-gbps: 'disk=fast' is not TIER=GBPS"),
+        (("--cluster",), "no Mooncake cluster tier"),
+        (("--plot", "x.bogus"), "--plot x.bogus: give a file name ending in one of"),
+    ],
+)
+def test_bad_arguments_are_refused_before_any_replay(tmp_path, monkeypatch, args, message):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(KvtierError, match=message):
+        replay.main(["--trace", SAMPLE, *args])
+    assert os.listdir(tmp_path) == []  # no store directory left behind
+
+
+def test_a_bad_trace_is_a_one_line_error_from_the_command(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"timestamp": 0, "input_length": 512, "output_length": 1, "hash_ids": [1]}\n{"timestamp"\n')
+    for path, message in ((tmp_path / "missing.jsonl", "no such file"), (bad, "bad.jsonl:2: not valid JSON")):
+        r = kv("bench replay --trace", str(path), cwd=tmp_path)
+        assert r.returncode == 1 and message in r.stderr, r.stderr
         assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 

@@ -2,8 +2,11 @@
 
 Nodes: ``separate`` gives each node its own PageStore; ``shared`` gives every node one PageStore. Each node
 has its own host tier either way. A request goes to one node: ``random`` (seeded; the same draw for kvtier
-and the model) or ``prefix`` (the node whose tiers hold the longest prefix of it, then the node that has
-served the fewest requests, then the lowest index — each side decides from its own tiers).
+and the model) or ``prefix``, SGLang's router's cache-aware rule without its load thresholds: the node whose
+tiers hold the longest prefix of the request if that prefix is at least :data:`CACHE_THRESHOLD` of its blocks,
+else the node that has served the fewest requests (ties: fewest served, then the lowest index; each side
+decides from its own tiers). Longest-prefix alone would send every request to one node in a trace whose
+requests all begin with the same block (the conversation trace's do).
 """
 
 from __future__ import annotations
@@ -79,8 +82,15 @@ class _Progress:
             sys.stderr.write("\n")
 
 
-def _route(scores: list[int], served: list[int]) -> int:
-    return min(range(len(scores)), key=lambda i: (-scores[i], served[i], i))
+#: the share of a request's blocks a node must hold for prefix routing to send the request there
+CACHE_THRESHOLD = 0.5
+
+
+def _route(scores: list[int], blocks: int, served: list[int]) -> int:
+    best = min(range(len(scores)), key=lambda i: (-scores[i], served[i], i))
+    if scores[best] >= CACHE_THRESHOLD * blocks:
+        return best
+    return min(range(len(scores)), key=lambda i: (served[i], i))
 
 
 def run(
@@ -162,11 +172,11 @@ def _replay(
         t0 = time.perf_counter()
         if routing == "prefix" and n_nodes > 1:
             keys = [f"{h:x}" for h in ids]
-            j = _route([node.peek(keys) for node in kv], served_kv)
+            j = _route([node.peek(keys) for node in kv], len(ids), served_kv)
         n, m = kv[j].serve(ids)
         t1 = time.perf_counter()
         if routing == "prefix" and n_nodes > 1:
-            jm = _route([node.peek(ids) for node in model], served_model)
+            jm = _route([node.peek(ids) for node in model], len(ids), served_model)
         mn, mm = model[jm].serve(ids)
         t2 = time.perf_counter()
         a.seconds += t1 - t0
