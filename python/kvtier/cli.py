@@ -233,10 +233,11 @@ def _main(argv: list[str] | None) -> int:
                       "(needs kvtier[mooncake]; README 'Cluster tier')")
     bench = sub.add_parser("bench", add_help=False,
                            help="benchmarks against the hardware ceilings: pin, transfer (GPU), store, mooncake (the cluster tier); "
+                           "replay (a request trace through the tiers, against an LRU model); "
                            "options after the name go to the bench (kvtier bench store --help lists them)",
-                           description="kvtier bench NAME [options]: NAME is pin, transfer (GPU), store or mooncake; "
+                           description="kvtier bench NAME [options]: NAME is pin, transfer (GPU), store, mooncake or replay; "
                            "`kvtier bench NAME --help` lists that bench's options.")
-    bench.add_argument("which", nargs="?", choices=["pin", "transfer", "store", "mooncake"])
+    bench.add_argument("which", nargs="?", choices=["pin", "transfer", "store", "mooncake", "replay"])
     ins = sub.add_parser("inspect", help="namespaces, pages, bytes, files and damage of a store directory (read-only)")
     ins.add_argument("path")
     stats = sub.add_parser("stats", help="a store's counters per namespace (read-only: changes nothing on disk)")

@@ -1,0 +1,304 @@
+"""Replays a request trace (Mooncake FAST'25 format) through kvtier's real tiers and an exact LRU model of them.
+
+    kvtier bench replay --trace conversation [--capacities 1M,3M,10M,50M,inf] [--host-tokens 256K]
+                        [--page-bytes 16K] [--limit N] [--out DIR] [--plot hit.png]
+    kvtier bench replay --trace synthetic --nodes 10 --routing prefix --capacities 3M
+
+Each request looks up the longest prefix of its blocks (host first, then the store), counts the hit tokens
+of each tier, brings the store's part into the host and writes the blocks it missed through to the store
+(kvtier.benchmarks.replay_model lists the steps). One block is one page of ``--page-bytes`` really stored;
+hit rates are in tokens, and bytes moved are given as moved and scaled to the model's geometry
+(``--bytes-per-token``, default LLaMA3-70B's 320 KB, the paper's). The planner (kvtier.planner.plan_restore)
+predicts each request's time to first token with the tiers' measured read rates (or ``--read-gbps``) and
+a fixed prefill rate. The model runs in the same loop; a hit rate (or a tier's share) more than
+``--tolerance`` points from the model's fails the command.
+
+With ``--nodes N`` the trace is replayed twice per capacity C: N nodes with a store of C each (separate),
+and N nodes sharing one store of N×C (the paper's 10 prefill nodes pooling their 3M tokens each); each node
+has its own host tier. The shared tier is one shared PageStore: Mooncake's cluster tier is not replayed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from typing import Any
+
+from .._cleanup import remove_tree
+from .._errors import KvtierError
+from ..config import parse_size
+from . import replay_trace as tr
+from ._common import check_plot_path, out_dir, write_results
+from .replay_model import one_lru_pct
+from .replay_report import disagreements, nodes_table, plot, sweep_table
+from .replay_run import Setup, run
+
+#: LLaMA3-70B's KV bytes per token (80 layers x 8 KV heads x 128 dims x K and V x 2 bytes), the paper's Table 1
+LLAMA3_70B_BYTES_PER_TOKEN = 320 << 10
+#: prefill rate assumed for the TTFT prediction: the paper's Figure 10 (local cache, LLaMA3-70B on 8xA800)
+#: shows about 1.4 s of prefill GPU time per conversation request (avg 12,035 input tokens, ~17% hit), i.e.
+#: about 7,200 tokens/s
+DEFAULT_PREFILL = 7200.0
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="kvtier bench replay", description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "--trace",
+        required=True,
+        help=f"a trace file (.jsonl or .jsonl.gz), or one of {sorted(tr.KNOWN)} (found in "
+        "$KVTIER_TRACE_DIR, benches/traces/ or shared/traces/, checked against its sha256)",
+    )
+    ap.add_argument(
+        "--capacities",
+        default=None,
+        help="store capacities in tokens, comma-separated, decimal units, inf for unlimited (default "
+        "1M,3M,10M,50M,inf; with --nodes: 3M per node)",
+    )
+    ap.add_argument("--host-tokens", default="256K", help="each node's host tier in tokens (default 256K)")
+    ap.add_argument(
+        "--page-bytes", default="16K", help="bytes really stored per 512-token block, a multiple of 8K (default 16K)"
+    )
+    ap.add_argument(
+        "--bytes-per-token",
+        default=str(LLAMA3_70B_BYTES_PER_TOKEN),
+        help="the model geometry bytes moved are scaled to (default 327680: LLaMA3-70B, 320 KiB)",
+    )
+    ap.add_argument(
+        "--prefill-tokens-per-s",
+        type=float,
+        default=DEFAULT_PREFILL,
+        help=f"prefill rate the TTFT prediction assumes (default {DEFAULT_PREFILL:.0f}, from the paper)",
+    )
+    ap.add_argument(
+        "--read-gbps",
+        default=None,
+        metavar="TIER=GBPS",
+        help="assume a tier's read rate for the TTFT prediction instead of kvtier's measurement (e.g. disk=6)",
+    )
+    ap.add_argument("--nodes", type=int, default=1, help="nodes: >1 replays separate stores against one shared")
+    ap.add_argument(
+        "--routing",
+        choices=["prefix", "random"],
+        default="prefix",
+        help="how a request picks its node with --nodes (default prefix)",
+    )
+    ap.add_argument("--seed", type=int, default=0, help="seed of random routing (default 0)")
+    ap.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    ap.add_argument(
+        "--tolerance",
+        type=float,
+        default=1.0,
+        help="most points kvtier's hit rates may differ from the model's (default 1)",
+    )
+    ap.add_argument(
+        "--dir",
+        default=None,
+        help="where the stores are made (default: a temporary directory in the working directory, removed afterwards)",
+    )
+    ap.add_argument(
+        "--out", default=None, help="directory for cpu-replay.json (this run merged into it) and cpu-replay.md"
+    )
+    ap.add_argument("--plot", default=None, help="draw hit rate against capacity (PNG; needs matplotlib)")
+    ap.add_argument(
+        "--cluster",
+        action="store_true",
+        help="a Mooncake cluster tier: not available in this bench (the shared tier is a PageStore)",
+    )
+    return ap
+
+
+def _setup(a: argparse.Namespace, trace: tr.Trace, root: str) -> Setup:
+    page_bytes = parse_size("--page-bytes", a.page_bytes, 1)
+    if page_bytes % 8192:
+        raise KvtierError(
+            f"--page-bytes {a.page_bytes}: must be a multiple of 8K (K and V halves in whole 4 KiB "
+            "blocks, as O_DIRECT needs)"
+        )
+    host = tr.blocks_of(tr.parse_tokens("--host-tokens", a.host_tokens))
+    if host is None or host < 2:
+        raise KvtierError(f"--host-tokens {a.host_tokens}: give a finite size of at least 2 blocks (1024 tokens)")
+    assumed = {}
+    if a.read_gbps:
+        for item in a.read_gbps.split(","):
+            name, _, value = item.partition("=")
+            try:
+                assumed[name.strip()] = float(value)
+            except ValueError:
+                raise KvtierError(f"--read-gbps: {item!r} is not TIER=GBPS (e.g. disk=6)") from None
+            if not assumed[name.strip()] > 0 or name.strip() != "disk":
+                raise KvtierError(f"--read-gbps: {item!r}: the tier is disk and the rate a number > 0")
+    ids = [h for r in trace.requests for h in r.hash_ids]
+    return Setup(
+        host_pages=host,
+        page_bytes=page_bytes,
+        bytes_per_token=parse_size("--bytes-per-token", a.bytes_per_token, 1),
+        prefill_tokens_per_s=a.prefill_tokens_per_s,
+        root=root,
+        key_len=len(f"{max(ids, default=0):x}"),
+        batch_pages=max(len(r.hash_ids) for r in trace.requests),
+        assumed_gbps=assumed,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = _parser().parse_args(argv)
+    if a.cluster:
+        raise KvtierError(
+            "--cluster: the replay bench has no Mooncake cluster tier; --nodes N replays a shared "
+            "PageStore instead (kvtier bench mooncake measures the cluster tier)"
+        )
+    if a.nodes < 1 or a.nodes > 64:
+        raise KvtierError(f"--nodes must be in [1, 64], got {a.nodes}")
+    if a.limit is not None and a.limit < 1:
+        raise KvtierError(f"--limit must be at least 1, got {a.limit}")
+    if not a.prefill_tokens_per_s > 0:
+        raise KvtierError(f"--prefill-tokens-per-s must be > 0, got {a.prefill_tokens_per_s}")
+    caps = [
+        tr.parse_tokens("--capacities", c)
+        for c in (a.capacities or ("3M" if a.nodes > 1 else "1M,3M,10M,50M,inf")).split(",")
+    ]
+    check_plot_path(a.plot)
+    out = out_dir(a.out)
+    trace = tr.load(a.trace, a.limit)
+    created = a.dir is not None and not os.path.exists(a.dir)
+    try:
+        root = a.dir or tempfile.mkdtemp(prefix="kvtier-bench-replay-", dir=os.getcwd())
+        os.makedirs(root, exist_ok=True)
+    except OSError as exc:
+        raise KvtierError(f"cannot create the bench directory ({exc}); pass --dir") from None
+    try:
+        setup = _setup(a, trace, root)
+        result = _bench(a, trace, setup, caps)
+    finally:
+        if a.dir is None or created:
+            remove_tree(root)
+    if out is not None:
+        _save(out, result)
+    if a.plot and a.nodes == 1:
+        plot(a.plot, result["rows"], result["best_pct"], f"{result['trace']} ({len(trace.requests)} requests)")
+        print(f"plot in {a.plot}")
+    if result["disagreements"]:
+        raise KvtierError("kvtier and the LRU model DISAGREE:\n  " + "\n  ".join(result["disagreements"]))
+
+
+def _bench(a: argparse.Namespace, trace: tr.Trace, setup: Setup, caps: list[float]) -> dict[str, Any]:
+    reqs = trace.requests
+    name = trace.known or os.path.basename(trace.path)
+    pairs = [(r.input_length, r.hash_ids) for r in reqs]
+    best = one_lru_pct(pairs, None)
+    print(
+        f"trace {trace.path} ({name}, sha256 {trace.sha256[:16]}…): {len(reqs)} requests, "
+        f"{sum(r.input_length for r in reqs)} input tokens; best possible hit rate (unlimited cache) {best:.2f}%"
+    )
+    print(
+        f"tiers: host {setup.host_pages} blocks ({setup.host_pages * tr.BLOCK_TOKENS} tokens) per node; store: "
+        f"PageStore, {setup.page_bytes} B per block really stored (scaled x{setup.bytes_per_token * 512 // setup.page_bytes} "
+        f"to {setup.bytes_per_token} B/token); prefill assumed {setup.prefill_tokens_per_s:.0f} tokens/s",
+        flush=True,
+    )
+    rows, pairs_out = [], []
+    mode = "sweep" if a.nodes == 1 else f"{a.nodes} nodes, {a.routing} routing"
+    for cap in caps:
+        pages = tr.blocks_of(cap)
+        if a.nodes == 1:
+            row = run(
+                reqs,
+                setup,
+                nodes=1,
+                store_pages=pages,
+                shared=False,
+                routing=a.routing,
+                seed=a.seed,
+                label=f"{tr.label(cap)}",
+            )
+            row["one_lru_pct"] = one_lru_pct(pairs, pages)
+            row["capacity"] = tr.label(cap)
+            rows.append(row)
+            continue
+        sep = run(
+            reqs,
+            setup,
+            nodes=a.nodes,
+            store_pages=pages,
+            shared=False,
+            routing=a.routing,
+            seed=a.seed,
+            label=f"separate-{tr.label(cap)}",
+        )
+        shr = run(
+            reqs,
+            setup,
+            nodes=a.nodes,
+            store_pages=None if pages is None else pages * a.nodes,
+            shared=True,
+            routing=a.routing,
+            seed=a.seed,
+            label=f"shared-{tr.label(cap)}",
+        )
+        sep["capacity"] = shr["capacity"] = tr.label(cap)  # the rows name the per-node capacity
+        rows += [sep, shr]
+        pairs_out.append((sep, shr))
+    # the paper's figures stand beside a whole known trace only
+    known = trace.known if trace.known and len(reqs) == tr.KNOWN[trace.known].requests else None
+    if a.nodes == 1:
+        table = sweep_table(rows, best, known)
+    else:
+        table = nodes_table(pairs_out, known) + (
+            "\nshared tier: one PageStore of N × the per-node capacity (not Mooncake's cluster tier)\n"
+        )
+    t = rows[-1]["ttft"]
+    src = "assumed" if setup.assumed_gbps else t["disk_source"]
+    table += (
+        f"\nTTFT: the planner's prediction per request, mean; prefill {setup.prefill_tokens_per_s:.0f} tokens/s "
+        f"(assumed), disk read {t['disk_read_GBps'] or 0:.2f} GB/s ({src}); a block of the model geometry is "
+        f"{setup.bytes_per_token * tr.BLOCK_TOKENS / 2**20:.0f} MiB\n"
+    )
+    bad = disagreements(rows, a.tolerance)
+    table += (
+        "\n"
+        + (
+            "\n".join(f"DISAGREE: {b}" for b in bad)
+            if bad
+            else f"kvtier agrees with the LRU model within {a.tolerance} point(s) on every row "
+            f"(requests whose hits differ: {', '.join(str(r['requests_differing']) for r in rows)})"
+        )
+        + "\n"
+    )
+    print(f"\n## {name}: {mode}\n\n{table}", flush=True)
+    return {
+        "trace": name,
+        "sha256": trace.sha256,
+        "requests": len(reqs),
+        "mode": mode,
+        "best_pct": best,
+        "host_tokens": setup.host_pages * tr.BLOCK_TOKENS,
+        "page_bytes": setup.page_bytes,
+        "bytes_per_token": setup.bytes_per_token,
+        "prefill_tokens_per_s": setup.prefill_tokens_per_s,
+        "assumed_read_gbps": setup.assumed_gbps,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "rows": rows,
+        "table": table,
+        "disagreements": bad,
+    }
+
+
+def _save(out: str, result: dict[str, Any]) -> None:
+    """Merges this run into ``out``/cpu-replay.json (one entry per trace and mode) and rewrites the tables."""
+    path = os.path.join(out, "cpu-replay.json")
+    runs: dict[str, Any] = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            runs = json.load(f)
+    runs[f"{result['trace']} {result['mode']}"] = result
+    md = "".join(f"## {k}\n\n{v['table']}\n" for k, v in runs.items() if isinstance(v, dict))
+    write_results(out, {"cpu-replay.json": json.dumps(runs, indent=1), "cpu-replay.md": md})
+    print(f"results in {path} and cpu-replay.md")
+
+
+if __name__ == "__main__":
+    main()
