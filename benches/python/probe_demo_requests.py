@@ -1,7 +1,8 @@
 """Where each request of the demo's transformers workload spends its time with kvtier: ``KVTier.cache`` (the
 restore: planning, taking host pages, a split's head forward and tail read), the host time inside the cache's
 ``update`` calls during the rest of the prompt, and the rest, per request, beside its plan and no tier's
-time. The workload is `kvtier demo`'s (``kvtier.workload_transformers``), run as the demo runs it.
+time. The workload is `kvtier demo`'s (``kvtier.workload_transformers``), run as the demo runs it (on CUDA
+without cuDNN's attention: the workload turns it off, see ``CUDNN_NOTE``).
 
     PYTHONPATH=python python benches/python/probe_demo_requests.py [--out probe.json]
 """
@@ -23,10 +24,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="demo-requests.json")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--no-cudnn-sdp", action="store_true", help="torch.backends.cuda.enable_cudnn_sdp(False)")
     a = ap.parse_args()
-    if a.no_cudnn_sdp:
-        torch.backends.cuda.enable_cudnn_sdp(False)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     calls: list[dict] = []

@@ -80,8 +80,33 @@ def _page_sum(tier: Any, start: int) -> int:
     return zlib.crc32(vb, zlib.crc32(kb))
 
 
+#: why the workload turns cuDNN's attention off on CUDA (printed with the results)
+CUDNN_NOTE = ("attention: PyTorch's SDPA without its cuDNN backend, for kvtier and no tier alike (cuDNN builds a plan "
+              "for every new pair of query and key lengths, up to 0.8 s the first time on the H200: a restored "
+              "prefix's forward has a pair no recompute had, so the demo would time plan building, not tiers)")
+
+
 def run(*, device: str, n_conv: int, turns: int, seed: int, store_dir: str | None, keep: bool, quiet: bool,
         cluster: str | None, restore: str = "plan") -> dict:
+    """Serves the workload (see the module docs) and returns its measurements; prints the report unless
+    ``quiet``. On CUDA, cuDNN's SDPA backend is off while it runs (:data:`CUDNN_NOTE`)."""
+    cudnn = device == "cuda" and torch.backends.cuda.cudnn_sdp_enabled()
+    if cudnn:
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    try:
+        out = _run(device=device, n_conv=n_conv, turns=turns, seed=seed, store_dir=store_dir, keep=keep, quiet=True,
+                   cluster=cluster, restore=restore)
+    finally:
+        if cudnn:
+            torch.backends.cuda.enable_cudnn_sdp(True)
+    out["attention_note"] = CUDNN_NOTE if cudnn else None
+    if not quiet:
+        report(out)
+    return out
+
+
+def _run(*, device: str, n_conv: int, turns: int, seed: int, store_dir: str | None, keep: bool, quiet: bool,
+         cluster: str | None, restore: str = "plan") -> dict:
     from transformers import DynamicCache, LlamaForCausalLM
 
     from .integrations.transformers import KVTier
@@ -164,7 +189,11 @@ def run(*, device: str, n_conv: int, turns: int, seed: int, store_dir: str | Non
             foreign = [j for j in reused if cache.table.keys[j] not in sums]  # stored by another node
             ok_kv = ok_kv and _close_to(cache, ref, foreign, ps, KV_TOLERANCE[device])
             diff = float((got - want).abs().max())
-            ok_out = bool(torch.equal(got.argmax(), want.argmax())) and diff <= LOGIT_TOLERANCE[device]
+            # the first token: no tier's, or one whose no-tier logit is within the rounding of the best one (logits
+            # that differ by at most `diff` can swap an argmax only between tokens within 2 * diff of each other;
+            # a random model's logits are close to uniform, so such near-ties happen)
+            picked = int(got.argmax())
+            ok_out = diff <= LOGIT_TOLERANCE[device] and bool(want[picked] >= want.max() - 2 * diff)
             if not (ok_kv and ok_out):
                 failures.append((i, source, ok_kv, ok_out))
             cache.release()  # its full pages stay in the host pool (and go to the store) for the next requests
@@ -241,6 +270,8 @@ def report(out: dict) -> None:
     print(f"\nEvery request timed twice: with kvtier (its prefix restored as planned, then the rest of the prompt) "
           f"and with no tier\n(the whole prompt in one forward, transformers' DynamicCache). Model: LlamaForCausalLM "
           f"{c.num_hidden_layers} layers, hidden {c.hidden_size}, {c.num_key_value_heads} KV heads, random weights.")
+    if out.get("attention_note"):
+        print(out["attention_note"])
     print(f"{'source':<12} {'requests':>8} {'prompt':>8} {'cached':>8} {'reused':>8} {'no tier':>10} {'kvtier':>10} "
           f"{'kvtier/no tier':>15} {'plans':>22}")
     for src in ("recomputed", "host hit", "disk hit", "cluster hit"):
@@ -283,5 +314,16 @@ def report(out: dict) -> None:
           f"host evictions {out['stats'].host_evictions}")
     ok = not out["failures"]
     print(f"verification: every reused page bit-identical to the bytes stored for it (within {KV_TOLERANCE[out['device']]} of "
-          f"no tier's KV where another node stored it), and the first token equal to no tier's, for all {len(res)} "
+          f"no tier's KV where another node stored it), and the first token no tier's (or tied with it within the logits' "
+          f"rounding), for all {len(res)} "
           f"requests: {ok}")
+    by_request = {r["request"]: r for r in res}
+    for i, source, ok_kv, ok_out in out["failures"]:
+        r = by_request.get(i, {})
+        what = []
+        if not ok_kv:
+            what.append("a reused page differs from the bytes stored for it")
+        if not ok_out:
+            what.append(f"the first token or logits differ from no tier's (largest logit difference "
+                        f"{r.get('max_logit_diff', float('nan')):.4g}, tolerance {LOGIT_TOLERANCE[out['device']]})")
+        print(f"  request {i} ({source}, plan {r.get('plan')}): " + "; ".join(what))
