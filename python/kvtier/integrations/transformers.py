@@ -100,7 +100,14 @@ def _token_list(name: str, token_ids: Any) -> list[int]:
         if token_ids.dim() != 1 or token_ids.dtype.is_floating_point:
             raise InvalidArgumentError(f"invalid argument `{name}`: expected one sequence of token ids (batch size 1), "
                                        f"got a {tuple(token_ids.shape)} {token_ids.dtype} tensor")
-        token_ids = token_ids.tolist()
+        if token_ids.dtype == torch.bool or token_ids.is_complex():
+            raise InvalidArgumentError(f"invalid argument `{name}`: expected integer token ids, got {token_ids.dtype}")
+        if token_ids.numel() and (int(token_ids.min()) < 0 or int(token_ids.max()) >= 2**32):
+            raise InvalidArgumentError(f"invalid argument `{name}`: expected token ids (ints in [0, 2**32)) of one sequence")
+        out: list[int] = token_ids.tolist()  # an integer tensor's elements are ints: checked as a whole above
+        if not out:
+            raise InvalidArgumentError(f"invalid argument `{name}`: empty")
+        return out
     if not isinstance(token_ids, Sequence) or isinstance(token_ids, (str, bytes)) or not all(
             isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in token_ids):
         raise InvalidArgumentError(f"invalid argument `{name}`: expected token ids (ints in [0, 2**32)) of one sequence")
