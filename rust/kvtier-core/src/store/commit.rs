@@ -31,6 +31,12 @@ pub(super) struct JournalFile {
     pub(super) compact_at: u64,
     /// The threshold `compact_at` returns to after a compaction.
     pub(super) compact_base: u64,
+    /// A failed append was cut back since the journal file was last replaced. A follower may have read
+    /// the cut records; the records appended in their place then have the same file and, soon, a length
+    /// past its offset, so it would take them for records it has read and never apply them (an object
+    /// acknowledged since would be a miss for it until the next compaction). A new file makes every
+    /// follower rebuild: the next compaction step starts one whatever the journal's length.
+    pub(super) rewrite_due: bool,
 }
 
 impl JournalFile {
@@ -58,6 +64,7 @@ impl JournalFile {
             poisoned: None,
             compact_at: compact_base(capacity),
             compact_base: compact_base(capacity),
+            rewrite_due: false,
         })
     }
 
@@ -79,6 +86,7 @@ impl JournalFile {
         .and_then(|()| fault::check("journal_sync"))
         .and_then(|()| self.file.sync_data());
         if let Err(e) = &res {
+            self.rewrite_due = true;
             let cut = fault::check("journal_cut")
                 .and_then(|()| self.file.set_len(end))
                 .and_then(|()| self.file.sync_all());

@@ -64,9 +64,12 @@ impl PageStore {
                     let ix = self.lock_index();
                     (ix.j_end, ix.compact_trigger())
                 };
-                if end < trigger || end < self.lock_journal().compact_at {
+                let j = self.lock_journal();
+                // after a cut-back, a new file at once: followers rebuild (`JournalFile::rewrite_due`)
+                if !j.rewrite_due && (end < trigger || end < j.compact_at) {
                     return;
                 }
+                drop(j);
                 match self.compaction_begin() {
                     Ok(c) => c,
                     Err(_) => return self.compaction_failed(),
@@ -233,13 +236,14 @@ impl PageStore {
         // next. Until the directory is synced the rename may not survive a crash (the old journal would
         // come back without the records appended to the new one): if that sync fails, the journal is
         // poisoned and nothing more is acknowledged until a reopen.
-        let synced = File::open(&self.dir).and_then(|d| d.sync_all());
+        let synced = super::namespace::sync_dir(&self.dir); // (the `dir_sync` fault point)
         j.file = c.file;
         j.poisoned = synced
             .err()
             .map(|e| format!("the directory could not be synced after compaction ({e})"));
         self.poisoned.store(j.poisoned.is_some(), Ordering::Relaxed);
         j.compact_at = j.compact_base;
+        j.rewrite_due = false;
         let mut ix = self.lock_index();
         ix.j_end = c.written;
         ix.j_alloc = reserve.max(round_up(c.written));
@@ -249,9 +253,11 @@ impl PageStore {
 
     /// A compaction that failed (its file is closed): the file removed, the walk ended, and no new one
     /// until the journal has doubled.
-    fn compaction_failed(&self) {
+    pub(super) fn compaction_failed(&self) {
         let _ = std::fs::remove_file(self.dir.join("journal.compact"));
         let j = &mut *self.lock_journal();
+        // given up too: a disk that fails a compaction would fail it again at every step
+        j.rewrite_due = false;
         let mut ix = self.lock_index();
         ix.walk = None;
         j.compact_at = ix.j_end.saturating_mul(2).max(j.compact_base);

@@ -7,6 +7,7 @@
 //! writer may meanwhile reuse a slot the follower still maps to an older key — reading it then fails that
 //! key's checksum (a miss, never wrong bytes), and the writer's del record arrives at the next refresh.
 
+use std::io::Read;
 use std::os::unix::fs::{FileExt, MetadataExt};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -23,8 +24,13 @@ pub(super) const RECHECK: Duration = Duration::from_millis(100);
 
 /// Where a follower is in the writer's journal.
 pub(super) struct Follow {
-    /// Inode of the journal file read so far (a compaction renames a new file over it).
-    ino: u64,
+    /// Device and inode of the journal file read so far (a compaction renames a new file over it). That
+    /// file stays open (the store's journal handle, `PageStore::journal`) until the follower moves to a
+    /// newer one: while it is open no other file can take its inode number, so an equal number is the same
+    /// file. (A freed number is handed out again at once on ext4: a follower that had let go of its file
+    /// and missed two compactions took the third journal, which had its number, for the one it read grown,
+    /// read it from its old offset and never saw the records before that.)
+    ino: (u64, u64),
     /// Bytes of it applied (up to the last whole record).
     offset: u64,
     /// When the journal was last looked at.
@@ -34,7 +40,7 @@ pub(super) struct Follow {
 }
 
 impl Follow {
-    pub(super) fn new(ino: u64, offset: u64) -> Mutex<Self> {
+    pub(super) fn new(ino: (u64, u64), offset: u64) -> Mutex<Self> {
         Mutex::new(Self {
             ino,
             offset,
@@ -97,11 +103,22 @@ impl PageStore {
         let Ok(md) = std::fs::metadata(&path) else {
             return;
         };
-        if md.ino() != st.ino || md.len() < st.offset {
-            // compacted or cut: rebuild from the whole journal
-            let Ok(bytes) = std::fs::read(&path) else {
+        // the file read so far, held open (lock order: follow, journal, index; a read-only store takes
+        // the journal lock nowhere else on a lookup's path)
+        let mut j = self.lock_journal();
+        if (md.dev(), md.ino()) != st.ino || md.len() < st.offset {
+            // compacted or cut: rebuild from the whole journal, read through the handle that is kept (a
+            // name looked up twice could be two files)
+            let Ok(file) = std::fs::File::open(&path) else {
                 return;
             };
+            let Ok(fmd) = file.metadata() else {
+                return;
+            };
+            let mut bytes = Vec::new();
+            if (&file).read_to_end(&mut bytes).is_err() {
+                return;
+            }
             let parsed = journal::parse_resync(&bytes);
             let mut report = OpenReport::default();
             let Ok((mut ix, _)) = recovery::replay(&self.dir, parsed.records, &mut report) else {
@@ -110,18 +127,21 @@ impl PageStore {
             recovery::trim_data_files(&self.dir, &mut ix, false);
             ix.j_end = parsed.valid_end as u64;
             *self.lock_index() = ix;
-            st.ino = md.ino();
+            st.ino = (fmd.dev(), fmd.ino());
             st.offset = parsed.valid_end as u64;
+            j.file = file; // the journal read before is let go
             return;
         }
         if md.len() == st.offset {
             return;
         }
+        // the same file as the one held (its number cannot have been reused while it is open): read it
+        // through the handle, which a rename since the `stat` cannot swap for another file
         let mut chunk = vec![0u8; (md.len() - st.offset) as usize];
-        let read = std::fs::File::open(&path).and_then(|f| f.read_exact_at(&mut chunk, st.offset));
-        if read.is_err() {
+        if j.file.read_exact_at(&mut chunk, st.offset).is_err() {
             return;
         }
+        drop(j);
         // whole records only: an append in progress is read again next time
         let parsed = journal::parse_resync(&chunk);
         let mut ix = self.lock_index();

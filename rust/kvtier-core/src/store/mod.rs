@@ -32,6 +32,8 @@ mod tests;
 #[cfg(test)]
 mod tests_compaction;
 #[cfg(test)]
+mod tests_compaction_attacks;
+#[cfg(test)]
 mod tests_faults;
 #[cfg(test)]
 mod tests_pages;
@@ -210,13 +212,15 @@ impl PageStore {
         let parsed = journal::parse_resync(&bytes);
         let follow = (!writable)
             .then(|| {
-                let ino = std::os::unix::fs::MetadataExt::ino(
-                    &journal
-                        .file
-                        .metadata()
-                        .map_err(|e| io_err("stat journal.log", e))?,
-                );
-                Ok::<_, Error>(follow::Follow::new(ino, parsed.valid_end as u64))
+                use std::os::unix::fs::MetadataExt;
+                let md = journal
+                    .file
+                    .metadata()
+                    .map_err(|e| io_err("stat journal.log", e))?;
+                Ok::<_, Error>(follow::Follow::new(
+                    (md.dev(), md.ino()),
+                    parsed.valid_end as u64,
+                ))
             })
             .transpose()?;
         let mut report = OpenReport {
