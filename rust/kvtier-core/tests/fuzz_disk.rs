@@ -185,6 +185,7 @@ fn put(s: &PageStore, key: &str, data: &[u8]) -> Result<bool, TestCaseError> {
 fn opts(capacity: u64, direct: bool) -> StoreOptions {
     StoreOptions {
         capacity_bytes: capacity,
+        budget_bytes: None,
         io_threads: 2,
         direct: if direct { None } else { Some(false) },
     }
