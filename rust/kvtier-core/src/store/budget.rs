@@ -274,15 +274,29 @@ impl Table {
         for s in 0..self.high() {
             let n = self.name(s);
             let pid = self.pid(s).load(SeqCst);
+            let base = retired_base(&n);
             if !n.is_empty()
                 && !root.join(&n).exists()
-                && !root.join(format!(".removing-{n}")).exists()
+                && !root.join(format!(".removing-{base}")).exists()
                 && !process_alive(pid)
             {
                 self.claimed(s).store(0, SeqCst);
                 self.set_name(s, "");
             }
         }
+    }
+
+    /// Renames the slot of `name` (a directory about to be removed) to a name of its own,
+    /// `~<remover pid, 8 hex>ns-…`, and returns that name: the slot keeps counting the directory's blocks
+    /// while it is deleted (and, after a forced removal, while its writer still runs, publishing into it),
+    /// and a writer that opens the namespace again meanwhile takes a new slot.
+    pub(super) fn retire(&self, name: &str) -> Result<Option<String>> {
+        let _g = Flock::new(&self.file).map_err(|e| io_err("locking BUDGET", e))?;
+        Ok(self.find(name).map(|s| {
+            let retired = format!("~{:08x}{name}", std::process::id());
+            self.set_name(s, &retired);
+            retired
+        }))
     }
 
     /// Frees the slot of `name` (its directory was removed).
@@ -294,6 +308,14 @@ impl Table {
             self.set_name(s, "");
         }
         Ok(())
+    }
+}
+
+/// The namespace directory a slot's name counts: its name, or the one a retired slot had (`retire`).
+pub(super) fn retired_base(name: &str) -> &str {
+    match name.strip_prefix('~') {
+        Some(r) if r.len() > 8 => &r[8..],
+        _ => name,
     }
 }
 

@@ -123,6 +123,13 @@ pub fn remove_namespace(root: &Path, name: &str, force: bool) -> Result<u64> {
         });
     }
     let bytes = budget::dir_blocks(&dir);
+    // the slot keeps counting the blocks under a name of its own until they are gone; a writer opening
+    // the namespace again meanwhile takes a new one (a leftover of an interrupted removal was retired then)
+    let table = Table::open(root, false)?;
+    let retired = match (&table, name.starts_with(REMOVING)) {
+        (Some(t), false) => t.retire(base)?,
+        _ => None,
+    };
     let gone = if name.starts_with(REMOVING) {
         dir.clone()
     } else {
@@ -140,12 +147,10 @@ pub fn remove_namespace(root: &Path, name: &str, force: bool) -> Result<u64> {
         .map_err(|e| io_err(format!("removing {}", gone.display()), e))?;
     let _ = sync_dir(root);
     drop(lock);
-    // a forced removal of a live namespace leaves its claim: the writer still holds the space (and its slot,
-    // freed once it is gone)
-    if locked {
-        if let Some(t) = Table::open(root, false)? {
-            t.release(base)?;
-        }
+    // a forced removal of a live namespace leaves its retired slot: that writer still holds the space and
+    // publishes into it; the slot is freed once it is gone (`Table::reconcile`)
+    if let (true, Some(t), Some(r)) = (locked, &table, &retired) {
+        t.release(r)?;
     }
     Ok(bytes)
 }
