@@ -21,6 +21,9 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::SeqCst};
 use super::io_err;
 use crate::error::{Error, Result};
 
+mod share;
+pub(in crate::store) use share::Share;
+
 /// The table's file name in the store root.
 pub const BUDGET_FILE: &str = "BUDGET";
 const MAGIC: u64 = u64::from_le_bytes(*b"KVTBUDG1");
@@ -98,7 +101,13 @@ impl Table {
         {
             let _g = Flock::new(&file).map_err(|e| io_err("locking BUDGET", e))?;
             let len = file.metadata().map_err(|e| io_err("stat BUDGET", e))?.len();
-            if len == 0 && create {
+            let mut h = [0u8; 16];
+            // empty, or a header never written: a writer that created the file stopped before it was done
+            let fresh = len == 0 || (file.read_exact_at(&mut h, 0).is_ok() && h == [0u8; 16]);
+            if fresh && !create {
+                return Ok(None);
+            }
+            if fresh {
                 let mut h = vec![0u8; HEADER];
                 h[..8].copy_from_slice(&MAGIC.to_le_bytes());
                 h[8..12].copy_from_slice(&VERSION.to_le_bytes());
@@ -107,9 +116,7 @@ impl Table {
                     .and_then(|()| file.write_all_at(&h, 0))
                     .map_err(|e| io_err("creating BUDGET", e))?;
             } else {
-                let mut h = [0u8; 16];
                 let ok = len == LEN as u64
-                    && file.read_exact_at(&mut h, 0).is_ok()
                     && h[..8] == MAGIC.to_le_bytes()
                     && h[8..12] == VERSION.to_le_bytes()
                     && h[12..16] == (SLOTS as u32).to_le_bytes();
@@ -332,6 +339,9 @@ pub(super) fn read_table(root: &Path) -> Result<Option<(u64, Vec<SlotView>)>> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
         Err(e) => return Err(io_err(format!("reading {}", path.display()), e)),
     };
+    if b.len() < 16 || b[..16] == [0u8; 16] {
+        return Ok(None); // never initialized (see `Table::open`)
+    }
     let word = |off: usize| u64::from_le_bytes(b[off..off + 8].try_into().expect("8 bytes"));
     if b.len() != LEN || word(0) != MAGIC || b[8..12] != VERSION.to_le_bytes() {
         return Err(Error::arg(
@@ -386,104 +396,4 @@ fn process_alive(pid: u32) -> bool {
     pid != 0
         && (unsafe { libc::kill(pid as i32, 0) } == 0
             || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM))
-}
-
-/// A writer's share of the root's budget: its slot in the table.
-pub(super) struct Share {
-    table: Table,
-    slot: usize,
-}
-
-impl Share {
-    /// Takes the slot of namespace directory `name` under `root` (creating the table if needed); sets
-    /// the budget when `budget` is given (0: none).
-    pub(super) fn open(root: &Path, name: &str, budget: Option<u64>) -> Result<Self> {
-        let table = Table::open(root, true)?.expect("created");
-        if let Some(b) = budget {
-            table.set_budget(b / 4096 * 4096);
-        }
-        let slot = table.take_slot(root, name)?;
-        Ok(Self { table, slot })
-    }
-
-    /// The budget, 0 when there is none.
-    pub(super) fn budget(&self) -> u64 {
-        self.table.budget()
-    }
-
-    /// What the budget leaves this namespace now: the budget less the other namespaces' claims
-    /// (`u64::MAX` without a budget) and, while another namespace waits for room, no more than a fair
-    /// share: the budget divided among the namespaces whose writers run. A namespace over its share then
-    /// evicts down to it, and the one waiting gets the room.
-    pub(super) fn room(&self) -> u64 {
-        let b = self.table.budget();
-        if b == 0 {
-            return u64::MAX;
-        }
-        let now = now_ms();
-        let t = &self.table;
-        let (mut others, mut waiting) = (0u64, false);
-        for s in (0..t.high()).filter(|&s| s != self.slot) {
-            others = others.saturating_add(t.claimed(s).load(SeqCst));
-            waiting |= t.waiting(s).load(SeqCst) + WAIT_MS > now;
-        }
-        let left = b.saturating_sub(others);
-        if waiting {
-            left.min(b / t.live(self.slot))
-        } else {
-            left
-        }
-    }
-
-    /// Claims an occupancy of `total` bytes for this namespace: within its room (`room`), stored first,
-    /// then checked against the budget with every other claim read after it. A claim that does not fit is withdrawn (the earlier one
-    /// stays) and false. Of two writers claiming at once, at least the later (in the order of their
-    /// stores) sees the other's claim: together they never pass the budget. Called with the namespace's
-    /// index lock held (one claim at a time per namespace).
-    pub(super) fn claim(&self, total: u64) -> bool {
-        let me = self.table.claimed(self.slot);
-        let old = me.load(SeqCst);
-        let b = self.table.budget();
-        if b == 0 {
-            me.store(total.max(old), SeqCst);
-            return true;
-        }
-        if total <= self.room() {
-            if total > old {
-                me.store(total, SeqCst);
-            }
-            if total.saturating_add(self.table.others(Some(self.slot))) <= b {
-                return true;
-            }
-            if total > old {
-                me.store(old, SeqCst);
-            }
-        }
-        // below its fair share: the namespaces over theirs make room (see `room`)
-        if old < b / self.table.live(self.slot) {
-            self.table.waiting(self.slot).store(now_ms(), SeqCst);
-        }
-        false
-    }
-
-    /// Publishes the namespace's occupancy as it is now (after it shrank, or at open: already on disk).
-    /// Index lock held.
-    pub(super) fn settle(&self, total: u64) {
-        self.table.claimed(self.slot).store(total, SeqCst);
-    }
-
-    /// What this namespace has claimed.
-    pub(super) fn claimed(&self) -> u64 {
-        self.table.claimed(self.slot).load(SeqCst)
-    }
-}
-
-impl Drop for Share {
-    fn drop(&mut self) {
-        // the writer is gone; its claim stays (its files are still on disk)
-        let _ = self
-            .table
-            .pid(self.slot)
-            .compare_exchange(std::process::id(), 0, SeqCst, SeqCst);
-    }
 }

@@ -41,6 +41,8 @@ mod tests_compaction;
 #[cfg(test)]
 mod tests_faults;
 #[cfg(test)]
+mod tests_lifecycle;
+#[cfg(test)]
 mod tests_pages;
 #[cfg(test)]
 mod tests_v2;
