@@ -31,7 +31,8 @@ import sys
 import kvtier
 from kvtier.cli import main
 assert "torch" not in sys.modules, "import kvtier imported torch"
-for argv in (["inspect", sys.argv[1]], ["verify", sys.argv[1]], ["stats", sys.argv[1]], ["stats", "--json", sys.argv[1]]):
+for argv in (["inspect", sys.argv[1]], ["verify", sys.argv[1]], ["stats", sys.argv[1]], ["stats", "--json", sys.argv[1]],
+             ["namespaces", sys.argv[1]], ["budget", sys.argv[1]], ["remove", sys.argv[1], "--all"]):
     assert main(argv) == 0, argv
 assert "torch" not in sys.modules, "inspect/verify imported torch"
 print("ok")
