@@ -29,6 +29,7 @@ fn store_bench(c: &mut Criterion) {
                 "bench",
                 StoreOptions {
                     capacity_bytes: 64 << 30,
+                    budget_bytes: None,
                     io_threads: qd,
                     direct: None,
                 },

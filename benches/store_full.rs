@@ -173,6 +173,7 @@ fn main() {
     );
     let opts = StoreOptions {
         capacity_bytes: a.capacity,
+        budget_bytes: None,
         io_threads: 16,
         direct: None,
     };

@@ -31,7 +31,8 @@ import sys
 import kvtier
 from kvtier.cli import main
 assert "torch" not in sys.modules, "import kvtier imported torch"
-for argv in (["inspect", sys.argv[1]], ["verify", sys.argv[1]], ["stats", sys.argv[1]], ["stats", "--json", sys.argv[1]]):
+for argv in (["inspect", sys.argv[1]], ["verify", sys.argv[1]], ["stats", sys.argv[1]], ["stats", "--json", sys.argv[1]],
+             ["namespaces", sys.argv[1]], ["budget", sys.argv[1]], ["remove", sys.argv[1], "--all"]):
     assert main(argv) == 0, argv
 assert "torch" not in sys.modules, "inspect/verify imported torch"
 print("ok")
@@ -245,7 +246,9 @@ def test_copied_namespace_directory_is_reported_not_silently_checked(tmp_path):
     r = kv("stats", "--json", str(tmp_path))
     got = json.loads(r.stdout)
     assert got[ns.name]["objects"] == 4 and "damage" in got[ns.name + ".bak"]
-    assert "hits" not in got[ns.name] and "capacity_bytes" not in got[ns.name]  # the opener's, not the store's
+    # traffic and capacity are the writer's (its STATS file), never the read-only opener's own zeros
+    assert got[ns.name]["puts"] == 4 and got[ns.name]["capacity_bytes"] == 1 << 30
+    assert got[ns.name]["counters_writer"] == f"pid {os.getpid()}, ended"
 
 
 def test_bench_plot_and_out_are_checked_first_and_created_last(tmp_path):

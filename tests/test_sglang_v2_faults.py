@@ -67,7 +67,8 @@ def test_a_full_disk_is_false_results_and_keeps_what_was_stored(tmp_path):
     mnt.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], check=True)
     try:
-        be = KvtierStorage(config(mnt, capacity_bytes=1 << 40, direct=False))
+        with pytest.warns(RuntimeWarning, match="is on tmpfs"):  # (a small disk that fills: tmpfs is the tool)
+            be = KvtierStorage(config(mnt, capacity_bytes=1 << 40, direct=False))
         be.register_mem_pool_host(sglang_pool("page_first_direct"))
         swa = sglang_pool("page_first_direct", 128, 128, pages=64, seed=3)
         be.register_mem_host_pool_v2(swa, PoolName.SWA)

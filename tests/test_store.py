@@ -152,8 +152,10 @@ def test_path_like_keys_stay_inside(tmp_path):
             assert "evil" not in name and "abs" not in name
         assert os.path.realpath(dirpath).startswith(os.path.realpath(tmp_path))
     assert not (tmp_path / "etc").exists()
-    mode = os.stat(sorted(root.iterdir())[0]).st_mode & 0o777
-    assert mode == 0o700
+    (ns_dir,) = [p for p in root.iterdir() if p.name.startswith("ns-")]  # (beside the root's FORMAT and BUDGET)
+    assert os.stat(ns_dir).st_mode & 0o777 == 0o700
+    assert {p.name: os.stat(p).st_mode & 0o777 for p in root.iterdir() if p.is_file()} == {"FORMAT": 0o600,
+                                                                                           "BUDGET": 0o600}
 
 
 def test_capacity_evicts_least_recently_used(tmp_path):

@@ -401,6 +401,29 @@ def test_capacity_is_enforced_lru(tmp_path, managers):
     ] * st["pages"]  # least recently used first
 
 
+def test_capacity_is_one_budget_for_every_namespace_of_the_path(tmp_path, managers):
+    """Two DP replicas (a namespace each) in one `path`: `capacity_bytes` bounds both together."""
+    import dataclasses
+
+    from kvtier import _native
+
+    row = 16 * 2 * GEOMETRIES["gqa"]
+    cap = 6 * row + (128 << 10)
+    ms = []
+    for dp in range(2):
+        cfg = offloading_config(tmp_path, rows=4, capacity_bytes=cap)
+        par = dataclasses.replace(cfg.parallel, data_parallel_index=dp, data_parallel_size=2)
+        ms.append(managers(dataclasses.replace(cfg, parallel=par)))
+    for i in range(12):
+        for m in ms:  # (a job can fail while the other replica holds more than its share: then it makes room)
+            store(m, keys(1, start=i), random_rows(m, 1, seed=i))
+    pages = [m.secondary_tiers[0].kvtier_stats()["pages"] for m in ms]
+    assert all(p >= 1 for p in pages) and sum(pages) <= 6, pages
+    assert disk_bytes(tmp_path) <= cap + 2 * (64 << 10), disk_bytes(tmp_path)
+    budget, listed = _native.store_namespaces(tmp_path)
+    assert budget == cap and len(listed) == 2
+
+
 @pytest.mark.parametrize(
     "entry,name",
     [

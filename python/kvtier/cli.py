@@ -92,16 +92,23 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-#: what `kvtier stats` shows: facts of the store on disk (not the opening process's traffic counters)
+#: what `kvtier stats` shows of the store on disk (the opening process's own traffic counters are nothing)
 _DISK_STATS = ("objects", "bytes_used", "data_bytes_held", "journal_bytes_held", "journal_damaged_spans",
                "journal_damaged_bytes", "dropped_records", "missing_class_files", "recovered_tail_bytes",
                "superseded_by_slot", "live_writer", "dir")
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    """Every namespace's counters, read-only (the store is opened without its lock and nothing is written)."""
+    """Every namespace's counters, read-only (the store is opened without its lock and nothing is written):
+    what is on disk, and the traffic its writer counted (hits, misses, bytes moved, evictions, failures,
+    capacity), which the writer leaves in the namespace's STATS file every 2 s and when it closes."""
     import json
 
+    from . import _native
+    from ._store_cli import writer_counters
+
+    budget, held = _native.store_namespaces(args.path) if os.path.isdir(args.path) else (None, [])
+    holders = {e["dir"]: e["pid"] for e in held}
     out: dict[str, dict[str, Any]] = {}
     for d, ns, problem in _namespaces(args.path):
         if problem:
@@ -112,11 +119,11 @@ def cmd_stats(args: argparse.Namespace) -> int:
             st = dict(s.stats())
         finally:
             s.close()
-        # what is on disk; the counters of traffic (hits, puts, bytes moved) belong to the process that has
-        # the store open and are exported by kvtier.metrics there
         st = {k: st[k] for k in _DISK_STATS if k in st}
         st["pages"] = st["objects"] // (1 if "|mla=" in ns else 2)
         st["namespace"] = ns
+        st["store_budget_bytes"] = budget
+        st.update(writer_counters(d, bool(st["live_writer"]), holders.get(os.path.basename(d))))
         out[os.path.basename(d)] = st
     if args.json:
         print(json.dumps(out, indent=1, sort_keys=True))
@@ -240,9 +247,30 @@ def _main(argv: list[str] | None) -> int:
     bench.add_argument("which", nargs="?", choices=["pin", "transfer", "store", "mooncake", "replay"])
     ins = sub.add_parser("inspect", help="namespaces, pages, bytes, files and damage of a store directory (read-only)")
     ins.add_argument("path")
-    stats = sub.add_parser("stats", help="a store's counters per namespace (read-only: changes nothing on disk)")
+    stats = sub.add_parser("stats", help="a store's counters per namespace: what is on disk, and its writer's hits, "
+                           "misses, bytes moved and capacity with their age (read-only: changes nothing on disk)")
     stats.add_argument("path")
     stats.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    from . import _store_cli
+
+    nss = sub.add_parser("namespaces", help="the namespaces of a store directory: size, objects, last write, the "
+                         "process holding each, and the directory's budget (read-only)")
+    nss.add_argument("path")
+    nss.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    rm = sub.add_parser("remove", help="remove namespaces of a store directory (named, or by --model / --older-than "
+                        "/ --all); says what it would remove unless --yes")
+    rm.add_argument("path")
+    rm.add_argument("dirs", nargs="*", metavar="NAMESPACE-DIR", help="ns-... directory names (or namespace strings)")
+    rm.add_argument("--model", help="only namespaces of this model name")
+    rm.add_argument("--older-than", metavar="AGE", help="only namespaces not written for AGE (e.g. 30d, 12h)")
+    rm.add_argument("--all", action="store_true", help="every namespace (with the other filters: every match)")
+    rm.add_argument("--force", action="store_true", help="also namespaces a live process holds (it keeps their "
+                    "space until it exits)")
+    rm.add_argument("--yes", action="store_true", help="remove (without it, only say what would be removed)")
+    bud = sub.add_parser("budget", help="show or set the disk budget of a whole store directory (every namespace, "
+                         "every process)")
+    bud.add_argument("path")
+    bud.add_argument("size", nargs="?", help="a size (e.g. 512G), or none to remove the budget")
     ver = sub.add_parser("verify", help="re-read every object of a store and check its checksum and journal "
                          "(read-only; exit 1 on damage)")
     ver.add_argument("path")
@@ -258,7 +286,9 @@ def _main(argv: list[str] | None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     commands = {"demo": lambda: cmd_demo(args), "bench": lambda: cmd_bench(args, rest, bench),
                 "inspect": lambda: cmd_inspect(args), "verify": lambda: cmd_verify(args),
-                "stats": lambda: cmd_stats(args), "cluster": lambda: _cluster_cli.run(args, rest)}
+                "stats": lambda: cmd_stats(args), "cluster": lambda: _cluster_cli.run(args, rest),
+                "namespaces": lambda: _store_cli.cmd_namespaces(args), "remove": lambda: _store_cli.cmd_remove(args),
+                "budget": lambda: _store_cli.cmd_budget(args)}
     try:
         return commands[args.command]()
     except BrokenPipeError:  # `kvtier stats DIR | head`: the reader left; say nothing, as other tools do

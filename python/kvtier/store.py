@@ -44,6 +44,12 @@ class PageStore:
         capacity_bytes: hard limit on the disk blocks of this namespace — data files and journal (default
             64 GiB; an int, or a string such as ``"512G"``); least-recently-used pages are evicted to stay
             under it (docs/STORE.md).
+        budget_bytes: the budget of the whole store directory ``path``: every namespace in it, in every
+            process, stays within it together (docs/STORE.md, "One budget for a store directory"); an int or
+            a string such as ``"512G"``, 0 to remove the directory's budget. ``None`` (default) leaves the
+            directory's budget as it is. A writable store honours the directory's budget whether it sets it
+            or not: when the namespaces' total would pass it, it evicts its own least-recently-used pages
+            (pages of other namespaces, idle ones included, count until ``kvtier remove`` removes them).
         model_name, tp_rank, tp_size, pp_rank, pp_size, cp_rank, cp_size, dp_rank, dcp_rank, dcp_size: identify
             the KV this store holds (``dp_rank``: with DP attention the TP rank is group-local, so ranks of
             different DP groups need their own namespace; ``dcp_*``: a decode-context-parallel shard);
@@ -87,10 +93,16 @@ class PageStore:
         read_only: bool = False,
         kv_cache_dtype: str | None = None,
         probe_bytes: int = DEFAULT_PROBE_BYTES,
+        budget_bytes: int | str | None = None,
     ) -> None:
         if isinstance(probe_bytes, bool) or not isinstance(probe_bytes, int) or probe_bytes < 0:
             raise InvalidArgumentError(f"invalid argument `probe_bytes`: must be an int >= 0, got {probe_bytes!r}")
         capacity_bytes = parse_size("capacity_bytes", capacity_bytes, 4096)
+        if budget_bytes is not None:
+            budget_bytes = parse_size("budget_bytes", budget_bytes, 0)
+            if 0 < budget_bytes < 4096:
+                raise InvalidArgumentError(f"invalid argument `budget_bytes`: must be 0 (no budget) or >= 4096, "
+                                           f"got {budget_bytes}")
         if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
             raise InvalidArgumentError(f"invalid argument `path`: the store's root directory (a non-empty path), got {path!r}")
         if isinstance(io_threads, bool) or not isinstance(io_threads, int) or io_threads < 1:
@@ -103,6 +115,7 @@ class PageStore:
                 raise InvalidArgumentError(f"invalid argument `{name}_rank`: {rank!r} is not in [0, {name}_size={size!r})")
         self.path = os.fspath(path)
         self.capacity_bytes = capacity_bytes
+        self.budget_bytes: int | None = budget_bytes
         self.model_name = str(model_name)
         self.kv_cache_dtype = None if kv_cache_dtype is None else str(kv_cache_dtype).removeprefix("torch.")
         self.ranks = dict(tp=(tp_rank, tp_size), pp=(pp_rank, pp_size), cp=(cp_rank, cp_size),
@@ -230,7 +243,8 @@ class PageStore:
         namespace yet gets None, and tries again at most once a second."""
         ns, regions, tensors, bind = self._pending
         try:
-            native = _native.PageStore(self.path, ns, self.capacity_bytes, self.io_threads, self.direct, self.read_only)
+            native = _native.PageStore(self.path, ns, self.capacity_bytes, self.io_threads, self.direct, self.read_only,
+                                       self.budget_bytes)
         except FileNotFoundError:
             if not self.read_only:
                 raise

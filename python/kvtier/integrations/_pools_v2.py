@@ -60,7 +60,7 @@ class PoolStore:
     rank writes this namespace (rank-replicated pools of MLA models); it is opened when it exists."""
 
     def __init__(self, root: str, namespace: str, pool: Any, *, capacity_bytes: int, io_threads: int,
-                 direct: Any, read_only: bool) -> None:
+                 direct: Any, read_only: bool, budget_bytes: int | None = None) -> None:
         self.pool = pool
         self.page_size = int(getattr(pool, "page_size", 1) or 1)
         self.read_only = read_only
@@ -86,7 +86,7 @@ class PoolStore:
             self.sizes = [int(dummy.numel() * dummy.element_size())]
         self.namespace = (namespace + f"|bufs={pool_geometry(pool)}" + ("|objs=flat:" if self.flat else "|objs=")
                           + "+".join(map(str, self.sizes)))
-        self._open_args = (root, self.namespace, capacity_bytes, io_threads, direct, read_only)
+        self._open_args = (root, self.namespace, capacity_bytes, io_threads, direct, read_only, budget_bytes)
         self._native: Any = None
         self._next_try = 0.0
         self._open()

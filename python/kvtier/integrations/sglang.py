@@ -16,12 +16,14 @@ from __future__ import annotations
 import os
 import threading
 import time
+import warnings
 from typing import Any
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 
 from .._errors import InvalidArgumentError
+from .._paths import default_store_dir, volatile_warning
 from ..buffer import HostBuffer
 from ..config import parse_size
 from ..store import DEFAULT_CAPACITY, PageStore
@@ -33,9 +35,13 @@ from ._pools_v2 import PoolStore
 RANK_SHARDED_POOLS = {"mamba"}
 
 #: Options read from ``--hicache-storage-backend-extra-config`` (with defaults).
-OPTIONS = {
-    "path": "/tmp/kvtier-hicache",  # the store's root directory (one namespace per model/rank/geometry)
-    "capacity_bytes": DEFAULT_CAPACITY,  # hard limit per namespace (i.e. per rank), LRU-evicted; bytes or "512G"
+OPTIONS: dict[str, Any] = {
+    # the store's root directory (one namespace per model/rank/pool geometry); None: default_store_dir("hicache"),
+    # $XDG_CACHE_HOME/kvtier/hicache or ~/.cache/kvtier/hicache (a disk, kept across reboots)
+    "path": None,
+    # the disk budget of the whole `path` directory — every rank, extra pool and model in it together —
+    # LRU-evicted; bytes or "512G"
+    "capacity_bytes": DEFAULT_CAPACITY,
     "io_threads": 16,  # IO requests in flight per batch
     "direct": None,  # None: O_DIRECT if the file system allows it (warns otherwise); False: buffered
     "kv_cache_dtype": None,  # the --kv-cache-dtype of an fp8 cache (SGLang's host pools hold fp8 as uint8)
@@ -90,9 +96,15 @@ class KvtierStorage(HiCacheStorage):
         self._opts = opts
         self.planner = EnginePlanner(opts["restore_planner"], opts["prefill_tokens_per_s"])
         self._pools: dict[str, PoolStore] = {}  # the v2 interface's extra pools, by name
+        path = default_store_dir("hicache") if opts["path"] is None else os.path.expanduser(str(opts["path"]))
+        note = volatile_warning(path, "path")
+        if note is not None:
+            warnings.warn(note, RuntimeWarning, stacklevel=2)
+        budget = parse_size("capacity_bytes", opts["capacity_bytes"], 4096)
         self.store = PageStore(
-            os.path.expanduser(str(opts["path"])),
-            capacity_bytes=parse_size("capacity_bytes", opts["capacity_bytes"], 4096),
+            path,
+            capacity_bytes=budget,
+            budget_bytes=budget,  # every namespace of the directory, in every rank's process, shares it
             model_name=(storage_config.model_name or "default") + ("|mla" if self.is_mla else ""),
             tp_rank=tp_rank,
             tp_size=tp_size,
@@ -182,6 +194,7 @@ class KvtierStorage(HiCacheStorage):
         if old is not None:  # a pool registered again: its namespace's lock must be free for the new store
             old.close()
         self._pools[name] = PoolStore(self.store.path, ns, host_pool, capacity_bytes=self.store.capacity_bytes,
+                                      budget_bytes=self.store.budget_bytes,
                                       io_threads=int(self._opts["io_threads"]), direct=self._opts["direct"],
                                       read_only=not sharded and not self.is_writer)
 

@@ -138,7 +138,8 @@ class KVTier:
         host_tokens: tokens of KV (every layer) the pinned host pool holds: the live sequence plus the pages
             kept for reuse (least recently used ones are evicted, to the store first if it has them).
         store_dir: a directory for a :class:`kvtier.PageStore` (pages persist across processes), or None.
-        store_capacity_bytes: the store's limit.
+        store_capacity_bytes: the disk budget of the whole ``store_dir`` directory (every model's namespace in
+            it, in every process, together); least-recently-used pages of this model are evicted to keep it.
         cluster: a Mooncake master address: a cluster tier behind the local store (``store_dir`` required).
         pin_memory: pin the host pool (CUDA).
         restore: ``"plan"`` (default): every restore is decided with measurements — the prefix's pages are
@@ -249,7 +250,8 @@ class KVTier:
         self.page_store: PageStore | None = None
         try:
             if store_dir is not None:
-                self.page_store = PageStore(store_dir, capacity_bytes=store_capacity_bytes, model_name=self.model_name)
+                self.page_store = PageStore(store_dir, capacity_bytes=store_capacity_bytes,
+                                            budget_bytes=store_capacity_bytes, model_name=self.model_name)
                 self.page_store.register_mem_pool_host(self.host)
                 self.store = self.page_store
                 if cluster is not None:

@@ -46,6 +46,7 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from .._errors import ClosedError, InvalidArgumentError
+from .._paths import volatile_warning
 from ..config import parse_size
 from ..store import DEFAULT_CAPACITY, PageStore
 from ._engine_planner import EnginePlanner, check_options
@@ -57,7 +58,8 @@ VLLM_VERSION = "0.33.0"
 #: Options read from the tier's entry in ``secondary_tiers`` (``None`` for ``path``: required).
 OPTIONS: dict[str, Any] = {
     "path": None,  # the store's root directory (one owner-only namespace per model/layout/parallel config)
-    "capacity_bytes": DEFAULT_CAPACITY,  # hard limit of the namespace's disk blocks, LRU-evicted
+    # the disk budget of the whole `path` directory (every namespace in it: DP replicas, other models), LRU-evicted
+    "capacity_bytes": DEFAULT_CAPACITY,
     "io_threads": 16,  # IO requests in flight per batch
     "direct": None,  # None: O_DIRECT if the file system allows it (warns otherwise); False: buffered
     "namespace_tag": None,  # a string of the user's in the namespace (weights revision, attention backend)
@@ -261,6 +263,9 @@ class KvtierTier(SecondaryTierManager):
                 VLLM_VERSION,
                 vllm.__version__,
             )
+        note = volatile_warning(opts["path"], "path")
+        if note is not None:
+            logger.warning("%s", note)
         self.locality = opts["locality"]
         self.planner = EnginePlanner(opts["restore_planner"], opts["prefill_tokens_per_s"])
         self.tokens_per_row = int(cfg.cache.tokens_per_hash) * int(cfg.cache.blocks_per_chunk)
@@ -269,6 +274,7 @@ class KvtierTier(SecondaryTierManager):
             opts["path"],
             self.namespace,
             capacity_bytes=opts["capacity_bytes"],
+            budget_bytes=opts["capacity_bytes"],
             io_threads=opts["io_threads"],
             direct=opts["direct"],
         )

@@ -125,6 +125,7 @@ fn main() {
         "ns",
         StoreOptions {
             capacity_bytes: 1 << 26,
+            budget_bytes: None,
             io_threads: 1,
             ..Default::default()
         },

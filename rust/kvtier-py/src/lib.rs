@@ -23,6 +23,11 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<store::PyPageStore>()?;
     m.add_class::<ranges::PyHostRanges>()?;
     m.add_function(wrap_pyfunction!(store_fns::namespace_dir, m)?)?;
+    m.add_function(wrap_pyfunction!(store_fns::store_namespaces, m)?)?;
+    m.add_function(wrap_pyfunction!(store_fns::remove_namespace, m)?)?;
+    m.add_function(wrap_pyfunction!(store_fns::store_budget, m)?)?;
+    m.add_function(wrap_pyfunction!(store_fns::set_store_budget, m)?)?;
+    m.add_function(wrap_pyfunction!(store_fns::store_format_version, m)?)?;
     m.add_function(wrap_pyfunction!(store_fns::page_hashes, m)?)?;
     m.add_function(wrap_pyfunction!(store_fns::disk_roofline, m)?)?;
     m.add_function(wrap_pyfunction!(store_fns::fault_set, m)?)?;

@@ -95,7 +95,8 @@ impl PyPageStore {
 #[pymethods]
 impl PyPageStore {
     #[new]
-    #[pyo3(signature = (root, namespace, capacity_bytes, io_threads=16, direct=None, read_only=false))]
+    #[pyo3(signature = (root, namespace, capacity_bytes, io_threads=16, direct=None, read_only=false, budget_bytes=None))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         root: PathBuf,
@@ -104,9 +105,11 @@ impl PyPageStore {
         io_threads: usize,
         direct: Option<bool>,
         read_only: bool,
+        budget_bytes: Option<u64>,
     ) -> KvResult<Self> {
         let opts = StoreOptions {
             capacity_bytes,
+            budget_bytes,
             io_threads,
             direct,
         };

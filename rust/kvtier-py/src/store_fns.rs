@@ -47,6 +47,9 @@ pub fn stats<'py>(py: Python<'py>, s: &PageStore) -> KvResult<Bound<'py, PyDict>
     ] {
         d.set_item(k, v)?;
     }
+    let (budget, claimed) = s.budget().unzip();
+    d.set_item("budget_bytes", budget)?;
+    d.set_item("budget_claimed_bytes", claimed)?;
     d.set_item("missing_class_files", rep.missing_class_files.clone())?;
     d.set_item("reserve_note", rep.reserve_note.clone())?;
     d.set_item("compacted_at_open", rep.compacted)?;
@@ -153,4 +156,53 @@ pub fn fault_clear() {
 #[pyfunction]
 pub fn fault_hits(point: &str) -> u64 {
     kvtier_core::fault::hits(point)
+}
+
+/// `(budget or None, [dict])`: a store directory's namespace directories (`dir`, `namespace`,
+/// `disk_bytes`, `last_write_unix`, `live`, `claimed_bytes`, `pid`), read-only.
+#[pyfunction]
+pub fn store_namespaces<'py>(
+    py: Python<'py>,
+    root: PathBuf,
+) -> KvResult<(Option<u64>, Vec<Bound<'py, PyDict>>)> {
+    let (budget, list) = py.detach(|| kvtier_core::store::lifecycle::namespaces(&root))?;
+    let mut out = Vec::with_capacity(list.len());
+    for e in list {
+        let d = PyDict::new(py);
+        d.set_item("dir", e.dir)?;
+        d.set_item("namespace", e.namespace)?;
+        d.set_item("disk_bytes", e.disk_bytes)?;
+        d.set_item("last_write_unix", e.last_write_unix)?;
+        d.set_item("live", e.live)?;
+        d.set_item("claimed_bytes", e.claim.map(|c| c.0))?;
+        d.set_item("pid", e.claim.map(|c| c.1).filter(|&p| p > 0))?;
+        out.push(d);
+    }
+    Ok((budget, out))
+}
+
+/// Removes namespace directory `dir` of the store at `root` (refused while a live process holds its LOCK,
+/// unless `force`); returns the bytes its files held.
+#[pyfunction]
+#[pyo3(signature = (root, dir, force=false))]
+pub fn remove_namespace(py: Python<'_>, root: PathBuf, dir: String, force: bool) -> KvResult<u64> {
+    Ok(py.detach(|| kvtier_core::store::lifecycle::remove_namespace(&root, &dir, force))?)
+}
+
+/// The budget of the store at `root` (None: none).
+#[pyfunction]
+pub fn store_budget(root: PathBuf) -> KvResult<Option<u64>> {
+    Ok(kvtier_core::store::lifecycle::budget(&root)?)
+}
+
+/// Sets (None: removes) the budget of the existing store at `root`.
+#[pyfunction]
+pub fn set_store_budget(root: PathBuf, bytes: Option<u64>) -> KvResult<()> {
+    Ok(kvtier_core::store::lifecycle::set_budget(&root, bytes)?)
+}
+
+/// The on-disk format this kvtier reads and writes.
+#[pyfunction]
+pub fn store_format_version() -> u32 {
+    kvtier_core::store::format::FORMAT_VERSION
 }

@@ -192,12 +192,21 @@ impl PageStore {
             if ix.j_alloc >= need {
                 return Ok(());
             }
-            let room = self.opts.capacity_bytes.saturating_sub(ix.data_alloc);
+            let room = self.limit().saturating_sub(ix.data_alloc);
             if need > room {
                 return Err(io::Error::from_raw_os_error(libc::ENOSPC));
             }
             let step = JOURNAL_STEP.min(self.opts.capacity_bytes / 64 / 4096 * 4096);
-            let target = round_up(need + step).min(room / 4096 * 4096).max(need);
+            let mut target = round_up(need + step).min(room / 4096 * 4096).max(need);
+            // claimed in the root's budget before the blocks are allocated: the step if it fits, else what
+            // this commit needs
+            let with = |t: u64| ix.data_alloc + t.max(round_up(ix.journal_budget()));
+            if !self.fits(&ix, with(target)) {
+                target = need;
+                if !self.fits(&ix, with(need)) {
+                    return Err(io::Error::from_raw_os_error(libc::ENOSPC));
+                }
+            }
             // counted before the lock is released, so a concurrent reservation sees the journal's growth
             let from = ix.j_alloc;
             ix.j_alloc = target;
@@ -297,6 +306,8 @@ impl PageStore {
             .len();
         drop(j);
         self.compact_step();
+        self.settle();
+        self.persist_stats(false);
         Ok(n)
     }
 
@@ -337,7 +348,7 @@ impl PageStore {
         let j = self.lock_journal();
         let (end, held, need) = {
             let ix = self.lock_index();
-            if ix.occupancy_with(0, 0) <= self.opts.capacity_bytes {
+            if ix.occupancy_with(0, 0) <= self.limit() {
                 return;
             }
             (ix.j_end, ix.j_alloc, round_up(ix.journal_need()))

@@ -13,28 +13,37 @@
 //! - `write` / `read`: put, get and verify; `pages`: page-level batches over a bound host pool;
 //! - `recovery`: replay at open; [`stats`]: counters and the open report.
 
+mod budget;
+mod capacity;
 mod commit;
 mod compact;
 mod files;
 mod follow;
+pub mod format;
 mod index;
 pub mod journal;
+pub mod lifecycle;
 mod memory;
 mod namespace;
 mod pages;
 mod read;
 mod recovery;
 pub mod stats;
+mod stats_file;
 mod write;
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_budget;
 #[cfg(test)]
 mod tests_compaction;
 #[cfg(test)]
 mod tests_compaction_attacks;
 #[cfg(test)]
 mod tests_faults;
+#[cfg(test)]
+mod tests_lifecycle;
 #[cfg(test)]
 mod tests_pages;
 #[cfg(test)]
@@ -66,6 +75,10 @@ pub struct StoreOptions {
     /// Hard limit on the bytes the store occupies on disk: data blocks plus the journal (docs/STORE.md,
     /// "Capacity, exactly").
     pub capacity_bytes: u64,
+    /// The budget of the whole store directory, shared by every namespace in it and every process writing
+    /// one (docs/STORE.md, "One budget for a store directory"): `Some(bytes)` sets it (0 removes it),
+    /// `None` keeps the one the directory has. A writable open honours the directory's budget either way.
+    pub budget_bytes: Option<u64>,
     /// Threads doing IO in parallel for one batch (the queue depth).
     pub io_threads: usize,
     /// `Some(false)` disables O_DIRECT; `None` probes it; `Some(true)` requires it.
@@ -76,6 +89,7 @@ impl Default for StoreOptions {
     fn default() -> Self {
         Self {
             capacity_bytes: 64 << 30,
+            budget_bytes: None,
             io_threads: 16,
             direct: None,
         }
@@ -108,6 +122,10 @@ pub struct PageStore {
     memory: memory::Memory,
     /// Read-only stores: where they are in the writer's journal (see `follow`).
     follow: Option<Mutex<follow::Follow>>,
+    /// This namespace's share of the root's budget (writable stores).
+    share: Option<budget::Share>,
+    /// When the counters were last written to `STATS` (see `stats_file`).
+    stats_file: stats_file::StatsFile,
     /// Counters.
     pub stats: Stats,
     report: OpenReport,
@@ -132,6 +150,7 @@ impl PageStore {
     pub fn open_read_only(root: &Path, namespace: &str) -> Result<Self> {
         let opts = StoreOptions {
             capacity_bytes: u64::MAX,
+            budget_bytes: None,
             io_threads: 4,
             direct: Some(false),
         };
@@ -156,6 +175,12 @@ impl PageStore {
         if opts.io_threads == 0 {
             return Err(Error::arg("io_threads", "must be >= 1"));
         }
+        if let Some(b @ 1..ALIGN) = opts.budget_bytes {
+            return Err(Error::arg(
+                "budget_bytes",
+                format!("must be 0 (no budget) or >= {ALIGN}, got {b}"),
+            ));
+        }
         // the store allocates whole 4 KiB blocks: a capacity between two multiples is the lower one
         opts.capacity_bytes = opts.capacity_bytes / ALIGN * ALIGN;
         let (dir, lock, live_writer) = if writable {
@@ -164,6 +189,13 @@ impl PageStore {
         } else {
             let (d, live) = namespace::open_read_only(root, namespace)?;
             (d, None, live)
+        };
+        format::check(&dir, root, writable)?;
+        let share = if writable {
+            let name = namespace_dir(namespace);
+            Some(budget::Share::open(root, &name, opts.budget_bytes)?)
+        } else {
+            None
         };
         let (direct, direct_note) = match (writable, opts.direct) {
             (false, _) => (false, None),
@@ -267,6 +299,8 @@ impl PageStore {
             pages: Default::default(),
             memory: Default::default(),
             follow,
+            share,
+            stats_file: Default::default(),
             stats: Stats::default(),
             report,
         };
@@ -282,68 +316,8 @@ impl PageStore {
         Ok(store)
     }
 
-    /// Writable open, steps 6–8: compaction, forgotten keys, the delete reserve, capacity. Returns whether
-    /// the journal was compacted and a note when the reserve could not be established.
-    fn after_open(&self, forgotten: Vec<String>) -> (bool, Option<String>) {
-        let (end, trigger) = {
-            let ix = self.lock_index();
-            (ix.j_end, ix.compact_trigger())
-        };
-        let compacted = end >= trigger && self.compact().is_ok();
-        // A key whose latest record was dropped is deleted for good: if the record became plausible at a
-        // later open (the class file grew as new objects took its slot), it would come back. After a
-        // compaction these deletes are redundant, and harmless.
-        self.append_forgotten(forgotten);
-        let _ = self.establish_reserve();
-        // Honour a capacity smaller than what is stored (reopened with a lower limit): first the journal's
-        // reserve shrinks to what this capacity wants, then objects are evicted; the reserve may only fit
-        // once that has made room (a no-op where it is already in place).
-        self.shrink_reserve();
-        self.evict_to_capacity();
-        (compacted, self.establish_reserve())
-    }
-
     fn lock_index(&self) -> MutexGuard<'_, Index> {
         self.index.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Evicts (and punches) until the occupancy is within the capacity, as far as unpinned objects allow.
-    fn evict_to_capacity(&self) {
-        for _ in 0..64 {
-            let victims = {
-                let mut ix = self.lock_index();
-                let over = ix
-                    .occupancy_with(0, 0)
-                    .saturating_sub(self.opts.capacity_bytes);
-                if over == 0 {
-                    return;
-                }
-                if self.punch_ok.load(Ordering::Relaxed) {
-                    let punch = ix.take_punchable(&[]);
-                    if !punch.is_empty() {
-                        drop(ix);
-                        self.punch_slots(&punch);
-                        continue;
-                    }
-                }
-                let v = ix.victims(over, &Default::default(), None);
-                if !self.punch_ok.load(Ordering::Relaxed) {
-                    // freed blocks stay counted where they cannot be punched: evicting frees nothing
-                    return;
-                }
-                v
-            };
-            if victims.is_empty() {
-                return;
-            }
-            match self.commit_dels(&victims) {
-                Ok(g) => self
-                    .stats
-                    .evictions
-                    .fetch_add(g.len() as u64, Ordering::Relaxed),
-                Err(_) => return,
-            };
-        }
     }
 
     /// The namespace directory.
@@ -381,6 +355,11 @@ impl PageStore {
     /// The capacity limit.
     pub fn capacity(&self) -> u64 {
         self.opts.capacity_bytes
+    }
+    /// The root's budget (`None`: none, or a read-only store) and this namespace's claim on it.
+    pub fn budget(&self) -> Option<(u64, u64)> {
+        let s = self.share.as_ref()?;
+        Some((s.budget(), s.claimed())).filter(|b| b.0 > 0)
     }
     /// Whether a failed journal append could not be undone: mutations fail until the store is reopened.
     pub fn poisoned(&self) -> bool {

@@ -39,7 +39,7 @@ fn owner_only_dir(p: &Path) -> Result<()> {
 }
 
 /// Checks that `p` is a real directory (not a symlink) owned by this process's user.
-fn check_owned_dir(p: &Path) -> Result<()> {
+pub(super) fn check_owned_dir(p: &Path) -> Result<()> {
     use std::os::unix::fs::MetadataExt;
     let md =
         std::fs::symlink_metadata(p).map_err(|e| io_err(format!("stat {}", p.display()), e))?;
@@ -68,29 +68,9 @@ pub(super) fn open_writable(root: &Path, namespace: &str) -> Result<(PathBuf, Fi
         .mode(0o700)
         .create(root)
         .map_err(|e| io_err(format!("creating {}", root.display()), e))?;
+    super::format::check(root, root, true)?;
     let dir = root.join(namespace_dir(namespace));
-    owner_only_dir(&dir)?;
-    // the lock first: two processes creating one namespace must not race on NAMESPACE.tmp
-    let lock = open_rw(&dir.join("LOCK"), 0).map_err(|e| io_err("opening LOCK", e))?;
-    // a read-only inspector takes a shared lock for an instant to see whether a writer is there: retry
-    // for up to 200 ms before calling the namespace taken
-    let mut locked = try_lock(&lock, libc::LOCK_EX);
-    for _ in 0..20 {
-        if locked {
-            break;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(10));
-        locked = try_lock(&lock, libc::LOCK_EX);
-    }
-    if !locked {
-        return Err(Error::Os {
-            what: format!(
-                "namespace {namespace:?} at {} is already open for writing (LOCK held)",
-                dir.display()
-            ),
-            source: std::io::Error::last_os_error(),
-        });
-    }
+    let lock = lock_dir(&dir, namespace)?;
     let ns_file = dir.join("NAMESPACE");
     match check_namespace_file(&dir, namespace)? {
         true => {}
@@ -114,9 +94,56 @@ pub(super) fn open_writable(root: &Path, namespace: &str) -> Result<(PathBuf, Fi
     Ok((dir, lock))
 }
 
+/// Creates (or checks) the namespace directory `dir` and takes its `LOCK`. The lock is taken on the file
+/// the directory holds when it is had: a `kvtier remove` that held it meanwhile renamed the directory
+/// away, and the lock of a removed directory guards nothing, so the open starts again.
+fn lock_dir(dir: &Path, namespace: &str) -> Result<File> {
+    for _ in 0..8 {
+        owner_only_dir(dir)?;
+        // the lock first: two processes creating one namespace must not race on NAMESPACE.tmp
+        let lock = open_rw(&dir.join("LOCK"), 0).map_err(|e| io_err("opening LOCK", e))?;
+        // a read-only inspector takes a shared lock for an instant to see whether a writer is there: retry
+        // for up to 200 ms before calling the namespace taken
+        let mut locked = try_lock(&lock, libc::LOCK_EX);
+        for _ in 0..20 {
+            if locked {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+            locked = try_lock(&lock, libc::LOCK_EX);
+        }
+        if !locked {
+            return Err(Error::Os {
+                what: format!(
+                    "namespace {namespace:?} at {} is already open for writing (LOCK held)",
+                    dir.display()
+                ),
+                source: std::io::Error::last_os_error(),
+            });
+        }
+        if same_file(&lock, &dir.join("LOCK")) {
+            return Ok(lock);
+        }
+    }
+    Err(io_err(
+        format!("{}: removed again and again while opening", dir.display()),
+        std::io::Error::from_raw_os_error(libc::EAGAIN),
+    ))
+}
+
+/// Whether the open file `f` is the file at `p` now (not one unlinked or renamed away since).
+pub(super) fn same_file(f: &File, p: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    match (f.metadata(), std::fs::symlink_metadata(p)) {
+        (Ok(a), Ok(b)) => a.dev() == b.dev() && a.ino() == b.ino() && a.nlink() > 0,
+        _ => false,
+    }
+}
+
 /// The existing namespace directory, for reading only: nothing is created or written. Returns the
 /// directory and whether a writer holds its `LOCK` now.
 pub(super) fn open_read_only(root: &Path, namespace: &str) -> Result<(PathBuf, bool)> {
+    super::format::check(root, root, false)?;
     let dir = root.join(namespace_dir(namespace));
     let md = std::fs::symlink_metadata(&dir)
         .map_err(|e| io_err(format!("no namespace directory {}", dir.display()), e))?;
@@ -133,9 +160,14 @@ pub(super) fn open_read_only(root: &Path, namespace: &str) -> Result<(PathBuf, b
             std::io::Error::from_raw_os_error(libc::ENOENT),
         ));
     }
-    // A shared lock that cannot be had means a writer holds the namespace. The probe takes the lock only
-    // for an instant and writes nothing; a LOCK that cannot even be opened read-only counts as held.
-    let live = match File::open(dir.join("LOCK")) {
+    Ok((dir.clone(), held(&dir)))
+}
+
+/// Whether a writer holds the `LOCK` of namespace directory `dir` now. A shared lock that cannot be had
+/// means a writer holds it; the probe takes it only for an instant and writes nothing. A `LOCK` that
+/// cannot even be opened read-only counts as held.
+pub fn held(dir: &Path) -> bool {
+    match File::open(dir.join("LOCK")) {
         Ok(f) => {
             let free = try_lock(&f, libc::LOCK_SH);
             drop(f); // closing releases a lock it took
@@ -143,8 +175,7 @@ pub(super) fn open_read_only(root: &Path, namespace: &str) -> Result<(PathBuf, b
         }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => false,
         Err(_) => true,
-    };
-    Ok((dir, live))
+    }
 }
 
 /// True when `dir/NAMESPACE` holds `namespace`, false when it does not exist; an error when it names
@@ -172,7 +203,7 @@ pub(super) fn sync_dir(dir: &Path) -> std::io::Result<()> {
     File::open(dir)?.sync_all()
 }
 
-fn try_lock(f: &File, how: i32) -> bool {
+pub(super) fn try_lock(f: &File, how: i32) -> bool {
     // SAFETY: flock on a file descriptor we own.
     unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(f), how | libc::LOCK_NB) == 0 }
 }

@@ -109,6 +109,7 @@ impl PageStore {
         self.stats
             .get_ns
             .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        self.persist_stats(false);
         Ok(ok)
     }
 

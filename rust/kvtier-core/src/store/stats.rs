@@ -1,6 +1,6 @@
 //! Counters of a running store and the report of what its open found.
 
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
 /// Counters reported by [`super::PageStore::stats`].
 #[derive(Debug, Default)]
@@ -40,6 +40,32 @@ pub struct Stats {
     pub verify_done: AtomicU64,
     /// ... and how many it will check.
     pub verify_total: AtomicU64,
+}
+
+impl Stats {
+    /// The traffic and failure counters by name (the verify progress left out).
+    pub fn counters(&self) -> Vec<(&'static str, u64)> {
+        [
+            ("puts", &self.puts),
+            ("bytes_written", &self.bytes_written),
+            ("put_ns", &self.put_ns),
+            ("hits", &self.hits),
+            ("misses", &self.misses),
+            ("bytes_read", &self.bytes_read),
+            ("get_ns", &self.get_ns),
+            ("evictions", &self.evictions),
+            ("corrupt_reads", &self.corrupt_reads),
+            ("write_failures", &self.write_failures),
+            ("read_failures", &self.read_failures),
+            ("journal_failures", &self.journal_failures),
+            ("punched_slots", &self.punched_slots),
+            ("compactions", &self.compactions),
+            ("dropped_records", &self.dropped_records),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k, v.load(Relaxed)))
+        .collect()
+    }
 }
 
 /// What opening the store found on disk (fixed for the life of the open store).

@@ -36,6 +36,7 @@ pub(super) fn rand_u64() -> u64 {
 pub(super) fn opts(cap: u64) -> StoreOptions {
     StoreOptions {
         capacity_bytes: cap,
+        budget_bytes: None,
         io_threads: 4,
         direct: None,
     }

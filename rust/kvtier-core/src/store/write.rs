@@ -49,6 +49,7 @@ impl PageStore {
             self.fail(objs.len());
             return Ok(ok);
         }
+        self.keep_to_limit();
         let mut dups = Vec::new();
         let plan = self.reserve(objs, &mut ok, &mut dups);
         let plan = self.allocate(plan);
@@ -82,12 +83,14 @@ impl PageStore {
             ok[d] = ok[f];
         }
         self.compact_step();
+        self.settle();
         let stored = ok.iter().filter(|&&b| b).count() as u64;
         self.stats.puts.fetch_add(stored, Ordering::Relaxed);
         self.stats.bytes_written.fetch_add(bytes, Ordering::Relaxed);
         self.stats
             .put_ns
             .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        self.persist_stats(false);
         Ok(ok)
     }
 
@@ -141,9 +144,7 @@ impl PageStore {
                 for &(i, class, journal) in &want {
                     let grow = ix.free.get(&class).is_none_or(|v| v.is_empty());
                     let add = if grow { u64::from(class) } else { 0 };
-                    if ix.occupancy_with(add, journal) > self.opts.capacity_bytes
-                        || !left.is_empty()
-                    {
+                    if !left.is_empty() || !self.fits(&ix, ix.occupancy_with(add, journal)) {
                         left.push((i, class, journal));
                         continue;
                     }
@@ -196,7 +197,7 @@ impl PageStore {
                     .fold((0u64, 0u64), |(g, j), w| (g + u64::from(w.1), j + w.2));
                 let deficit = ix
                     .occupancy_with(grow, journal)
-                    .saturating_sub(self.opts.capacity_bytes);
+                    .saturating_sub(self.limit());
                 if punching {
                     let keep: Vec<(u32, usize)> = want.iter().map(|w| (w.1, 1)).collect();
                     let punch = ix.take_punchable(&keep);
