@@ -311,6 +311,14 @@ def test_mla_ranks_share_the_writers_pages(tmp_path):
     wb, rb = writer_pool.kv_buffer.view(torch.uint8), reader_pool.kv_buffer.view(torch.uint8)
     assert torch.equal(rb[4:7], wb[0:3])
     w.store.delete(keys[:1])
+    # a follower looks at the writer's journal on a miss or at least every 100 ms (docs/STORE.md, followers):
+    # the deleted page is a miss for it within that
+    import time
+
+    t0 = time.monotonic()
+    while r.batch_exists(keys) != 0 and time.monotonic() - t0 < 2.0:
+        time.sleep(0.02)
+    assert time.monotonic() - t0 < 0.5, "the follower saw the delete late"
     assert r.batch_exists(keys) == 0 and r.batch_get_v1(keys[:1], idx([4])) == [False]
     import time
 
