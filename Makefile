@@ -36,7 +36,7 @@ VLLM := vllm==0.33.0
 VLLM_IMPORT_DEPS := cbor2 oss-harmony openai cachetools cloudpickle uvloop py-cpuinfo "xgrammar==0.2.8" \
 	"fastapi>=0.133.0,<0.137.0" partial-json-parser "llguidance>=1.7.0,<1.8.0"
 
-.PHONY: help syslibs install install-test test-wheel build build-profiling demo test test-rust test-python test-gpu bench-rust gpu-wheel lint clean sanitize sanitize-quick soak
+.PHONY: engine-envs engine-env-sglang engine-env-vllm help syslibs install install-test test-wheel build build-profiling demo test test-rust test-python test-gpu bench-rust gpu-wheel lint clean sanitize sanitize-quick soak
 
 help: ## Show this help
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-16s\033[0m %s\n", $$1, $$2}'
@@ -99,6 +99,15 @@ test-python: build $(TEST_STAMP) ## pytest (the other half)
 
 test-wheel: build ## pip install the built wheel into a fresh virtualenv without torch; run the CLI there
 	scripts/test_wheel.sh $(VPY)
+
+engine-envs: ## SGLang and vLLM each in a venv of their own full dependencies (.venvs/), kvtier's wheel beside them, their tests there
+	MATURIN=$${MATURIN:-$(VENV)/bin/maturin} scripts/engine_envs.sh sglang vllm
+
+engine-env-sglang: ## engine-envs for SGLang only
+	MATURIN=$${MATURIN:-$(VENV)/bin/maturin} scripts/engine_envs.sh sglang
+
+engine-env-vllm: ## engine-envs for vLLM only
+	MATURIN=$${MATURIN:-$(VENV)/bin/maturin} scripts/engine_envs.sh vllm
 
 bench-rust: ## criterion benches of the core (KVTIER_BENCH_SMALL=1 for small sizes)
 	cargo bench -p kvtier-bench
