@@ -12,8 +12,9 @@ DEPS_STAMP := $(VENV)/.kvtier-deps
 TEST_STAMP := $(VENV)/.kvtier-test-deps
 BUILD_STAMP := $(VENV)/.kvtier-build
 RUST_SRC := $(shell find rust -name '*.rs' -o -name Cargo.toml) Cargo.toml pyproject.toml
-# The transformers release kvtier.integrations.transformers is tested with (its Cache API changes between
-# minor releases); the demo serves its workload with transformers' LlamaForCausalLM.
+# The transformers release the dev environment tests kvtier.integrations.transformers with (its Cache API changes
+# between minor releases; engine-envs tests the releases SGLang and vLLM pin); the demo serves its workload with
+# transformers' LlamaForCausalLM.
 TRANSFORMERS_VERSION := 5.24.0
 TRANSFORMERS := transformers==$(TRANSFORMERS_VERSION)
 # What building kvtier and running the demo need (torch's PyPI build is a CUDA build; it runs on CPU too).
@@ -89,7 +90,7 @@ build-profiling: $(DEPS_STAMP) ## Release build with debug symbols, for perf/fla
 demo: build ## Run the main job (kvtier demo)
 	$(VPY) -m kvtier demo
 
-test: test-rust test-python test-wheel sanitize-quick ## cargo test, pytest (CUDA tests skip without a GPU; short soak, fuzz and fault runs included), the wheel in a fresh virtualenv, ASan quick run
+test: test-rust test-python test-wheel sanitize-quick engine-envs ## cargo test, pytest (CUDA tests skip without a GPU; short soak, fuzz and fault runs included), the wheel in a fresh virtualenv, ASan quick run, the engines' own environments
 
 test-rust: $(DEPS_STAMP) ## cargo test --workspace (one half of make test)
 	cargo test --workspace --quiet
@@ -100,14 +101,17 @@ test-python: build $(TEST_STAMP) ## pytest (the other half)
 test-wheel: build ## pip install the built wheel into a fresh virtualenv without torch; run the CLI there
 	scripts/test_wheel.sh $(VPY)
 
-engine-envs: ## SGLang and vLLM each in a venv of their own full dependencies (.venvs/), kvtier's wheel beside them, their tests there
-	MATURIN=$${MATURIN:-$(VENV)/bin/maturin} scripts/engine_envs.sh sglang vllm
+# SGLang and vLLM each in a venv of its own, where pip resolved the engine with its whole dependency tree (the torch
+# and transformers it pins; ~10 GB each, in .venvs/), kvtier's wheel installed beside it without changing a package,
+# and the engine's conformance tests and the transformers tests run there (scripts/engine_envs.sh says more).
+engine-envs: $(DEPS_STAMP) ## SGLang 0.5.23 and vLLM 0.33.0 in their own full environments (.venvs/, ~21 GB), kvtier's wheel beside them, their tests there
+	MATURIN=$(VENV)/bin/maturin scripts/engine_envs.sh sglang vllm
 
-engine-env-sglang: ## engine-envs for SGLang only
-	MATURIN=$${MATURIN:-$(VENV)/bin/maturin} scripts/engine_envs.sh sglang
+engine-env-sglang: $(DEPS_STAMP) ## engine-envs for SGLang only
+	MATURIN=$(VENV)/bin/maturin scripts/engine_envs.sh sglang
 
-engine-env-vllm: ## engine-envs for vLLM only
-	MATURIN=$${MATURIN:-$(VENV)/bin/maturin} scripts/engine_envs.sh vllm
+engine-env-vllm: $(DEPS_STAMP) ## engine-envs for vLLM only
+	MATURIN=$(VENV)/bin/maturin scripts/engine_envs.sh vllm
 
 bench-rust: ## criterion benches of the core (KVTIER_BENCH_SMALL=1 for small sizes)
 	cargo bench -p kvtier-bench

@@ -105,6 +105,12 @@ setup_env() {
   local e=$1 spec=${SPEC[$1]} venv="$dir/$1" logs="$dir/$1-logs"
   mkdir -p "$logs"
   local py="$venv/bin/python"
+  if [ "$(cat "$venv/.kvtier-engine" 2>/dev/null)" != "$spec" ]; then
+    # measured installed: sglang 11 GB, vllm 9.5 GB; pip also unpacks each wheel in a temporary directory
+    local free_gb
+    free_gb=$(df -Pk "$dir" | awk 'NR == 2 { print int($4 / 1048576) }')
+    [ "$free_gb" -ge 12 ] || die "$e: its environment takes ~10-11 GB and pip needs room to unpack; only $free_gb GB free under $dir"
+  fi
   if [ ! -x "$py" ]; then
     say "$e: creating $venv ($("$python" --version))"
     run "$logs/venv.log" "creating the virtualenv $venv" "$python" -m venv "$venv"

@@ -164,3 +164,17 @@ def test_generate_under_inference_mode_restores_exactly():
             second = gen(m, ids, tier.cache(ids))  # restores the stored prefix
         assert tier.stats.restored_pages > 0
     assert same(first, want) and same(second, want)
+
+
+def test_the_version_warning_fires_only_outside_the_tested_releases(monkeypatch):
+    """TESTED_TRANSFORMERS holds every release the tests run with (the engines' environments and the dev one):
+    no warning there (pytest makes one an error), a warning naming the tested releases under any other."""
+    from kvtier.integrations import transformers as integration
+
+    assert transformers.__version__ in integration.TESTED_TRANSFORMERS, transformers.__version__
+    assert {"5.19.0", "5.20.2", "5.24.0"} <= integration.TESTED_TRANSFORMERS
+    m = llama()
+    KVTier(m, model_id="t", page_size=PS, host_tokens=512).close()
+    monkeypatch.setattr(integration, "TESTED_TRANSFORMERS", frozenset({"5.9.0", "5.10.1"}))
+    with pytest.warns(UserWarning, match=rf"tested with transformers 5\.9\.0, 5\.10\.1; this is {transformers.__version__}"):
+        KVTier(m, model_id="t", page_size=PS, host_tokens=512).close()
