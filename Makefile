@@ -90,7 +90,7 @@ build-profiling: $(DEPS_STAMP) ## Release build with debug symbols, for perf/fla
 demo: build ## Run the main job (kvtier demo)
 	$(VPY) -m kvtier demo
 
-test: test-rust test-python test-wheel sanitize-quick engine-envs ## cargo test, pytest (CUDA tests skip without a GPU; short soak, fuzz and fault runs included), the wheel in a fresh virtualenv, ASan quick run, the engines' own environments
+test: test-rust test-python test-wheel sanitize-quick ## cargo test, pytest (CUDA tests skip without a GPU; short soak, fuzz and fault runs included), the wheel in a fresh virtualenv, ASan quick run
 
 test-rust: $(DEPS_STAMP) ## cargo test --workspace (one half of make test)
 	cargo test --workspace --quiet
@@ -104,6 +104,7 @@ test-wheel: build ## pip install the built wheel into a fresh virtualenv without
 # SGLang and vLLM each in a venv of its own, where pip resolved the engine with its whole dependency tree (the torch
 # and transformers it pins; ~10 GB each, in .venvs/), kvtier's wheel installed beside it without changing a package,
 # and the engine's conformance tests and the transformers tests run there (scripts/engine_envs.sh says more).
+# Not part of `make test`: run it, and report its result, before each resolve (cold: ~11 min and ~21 GB of disk).
 engine-envs: $(DEPS_STAMP) ## SGLang 0.5.23 and vLLM 0.33.0 in their own full environments (.venvs/, ~21 GB), kvtier's wheel beside them, their tests there
 	MATURIN=$(VENV)/bin/maturin scripts/engine_envs.sh sglang vllm
 
