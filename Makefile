@@ -12,8 +12,9 @@ DEPS_STAMP := $(VENV)/.kvtier-deps
 TEST_STAMP := $(VENV)/.kvtier-test-deps
 BUILD_STAMP := $(VENV)/.kvtier-build
 RUST_SRC := $(shell find rust -name '*.rs' -o -name Cargo.toml) Cargo.toml pyproject.toml
-# The transformers release kvtier.integrations.transformers is tested with (its Cache API changes between
-# minor releases); the demo serves its workload with transformers' LlamaForCausalLM.
+# The transformers release the dev environment tests kvtier.integrations.transformers with (its Cache API changes
+# between minor releases; engine-envs tests the releases SGLang and vLLM pin); the demo serves its workload with
+# transformers' LlamaForCausalLM.
 TRANSFORMERS_VERSION := 5.24.0
 TRANSFORMERS := transformers==$(TRANSFORMERS_VERSION)
 # What building kvtier and running the demo need (torch's PyPI build is a CUDA build; it runs on CPU too).
@@ -36,7 +37,7 @@ VLLM := vllm==0.33.0
 VLLM_IMPORT_DEPS := cbor2 oss-harmony openai cachetools cloudpickle uvloop py-cpuinfo "xgrammar==0.2.8" \
 	"fastapi>=0.133.0,<0.137.0" partial-json-parser "llguidance>=1.7.0,<1.8.0"
 
-.PHONY: help syslibs install install-test test-wheel build build-profiling demo test test-rust test-python test-gpu bench-rust gpu-wheel lint clean sanitize sanitize-quick soak
+.PHONY: engine-envs engine-env-sglang engine-env-vllm help syslibs install install-test test-wheel build build-profiling demo test test-rust test-python test-gpu bench-rust gpu-wheel lint clean sanitize sanitize-quick soak
 
 help: ## Show this help
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-16s\033[0m %s\n", $$1, $$2}'
@@ -99,6 +100,19 @@ test-python: build $(TEST_STAMP) ## pytest (the other half)
 
 test-wheel: build ## pip install the built wheel into a fresh virtualenv without torch; run the CLI there
 	scripts/test_wheel.sh $(VPY)
+
+# SGLang and vLLM each in a venv of its own, where pip resolved the engine with its whole dependency tree (the torch
+# and transformers it pins; ~10 GB each, in .venvs/), kvtier's wheel installed beside it without changing a package,
+# and the engine's conformance tests and the transformers tests run there (scripts/engine_envs.sh says more).
+# Not part of `make test`: run it, and report its result, before each resolve (cold: ~11 min and ~21 GB of disk).
+engine-envs: $(DEPS_STAMP) ## SGLang 0.5.23 and vLLM 0.33.0 in their own full environments (.venvs/, ~21 GB), kvtier's wheel beside them, their tests there
+	MATURIN=$(VENV)/bin/maturin scripts/engine_envs.sh sglang vllm
+
+engine-env-sglang: $(DEPS_STAMP) ## engine-envs for SGLang only
+	MATURIN=$(VENV)/bin/maturin scripts/engine_envs.sh sglang
+
+engine-env-vllm: $(DEPS_STAMP) ## engine-envs for vLLM only
+	MATURIN=$(VENV)/bin/maturin scripts/engine_envs.sh vllm
 
 bench-rust: ## criterion benches of the core (KVTIER_BENCH_SMALL=1 for small sizes)
 	cargo bench -p kvtier-bench

@@ -181,7 +181,7 @@ pytest.importorskip("transformers")
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 import kvtier  # noqa: E402
-from kvtier.integrations.transformers import KVTier  # noqa: E402
+from kvtier.integrations.transformers import KVTier, cache_kwarg  # noqa: E402
 
 PS = 16
 
@@ -198,7 +198,7 @@ def tokens(n, seed=1):
 
 
 def greedy(model, ids, cache, n=4):
-    return model.generate(ids, cache=cache, max_new_tokens=n, do_sample=False, pad_token_id=0)
+    return model.generate(ids, **{cache_kwarg(model): cache}, max_new_tokens=n, do_sample=False, pad_token_id=0)
 
 
 def stored_then_dropped(tier, model, ids):
@@ -305,7 +305,7 @@ def test_a_prompt_that_differs_inside_the_restored_prefix_is_refused(tmp_path):
         assert torch.equal(greedy(model, out, c2, 2)[:, : out.shape[1]], out)
         with pytest.raises(kvtier.InvalidArgumentError, match="input_ids"):
             with torch.no_grad():
-                model(b[:, :PS], cache=tier.cache(a))  # a direct forward of other tokens is refused too
+                model(b[:, :PS], **{cache_kwarg(model): tier.cache(a)})  # a direct forward of other tokens is refused too
         with pytest.raises(kvtier.InvalidArgumentError, match="restore"):
             KVTier(model, model_id="x", restore="some")
         with pytest.raises(kvtier.InvalidArgumentError, match="prefill"):

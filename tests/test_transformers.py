@@ -16,7 +16,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E4
 
 import kvtier  # noqa: E402
 from kvtier import testing  # noqa: E402
-from kvtier.integrations.transformers import KVTier as _KVTier, KvtierCache  # noqa: E402
+from kvtier.integrations.transformers import KVTier as _KVTier, KvtierCache, cache_kwarg  # noqa: E402
 
 # These tests pin the restore mechanics (which pages come back, from where): every cached page is taken
 # (restore="all"), so no decision depends on timing; tests/test_restore_planning.py covers the planner.
@@ -42,7 +42,7 @@ def prompt(n, seed=1, vocab=128):
 
 
 def gen(model, ids, cache, n=5):
-    out = model.generate(ids, cache=cache, max_new_tokens=n, do_sample=False, output_logits=True,
+    out = model.generate(ids, **{cache_kwarg(model): cache}, max_new_tokens=n, do_sample=False, output_logits=True,
                          return_dict_in_generate=True, pad_token_id=0)
     return out.sequences, torch.stack(out.logits)
 
@@ -62,7 +62,7 @@ def reused(model, first, second, tokens, n=5):
     computed in another chunk of rows.)"""
     ref = default(model)
     with torch.no_grad():
-        model(first, cache=ref)
+        model(first, **{cache_kwarg(model): ref})
     ref.crop(tokens - first.shape[1])
     return gen(model, second, ref, n)
 
@@ -92,7 +92,7 @@ def test_model_forward_and_the_deprecated_kwarg(model):
         with torch.no_grad():
             for chunk in (ids[:, :11], ids[:, 11:24], ids[:, 24:]):
                 a = model(chunk, past_key_values=cache).logits
-                b = model(chunk, cache=ref).logits
+                b = model(chunk, **{cache_kwarg(model): ref}).logits
                 assert torch.equal(a, b)
         assert cache.get_seq_length() == 30
 
@@ -111,7 +111,7 @@ def test_second_call_restores_the_shared_prefix_from_the_host(model):
         # the same as transformers reusing the same prefix KV (a DynamicCache of p1, cropped) ...
         ref = default(model)
         with torch.no_grad():
-            model(p1, cache=ref)
+            model(p1, **{cache_kwarg(model): ref})
         ref.crop(24 - 37)
         assert same(got, gen(model, p2, ref))
         # ... and the same tokens as recomputing everything
@@ -204,7 +204,7 @@ def test_other_architectures(arch):
         assert cache.restored_tokens == 16
         ref = DynamicCache(config=m.config)
         with torch.no_grad():
-            m(p1, cache=ref)
+            m(p1, **{cache_kwarg(m): ref})
         ref.crop(16 - 29)
         assert same(gen(m, p2, cache, 3), gen(m, p2, ref, 3))
 
@@ -219,7 +219,7 @@ def test_crop_into_a_shared_page_copies_it(model):
         assert cache.table.keys[3] is None and cache.table.keys[2] is not None
         ref = default(model)
         with torch.no_grad():
-            model(p1, cache=ref)
+            model(p1, **{cache_kwarg(model): ref})
         ref.crop(27 - 33)
         assert same(gen(model, p1, cache), gen(model, p1, ref))
         # the shared page itself was not modified: a fresh restore still matches
@@ -233,7 +233,7 @@ def test_tokens_the_hook_did_not_see_are_never_persisted(model):
     with KVTier(model, model_id="test/llama", page_size=PS, host_tokens=512) as tier:
         cache = tier.cache(ids)
         with torch.no_grad():
-            model(inputs_embeds=model.get_input_embeddings()(ids), cache=cache)
+            model(inputs_embeds=model.get_input_embeddings()(ids), **{cache_kwarg(model): cache})
         assert tier.stats.unverified_sequences == 1 and tier.stats.adopted_pages == 0
         assert tier.cache(ids).restored_tokens == 0
 
@@ -264,7 +264,7 @@ def test_bad_configuration_is_one_clear_error(model, tmp_path):
             with pytest.raises(kvtier.InvalidArgumentError, match="token_ids"):
                 tier.cache(bad)
         with pytest.raises(kvtier.InvalidArgumentError, match="key_states"):
-            model.generate(prompt(9).repeat(2, 1), cache=tier.cache(prompt(9)), max_new_tokens=1, do_sample=False,
+            model.generate(prompt(9).repeat(2, 1), **{cache_kwarg(model): tier.cache(prompt(9))}, max_new_tokens=1, do_sample=False,
                            pad_token_id=0)
         with pytest.raises(kvtier.KvtierError, match="host_tokens"):
             gen(model, prompt(120), tier.cache(prompt(120)), 1)  # 120 tokens in a pool of about 64

@@ -19,7 +19,7 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from kvtier import KvtierError
-from kvtier.integrations.transformers import KVTier as _KVTier
+from kvtier.integrations.transformers import KVTier as _KVTier, cache_kwarg
 
 # These tests pin the restore mechanics (which pages come back, from where): every cached page is taken
 # (restore="all"), so no decision depends on timing; tests/test_restore_planning.py covers the planner.
@@ -40,7 +40,7 @@ def prompt(n, seed):
 
 
 def gen(model, ids, cache):
-    out = model.generate(ids, cache=cache, max_new_tokens=4, do_sample=False, output_logits=True,
+    out = model.generate(ids, **{cache_kwarg(model): cache}, max_new_tokens=4, do_sample=False, output_logits=True,
                          return_dict_in_generate=True, pad_token_id=0)
     return out.sequences, torch.stack(out.logits)
 
@@ -52,7 +52,7 @@ def exact(model, ids, cache):
     ref = DynamicCache(config=model.config)
     if cache.restored_tokens:
         with torch.no_grad():
-            model(ids, cache=ref)
+            model(ids, **{cache_kwarg(model): ref})
         ref.crop(cache.restored_tokens - ids.shape[1])
     want, fresh = gen(model, ids, ref), gen(model, ids, DynamicCache(config=model.config))
     return torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and torch.equal(got[0], fresh[0])

@@ -11,7 +11,7 @@ import transformers
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from kvtier._errors import InvalidArgumentError
-from kvtier.integrations.transformers import KVTier as _KVTier
+from kvtier.integrations.transformers import KVTier as _KVTier, cache_kwarg
 
 # These tests pin the restore mechanics (which pages come back, from where): every cached page is taken
 # (restore="all"), so no decision depends on timing; tests/test_restore_planning.py covers the planner.
@@ -32,7 +32,7 @@ def prompt(n, seed=1):
 
 
 def gen(model, ids, cache, n=5, **kw):
-    out = model.generate(ids, cache=cache, max_new_tokens=n, do_sample=False, output_logits=True,
+    out = model.generate(ids, **{cache_kwarg(model): cache}, max_new_tokens=n, do_sample=False, output_logits=True,
                          return_dict_in_generate=True, pad_token_id=0, **kw)
     return out.sequences, torch.stack(out.logits)
 
@@ -45,7 +45,7 @@ def reused(model, ids, tokens, n=5):
     """transformers reusing the first ``tokens`` of ``ids``' own KV (a cropped DynamicCache)."""
     ref = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(ids, cache=ref)
+        model(ids, **{cache_kwarg(model): ref})
     ref.crop(tokens - ids.shape[1])
     return gen(model, ids, ref, n)
 
@@ -60,7 +60,7 @@ def test_kv_computed_at_other_positions_is_never_kept(how):
             gen(m, ids, tier.cache(ids), attention_mask=mask)
         else:
             with torch.no_grad():
-                m(ids, cache=tier.cache(ids), position_ids=torch.arange(100, 133)[None])
+                m(ids, **{cache_kwarg(m): tier.cache(ids)}, position_ids=torch.arange(100, 133)[None])
         assert tier.stats.adopted_pages == 0 and tier.stats.unverified_sequences == 1
         again = tier.cache(ids)
         assert again.restored_tokens == 0
@@ -164,3 +164,17 @@ def test_generate_under_inference_mode_restores_exactly():
             second = gen(m, ids, tier.cache(ids))  # restores the stored prefix
         assert tier.stats.restored_pages > 0
     assert same(first, want) and same(second, want)
+
+
+def test_the_version_warning_fires_only_outside_the_tested_releases(monkeypatch):
+    """TESTED_TRANSFORMERS holds every release the tests run with (the engines' environments and the dev one):
+    no warning there (pytest makes one an error), a warning naming the tested releases under any other."""
+    from kvtier.integrations import transformers as integration
+
+    assert transformers.__version__ in integration.TESTED_TRANSFORMERS, transformers.__version__
+    assert {"5.19.0", "5.20.2", "5.24.0"} <= integration.TESTED_TRANSFORMERS
+    m = llama()
+    KVTier(m, model_id="t", page_size=PS, host_tokens=512).close()
+    monkeypatch.setattr(integration, "TESTED_TRANSFORMERS", frozenset({"5.9.0", "5.10.1"}))
+    with pytest.warns(UserWarning, match=rf"tested with transformers 5\.9\.0, 5\.10\.1; this is {transformers.__version__}"):
+        KVTier(m, model_id="t", page_size=PS, host_tokens=512).close()

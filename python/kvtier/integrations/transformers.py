@@ -1,14 +1,16 @@
-"""kvtier as a Hugging Face transformers KV cache (the ``Cache`` API of transformers 5.24; tested with
-``transformers==5.24.0``).
+"""kvtier as a Hugging Face transformers KV cache (the ``Cache`` API of transformers 5.19 to 5.24; tested with
+the releases in :data:`TESTED_TRANSFORMERS`: 5.19.0 as SGLang 0.5.23 pins it, 5.20.2 as vLLM 0.33.0 resolves
+it, and 5.24.0).
 
 :class:`KVTier` is built once per model: a pinned kvtier host pool that holds every layer's KV of the live
 sequence and the pages kept for reuse, a :class:`kvtier.TierController` over it, and optionally a
 :class:`kvtier.PageStore` (and a Mooncake cluster tier behind it). :meth:`KVTier.cache` gives a
 :class:`KvtierCache` for one sequence, which ``model(...)`` and ``generate()`` take as ``cache=`` (or the
-deprecated ``past_key_values=``)::
+deprecated ``past_key_values=``; releases before the ``cache`` name, such as 5.19 and 5.20, take only
+``past_key_values=``: :func:`cache_kwarg` tells which)::
 
     tier = KVTier(model, model_id="my-org/my-model", page_size=16, window=2)
-    out = model.generate(ids, cache=tier.cache(ids), max_new_tokens=32)
+    out = model.generate(ids, cache=tier.cache(ids), max_new_tokens=32)  # past_key_values= before the rename
 
 - **Layers stream.** The GPU holds ``window`` layer slots; layer ``l`` uses slot ``l % window``. When layer
   ``l`` has been handed to attention, the slot's new pages go to the host (one per-layer backup) and layer
@@ -58,13 +60,15 @@ from ._transformers_cache import KvtierCache
 from ._transformers_window import _Window
 from ._transformers_plan import Marks, after_forward, before_forward, calibrate as _calibrate
 
-__all__ = ["KVTier", "KvtierCache", "TransformersStats", "TESTED_TRANSFORMERS", "RESTORE_MODES"]
+__all__ = ["KVTier", "KvtierCache", "TransformersStats", "TESTED_TRANSFORMERS", "RESTORE_MODES", "cache_kwarg"]
 
 #: ``KVTier(restore=...)``: ``"plan"`` decides every restore with measurements; ``"all"`` takes every cached page
 RESTORE_MODES = ("plan", "all")
 
-#: The transformers version this module is tested with (its ``Cache`` API changes between minor versions).
-TESTED_TRANSFORMERS = "5.24.0"
+#: The transformers releases this module is tested with (its ``Cache`` API changes between minor releases):
+#: 5.19.0 (SGLang 0.5.23's pin), 5.20.2 (the newest vLLM 0.33.0 allows) and 5.24.0. :class:`KVTier` warns
+#: with any other release.
+TESTED_TRANSFORMERS: frozenset[str] = frozenset({"5.19.0", "5.20.2", "5.24.0"})
 # config entries that do not change a layer's KV (the rest, unknown ones included, name the namespace)
 _NOT_KV = {"_name_or_path", "transformers_version", "use_cache", "output_attentions", "output_hidden_states",
            "return_dict", "_commit_hash", "dtype", "torch_dtype", "id2label", "label2id", "problem_type",
@@ -117,7 +121,8 @@ def _token_list(name: str, token_ids: Any) -> list[int]:
 
 
 def cache_kwarg(model: Any) -> str:
-    """The name ``model``'s forward takes a cache by: ``cache`` (transformers >= 5.2x) or ``past_key_values``."""
+    """The name ``model``'s forward takes a cache by: ``cache`` where it has that parameter (newer releases, e.g.
+    5.24, which still take the deprecated ``past_key_values`` too), else ``past_key_values`` (e.g. 5.19, 5.20)."""
     try:
         params = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
@@ -191,8 +196,9 @@ class KVTier:
             model_id = f"{name}@{commit}"
         if not isinstance(model_id, str) or not model_id:
             raise InvalidArgumentError(f"invalid argument `model_id`: expected a non-empty str, got {model_id!r}")
-        if transformers.__version__ != TESTED_TRANSFORMERS:
-            warnings.warn(f"kvtier.integrations.transformers is tested with transformers {TESTED_TRANSFORMERS}; this is "
+        if transformers.__version__ not in TESTED_TRANSFORMERS:
+            tested = ", ".join(sorted(TESTED_TRANSFORMERS, key=lambda v: tuple(map(int, v.split(".")))))
+            warnings.warn(f"kvtier.integrations.transformers is tested with transformers {tested}; this is "
                           f"{transformers.__version__} (its Cache API changes between minor releases)", stacklevel=2)
         text = config.get_text_config(decoder=True)
         if getattr(config, "is_encoder_decoder", False) or text is not config:
