@@ -37,7 +37,7 @@ VLLM := vllm==0.33.0
 VLLM_IMPORT_DEPS := cbor2 oss-harmony openai cachetools cloudpickle uvloop py-cpuinfo "xgrammar==0.2.8" \
 	"fastapi>=0.133.0,<0.137.0" partial-json-parser "llguidance>=1.7.0,<1.8.0"
 
-.PHONY: engine-envs engine-env-sglang engine-env-vllm help syslibs install install-test test-wheel build build-profiling demo test test-rust test-python test-gpu bench-rust gpu-wheel lint clean sanitize sanitize-quick soak
+.PHONY: engine-envs engine-env-sglang engine-env-vllm help syslibs install install-test test-wheel build build-profiling demo test test-rust test-python test-gpu bench-rust gpu-wheel lint clean sanitize sanitize-quick sanitize-tsan soak
 
 help: ## Show this help
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-16s\033[0m %s\n", $$1, $$2}'
@@ -90,7 +90,7 @@ build-profiling: $(DEPS_STAMP) ## Release build with debug symbols, for perf/fla
 demo: build ## Run the main job (kvtier demo)
 	$(VPY) -m kvtier demo
 
-test: test-rust test-python test-wheel sanitize-quick ## cargo test, pytest (CUDA tests skip without a GPU; short soak, fuzz and fault runs included), the wheel in a fresh virtualenv, ASan quick run
+test: test-rust test-python test-wheel sanitize-quick sanitize-tsan ## cargo test, pytest (CUDA tests skip without a GPU; short soak, fuzz and fault runs included), the wheel in a fresh virtualenv, ASan quick run, TSan
 
 test-rust: $(DEPS_STAMP) ## cargo test --workspace (one half of make test)
 	cargo test --workspace --quiet
@@ -140,6 +140,9 @@ sanitize: ## ASan+LSan, TSan (nightly), Miri (if installed), valgrind over kvtie
 
 sanitize-quick: ## ASan+LSan only over kvtier-core's unit tests (short CI variant; skips without nightly)
 	scripts/sanitize.sh asan-quick
+
+sanitize-tsan: ## TSan with an instrumented std over every kvtier-core test (part of make test; skips without nightly + rust-src)
+	scripts/sanitize.sh tsan
 
 soak: build $(TEST_STAMP) ## Soak: 2 processes x 4 threads against the real components for SOAK_SECONDS (default 120); SOAK_DISK_FULL=1 adds disk-full episodes (root); JSON in target/soak.json
 	$(VPY) tests/soak/soak.py --seconds $${SOAK_SECONDS:-120} --procs 2 --threads 4 $${SOAK_DISK_FULL:+--disk-full} --out target/soak.json

@@ -5,9 +5,8 @@
 #
 #   asan      AddressSanitizer + LeakSanitizer, kvtier-core's unit and integration tests (nightly)
 #   asan-quick  the same, unit tests only (`make sanitize-quick`, the short CI variant)  (nightly)
-#   tsan      ThreadSanitizer, the tests that run threads: store::*, alloc's and buffer's
-#             concurrency tests; known false positives of an uninstrumented std are
-#             suppressed (scripts/tsan.supp) or triaged (see tsan_triage below)     (nightly)
+#   tsan      ThreadSanitizer with an instrumented std (-Zbuild-std), kvtier-core's unit and integration
+#             tests, after a canary (scripts/tsan-canary); any report fails  (nightly + rust-src)
 #   miri      `cargo +nightly miri`, skipped when the miri component is not installed
 #   valgrind  memcheck on the plain (stable) test binary, tests of buffer, alloc, plan, journal
 #             (the memory/layout modules; the Miri substitute); scripts/valgrind.supp (valgrind)
@@ -90,88 +89,63 @@ run_asan() { # asan | asan-quick
     report "$name" "$run" "$passed" "$n" $((SECONDS - t0)) $ok "exit $rc"
 }
 
-# Classifies the TSan reports left after suppression. Rule for a report to count as a false positive:
-# one access is on a worker W spawned by `std::thread::scope` (W's creation stack has Scope::spawn) from
-# thread P inside scope S, the other access is on P itself, and that access's stack does not contain S,
-# i.e. it ran after `scope` returned. `scope` joins every worker before returning, so the two accesses are
-# ordered; TSan misses the order only because the join (ScopeData counter + futex park) lives in the
-# uninstrumented libstd. Everything else is "unexplained" and fails the step. Prints "total fp unexplained".
-tsan_triage() {
-    python3 - "$1" <<'PY'
-import re, sys
-text = open(sys.argv[1], errors="replace").read()
-reports = re.findall(r"WARNING: ThreadSanitizer: ([^\n]*)\n(.*?)\nSUMMARY: ThreadSanitizer: ([^\n]*)", text, re.S)
-ACC = re.compile(r"^  (?:Previous )?(?:[Aa]tomic )?(?:[Rr]ead|[Ww]rite) of size \d+ at \S+ by (main thread|thread T\d+)", re.M)
-THR = re.compile(r"^  Thread (T\d+) .*? created by (main thread|thread T\d+) at:", re.M)
-tid = lambda s: "T0" if s == "main thread" else s.split()[-1]
-def sections(body):
-    out, cur = [], None
-    for line in body.splitlines():
-        if line.startswith("  ") and not line.startswith("    "):
-            cur = [line, []]; out.append(cur)
-        elif cur is not None and re.match(r"\s+#\d+ ", line):
-            cur[1].append(re.sub(r"^\s+#\d+ ", "", line))
-    return out
-fp, bad = 0, []
-for kind, body, summ in reports:
-    secs = sections(body)
-    accs = [(tid(ACC.match(h).group(1)), fr) for h, fr in secs if ACC.match(h)]
-    threads = {}
-    for h, fr in secs:
-        m = THR.match(h)
-        if m:
-            threads[m.group(1)] = (tid(m.group(2)), fr)
-    why = None
-    if kind.startswith("data race") and len(accs) == 2:
-        for (w, _), (p, pfr) in (accs, accs[::-1]):
-            parent, cfr = threads.get(w, (None, []))
-            if parent != p or w == p or not any("<std::thread::scoped::Scope>::spawn::<" in f
-                                                    or "<std::thread::builder::Builder>::spawn_scoped::<" in f for f in cfr):
-                continue
-            scope = next((re.match(r"(std::thread::scoped::scope::<.*?), \S+>", f) for f in cfr
-                          if f.startswith("std::thread::scoped::scope::<")), None)
-            if scope and pfr and not any(f.startswith(scope.group(1)) for f in pfr):
-                why = "worker %s of %s vs its spawner %s after the scope returned" % (w, scope.group(1), p)
-                break
-    if why:
-        fp += 1
-    else:
-        bad.append((kind, summ, body))
-for kind, summ, body in bad:
-    print("UNEXPLAINED TSan report: %s -- %s" % (kind, summ), file=sys.stderr)
-    print(body[:6000], file=sys.stderr)
-print(len(reports), fp, len(bad))
-PY
+# Why the TSan step cannot run here, or nothing. -Zbuild-std builds std from the rust-src component.
+tsan_reason() {
+    local why; why=$(nightly_reason tsan)
+    if [ -n "$why" ]; then echo "$why"; return; fi
+    local src; src="$(rustc +nightly --print sysroot)/lib/rustlib/src/rust/library"
+    if [ ! -f "$src/Cargo.lock" ]; then
+        echo "nightly has no rust-src ($src), which -Zbuild-std needs to build an instrumented std (rustup +nightly component add rust-src)"
+    fi
 }
 
+# ThreadSanitizer with an instrumented std: every kvtier-core test (unit and integration), after a canary
+# that proves the build reports a real race and stays silent on std-ordered hand-offs. Any report fails.
 run_tsan() {
-    local why; why=$(nightly_reason tsan)
+    local why; why=$(tsan_reason)
     if [ -n "$why" ]; then skip tsan "ThreadSanitizer because $why"; return; fi
-    if ! command -v python3 >/dev/null 2>&1; then skip tsan "ThreadSanitizer because python3 (report triage) is missing"; return; fi
-    local log=$LOGS/tsan.log t0=$SECONDS rc
-    say "tsan: building and running the threaded kvtier-core tests under ThreadSanitizer"
-    # - -Cunsafe-allow-abi-mismatch=sanitizer: without -Zbuild-std the prebuilt std is not built with
-    #   -Zsanitizer=thread, which rustc otherwise refuses to link.
-    # - opt-level 1: std's #[inline] atomics and Mutex fast paths are then instantiated (and instrumented)
-    #   in our crates, so TSan sees Mutex lock/unlock; at opt-level 0 they stay calls into the
-    #   uninstrumented libstd and every Mutex-protected access is reported as a race.
-    # - exitcode=0: reports are judged by tsan_triage; the test harness's own status still counts.
-    RUSTFLAGS="-Zsanitizer=thread -Cunsafe-allow-abi-mismatch=sanitizer" \
-        RUSTDOCFLAGS="-Zsanitizer=thread -Cunsafe-allow-abi-mismatch=sanitizer" \
-        CARGO_PROFILE_DEV_OPT_LEVEL=1 \
-        TSAN_OPTIONS="suppressions=$ROOT/scripts/tsan.supp:print_suppressions=1:halt_on_error=0:exitcode=0:second_deadlock_stack=1" \
-        CARGO_TARGET_DIR=target/san-tsan \
-        cargo +nightly test -p kvtier-core --target $TRIPLE --lib -- \
-        store:: alloc::tests::threads_never_share_a_page buffer::tests::concurrent_create_drop >"$log" 2>&1
+    local log=$LOGS/tsan.log clog=$LOGS/tsan-canary.log t0=$SECONDS rc
+    # - -Zbuild-std: std, alloc and libtest are compiled here with -Zsanitizer=thread, so TSan sees their
+    #   atomics (Mutex/Condvar futex state, thread::scope's and join's completion, channels) and Arc's last
+    #   drop uses an acquire load instead of a fence, which TSan does not model. rustc refuses to link a
+    #   TSan crate against a std not built with the sanitizer, so no -Cunsafe-allow-abi-mismatch is passed:
+    #   a successful build is itself the proof that std is instrumented.
+    # - --target: build scripts and proc-macros stay uninstrumented (required by -Zbuild-std too).
+    # - opt-level 1 (std included): a run at opt-level 0 takes longer; TSan instruments either way.
+    # - the disk fuzzer (tests/fuzz_disk.rs) draws a random seed per run: fix it (caller may override).
+    local env=(RUSTFLAGS="-Zsanitizer=thread" CARGO_PROFILE_DEV_OPT_LEVEL=1 CARGO_TARGET_DIR="$ROOT/target/san-tsan"
+        TSAN_OPTIONS="suppressions=$ROOT/scripts/tsan.supp:print_suppressions=1:halt_on_error=0:second_deadlock_stack=1")
+    say "tsan: canary (scripts/tsan-canary): building an instrumented std (minutes on a cold target dir)"
+    local canary=$ROOT/target/san-tsan/$TRIPLE/debug/tsan-canary race=0 ordered=0
+    env "${env[@]}" cargo +nightly build -Zbuild-std --manifest-path scripts/tsan-canary/Cargo.toml --target $TRIPLE \
+        >"$clog" 2>&1
     rc=$?
-    local total fp bad supp
-    read -r total fp bad < <(tsan_triage "$log" 2>>"$LOGS/tsan-unexplained.log")
+    if [ "$rc" = 0 ]; then
+        { echo "== tsan-canary race"; env "${env[@]}" "$canary" race; echo "== tsan-canary ordered"; env "${env[@]}" "$canary" ordered; } \
+            >>"$clog" 2>&1
+        # the race counts when TSan reports it with the canary's racing function on top of an access stack
+        race=$(awk '/^== tsan-canary race/ {p = 1} /^== tsan-canary ordered/ {p = 0} p && /^ +#0 tsan_canary::bump / {n++} END {print n + 0}' "$clog")
+        ordered=$(awk '/^== tsan-canary ordered/ {p = 1} p && /^WARNING: ThreadSanitizer/ {n++} END {print n + 0}' "$clog")
+        grep -q '^ordered: ok' "$clog" || rc=1
+    fi
+    if [ "$rc" != 0 ] || [ "$race" = 0 ] || [ "$ordered" != 0 ]; then
+        tail -n 40 "$clog" | sed 's/^/    /'
+        report tsan 0 0 "$ordered" $((SECONDS - t0)) 1 \
+            "canary: exit $rc, the race's accesses reported $race time(s) (must be >= 1), std-ordered hand-offs reported $ordered time(s) (must be 0); log ${clog#"$ROOT"/}"
+        return
+    fi
+    say "tsan: canary ok (the race is reported, std-ordered hand-offs are not); kvtier-core's unit and integration tests"
+    KVTIER_FUZZ_SEED=${KVTIER_FUZZ_SEED:-1} env "${env[@]}" \
+        cargo +nightly test -Zbuild-std -p kvtier-core --target $TRIPLE --lib --tests --no-fail-fast >"$log" 2>&1
+    rc=$?
+    local n supp
+    n=$(grep -c '^WARNING: ThreadSanitizer' "$log")
     supp=$(awk '/ThreadSanitizer: Matched [0-9]+ suppressions/ {s += $3} END {print s + 0}' "$log")
     read -r run passed < <(count_tests "$log")
-    [ "$rc" = 0 ] && [ "${bad:-1}" = 0 ] && [ "$run" -gt 0 ] && ok=0 || ok=1
-    [ "$ok" = 0 ] || { tail -n 40 "$log" | sed 's/^/    /'; say "tsan: unexplained reports in ${LOGS#"$ROOT"/}/tsan-unexplained.log"; }
-    report tsan "$run" "$passed" "${bad:-?}" $((SECONDS - t0)) $ok \
-        "exit $rc; ${total:-?} reports after ${supp} suppressed (std/libtest internals, scripts/tsan.supp): ${fp:-?} scope-join false positives, ${bad:-?} unexplained"
+    [ "$rc" = 0 ] && [ "$n" = 0 ] && [ "$run" -gt 0 ] && ok=0 || ok=1
+    [ "$ok" = 0 ] || { grep -A 30 '^WARNING: ThreadSanitizer' "$log" | head -n 120 | sed 's/^/    /'; tail -n 20 "$log" | sed 's/^/    /'; }
+    report tsan "$run" "$passed" "$n" $((SECONDS - t0)) $ok \
+        "exit $rc; instrumented std; canary ok; $supp suppressed (scripts/tsan.supp)"
 }
 
 run_miri() {
@@ -225,7 +199,6 @@ for l in sys.stdin:
     report valgrind "$run" "$passed" "${errs:-?}" $((SECONDS - t0)) $ok "exit $rc; $supp suppressed (scripts/valgrind.supp)"
 }
 
-: >"$LOGS/tsan-unexplained.log"
 for t in "${TOOLS[@]}"; do
     case $t in
     asan | asan-quick) run_asan "$t" ;;
