@@ -425,6 +425,9 @@ fn direct_probe_tells_enospc_from_einval() {
 /// acknowledged object for it).
 #[test]
 fn extent_bytes_counts_data_and_preallocation_not_metadata() {
+    // the fault table is process-wide: a fault test running beside this one (dir_sync, data_write, ...) would
+    // fail this test's store IO
+    let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     use std::os::unix::fs::FileExt;
     let root = tmp();
     let f = std::fs::OpenOptions::new()
@@ -455,6 +458,9 @@ fn extent_bytes_counts_data_and_preallocation_not_metadata() {
 /// written (the property test `journal::no_record_is_found_inside_an_accepted_key` covers every other key).
 #[test]
 fn a_key_that_could_hold_a_journal_record_is_refused() {
+    // the fault table is process-wide: a fault test running beside this one (dir_sync, data_write, ...) would
+    // fail this test's store IO
+    let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     use super::journal::{parse_resync, Record};
     let (victim, inner) = (0u64..)
         .find_map(|n| {
