@@ -45,15 +45,22 @@ impl PageStore {
     pub(super) fn after_open(&self, forgotten: Vec<String>) -> (bool, Option<String>) {
         // what is on disk now, before anything grows
         self.settle();
-        // Only a journal past its allowance is compacted here, to the end: its length would count in the
-        // budget (and make this open evict for it). One below it (a store closed while a compaction ran,
-        // or just past the trigger) is compacted in steps after the next calls, as while it ran: a whole
-        // compaction at open rewrote every live record before the open returned.
-        let (end, allowance) = {
+        // A journal at its trigger is compacted here, to the end, when that is cheap (its live records fit
+        // the floor: at most 1 MiB rewritten) or needed (past its allowance its length would count in the
+        // budget and make this open evict for it). Otherwise (a large store closed while a compaction ran)
+        // it is compacted in steps after the next calls, as while it ran: a whole compaction at open
+        // rewrote every live record before the open returned.
+        let (end, trigger, allowance, small) = {
             let ix = self.lock_index();
-            (ix.j_end, ix.journal_allowance())
+            let small = ix.del_bytes <= ix.compact_floor;
+            (
+                ix.j_end,
+                ix.compact_trigger(),
+                ix.journal_allowance(),
+                small,
+            )
         };
-        let compacted = end > allowance && self.compact().is_ok();
+        let compacted = (end > allowance || (end >= trigger && small)) && self.compact().is_ok();
         // A key whose latest record was dropped is deleted for good: if the record became plausible at a
         // later open (the class file grew as new objects took its slot), it would come back. After a
         // compaction these deletes are redundant, and harmless.
