@@ -9,6 +9,10 @@ use super::namespace::open_rw;
 use super::ALIGN;
 use crate::fault;
 
+/// A page-aligned page (O_DIRECT needs aligned memory).
+#[repr(C, align(4096))]
+struct Page([u8; ALIGN as usize]);
+
 /// One size class's data file.
 pub(super) struct ClassFile {
     pub(super) buffered: File,
@@ -59,6 +63,24 @@ impl ClassFile {
             }
         }
         self.buffered.write_all_at(bytes, off)
+    }
+
+    /// Writes an object into its slot at `off` (a multiple of 4096, the slot at least the object rounded up
+    /// to 4096) in whole pages: its last partial page is copied into a page padded with zeros. A buffered
+    /// write of part of a page that is not cached reads the page from the disk first (a full store's
+    /// slots, reused, are mostly not cached once the data outgrows the page cache); a whole page is
+    /// written without reading. The padding lies inside the slot, which no live record names (R2).
+    pub(super) fn write_object(&self, bytes: &[u8], off: u64) -> std::io::Result<()> {
+        let head = bytes.len() / ALIGN as usize * ALIGN as usize;
+        if head == bytes.len() {
+            return self.write(bytes, off);
+        }
+        if head > 0 {
+            self.write(&bytes[..head], off)?;
+        }
+        let mut page = Box::new(Page([0; ALIGN as usize]));
+        page.0[..bytes.len() - head].copy_from_slice(&bytes[head..]);
+        self.write(&page.0, off + head as u64)
     }
 
     /// Reads `buf.len()` bytes at `off` (O_DIRECT as [`ClassFile::write`]).

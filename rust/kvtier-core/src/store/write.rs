@@ -381,7 +381,7 @@ impl PageStore {
                     torn[bytes.len() / 2..].fill(0);
                     c.write(&torn, off)
                 }
-                other => fault::apply(other).and_then(|()| c.write(bytes, off)),
+                other => fault::apply(other).and_then(|()| c.write_object(bytes, off)),
             };
             if res.is_ok() {
                 crcs[j].store(u64::from(crc), Ordering::Relaxed);
