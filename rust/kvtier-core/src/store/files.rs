@@ -9,10 +9,6 @@ use super::namespace::open_rw;
 use super::ALIGN;
 use crate::fault;
 
-/// A page-aligned page (O_DIRECT needs aligned memory).
-#[repr(C, align(4096))]
-struct Page([u8; ALIGN as usize]);
-
 /// One size class's data file.
 pub(super) struct ClassFile {
     pub(super) buffered: File,
@@ -75,12 +71,14 @@ impl ClassFile {
         if head == bytes.len() {
             return self.write(bytes, off);
         }
+        // buffered, as an object of this length always was: the kernel merges the batch's pages into large
+        // writes at the fdatasync (one O_DIRECT write per object would not be merged)
         if head > 0 {
-            self.write(&bytes[..head], off)?;
+            self.buffered.write_all_at(&bytes[..head], off)?;
         }
-        let mut page = Box::new(Page([0; ALIGN as usize]));
-        page.0[..bytes.len() - head].copy_from_slice(&bytes[head..]);
-        self.write(&page.0, off + head as u64)
+        let mut page = [0u8; ALIGN as usize];
+        page[..bytes.len() - head].copy_from_slice(&bytes[head..]);
+        self.buffered.write_all_at(&page, off + head as u64)
     }
 
     /// Reads `buf.len()` bytes at `off` (O_DIRECT as [`ClassFile::write`]).
