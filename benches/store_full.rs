@@ -25,6 +25,10 @@ use std::time::Instant;
 use kvtier_core::buffer::{HostRegion, RegionOptions};
 use kvtier_core::store::{PageStore, StoreOptions};
 
+#[cfg(feature = "phases")]
+#[path = "store_full_phases.rs"]
+mod phases;
+
 struct Args {
     pages: u64,
     batch: u64,
@@ -190,6 +194,8 @@ fn main() {
     let mut failed = 0u64;
     let mut page = 0u64;
     let t_all = Instant::now();
+    #[cfg(feature = "phases")]
+    let mut phases = phases::Phases::default();
     while page < a.pages {
         let n = a.batch.min(a.pages - page);
         let keys: Vec<String> = (page..page + n)
@@ -210,10 +216,14 @@ fn main() {
             store.stats.evictions.load(Ordering::Relaxed),
             store.stats.compactions.load(Ordering::Relaxed),
         );
+        #[cfg(feature = "phases")]
+        phases.start(&store);
         let t0 = Instant::now();
         // SAFETY: every object lies inside `buf`, alive and unmodified for the call.
         let ok = unsafe { store.put(&objs) }.expect("put");
         let dt = t0.elapsed().as_secs_f64();
+        #[cfg(feature = "phases")]
+        phases.end(&store, dt * 1e3);
         failed += ok.iter().filter(|&&x| !x).count() as u64;
         let evicted = store.stats.evictions.load(Ordering::Relaxed) > ev0;
         let ph = if evicted || !full.batches.is_empty() {
@@ -233,6 +243,8 @@ fn main() {
         .map(|m| m.len())
         .unwrap_or(0);
     println!("{} pages put in {total_s:.1} s, {failed} objects failed, {live} objects live, journal {:.1} MB", a.pages, jlen as f64 / 1e6);
+    #[cfg(feature = "phases")]
+    phases.print(&store);
     let fj = fill.json("filling");
     let uj = full.json("full");
     drop(store);

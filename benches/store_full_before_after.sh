@@ -8,6 +8,7 @@
 # the bench only uses PageStore::open, put and stats), builds this tree's, then runs both ROUNDS times
 # (default 1) in turn on a scratch store under DIR (default ./benches; the store is removed after each
 # run). BENCH ARGS go to both (default: 1,000,000 pages of K 2 KiB + V 2 KiB, batches of 1,024, 2 GiB).
+# KVTIER_BEFORE_TARGET: a cargo target dir for REF's build, kept between runs (its dependencies then build once).
 # Prints each run and writes benches/results/<machine>-store-full-before-after.json (one JSON line per run).
 set -euo pipefail
 ref=${1:?usage: $0 REF [ROUNDS] [DIR] [-- BENCH ARGS]}
@@ -23,7 +24,7 @@ build() { # $1: source tree, $2: target dir; prints the bench binary
   (cd "$1" && CARGO_TARGET_DIR="$2" cargo build -q --release -p kvtier-bench --bench store_full \
     --message-format=json | sed -n 's/.*"executable":"\([^"]*store_full[^"]*\)".*/\1/p' | tail -1)
 }
-before=$(build "$tmp/src" "$tmp/target")
+before=$(build "$tmp/src" "${KVTIER_BEFORE_TARGET:-$tmp/target}")
 after=$(build "$PWD" "${CARGO_TARGET_DIR:-$PWD/target}")
 out=benches/results/${KVTIER_MACHINE:-cpu}-store-full-before-after.json
 : > "$out"

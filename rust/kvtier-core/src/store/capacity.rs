@@ -43,12 +43,24 @@ impl PageStore {
     /// Writable open, steps 6–8: compaction, forgotten keys, the delete reserve, capacity. Returns whether
     /// the journal was compacted and a note when the reserve could not be established.
     pub(super) fn after_open(&self, forgotten: Vec<String>) -> (bool, Option<String>) {
-        self.settle(); // what is on disk now, before anything grows
-        let (end, trigger) = {
+        // what is on disk now, before anything grows
+        self.settle();
+        // A journal at its trigger is compacted here, to the end, when that is cheap (its live records fit
+        // the floor: at most 1 MiB rewritten) or needed (past its allowance its length would count in the
+        // budget and make this open evict for it). Otherwise (a large store closed while a compaction ran)
+        // it is compacted in steps after the next calls, as while it ran: a whole compaction at open
+        // rewrote every live record before the open returned.
+        let (end, trigger, allowance, small) = {
             let ix = self.lock_index();
-            (ix.j_end, ix.compact_trigger())
+            let small = ix.del_bytes <= ix.compact_floor;
+            (
+                ix.j_end,
+                ix.compact_trigger(),
+                ix.journal_allowance(),
+                small,
+            )
         };
-        let compacted = end >= trigger && self.compact().is_ok();
+        let compacted = (end > allowance || (end >= trigger && small)) && self.compact().is_ok();
         // A key whose latest record was dropped is deleted for good: if the record became plausible at a
         // later open (the class file grew as new objects took its slot), it would come back. After a
         // compaction these deletes are redundant, and harmless.

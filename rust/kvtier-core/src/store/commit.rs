@@ -11,6 +11,7 @@ use std::sync::MutexGuard;
 use super::files::fallocate;
 use super::index::{Entry, JOURNAL_SLACK};
 use super::journal::{encoded_len, Record};
+use super::stats::phase;
 use super::{io_err, PageStore};
 use crate::error::{Error, Result};
 use crate::fault;
@@ -234,9 +235,11 @@ impl PageStore {
     /// Commits put records of objects whose bytes are durable: reserve, append, then insert (R1). Each item
     /// is `(key, class, slot, len, crc)`. On error nothing was inserted.
     pub(super) fn commit_puts(&self, items: &[(String, u32, u32, u64, u32)]) -> io::Result<()> {
+        let mut t = std::time::Instant::now();
         let mut j = self.lock_journal();
         let new_dels: u64 = items.iter().map(|i| encoded_len(i.0.len()) as u64).sum();
         self.ensure_reserve(&j, 2 * new_dels)?;
+        self.stats.lap(phase::JOURNAL_RESERVE, &mut t);
         let recs: Vec<Record> = items
             .iter()
             .map(|(key, class, slot, len, crc)| Record::Put {
@@ -248,10 +251,13 @@ impl PageStore {
             })
             .collect();
         self.append_locked(&mut j, &recs)?;
+        self.stats.lap(phase::JOURNAL_APPEND, &mut t);
         let mut ix = self.lock_index();
         for (key, class, slot, len, crc) in items {
             ix.insert(key.clone(), Entry::new(*class, *slot, *len, *crc));
         }
+        drop(ix);
+        self.stats.lap(phase::INDEX_INSERT, &mut t);
         Ok(())
     }
 

@@ -61,6 +61,26 @@ impl ClassFile {
         self.buffered.write_all_at(bytes, off)
     }
 
+    /// Writes an object into its slot at `off` (a multiple of 4096, the slot at least the object rounded up
+    /// to 4096) in whole pages: its last partial page is copied into a page padded with zeros. A buffered
+    /// write of part of a page that is not cached reads the page from the disk first (a full store's
+    /// slots, reused, are mostly not cached once the data outgrows the page cache); a whole page is
+    /// written without reading. The padding lies inside the slot, which no live record names (R2).
+    pub(super) fn write_object(&self, bytes: &[u8], off: u64) -> std::io::Result<()> {
+        let head = bytes.len() / ALIGN as usize * ALIGN as usize;
+        if head == bytes.len() {
+            return self.write(bytes, off);
+        }
+        // buffered, as an object of this length always was: the kernel merges the batch's pages into large
+        // writes at the fdatasync (one O_DIRECT write per object would not be merged)
+        if head > 0 {
+            self.buffered.write_all_at(&bytes[..head], off)?;
+        }
+        let mut page = [0u8; ALIGN as usize];
+        page[..bytes.len() - head].copy_from_slice(&bytes[head..]);
+        self.buffered.write_all_at(&page, off + head as u64)
+    }
+
     /// Reads `buf.len()` bytes at `off` (O_DIRECT as [`ClassFile::write`]).
     pub(super) fn read(&self, buf: &mut [u8], off: u64) -> std::io::Result<()> {
         if let Some(d) = &self.direct {

@@ -121,7 +121,8 @@ impl PageStore {
             }
             let parsed = journal::parse_resync(&bytes);
             let mut report = OpenReport::default();
-            let Ok((mut ix, _)) = recovery::replay(&self.dir, parsed.records, &mut report) else {
+            let Ok((mut ix, _)) = recovery::replay(&self.dir, parsed.records, &mut report, 0)
+            else {
                 return;
             };
             recovery::trim_data_files(&self.dir, &mut ix, false);

@@ -45,29 +45,37 @@ pub enum Record {
 impl Record {
     /// Appends the encoded record to `out`.
     pub fn encode(&self, out: &mut Vec<u8>) {
-        let start = out.len();
-        let (kind, key, class, slot, len, crc) = match self {
+        match self {
             Record::Put {
                 key,
                 class,
                 slot,
                 len,
                 crc,
-            } => (1u8, key, *class, *slot, *len, *crc),
-            Record::Del { key } => (2u8, key, 0, 0, 0, 0),
-        };
-        debug_assert!(key.len() <= MAX_KEY);
-        out.extend_from_slice(&MAGIC.to_le_bytes());
-        out.push(kind);
-        out.extend_from_slice(&(key.len() as u16).to_le_bytes());
-        out.extend_from_slice(&class.to_le_bytes());
-        out.extend_from_slice(&slot.to_le_bytes());
-        out.extend_from_slice(&len.to_le_bytes());
-        out.extend_from_slice(&crc.to_le_bytes());
-        out.extend_from_slice(key.as_bytes());
-        let rc = crc32c::crc32c(&out[start..]);
-        out.extend_from_slice(&rc.to_le_bytes());
+            } => encode_put(out, key, *class, *slot, *len, *crc),
+            Record::Del { key } => encode_raw(out, 2, key, 0, 0, 0, 0),
+        }
     }
+}
+
+/// Appends the encoded put record of `key` to `out` (as `Record::Put`'s `encode`, without a `Record`).
+pub fn encode_put(out: &mut Vec<u8>, key: &str, class: u32, slot: u32, len: u64, crc: u32) {
+    encode_raw(out, 1, key, class, slot, len, crc)
+}
+
+fn encode_raw(out: &mut Vec<u8>, kind: u8, key: &str, class: u32, slot: u32, len: u64, crc: u32) {
+    let start = out.len();
+    debug_assert!(key.len() <= MAX_KEY);
+    out.extend_from_slice(&MAGIC.to_le_bytes());
+    out.push(kind);
+    out.extend_from_slice(&(key.len() as u16).to_le_bytes());
+    out.extend_from_slice(&class.to_le_bytes());
+    out.extend_from_slice(&slot.to_le_bytes());
+    out.extend_from_slice(&len.to_le_bytes());
+    out.extend_from_slice(&crc.to_le_bytes());
+    out.extend_from_slice(key.as_bytes());
+    let rc = crc32c::crc32c(&out[start..]);
+    out.extend_from_slice(&rc.to_le_bytes());
 }
 
 fn u16_at(b: &[u8], o: usize) -> u16 {

@@ -268,7 +268,16 @@ impl PageStore {
                 .and_then(|()| journal.file.sync_all())
                 .map_err(|e| io_err("cutting a torn journal tail", e))?;
         }
-        let (mut index, forgotten) = recovery::replay(&dir, parsed.records, &mut report)?;
+        let (mut index, forgotten) = recovery::replay(
+            &dir,
+            parsed.records,
+            &mut report,
+            if writable {
+                index::presize(opts.capacity_bytes)
+            } else {
+                0
+            },
+        )?;
         let punch_ok = recovery::trim_data_files(&dir, &mut index, writable);
         index.j_end = if writable {
             parsed.valid_end as u64

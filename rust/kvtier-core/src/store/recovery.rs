@@ -1,7 +1,7 @@
 //! Recovery at open: replaying the journal into an index (plausibility, slot conflicts resolved by
 //! order) and trimming the data files to what the index holds (docs/STORE.md, "open").
 
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap};
 use std::path::Path;
 
 use super::files::punch;
@@ -12,25 +12,36 @@ use super::{io_err, ALIGN};
 use crate::error::Result;
 
 /// The index rebuilt from `records`, what replay found, and the keys whose latest record was dropped.
+/// The index's map is sized for at least `presize` keys (a writer's most objects, so that it does not
+/// rehash inside a batch).
 pub(super) fn replay(
     dir: &Path,
     records: Vec<Record>,
     report: &mut OpenReport,
+    presize: usize,
 ) -> Result<(Index, Vec<String>)> {
-    let mut live: HashMap<String, (Entry, u64)> = HashMap::new(); // entry, order of its put record
-    let mut owner: HashMap<(u32, u32), String> = HashMap::new();
+    // Each key is interned once (no copy per record): `ids` owns it, `live[id]` is its entry and the order
+    // of its put record, `owner[class][slot]` is `id + 1` of the live key holding the slot (0: none).
+    let puts = records
+        .iter()
+        .filter(|r| matches!(r, Record::Put { .. }))
+        .count();
+    let mut ids: HashMap<String, u32> = HashMap::with_capacity(puts);
+    let mut live: Vec<Option<(Entry, u64)>> = Vec::with_capacity(puts);
+    let mut owner: HashMap<u32, Vec<u32>> = HashMap::new();
     let mut file_len: HashMap<u32, u64> = HashMap::new();
     let mut missing: BTreeSet<u32> = BTreeSet::new();
     // keys whose latest record was dropped (a later put or delete of the key takes it out again)
     let mut dropped: BTreeSet<String> = BTreeSet::new();
     let mut order = 0u64;
-    let remove = |live: &mut HashMap<String, (Entry, u64)>,
-                  owner: &mut HashMap<(u32, u32), String>,
-                  key: &str| {
-        if let Some((e, _)) = live.remove(key) {
-            owner.remove(&(e.class, e.slot));
-        }
-    };
+    let remove =
+        |live: &mut Vec<Option<(Entry, u64)>>, owner: &mut HashMap<u32, Vec<u32>>, id: u32| {
+            if let Some((e, _)) = live[id as usize].take() {
+                if let Some(o) = owner.get_mut(&e.class) {
+                    o[e.slot as usize] = 0;
+                }
+            }
+        };
     for r in records {
         match r {
             Record::Put {
@@ -57,35 +68,60 @@ pub(super) fn replay(
                 let plausible = super::index::put_shape_ok(class, len)
                     && u64::from(slot) * u64::from(class) + len <= flen;
                 if !plausible {
-                    remove(&mut live, &mut owner, &key);
+                    if let Some(&id) = ids.get(&key) {
+                        remove(&mut live, &mut owner, id);
+                    }
                     report.dropped_records += 1;
                     dropped.insert(key);
                     continue;
                 }
-                dropped.remove(&key);
-                // R3: a later put naming a slot that another live key holds overwrote that key's bytes
-                if let Some(prev) = owner.get(&(class, slot)).cloned() {
-                    if prev != key {
-                        remove(&mut live, &mut owner, &prev);
-                        report.superseded_by_slot += 1;
-                    }
+                if !dropped.is_empty() {
+                    dropped.remove(&key);
                 }
-                remove(&mut live, &mut owner, &key);
+                let id = match ids.get(&key) {
+                    Some(&id) => id,
+                    None => {
+                        let id = u32::try_from(live.len()).expect("fewer than 2^32 keys");
+                        ids.insert(key, id);
+                        live.push(None);
+                        id
+                    }
+                };
+                // R3: a later put naming a slot that another live key holds overwrote that key's bytes
+                let o = owner.entry(class).or_default();
+                if o.len() <= slot as usize {
+                    o.resize(slot as usize + 1, 0);
+                }
+                let prev = o[slot as usize];
+                if prev != 0 && prev - 1 != id {
+                    remove(&mut live, &mut owner, prev - 1);
+                    report.superseded_by_slot += 1;
+                }
+                remove(&mut live, &mut owner, id);
                 order += 1;
-                owner.insert((class, slot), key.clone());
-                live.insert(key, (Entry::new(class, slot, len, crc), order));
+                owner.get_mut(&class).expect("created above")[slot as usize] = id + 1;
+                live[id as usize] = Some((Entry::new(class, slot, len, crc), order));
             }
             Record::Del { key } => {
-                dropped.remove(&key);
-                remove(&mut live, &mut owner, &key);
+                if !dropped.is_empty() {
+                    dropped.remove(&key);
+                }
+                if let Some(&id) = ids.get(&key) {
+                    remove(&mut live, &mut owner, id);
+                }
             }
         }
     }
     report.missing_class_files = missing.into_iter().collect();
-    let mut by_age: Vec<(String, Entry, u64)> =
-        live.into_iter().map(|(k, (e, o))| (k, e, o)).collect();
+    let mut by_age: Vec<(String, Entry, u64)> = ids
+        .into_iter()
+        .filter_map(|(k, id)| live[id as usize].take().map(|(e, o)| (k, e, o)))
+        .collect();
+    drop(live);
+    drop(owner);
     by_age.sort_unstable_by_key(|x| x.2);
     let mut ix = Index::default();
+    ix.map.reserve(by_age.len().max(presize));
     for (key, e, _) in by_age {
         let n = ix.next.entry(e.class).or_insert(0);
         *n = (*n).max(e.slot + 1);
@@ -131,9 +167,12 @@ fn class_files(dir: &Path) -> Vec<u32> {
 /// only lists the free slots. Returns whether punching works here.
 pub(super) fn trim_data_files(dir: &Path, ix: &mut Index, writable: bool) -> bool {
     let mut punch_ok = true;
-    let mut used: HashMap<u32, HashSet<u32>> = HashMap::new();
+    // per class, whether each slot below `next` is live
+    let mut used: HashMap<u32, Vec<bool>> = HashMap::new();
     for e in ix.map.values() {
-        used.entry(e.class).or_default().insert(e.slot);
+        let next = ix.next.get(&e.class).copied().unwrap_or(0) as usize;
+        let u = used.entry(e.class).or_insert_with(|| vec![false; next]);
+        u[e.slot as usize] = true;
     }
     let mut classes: BTreeSet<u32> = class_files(dir).into_iter().collect();
     classes.extend(ix.next.keys().copied());
@@ -141,7 +180,7 @@ pub(super) fn trim_data_files(dir: &Path, ix: &mut Index, writable: bool) -> boo
         let next = ix.next.get(&class).copied().unwrap_or(0);
         let free: Vec<u32> = (0..next)
             .rev()
-            .filter(|s| used.get(&class).is_none_or(|u| !u.contains(s)))
+            .filter(|s| used.get(&class).is_none_or(|u| !u[*s as usize]))
             .collect();
         let c = u64::from(class);
         let path = dir.join(format!("class-{class}.dat"));

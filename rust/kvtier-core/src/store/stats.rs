@@ -40,6 +40,45 @@ pub struct Stats {
     pub verify_done: AtomicU64,
     /// ... and how many it will check.
     pub verify_total: AtomicU64,
+    /// Nanoseconds of put batches by phase, named by [`PUT_PHASES`] (`reserve` includes `evict`, `compact_step` includes `compact_finish`).
+    pub put_phase_ns: [AtomicU64; PUT_PHASES.len()],
+}
+
+/// The phases of a put batch (docs/STORE.md, "put"), as `put_phase_ns` counts them.
+pub const PUT_PHASES: [&str; 14] = [
+    "validate",
+    "keep_to_limit",
+    "reserve",
+    "evict",
+    "allocate",
+    "write",
+    "data_sync",
+    "journal_reserve",
+    "journal_append",
+    "index_insert",
+    "compact_step",
+    "settle",
+    "stats_file",
+    "compact_finish",
+];
+
+/// Phase indices into `put_phase_ns`.
+pub(crate) mod phase {
+    pub const VALIDATE: usize = 0;
+    pub const KEEP: usize = 1;
+    pub const RESERVE: usize = 2;
+    pub const EVICT: usize = 3;
+    pub const ALLOCATE: usize = 4;
+    pub const WRITE: usize = 5;
+    pub const DATA_SYNC: usize = 6;
+    pub const JOURNAL_RESERVE: usize = 7;
+    pub const JOURNAL_APPEND: usize = 8;
+    pub const INDEX_INSERT: usize = 9;
+    pub const COMPACT: usize = 10;
+    pub const SETTLE: usize = 11;
+    pub const STATS_FILE: usize = 12;
+    /// Part of `COMPACT` (or of an open's compaction): the finish under the commit lock.
+    pub const COMPACT_FINISH: usize = 13;
 }
 
 impl Stats {
@@ -65,6 +104,22 @@ impl Stats {
         .into_iter()
         .map(|(k, v)| (k, v.load(Relaxed)))
         .collect()
+    }
+
+    /// Adds the time since `*t` to phase `p` and restarts `*t`.
+    pub(crate) fn lap(&self, p: usize, t: &mut std::time::Instant) {
+        let now = std::time::Instant::now();
+        self.put_phase_ns[p].fetch_add((now - *t).as_nanos() as u64, Relaxed);
+        *t = now;
+    }
+
+    /// Put time by phase: `(name, nanoseconds)`.
+    pub fn put_phases(&self) -> Vec<(&'static str, u64)> {
+        PUT_PHASES
+            .iter()
+            .zip(&self.put_phase_ns)
+            .map(|(k, v)| (*k, v.load(Relaxed)))
+            .collect()
     }
 }
 

@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use super::files::ClassFile;
 use super::index::put_journal_cost;
+use super::stats::phase;
 use super::{PageStore, ALIGN, MAX_OBJECT};
 use crate::error::{Error, Result};
 use crate::fault;
@@ -34,6 +35,8 @@ impl PageStore {
     /// # Safety
     /// Each `[ptr, ptr+len)` must be readable memory that stays alive and unmodified during the call.
     pub unsafe fn put(&self, objs: &[(&str, usize, u64)]) -> Result<Vec<bool>> {
+        let t0 = std::time::Instant::now();
+        let mut t = t0;
         for (k, _, len) in objs {
             Self::check_journal_key(k)?;
             if *len == 0 || *len > MAX_OBJECT {
@@ -43,16 +46,19 @@ impl PageStore {
                 ));
             }
         }
-        let t0 = std::time::Instant::now();
         let mut ok = vec![false; objs.len()];
         if self.read_only || self.poisoned.load(Ordering::Relaxed) {
             self.fail(objs.len());
             return Ok(ok);
         }
+        self.stats.lap(phase::VALIDATE, &mut t);
         self.keep_to_limit();
+        self.stats.lap(phase::KEEP, &mut t);
         let mut dups = Vec::new();
         let plan = self.reserve(objs, &mut ok, &mut dups);
+        self.stats.lap(phase::RESERVE, &mut t);
         let plan = self.allocate(plan);
+        self.stats.lap(phase::ALLOCATE, &mut t);
         let mut done = self.write_all(objs, plan);
         done.sort_unstable_by_key(|(s, _)| s.i); // records and LRU order follow the batch's order
         let pending: u64 = done.iter().map(|(s, _)| s.journal).sum();
@@ -82,8 +88,11 @@ impl PageStore {
         for (d, f) in dups {
             ok[d] = ok[f];
         }
+        let mut t = std::time::Instant::now();
         self.compact_step();
+        self.stats.lap(phase::COMPACT, &mut t);
         self.settle();
+        self.stats.lap(phase::SETTLE, &mut t);
         let stored = ok.iter().filter(|&&b| b).count() as u64;
         self.stats.puts.fetch_add(stored, Ordering::Relaxed);
         self.stats.bytes_written.fetch_add(bytes, Ordering::Relaxed);
@@ -91,6 +100,7 @@ impl PageStore {
             .put_ns
             .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
         self.persist_stats(false);
+        self.stats.lap(phase::STATS_FILE, &mut t);
         Ok(ok)
     }
 
@@ -214,7 +224,10 @@ impl PageStore {
                 }
                 victims
             };
-            match self.commit_dels(&victims) {
+            let mut te = std::time::Instant::now();
+            let r = self.commit_dels(&victims);
+            self.stats.lap(phase::EVICT, &mut te);
+            match r {
                 Ok(gone) => {
                     self.stats
                         .evictions
@@ -346,6 +359,7 @@ impl PageStore {
         objs: &[(&str, usize, u64)],
         plan: Vec<(Slot, Arc<ClassFile>)>,
     ) -> Vec<(Slot, u32)> {
+        let mut t = std::time::Instant::now();
         let crcs: Vec<AtomicU64> = (0..plan.len()).map(|_| AtomicU64::new(u64::MAX)).collect();
         self.parallel(plan.len(), |j| {
             let (s, ref c) = plan[j];
@@ -367,12 +381,13 @@ impl PageStore {
                     torn[bytes.len() / 2..].fill(0);
                     c.write(&torn, off)
                 }
-                other => fault::apply(other).and_then(|()| c.write(bytes, off)),
+                other => fault::apply(other).and_then(|()| c.write_object(bytes, off)),
             };
             if res.is_ok() {
                 crcs[j].store(u64::from(crc), Ordering::Relaxed);
             }
         });
+        self.stats.lap(phase::WRITE, &mut t);
         let mut synced: HashMap<u32, bool> = HashMap::new();
         for (s, c) in &plan {
             synced.entry(s.class).or_insert_with(|| {
@@ -381,6 +396,7 @@ impl PageStore {
                     .is_ok()
             });
         }
+        self.stats.lap(phase::DATA_SYNC, &mut t);
         let mut good = Vec::new();
         let mut bad = 0;
         let mut ix = self.lock_index();
