@@ -137,10 +137,11 @@ fn remove_stale(dir: &Path) {
         let Some(Ok(pid)) = rest.split('-').next().map(str::parse::<i32>) else {
             continue;
         };
-        // SAFETY: kill with signal 0 sends nothing; it only asks whether the process exists.
-        let gone = pid > 0
-            && unsafe { libc::kill(pid, 0) } != 0
-            && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH);
+        let gone = pid > 0 && {
+            // SAFETY: kill with signal 0 sends nothing; it only asks whether the process exists.
+            let rc = unsafe { libc::kill(pid, 0) };
+            rc != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH)
+        };
         if gone {
             let _ = std::fs::remove_file(e.path());
         }

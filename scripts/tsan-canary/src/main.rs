@@ -19,9 +19,9 @@ const ROUNDS: usize = 20_000;
 /// Adds one to `*p`, a plain (non-atomic) read and write.
 #[inline(never)]
 fn bump(p: *mut u64) {
-    // SAFETY: `p` points to a live `u64` (the caller's `race` keeps it alive until both threads are
-    // joined). The access is deliberately unsynchronised with the other thread's: that data race is what
-    // this function exists to show TSan; it runs only in the TSan canary.
+    // The access is deliberately unsynchronised with the other thread's: that data race is what this
+    // function exists to show TSan; it runs only in the TSan canary.
+    // SAFETY: `p` points to a live `u64` (the caller's `race` keeps it alive until both threads are joined).
     unsafe { *std::hint::black_box(p) += 1 };
 }
 

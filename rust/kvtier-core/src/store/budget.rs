@@ -134,8 +134,8 @@ impl Table {
                 }
             }
         }
-        // SAFETY: a fresh shared mapping of LEN bytes of a file that has exactly LEN bytes (checked above;
-        // the file is never shortened by kvtier).
+        // The file has exactly LEN bytes (checked above) and kvtier never shortens it.
+        // SAFETY: a fresh shared mapping of LEN bytes of that file; nothing else aliases it in this process.
         let map = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
@@ -158,8 +158,8 @@ impl Table {
 
     fn u64_at(&self, off: usize) -> &AtomicU64 {
         debug_assert!(off % 8 == 0 && off + 8 <= LEN);
-        // SAFETY: `off` is 8-aligned inside the page-aligned mapping, which lives as long as `self`; every
-        // process accesses these words only atomically.
+        // Every process accesses these words only atomically.
+        // SAFETY: `off` is 8-aligned inside the page-aligned mapping, which lives as long as `self`.
         unsafe { &*self.map.add(off).cast::<AtomicU64>() }
     }
 
@@ -392,8 +392,10 @@ fn now_ms() -> u64 {
 }
 
 fn process_alive(pid: u32) -> bool {
+    if pid == 0 {
+        return false;
+    }
     // SAFETY: kill with signal 0 only checks whether the process exists.
-    pid != 0
-        && (unsafe { libc::kill(pid as i32, 0) } == 0
-            || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM))
+    let rc = unsafe { libc::kill(pid as i32, 0) };
+    rc == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
 }
