@@ -463,7 +463,7 @@ def test_chain_raises_on_bad_arguments_like_its_first_tier(tmp_path, cluster):
                 c.batch_get_v1(["a"], idx)
 
 
-# ------------------------------------------------------------------ session 9's review of the cluster tier
+# ------------------------------------------------------------------ an adversarial review of the cluster tier
 def test_key_tag_namespaces_do_not_serve_each_others_pages(cluster):
     """A tagged page "x" and an untagged page "m_x" of model "m" are the same Mooncake objects (SGLang joins
     the names with "_"): the record names the key tag, so each namespace misses the other's page instead of

@@ -109,7 +109,7 @@ def test_full_disk_fails_pages_not_the_store_and_drains(mounted, fs):
 
 @pytest.mark.parametrize("fs", ["tmpfs", "ext4"])
 def test_nearly_full_disk_still_takes_the_other_class(mounted, fs):
-    """The landed store grew a class file by a speculative 64 MiB and, with less free, took the whole disk:
+    """A store that grew a class file by a speculative 64 MiB and, with less free, took the whole disk:
     no page of the other class fit. Now growth is exact: with 3 MiB free, pages keep fitting."""
     mnt = mounted(fs, 16)
     filler = mnt / "filler"
@@ -148,7 +148,7 @@ def test_capacity_bounds_blocks_on_disk(tmp_path, cap):
 def test_failed_journal_append_loses_no_acknowledged_page(tmp_path, change):
     """The journal's disk fails after each kind of change that deletes: nothing is removed early, no slot
     is reused under a live record, batch calls return False instead of raising, and after a reopen every
-    acknowledged page is intact (the landed store lost 48 of 48 new pages here)."""
+    acknowledged page is intact (a store that changed its index before the record was durable lost 48 of 48 new pages here)."""
     dp, hp = make_pool(pages=64)
     want = {p: page(hp, p) for p in range(64)}
     cap = 10 * 24576 + (32 << 10)
@@ -187,7 +187,7 @@ def test_failed_journal_append_loses_no_acknowledged_page(tmp_path, change):
         for k in live:
             assert st.batch_get_v1([k], idx([63])) == [True], f"acknowledged {k} lost"
             assert same(hp, 63, want[acked[k]]), f"{k}: wrong bytes"
-        # The landed store's records still pointed old keys at reused slots: reading them dropped them and
+        # Records of a store that freed slots before the del was durable still pointed old keys at reused slots: reading them dropped them and
         # freed slots that new pages live in, and the next writes overwrote those pages.
         for p in range(8):
             st.batch_get_v1([f"old{p}"], idx([62]))
@@ -223,7 +223,7 @@ def _cli(*args):
 
 
 def test_damaged_journal_costs_one_record_and_inspect_verify_are_read_only(tmp_path):
-    """Flipped bytes in the middle of journal.log cost the record they hit (the landed store cut 34 of 54
+    """Flipped bytes in the middle of journal.log cost the record they hit (an inspector that cut the journal at the first bad record cut 34 of 54
     objects); inspect and verify report the damage, exit non-zero, and leave every file byte-identical;
     verify --repair removes it."""
     dp, hp = make_pool(pages=64)

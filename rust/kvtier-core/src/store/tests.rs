@@ -1,4 +1,4 @@
-//! The first store's tests, kept: round trips, locking, eviction, corruption, injected IO failures,
+//! The store's basic tests: round trips, locking, eviction, corruption, injected IO failures,
 //! torn tails, compaction and the bounded-map property.
 
 use super::*;

@@ -37,7 +37,7 @@ fn assert_all_back(
 
 /// A journal append that fails after each kind of in-memory change — delete, eviction inside put, the
 /// drop of a corrupt object — changes nothing: no key disappears early, no slot is reused, and every
-/// acknowledged page is intact after a reopen (the landed store lost 48 of 48 here).
+/// acknowledged page is intact after a reopen (a store that changed its index before the record was durable lost 48 of 48 here).
 #[test]
 fn failed_del_appends_change_nothing_and_lose_nothing() {
     let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
@@ -139,7 +139,7 @@ fn poisoned_journal_refuses_writes_and_recovers_on_reopen() {
 }
 
 /// Threads put, delete and get the same few keys; afterwards the index equals what a reopen replays
-/// (the landed store could end with a del after an acknowledged, served put), and every served byte is
+/// (a store that changed its index before appending could end with a del after an acknowledged, served put), and every served byte is
 /// the key's own.
 #[test]
 fn racing_put_delete_get_of_one_key_is_linearizable() {
