@@ -32,6 +32,7 @@ fn store_bench(c: &mut Criterion) {
                     budget_bytes: None,
                     io_threads: qd,
                     direct: None,
+                    keyring: None,
                 },
             )
             .expect("store");

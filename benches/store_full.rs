@@ -180,6 +180,7 @@ fn main() {
         budget_bytes: None,
         io_threads: 16,
         direct: None,
+        keyring: None,
     };
     let per_batch = (a.batch * 2) as usize;
     let buf =

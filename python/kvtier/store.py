@@ -28,6 +28,7 @@ from .hashes import page_hashes  # noqa: F401 - kvtier.store.page_hashes stays i
 from .planner import TierEstimate, TierMeter
 from ._errors import ClosedError, InvalidArgumentError, KvtierError
 from .config import parse_size
+from .tenants import erase_tag, open_keyring, scope_keys, tenant_of
 
 #: Default hard limit of one namespace's data (bytes).
 DEFAULT_CAPACITY = 64 << 30
@@ -63,6 +64,11 @@ class PageStore:
         kv_cache_dtype: the KV cache's logical dtype when the host pool holds it as raw bytes and cannot say
             (SGLang's pools keep every fp8 variant as ``uint8``): named in the namespace, so pages of an
             ``fp8_e5m2`` cache are never served to an ``fp8_e4m3`` one. kvtier's own pools know it.
+        keyring: seal every page at rest (AES-256-GCM, a key per tenant) with this :class:`kvtier.Keyring` or
+            keyring directory (docs/SECURITY.md); the namespace then names the keyring's id, so sealed and clear
+            pages, or pages of two master keys, never meet. ``None`` (default): pages are stored in clear.
+        tenant: a per-deployment tenant salt: every key this store reads or writes that carries no tenant of
+            its own (:func:`kvtier.tenants.scope_keys`) becomes that tenant's. ``None``: keys as given.
         probe_bytes: when a writable store registers its pool, it measures the disk with the store's own IO
             (O_DIRECT objects of the pool's page-object size, ``io_threads`` in flight, durable writes) on
             this many bytes in a temporary file beside the namespaces (removed at once; skipped when the
@@ -94,7 +100,11 @@ class PageStore:
         kv_cache_dtype: str | None = None,
         probe_bytes: int = DEFAULT_PROBE_BYTES,
         budget_bytes: int | str | None = None,
+        keyring: Any = None,
+        tenant: str | None = None,
     ) -> None:
+        if tenant is not None and (not isinstance(tenant, str) or not tenant):
+            raise InvalidArgumentError(f"invalid argument `tenant`: a non-empty salt string or None, got {tenant!r}")
         if isinstance(probe_bytes, bool) or not isinstance(probe_bytes, int) or probe_bytes < 0:
             raise InvalidArgumentError(f"invalid argument `probe_bytes`: must be an int >= 0, got {probe_bytes!r}")
         capacity_bytes = parse_size("capacity_bytes", capacity_bytes, 4096)
@@ -122,6 +132,8 @@ class PageStore:
                           dcp=(dcp_rank, dcp_size), dp=(dp_rank, 0))
         self.io_threads = io_threads
         self.direct = direct
+        self.keyring = open_keyring(keyring)
+        self.tenant = tenant
         self._native: Any = None
         self._pool: Any = None
         self.page_bytes = 0  # bytes of one page (K + V) once a pool is registered
@@ -152,6 +164,7 @@ class PageStore:
             f"kvtier-v1|model={self.model_name}|tp={r['tp'][0]}/{r['tp'][1]}|pp={r['pp'][0]}/{r['pp'][1]}"
             f"|cp={r['cp'][0]}/{r['cp'][1]}{extra}|dtype={self._dtype_of(pool)}|layout={pool.layout}"
             f"|page={pool.page_size}|layers={pool.layer_num}|{_heads(pool)}"
+            + (f"|sealed={self.keyring.id}" if self.keyring is not None else "")
         )
 
     def _dtype_of(self, pool: Any) -> str:
@@ -244,7 +257,7 @@ class PageStore:
         ns, regions, tensors, bind = self._pending
         try:
             native = _native.PageStore(self.path, ns, self.capacity_bytes, self.io_threads, self.direct, self.read_only,
-                                       self.budget_bytes)
+                                       self.budget_bytes, self.keyring._native if self.keyring is not None else None)
         except FileNotFoundError:
             if not self.read_only:
                 raise
@@ -292,7 +305,7 @@ class PageStore:
         checked (as every store call orders them), then one native call."""
         native = self._native  # read once: close() clears it
         store = native if native is not None and not self._closed else self._reader_store()
-        keys = _keys(keys)
+        keys = scope_keys(self.tenant, _keys(keys))
         if not isinstance(host_indices, torch.Tensor) or host_indices.dtype != torch.int64 or host_indices.dim() != 1:
             raise InvalidArgumentError("invalid argument `host_indices`: expected a 1-D torch.int64 tensor")
         if store is None:
@@ -321,7 +334,7 @@ class PageStore:
 
     def batch_exists(self, keys: Sequence[str], extra_info: Any = None) -> int:
         """Length of the leading run of keys whose page (K and V) is stored."""
-        keys = _keys(keys)
+        keys = scope_keys(self.tenant, _keys(keys))
         store = self._reader_store()
         n = int(store.pages_exist(keys)) if store is not None else 0
         self.meter.observe_lookup(n, len(keys))
@@ -332,7 +345,16 @@ class PageStore:
 
     def delete(self, keys: Sequence[str]) -> int:
         """Delete pages; returns how many pages had anything stored."""
-        return int(self._store().delete_pages(_keys(keys)))
+        return int(self._store().delete_pages(scope_keys(self.tenant, _keys(keys))))
+
+    def erase_tenant(self, salt: str | None = None, *, tag: str | None = None) -> int:
+        """Delete every page of one tenant (named by ``salt`` or by ``tag``) from this namespace; returns the
+        pages deleted. With a keyring, :meth:`kvtier.Keyring.erase` also destroys the tenant's key, which makes
+        whatever a crash or a copy kept unreadable (``kvtier erase`` does both, for every namespace)."""
+        t = erase_tag(salt, tag)
+        store = self._store()
+        pages = sorted({k.rsplit(".", 1)[0] for k in store.keys() if tenant_of(k) == t})
+        return int(store.delete_pages(pages)) if pages else 0
 
     def clear(self) -> None:
         """Delete every page of this namespace."""

@@ -11,6 +11,7 @@
 //!   (design: docs/STORE.md).
 //! - [`ranges`]: registered host memory, range checks and checksums over it (remote tiers).
 //! - [`hash`]: SGLang-compatible chained SHA-256 page keys.
+//! - [`seal`]: tenant-scoped keys and AES-256-GCM sealing of stored objects (encryption at rest).
 //! - [`fault`]: IO fault injection points for tests.
 //!
 //! Threading model: every type here is `Send + Sync` with interior locks; long operations (pre-faulting,
@@ -28,6 +29,7 @@ pub mod hash;
 pub mod plan;
 pub mod ranges;
 pub mod roofline;
+pub mod seal;
 pub mod store;
 
 pub use store::journal;

@@ -11,6 +11,7 @@ use std::sync::{Arc, Mutex};
 
 use crate::buffer::HostRegion;
 use crate::error::{Error, Result};
+use crate::seal::{tenant_of, Keyring, Seal};
 
 #[derive(Clone)]
 struct Registered {
@@ -136,39 +137,107 @@ impl Ranges {
         let held = self.snapshot();
         let spans: Vec<(usize, u64)> = objs.iter().map(|o| (o.1, o.2)).collect();
         held.check("host_indices", &spans, false)?;
-        let total: u64 = spans.iter().map(|s| s.1).sum();
-        let threads = if total < (8 << 20) {
-            1
-        } else {
-            std::thread::available_parallelism()
-                .map_or(1, |n| n.get())
-                .min(8)
-                .min(objs.len())
-        };
-        let one = |o: &(&str, usize, u64)| {
+        let out = par_map(objs, total(&spans), |o| {
             // every range lies inside registered memory that `held` keeps alive for this call (checked
             // above); the caller orders writes to it against this call (as for a page store put).
             // SAFETY: live, readable memory of `o.2` bytes at `o.1`.
             let bytes = unsafe { std::slice::from_raw_parts(o.1 as *const u8, o.2 as usize) };
             crc32c::crc32c_append(crc32c::crc32c(bytes), o.0.as_bytes())
-        };
-        if threads <= 1 {
-            return Ok(objs.iter().map(one).collect());
-        }
-        let mut out = vec![0u32; objs.len()];
-        let per = objs.len().div_ceil(threads);
-        std::thread::scope(|s| {
-            for (chunk, dst) in objs.chunks(per).zip(out.chunks_mut(per)) {
-                s.spawn(move || {
-                    for (o, d) in chunk.iter().zip(dst.iter_mut()) {
-                        *d = one(o);
-                    }
-                });
-            }
         });
         drop(held);
         Ok(out)
     }
+
+    /// Seals objects `(name, address, length)` with their tenants' keys from `ring` (a tenant without a key
+    /// gets one): object i is copied to `dsts[i]` (its own address: sealed in place) and sealed there. Per
+    /// object its seal, or None if it could not be sealed. Every range is checked (sources inside registered
+    /// memory; destinations inside it and disjoint, and apart from every other source) before any byte moves.
+    pub fn seal_into(&self, ring: &Keyring, objs: &[(&str, usize, u64)], dsts: &[usize]) -> Result<Vec<Option<Seal>>> {
+        if dsts.len() != objs.len() {
+            return Err(Error::arg("dsts", format!("{} destinations for {} objects", dsts.len(), objs.len())));
+        }
+        let held = self.snapshot();
+        let src: Vec<(usize, u64)> = objs.iter().map(|o| (o.1, o.2)).collect();
+        let dst: Vec<(usize, u64)> = objs.iter().zip(dsts).map(|(o, &d)| (d, o.2)).collect();
+        held.check("host_indices", &src, false)?;
+        held.check("dsts", &dst, true)?;
+        let moved: Vec<(usize, u64)> = src.iter().zip(&dst).filter(|(s, d)| s.0 != d.0).map(|(s, _)| *s).collect();
+        let mut all = dst.clone();
+        all.extend(moved);
+        held.check("dsts", &all, true)?; // a copy never reads bytes another object's destination overwrites
+        let keys = ring.keys_for(&objs.iter().map(|o| tenant_of(o.0)).collect::<Vec<_>>(), true);
+        let with: Vec<(&(&str, usize, u64), usize)> = objs.iter().zip(dsts.iter().copied()).collect();
+        let out = par_map(&with, total(&src), |(o, d)| {
+            let k = keys.get(&tenant_of(o.0).map(str::to_owned))?.as_ref()?;
+            // SAFETY: checked above: the destination lies inside registered memory `held` keeps alive and
+            // overlaps no other destination nor any source but its own; the caller hands it to this call.
+            let buf = unsafe { std::slice::from_raw_parts_mut(*d as *mut u8, o.2 as usize) };
+            if *d != o.1 {
+                // SAFETY: the source is registered, live and (checked above) apart from the destination.
+                let src = unsafe { std::slice::from_raw_parts(o.1 as *const u8, o.2 as usize) };
+                buf.copy_from_slice(src);
+            }
+            k.seal(o.0, buf).ok()
+        });
+        drop(held);
+        Ok(out)
+    }
+
+    /// Opens sealed objects in place; per object whether its tag verified (False: its bytes are
+    /// unspecified). Every range is checked (inside registered memory, disjoint) before any byte changes.
+    pub fn open_in_place(&self, ring: &Keyring, objs: &[(&str, usize, u64)], seals: &[Seal]) -> Result<Vec<bool>> {
+        if seals.len() != objs.len() {
+            return Err(Error::arg("seals", format!("{} seals for {} objects", seals.len(), objs.len())));
+        }
+        let held = self.snapshot();
+        let spans: Vec<(usize, u64)> = objs.iter().map(|o| (o.1, o.2)).collect();
+        held.check("host_indices", &spans, true)?;
+        let keys = ring.keys_for(&objs.iter().map(|o| tenant_of(o.0)).collect::<Vec<_>>(), false);
+        let with: Vec<(&(&str, usize, u64), &Seal)> = objs.iter().zip(seals).collect();
+        let out = par_map(&with, total(&spans), |(o, seal)| {
+            let Some(Some(k)) = keys.get(&tenant_of(o.0).map(str::to_owned)) else {
+                return false;
+            };
+            // SAFETY: checked above: inside registered memory `held` keeps alive, disjoint from every other
+            // object of the call; the caller hands these bytes to this call alone.
+            let buf = unsafe { std::slice::from_raw_parts_mut(o.1 as *mut u8, o.2 as usize) };
+            k.open(o.0, buf, seal)
+        });
+        drop(held);
+        Ok(out)
+    }
+}
+
+fn total(spans: &[(usize, u64)]) -> u64 {
+    spans.iter().map(|s| s.1).sum()
+}
+
+/// `f` over every object, on up to 8 threads once the batch (`bytes` in all) is large enough to pay for them.
+fn par_map<T: Sync, R: Send + Default + Clone>(objs: &[T], bytes: u64, f: impl Fn(&T) -> R + Sync) -> Vec<R> {
+    let threads = if bytes < (8 << 20) {
+        1
+    } else {
+        std::thread::available_parallelism()
+            .map_or(1, |n| n.get())
+            .min(8)
+            .min(objs.len())
+    };
+    if threads <= 1 {
+        return objs.iter().map(&f).collect();
+    }
+    let mut out = vec![R::default(); objs.len()];
+    let per = objs.len().div_ceil(threads);
+    let f = &f;
+    std::thread::scope(|s| {
+        for (chunk, dst) in objs.chunks(per).zip(out.chunks_mut(per)) {
+            s.spawn(move || {
+                for (o, d) in chunk.iter().zip(dst.iter_mut()) {
+                    *d = f(o);
+                }
+            });
+        }
+    });
+    out
 }
 
 #[cfg(test)]

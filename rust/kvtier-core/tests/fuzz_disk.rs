@@ -189,6 +189,7 @@ fn opts(capacity: u64, direct: bool) -> StoreOptions {
         budget_bytes: None,
         io_threads: 2,
         direct: if direct { None } else { Some(false) },
+        keyring: None,
     }
 }
 
@@ -242,8 +243,8 @@ fn record_with_slots(slot: impl Strategy<Value = u32>) -> impl Strategy<Value = 
         // a put of a shape the store writes (a class that is a positive multiple of 4096, a length in
         // (0, class]): any other shape is not a record (`Break::Shape`)
         3 => (key(), (1u32..=(u32::MAX / 4096)).prop_flat_map(|c| (Just(c * 4096), 1..=u64::from(c) * 4096)),
-              slot, any::<u32>())
-            .prop_map(|(key, (class, len), slot, crc)| Record::Put { key, class, slot, len, crc }),
+              slot, any::<u32>(), proptest::option::of(any::<[u8; 28]>()))
+            .prop_map(|(key, (class, len), slot, crc, seal)| Record::Put { key, class, slot, len, crc, seal }),
         1 => key().prop_map(|key| Record::Del { key }),
     ]
 }
@@ -260,7 +261,7 @@ enum Break {
     Truncate(prop::sample::Index),
     /// Change the key length field, record crc not updated.
     KeyLen(u16),
-    /// A kind other than put/del, record crc updated.
+    /// A kind other than put/del/sealed put, record crc updated.
     Kind(u8),
     /// A key that is not UTF-8, record crc updated.
     BadUtf8(prop::sample::Index),
@@ -282,7 +283,7 @@ fn brk() -> impl Strategy<Value = Break> {
         any::<prop::sample::Index>().prop_map(Break::Truncate),
         any::<u16>().prop_map(Break::KeyLen),
         any::<u8>()
-            .prop_filter("not put/del", |k| *k != 1 && *k != 2)
+            .prop_filter("not put/del/sealed put", |k| !(1..=3).contains(k))
             .prop_map(Break::Kind),
         any::<prop::sample::Index>().prop_map(Break::BadUtf8),
         ((journal::MAX_KEY as u16 + 1)..=u16::MAX).prop_map(Break::LongKey),
@@ -308,7 +309,9 @@ fn plausible_shape(class: u32, len: u64) -> bool {
 
 fn broken(rec: &Record, b: &Break) -> Vec<u8> {
     let mut e = encode_all(std::slice::from_ref(rec));
-    let key_len = e.len() - FIXED - 4;
+    // the key follows the fixed fields, and the seal of a sealed put
+    let head = if e[4] == 3 { FIXED + 28 } else { FIXED };
+    let key_len = e.len() - head - 4;
     match b {
         Break::FlipBit(i, bit) => {
             let i = i.index(e.len());
@@ -335,17 +338,17 @@ fn broken(rec: &Record, b: &Break) -> Vec<u8> {
         }
         Break::BadUtf8(i) => {
             if key_len == 0 {
-                e.insert(FIXED, 0xff);
+                e.insert(head, 0xff);
                 e[5..7].copy_from_slice(&1u16.to_le_bytes());
             } else {
-                e[FIXED + i.index(key_len)] = 0xff; // never valid in UTF-8
+                e[head + i.index(key_len)] = 0xff; // never valid in UTF-8
             }
             fix_record_crc(&mut e);
         }
         Break::LongKey(n) => {
-            e.truncate(FIXED);
+            e.truncate(head);
             e[5..7].copy_from_slice(&n.to_le_bytes());
-            e.resize(FIXED + *n as usize + 4, b'k');
+            e.resize(head + *n as usize + 4, b'k');
             fix_record_crc(&mut e);
         }
         Break::Magic(m) => {
@@ -566,6 +569,7 @@ fn churn() -> &'static [u8] {
                 slot: 0,
                 len: 1,
                 crc: 0,
+                seal: None,
             });
             recs.push(Record::Del { key });
         }
@@ -641,6 +645,7 @@ fn journal_replay_matches_model() {
                         slot: *slot,
                         len: *len,
                         crc,
+                        seal: None,
                     });
                     // a shape the store never writes is not a record: damaged bytes, or part of the tail
                     if !plausible_shape(class, *len) {
@@ -1359,6 +1364,7 @@ fn apply(files: &mut BTreeMap<String, FileState>, m: &Mutation) -> bool {
                     slot,
                     len,
                     crc,
+                    ..
                 } = &mut r[i]
                 {
                     match field {
@@ -1572,6 +1578,7 @@ fn bug_replay_slot_u32_max_panics() {
         slot: u32::MAX,
         len: 1,
         crc: 0,
+        seal: None,
     }]);
     let r = std::panic::catch_unwind(|| {
         PageStore::open(&tmp.0, "bug", opts(1 << 30, false)).map(|_| ())
@@ -1594,6 +1601,7 @@ fn bug_replay_large_slot_allocates_free_list() {
         slot: 1 << 22,
         len: 1,
         crc: 0,
+        seal: None,
     }]);
     let s = PageStore::open(&tmp.0, "bug", opts(1 << 30, false)).unwrap();
     // the record names bytes past the (missing) class file: dropped, counted, nothing reserved
@@ -1613,6 +1621,7 @@ fn a_dropped_record_does_not_come_back_when_the_file_grows() {
         slot: 0,
         len: 4096,
         crc: 0,
+        seal: None,
     }]);
     let src = region(4096);
     fill(&src, &[9u8; 4096]);
@@ -1641,6 +1650,7 @@ fn bug_verify_huge_len_panics() {
         slot: 0,
         len: u64::MAX,
         crc: 0,
+        seal: None,
     }]);
     let s = PageStore::open(&tmp.0, "bug", opts(1 << 30, false)).unwrap();
     let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {

@@ -7,6 +7,7 @@ mod engine;
 mod errors;
 mod plans;
 mod ranges;
+mod seal;
 mod store;
 mod store_fns;
 mod transfer;
@@ -22,6 +23,10 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<plans::PyTransferPlan>()?;
     m.add_class::<store::PyPageStore>()?;
     m.add_class::<ranges::PyHostRanges>()?;
+    m.add_class::<seal::PyKeyring>()?;
+    m.add_function(wrap_pyfunction!(seal::tenant_tag, m)?)?;
+    m.add_function(wrap_pyfunction!(seal::tenant_keys, m)?)?;
+    m.add_function(wrap_pyfunction!(seal::tenant_of, m)?)?;
     m.add_function(wrap_pyfunction!(store_fns::namespace_dir, m)?)?;
     m.add_function(wrap_pyfunction!(store_fns::store_namespaces, m)?)?;
     m.add_function(wrap_pyfunction!(store_fns::remove_namespace, m)?)?;

@@ -51,6 +51,12 @@ fn spans(ptrs: &[usize], sizes: &[u64]) -> KvResult<Vec<(usize, u64)>> {
     Ok(ptrs.iter().copied().zip(sizes.iter().copied()).collect())
 }
 
+impl PyHostRanges {
+    pub(crate) fn get(&self) -> &Ranges {
+        &self.inner
+    }
+}
+
 #[pymethods]
 impl PyHostRanges {
     #[new]

@@ -15,6 +15,7 @@ use pyo3::types::PyDict;
 
 use crate::buffer::PyHostRegion;
 use crate::errors::KvResult;
+use crate::seal::PyKeyring;
 
 /// A page store namespace (see kvtier.PageStore for the public API).
 #[pyclass(name = "PageStore", module = "kvtier._native", frozen)]
@@ -95,7 +96,7 @@ impl PyPageStore {
 #[pymethods]
 impl PyPageStore {
     #[new]
-    #[pyo3(signature = (root, namespace, capacity_bytes, io_threads=16, direct=None, read_only=false, budget_bytes=None))]
+    #[pyo3(signature = (root, namespace, capacity_bytes, io_threads=16, direct=None, read_only=false, budget_bytes=None, keyring=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -106,16 +107,19 @@ impl PyPageStore {
         direct: Option<bool>,
         read_only: bool,
         budget_bytes: Option<u64>,
+        keyring: Option<PyRef<'_, PyKeyring>>,
     ) -> KvResult<Self> {
+        let keyring = keyring.map(|k| k.inner.clone());
         let opts = StoreOptions {
             capacity_bytes,
             budget_bytes,
             io_threads,
             direct,
+            keyring: keyring.clone(),
         };
         let s = py.detach(|| {
             if read_only {
-                PageStore::open_read_only(&root, &namespace)
+                PageStore::open_read_only_sealed(&root, &namespace, keyring)
             } else {
                 PageStore::open(&root, &namespace, opts)
             }

@@ -11,6 +11,10 @@ use std::sync::MutexGuard;
 use super::files::fallocate;
 use super::index::{Entry, JOURNAL_SLACK};
 use super::journal::{encoded_len, Record};
+use crate::seal::{Seal, SEAL_LEN};
+
+/// A put to commit: `(key, class, slot, len, crc, seal)`.
+pub(super) type PutItem = (String, u32, u32, u64, u32, Option<Seal>);
 use super::stats::phase;
 use super::{io_err, PageStore};
 use crate::error::{Error, Result};
@@ -232,29 +236,34 @@ impl PageStore {
         }
     }
 
-    /// Commits put records of objects whose bytes are durable: reserve, append, then insert (R1). Each item
-    /// is `(key, class, slot, len, crc)`. On error nothing was inserted.
-    pub(super) fn commit_puts(&self, items: &[(String, u32, u32, u64, u32)]) -> io::Result<()> {
+    /// Commits put records of objects whose bytes are durable: reserve, append, then insert (R1). On error
+    /// nothing was inserted.
+    pub(super) fn commit_puts(&self, items: &[PutItem]) -> io::Result<()> {
         let mut t = std::time::Instant::now();
         let mut j = self.lock_journal();
-        let new_dels: u64 = items.iter().map(|i| encoded_len(i.0.len()) as u64).sum();
-        self.ensure_reserve(&j, 2 * new_dels)?;
+        // each put's record (with its seal, if any) and its prepaid del
+        let new: u64 = items
+            .iter()
+            .map(|i| (2 * encoded_len(i.0.len()) + if i.5.is_some() { SEAL_LEN } else { 0 }) as u64)
+            .sum();
+        self.ensure_reserve(&j, new)?;
         self.stats.lap(phase::JOURNAL_RESERVE, &mut t);
         let recs: Vec<Record> = items
             .iter()
-            .map(|(key, class, slot, len, crc)| Record::Put {
+            .map(|(key, class, slot, len, crc, seal)| Record::Put {
                 key: key.clone(),
                 class: *class,
                 slot: *slot,
                 len: *len,
                 crc: *crc,
+                seal: *seal,
             })
             .collect();
         self.append_locked(&mut j, &recs)?;
         self.stats.lap(phase::JOURNAL_APPEND, &mut t);
         let mut ix = self.lock_index();
-        for (key, class, slot, len, crc) in items {
-            ix.insert(key.clone(), Entry::new(*class, *slot, *len, *crc));
+        for (key, class, slot, len, crc, seal) in items {
+            ix.insert(key.clone(), Entry::new(*class, *slot, *len, *crc).sealed(*seal));
         }
         drop(ix);
         self.stats.lap(phase::INDEX_INSERT, &mut t);

@@ -60,6 +60,7 @@ fn apply(ix: &mut Index, r: Record) {
             slot,
             len,
             crc,
+            seal,
         } => {
             if !put_shape_ok(class, len) {
                 ix.remove(&key);
@@ -69,7 +70,7 @@ fn apply(ix: &mut Index, r: Record) {
             *n = (*n).max(slot.saturating_add(1));
             ix.used += u64::from(class);
             ix.data_alloc += u64::from(class);
-            ix.insert(key, Entry::new(class, slot, len, crc));
+            ix.insert(key, Entry::new(class, slot, len, crc).sealed(seal));
         }
         Record::Del { key } => {
             ix.remove(&key);

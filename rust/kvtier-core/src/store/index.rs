@@ -4,6 +4,7 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 
 use super::journal::encoded_len;
+use crate::seal::{Seal, SEAL_LEN};
 
 /// Bytes the journal keeps beyond the prepaid del records (R4).
 pub(super) const JOURNAL_SLACK: u64 = 4096;
@@ -13,8 +14,9 @@ pub(super) const JOURNAL_SLACK: u64 = 4096;
 /// plus a byte of rounding): 3.5 records (docs/STORE.md, "Capacity, exactly"). Evicting an object gives
 /// as much back while the journal is within its allowance, so a full store evicts one object per object
 /// it takes, however many batches it runs.
-pub(super) fn put_journal_cost(key_len: usize) -> u64 {
-    (7 * encoded_len(key_len) as u64).div_ceil(2) + 1
+pub(super) fn put_journal_cost(key_len: usize, sealed: bool) -> u64 {
+    let rec = encoded_len(key_len) + if sealed { SEAL_LEN } else { 0 };
+    (7 * rec as u64).div_ceil(2) + 1
 }
 
 /// Most keys a writer's index map is sized for at open.
@@ -48,6 +50,8 @@ pub(super) struct Entry {
     /// Failed its checksum and could not be dropped durably: never served, slot never reused; a put of
     /// the key writes a new slot that supersedes it.
     pub(super) bad: bool,
+    /// Nonce and tag of an object sealed at rest (boxed: clear stores pay one pointer).
+    pub(super) seal: Option<Box<Seal>>,
 }
 
 impl Entry {
@@ -61,7 +65,14 @@ impl Entry {
             pins: 0,
             gen: 0,
             bad: false,
+            seal: None,
         }
+    }
+
+    /// The entry with its seal (`None`: stored in clear).
+    pub(super) fn sealed(mut self, seal: Option<Seal>) -> Self {
+        self.seal = seal.map(Box::new);
+        self
     }
 
     /// Whether this entry may be served (and counts as stored).
@@ -362,7 +373,7 @@ impl Index {
         let mut n = 0;
         let put = |k: &str, e: &Entry, out: &mut Vec<u8>| {
             if e.servable() {
-                super::journal::encode_put(out, k, e.class, e.slot, e.len, e.crc);
+                super::journal::encode_put(out, k, e.class, e.slot, e.len, e.crc, e.seal.as_deref());
             }
         };
         let range = if w.pos < w.end {

@@ -3,15 +3,21 @@
 //! Record layout (little-endian):
 //!
 //! ```text
-//! magic u32 = 0x4b56544a ("KVTJ") | kind u8 (1 put, 2 del) | key_len u16 | class u32 | slot u32 |
-//! len u64 | crc u32 (crc32c of the object's bytes, then its key) | key [key_len] | record_crc u32
+//! magic u32 = 0x4b56544a ("KVTJ") | kind u8 (1 put, 2 del, 3 sealed put) | key_len u16 | class u32 |
+//! slot u32 | len u64 | crc u32 (crc32c of the object's bytes, then its key) | [seal [28], kind 3 only] |
+//! key [key_len] | record_crc u32
 //! ```
+//!
+//! A sealed put is the put of an object encrypted at rest (`crate::seal`): its seal is the nonce and
+//! authentication tag, and `crc` covers the stored (encrypted) bytes.
 //!
 //! `record_crc` covers every byte before it. [`parse`] reads records in order; where one fails its checks it
 //! resynchronises on the next offset where a whole record parses, reporting the bytes in between as a
 //! damaged span, so one damaged record costs that record only. Bytes after the last valid record are a torn
 //! tail (a crash during an append). [`parse`] never panics, whatever the bytes (property tests feed it
 //! random input). See docs/STORE.md.
+
+use crate::seal::{Seal, SEAL_LEN};
 
 /// Record magic.
 pub const MAGIC: u32 = 0x4b56_544a;
@@ -34,6 +40,8 @@ pub enum Record {
         len: u64,
         /// crc32c of the object bytes followed by the key bytes.
         crc: u32,
+        /// Nonce and tag of an object sealed at rest; `None`: stored in clear.
+        seal: Option<Seal>,
     },
     /// `key` is gone.
     Del {
@@ -52,18 +60,20 @@ impl Record {
                 slot,
                 len,
                 crc,
-            } => encode_put(out, key, *class, *slot, *len, *crc),
-            Record::Del { key } => encode_raw(out, 2, key, 0, 0, 0, 0),
+                seal,
+            } => encode_put(out, key, *class, *slot, *len, *crc, seal.as_ref()),
+            Record::Del { key } => encode_raw(out, 2, key, 0, 0, 0, 0, None),
         }
     }
 }
 
 /// Appends the encoded put record of `key` to `out` (as `Record::Put`'s `encode`, without a `Record`).
-pub fn encode_put(out: &mut Vec<u8>, key: &str, class: u32, slot: u32, len: u64, crc: u32) {
-    encode_raw(out, 1, key, class, slot, len, crc)
+pub fn encode_put(out: &mut Vec<u8>, key: &str, class: u32, slot: u32, len: u64, crc: u32, seal: Option<&Seal>) {
+    encode_raw(out, if seal.is_some() { 3 } else { 1 }, key, class, slot, len, crc, seal)
 }
 
-fn encode_raw(out: &mut Vec<u8>, kind: u8, key: &str, class: u32, slot: u32, len: u64, crc: u32) {
+#[allow(clippy::too_many_arguments)]
+fn encode_raw(out: &mut Vec<u8>, kind: u8, key: &str, class: u32, slot: u32, len: u64, crc: u32, seal: Option<&Seal>) {
     let start = out.len();
     debug_assert!(key.len() <= MAX_KEY);
     out.extend_from_slice(&MAGIC.to_le_bytes());
@@ -73,6 +83,9 @@ fn encode_raw(out: &mut Vec<u8>, kind: u8, key: &str, class: u32, slot: u32, len
     out.extend_from_slice(&slot.to_le_bytes());
     out.extend_from_slice(&len.to_le_bytes());
     out.extend_from_slice(&crc.to_le_bytes());
+    if let Some(s) = seal {
+        out.extend_from_slice(s);
+    }
     out.extend_from_slice(key.as_bytes());
     let rc = crc32c::crc32c(&out[start..]);
     out.extend_from_slice(&rc.to_le_bytes());
@@ -143,7 +156,8 @@ pub fn parse(buf: &[u8]) -> (Vec<Record>, usize) {
     (out, off)
 }
 
-/// Bytes of `rec` once encoded.
+/// Bytes of a del or clear put record of a `key_len`-byte key once encoded (a sealed put has
+/// [`SEAL_LEN`] more).
 pub fn encoded_len(key_len: usize) -> usize {
     FIXED + key_len + 4
 }
@@ -157,24 +171,26 @@ fn parse_one(b: &[u8]) -> Option<(Record, usize)> {
     if key_len > MAX_KEY {
         return None;
     }
-    let total = FIXED + key_len + 4;
+    let head = if kind == 3 { FIXED + SEAL_LEN } else { FIXED };
+    let total = head + key_len + 4;
     if b.len() < total {
         return None;
     }
-    if crc32c::crc32c(&b[..FIXED + key_len]) != u32_at(b, FIXED + key_len) {
+    if crc32c::crc32c(&b[..head + key_len]) != u32_at(b, head + key_len) {
         return None;
     }
-    let key = std::str::from_utf8(&b[FIXED..FIXED + key_len])
+    let key = std::str::from_utf8(&b[head..head + key_len])
         .ok()?
         .to_owned();
     let rec = match kind {
         // a put of a shape the store never writes is not a record either (see `no_record_is_found_inside_an_accepted_key`)
-        1 if super::index::put_shape_ok(u32_at(b, 7), u64_at(b, 15)) => Record::Put {
+        1 | 3 if super::index::put_shape_ok(u32_at(b, 7), u64_at(b, 15)) => Record::Put {
             key,
             class: u32_at(b, 7),
             slot: u32_at(b, 11),
             len: u64_at(b, 15),
             crc: u32_at(b, 23),
+            seal: (kind == 3).then(|| b[FIXED..head].try_into().expect("28 bytes")),
         },
         // a del's unused fields are zero (as `encode` writes them): one fewer way for bytes that are not a
         // record to pass for one
@@ -198,14 +214,24 @@ mod tests {
                 slot: 3,
                 len: 5000,
                 crc: 77,
+                seal: None,
             },
             Record::Del { key: "b".into() },
+            Record::Put {
+                key: "t0123456789abcdef.x.k".into(),
+                class: 8192,
+                slot: 4,
+                len: 8192,
+                crc: 78,
+                seal: Some(std::array::from_fn(|i| i as u8 + 1)),
+            },
             Record::Put {
                 key: "../../etc/x".into(),
                 class: 4096,
                 slot: 0,
                 len: 1,
                 crc: 1,
+                seal: None,
             },
         ];
         let mut buf = Vec::new();
@@ -223,7 +249,7 @@ mod tests {
         let mut bad = buf.clone();
         let last = bad.len() - 6;
         bad[last] ^= 0xff;
-        assert_eq!(parse(&bad).0.len(), 2);
+        assert_eq!(parse(&bad).0.len(), recs.len() - 1);
     }
 
     /// Whether `got` is `all` with some records left out (none added, none changed, order kept).
@@ -261,7 +287,7 @@ mod tests {
             let recs: Vec<Record> = keys.iter().enumerate().map(|(i, parts)| {
                 let key: String = parts.concat();
                 if puts[i] {
-                    Record::Put { key, class: 4096 * (i as u32 + 1), slot: i as u32, len: 4096, crc: crcs[i] }
+                    Record::Put { key, class: 4096 * (i as u32 + 1), slot: i as u32, len: 4096, crc: crcs[i], seal: None }
                 } else {
                     Record::Del { key }
                 }
@@ -288,7 +314,7 @@ mod tests {
         fn mutated_journal_yields_a_prefix(seed_keys in proptest::collection::vec("[a-f0-9]{1,70}", 1..6),
                                            flip in any::<usize>()) {
             let recs: Vec<Record> = seed_keys.iter().enumerate().map(|(i, k)| Record::Put {
-                key: k.clone(), class: 4096, slot: i as u32, len: 10, crc: i as u32 }).collect();
+                key: k.clone(), class: 4096, slot: i as u32, len: 10, crc: i as u32, seal: None }).collect();
             let mut buf = Vec::new();
             for r in &recs { r.encode(&mut buf); }
             let i = flip % buf.len();
@@ -304,7 +330,7 @@ mod tests {
                                                    flip in any::<usize>(), width in 1usize..6) {
             let recs: Vec<Record> = seed_keys.iter().enumerate().map(|(i, k)| if i % 3 == 2 {
                 Record::Del { key: k.clone() } } else { Record::Put {
-                key: k.clone(), class: 4096, slot: i as u32, len: 10, crc: i as u32 } }).collect();
+                key: k.clone(), class: 4096, slot: i as u32, len: 10, crc: i as u32, seal: None } }).collect();
             let mut buf = Vec::new();
             let mut starts = Vec::new();
             for r in &recs { starts.push(buf.len()); r.encode(&mut buf); }

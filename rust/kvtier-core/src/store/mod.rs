@@ -28,6 +28,7 @@ mod namespace;
 mod pages;
 mod read;
 mod recovery;
+mod seal_io;
 pub mod stats;
 mod stats_file;
 mod write;
@@ -47,6 +48,8 @@ mod tests_lifecycle;
 #[cfg(test)]
 mod tests_pages;
 #[cfg(test)]
+mod tests_seal;
+#[cfg(test)]
 mod tests_v2;
 
 use std::collections::HashMap;
@@ -57,6 +60,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::error::{Error, Result};
 use commit::JournalFile;
+use crate::seal::Keyring;
 use files::ClassFile;
 use index::Index;
 
@@ -83,6 +87,9 @@ pub struct StoreOptions {
     pub io_threads: usize,
     /// `Some(false)` disables O_DIRECT; `None` probes it; `Some(true)` requires it.
     pub direct: Option<bool>,
+    /// Seal every object at rest with its tenant's key from this keyring (`crate::seal`); `None`: clear.
+    /// A sealed store serves only sealed objects and a clear one only clear objects.
+    pub keyring: Option<Arc<Keyring>>,
 }
 
 impl Default for StoreOptions {
@@ -92,6 +99,7 @@ impl Default for StoreOptions {
             budget_bytes: None,
             io_threads: 16,
             direct: None,
+            keyring: None,
         }
     }
 }
@@ -148,11 +156,17 @@ impl PageStore {
     /// works on a store another process has open (whose new records it follows: see `follow`) and on a
     /// directory without write permission.
     pub fn open_read_only(root: &Path, namespace: &str) -> Result<Self> {
+        Self::open_read_only_sealed(root, namespace, None)
+    }
+
+    /// [`open_read_only`](Self::open_read_only) for a sealed namespace: objects are opened with `keyring`.
+    pub fn open_read_only_sealed(root: &Path, namespace: &str, keyring: Option<Arc<Keyring>>) -> Result<Self> {
         let opts = StoreOptions {
             capacity_bytes: u64::MAX,
             budget_bytes: None,
             io_threads: 4,
             direct: Some(false),
+            keyring,
         };
         Self::open_impl(root, namespace, opts, false)
     }

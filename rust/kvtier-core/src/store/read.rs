@@ -4,6 +4,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU8, Ordering};
 
 use super::index::Entry;
+use super::seal_io::SealKeys;
 use super::PageStore;
 use crate::error::Result;
 use crate::fault;
@@ -36,12 +37,14 @@ impl PageStore {
         }
         self.refresh_for(Some(&objs.iter().map(|o| o.0).collect::<Vec<_>>()));
         let t0 = std::time::Instant::now();
+        let sealed = self.opts.keyring.is_some();
         let mut work: Vec<(usize, Entry)> = Vec::new();
         {
             let mut ix = self.lock_index();
             for (i, (k, _, len)) in objs.iter().enumerate() {
                 match ix.get(k).cloned() {
-                    Some(e) if e.len == *len => {
+                    // (a clear object never answers a sealed store, nor the reverse)
+                    Some(e) if e.len == *len && e.seal.is_some() == sealed => {
                         ix.touch(k);
                         ix.map.get_mut(*k).expect("present").pins += 1;
                         work.push((i, e));
@@ -60,6 +63,11 @@ impl PageStore {
                 }
             }
         }
+        let keys = SealKeys::for_batch(
+            self.opts.keyring.as_deref(),
+            work.iter().map(|(i, _)| objs[*i].0),
+            false,
+        );
         let results: Vec<AtomicU8> = (0..work.len()).map(|_| AtomicU8::new(0)).collect();
         self.parallel(work.len(), |j| {
             let (i, ref e) = work[j];
@@ -73,8 +81,12 @@ impl PageStore {
             let off = u64::from(e.slot) * u64::from(e.class);
             let r = match fault::check("data_read").and_then(|()| c.read(buf, off)) {
                 Err(_) => IO_ERROR,
-                Ok(()) if crc32c::crc32c_append(crc32c::crc32c(buf), key.as_bytes()) == e.crc => OK,
-                Ok(()) => CORRUPT,
+                Ok(()) if crc32c::crc32c_append(crc32c::crc32c(buf), key.as_bytes()) != e.crc => CORRUPT,
+                // sealed: opened in place; a tag that does not verify (or an erased tenant) is corrupt
+                Ok(()) => match (&keys, &e.seal) {
+                    (Some(k), Some(seal)) if !k.open(key, buf, seal) => CORRUPT,
+                    _ => OK,
+                },
             };
             results[j].store(r, Ordering::Relaxed);
         });

@@ -50,6 +50,7 @@ pub(super) fn replay(
                 slot,
                 len,
                 crc,
+                seal,
             } => {
                 let flen = match file_len.get(&class) {
                     Some(&n) => n,
@@ -100,7 +101,7 @@ pub(super) fn replay(
                 remove(&mut live, &mut owner, id);
                 order += 1;
                 owner.get_mut(&class).expect("created above")[slot as usize] = id + 1;
-                live[id as usize] = Some((Entry::new(class, slot, len, crc), order));
+                live[id as usize] = Some((Entry::new(class, slot, len, crc).sealed(seal), order));
             }
             Record::Del { key } => {
                 if !dropped.is_empty() {

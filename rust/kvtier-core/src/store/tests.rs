@@ -39,6 +39,7 @@ pub(super) fn opts(cap: u64) -> StoreOptions {
         budget_bytes: None,
         io_threads: 4,
         direct: None,
+        keyring: None,
     }
 }
 

@@ -479,6 +479,7 @@ fn a_key_that_could_hold_a_journal_record_is_refused() {
         slot: 1,
         len: 4096,
         crc: 0,
+        seal: None,
     }
     .encode(&mut rec);
     let torn = parse_resync(&rec[..rec.len() / 2]);

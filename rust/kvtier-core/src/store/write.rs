@@ -3,10 +3,13 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use super::files::ClassFile;
+use super::commit::PutItem;
 use super::index::put_journal_cost;
+use super::seal_io::{Aligned, SealKeys};
+use crate::seal::Seal;
 use super::stats::phase;
 use super::{PageStore, ALIGN, MAX_OBJECT};
 use crate::error::{Error, Result};
@@ -60,25 +63,25 @@ impl PageStore {
         let plan = self.allocate(plan);
         self.stats.lap(phase::ALLOCATE, &mut t);
         let mut done = self.write_all(objs, plan);
-        done.sort_unstable_by_key(|(s, _)| s.i); // records and LRU order follow the batch's order
-        let pending: u64 = done.iter().map(|(s, _)| s.journal).sum();
-        let items: Vec<(String, u32, u32, u64, u32)> = done
+        done.sort_unstable_by_key(|(s, _, _)| s.i); // records and LRU order follow the batch's order
+        let pending: u64 = done.iter().map(|(s, _, _)| s.journal).sum();
+        let items: Vec<PutItem> = done
             .iter()
-            .map(|(s, crc)| (objs[s.i].0.to_owned(), s.class, s.slot, objs[s.i].2, *crc))
+            .map(|(s, crc, seal)| (objs[s.i].0.to_owned(), s.class, s.slot, objs[s.i].2, *crc, *seal))
             .collect();
         let committed = self.commit_puts(&items).is_ok();
         {
             let mut ix = self.lock_index();
             ix.j_pending -= pending;
             if !committed {
-                for (s, _) in &done {
+                for (s, _, _) in &done {
                     ix.unreserve(s.class, s.slot);
                 }
             }
         }
         let mut bytes = 0;
         if committed {
-            for (s, _) in &done {
+            for (s, _, _) in &done {
                 ok[s.i] = true;
                 bytes += objs[s.i].2;
             }
@@ -119,6 +122,7 @@ impl PageStore {
         dups: &mut Vec<(usize, usize)>,
     ) -> Vec<Slot> {
         let mut want: Vec<(usize, u32, u64)> = Vec::new(); // (index, class, journal bytes)
+        let sealed = self.opts.keyring.is_some();
         {
             let mut ix = self.lock_index();
             let mut first: HashMap<&str, usize> = HashMap::new();
@@ -130,7 +134,8 @@ impl PageStore {
                     continue;
                 }
                 first.insert(k, i);
-                if ix.get(k).is_some() {
+                // (an object stored in clear never stands for a sealed one, nor the reverse)
+                if ix.get(k).is_some_and(|e| e.seal.is_some() == sealed) {
                     ix.touch(k);
                     ok[i] = true;
                     continue;
@@ -141,7 +146,7 @@ impl PageStore {
                 }
                 // MAX_OBJECT keeps every class within u32 (checked by the caller)
                 let class = u32::try_from(class).expect("class <= MAX_OBJECT fits u32");
-                want.push((i, class, put_journal_cost(k.len())));
+                want.push((i, class, put_journal_cost(k.len(), sealed)));
             }
         }
         let mut plan = Vec::new();
@@ -352,20 +357,38 @@ impl PageStore {
         self.fail(slots.len());
     }
 
-    /// Step 5: write every object in parallel, then sync each class file. Returns the objects written and
-    /// synced with their checksums; the others' slots are released and their objects failed.
+    /// Step 5: write every object in parallel (sealing it first in a sealed store), then sync each class
+    /// file. Returns the objects written and synced with their checksums and seals; the others' slots are
+    /// released and their objects failed.
     fn write_all(
         &self,
         objs: &[(&str, usize, u64)],
         plan: Vec<(Slot, Arc<ClassFile>)>,
-    ) -> Vec<(Slot, u32)> {
+    ) -> Vec<(Slot, u32, Option<Seal>)> {
         let mut t = std::time::Instant::now();
         let crcs: Vec<AtomicU64> = (0..plan.len()).map(|_| AtomicU64::new(u64::MAX)).collect();
+        let seals: Vec<OnceLock<Seal>> = (0..plan.len()).map(|_| OnceLock::new()).collect();
+        let keys = SealKeys::for_batch(
+            self.opts.keyring.as_deref(),
+            plan.iter().map(|(s, _)| objs[s.i].0),
+            true,
+        );
         self.parallel(plan.len(), |j| {
             let (s, ref c) = plan[j];
             let (key, ptr, len) = objs[s.i];
             // SAFETY: the caller guarantees [ptr, ptr+len) is readable for the whole call.
-            let bytes = unsafe { std::slice::from_raw_parts(ptr as *const u8, len as usize) };
+            let plain = unsafe { std::slice::from_raw_parts(ptr as *const u8, len as usize) };
+            let mut sealed_copy: Option<Aligned> = None;
+            let bytes = match &keys {
+                None => plain,
+                Some(keys) => {
+                    let Some((buf, seal)) = keys.seal(key, plain) else {
+                        return; // no key or no memory: the object fails
+                    };
+                    let _ = seals[j].set(seal);
+                    sealed_copy.insert(buf).as_slice()
+                }
+            };
             let crc = crc32c::crc32c_append(crc32c::crc32c(bytes), key.as_bytes());
             let off = u64::from(s.slot) * u64::from(s.class);
             let res = match fault::take("data_write") {
@@ -407,7 +430,7 @@ impl PageStore {
                 ix.j_pending -= s.journal;
                 bad += 1;
             } else {
-                good.push((*s, crc as u32));
+                good.push((*s, crc as u32, seals[j].get().copied()));
             }
         }
         drop(ix);

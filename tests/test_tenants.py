@@ -1,0 +1,221 @@
+"""Tenants: salted keys never match across tenants (and do match within one), encryption at rest with a key
+per tenant (no plaintext on disk, a wrong key or a flipped byte is a miss, never served), erasure by tenant,
+and a kill -9 that loses no acknowledged sealed page."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import kvtier
+from kvtier import PageStore, page_hashes
+from kvtier.tenants import Keyring, scope_keys, tenant_keys, tenant_of, tenant_tag
+
+from test_store import PS, make_pool, page_bytes, pages_idx
+
+TOKENS = list(range(1000, 1000 + 6 * PS))
+
+
+def _same(got, want):
+    return len(got) == len(want) and all(torch.equal(x, y) for g, w in zip(got, want) for x, y in zip(g, w))
+
+
+def test_salted_keys_differ_by_tenant_and_hide_the_token_hash():
+    plain = page_hashes(TOKENS, PS)
+    a = page_hashes(TOKENS, PS, salt="alice")
+    assert a == page_hashes(TOKENS, PS, salt="alice") == tenant_keys("alice", plain)
+    b = page_hashes(TOKENS, PS, salt="bob")
+    assert not set(a) & set(b) and not set(a) & set(plain)
+    assert all(tenant_of(k) == tenant_tag("alice") for k in a)
+    assert all(p not in k for p, k in zip(plain, a))
+    assert tenant_of(plain[0]) is None
+    # a deployment salt scopes only keys without a tenant: a request's own salt wins
+    mixed = scope_keys("deploy", [plain[0], a[1]])
+    assert mixed == [tenant_keys("deploy", [plain[0]])[0], a[1]]
+    assert scope_keys(None, plain) == plain
+    for bad in ("", None, 3):
+        with pytest.raises(kvtier.InvalidArgumentError, match="salt"):
+            tenant_keys(bad, plain)
+
+
+@pytest.mark.parametrize("sealed", [False, True])
+def test_two_tenants_never_share_a_page_and_one_tenant_does(tmp_path, sealed):
+    kr = Keyring.init(tmp_path / "keys") if sealed else None
+    hp = make_pool()
+    want = [page_bytes(hp, p) for p in range(4)]
+    alice, bob = page_hashes(TOKENS[: 4 * PS], PS, salt="alice"), page_hashes(TOKENS[: 4 * PS], PS, salt="bob")
+    with PageStore(tmp_path / "s", capacity_bytes=1 << 30, keyring=kr) as st:
+        st.register_mem_pool_host(hp)
+        assert st.batch_set_v1(alice, pages_idx(range(4))) == [True] * 4
+        assert st.batch_exists(bob) == 0 and st.batch_get_v1(bob, pages_idx(range(4, 8))) == [False] * 4
+        hp.k_buffer.zero_()
+        hp.v_buffer.zero_()
+        assert st.batch_exists(alice) == 4  # the paired assertion: the same tenant hits
+        assert st.batch_get_v1(alice, pages_idx(range(4))) == [True] * 4
+        assert _same([page_bytes(hp, p) for p in range(4)], want)
+
+
+def test_a_deployment_tenant_scopes_the_engine_keys(tmp_path):
+    hp = make_pool()
+    keys = page_hashes(TOKENS[: 2 * PS], PS)
+    with PageStore(tmp_path, capacity_bytes=1 << 30, tenant="acme") as a:
+        a.register_mem_pool_host(hp)
+        assert a.batch_set_v1(keys, pages_idx(range(2))) == [True, True]
+        assert a.batch_exists(keys) == 2
+        stored = {k.rsplit(".", 1)[0] for k in a._store().keys()}
+        assert stored == set(tenant_keys("acme", keys))
+    with PageStore(tmp_path, capacity_bytes=1 << 30, tenant="other") as b:
+        b.register_mem_pool_host(hp)
+        assert b.batch_exists(keys) == 0
+    with PageStore(tmp_path, capacity_bytes=1 << 30) as c:
+        c.register_mem_pool_host(hp)
+        assert c.batch_exists(keys) == 0
+        assert c.batch_exists(tenant_keys("acme", keys)) == 2
+    with pytest.raises(kvtier.InvalidArgumentError, match="tenant"):
+        PageStore(tmp_path, tenant="")
+
+
+def _files_contain(root, needle: bytes) -> bool:
+    for d, _, files in os.walk(root):
+        for f in files:
+            with open(os.path.join(d, f), "rb") as fh:
+                if needle in fh.read():
+                    return True
+    return False
+
+
+def test_no_stored_file_holds_a_page_in_clear(tmp_path):
+    kr = Keyring.init(tmp_path / "keys")
+    hp = make_pool(seed=7)
+    keys = page_hashes(TOKENS, PS, salt="alice")
+    want = [page_bytes(hp, p) for p in range(len(keys))]
+    with PageStore(tmp_path / "clear", capacity_bytes=1 << 30) as clear:  # the search finds clear pages
+        clear.register_mem_pool_host(hp)
+        assert all(clear.batch_set_v1(keys[:1], pages_idx([0])))
+    assert _files_contain(tmp_path / "clear", bytes(want[0][0][100:164].numpy()))
+    with PageStore(tmp_path / "sealed", capacity_bytes=1 << 30, keyring=kr) as st:
+        st.register_mem_pool_host(hp)
+        assert all(st.batch_set_v1(keys, pages_idx(range(len(keys)))))
+        assert "sealed=" + kr.id in st.namespace_for(hp)
+    for k, v in want:
+        for t in (k, v):
+            b = bytes(t.numpy())
+            for off in (0, len(b) // 2, len(b) - 64):
+                assert not _files_contain(tmp_path / "sealed", b[off: off + 64])
+
+
+def test_a_wrong_key_or_a_flipped_byte_is_a_miss_never_served(tmp_path):
+    kr = Keyring.init(tmp_path / "keys")
+    hp = make_pool(seed=3)
+    keys = page_hashes(TOKENS[: 3 * PS], PS, salt="alice")
+    with PageStore(tmp_path / "s", capacity_bytes=1 << 30, keyring=kr) as st:
+        st.register_mem_pool_host(hp)
+        assert all(st.batch_set_v1(keys, pages_idx(range(3))))
+        ns = st._store().dir
+    # a flipped byte in page 1's K object: that page is a counted corrupt miss, the others are served
+    data = [os.path.join(ns, f) for f in os.listdir(ns) if f.startswith("class-")]
+    assert data
+    with PageStore(tmp_path / "s", capacity_bytes=1 << 30, keyring=kr) as st:
+        st.register_mem_pool_host(hp)
+        flipped = 0
+        for f in data:
+            with open(f, "r+b") as fh:
+                blob = bytearray(fh.read())
+                if blob:
+                    blob[len(blob) // 3] ^= 0x20
+                    fh.seek(0)
+                    fh.write(blob)
+                    flipped += 1
+        got = st.batch_get_v1(keys, pages_idx(range(3, 6)))
+        assert got.count(False) >= 1 and st.get_stats()["corrupt_reads"] >= 1
+    # another master key: the namespace differs, so nothing is found (and nothing dropped)
+    other = Keyring.init(tmp_path / "other")
+    with PageStore(tmp_path / "s", capacity_bytes=1 << 30, keyring=other) as st:
+        st.register_mem_pool_host(hp)
+        assert st.batch_exists(keys) == 0
+    # no keyring at all: the clear namespace holds nothing of the sealed one
+    with PageStore(tmp_path / "s", capacity_bytes=1 << 30) as st:
+        st.register_mem_pool_host(hp)
+        assert st.batch_exists(keys) == 0
+
+
+def test_erasing_a_tenant_removes_its_pages_and_destroys_its_key(tmp_path):
+    kr = Keyring.init(tmp_path / "keys")
+    hp = make_pool()
+    alice = page_hashes(TOKENS[: 3 * PS], PS, salt="alice")
+    bob = page_hashes(TOKENS[: 3 * PS], PS, salt="bob")
+    with PageStore(tmp_path / "s", capacity_bytes=1 << 30, keyring=kr) as st:
+        st.register_mem_pool_host(hp)
+        assert all(st.batch_set_v1(alice + bob, pages_idx(range(6))))
+        assert st.erase_tenant("alice") == 3
+        assert st.batch_exists(alice) == 0 and st.batch_exists(bob) == 3
+        assert kr.erase("bob")  # key destroyed: bob's pages still on disk cannot be opened
+        assert st.batch_get_v1(bob, pages_idx(range(6, 9))) == [False] * 3
+        assert st.get_stats()["corrupt_reads"] >= 1
+        assert tenant_tag("bob") not in kr.tenants()
+        with pytest.raises(kvtier.InvalidArgumentError, match="salt"):
+            st.erase_tenant()
+        with pytest.raises(kvtier.InvalidArgumentError, match="tag"):
+            st.erase_tenant(tag="XYZ")
+
+
+def test_a_keyring_with_an_open_mode_or_bad_key_is_refused(tmp_path):
+    Keyring.init(tmp_path / "k")
+    with pytest.raises(kvtier.InvalidArgumentError, match="keyring"):
+        Keyring.init(tmp_path / "k")  # never overwritten
+    os.chmod(tmp_path / "k" / "master.key", 0o644)
+    with pytest.raises(kvtier.InvalidArgumentError, match="readable by others"):
+        PageStore(tmp_path / "s", keyring=tmp_path / "k")
+    with pytest.raises(OSError):
+        Keyring(tmp_path / "missing")
+
+
+KILL_CHILD = textwrap.dedent("""
+    import sys, torch
+    sys.path.insert(0, sys.argv[3])
+    from test_store import make_pool, pages_idx, PS
+    from kvtier import PageStore, page_hashes
+    from kvtier.tenants import Keyring
+    hp = make_pool(pages=64, seed=11)
+    st = PageStore(sys.argv[1], capacity_bytes=1 << 30, keyring=Keyring(sys.argv[2]))
+    st.register_mem_pool_host(hp)
+    i = 0
+    while True:
+        keys = page_hashes(list(range(i * PS, (i + 1) * PS)), PS, salt="alice")
+        if st.batch_set_v1(keys, pages_idx([i % 64])) == [True]:
+            print(i, flush=True)
+        i += 1
+""")
+
+
+def test_kill_9_loses_no_acknowledged_sealed_page(tmp_path):
+    kr = Keyring.init(tmp_path / "keys")
+    tests_dir = os.path.dirname(__file__)
+    p = subprocess.Popen([sys.executable, "-c", KILL_CHILD, str(tmp_path / "s"), str(tmp_path / "keys"), tests_dir],
+                         stdout=subprocess.PIPE, text=True)
+    acked = []
+    try:
+        for line in p.stdout:
+            acked.append(int(line))
+            if len(acked) >= 40:
+                break
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        p.stdout.close()
+    assert len(acked) >= 40
+    hp = make_pool(pages=64, seed=11)
+    want = {i: page_bytes(hp, i % 64) for i in acked}
+    with PageStore(tmp_path / "s", capacity_bytes=1 << 30, keyring=kr) as st:
+        st.register_mem_pool_host(hp)
+        hp.k_buffer.zero_()
+        hp.v_buffer.zero_()
+        for i in acked:
+            keys = page_hashes(list(range(i * PS, (i + 1) * PS)), PS, salt="alice")
+            assert st.batch_get_v1(keys, pages_idx([0])) == [True], i
+            got = page_bytes(hp, 0)
+            assert _same([got], [want[i]]), i
