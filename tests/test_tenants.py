@@ -219,3 +219,91 @@ def test_kill_9_loses_no_acknowledged_sealed_page(tmp_path):
             assert st.batch_get_v1(keys, pages_idx([0])) == [True], i
             got = page_bytes(hp, 0)
             assert _same([got], [want[i]]), i
+
+
+def test_tier_controller_keeps_tenants_apart_in_host_and_disk_and_erases_one(tmp_path):
+    from test_controller import rows, setup
+
+    kr = Keyring.init(tmp_path / "keys")
+    dp, hp, _, _ = setup(tmp_path / "unused", store=False)
+    st = PageStore(tmp_path / "s", capacity_bytes=1 << 26, keyring=kr)
+    st.register_mem_pool_host(hp)
+    c = kvtier.TierController(dp, hp, st)
+    tokens = list(range(500, 500 + 3 * 4))
+    alice, bob = page_hashes(tokens, 4, salt="alice"), page_hashes(tokens, 4, salt="bob")
+    c.backup(rows([1, 2, 3]), alice)
+    c.wait_idle()
+    assert c.match(bob) == (0, 0)  # another tenant: no host hit, no disk hit
+    assert c.match(alice) == (3, 0)  # the paired assertion: the tenant itself hits
+    assert st.batch_exists(alice) == 3 and st.batch_exists(bob) == 0
+    got = c.erase_tenant("alice")
+    assert got == {"host": 3, "host_in_use": 0, "store": 3}
+    assert c.match(alice) == (0, 0) and st.batch_exists(alice) == 0
+    c.close()
+    st.close()
+
+
+def test_a_lookup_across_tenants_costs_what_a_miss_costs(tmp_path):
+    """The timing side channel: a key of another tenant is a miss, and it is looked up like any miss (the
+    tenant's key is computed before the lookup, whether or not the page exists)."""
+    import statistics
+    import time
+
+    hp = make_pool(pages=64)
+    with PageStore(tmp_path, capacity_bytes=1 << 30) as st:
+        st.register_mem_pool_host(hp)
+        tokens = list(range(64 * PS))
+        alice = page_hashes(tokens, PS, salt="alice")
+        assert all(st.batch_set_v1(alice, pages_idx(range(64))))
+        bob = page_hashes(tokens, PS, salt="bob")  # same prompt, another tenant
+        absent = page_hashes([t + 10**6 for t in tokens], PS, salt="bob")  # a prompt nobody cached
+
+        def cost(keys):
+            samples = []
+            for _ in range(200):
+                t0 = time.perf_counter_ns()
+                for k in keys[:16]:
+                    st.batch_exists([k])
+                samples.append(time.perf_counter_ns() - t0)
+            return statistics.median(samples)
+
+        cost(bob), cost(absent)  # warm up
+        across, miss, hit = cost(bob), cost(absent), cost(alice)
+        assert st.batch_exists(bob) == 0 and st.batch_exists(absent) == 0
+        # equal within noise (a 2-core shared machine): medians of 200 rounds within 25 % of each other
+        assert abs(across - miss) <= 0.25 * max(across, miss), (across, miss, hit)
+
+
+def _kvtier(*args):
+    return subprocess.run([sys.executable, "-m", "kvtier", *map(str, args)], capture_output=True, text=True, timeout=120)
+
+
+def test_the_erase_command_removes_one_tenant_everywhere_on_disk_and_its_key(tmp_path):
+    r = _kvtier("keys", "init", tmp_path / "keys")
+    assert r.returncode == 0, r.stderr
+    kr = Keyring(tmp_path / "keys")
+    hp, hp2 = make_pool(), make_pool(dk=64, dv=64)
+    alice, bob = page_hashes(TOKENS[: 2 * PS], PS, salt="alice"), page_hashes(TOKENS[: 2 * PS], PS, salt="bob")
+    for pool, ring in ((hp, kr), (hp2, None)):  # two namespaces: one sealed, one clear
+        with PageStore(tmp_path / "s", capacity_bytes=1 << 30, keyring=ring) as st:
+            st.register_mem_pool_host(pool)
+            assert all(st.batch_set_v1(alice + bob, pages_idx(range(4))))
+    dry = _kvtier("erase", tmp_path / "s", "--tenant", "alice", "--keyring", tmp_path / "keys")
+    assert dry.returncode == 0 and "would erase 4 object(s)" in dry.stdout and "nothing erased" in dry.stdout, dry.stdout
+    assert tenant_tag("alice") in kr.tenants()
+    # a namespace open by a running writer is kept, and said so (exit 1)
+    held = PageStore(tmp_path / "s", capacity_bytes=1 << 30)
+    held.register_mem_pool_host(hp2)
+    busy = _kvtier("erase", tmp_path / "s", "--tenant", "alice", "--yes")
+    assert busy.returncode == 1 and "kept" in busy.stdout, busy.stdout
+    held.close()
+    done = _kvtier("erase", tmp_path / "s", "--tenant", "alice", "--keyring", tmp_path / "keys", "--yes")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "destroyed" in done.stdout
+    assert tenant_tag("alice") not in kr.tenants() and tenant_tag("bob") in kr.tenants()
+    for pool, ring in ((hp, kr), (hp2, None)):
+        with PageStore(tmp_path / "s", capacity_bytes=1 << 30, keyring=ring) as st:
+            st.register_mem_pool_host(pool)
+            assert st.batch_exists(alice) == 0 and st.batch_exists(bob) == 2
+    bad = _kvtier("erase", tmp_path / "s", "--tag", "nothex")
+    assert bad.returncode == 1 and "tag" in bad.stderr

@@ -240,11 +240,12 @@ def _main(argv: list[str] | None) -> int:
                       "(needs kvtier[mooncake]; README 'Cluster tier')")
     bench = sub.add_parser("bench", add_help=False,
                            help="benchmarks against the hardware ceilings: pin, transfer (GPU), store, mooncake (the cluster tier); "
-                           "replay (a request trace through the tiers, against an LRU model); "
+                           "replay (a request trace through the tiers, against an LRU model); tenants (what encryption "
+                           "at rest and tenant keys cost, against the same without them); "
                            "options after the name go to the bench (kvtier bench store --help lists them)",
-                           description="kvtier bench NAME [options]: NAME is pin, transfer (GPU), store, mooncake or replay; "
+                           description="kvtier bench NAME [options]: NAME is pin, transfer (GPU), store, mooncake, replay or tenants; "
                            "`kvtier bench NAME --help` lists that bench's options.")
-    bench.add_argument("which", nargs="?", choices=["pin", "transfer", "store", "mooncake", "replay"])
+    bench.add_argument("which", nargs="?", choices=["pin", "transfer", "store", "mooncake", "replay", "tenants"])
     ins = sub.add_parser("inspect", help="namespaces, pages, bytes, files and damage of a store directory (read-only)")
     ins.add_argument("path")
     stats = sub.add_parser("stats", help="a store's counters per namespace: what is on disk, and its writer's hits, "
@@ -278,9 +279,10 @@ def _main(argv: list[str] | None) -> int:
                      help="delete corrupt objects and rewrite the journal without damaged records (needs the store "
                      "closed)")
     ver.add_argument("--drop", action="store_true", help="the same as --repair (kept for old scripts)")
-    from . import _cluster_cli
+    from . import _cluster_cli, _tenant_cli
 
     _cluster_cli.add_parser(sub)
+    _tenant_cli.add_parsers(sub)
     args, rest = parser.parse_known_args(argv)
     if rest and args.command not in ("bench", "cluster"):
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
@@ -288,7 +290,8 @@ def _main(argv: list[str] | None) -> int:
                 "inspect": lambda: cmd_inspect(args), "verify": lambda: cmd_verify(args),
                 "stats": lambda: cmd_stats(args), "cluster": lambda: _cluster_cli.run(args, rest),
                 "namespaces": lambda: _store_cli.cmd_namespaces(args), "remove": lambda: _store_cli.cmd_remove(args),
-                "budget": lambda: _store_cli.cmd_budget(args)}
+                "budget": lambda: _store_cli.cmd_budget(args), "keys": lambda: _tenant_cli.cmd_keys(args),
+                "erase": lambda: _tenant_cli.cmd_erase(args)}
     try:
         return commands[args.command]()
     except BrokenPipeError:  # `kvtier stats DIR | head`: the reader left; say nothing, as other tools do

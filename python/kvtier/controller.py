@@ -28,6 +28,7 @@ from collections.abc import Sequence
 import torch
 
 from ._errors import InvalidArgumentError
+from .tenants import erase_tag, tenant_of
 from .overlap import LayerLoad, LayerLoader, backup_async
 from ._restore_planning import RestorePlanning
 from .planner import PlannerStats, PrefillModel, TierMeter
@@ -450,6 +451,28 @@ class TierController(RestorePlanning):
                 pg = self.pages.get(k)
                 if pg is not None and pg.refs > 0:
                     pg.refs -= 1
+
+    def erase_tenant(self, salt: str | None = None, *, tag: str | None = None) -> dict[str, int]:
+        """Remove one tenant's pages (keys from :func:`kvtier.page_hashes` with ``salt``; named by ``salt``
+        or ``tag``) from the host tier (after the writes in flight; never spilled) and from the store (its
+        ``erase_tenant``). Returns ``{"host": pages freed, "host_in_use": pages the engine still holds
+        (acquired: freed by their release and a later erase), "store": pages (or objects) the store removed}``."""
+        t = erase_tag(salt, tag)
+        self.wait_idle()
+        freed = in_use = 0
+        with self.lock:
+            self._poll_locked()
+            for k in [k for k in self.pages if tenant_of(k) == t]:
+                pg = self.pages[k]
+                if pg.refs or not pg.ready:
+                    in_use += 1
+                    continue
+                del self.pages[k]
+                self.host.free(self._slots([pg.start]))
+                freed += 1
+        erase = getattr(self.store, "erase_tenant", None)
+        stored = int(erase(tag=t)) if erase is not None else 0
+        return {"host": freed, "host_in_use": in_use, "store": stored}
 
     def wait_idle(self) -> None:
         """Wait for every background store write, prefetch and reference release."""

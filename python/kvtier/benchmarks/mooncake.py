@@ -54,11 +54,12 @@ def _idx(ps: int, pages: range) -> torch.Tensor:
     return torch.tensor([p * ps + i for p in pages for i in range(ps)], dtype=torch.int64)
 
 
-def run_case(name: str, c: LocalCluster, reps: int) -> dict:
+def run_case(name: str, c: LocalCluster, reps: int, keyring: Any = None) -> dict:
+    """Raw Mooncake and the tier (sealed with ``keyring`` when given) on the same pages, in turn."""
     kind, g, n = CASES[name]
     hp = _pool(kind, g, n)
     ps = hp.page_size
-    tier = MooncakeTier(c.master_address, model_name=f"bench/{name}")
+    tier = MooncakeTier(c.master_address, model_name=f"bench/{name}", keyring=keyring)
     tier.register_mem_pool_host(hp)
     raw = tier._store
     src, dst = _idx(ps, range(n)), _idx(ps, range(n, 2 * n))

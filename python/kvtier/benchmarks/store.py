@@ -38,9 +38,10 @@ CASES = {
 THREADS = 16
 
 
-def _one_round(d, hp, keys, idx, n, c, total):
-    """One fresh store: a warm fill deleted, then timed durable writes and verified reads of the same pages."""
-    st = PageStore(d, capacity_bytes=4 * total, io_threads=THREADS)
+def _one_round(d, hp, keys, idx, n, c, total, keyring=None):
+    """One fresh store: a warm fill deleted, then timed durable writes and verified reads of the same pages
+    (sealed with ``keyring`` when given)."""
+    st = PageStore(d, capacity_bytes=4 * total, io_threads=THREADS, keyring=keyring)
     try:
         st.register_mem_pool_host(hp)
         ref = (hp.k_buffer.clone(), hp.v_buffer.clone())

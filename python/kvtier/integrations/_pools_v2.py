@@ -21,6 +21,7 @@ import torch
 
 from .. import _native
 from .._errors import ClosedError, InvalidArgumentError, KvtierError
+from ..tenants import scope_keys, tenant_of
 from ..buffer import HostBuffer
 from ..metrics import LatencyHistogram
 
@@ -60,8 +61,10 @@ class PoolStore:
     rank writes this namespace (rank-replicated pools of MLA models); it is opened when it exists."""
 
     def __init__(self, root: str, namespace: str, pool: Any, *, capacity_bytes: int, io_threads: int,
-                 direct: Any, read_only: bool, budget_bytes: int | None = None) -> None:
+                 direct: Any, read_only: bool, budget_bytes: int | None = None, keyring: Any = None,
+                 tenant: str | None = None) -> None:
         self.pool = pool
+        self.tenant = tenant  # keys without a tenant of their own become this tenant's (kvtier.tenants)
         self.page_size = int(getattr(pool, "page_size", 1) or 1)
         self.read_only = read_only
         self.size = int(getattr(pool, "size", 0) or 0)
@@ -85,8 +88,9 @@ class PoolStore:
             dummy = pool.get_dummy_flat_data_page()
             self.sizes = [int(dummy.numel() * dummy.element_size())]
         self.namespace = (namespace + f"|bufs={pool_geometry(pool)}" + ("|objs=flat:" if self.flat else "|objs=")
-                          + "+".join(map(str, self.sizes)))
-        self._open_args = (root, self.namespace, capacity_bytes, io_threads, direct, read_only, budget_bytes)
+                          + "+".join(map(str, self.sizes)) + (f"|sealed={keyring.id}" if keyring is not None else ""))
+        self._open_args = (root, self.namespace, capacity_bytes, io_threads, direct, read_only, budget_bytes,
+                           keyring._native if keyring is not None else None)
         self._native: Any = None
         self._next_try = 0.0
         self._open()
@@ -164,6 +168,7 @@ class PoolStore:
         return [all(ok[i * m:(i + 1) * m]) for i in range(len(ok) // m)]
 
     def set(self, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
+        keys = scope_keys(self.tenant, keys)
         starts = self.check(keys, host_indices)
         if self.read_only:
             return [True] * len(keys)  # the writer rank stores the replicated pages
@@ -179,6 +184,7 @@ class PoolStore:
         return self._per_page(ok, len(self.sizes))
 
     def get(self, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
+        keys = scope_keys(self.tenant, keys)
         starts = self.check(keys, host_indices)
         store = self._store()
         if starts is None or store is None or not keys:
@@ -192,6 +198,7 @@ class PoolStore:
         return self._per_page(ok, len(self.sizes))
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
+        keys = scope_keys(self.tenant, keys)
         store = self._store()
         if store is None or not keys:
             return [False] * len(keys)
@@ -226,6 +233,14 @@ class PoolStore:
         store = self._store()
         if store is not None and not self.read_only:
             store.clear()
+
+    def erase_tenant(self, tag: str) -> int:
+        """Delete every object of tenant ``tag`` (a writer's namespace); returns how many."""
+        store = self._store()
+        if store is None or self.read_only:
+            return 0
+        mine = [k for k in store.keys() if tenant_of(k) == tag]
+        return int(store.delete(mine)) if mine else 0
 
     def close(self) -> None:
         with self._lock:

@@ -13,6 +13,7 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 from .._errors import ClosedError, InvalidArgumentError, KvtierError
 from ..planner import RestorePlan
 from ..store import page_hashes
+from ..tenants import tenant_keys
 from ._transformers_window import _release, _Table, _Window
 
 # forward arguments that do not change the KV a token gets (positions and masks are checked, not listed here)
@@ -52,9 +53,10 @@ class KvtierCache(DynamicCache):
     :meth:`KVTier.cache`. ``restored_tokens``, ``restored_host_pages`` and ``restored_store_pages`` say what
     its prompt did not have to compute."""
 
-    def __init__(self, tier: KVTier, token_ids: list[int], *, restore: bool = True) -> None:
+    def __init__(self, tier: KVTier, token_ids: list[int], *, restore: bool = True, salt: str | None = None) -> None:
         Cache.__init__(self, layers=[_Layer() for _ in range(tier.layers)])
         self.tier = tier
+        self.salt = salt  # the tenant: its keys are tenant_keys(salt, chain) (kvtier.tenants)
         self.table = _Table()
         self._finalizer = weakref.finalize(self, _release, tier, self.table)
         self._fed: list[int] = []  # token ids the model was fed (restored ones first)
@@ -64,7 +66,8 @@ class KvtierCache(DynamicCache):
         self._pending: list[Any] = []
         self._verified = True
         self._adopted = 0  # pages [0, _adopted) are in the controller's index (or were refused)
-        self._page_keys: list[str] = []  # the chained key of every full page of _fed (adopted or not)
+        self._page_keys: list[str] = []  # the (tenant's) key of every full page of _fed (adopted or not)
+        self._chain: list[str] = []  # the chained hash of every full page of _fed (the salt is not in the chain)
         self._released = False
         self._epoch = 0
         self._window: _Window | None = None
@@ -80,26 +83,30 @@ class KvtierCache(DynamicCache):
         if restore:
             self._restore(token_ids)
 
+    def _salted(self, chain: list[str]) -> list[str]:
+        return tenant_keys(self.salt, chain) if self.salt is not None and chain else chain
+
     # ------------------------------------------------------------------ restore
     def _restore(self, tokens: list[int]) -> None:
         tier, ps = self.tier, self.tier.page_size
         n = (len(tokens) - 1) // ps  # at least one token is left to compute (the model must give logits)
         if n <= 0:
             return
-        keys = page_hashes(tokens[: n * ps], ps)
+        chain = page_hashes(tokens[: n * ps], ps)
+        keys = self._salted(chain)
         ctrl = tier.controller
         if tier.restore == "all":  # every cached page, loaded: no measurement, no planning
             host, disk = ctrl.match(keys)
             if disk:
                 ctrl.prefetch(keys[: host + disk]).result()
-            self._attach(ctrl.acquire(keys), keys, host)
+            self._attach(ctrl.acquire(keys), keys, chain, host)
             return
         t0 = tier._marks.mark()
         plan = self.plan = ctrl.plan_restore(keys, len(tokens), can_split=True)
         h, j, k = plan.host_pages, plan.recompute_to, plan.load_to
         # the host pages are held first (a reference each): the tail's read cannot evict them to make room
         got = ctrl.acquire(keys[:h]) if h else []
-        self._attach(got, keys, len(got))
+        self._attach(got, keys, chain, len(got))
         r = len(got)
         # the tail's read runs in the background while the head is computed
         tail = ctrl.prefetch(keys[j:k]) if k > j else None
@@ -125,12 +132,13 @@ class KvtierCache(DynamicCache):
                 tail.result()
         if tail is not None and self.get_seq_length() == j * ps:
             more = ctrl.acquire(keys[j:k])
-            self._attach(more, keys, 0, first=j)
+            self._attach(more, keys, chain, 0, first=j)
         self._ttft = (plan, t0)
 
-    def _attach(self, starts: list[int], keys: list[str], host: int, *, first: int = 0) -> None:
-        """Pages ``[first, first + len(starts))`` of the prompt, acquired from the controller, become the
-        sequence's (without a copy); ``host`` of them came from the host pool, the rest from the store."""
+    def _attach(self, starts: list[int], keys: list[str], chain: list[str], host: int, *, first: int = 0) -> None:
+        """Pages ``[first, first + len(starts))`` of the prompt (``keys``, and ``chain``: their hashes before
+        the tenant's salt), acquired from the controller, become the sequence's (without a copy); ``host`` of
+        them came from the host pool, the rest from the store."""
         tier, ps = self.tier, self.tier.page_size
         r = len(starts)
         if not r:
@@ -139,6 +147,7 @@ class KvtierCache(DynamicCache):
         self.table.keys += list(keys[first : first + r])
         self._adopted = first + r
         self._page_keys[first:] = list(keys[first : first + r])
+        self._chain[first:] = list(chain[first : first + r])
         self._fed[first * ps:] = self._prompt[first * ps : (first + r) * ps]
         for layer in self.layers:
             layer.length = (first + r) * ps
@@ -359,8 +368,10 @@ class KvtierCache(DynamicCache):
             if not plain:
                 self._unverified()
                 return
-        prior = self._page_keys[first - 1] if first else None
-        keys = page_hashes(self._fed[first * ps : full * ps], ps, prior)
+        prior = self._chain[first - 1] if first else None
+        chain = page_hashes(self._fed[first * ps : full * ps], ps, prior)
+        keys = self._salted(chain)
+        self._chain[first:] = chain
         self._page_keys[first:] = keys
         event = tier._fence()
         stored = [k in self._stored for k in keys] if self._stored else None
@@ -405,6 +416,7 @@ class KvtierCache(DynamicCache):
             self.table.starts[j], self.table.keys[j] = got[0], None
         self._adopted = min(self._adopted, j)
         del self._page_keys[j:]
+        del self._chain[j:]
         del self._fed[tokens:]
         self._last_held = -2
         for layer in self.layers:

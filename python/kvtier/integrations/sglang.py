@@ -27,6 +27,7 @@ from .._paths import default_store_dir, volatile_warning
 from ..buffer import HostBuffer
 from ..config import parse_size
 from ..store import DEFAULT_CAPACITY, PageStore
+from ..tenants import erase_tag, open_keyring
 from ._engine_planner import EnginePlanner
 from ._pools_v2 import PoolStore
 
@@ -51,6 +52,11 @@ OPTIONS: dict[str, Any] = {
     # SGLang recomputes the rest instead of waiting on a tier measured slower than its prefill
     "restore_planner": True,
     "prefill_tokens_per_s": None,  # the engine's prefill throughput for this model (default: a fast engine)
+    # a per-deployment tenant salt: every page key of this server becomes that tenant's in every tier (SGLang
+    # already scopes a request's storage keys by its cache_salt, but never tells the backend the salt)
+    "tenant": None,
+    # a keyring directory (`kvtier keys init DIR`): seal every page at rest on the disk and in the cluster
+    "keyring": None,
 }
 #: Options of the ``"mooncake"`` object (see :class:`kvtier.tiers.mooncake.MooncakeTier`).
 MOONCAKE_OPTIONS = {"master_server_address", "protocol", "device_name", "local_hostname", "metadata_server",
@@ -101,6 +107,7 @@ class KvtierStorage(HiCacheStorage):
         if note is not None:
             warnings.warn(note, RuntimeWarning, stacklevel=2)
         budget = parse_size("capacity_bytes", opts["capacity_bytes"], 4096)
+        self.keyring = open_keyring(opts["keyring"])
         self.store = PageStore(
             path,
             capacity_bytes=budget,
@@ -120,6 +127,8 @@ class KvtierStorage(HiCacheStorage):
             # the ranks that do not write replicated (MLA) pages read the writer's namespace, following it
             read_only=not self.is_writer,
             kv_cache_dtype=opts["kv_cache_dtype"],
+            keyring=self.keyring,
+            tenant=opts["tenant"],
         )
         self.tiers: Any = None  # the disk store and the cluster tier in order, once the KV pool is registered
         self._v1: Any = self.store  # what the v1 batches go to: the page store, or that chain
@@ -162,7 +171,8 @@ class KvtierStorage(HiCacheStorage):
         remote = MooncakeTier(model_name=cfg.model_name or "default", tp_rank=tp[0], tp_size=tp[1],
                               pp_rank=cfg.pp_rank, pp_size=cfg.pp_size, cp_rank=getattr(cfg, "attn_cp_rank", 0) or 0,
                               cp_size=getattr(cfg, "attn_cp_size", 1) or 1, dcp_size=getattr(cfg, "dcp_size", 1) or 1,
-                              kv_cache_dtype=self._opts["kv_cache_dtype"], **self._remote_opts)
+                              kv_cache_dtype=self._opts["kv_cache_dtype"], keyring=self.keyring,
+                              tenant=self._opts["tenant"], **self._remote_opts)
         try:
             remote.register_mem_pool_host(pool)
         except BaseException:
@@ -196,7 +206,8 @@ class KvtierStorage(HiCacheStorage):
         self._pools[name] = PoolStore(self.store.path, ns, host_pool, capacity_bytes=self.store.capacity_bytes,
                                       budget_bytes=self.store.budget_bytes,
                                       io_threads=int(self._opts["io_threads"]), direct=self._opts["direct"],
-                                      read_only=not sharded and not self.is_writer)
+                                      read_only=not sharded and not self.is_writer, keyring=self.keyring,
+                                      tenant=self._opts["tenant"])
 
     # -- v2 (hybrid models) ----------------------------------------------------------------------------
     def batch_exists_v2(self, keys: list[str], pool_transfers: Any = None, extra_info: Any = None) -> Any:
@@ -344,6 +355,12 @@ class KvtierStorage(HiCacheStorage):
         return [self.get(k, t) for k, t in zip(keys, target_locations)]
 
     # -- housekeeping ---------------------------------------------------------------------------------
+    def erase_tenant(self, salt: str | None = None, *, tag: str | None = None) -> int:
+        """Remove one tenant's pages (the deployment's ``tenant``, or keys kvtier.page_hashes salted) from
+        the disk, the cluster tier and the extra pools; returns what they report removed."""
+        t = erase_tag(salt, tag)
+        return int(self._v1.erase_tenant(tag=t)) + sum(p.erase_tenant(t) for p in self._pools.values())
+
     def clear(self) -> None:
         self.store.clear()
         for pool in self._pools.values():

@@ -160,7 +160,8 @@ class KVTier:
     def __init__(self, model: Any, *, model_id: str | None = None, page_size: int = 16, window: int = 2,
                  host_tokens: int = 65536, store_dir: str | os.PathLike[str] | None = None,
                  store_capacity_bytes: int | str = DEFAULT_CAPACITY, cluster: str | None = None, pin_memory: bool = True,
-                 restore: str = "plan", prefill: PrefillModel | float | None = None, calibrate: bool = True) -> None:
+                 restore: str = "plan", prefill: PrefillModel | float | None = None, calibrate: bool = True,
+                 keyring: Any = None) -> None:
         config = getattr(model, "config", None)
         if config is None or not callable(model) or not hasattr(config, "get_text_config"):
             raise InvalidArgumentError(f"invalid argument `model`: expected a transformers model, got {type(model).__name__}")
@@ -257,7 +258,8 @@ class KVTier:
         try:
             if store_dir is not None:
                 self.page_store = PageStore(store_dir, capacity_bytes=store_capacity_bytes,
-                                            budget_bytes=store_capacity_bytes, model_name=self.model_name)
+                                            budget_bytes=store_capacity_bytes, model_name=self.model_name,
+                                            keyring=keyring)
                 self.page_store.register_mem_pool_host(self.host)
                 self.store = self.page_store
                 if cluster is not None:
@@ -265,7 +267,7 @@ class KVTier:
                     from ..tiers.mooncake import MooncakeTier
 
                     try:
-                        remote = MooncakeTier(cluster, model_name=self.model_name)
+                        remote = MooncakeTier(cluster, model_name=self.model_name, keyring=self.page_store.keyring)
                     except InvalidArgumentError as exc:
                         raise InvalidArgumentError(f"invalid argument `cluster`: {exc}") from exc
                     remote.register_mem_pool_host(self.host)
@@ -318,10 +320,12 @@ class KVTier:
             _calibrate(self, model, self._cache_kwarg, int(getattr(text, "vocab_size", 0) or 2))
 
     # ------------------------------------------------------------------ public
-    def cache(self, token_ids: Any) -> KvtierCache:
+    def cache(self, token_ids: Any, *, cache_salt: str | None = None) -> KvtierCache:
         """A cache for the sequence that starts with ``token_ids`` (the prompt: a list or a ``(1, n)`` tensor),
         with the longest run of its full pages kept on the host or in the store restored (at least one token
-        is left to compute). Pass the same ids to ``generate``/``model``."""
+        is left to compute). Pass the same ids to ``generate``/``model``. ``cache_salt``: the request's tenant
+        (set by the server, never taken from the caller's input): its pages are keyed for that tenant alone, in
+        every tier (:func:`kvtier.tenants.tenant_keys`); ``None``: shared by every request without a salt."""
         self._check_open()
         now = getattr(self._text_config, "_attn_implementation", None)
         if now != self.attn_implementation:
@@ -330,7 +334,9 @@ class KVTier:
                 f"{now!r} since this KVTier was built (its pages were computed with the first); build a new KVTier")
         tokens = _token_list("token_ids", token_ids)
         self._marks.poll()
-        return KvtierCache(self, tokens)
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise InvalidArgumentError(f"invalid argument `cache_salt`: a non-empty string or None, got {cache_salt!r}")
+        return KvtierCache(self, tokens, salt=cache_salt)
 
     def calibrate(self, lengths: Sequence[int] | None = None) -> None:
         """Time forwards of random tokens of each of ``lengths`` (default: a few up to 4K tokens) through a

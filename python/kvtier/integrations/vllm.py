@@ -68,6 +68,10 @@ OPTIONS: dict[str, Any] = {
     # row rather than wait on a tier measured slower than its prefill
     "restore_planner": True,
     "prefill_tokens_per_s": None,  # the engine's prefill throughput for this model (default: a fast engine)
+    # a per-deployment tenant salt: every row key of this server becomes that tenant's (vLLM already mixes a
+    # request's cache_salt into its block hashes, but the tier never sees the salt itself)
+    "tenant": None,
+    "keyring": None,  # a keyring directory (`kvtier keys init DIR`): rows sealed at rest (docs/SECURITY.md)
 }
 #: Keys vLLM's tier factory reads itself (and removes before constructing the tier).
 VLLM_KEYS = ("type", "module_path", "backpressure")
@@ -138,7 +142,7 @@ class _RowStore(PageStore):
 
     def __init__(self, path: str, ns: str, **kwargs: Any) -> None:
         super().__init__(path, **kwargs)
-        self._namespace = ns
+        self._namespace = ns + (f"|sealed={self.keyring.id}" if self.keyring is not None else "")
 
     def namespace_for(self, pool: Any) -> str:
         return self._namespace
@@ -277,6 +281,8 @@ class KvtierTier(SecondaryTierManager):
             budget_bytes=opts["capacity_bytes"],
             io_threads=opts["io_threads"],
             direct=opts["direct"],
+            keyring=opts["keyring"],
+            tenant=opts["tenant"],
         )
         rows = torch.from_numpy(np.asarray(primary_kv_view)).view(torch.uint8)  # zero copy
         try:

@@ -17,24 +17,35 @@ MAGIC, VERSION = b"KVTM", 1
 HEAD = struct.Struct("<4sHH8s")  # magic, version, objects, fingerprint (first 8 bytes of sha256)
 OBJ = struct.Struct("<QI")  # size, crc32c(bytes + key)
 TAIL = struct.Struct("<I")  # crc32c of everything before it (a torn record is refused)
-SLOT = 64  # bytes per record in the scratch buffer
+SLOT = 64  # bytes per record in the scratch buffer (a sealed page's record: rounded up to whole slots)
+SEAL = 28  # a sealed object's nonce and tag (kvtier.tenants; docs/SECURITY.md)
 UNVERIFIED_KEPT = 1 << 16  # page keys remembered exactly as served without a record (the rest: in a filter)
 FILTER_BITS = 1 << 24  # the filter behind them: 2 MiB, under 0.5 % false positives at a million keys
 TOO_SMALL = -600  # Mooncake: the object is larger than the buffer given for it
 
 
-def record_bytes(fp: bytes, objs: Sequence[tuple[int, int]]) -> bytes:
-    body = HEAD.pack(MAGIC, VERSION, len(objs), fp) + b"".join(OBJ.pack(n, c) for n, c in objs)
+def record_bytes(fp: bytes, objs: Sequence[tuple[int, int]], seals: bytes = b"") -> bytes:
+    """A page's record: its objects' ``(size, crc)`` and, for sealed objects, their seals."""
+    body = HEAD.pack(MAGIC, VERSION, len(objs), fp) + b"".join(OBJ.pack(n, c) for n, c in objs) + seals
     return body + TAIL.pack(_crc(body))
+
+
+def record_size(nobj: int, sealed: bool) -> int:
+    return HEAD.size + nobj * (OBJ.size + (SEAL if sealed else 0)) + TAIL.size
+
+
+def record_seals(raw: bytes, nobj: int) -> bytes:
+    """The seals of a sealed record that :func:`parse_record` accepted."""
+    return raw[HEAD.size + nobj * OBJ.size: HEAD.size + nobj * (OBJ.size + SEAL)]
 
 
 def _crc(b: bytes) -> int:
     return zlib.crc32(b) & 0xFFFFFFFF
 
 
-def parse_record(raw: bytes, fp: bytes, nobj: int) -> list[tuple[int, int]] | None:
+def parse_record(raw: bytes, fp: bytes, nobj: int, sealed: bool = False) -> list[tuple[int, int]] | None:
     """The record's ``(size, crc)`` per object, or None unless it is whole, of this version and of ``fp``."""
-    want = HEAD.size + nobj * OBJ.size + TAIL.size
+    want = record_size(nobj, sealed)
     if len(raw) != want or TAIL.unpack_from(raw, want - TAIL.size)[0] != _crc(raw[: want - TAIL.size]):
         return None
     magic, ver, n, got_fp = HEAD.unpack_from(raw, 0)
@@ -59,7 +70,7 @@ def validate_options(*, master_server_address: Any, model_name: Any = "default",
                      cp_size: Any = 1, dcp_size: Any = 1, protocol: Any = "tcp", device_name: Any = "",
                      local_hostname: Any = "127.0.0.1", metadata_server: Any = "P2PHANDSHAKE",
                      global_segment_size: Any = 0, local_buffer_size: Any = 16 << 20, replica_num: Any = 1,
-                     accept_unverified: Any = False, setup_timeout_s: Any = 30.0) -> None:
+                     accept_unverified: Any = False, setup_timeout_s: Any = 30.0, tenant: Any = None) -> None:
     """Every option checked without connecting (what construction checks first; SGLang's extra config is
     checked with it before anything opens). Raises InvalidArgumentError naming the option."""
     if not isinstance(master_server_address, str) or ":" not in master_server_address:
@@ -99,6 +110,8 @@ def validate_options(*, master_server_address: Any, model_name: Any = "default",
     if not isinstance(accept_unverified, bool):
         raise InvalidArgumentError(f"invalid argument `accept_unverified`: expected true or false, got "
                                    f"{accept_unverified!r}")
+    if tenant is not None and (not isinstance(tenant, str) or not tenant):
+        raise InvalidArgumentError(f"invalid argument `tenant`: a non-empty salt string or None, got {tenant!r}")
 
 
 class Taint:

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from .._errors import ClosedError, InvalidArgumentError
+from ..tenants import erase_tag
 from .._indices import _index_array
 from ..planner import TierEstimate
 from ..store import _keys
@@ -310,6 +311,17 @@ class TieredStore:
                 tier.delete(keys)
             except Exception:
                 self._count(name, errors=1)
+        return n
+
+    def erase_tenant(self, salt: str | None = None, *, tag: str | None = None) -> int:
+        """Remove one tenant's pages from every tier that can (``erase_tenant``); returns the sum of what they
+        report (pages for a disk tier, objects for the cluster tier). A tier without it is skipped."""
+        t = erase_tag(salt, tag)
+        n = 0
+        for _, tier in self.tiers:
+            erase = getattr(tier, "erase_tenant", None)
+            if erase is not None:
+                n += int(erase(tag=t))
         return n
 
     def clear(self) -> None:

@@ -37,7 +37,10 @@ from ..buffer import HostBuffer
 from ..planner import TierEstimate, TierMeter
 from ..store import PAGE_LAYOUTS, _heads, _keys, _page_layout, logical_dtype
 from ._mooncake_env import store_class
-from ._records import HEAD, OBJ, SLOT, TAIL, TOO_SMALL, Taint, parse_record, record_bytes, validate_options
+from ..tenants import erase_tag, open_keyring, scope_keys, tenant_of
+from ._mooncake_seal import SealedCopies
+from ._records import (SEAL, SLOT, TOO_SMALL, Taint, parse_record, record_bytes, record_seals, record_size,
+                       validate_options)
 
 _PROBES = 6  # probe puts at construction, 0.5 s apart
 class MooncakeTier:
@@ -57,6 +60,10 @@ class MooncakeTier:
         replica_num: copies of each object in the cluster.
         accept_unverified: serve pages without a kvtier integrity record (written by stock SGLang nodes)
             on their size alone. Default False: they are misses.
+        keyring: seal every data object (AES-256-GCM, a key per tenant; docs/SECURITY.md) with this
+            :class:`kvtier.Keyring` or keyring directory. Sealed pages live under their own key prefix
+            (``kvtier-sealed-<keyring id>_...``), never SGLang's clear objects. ``None``: in clear.
+        tenant: a per-deployment tenant salt, as :class:`kvtier.PageStore`'s.
         kv_cache_dtype: as :class:`kvtier.PageStore` (fp8 caches held as ``uint8``).
         setup_timeout_s: how long construction may wait for the master.
     """
@@ -70,15 +77,19 @@ class MooncakeTier:
                  local_hostname: str = "127.0.0.1", metadata_server: str = "P2PHANDSHAKE",
                  global_segment_size: int = 0, local_buffer_size: int = 16 << 20, replica_num: int = 1,
                  accept_unverified: bool = False, kv_cache_dtype: str | None = None,
-                 setup_timeout_s: float = 30.0) -> None:
+                 setup_timeout_s: float = 30.0, keyring: Any = None, tenant: str | None = None) -> None:
         self.validate_options(master_server_address=master_server_address, model_name=model_name,
                               key_tag=key_tag, tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size,
                               cp_rank=cp_rank, cp_size=cp_size, dcp_size=dcp_size, protocol=protocol,
                               device_name=device_name, local_hostname=local_hostname,
                               metadata_server=metadata_server, global_segment_size=global_segment_size,
                               local_buffer_size=local_buffer_size, replica_num=replica_num,
-                              accept_unverified=accept_unverified, setup_timeout_s=setup_timeout_s)
-        parts = [str(key_tag)] if key_tag is not None else []
+                              accept_unverified=accept_unverified, setup_timeout_s=setup_timeout_s, tenant=tenant)
+        self.keyring = open_keyring(keyring)
+        self.tenant = tenant
+        self._seal = SealedCopies(self, self.keyring) if self.keyring is not None else None
+        parts = [f"kvtier-sealed-{self.keyring.id}"] if self.keyring is not None else []
+        parts += [str(key_tag)] if key_tag is not None else []
         parts.append("-".join(str(model_name).split("/")))
         self.prefix = "_".join(parts)
         self.key_tag = key_tag
@@ -186,7 +197,8 @@ class MooncakeTier:
         self.page_bytes = lay[2] + lay[5]
         self._mla = mla
         self._sides = ("k",) if mla else ("k", "v")
-        self._rec_bytes = HEAD.size + len(self._sides) * OBJ.size + TAIL.size  # one page's record
+        self._rec_bytes = record_size(len(self._sides), self._seal is not None)  # one page's record
+        self._slot = -(-self._rec_bytes // SLOT) * SLOT
         tp, pp = self.ranks["tp"], self.ranks["pp"]
         # SGLang's suffixes: MHA "{tp}" (or "{tp}_{pp}"), MLA "" (or "{pp}"): one object per page for all ranks
         self._suffix = (f"{pp[0]}" if pp[1] > 1 else "") if mla else (f"{tp[0]}_{pp[0]}" if pp[1] > 1 else f"{tp[0]}")
@@ -200,7 +212,7 @@ class MooncakeTier:
         geometry = (f"kvtier-mooncake-v1|model={self.model_name}|key_tag={self.key_tag!r}|suffix={self._suffix}|{ranks}"
                     f"|start_layer={getattr(pool, 'start_layer', 0)}|dtype={logical_dtype(pool, self.kv_cache_dtype)}"
                     f"|layout={pool.layout}|page={pool.page_size}|layers={pool.layer_num}|{_heads(pool)}"
-                    f"|objects={lay[2]},{lay[5]}")
+                    f"|objects={lay[2]},{lay[5]}" + (f"|sealed={self.keyring.id}" if self.keyring is not None else ""))
         self.fingerprint_text = geometry
         self._fp = hashlib.sha256(geometry.encode()).digest()[:8]
 
@@ -239,7 +251,7 @@ class MooncakeTier:
         """Checked page numbers of ``host_indices`` (whole, aligned, in-range pages), before any IO."""
         if self._pool is None:
             raise KvtierError("MooncakeTier: call register_mem_pool_host(pool) first")
-        keys = _keys(keys)
+        keys = scope_keys(self.tenant, _keys(keys))
         if not isinstance(host_indices, torch.Tensor) or host_indices.dtype != torch.int64 or host_indices.dim() != 1:
             raise InvalidArgumentError("invalid argument `host_indices`: expected a 1-D torch.int64 tensor")
         ps = self._pool.page_size
@@ -284,8 +296,8 @@ class MooncakeTier:
         """This thread's record buffer (registered with Mooncake and the range checks) for ``n`` records: its
         address and a numpy view of it."""
         buf = getattr(self._local, "buf", None)
-        if buf is None or buf.nbytes < n * SLOT:
-            buf = HostBuffer(max(n * SLOT, 1 << 16), pin=False)
+        if buf is None or buf.nbytes < n * self._slot:
+            buf = HostBuffer(max(n * self._slot, 1 << 16), pin=False)
             with self._lock:
                 self._buffers.append(buf)  # kept (and registered) until close: a batch may still use an old one
             self._ranges.register_region(buf._region)
@@ -336,8 +348,8 @@ class MooncakeTier:
             todo = [i for i in todo if keys[i] not in tainted]
         # data objects already there without a record (a stock SGLang node's page, or a write of ours that failed
         # half-way): Mooncake keeps them and acknowledges a re-put without storing, so a record may only vouch
-        # for them if their bytes are ours
-        held = [j for i in todo for j in range(i * k, (i + 1) * k) if exist[nk + j] == 1]
+        # for them if their bytes are ours (a sealed tier upserts everything: its objects are its own names)
+        held = [j for i in todo for j in range(i * k, (i + 1) * k) if exist[nk + j] == 1 and self._seal is None]
         if held:
             foreign = self._foreign_pages(held, names, ptrs, sizes)
             todo = [i for i in todo if i not in foreign]
@@ -350,19 +362,27 @@ class MooncakeTier:
         on, op, os_ = [names[j] for j in objs], [ptrs[j] for j in objs], [sizes[j] for j in objs]
         rk = [recs[i] for i in todo]
         rptr, rview = self._scratch(len(todo))
-        rp, rs = [rptr + n * SLOT for n in range(len(todo))], [self._rec_bytes] * len(todo)
+        rp, rs = [rptr + n * self._slot for n in range(len(todo))], [self._rec_bytes] * len(todo)
+        seals = b""
+        if self._seal is not None:  # sealed copies are sent, and their seals go into the records
+            op, seals, sealed = self._seal.seal(on, op, os_, [tenant_of(keys[j // k]) for j in objs])
+            if not all(sealed):
+                raise KvtierError("MooncakeTier: sealing failed (the keyring's tenant key could not be created)")
 
         def records(crcs: list[int]) -> None:
             for n in range(len(todo)):
-                rec = record_bytes(self._fp, [(os_[n * k + s], crcs[n * k + s]) for s in range(k)])
-                rview[n * SLOT: n * SLOT + self._rec_bytes] = np.frombuffer(rec, dtype=np.uint8)
+                rec = record_bytes(self._fp, [(os_[n * k + s], crcs[n * k + s]) for s in range(k)],
+                                   seals[n * k * SEAL:(n + 1) * k * SEAL])
+                rview[n * self._slot: n * self._slot + self._rec_bytes] = np.frombuffer(rec, dtype=np.uint8)
 
         fresh = [n for n, i in enumerate(todo) if i not in upsert]
         redo = [n for n, i in enumerate(todo) if i in upsert]
 
         def put_records() -> list[int]:
             """Data and records in one batch (orphans' records by upsert, after it); results: the data's,
-            then one per page."""
+            then one per page. Sealed: all by upsert (a sealed object already there is another seal's)."""
+            if self._seal is not None:
+                return list(self._store.batch_upsert_from(on + rk, op + rp, os_ + rs, self._replicate))
             out = [0] * len(todo)
             got = self._store.batch_put_from(on + [rk[n] for n in fresh], op + [rp[n] for n in fresh],
                                              os_ + [rs[n] for n in fresh], self._replicate)
@@ -447,7 +467,7 @@ class MooncakeTier:
         t0 = time.perf_counter()
         rptr, rview = self._scratch(n_pages)
         rk = [self.record_key(x) for x in keys]
-        rp, rs = [rptr + n * SLOT for n in range(n_pages)], [self._rec_bytes] * n_pages
+        rp, rs = [rptr + n * self._slot for n in range(n_pages)], [self._rec_bytes] * n_pages
         # records and data in one call (measured: splitting a batch to overlap checksums with the transfer
         # costs Mooncake more than it saves)
         objs = [j for i in range(n_pages) for j in range(i * k, (i + 1) * k)]
@@ -466,11 +486,15 @@ class MooncakeTier:
         """Marks the pages of one fetched chunk that arrived whole and match their records."""
         k, nrec = len(self._sides), len(ch)
         check: list[tuple[int, list[tuple[int, int]]]] = []
+        seals: dict[int, bytes] = {}
         for n, i in enumerate(ch):
             arrived = all(res[nrec + n * k + s] == sizes[i * k + s] for s in range(k))
             rec = None
             if res[n] == self._rec_bytes:
-                rec = parse_record(rview[i * SLOT: i * SLOT + self._rec_bytes].tobytes(), self._fp, k)
+                raw = rview[i * self._slot: i * self._slot + self._rec_bytes].tobytes()
+                rec = parse_record(raw, self._fp, k, self._seal is not None)
+                if rec is not None and self._seal is not None:
+                    seals[i] = record_seals(raw, k)
                 if rec is None or any(rec[s][0] != sizes[i * k + s] for s in range(k)):
                     self._count(stale=1)  # another geometry, dtype or version under this key, or a torn record
                     continue
@@ -493,11 +517,15 @@ class MooncakeTier:
         if check:
             objs = [j for i, _ in check for j in range(i * k, (i + 1) * k)]
             crcs = self._ranges.crc32c([names[j] for j in objs], [ptrs[j] for j in objs], [sizes[j] for j in objs])
-            for n, (i, rec) in enumerate(check):
-                if all(crcs[n * k + s] == rec[s][1] for s in range(k)):
-                    ok[i] = True
-                else:
-                    self._count(corrupt=1)
+            good = [(i, n) for n, (i, rec) in enumerate(check) if all(crcs[n * k + s] == rec[s][1] for s in range(k))]
+            if self._seal is not None and good:  # sealed: opened in place, served only if every tag verifies
+                objs = [j for i, _ in good for j in range(i * k, (i + 1) * k)]
+                opened = self._seal.open([names[j] for j in objs], [ptrs[j] for j in objs], [sizes[j] for j in objs],
+                                         [tenant_of(keys[j // k]) for j in objs], b"".join(seals[i] for i, _ in good))
+                good = [(i, n) for m, (i, n) in enumerate(good) if all(opened[m * k:(m + 1) * k])]
+            for i, _ in good:
+                ok[i] = True
+            self._count(corrupt=len(check) - len(good))
 
     def batch_exists(self, keys: Sequence[str], extra_info: Any = None) -> int:
         """Length of the leading run of pages whose record and data objects all exist (data alone counts
@@ -506,7 +534,7 @@ class MooncakeTier:
             return self._exists(keys)
 
     def _exists(self, keys: Sequence[str]) -> int:
-        keys = _keys(keys)
+        keys = scope_keys(self.tenant, _keys(keys))
         if self._pool is None:
             raise KvtierError("MooncakeTier: call register_mem_pool_host(pool) first")
         if not keys:
@@ -540,12 +568,22 @@ class MooncakeTier:
         pages had a record. Objects read in the last lease period cannot be removed yet (Mooncake's lease)."""
         with self._busy():
             n = 0
-            for key in _keys(keys):
+            for key in scope_keys(self.tenant, _keys(keys)):
                 if self._store.remove(self.record_key(key)) == 0:
                     n += 1
                 for d in self.data_keys(key):
                     self._store.remove(d)
             return n
+
+    def erase_tenant(self, salt: str | None = None, *, tag: str | None = None) -> int:
+        """Remove every object of one tenant (named by ``salt`` or ``tag``) from the whole cluster — every
+        model's and every node's, leased or not; returns the objects removed (Mooncake's count)."""
+        t = erase_tag(salt, tag)
+        with self._busy():
+            n = int(self._store.remove_by_regex(f"_t{t}\\.", True))
+        if n < 0:
+            raise KvtierError(f"MooncakeTier: removing tenant {t}'s objects failed (Mooncake code {n})")
+        return n
 
     def clear(self) -> None:
         """Remove every object of the whole cluster (Mooncake has no per-prefix clear that respects leases)."""

@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 
 use crate::buffer::HostRegion;
 use crate::error::{Error, Result};
-use crate::seal::{tenant_of, Keyring, Seal};
+use crate::seal::{Keyring, Seal};
 
 #[derive(Clone)]
 struct Registered {
@@ -148,13 +148,22 @@ impl Ranges {
         Ok(out)
     }
 
-    /// Seals objects `(name, address, length)` with their tenants' keys from `ring` (a tenant without a key
-    /// gets one): object i is copied to `dsts[i]` (its own address: sealed in place) and sealed there. Per
+    /// Seals objects `(name, address, length)` with their tenants' keys from `ring` (`tenants[i]`: object
+    /// i's tenant tag, None for the default tenant; a tenant without a key gets one): object i is copied to `dsts[i]` (its own address: sealed in place) and sealed there. Per
     /// object its seal, or None if it could not be sealed. Every range is checked (sources inside registered
     /// memory; destinations inside it and disjoint, and apart from every other source) before any byte moves.
-    pub fn seal_into(&self, ring: &Keyring, objs: &[(&str, usize, u64)], dsts: &[usize]) -> Result<Vec<Option<Seal>>> {
-        if dsts.len() != objs.len() {
-            return Err(Error::arg("dsts", format!("{} destinations for {} objects", dsts.len(), objs.len())));
+    pub fn seal_into(
+        &self,
+        ring: &Keyring,
+        objs: &[(&str, usize, u64)],
+        tenants: &[Option<&str>],
+        dsts: &[usize],
+    ) -> Result<Vec<Option<Seal>>> {
+        if dsts.len() != objs.len() || tenants.len() != objs.len() {
+            return Err(Error::arg(
+                "dsts",
+                format!("{} destinations and {} tenants for {} objects", dsts.len(), tenants.len(), objs.len()),
+            ));
         }
         let held = self.snapshot();
         let src: Vec<(usize, u64)> = objs.iter().map(|o| (o.1, o.2)).collect();
@@ -165,10 +174,11 @@ impl Ranges {
         let mut all = dst.clone();
         all.extend(moved);
         held.check("dsts", &all, true)?; // a copy never reads bytes another object's destination overwrites
-        let keys = ring.keys_for(&objs.iter().map(|o| tenant_of(o.0)).collect::<Vec<_>>(), true);
-        let with: Vec<(&(&str, usize, u64), usize)> = objs.iter().zip(dsts.iter().copied()).collect();
-        let out = par_map(&with, total(&src), |(o, d)| {
-            let k = keys.get(&tenant_of(o.0).map(str::to_owned))?.as_ref()?;
+        let keys = ring.keys_for(tenants, true);
+        let with: Vec<(&(&str, usize, u64), usize, Option<&str>)> =
+            objs.iter().zip(dsts.iter().copied()).zip(tenants).map(|((o, d), t)| (o, d, *t)).collect();
+        let out = par_map(&with, total(&src), |(o, d, t)| {
+            let k = keys.get(&t.map(str::to_owned))?.as_ref()?;
             // SAFETY: checked above: the destination lies inside registered memory `held` keeps alive and
             // overlaps no other destination nor any source but its own; the caller hands it to this call.
             let buf = unsafe { std::slice::from_raw_parts_mut(*d as *mut u8, o.2 as usize) };
@@ -185,17 +195,27 @@ impl Ranges {
 
     /// Opens sealed objects in place; per object whether its tag verified (False: its bytes are
     /// unspecified). Every range is checked (inside registered memory, disjoint) before any byte changes.
-    pub fn open_in_place(&self, ring: &Keyring, objs: &[(&str, usize, u64)], seals: &[Seal]) -> Result<Vec<bool>> {
-        if seals.len() != objs.len() {
-            return Err(Error::arg("seals", format!("{} seals for {} objects", seals.len(), objs.len())));
+    pub fn open_in_place(
+        &self,
+        ring: &Keyring,
+        objs: &[(&str, usize, u64)],
+        tenants: &[Option<&str>],
+        seals: &[Seal],
+    ) -> Result<Vec<bool>> {
+        if seals.len() != objs.len() || tenants.len() != objs.len() {
+            return Err(Error::arg(
+                "seals",
+                format!("{} seals and {} tenants for {} objects", seals.len(), tenants.len(), objs.len()),
+            ));
         }
         let held = self.snapshot();
         let spans: Vec<(usize, u64)> = objs.iter().map(|o| (o.1, o.2)).collect();
         held.check("host_indices", &spans, true)?;
-        let keys = ring.keys_for(&objs.iter().map(|o| tenant_of(o.0)).collect::<Vec<_>>(), false);
-        let with: Vec<(&(&str, usize, u64), &Seal)> = objs.iter().zip(seals).collect();
-        let out = par_map(&with, total(&spans), |(o, seal)| {
-            let Some(Some(k)) = keys.get(&tenant_of(o.0).map(str::to_owned)) else {
+        let keys = ring.keys_for(tenants, false);
+        let with: Vec<(&(&str, usize, u64), &Seal, Option<&str>)> =
+            objs.iter().zip(seals).zip(tenants).map(|((o, s), t)| (o, s, *t)).collect();
+        let out = par_map(&with, total(&spans), |(o, seal, t)| {
+            let Some(Some(k)) = keys.get(&t.map(str::to_owned)) else {
                 return false;
             };
             // SAFETY: checked above: inside registered memory `held` keeps alive, disjoint from every other

@@ -51,8 +51,8 @@ impl PyKeyring {
         self.inner.tenants()
     }
 
-    /// Seals objects of registered host memory: object i, `sizes[i]` bytes at `ptrs[i]` named `names[i]`,
-    /// is copied to `dsts[i]` and sealed there; returns the seals (28 bytes each, concatenated; zeros where
+    /// Seals objects of registered host memory: object i, `sizes[i]` bytes at `ptrs[i]` named `names[i]` of
+    /// tenant `tenants[i]` (a tag, or None), is copied to `dsts[i]` and sealed there; returns the seals (28 bytes each, concatenated; zeros where
     /// not sealed) and per object whether it was sealed. Every range is checked before any byte moves.
     fn seal_into<'py>(
         &self,
@@ -61,10 +61,12 @@ impl PyKeyring {
         names: Vec<String>,
         ptrs: Vec<usize>,
         sizes: Vec<u64>,
+        tenants: Vec<Option<String>>,
         dsts: Vec<usize>,
     ) -> KvResult<(Bound<'py, PyBytes>, Vec<bool>)> {
         let objs = objects(&names, &ptrs, &sizes)?;
-        let r = py.detach(|| memory.get().seal_into(&self.inner, &objs, &dsts))?;
+        let tenants: Vec<Option<&str>> = tenants.iter().map(Option::as_deref).collect();
+        let r = py.detach(|| memory.get().seal_into(&self.inner, &objs, &tenants, &dsts))?;
         let mut seals = vec![0u8; r.len() * SEAL_LEN];
         for (s, d) in r.iter().zip(seals.chunks_mut(SEAL_LEN)) {
             if let Some(s) = s {
@@ -74,7 +76,7 @@ impl PyKeyring {
         Ok((PyBytes::new(py, &seals), r.iter().map(Option::is_some).collect()))
     }
 
-    /// Opens sealed objects in place (with their seals); per object whether it verified.
+    /// Opens sealed objects in place (with their tenants and seals); per object whether it verified.
     fn open_in_place(
         &self,
         py: Python<'_>,
@@ -82,9 +84,11 @@ impl PyKeyring {
         names: Vec<String>,
         ptrs: Vec<usize>,
         sizes: Vec<u64>,
+        tenants: Vec<Option<String>>,
         seals: &[u8],
     ) -> KvResult<Vec<bool>> {
         let objs = objects(&names, &ptrs, &sizes)?;
+        let tenants: Vec<Option<&str>> = tenants.iter().map(Option::as_deref).collect();
         if seals.len() != objs.len() * SEAL_LEN {
             return Err(Error::arg("seals", format!("{} bytes for {} objects", seals.len(), objs.len())).into());
         }
@@ -92,7 +96,7 @@ impl PyKeyring {
             .chunks(SEAL_LEN)
             .map(|c| c.try_into().expect("SEAL_LEN bytes"))
             .collect();
-        Ok(py.detach(|| memory.get().open_in_place(&self.inner, &objs, &seals))?)
+        Ok(py.detach(|| memory.get().open_in_place(&self.inner, &objs, &tenants, &seals))?)
     }
 }
 

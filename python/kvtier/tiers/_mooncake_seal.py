@@ -1,0 +1,56 @@
+"""The cluster tier's encryption at rest (docs/SECURITY.md): a page's data objects are copied into registered
+scratch memory and sealed there (AES-256-GCM, the tenant's key, the object's full key as associated data)
+before Mooncake sends them; their seals travel in the page's integrity record; a read lands in the host pool
+and is opened in place once its record and checksums match. The host pool itself stays in clear."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from .._errors import KvtierError
+from ..buffer import HostBuffer
+from ._records import SEAL
+
+
+class SealedCopies:
+    """Per-thread scratch a sealed :class:`~kvtier.tiers.mooncake.MooncakeTier` seals its puts into."""
+
+    def __init__(self, tier: Any, keyring: Any) -> None:
+        self._tier = tier
+        self.keyring = keyring
+        self._local = threading.local()
+
+    def _buffer(self, need: int) -> HostBuffer:
+        buf = getattr(self._local, "buf", None)
+        if buf is None or buf.nbytes < need:
+            t = self._tier
+            buf = HostBuffer(max(need, 1 << 20), pin=False)
+            with t._lock:
+                t._buffers.append(buf)  # kept (and registered) until close: a batch may still use an old one
+            t._ranges.register_region(buf._region)
+            if t._store.register_buffer(buf.ptr, buf.nbytes) != 0:
+                raise KvtierError("MooncakeTier: registering the sealing buffer with Mooncake failed")
+            self._local.buf = buf
+        return buf
+
+    def seal(self, names: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int],
+             tenants: Sequence[str | None]) -> tuple[list[int], bytes, list[bool]]:
+        """Sealed copies of the objects (``tenants``: each one's tenant tag, or None): their addresses in this
+        thread's scratch, their seals (``SEAL`` bytes each, concatenated) and per object whether it was sealed."""
+        buf = self._buffer(sum(sizes))
+        dst, off = [], buf.ptr
+        for n in sizes:
+            dst.append(off)
+            off += n
+        seals, ok = self.keyring._native.seal_into(self._tier._ranges, list(names), list(ptrs), list(sizes),
+                                                   list(tenants), dst)
+        return dst, bytes(seals), list(ok)
+
+    def open(self, names: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int], tenants: Sequence[str | None],
+             seals: bytes) -> list[bool]:
+        """Opens objects read into the host pool, in place; per object whether its tag verified."""
+        assert len(seals) == SEAL * len(names)
+        return list(self.keyring._native.open_in_place(self._tier._ranges, list(names), list(ptrs), list(sizes),
+                                                       list(tenants), seals))

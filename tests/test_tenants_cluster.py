@@ -1,0 +1,105 @@
+"""Tenants in the Mooncake cluster tier (a real master and storage processes on 127.0.0.1): no hit across
+tenants and hits within one, sealed objects that hold no plaintext, a damaged seal or a destroyed tenant key
+that is a counted miss never wrong bytes, another master key that finds nothing, and erasure of one tenant's
+objects from the whole cluster. Loopback only; the cluster is stopped at the end."""
+
+import struct
+import zlib
+
+import pytest
+import torch
+
+from kvtier import page_hashes
+from kvtier.tenants import Keyring, tenant_keys
+from kvtier.tiers._records import HEAD, OBJ, SEAL
+from kvtier.tiers.local_cluster import LocalCluster
+from kvtier.tiers.mooncake import MooncakeTier
+from test_store import PS, make_pool, page_bytes, pages_idx
+
+pytestmark = pytest.mark.timeout(240)
+TOKENS = list(range(7000, 7000 + 8 * PS))
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    with LocalCluster(storage_nodes=1, segment_bytes=128 << 20, lease_ttl_ms=200, client_ttl_s=2,
+                      log_dir=tmp_path_factory.mktemp("cluster-logs")) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def keyring(tmp_path_factory):
+    return Keyring.init(tmp_path_factory.mktemp("keys") / "ring")
+
+
+def tier(cluster, pool, **kw):
+    t = MooncakeTier(cluster.master_address, model_name="org/model", **kw)
+    t.register_mem_pool_host(pool)
+    return t
+
+
+def same(hp_a, a, hp_b, b):
+    return all(torch.equal(x, y) for x, y in zip(page_bytes(hp_a, a), page_bytes(hp_b, b)))
+
+
+@pytest.mark.parametrize("sealed", [False, True])
+def test_tenants_never_share_a_page_and_one_tenant_does(cluster, keyring, sealed):
+    kr = keyring if sealed else None
+    src, dst = make_pool(seed=21), make_pool(seed=22)
+    alice = page_hashes(TOKENS[: 4 * PS], PS, salt=f"alice-{sealed}")
+    bob = page_hashes(TOKENS[: 4 * PS], PS, salt=f"bob-{sealed}")
+    with tier(cluster, src, keyring=kr) as a, tier(cluster, dst, keyring=kr) as b:
+        assert a.batch_set_v1(alice, pages_idx(range(4))) == [True] * 4
+        assert b.batch_exists(bob) == 0 and b.batch_get_v1(bob, pages_idx(range(4))) == [False] * 4
+        assert b.batch_exists(alice) == 4  # the same tenant hits, from another client
+        assert b.batch_get_v1(alice, pages_idx(range(8, 12))) == [True] * 4
+        assert all(same(src, i, dst, 8 + i) for i in range(4))
+    # a per-deployment tenant scopes the engine's own keys
+    plain = page_hashes(TOKENS[: 2 * PS], PS)
+    with tier(cluster, src, keyring=kr, tenant="acme") as a, tier(cluster, dst, keyring=kr) as b:
+        assert a.batch_set_v1(plain, pages_idx(range(2))) == [True, True]
+        assert b.batch_exists(plain) == 0 and b.batch_exists(tenant_keys("acme", plain)) == 2
+
+
+def test_sealed_objects_hold_no_plaintext_and_a_damaged_seal_is_a_miss(cluster, keyring):
+    src, dst = make_pool(seed=31), make_pool(seed=32)
+    keys = page_hashes(TOKENS[: 3 * PS], PS, salt="carol")
+    with tier(cluster, src, keyring=keyring) as a, tier(cluster, dst, keyring=keyring) as b:
+        assert a.batch_set_v1(keys, pages_idx(range(3))) == [True] * 3
+        s = a._store
+        assert a.data_keys(keys[0])[0].startswith(f"kvtier-sealed-{keyring.id}_org-model_t")
+        for i, key in enumerate(keys):
+            for name, plain in zip(a.data_keys(key), page_bytes(src, i)):
+                stored, p = s.get(name), plain.numpy().tobytes()
+                assert len(stored) == len(p) and stored != p
+                for off in (0, len(p) // 2, len(p) - 64):
+                    assert p[off: off + 64] not in stored
+        # page 0: one bit of its K seal flipped, the record's own checksum fixed: data checksums pass, the tag
+        # does not -> a counted corrupt miss, never the ciphertext served as KV
+        rk = a.record_key(keys[0])
+        raw = bytearray(s.get(rk))
+        raw[HEAD.size + 2 * OBJ.size + SEAL - 1] ^= 1
+        raw[-4:] = struct.pack("<I", zlib.crc32(bytes(raw[:-4])) & 0xFFFFFFFF)
+        assert s.upsert(rk, bytes(raw)) == 0
+        dst.k_buffer.fill_(0x5A)
+        assert b.batch_get_v1(keys, pages_idx(range(3))) == [False, True, True]
+        assert same(src, 1, dst, 1) and same(src, 2, dst, 2)
+        assert b.get_stats()["corrupt"] == 1
+    # another master key names other objects: nothing found
+    other = Keyring.init(keyring.path + "-other")
+    with tier(cluster, dst, keyring=other) as c:
+        assert c.batch_exists(keys) == 0
+
+
+def test_erase_removes_a_tenant_from_the_cluster_and_its_key(cluster, keyring):
+    src, dst = make_pool(seed=41), make_pool(seed=42)
+    dave = page_hashes(TOKENS[: 3 * PS], PS, salt="dave")
+    erin = page_hashes(TOKENS[: 3 * PS], PS, salt="erin")
+    with tier(cluster, src, keyring=keyring) as a, tier(cluster, dst, keyring=keyring) as b:
+        assert a.batch_set_v1(dave + erin, pages_idx(range(6))) == [True] * 6
+        assert a.erase_tenant("dave") == 3 * 3  # K, V and the record of each page
+        assert b.batch_exists(dave) == 0 and b.batch_exists(erin) == 3
+        # erin's key destroyed: her objects are still in the cluster, and unreadable
+        assert keyring.erase("erin")
+        assert b.batch_get_v1(erin, pages_idx(range(3))) == [False] * 3
+        assert b.get_stats()["corrupt"] == 3

@@ -1,0 +1,67 @@
+"""Tenants through the real engines' interfaces (SGLang and vLLM as installed by `make test`; transformers):
+a request's cache_salt or a deployment's tenant never lets one tenant hit another's pages, the same tenant
+does hit, and with a keyring the pages are sealed on disk. These tests do not skip."""
+
+from array import array
+
+import torch
+
+from kvtier.tenants import Keyring, tenant_keys
+from test_sglang import KvtierStorage, config, idx, page_bytes, sglang_pool
+
+from sglang.srt.mem_cache.radix_cache import RadixKey
+from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+TOKENS = list(range(3000, 3000 + 4 * 4))
+
+
+def sglang_keys(salt):
+    """SGLang's own L3 storage keys for TOKENS in a request with ``cache_salt=salt`` (page size 4)."""
+    return get_storage_hash_str(RadixKey(array("i", TOKENS), cache_salt=salt), None, page_size=4)
+
+
+def zero(pool):
+    for t in ((pool.k_buffer, pool.v_buffer) if isinstance(pool.kv_buffer, tuple) else (pool.kv_buffer,)):
+        t.zero_()
+
+
+def test_sglang_request_salts_never_share_pages_in_kvtier(tmp_path):
+    alice, bob, none = sglang_keys("alice"), sglang_keys("bob"), sglang_keys(None)
+    assert len({*alice, *bob, *none}) == 12  # SGLang scopes its storage keys by the salt itself
+    pool = sglang_pool("page_first_direct")
+    want = [page_bytes(pool, p) for p in range(4)]
+    be = KvtierStorage(config(tmp_path))
+    be.register_mem_pool_host(pool)
+    assert be.batch_set_v1(alice, idx(range(4))) == [True] * 4
+    assert be.batch_exists(bob) == 0 and be.batch_exists(none) == 0
+    assert be.batch_get_v1(bob, idx(range(4, 8))) == [False] * 4
+    zero(pool)
+    assert be.batch_exists(alice) == 4 and be.batch_get_v1(alice, idx(range(4))) == [True] * 4
+    assert all(torch.equal(a, b) for p in range(4) for a, b in zip(page_bytes(pool, p), want[p]))
+    be.close()
+
+
+def test_sglang_deployment_tenants_are_kept_apart_sealed_and_erased(tmp_path):
+    kr = Keyring.init(tmp_path / "keys")
+    keys = sglang_keys(None)
+    pool = sglang_pool("page_first_direct", seed=3)
+    want = [page_bytes(pool, p) for p in range(4)]
+    a = KvtierStorage(config(tmp_path / "s", tenant="acme", keyring=str(tmp_path / "keys")))
+    a.register_mem_pool_host(pool)
+    assert a.batch_set_v1(keys, idx(range(4))) == [True] * 4
+    stored = {k.rsplit(".", 1)[0] for k in a.store._store().keys()}
+    assert stored == set(tenant_keys("acme", keys))  # the engine's keys, scoped to the deployment's tenant
+    a.close()
+    b = KvtierStorage(config(tmp_path / "s", tenant="globex", keyring=str(tmp_path / "keys")))
+    b.register_mem_pool_host(pool)
+    assert b.batch_exists(keys) == 0
+    b.close()
+    a = KvtierStorage(config(tmp_path / "s", tenant="acme", keyring=str(tmp_path / "keys")))
+    a.register_mem_pool_host(pool)
+    zero(pool)
+    assert a.batch_exists(keys) == 4 and a.batch_get_v1(keys, idx(range(4))) == [True] * 4
+    assert all(torch.equal(x, y) for p in range(4) for x, y in zip(page_bytes(pool, p), want[p]))
+    assert a.erase_tenant("acme") == 4  # pages
+    assert a.batch_exists(keys) == 0
+    a.close()
+    assert kr.tenants()  # the tenant's key was created at its first write
