@@ -162,7 +162,12 @@ impl Ranges {
         if dsts.len() != objs.len() || tenants.len() != objs.len() {
             return Err(Error::arg(
                 "dsts",
-                format!("{} destinations and {} tenants for {} objects", dsts.len(), tenants.len(), objs.len()),
+                format!(
+                    "{} destinations and {} tenants for {} objects",
+                    dsts.len(),
+                    tenants.len(),
+                    objs.len()
+                ),
             ));
         }
         let held = self.snapshot();
@@ -170,13 +175,22 @@ impl Ranges {
         let dst: Vec<(usize, u64)> = objs.iter().zip(dsts).map(|(o, &d)| (d, o.2)).collect();
         held.check("host_indices", &src, false)?;
         held.check("dsts", &dst, true)?;
-        let moved: Vec<(usize, u64)> = src.iter().zip(&dst).filter(|(s, d)| s.0 != d.0).map(|(s, _)| *s).collect();
+        let moved: Vec<(usize, u64)> = src
+            .iter()
+            .zip(&dst)
+            .filter(|(s, d)| s.0 != d.0)
+            .map(|(s, _)| *s)
+            .collect();
         let mut all = dst.clone();
         all.extend(moved);
         held.check("dsts", &all, true)?; // a copy never reads bytes another object's destination overwrites
         let keys = ring.keys_for(tenants, true);
-        let with: Vec<(&(&str, usize, u64), usize, Option<&str>)> =
-            objs.iter().zip(dsts.iter().copied()).zip(tenants).map(|((o, d), t)| (o, d, *t)).collect();
+        let with: Vec<(&Obj<'_>, usize, Option<&str>)> = objs
+            .iter()
+            .zip(dsts.iter().copied())
+            .zip(tenants)
+            .map(|((o, d), t)| (o, d, *t))
+            .collect();
         let out = par_map(&with, total(&src), |(o, d, t)| {
             let k = keys.get(&t.map(str::to_owned))?.as_ref()?;
             // SAFETY: checked above: the destination lies inside registered memory `held` keeps alive and
@@ -205,15 +219,24 @@ impl Ranges {
         if seals.len() != objs.len() || tenants.len() != objs.len() {
             return Err(Error::arg(
                 "seals",
-                format!("{} seals and {} tenants for {} objects", seals.len(), tenants.len(), objs.len()),
+                format!(
+                    "{} seals and {} tenants for {} objects",
+                    seals.len(),
+                    tenants.len(),
+                    objs.len()
+                ),
             ));
         }
         let held = self.snapshot();
         let spans: Vec<(usize, u64)> = objs.iter().map(|o| (o.1, o.2)).collect();
         held.check("host_indices", &spans, true)?;
         let keys = ring.keys_for(tenants, false);
-        let with: Vec<(&(&str, usize, u64), &Seal, Option<&str>)> =
-            objs.iter().zip(seals).zip(tenants).map(|((o, s), t)| (o, s, *t)).collect();
+        let with: Vec<(&Obj<'_>, &Seal, Option<&str>)> = objs
+            .iter()
+            .zip(seals)
+            .zip(tenants)
+            .map(|((o, s), t)| (o, s, *t))
+            .collect();
         let out = par_map(&with, total(&spans), |(o, seal, t)| {
             let Some(Some(k)) = keys.get(&t.map(str::to_owned)) else {
                 return false;
@@ -228,12 +251,19 @@ impl Ranges {
     }
 }
 
+/// An object: `(name, address, length)`.
+type Obj<'a> = (&'a str, usize, u64);
+
 fn total(spans: &[(usize, u64)]) -> u64 {
     spans.iter().map(|s| s.1).sum()
 }
 
 /// `f` over every object, on up to 8 threads once the batch (`bytes` in all) is large enough to pay for them.
-fn par_map<T: Sync, R: Send + Default + Clone>(objs: &[T], bytes: u64, f: impl Fn(&T) -> R + Sync) -> Vec<R> {
+fn par_map<T: Sync, R: Send + Default + Clone>(
+    objs: &[T],
+    bytes: u64,
+    f: impl Fn(&T) -> R + Sync,
+) -> Vec<R> {
     let threads = if bytes < (8 << 20) {
         1
     } else {

@@ -57,7 +57,10 @@ fn unhex32(s: &str) -> Option<[u8; 32]> {
 
 fn check_salt(salt: &str) -> Result<()> {
     if salt.is_empty() {
-        return Err(Error::arg("salt", "must be a non-empty string (None means no tenant)"));
+        return Err(Error::arg(
+            "salt",
+            "must be a non-empty string (None means no tenant)",
+        ));
     }
     Ok(())
 }
@@ -104,7 +107,10 @@ pub fn tenant_of(key: &str) -> Option<&str> {
 
 /// Whether `tag` is a well-formed tenant tag (16 lowercase hex digits).
 pub fn valid_tag(tag: &str) -> bool {
-    tag.len() == TAG_HEX && tag.bytes().all(|c| c.is_ascii_digit() || (b'a'..=b'f').contains(&c))
+    tag.len() == TAG_HEX
+        && tag
+            .bytes()
+            .all(|c| c.is_ascii_digit() || (b'a'..=b'f').contains(&c))
 }
 
 /// One tenant's sealing key.
@@ -140,7 +146,11 @@ impl SealKey {
             .map_err(|_| Error::arg("keyring", "the system random source failed"))?;
         let tag = self
             .key
-            .seal_in_place_separate_tag(Nonce::assume_unique_for_key(n), Aad::from(aad.as_bytes()), buf)
+            .seal_in_place_separate_tag(
+                Nonce::assume_unique_for_key(n),
+                Aad::from(aad.as_bytes()),
+                buf,
+            )
             .map_err(|_| Error::arg("object", "too long for AES-GCM"))?;
         let mut s = [0u8; SEAL_LEN];
         s[..12].copy_from_slice(&n);
@@ -223,7 +233,13 @@ impl Keyring {
         let p = dir.join("master.key");
         create_secret(&p, format!("{}\n", hex(&m)).as_bytes()).map_err(|e| {
             if e.kind() == std::io::ErrorKind::AlreadyExists {
-                Error::arg("keyring", format!("{} already exists: a keyring is never overwritten", p.display()))
+                Error::arg(
+                    "keyring",
+                    format!(
+                        "{} already exists: a keyring is never overwritten",
+                        p.display()
+                    ),
+                )
             } else {
                 io(format!("writing {}", p.display()), e)
             }
@@ -233,16 +249,25 @@ impl Keyring {
     /// Opens the keyring at `dir`. The master key must be 64 hex digits, readable by its owner only.
     pub fn open(dir: &Path) -> Result<Self> {
         let p = dir.join("master.key");
-        let meta = fs::metadata(&p).map_err(|e| io(format!("keyring: reading {}", p.display()), e))?;
+        let meta =
+            fs::metadata(&p).map_err(|e| io(format!("keyring: reading {}", p.display()), e))?;
         if meta.mode() & 0o077 != 0 {
             return Err(Error::arg(
                 "keyring",
-                format!("{} is readable by others (mode {:o}): chmod 600 it", p.display(), meta.mode() & 0o777),
+                format!(
+                    "{} is readable by others (mode {:o}): chmod 600 it",
+                    p.display(),
+                    meta.mode() & 0o777
+                ),
             ));
         }
-        let text = fs::read_to_string(&p).map_err(|e| io(format!("keyring: reading {}", p.display()), e))?;
+        let text = fs::read_to_string(&p)
+            .map_err(|e| io(format!("keyring: reading {}", p.display()), e))?;
         let master = unhex32(&text).ok_or_else(|| {
-            Error::arg("keyring", format!("{} must hold 64 hex digits (32 bytes)", p.display()))
+            Error::arg(
+                "keyring",
+                format!("{} must hold 64 hex digits (32 bytes)", p.display()),
+            )
         })?;
         let id = hex(&Sha256::new()
             .chain_update(b"kvtier keyring id\0")
@@ -274,7 +299,11 @@ impl Keyring {
     /// The sealing key of each tenant tag (`None`: the default tenant). With `create`, a tenant without a
     /// key file gets one; without it, such a tenant maps to `None` (its objects cannot be read). A key file
     /// that cannot be read or created also maps to `None`.
-    pub fn keys_for(&self, tags: &[Option<&str>], create: bool) -> HashMap<Option<String>, Option<Arc<SealKey>>> {
+    pub fn keys_for(
+        &self,
+        tags: &[Option<&str>],
+        create: bool,
+    ) -> HashMap<Option<String>, Option<Arc<SealKey>>> {
         let mut out = HashMap::new();
         let mut cache = self.tenants.lock().unwrap_or_else(|p| p.into_inner());
         for &t in tags {
@@ -290,7 +319,12 @@ impl Keyring {
         out
     }
 
-    fn tenant_key(&self, cache: &mut HashMap<String, Cached>, tag: &str, create: bool) -> Option<Arc<SealKey>> {
+    fn tenant_key(
+        &self,
+        cache: &mut HashMap<String, Cached>,
+        tag: &str,
+        create: bool,
+    ) -> Option<Arc<SealKey>> {
         if !valid_tag(tag) {
             return None;
         }
@@ -326,13 +360,21 @@ impl Keyring {
     /// can be opened again by anyone. Returns whether there was a key.
     pub fn erase_tenant(&self, tag: &str) -> Result<bool> {
         if !valid_tag(tag) {
-            return Err(Error::arg("tenant", format!("{tag:?} is not a tenant tag (16 lowercase hex digits)")));
+            return Err(Error::arg(
+                "tenant",
+                format!("{tag:?} is not a tenant tag (16 lowercase hex digits)"),
+            ));
         }
-        self.tenants.lock().unwrap_or_else(|p| p.into_inner()).remove(tag);
+        self.tenants
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(tag);
         let p = self.tenant_path(tag);
         match fs::OpenOptions::new().write(true).open(&p) {
             Ok(mut f) => {
-                f.write_all(&[0u8; 65]).and_then(|()| f.sync_all()).map_err(|e| io(format!("overwriting {}", p.display()), e))?;
+                f.write_all(&[0u8; 65])
+                    .and_then(|()| f.sync_all())
+                    .map_err(|e| io(format!("overwriting {}", p.display()), e))?;
             }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(false),
             Err(e) => return Err(io(format!("opening {}", p.display()), e)),
@@ -350,7 +392,12 @@ impl Keyring {
             .into_iter()
             .flatten()
             .flatten()
-            .filter_map(|e| e.file_name().to_str()?.strip_suffix(".key").map(str::to_owned))
+            .filter_map(|e| {
+                e.file_name()
+                    .to_str()?
+                    .strip_suffix(".key")
+                    .map(str::to_owned)
+            })
             .filter(|t| valid_tag(t))
             .collect();
         v.sort();

@@ -51,21 +51,17 @@ impl PyKeyring {
         self.inner.tenants()
     }
 
-    /// Seals objects of registered host memory: object i, `sizes[i]` bytes at `ptrs[i]` named `names[i]` of
-    /// tenant `tenants[i]` (a tag, or None), is copied to `dsts[i]` and sealed there; returns the seals (28 bytes each, concatenated; zeros where
-    /// not sealed) and per object whether it was sealed. Every range is checked before any byte moves.
+    /// Seals objects of registered host memory: object i, `(name, address, size, tenant tag or None)`, is
+    /// copied to `dsts[i]` and sealed there; returns the seals (28 bytes each, concatenated; zeros where not
+    /// sealed) and per object whether it was sealed. Every range is checked before any byte moves.
     fn seal_into<'py>(
         &self,
         py: Python<'py>,
         memory: &PyHostRanges,
-        names: Vec<String>,
-        ptrs: Vec<usize>,
-        sizes: Vec<u64>,
-        tenants: Vec<Option<String>>,
+        objects: Vec<Object>,
         dsts: Vec<usize>,
     ) -> KvResult<(Bound<'py, PyBytes>, Vec<bool>)> {
-        let objs = objects(&names, &ptrs, &sizes)?;
-        let tenants: Vec<Option<&str>> = tenants.iter().map(Option::as_deref).collect();
+        let (objs, tenants) = split(&objects);
         let r = py.detach(|| memory.get().seal_into(&self.inner, &objs, &tenants, &dsts))?;
         let mut seals = vec![0u8; r.len() * SEAL_LEN];
         for (s, d) in r.iter().zip(seals.chunks_mut(SEAL_LEN)) {
@@ -73,46 +69,52 @@ impl PyKeyring {
                 d.copy_from_slice(s);
             }
         }
-        Ok((PyBytes::new(py, &seals), r.iter().map(Option::is_some).collect()))
+        Ok((
+            PyBytes::new(py, &seals),
+            r.iter().map(Option::is_some).collect(),
+        ))
     }
 
-    /// Opens sealed objects in place (with their tenants and seals); per object whether it verified.
+    /// Opens sealed objects in place (as `seal_into`'s objects, with their seals); per object whether it
+    /// verified.
     fn open_in_place(
         &self,
         py: Python<'_>,
         memory: &PyHostRanges,
-        names: Vec<String>,
-        ptrs: Vec<usize>,
-        sizes: Vec<u64>,
-        tenants: Vec<Option<String>>,
+        objects: Vec<Object>,
         seals: &[u8],
     ) -> KvResult<Vec<bool>> {
-        let objs = objects(&names, &ptrs, &sizes)?;
-        let tenants: Vec<Option<&str>> = tenants.iter().map(Option::as_deref).collect();
-        if seals.len() != objs.len() * SEAL_LEN {
-            return Err(Error::arg("seals", format!("{} bytes for {} objects", seals.len(), objs.len())).into());
+        if seals.len() != objects.len() * SEAL_LEN {
+            return Err(Error::arg(
+                "seals",
+                format!("{} bytes for {} objects", seals.len(), objects.len()),
+            )
+            .into());
         }
         let seals: Vec<Seal> = seals
             .chunks(SEAL_LEN)
             .map(|c| c.try_into().expect("SEAL_LEN bytes"))
             .collect();
-        Ok(py.detach(|| memory.get().open_in_place(&self.inner, &objs, &tenants, &seals))?)
+        let (objs, tenants) = split(&objects);
+        Ok(py.detach(|| {
+            memory
+                .get()
+                .open_in_place(&self.inner, &objs, &tenants, &seals)
+        })?)
     }
 }
 
-fn objects<'a>(names: &'a [String], ptrs: &[usize], sizes: &[u64]) -> KvResult<Vec<(&'a str, usize, u64)>> {
-    if names.len() != ptrs.len() || names.len() != sizes.len() {
-        return Err(Error::arg(
-            "names",
-            format!("{} names, {} addresses and {} sizes", names.len(), ptrs.len(), sizes.len()),
-        )
-        .into());
-    }
-    Ok(names
+/// `(name, address, size, tenant tag)` of one object.
+type Object = (String, usize, u64, Option<String>);
+
+/// Objects as the core takes them (`(name, address, size)`), and their tenants.
+type Split<'a> = (Vec<(&'a str, usize, u64)>, Vec<Option<&'a str>>);
+
+fn split(objects: &[Object]) -> Split<'_> {
+    objects
         .iter()
-        .zip(ptrs.iter().zip(sizes))
-        .map(|(n, (&p, &s))| (n.as_str(), p, s))
-        .collect())
+        .map(|(n, p, s, t)| ((n.as_str(), *p, *s), t.as_deref()))
+        .unzip()
 }
 
 /// The tenant tag of `salt` (16 hex digits).

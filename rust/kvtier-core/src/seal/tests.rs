@@ -41,7 +41,10 @@ fn tenant_keys_are_deterministic_distinct_and_carry_their_tag() {
     let tag = tenant_tag("alice").unwrap();
     for k in &a1 {
         assert_eq!(tenant_of(k), Some(tag.as_str()));
-        assert!(!k.contains(&keys[0]), "the engine's key must not show through");
+        assert!(
+            !k.contains(&keys[0]),
+            "the engine's key must not show through"
+        );
         assert_eq!(k.len(), 1 + 16 + 1 + 64);
     }
     assert_eq!(tenant_of(&format!("{}.k", a1[0])), Some(tag.as_str()));
@@ -87,18 +90,24 @@ fn seal_round_trips_and_rejects_any_change() {
 fn keys_survive_reopen_and_another_master_cannot_open() {
     let (d, ring) = ring_dir();
     let t = "00000000000000aa";
-    let k = ring.keys_for(&[Some(t)], true)[&Some(t.to_owned())].clone().unwrap();
+    let k = ring.keys_for(&[Some(t)], true)[&Some(t.to_owned())]
+        .clone()
+        .unwrap();
     let mut buf = vec![5u8; 4096];
     let s = k.seal("x", &mut buf).unwrap();
     let again = Keyring::open(d.path()).unwrap();
-    let k2 = again.keys_for(&[Some(t)], false)[&Some(t.to_owned())].clone().unwrap();
+    let k2 = again.keys_for(&[Some(t)], false)[&Some(t.to_owned())]
+        .clone()
+        .unwrap();
     let mut b = buf.clone();
     assert!(k2.open("x", &mut b, &s));
     let (_e, other) = ring_dir();
     assert_ne!(other.id(), ring.id());
     // the other ring has no file for the tenant: no key without `create`, a different key with it
     assert!(other.keys_for(&[Some(t)], false)[&Some(t.to_owned())].is_none());
-    let k3 = other.keys_for(&[Some(t)], true)[&Some(t.to_owned())].clone().unwrap();
+    let k3 = other.keys_for(&[Some(t)], true)[&Some(t.to_owned())]
+        .clone()
+        .unwrap();
     let mut b = buf.clone();
     assert!(!k3.open("x", &mut b, &s));
 }
@@ -107,7 +116,9 @@ fn keys_survive_reopen_and_another_master_cannot_open() {
 fn erasing_a_tenant_destroys_its_key_for_every_holder() {
     let (d, ring) = ring_dir();
     let t = "00000000000000bb";
-    let k = ring.keys_for(&[Some(t)], true)[&Some(t.to_owned())].clone().unwrap();
+    let k = ring.keys_for(&[Some(t)], true)[&Some(t.to_owned())]
+        .clone()
+        .unwrap();
     let mut buf = vec![9u8; 4096];
     let s = k.seal("x", &mut buf).unwrap();
     assert_eq!(ring.tenants(), vec![t.to_owned()]);
@@ -118,7 +129,9 @@ fn erasing_a_tenant_destroys_its_key_for_every_holder() {
     assert!(ring.tenants().is_empty());
     // the holder's next batch finds no key; a new write creates a new key that cannot open the old object
     assert!(ring.keys_for(&[Some(t)], false)[&Some(t.to_owned())].is_none());
-    let fresh = ring.keys_for(&[Some(t)], true)[&Some(t.to_owned())].clone().unwrap();
+    let fresh = ring.keys_for(&[Some(t)], true)[&Some(t.to_owned())]
+        .clone()
+        .unwrap();
     let mut b = buf.clone();
     assert!(!fresh.open("x", &mut b, &s));
     assert!(eraser.erase_tenant("nothex").is_err());
@@ -136,7 +149,10 @@ fn a_keyring_is_never_overwritten_and_must_be_private() {
     assert!(e.contains("readable by others"), "{e}");
     std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
     std::fs::write(&p, "short\n").unwrap();
-    assert!(Keyring::open(d.path()).unwrap_err().to_string().contains("64 hex digits"));
+    assert!(Keyring::open(d.path())
+        .unwrap_err()
+        .to_string()
+        .contains("64 hex digits"));
     assert!(Keyring::open(&d.path().join("missing")).is_err());
     assert!(!format!("{ring:?}").contains(&std::fs::read_to_string(&p).unwrap()));
 }

@@ -263,7 +263,10 @@ impl PageStore {
         self.stats.lap(phase::JOURNAL_APPEND, &mut t);
         let mut ix = self.lock_index();
         for (key, class, slot, len, crc, seal) in items {
-            ix.insert(key.clone(), Entry::new(*class, *slot, *len, *crc).sealed(*seal));
+            ix.insert(
+                key.clone(),
+                Entry::new(*class, *slot, *len, *crc).sealed(*seal),
+            );
         }
         drop(ix);
         self.stats.lap(phase::INDEX_INSERT, &mut t);

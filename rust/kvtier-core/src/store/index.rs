@@ -373,7 +373,15 @@ impl Index {
         let mut n = 0;
         let put = |k: &str, e: &Entry, out: &mut Vec<u8>| {
             if e.servable() {
-                super::journal::encode_put(out, k, e.class, e.slot, e.len, e.crc, e.seal.as_deref());
+                super::journal::encode_put(
+                    out,
+                    k,
+                    e.class,
+                    e.slot,
+                    e.len,
+                    e.crc,
+                    e.seal.as_deref(),
+                );
             }
         };
         let range = if w.pos < w.end {

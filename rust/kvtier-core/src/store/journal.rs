@@ -68,12 +68,38 @@ impl Record {
 }
 
 /// Appends the encoded put record of `key` to `out` (as `Record::Put`'s `encode`, without a `Record`).
-pub fn encode_put(out: &mut Vec<u8>, key: &str, class: u32, slot: u32, len: u64, crc: u32, seal: Option<&Seal>) {
-    encode_raw(out, if seal.is_some() { 3 } else { 1 }, key, class, slot, len, crc, seal)
+pub fn encode_put(
+    out: &mut Vec<u8>,
+    key: &str,
+    class: u32,
+    slot: u32,
+    len: u64,
+    crc: u32,
+    seal: Option<&Seal>,
+) {
+    encode_raw(
+        out,
+        if seal.is_some() { 3 } else { 1 },
+        key,
+        class,
+        slot,
+        len,
+        crc,
+        seal,
+    )
 }
 
 #[allow(clippy::too_many_arguments)]
-fn encode_raw(out: &mut Vec<u8>, kind: u8, key: &str, class: u32, slot: u32, len: u64, crc: u32, seal: Option<&Seal>) {
+fn encode_raw(
+    out: &mut Vec<u8>,
+    kind: u8,
+    key: &str,
+    class: u32,
+    slot: u32,
+    len: u64,
+    crc: u32,
+    seal: Option<&Seal>,
+) {
     let start = out.len();
     debug_assert!(key.len() <= MAX_KEY);
     out.extend_from_slice(&MAGIC.to_le_bytes());

@@ -59,8 +59,8 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::error::{Error, Result};
-use commit::JournalFile;
 use crate::seal::Keyring;
+use commit::JournalFile;
 use files::ClassFile;
 use index::Index;
 
@@ -160,7 +160,11 @@ impl PageStore {
     }
 
     /// [`open_read_only`](Self::open_read_only) for a sealed namespace: objects are opened with `keyring`.
-    pub fn open_read_only_sealed(root: &Path, namespace: &str, keyring: Option<Arc<Keyring>>) -> Result<Self> {
+    pub fn open_read_only_sealed(
+        root: &Path,
+        namespace: &str,
+        keyring: Option<Arc<Keyring>>,
+    ) -> Result<Self> {
         let opts = StoreOptions {
             capacity_bytes: u64::MAX,
             budget_bytes: None,

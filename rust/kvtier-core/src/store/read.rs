@@ -81,7 +81,9 @@ impl PageStore {
             let off = u64::from(e.slot) * u64::from(e.class);
             let r = match fault::check("data_read").and_then(|()| c.read(buf, off)) {
                 Err(_) => IO_ERROR,
-                Ok(()) if crc32c::crc32c_append(crc32c::crc32c(buf), key.as_bytes()) != e.crc => CORRUPT,
+                Ok(()) if crc32c::crc32c_append(crc32c::crc32c(buf), key.as_bytes()) != e.crc => {
+                    CORRUPT
+                }
                 // sealed: opened in place; a tag that does not verify (or an erased tenant) is corrupt
                 Ok(()) => match (&keys, &e.seal) {
                     (Some(k), Some(seal)) if !k.open(key, buf, seal) => CORRUPT,

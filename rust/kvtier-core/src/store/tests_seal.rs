@@ -43,7 +43,11 @@ fn sealed_objects_round_trip_and_never_reach_the_disk_in_clear() {
     let keys: Vec<String> = (0..n)
         .map(|i| {
             let k = format!("{i:064x}");
-            if i < 2 { k } else { tenant_keys(salts[i % 2], &[k]).unwrap().remove(0) }
+            if i < 2 {
+                k
+            } else {
+                tenant_keys(salts[i % 2], &[k]).unwrap().remove(0)
+            }
         })
         .collect();
     {
@@ -52,13 +56,19 @@ fn sealed_objects_round_trip_and_never_reach_the_disk_in_clear() {
             assert!(put1(&s, k, base + i * len, len as u64));
         }
         for (i, k) in keys.iter().enumerate() {
-            assert!(get1(&s, k, dst.as_ptr() as usize + i * len, len as u64), "{k}");
+            assert!(
+                get1(&s, k, dst.as_ptr() as usize + i * len, len as u64),
+                "{k}"
+            );
         }
         s.compact().unwrap(); // the rewritten journal keeps every seal
     }
     // SAFETY: both regions hold n·len initialised bytes.
     let (a, b) = unsafe {
-        (std::slice::from_raw_parts(src.as_ptr(), n * len), std::slice::from_raw_parts(dst.as_ptr(), n * len))
+        (
+            std::slice::from_raw_parts(src.as_ptr(), n * len),
+            std::slice::from_raw_parts(dst.as_ptr(), n * len),
+        )
     };
     assert_eq!(a, b);
     // the search finds bytes a clear namespace stores (so finding none above means something)
@@ -72,7 +82,10 @@ fn sealed_objects_round_trip_and_never_reach_the_disk_in_clear() {
     for i in 0..n {
         for off in [0, len / 2, len - 64] {
             let w = &a[i * len + off..i * len + off + 64];
-            assert!(!found_in(&root, w), "object {i} bytes at {off} are on disk in clear");
+            assert!(
+                !found_in(&root, w),
+                "object {i} bytes at {off} are on disk in clear"
+            );
         }
     }
     // replay, then a follower; both open what the writer sealed
@@ -85,8 +98,14 @@ fn sealed_objects_round_trip_and_never_reach_the_disk_in_clear() {
         assert!(get1(&f, k, d2.as_ptr() as usize, len as u64));
         // SAFETY: len initialised bytes each.
         unsafe {
-            assert_eq!(std::slice::from_raw_parts(d.as_ptr(), len), &a[i * len..(i + 1) * len]);
-            assert_eq!(std::slice::from_raw_parts(d2.as_ptr(), len), &a[i * len..(i + 1) * len]);
+            assert_eq!(
+                std::slice::from_raw_parts(d.as_ptr(), len),
+                &a[i * len..(i + 1) * len]
+            );
+            assert_eq!(
+                std::slice::from_raw_parts(d2.as_ptr(), len),
+                &a[i * len..(i + 1) * len]
+            );
         }
     }
     drop(f);
@@ -124,14 +143,23 @@ fn a_wrong_key_a_clear_store_or_an_erased_tenant_is_a_miss_never_plaintext() {
         let d = payload(1, len, 0);
         assert!(!get1(&s, &plain, d.as_ptr() as usize, len as u64));
         assert_eq!(s.stats.corrupt_reads.load(Ordering::Relaxed), 1);
-        assert!(!s.exists(&[plain.as_str()])[0], "an object that failed its tag is dropped");
+        assert!(
+            !s.exists(&[plain.as_str()])[0],
+            "an object that failed its tag is dropped"
+        );
     }
     // alice's key destroyed (by another holder of the keyring): her objects are misses, then gone
     let s = PageStore::open(&root, "ns", sealed(&kr)).unwrap();
     let d = payload(1, len, 0);
-    assert!(get1(&s, &alice[0], d.as_ptr() as usize, len as u64), "before the erasure");
+    assert!(
+        get1(&s, &alice[0], d.as_ptr() as usize, len as u64),
+        "before the erasure"
+    );
     let tag = tenant_tag("alice").unwrap();
-    assert!(Keyring::open(&root.join("keys")).unwrap().erase_tenant(&tag).unwrap());
+    assert!(Keyring::open(&root.join("keys"))
+        .unwrap()
+        .erase_tenant(&tag)
+        .unwrap());
     assert!(!get1(&s, &alice[1], d.as_ptr() as usize, len as u64));
     assert!(!s.exists(&[alice[1].as_str()])[0]);
     // a new write of the tenant makes a new key; what it writes is served again

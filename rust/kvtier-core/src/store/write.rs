@@ -5,15 +5,15 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
-use super::files::ClassFile;
 use super::commit::PutItem;
+use super::files::ClassFile;
 use super::index::put_journal_cost;
 use super::seal_io::{Aligned, SealKeys};
-use crate::seal::Seal;
 use super::stats::phase;
 use super::{PageStore, ALIGN, MAX_OBJECT};
 use crate::error::{Error, Result};
 use crate::fault;
+use crate::seal::Seal;
 
 /// Reservation rounds before the objects still without a slot fail (each round assigns, punches or
 /// evicts something, so this is far above what progress needs).
@@ -67,7 +67,16 @@ impl PageStore {
         let pending: u64 = done.iter().map(|(s, _, _)| s.journal).sum();
         let items: Vec<PutItem> = done
             .iter()
-            .map(|(s, crc, seal)| (objs[s.i].0.to_owned(), s.class, s.slot, objs[s.i].2, *crc, *seal))
+            .map(|(s, crc, seal)| {
+                (
+                    objs[s.i].0.to_owned(),
+                    s.class,
+                    s.slot,
+                    objs[s.i].2,
+                    *crc,
+                    *seal,
+                )
+            })
             .collect();
         let committed = self.commit_puts(&items).is_ok();
         {
