@@ -76,7 +76,8 @@ def _one_round(d, hp, keys, idx, n, c, total, keyring=None):
         st.close()
 
 
-def run_case(name, c, root, reps):
+def case_pool(c):
+    """A random host pool of case ``c``: (pool, pages, K object bytes, V object bytes, bytes in all)."""
     dp = DeviceKVPool(c["pages"] * c["page"], c["page"], c["layers"], c["heads"], c["dk"], c["dv"], torch.bfloat16, "cpu")
     hp = host_pool_for(dp, layout="page_first_direct", host_to_device_ratio=1.0, pin_memory=False)
     for t in (hp.k_buffer, hp.v_buffer):
@@ -84,7 +85,11 @@ def run_case(name, c, root, reps):
     n = c["pages"]
     ksize = c["layers"] * c["page"] * c["heads"] * c["dk"] * 2
     vsize = c["layers"] * c["page"] * c["heads"] * c["dv"] * 2
-    total = n * (ksize + vsize)
+    return hp, n, ksize, vsize, n * (ksize + vsize)
+
+
+def run_case(name, c, root, reps):
+    hp, n, ksize, vsize, total = case_pool(c)
     # ceiling: the same number of objects of each size, same queue depth
     cw, cr = [], []
     for _ in range(reps):

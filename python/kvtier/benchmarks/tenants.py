@@ -1,12 +1,13 @@
 """What tenants and encryption at rest cost, each against the same thing without them, in one run.
 
-    kvtier bench tenants [--dir DIR] [--reps 3] [--cluster-reps 5] [--no-cluster] [--out DIR]
+    kvtier bench tenants [--dir DIR [--dir DIR2 ...]] [--reps 3] [--cluster-reps 5] [--no-cluster] [--out DIR]
 
 - **Seal**: AES-256-GCM sealing (copy + encrypt) and opening (decrypt in place) of 4 MiB objects on one core,
   GB/s, beside crc32c of the same bytes.
 - **Disk tier**: ``kvtier bench store``'s cases (durable ``batch_set_v1``, O_DIRECT ``batch_get_v1``) for a
   store in clear and a sealed store, fresh stores alternating which goes first, with the disk's own O_DIRECT
-  ceiling measured in the same run; sealed as a share of clear and of the ceiling.
+  ceiling measured in the same run; sealed as a share of clear and of the ceiling. Each ``--dir`` is a disk
+  (a fast one, and one as slow as the servers' can be measured in one run).
 - **Cluster tier** (a local Mooncake cluster on loopback): raw ``batch_put_from`` / ``batch_get_into``, the
   tier in clear and the sealed tier on the same pages.
 - **Lookups**: the median cost of ``batch_exists`` for a page the tenant has (a hit), the same page asked by
@@ -74,20 +75,13 @@ def seal_rate(reps: int = 5, mib: int = 4, count: int = 16) -> dict[str, float]:
 
 def disk(root: str, reps: int, cases: list[str], pages: int | None) -> list[dict[str, Any]]:
     kr = Keyring.init(os.path.join(root, "keyring"))
+    fs = fs_type(root)
     rows = []
     for name in cases:
         c = dict(store_bench.CASES[name])
         if pages:
             c["pages"], c["batch"] = pages, min(c["batch"], pages)
-        dp = DeviceKVPool(c["pages"] * c["page"], c["page"], c["layers"], c["heads"], c["dk"], c["dv"],
-                          torch.bfloat16, "cpu")
-        hp = host_pool_for(dp, layout="page_first_direct", host_to_device_ratio=1.0, pin_memory=False)
-        for t in (hp.k_buffer, hp.v_buffer):
-            t.view(torch.uint8).random_(0, 256)
-        n = c["pages"]
-        ksize = c["layers"] * c["page"] * c["heads"] * c["dk"] * 2
-        vsize = c["layers"] * c["page"] * c["heads"] * c["dv"] * 2
-        total = n * (ksize + vsize)
+        hp, n, ksize, vsize, total = store_bench.case_pool(c)
         keys = [f"{i:064x}" for i in range(n)]
         idx = torch.arange(n * c["page"])
         got: dict[str, list[float]] = {k: [] for k in ("ceil_w", "ceil_r", "clear_w", "clear_r", "sealed_w", "sealed_r")}
@@ -109,7 +103,7 @@ def disk(root: str, reps: int, cases: list[str], pages: int | None) -> list[dict
                 exact &= ok
         hp.close()
         med = {k: statistics.median(v) for k, v in got.items()}
-        row = {"case": name, "pages": n, "k_object_bytes": ksize, "v_object_bytes": vsize,
+        row = {"case": name, "disk": fs, "dir": root, "pages": n, "k_object_bytes": ksize, "v_object_bytes": vsize,
                **{f"{k}_GBps": round(v, 3) for k, v in med.items()},
                "sealed_vs_clear_write_pct": round(100 * med["sealed_w"] / med["clear_w"], 1),
                "sealed_vs_clear_read_pct": round(100 * med["sealed_r"] / med["clear_r"], 1),
@@ -176,8 +170,8 @@ def lookups(root: str, rounds: int = 300) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="kvtier bench tenants")
-    ap.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temporary directory "
-                    "in the working directory, removed afterwards)")
+    ap.add_argument("--dir", action="append", default=None, help="a directory on a disk to measure, repeatable "
+                    "(default: a temporary directory in the working directory, removed afterwards)")
     ap.add_argument("--reps", type=int, default=3, help="fresh stores per disk case and mode; medians (default 3)")
     ap.add_argument("--cases", default="mimo,small", help="disk cases of `kvtier bench store` (default mimo,small)")
     ap.add_argument("--pages", type=int, default=None, help="override the page count of every disk case")
@@ -192,32 +186,44 @@ def main(argv: list[str] | None = None) -> None:
     if a.reps < 1 or a.cluster_reps < 1 or (a.pages is not None and a.pages < 1):
         ap.error("--reps, --cluster-reps and --pages must be at least 1")
     out = out_dir(a.out)
-    created = a.dir is not None and not os.path.exists(a.dir)
-    root = a.dir or tempfile.mkdtemp(prefix="kvtier-bench-tenants-", dir=os.getcwd())
-    os.makedirs(root, exist_ok=True)
-    res: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "dir": root, "fs": fs_type(root)}
+    roots, made = [], []
+    for d in a.dir or [None]:
+        if d is None:
+            d = tempfile.mkdtemp(prefix="kvtier-bench-tenants-", dir=os.getcwd())
+            made.append(d)
+        elif not os.path.exists(d):
+            made.append(d)  # a --dir this run makes is removed after it
+        roots.append(d)
+    res: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "dirs": roots, "disk": []}
     try:
-        print(f"disk: {res['fs']} ({root})", flush=True)
+        for d in roots:
+            os.makedirs(d, exist_ok=True)
+            print(f"disk: {fs_type(d)} ({d})", flush=True)
         res["seal"] = seal_rate()
         print(json.dumps(res["seal"]), flush=True)
-        res["lookups"] = lookups(root)
-        res["disk"] = disk(root, a.reps, cases, a.pages)
+        res["lookups"] = lookups(roots[0])
+        for d in roots:
+            res["disk"] += disk(d, a.reps, cases, a.pages)
         res["cluster"] = [] if a.no_cluster else cluster(a.cluster_reps, a.cluster_cases.split(","),
-                                                         os.path.join(root, "cluster-keyring"))
+                                                         os.path.join(roots[0], "cluster-keyring"))
     finally:
-        if a.dir is None or created:
-            remove_tree(root)
+        for d in roots:
+            if d in made:
+                remove_tree(d)
+            else:
+                for sub in ("keyring", "cluster-keyring", "lookups"):
+                    remove_tree(os.path.join(d, sub))
     s, lk = res["seal"], res["lookups"]
-    lines = [f"# kvtier tenants and encryption at rest — {res['date']} — {res['fs']}", "",
+    lines = [f"# kvtier tenants and encryption at rest — {res['date']}", "",
              f"One core: seal {s['seal_GBps_one_core']} GB/s, open {s['open_GBps_one_core']} GB/s, "
              f"crc32c {s['crc32c_GBps_one_core']} GB/s (4 MiB objects).", "",
              f"Lookups (µs each, median): hit {lk['hit_us_per_lookup']}, another tenant's page "
              f"{lk['other_tenant_us_per_lookup']}, a miss {lk['miss_us_per_lookup']} "
              f"(another tenant's = {lk['other_tenant_vs_miss_pct']}% of a miss).", "",
-             "| disk case | ceiling write | clear write | sealed write | sealed/clear | ceiling read | clear read | "
-             "sealed read | sealed/clear | exact |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| disk | case | ceiling write | clear write | sealed write | sealed/clear | ceiling read | clear read | "
+             "sealed read | sealed/clear | exact |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["disk"]:
-        lines.append(f"| {r['case']} ({r['pages']} pages) | {r['ceil_w_GBps']} | {r['clear_w_GBps']} | {r['sealed_w_GBps']} | "
+        lines.append(f"| {r['disk']} | {r['case']} ({r['pages']} pages) | {r['ceil_w_GBps']} | {r['clear_w_GBps']} | {r['sealed_w_GBps']} | "
                      f"{r['sealed_vs_clear_write_pct']}% | {r['ceil_r_GBps']} | {r['clear_r_GBps']} | "
                      f"{r['sealed_r_GBps']} | {r['sealed_vs_clear_read_pct']}% | {r['bit_exact']} |")
     if res["cluster"]:

@@ -9,7 +9,6 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from .._errors import KvtierError
 from ..buffer import HostBuffer
 from ._records import SEAL
 
@@ -25,13 +24,7 @@ class SealedCopies:
     def _buffer(self, need: int) -> HostBuffer:
         buf = getattr(self._local, "buf", None)
         if buf is None or buf.nbytes < need:
-            t = self._tier
-            buf = HostBuffer(max(need, 1 << 20), pin=False)
-            with t._lock:
-                t._buffers.append(buf)  # kept (and registered) until close: a batch may still use an old one
-            t._ranges.register_region(buf._region)
-            if t._store.register_buffer(buf.ptr, buf.nbytes) != 0:
-                raise KvtierError("MooncakeTier: registering the sealing buffer with Mooncake failed")
+            buf = self._tier.registered_buffer(max(need, 1 << 20), "sealing")
             self._local.buf = buf
         return buf
 

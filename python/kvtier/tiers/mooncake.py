@@ -297,14 +297,20 @@ class MooncakeTier:
         address and a numpy view of it."""
         buf = getattr(self._local, "buf", None)
         if buf is None or buf.nbytes < n * self._slot:
-            buf = HostBuffer(max(n * self._slot, 1 << 16), pin=False)
-            with self._lock:
-                self._buffers.append(buf)  # kept (and registered) until close: a batch may still use an old one
-            self._ranges.register_region(buf._region)
-            if self._store.register_buffer(buf.ptr, buf.nbytes) != 0:
-                raise KvtierError("MooncakeTier: registering the record buffer with Mooncake failed")
+            buf = self.registered_buffer(max(n * self._slot, 1 << 16), "record")
             self._local.buf = buf
         return buf.ptr, buf.as_tensor(torch.uint8, (buf.nbytes,)).numpy()
+
+    def registered_buffer(self, nbytes: int, what: str) -> HostBuffer:
+        """Scratch memory registered with Mooncake and the range checks, kept (registered) until close: a
+        batch may still use an older one."""
+        buf = HostBuffer(nbytes, pin=False)
+        with self._lock:
+            self._buffers.append(buf)
+        self._ranges.register_region(buf._region)
+        if self._store.register_buffer(buf.ptr, buf.nbytes) != 0:
+            raise KvtierError(f"MooncakeTier: registering the {what} buffer with Mooncake failed")
+        return buf
 
     def batch_set_v1(self, keys: Sequence[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
         """Put pages and their integrity records. True per page when its data and record were accepted (pages

@@ -124,6 +124,8 @@ pub struct PageStore {
     /// Serializes block allocation and the file-length bookkeeping around it.
     alloc_lock: Mutex<()>,
     punch_ok: AtomicBool,
+    /// Aligned buffers sealed objects are written from, reused across objects and batches.
+    scratch: seal_io::ScratchPool,
     poisoned: AtomicBool,
     pages: pages::Bound,
     /// Host memory registered for IO (see `memory`).
@@ -322,6 +324,7 @@ impl PageStore {
             classes: Mutex::new(HashMap::new()),
             alloc_lock: Mutex::new(()),
             punch_ok: AtomicBool::new(punch_ok),
+            scratch: seal_io::ScratchPool::default(),
             poisoned: AtomicBool::new(false),
             pages: Default::default(),
             memory: Default::default(),

@@ -4,12 +4,13 @@
 use std::alloc::Layout;
 use std::collections::HashMap;
 use std::ptr::NonNull;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use super::ALIGN;
 use crate::seal::{tenant_of, Keyring, Seal, SealKey};
 
-/// Heap bytes aligned to the store's block size, freed on drop.
+/// Heap bytes aligned to the store's block size, freed on drop. Only the first `len` bytes are ever read, and
+/// only after [`fill_from`](Self::fill_from) wrote them.
 pub(super) struct Aligned {
     ptr: NonNull<u8>,
     len: usize,
@@ -20,17 +21,29 @@ pub(super) struct Aligned {
 unsafe impl Send for Aligned {}
 
 impl Aligned {
-    /// `len` bytes (rounded up to whole blocks in the allocation, zeroed), or None without memory.
-    fn zeroed(len: usize) -> Option<Self> {
-        let size = len.div_ceil(ALIGN as usize).max(1) * ALIGN as usize;
+    /// Room for `cap` bytes (rounded up to whole blocks), none of them readable yet; None without memory.
+    fn with_capacity(cap: usize) -> Option<Self> {
+        let size = cap.div_ceil(ALIGN as usize).max(1) * ALIGN as usize;
         let layout = Layout::from_size_align(size, ALIGN as usize).ok()?;
-        // SAFETY: `layout` has a non-zero size.
-        let ptr = NonNull::new(unsafe { std::alloc::alloc_zeroed(layout) })?;
-        Some(Self { ptr, len, layout })
+        // SAFETY: `layout` has a non-zero size. The bytes stay unread until `fill_from` writes them.
+        let ptr = NonNull::new(unsafe { std::alloc::alloc(layout) })?;
+        Some(Self { ptr, len: 0, layout })
+    }
+
+    fn capacity(&self) -> usize {
+        self.layout.size()
+    }
+
+    /// Makes the buffer a copy of `src` (which must fit its capacity).
+    fn fill_from(&mut self, src: &[u8]) {
+        assert!(src.len() <= self.capacity());
+        // SAFETY: `src.len()` bytes fit the allocation (checked), which `src` (a live slice, not ours) cannot overlap.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr.as_ptr(), src.len()) };
+        self.len = src.len();
     }
 
     pub(super) fn as_slice(&self) -> &[u8] {
-        // SAFETY: `ptr` is a live allocation of `layout.size() >= len` initialised (zeroed) bytes owned by self.
+        // SAFETY: the first `len` bytes of the live allocation were written by `fill_from`.
         unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
     }
 
@@ -42,8 +55,42 @@ impl Aligned {
 
 impl Drop for Aligned {
     fn drop(&mut self) {
-        // SAFETY: allocated in `zeroed` with exactly this layout, freed once.
+        // SAFETY: allocated in `with_capacity` with exactly this layout, freed once.
         unsafe { std::alloc::dealloc(self.ptr.as_ptr(), self.layout) }
+    }
+}
+
+/// Most bytes of idle buffers a store keeps for sealing (the rest are freed when given back).
+const KEEP_BYTES: usize = 256 << 20;
+
+/// Idle aligned buffers, reused by sealed writes (a fresh allocation per object costs its page faults).
+#[derive(Default)]
+pub(super) struct ScratchPool {
+    free: Mutex<Vec<Aligned>>,
+}
+
+impl ScratchPool {
+    /// A buffer holding a copy of `src`; None without memory.
+    fn copy_of(&self, src: &[u8]) -> Option<Aligned> {
+        let reused = {
+            let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
+            let i = free.iter().position(|b| b.capacity() >= src.len());
+            i.map(|i| free.swap_remove(i))
+        };
+        let mut b = match reused {
+            Some(b) => b,
+            None => Aligned::with_capacity(src.len())?,
+        };
+        b.fill_from(src);
+        Some(b)
+    }
+
+    /// Takes a buffer back (kept while the idle ones stay under `KEEP_BYTES`).
+    pub(super) fn give(&self, b: Aligned) {
+        let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
+        if free.iter().map(Aligned::capacity).sum::<usize>() + b.capacity() <= KEEP_BYTES {
+            free.push(b);
+        }
     }
 }
 
@@ -73,14 +120,18 @@ impl SealKeys {
             .as_deref()
     }
 
-    /// An aligned sealed copy of `plain` under object name `name`, and its seal; None if the tenant has no
-    /// key, memory ran out or the random source failed.
-    pub(super) fn seal(&self, name: &str, plain: &[u8]) -> Option<(Aligned, Seal)> {
+    /// An aligned sealed copy of `plain` under object name `name` (from `pool`: give it back after the
+    /// write), and its seal; None if the tenant has no key, memory ran out or the random source failed.
+    pub(super) fn seal(&self, pool: &ScratchPool, name: &str, plain: &[u8]) -> Option<(Aligned, Seal)> {
         let key = self.key(name)?;
-        let mut buf = Aligned::zeroed(plain.len())?;
-        buf.as_mut_slice().copy_from_slice(plain);
-        let seal = key.seal(name, buf.as_mut_slice()).ok()?;
-        Some((buf, seal))
+        let mut buf = pool.copy_of(plain)?;
+        match key.seal(name, buf.as_mut_slice()) {
+            Ok(seal) => Some((buf, seal)),
+            Err(_) => {
+                pool.give(buf);
+                None
+            }
+        }
     }
 
     /// Opens `buf` (object `name`) in place; false if the tenant has no key or the tag does not verify.

@@ -391,7 +391,7 @@ impl PageStore {
             let bytes = match &keys {
                 None => plain,
                 Some(keys) => {
-                    let Some((buf, seal)) = keys.seal(key, plain) else {
+                    let Some((buf, seal)) = keys.seal(&self.scratch, key, plain) else {
                         return; // no key or no memory: the object fails
                     };
                     let _ = seals[j].set(seal);
@@ -417,6 +417,9 @@ impl PageStore {
             };
             if res.is_ok() {
                 crcs[j].store(u64::from(crc), Ordering::Relaxed);
+            }
+            if let Some(b) = sealed_copy {
+                self.scratch.give(b);
             }
         });
         self.stats.lap(phase::WRITE, &mut t);
