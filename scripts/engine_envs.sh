@@ -26,7 +26,7 @@ declare -A ENGINE_TESTS=(
   [sglang]="tests/test_sglang.py tests/test_sglang_v2.py tests/test_sglang_v2_faults.py"
   [vllm]="tests/test_vllm.py"
 )
-TRANSFORMERS_TESTS="tests/test_transformers.py tests/test_transformers_faults.py tests/test_transformers_review.py
+TRANSFORMERS_TESTS="tests/test_transformers.py tests/test_transformers_faults.py tests/test_transformers_keys.py
   tests/test_restore_planning.py tests/test_restore_edge_cases.py"
 TEST_DEPS=("pytest>=8" "pytest-timeout>=2" "hypothesis>=6")
 

@@ -50,7 +50,7 @@ mod tests_pages;
 #[cfg(test)]
 mod tests_seal;
 #[cfg(test)]
-mod tests_v2;
+mod tests_journal_capacity;
 
 use std::collections::HashMap;
 use std::io::Read;

@@ -2,7 +2,7 @@
 //! crash or an IO error at any point of it, and followers that look at the journal only when they must.
 
 use super::tests::{get1, opts, payload, put1, tmp, SERIAL};
-use super::tests_v2::bytes_at;
+use super::tests_journal_capacity::bytes_at;
 use super::*;
 use crate::fault::{self, Fault};
 use std::collections::HashMap;

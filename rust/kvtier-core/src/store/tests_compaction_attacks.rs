@@ -4,7 +4,7 @@
 //! beside the capacity, and followers that miss journal swaps or have a slot reused under them.
 
 use super::tests::{get1, opts, payload, put1, tmp, SERIAL};
-use super::tests_v2::bytes_at;
+use super::tests_journal_capacity::bytes_at;
 use super::*;
 use std::os::unix::fs::MetadataExt;
 use std::sync::atomic::Ordering;

@@ -3,7 +3,7 @@
 //! hole punching, an inspector's lock probe, full stores at odd capacities).
 
 use super::tests::{get1, opts, payload, put1, tmp, SERIAL};
-use super::tests_v2::bytes_at;
+use super::tests_journal_capacity::bytes_at;
 use super::*;
 use crate::fault::{self, Fault};
 use std::sync::atomic::Ordering;

@@ -1,4 +1,4 @@
-"""Page store v2 as an operator meets it: a disk that fills up (small tmpfs and loop-mounted ext4), a
+"""The page store as an operator meets it: a disk that fills up (small tmpfs and loop-mounted ext4), a
 capacity that must bound the blocks on disk, journal appends failing after each kind of change, damaged
 journal records, inspect/verify that must change nothing (also on a live store and a read-only file
 system), and a controller wired to the wrong pool. Mounts need root; without it those tests skip, saying so."""

@@ -1,5 +1,5 @@
-"""Regressions from an adversarial review of kvtier.integrations.transformers: each test is a way the first
-version served KV computed for something else than the key said (or accepted a call it could not honour)."""
+"""The transformers cache never serves KV computed for something other than what its key says: each test is a
+way a cache could (inference mode, masks, positions, crops, shared pages, calls it cannot honour)."""
 
 import tempfile
 

@@ -1,6 +1,6 @@
-//! Page store v2: every fault of docs/STORE.md — journal appends failing after each kind of change,
+//! Journal and capacity faults: every fault of docs/STORE.md — journal appends failing after each kind of change,
 //! poisoning, put/delete races on one key, exact capacity, a full disk, resynchronisation, read-only
-//! inspection, the O_DIRECT probe. Page batches, readers and the reviews' cases: `tests_pages.rs`.
+//! inspection, the O_DIRECT probe. Page batches and readers: `tests_pages.rs`.
 
 use super::tests::{get1, opts, payload, put1, tmp, SERIAL};
 use super::*;
