@@ -1,4 +1,4 @@
-//! Page store v2, continued: page batches and range claims, one-object (MLA) pages, readers that follow a
+//! Page batches and range claims, one-object (MLA) pages, readers that follow a
 //! writer, and the cases the two independent reviews found (duplicate keys, generations, stores without
 //! hole punching, an inspector's lock probe, full stores at odd capacities).
 
