@@ -1,4 +1,5 @@
-"""Finding Mooncake: its Python module, its binaries, and the system libraries its shared objects link.
+"""Finding Mooncake (its Python module, its binaries, the system libraries its shared objects link) and
+connecting a client to a cluster that can store.
 
 Mooncake's wheel (``mooncake-transfer-engine-non-cuda``) links ``libibverbs.so.1`` even without RDMA
 hardware. Where the system has it (Debian: ``apt-get install libibverbs1``) nothing else is needed; where it
@@ -12,12 +13,16 @@ from __future__ import annotations
 
 import ctypes
 import os
+import socket
 import sys
+import time
+import uuid
 from pathlib import Path
 from typing import Any
 
 from .._errors import KvtierError
 
+PROBES = 6  # probe puts at construction, 0.5 s apart
 #: Loaded in this order (each needs the ones before it).
 _LIBS = ("libnl-3.so.200", "libnl-route-3.so.200", "libibverbs.so.1")
 INSTALL_HINT = (
@@ -93,3 +98,40 @@ def binary(name: str) -> str:
     if not path.exists():
         raise KvtierError(f"{INSTALL_HINT} ({path} is missing)")
     return str(path)
+
+
+def connect(address: str, protocol: str, device: str, hostname: str, metadata: str, segment: int, local_buf: int,
+            replicas: int, timeout: float) -> tuple[Any, Any]:
+    """A Mooncake client connected to the master at ``address`` that has proven the cluster can store (a probe
+    object put and found), and the replicate config of its puts. Raises KvtierError with the cause."""
+    cls = store_class()
+    host, _, port = address.rpartition(":")
+    try:  # an unreachable master is one clear error now, not a Mooncake retry loop
+        with socket.create_connection((host, int(port)), timeout=min(timeout, 5.0)):
+            pass
+    except OSError as e:
+        raise KvtierError(f"MooncakeTier: cannot reach the master at {address}: {e}") from None
+    store = cls()
+    rc = store.setup(hostname, metadata, segment, local_buf, protocol, device, address)
+    if rc != 0:
+        raise KvtierError(f"MooncakeTier: Mooncake setup failed with code {rc} (master {address}, protocol "
+                          f"{protocol!r}, device {device!r}, hostname {hostname!r}); see Mooncake's log above")
+    from mooncake.store import ReplicateConfig
+
+    replicate = ReplicateConfig()
+    replicate.replica_num = replicas
+    # a probe object proves the cluster can store: a cluster with no mounted memory (no storage process,
+    # and global_segment_size=0 here) fails every put — one error now rather than every page a miss
+    # (retried: for a few seconds after a storage process dies the master may still place objects on it)
+    key, val = f"kvtier_probe_{uuid.uuid4().hex}", b"kvtier" * 64
+    for _attempt in range(PROBES):
+        rc = store.put(key, val, replicate)
+        if rc == 0 and store.is_exist(key) == 1:  # (not a get: a read object is leased and stays)
+            break
+        time.sleep(0.5)
+    else:
+        store.close()
+        raise KvtierError(f"MooncakeTier: the cluster at {address} cannot store objects (probe put returned {rc}): "
+                          f"no storage process has mounted memory and this client's global_segment_size={segment}")
+    store.remove(key)
+    return store, replicate

@@ -24,7 +24,6 @@ import contextlib
 import hashlib
 import threading
 import time
-import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -36,13 +35,12 @@ from .._errors import ClosedError, InvalidArgumentError, KvtierError
 from ..buffer import HostBuffer
 from ..planner import TierEstimate, TierMeter
 from ..store import PAGE_LAYOUTS, _heads, _keys, _page_layout, logical_dtype
-from ._mooncake_env import store_class
+from ._mooncake_env import connect
 from ..tenants import erase_tag, open_keyring, scope_keys, tenant_of
 from ._mooncake_seal import SealedCopies
 from ._records import (SEAL, SLOT, TOO_SMALL, Taint, parse_record, record_bytes, record_seals, record_size,
                        validate_options)
 
-_PROBES = 6  # probe puts at construction, 0.5 s apart
 class MooncakeTier:
     """See the module docs. Same batch interface as :class:`kvtier.PageStore`.
 
@@ -113,56 +111,19 @@ class MooncakeTier:
         self.meter = TierMeter(self.name)
         self._cv = threading.Condition()
         self._inflight = 0
-        self._replicate: Any = None
         self._local = threading.local()
         self._buffers: list[HostBuffer] = []
         #: page keys served without a record (bounded, oldest forgotten first); never adopted, never filled
         self._unverified = Taint()  # keys served without a record: never vouched for nor filled, however many
         self._adopt: HostBuffer | None = None  # read-back space for objects stored without a record
         self._adopt_lock = threading.Lock()
-        self._store = self._connect(protocol, device_name, local_hostname, metadata_server, global_segment_size,
-                                    local_buffer_size, replica_num, setup_timeout_s)
+        self._store, self._replicate = connect(master_server_address, protocol, device_name, local_hostname,
+                                               metadata_server, global_segment_size, local_buffer_size, replica_num,
+                                               setup_timeout_s)
 
     # ------------------------------------------------------------------ set-up
     validate_options = staticmethod(validate_options)
 
-    def _connect(self, protocol: str, device: str, hostname: str, metadata: str, segment: int, local_buf: int,
-                 replicas: int, timeout: float) -> Any:
-        cls = store_class()
-        import socket
-
-        host, _, port = self.master_server_address.rpartition(":")
-        try:  # an unreachable master is one clear error now, not a Mooncake retry loop
-            with socket.create_connection((host, int(port)), timeout=min(timeout, 5.0)):
-                pass
-        except OSError as e:
-            raise KvtierError(f"MooncakeTier: cannot reach the master at {self.master_server_address}: {e}") from None
-        store = cls()
-        rc = store.setup(hostname, metadata, segment, local_buf, protocol, device, self.master_server_address)
-        if rc != 0:
-            raise KvtierError(f"MooncakeTier: Mooncake setup failed with code {rc} (master "
-                              f"{self.master_server_address}, protocol {protocol!r}, device {device!r}, hostname "
-                              f"{hostname!r}); see Mooncake's log above")
-        from mooncake.store import ReplicateConfig
-
-        self._replicate = ReplicateConfig()
-        self._replicate.replica_num = replicas
-        # a probe object proves the cluster can store: a cluster with no mounted memory (no storage process,
-        # and global_segment_size=0 here) fails every put — one error now rather than every page a miss
-        # (retried: for a few seconds after a storage process dies the master may still place objects on it)
-        key, val = f"kvtier_probe_{uuid.uuid4().hex}", b"kvtier" * 64
-        for _attempt in range(_PROBES):
-            rc = store.put(key, val, self._replicate)
-            if rc == 0 and store.is_exist(key) == 1:  # (not a get: a read object is leased and stays)
-                break
-            time.sleep(0.5)
-        else:
-            store.close()
-            raise KvtierError(f"MooncakeTier: the cluster at {self.master_server_address} cannot store objects "
-                              f"(probe put returned {rc}): no storage process has mounted memory and this "
-                              f"client's global_segment_size={segment}")
-        store.remove(key)
-        return store
 
     def register_mem_pool_host(self, pool: Any) -> None:
         """Attach the host pool (kvtier's or SGLang's, page-first layouts): its memory is registered with
