@@ -52,9 +52,22 @@ def _erase_disk(path: str, tag: str, yes: bool) -> tuple[int, int]:
     from .tenants import tenant_of
 
     found = refused = 0
-    for e in list_namespaces(path)["namespaces"]:
+    info = list_namespaces(path)
+    listed = {e["dir"] for e in info["namespaces"]}
+    for d in sorted(os.listdir(path)):
+        full = os.path.join(path, d)
+        if d not in listed and os.path.isdir(full) and any(
+                os.path.exists(os.path.join(full, f)) for f in ("journal.log", "NAMESPACE")):
+            refused += 1  # a copy or a move inside the store directory: its pages are out of any namespace's reach
+            print(f"kept {d}: a store namespace's files under a name kvtier does not open; it may hold the "
+                  f"tenant's pages: remove it (rm -r {full})")
+    for e in info["namespaces"]:
         ns = e["namespace"]
         if ns is None or e["problem"]:
+            # a namespace that cannot be opened by its name may still hold the tenant: never pass it by silently
+            refused += 1
+            print(f"kept {e['dir']}: {e['problem'] or 'no readable NAMESPACE file'}; it may hold the tenant's pages: "
+                  f"remove it (`kvtier remove {path} {e['dir']} --yes`)")
             continue
         if e["live"]:
             refused += 1

@@ -349,9 +349,12 @@ class PageStore:
 
     def erase_tenant(self, salt: str | None = None, *, tag: str | None = None) -> int:
         """Delete every page of one tenant (named by ``salt`` or by ``tag``) from this namespace; returns the
-        pages deleted. With a keyring, :meth:`kvtier.Keyring.erase` also destroys the tenant's key, which makes
-        whatever a crash or a copy kept unreadable (``kvtier erase`` does both, for every namespace)."""
+        pages deleted (0 for a read-only store: its writer erases). With a keyring, :meth:`kvtier.Keyring.erase`
+        also destroys the tenant's key, which makes whatever a crash or a copy kept unreadable (``kvtier erase``
+        does both, for every namespace)."""
         t = erase_tag(salt, tag)
+        if self.read_only:
+            return 0  # a reader erases nothing: the namespace's writer does
         store = self._store()
         pages = sorted({k.rsplit(".", 1)[0] for k in store.keys() if tenant_of(k) == t})
         return int(store.delete_pages(pages)) if pages else 0

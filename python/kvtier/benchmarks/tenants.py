@@ -34,6 +34,7 @@ from kvtier import DeviceKVPool, PageStore, host_pool_for, page_hashes
 from .._cleanup import remove_tree
 from ..buffer import HostBuffer
 from ..tenants import Keyring
+from ..tiers._records import SEAL
 from . import store as store_bench
 from ._common import fs_type, out_dir, write_results
 
@@ -63,7 +64,7 @@ def seal_rate(reps: int = 5, mib: int = 4, count: int = 16) -> dict[str, float]:
             t0 = time.perf_counter()
             for i in range(count):
                 assert all(kr._native.open_in_place(ranges, [(names[i], dst[i], n, tenants[0])],
-                                                    seals[i * 28:(i + 1) * 28]))
+                                                    seals[i * SEAL:(i + 1) * SEAL]))
             out["open"].append(n * count / (time.perf_counter() - t0) / 1e9)
             t0 = time.perf_counter()
             for i in range(count):

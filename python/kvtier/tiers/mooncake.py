@@ -38,7 +38,7 @@ from ..store import PAGE_LAYOUTS, _heads, _keys, _page_layout, logical_dtype
 from ._mooncake_env import connect
 from ..tenants import erase_tag, open_keyring, scope_keys, tenant_of
 from ._mooncake_seal import SealedCopies
-from ._records import (SEAL, SLOT, TOO_SMALL, Taint, parse_record, record_bytes, record_seals, record_size,
+from ._records import (NO_KEY, SEAL, SLOT, TOO_SMALL, Taint, parse_record, record_bytes, record_seals, record_size,
                        validate_options)
 
 class MooncakeTier:
@@ -84,6 +84,9 @@ class MooncakeTier:
                               local_buffer_size=local_buffer_size, replica_num=replica_num,
                               accept_unverified=accept_unverified, setup_timeout_s=setup_timeout_s, tenant=tenant)
         self.keyring = open_keyring(keyring)
+        if self.keyring is not None and accept_unverified:
+            raise InvalidArgumentError("invalid argument `accept_unverified`: a sealed tier (`keyring`) never serves "
+                                       "a page without its integrity record: its bytes are ciphertext")
         self.tenant = tenant
         self._seal = SealedCopies(self, self.keyring) if self.keyring is not None else None
         parts = [f"kvtier-sealed-{self.keyring.id}"] if self.keyring is not None else []
@@ -206,7 +209,19 @@ class MooncakeTier:
         return [f"{b}_{s}" for s in self._sides]
 
     def record_key(self, key: str) -> str:
+        """The integrity record's key of a page in clear (a sealed page's also names its tenant key's id)."""
         return f"{self._base(key)}_kvtier"
+
+    def _record_keys(self, keys: list[str], create: bool) -> list[str]:
+        """The record key of each page. Sealed: ``..._kvtier-<key id>``, the id of the tenant's current key,
+        so a page sealed under a key since destroyed has no record (a miss, rewritten by the next put); a
+        tenant without a key gets a name ending in ``NO_KEY`` that is never written."""
+        if self._seal is None:
+            return [self.record_key(x) for x in keys]
+        tags = [tenant_of(x) for x in keys]
+        ids = dict(zip(set(tags), self._seal.keyring._native.key_ids(list(set(tags)), create)))
+        return [f"{self._base(x)}_kvtier-{ids[t]}" if ids[t] is not None else f"{self._base(x)}{NO_KEY}"
+                for x, t in zip(keys, tags)]
 
     def _pages(self, keys: Sequence[str], host_indices: Any) -> tuple[list[str], np.ndarray]:
         """Checked page numbers of ``host_indices`` (whole, aligned, in-range pages), before any IO."""
@@ -287,7 +302,7 @@ class MooncakeTier:
         self._ranges.check(ptrs, sizes, False, "host_indices")
         k = len(self._sides)
         t0 = time.perf_counter()
-        recs = [self.record_key(x) for x in keys]
+        recs = self._record_keys(keys, create=True)
         exist = self._store.batch_is_exist(recs + names)
         nk = len(keys)
         ok = [False] * nk
@@ -297,6 +312,8 @@ class MooncakeTier:
             if keys[i] in first:
                 continue  # a key repeated in the batch: stored once, answered like its first occurrence
             first[keys[i]] = i
+            if recs[i].endswith(NO_KEY):
+                continue  # sealed, and the tenant's key could not be made: this page fails
             if exist[i] == 1 and whole:
                 ok[i] = True  # already there whole with a record
             elif exist[i] == 1:
@@ -321,20 +338,24 @@ class MooncakeTier:
             foreign = self._foreign_pages(held, names, ptrs, sizes)
             todo = [i for i in todo if i not in foreign]
             self._count(unverified_skipped=len(foreign))
+        objs = [j for i in todo for j in range(i * k, (i + 1) * k)]
+        sealed_at: dict[int, int] = {}
+        if self._seal is not None and todo:  # sealed copies are sent, and their seals go into the records
+            sp, all_seals, sealed = self._seal.seal([names[j] for j in objs], [ptrs[j] for j in objs],
+                                                    [sizes[j] for j in objs], [tenant_of(keys[j // k]) for j in objs])
+            sealed_at = {j: n for n, j in enumerate(objs)}
+            todo = [i for i in todo if all(sealed[sealed_at[j]] for j in range(i * k, (i + 1) * k))]
+            objs = [j for i in todo for j in range(i * k, (i + 1) * k)]
         if not todo:
             return self._repeat(keys, first, ok)
-        if not todo:
-            return ok
-        objs = [j for i in todo for j in range(i * k, (i + 1) * k)]
         on, op, os_ = [names[j] for j in objs], [ptrs[j] for j in objs], [sizes[j] for j in objs]
+        seals = b""
+        if sealed_at:
+            op = [sp[sealed_at[j]] for j in objs]
+            seals = b"".join(all_seals[sealed_at[j] * SEAL:(sealed_at[j] + 1) * SEAL] for j in objs)
         rk = [recs[i] for i in todo]
         rptr, rview = self._scratch(len(todo))
         rp, rs = [rptr + n * self._slot for n in range(len(todo))], [self._rec_bytes] * len(todo)
-        seals = b""
-        if self._seal is not None:  # sealed copies are sent, and their seals go into the records
-            op, seals, sealed = self._seal.seal(on, op, os_, [tenant_of(keys[j // k]) for j in objs])
-            if not all(sealed):
-                raise KvtierError("MooncakeTier: sealing failed (the keyring's tenant key could not be created)")
 
         def records(crcs: list[int]) -> None:
             for n in range(len(todo)):
@@ -374,7 +395,8 @@ class MooncakeTier:
                 self._store.remove(rk[n])
         sent = sum(1 for i in todo if ok[i])
         dt = time.perf_counter() - t0
-        self._count(put_pages=sent, put_failures=len(todo) - sent, bytes_written=sent * self.page_bytes, put_s=dt)
+        failed = sum(1 for i in first.values() if not ok[i])
+        self._count(put_pages=sent, put_failures=failed, bytes_written=sent * self.page_bytes, put_s=dt)
         self.meter.observe("write", sent * self.page_bytes, dt)
         return self._repeat(keys, first, ok)
 
@@ -433,7 +455,7 @@ class MooncakeTier:
         k, n_pages = len(self._sides), len(keys)
         t0 = time.perf_counter()
         rptr, rview = self._scratch(n_pages)
-        rk = [self.record_key(x) for x in keys]
+        rk = self._record_keys(keys, create=False)
         rp, rs = [rptr + n * self._slot for n in range(n_pages)], [self._rec_bytes] * n_pages
         # records and data in one call (measured: splitting a batch to overlap checksums with the transfer
         # costs Mooncake more than it saves)
@@ -508,7 +530,7 @@ class MooncakeTier:
             return 0
         k = len(self._sides)
         names = [n for x in keys for n in self.data_keys(x)]
-        exist = self._store.batch_is_exist([self.record_key(x) for x in keys] + names)
+        exist = self._store.batch_is_exist(self._record_keys(keys, create=False) + names)
         n = 0
         for i in range(len(keys)):
             data = all(e == 1 for e in exist[len(keys) + i * k: len(keys) + (i + 1) * k])
@@ -535,8 +557,9 @@ class MooncakeTier:
         pages had a record. Objects read in the last lease period cannot be removed yet (Mooncake's lease)."""
         with self._busy():
             n = 0
-            for key in scope_keys(self.tenant, _keys(keys)):
-                if self._store.remove(self.record_key(key)) == 0:
+            keys = scope_keys(self.tenant, _keys(keys))
+            for key, rec in zip(keys, self._record_keys(keys, create=False)):
+                if self._store.remove(rec) == 0:
                     n += 1
                 for d in self.data_keys(key):
                     self._store.remove(d)

@@ -15,8 +15,9 @@
 //!
 //! **Seal.** Each object is encrypted with a fresh random 96-bit nonce and authenticated together with its
 //! full object key as associated data (an object moved to another key fails). Ciphertext has the
-//! plaintext's length, so stored objects keep their alignment; the nonce and the 16-byte tag (the [`Seal`])
-//! travel beside it (in the store's journal record, or a record object in the cluster tier).
+//! plaintext's length, so stored objects keep their alignment; the nonce, the 16-byte tag and the sealing
+//! key's id (the [`Seal`]) travel beside it (in the store's journal record, or a record object in the
+//! cluster tier).
 
 use std::collections::HashMap;
 use std::fs;
@@ -32,9 +33,10 @@ use sha2::{Digest, Sha256};
 
 use crate::error::{Error, Result};
 
-/// Bytes of a [`Seal`]: a 12-byte nonce then a 16-byte tag.
-pub const SEAL_LEN: usize = 28;
-/// The nonce and authentication tag of one sealed object.
+/// Bytes of a [`Seal`]: a 12-byte nonce, the 16-byte tag, then the 4-byte id of the key that sealed it.
+pub const SEAL_LEN: usize = 32;
+/// The nonce, authentication tag and key id of one sealed object. The key id tells an object sealed under a
+/// tenant key that was since destroyed (and replaced) from a damaged one without trying to open it.
 pub type Seal = [u8; SEAL_LEN];
 /// Hex digits of a tenant tag.
 pub const TAG_HEX: usize = 16;
@@ -116,6 +118,7 @@ pub fn valid_tag(tag: &str) -> bool {
 /// One tenant's sealing key.
 pub struct SealKey {
     key: LessSafeKey,
+    id: [u8; 4],
     rng: SystemRandom,
 }
 
@@ -131,10 +134,27 @@ impl SealKey {
         let okm = prk
             .expand(&info, &AES_256_GCM)
             .expect("HKDF output of one AES-256 key is within HKDF's limit");
+        let d = Sha256::new()
+            .chain_update(b"kvtier key id\0")
+            .chain_update(master)
+            .chain_update(tag.as_bytes())
+            .chain_update(salt)
+            .finalize();
         Self {
             key: LessSafeKey::new(UnboundKey::from(okm)),
+            id: [d[0], d[1], d[2], d[3]],
             rng: SystemRandom::new(),
         }
+    }
+
+    /// The key's id (4 bytes as 8 hex digits): it changes when the tenant's key is destroyed and replaced.
+    pub fn id_hex(&self) -> String {
+        hex(&self.id)
+    }
+
+    /// Whether `seal` was made by this key (its key id; the tag alone decides whether the object opens).
+    pub fn made(&self, seal: &Seal) -> bool {
+        seal[28..] == self.id
     }
 
     /// Encrypts `buf` in place under a fresh nonce, authenticating `aad` with it; returns the seal.
@@ -154,16 +174,21 @@ impl SealKey {
             .map_err(|_| Error::arg("object", "too long for AES-GCM"))?;
         let mut s = [0u8; SEAL_LEN];
         s[..12].copy_from_slice(&n);
-        s[12..].copy_from_slice(tag.as_ref());
+        s[12..28].copy_from_slice(tag.as_ref());
+        s[28..].copy_from_slice(&self.id);
         Ok(s)
     }
 
-    /// Decrypts `buf` in place; false (and `buf` unspecified) unless the tag authenticates `buf` and `aad`.
+    /// Decrypts `buf` in place; false (and `buf` unspecified) unless the seal is this key's and the tag
+    /// authenticates `buf` and `aad`.
     pub fn open(&self, aad: &str, buf: &mut [u8], seal: &Seal) -> bool {
+        if !self.made(seal) {
+            return false;
+        }
         let mut n = [0u8; 12];
         n.copy_from_slice(&seal[..12]);
         let mut t = [0u8; 16];
-        t.copy_from_slice(&seal[12..]);
+        t.copy_from_slice(&seal[12..28]);
         self.key
             .open_in_place_separate_tag(
                 Nonce::assume_unique_for_key(n),
@@ -176,9 +201,10 @@ impl SealKey {
     }
 }
 
-/// A tenant's cached key and the identity of the file it came from (re-checked at every batch, so an
-/// erasure by another process takes effect at the next batch).
-type Cached = (Arc<SealKey>, (u64, u64));
+/// A tenant's cached key and the random bytes of the file it came from (the file is read again at every
+/// batch and compared, so an erasure by another process takes effect at the next batch, whatever file
+/// replaced it).
+type Cached = (Arc<SealKey>, [u8; 32]);
 
 /// The keys of one deployment (see the module docs).
 pub struct Keyring {
@@ -202,24 +228,51 @@ fn io(what: impl Into<String>, e: std::io::Error) -> Error {
     }
 }
 
-/// Writes `bytes` to a new file `path` with mode 0600 (fails if it exists), durably.
-fn create_secret(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    let mut f = fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .open(path)?;
-    f.write_all(bytes)?;
-    f.sync_all()?;
-    if let Some(d) = path.parent() {
-        fs::File::open(d)?.sync_all()?;
-    }
-    Ok(())
+/// Creates `path` holding `bytes` (mode 0600) atomically: written and synced under a temporary name, then
+/// linked into place, so no reader ever sees it partly written. Returns false (and changes nothing) if
+/// `path` exists already.
+fn create_secret(path: &Path, bytes: &[u8]) -> std::io::Result<bool> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    let mut r = [0u8; 8];
+    SystemRandom::new()
+        .fill(&mut r)
+        .map_err(|_| std::io::Error::other("the system random source failed"))?;
+    let tmp = dir.join(format!(".tmp-{}-{}", std::process::id(), hex(&r)));
+    let write = || -> std::io::Result<()> {
+        let mut f = fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()
+    };
+    let linked = write().and_then(|()| match fs::hard_link(&tmp, path) {
+        Ok(()) => Ok(true),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(false),
+        Err(e) => Err(e),
+    });
+    let _ = fs::remove_file(&tmp);
+    let linked = linked?;
+    fs::File::open(dir)?.sync_all()?;
+    Ok(linked)
 }
 
 impl Keyring {
-    /// Creates a keyring directory with a new random master key. Refuses a directory that already has one.
+    /// Creates a keyring directory with a new random master key. Refuses (changing nothing) a directory that
+    /// exists and is not empty.
     pub fn init(dir: &Path) -> Result<()> {
+        if let Ok(mut entries) = fs::read_dir(dir) {
+            if entries.next().is_some() {
+                return Err(Error::arg(
+                    "keyring",
+                    format!(
+                        "{} exists and is not empty: a keyring is created in a new or empty directory, never over one",
+                        dir.display()
+                    ),
+                ));
+            }
+        }
         fs::create_dir_all(dir.join("tenants"))
             .map_err(|e| io(format!("creating keyring {}", dir.display()), e))?;
         for d in [dir.to_path_buf(), dir.join("tenants")] {
@@ -231,19 +284,14 @@ impl Keyring {
             .fill(&mut m)
             .map_err(|_| Error::arg("keyring", "the system random source failed"))?;
         let p = dir.join("master.key");
-        create_secret(&p, format!("{}\n", hex(&m)).as_bytes()).map_err(|e| {
-            if e.kind() == std::io::ErrorKind::AlreadyExists {
-                Error::arg(
-                    "keyring",
-                    format!(
-                        "{} already exists: a keyring is never overwritten",
-                        p.display()
-                    ),
-                )
-            } else {
-                io(format!("writing {}", p.display()), e)
-            }
-        })
+        match create_secret(&p, format!("{}\n", hex(&m)).as_bytes()) {
+            Ok(true) => Ok(()),
+            Ok(false) => Err(Error::arg(
+                "keyring",
+                format!("{} already exists: a keyring is never overwritten", p.display()),
+            )),
+            Err(e) => Err(io(format!("writing {}", p.display()), e)),
+        }
     }
 
     /// Opens the keyring at `dir`. The master key must be 64 hex digits, readable by its owner only.
@@ -329,30 +377,32 @@ impl Keyring {
             return None;
         }
         let p = self.tenant_path(tag);
-        let ident = |m: &fs::Metadata| (m.dev(), m.ino());
-        let meta = match fs::metadata(&p) {
-            Ok(m) => m,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound && create => {
-                let mut r = [0u8; 32];
-                SystemRandom::new().fill(&mut r).ok()?;
-                match create_secret(&p, format!("{}\n", hex(&r)).as_bytes()) {
-                    // another process created it first: use theirs
-                    Ok(()) | Err(_) => fs::metadata(&p).ok()?,
-                }
-            }
-            Err(_) => {
-                cache.remove(tag);
+        let read = || fs::read_to_string(&p).ok().and_then(|t| unhex32(&t));
+        let random = match read() {
+            Some(r) => r,
+            None if !create => {
+                cache.remove(tag); // missing (erased, or not here yet) or unreadable: no key for now
                 return None;
             }
+            None => {
+                // the tenant's first write here, or a key file that does not parse (only damage makes one:
+                // files are created whole). Concurrent creators converge on the one file that was linked.
+                if p.exists() && read().is_none() {
+                    let _ = fs::remove_file(&p);
+                }
+                let mut r = [0u8; 32];
+                SystemRandom::new().fill(&mut r).ok()?;
+                create_secret(&p, format!("{}\n", hex(&r)).as_bytes()).ok()?;
+                read()?
+            }
         };
-        if let Some((k, id)) = cache.get(tag) {
-            if *id == ident(&meta) {
+        if let Some((k, was)) = cache.get(tag) {
+            if *was == random {
                 return Some(k.clone());
             }
         }
-        let random = unhex32(&fs::read_to_string(&p).ok()?)?;
         let k = Arc::new(SealKey::derive(&self.master, Some((tag, &random))));
-        cache.insert(tag.to_owned(), (k.clone(), ident(&meta)));
+        cache.insert(tag.to_owned(), (k.clone(), random));
         Some(k)
     }
 

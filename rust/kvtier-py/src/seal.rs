@@ -51,6 +51,16 @@ impl PyKeyring {
         self.inner.tenants()
     }
 
+    /// The current key id (8 hex digits) of each tenant tag (None: the default tenant); None where the
+    /// tenant has no key (with `create`, a tenant without one gets one).
+    fn key_ids(&self, py: Python<'_>, tags: Vec<Option<String>>, create: bool) -> Vec<Option<String>> {
+        let refs: Vec<Option<&str>> = tags.iter().map(Option::as_deref).collect();
+        let keys = py.detach(|| self.inner.keys_for(&refs, create));
+        tags.iter()
+            .map(|t| keys.get(t).and_then(|k| k.as_ref()).map(|k| k.id_hex()))
+            .collect()
+    }
+
     /// Seals objects of registered host memory: object i, `(name, address, size, tenant tag or None)`, is
     /// copied to `dsts[i]` and sealed there; returns the seals (28 bytes each, concatenated; zeros where not
     /// sealed) and per object whether it was sealed. Every range is checked before any byte moves.

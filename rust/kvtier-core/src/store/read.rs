@@ -4,7 +4,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU8, Ordering};
 
 use super::index::Entry;
-use super::seal_io::SealKeys;
+use super::seal_io::{Opened, SealKeys};
 use super::PageStore;
 use crate::error::Result;
 use crate::fault;
@@ -12,6 +12,8 @@ use crate::fault;
 const OK: u8 = 1;
 const CORRUPT: u8 = 2;
 const IO_ERROR: u8 = 3;
+const NO_KEY: u8 = 4;
+const STALE: u8 = 5;
 
 /// What [`PageStore::verify`] found.
 #[derive(Clone, Debug, Default)]
@@ -65,6 +67,7 @@ impl PageStore {
         }
         let keys = SealKeys::for_batch(
             self.opts.keyring.as_deref(),
+            &self.namespace,
             work.iter().map(|(i, _)| objs[*i].0),
             false,
         );
@@ -84,9 +87,15 @@ impl PageStore {
                 Ok(()) if crc32c::crc32c_append(crc32c::crc32c(buf), key.as_bytes()) != e.crc => {
                     CORRUPT
                 }
-                // sealed: opened in place; a tag that does not verify (or an erased tenant) is corrupt
+                // sealed: opened in place; a tag that does not verify is corrupt, a tenant without a key
+                // here now (erased, or its key file unreadable for a moment) a miss that keeps the object
                 Ok(()) => match (&keys, &e.seal) {
-                    (Some(k), Some(seal)) if !k.open(key, buf, seal) => CORRUPT,
+                    (Some(k), Some(seal)) => match k.open(key, buf, seal) {
+                        Opened::Ok => OK,
+                        Opened::NoKey => NO_KEY,
+                        Opened::Stale => STALE,
+                        Opened::Failed => CORRUPT,
+                    },
                     _ => OK,
                 },
             };
@@ -108,6 +117,14 @@ impl PageStore {
                     CORRUPT => {
                         corrupt.push((key.to_owned(), e.gen));
                         self.stats.corrupt_reads.fetch_add(1, Ordering::Relaxed);
+                    }
+                    NO_KEY => {
+                        self.stats.misses.fetch_add(1, Ordering::Relaxed);
+                    }
+                    STALE => {
+                        // its key was destroyed: a miss, and the object goes (it can never open again)
+                        self.stats.misses.fetch_add(1, Ordering::Relaxed);
+                        corrupt.push((key.to_owned(), e.gen));
                     }
                     _ => {
                         self.stats.read_failures.fetch_add(1, Ordering::Relaxed);
@@ -146,11 +163,26 @@ impl PageStore {
         }
     }
 
-    /// Whether each key is stored (and servable).
+    /// Whether each key is stored and servable: a clear object does not count in a sealed store, nor the
+    /// reverse, nor an object sealed under a tenant key that is not there now (erased, or replaced).
     pub fn exists(&self, keys: &[&str]) -> Vec<bool> {
         self.refresh_for(Some(keys));
+        // sealed: only objects its tenant's current key can open count (a lookup promises what a read serves)
+        let seal = SealKeys::for_batch(
+            self.opts.keyring.as_deref(),
+            &self.namespace,
+            keys.iter().copied(),
+            false,
+        );
         let ix = self.lock_index();
-        keys.iter().map(|k| ix.get(k).is_some()).collect()
+        keys.iter()
+            .map(|k| {
+                ix.get(k).is_some_and(|e| match &seal {
+                    Some(s) => s.current(k, e.seal.as_deref()),
+                    None => e.seal.is_none(),
+                })
+            })
+            .collect()
     }
 
     /// Length of the stored object `key`, if any.

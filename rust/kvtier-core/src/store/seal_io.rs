@@ -98,12 +98,28 @@ impl ScratchPool {
 /// key file, so an erased tenant's key stops working at the next batch).
 pub(super) struct SealKeys {
     keys: HashMap<Option<String>, Option<Arc<SealKey>>>,
+    /// The namespace: with the object's name, what each seal authenticates (an object copied into another
+    /// namespace of the same keyring fails).
+    namespace: String,
+}
+
+/// What opening a sealed object found.
+pub(super) enum Opened {
+    /// Verified and decrypted.
+    Ok,
+    /// The tenant has no key here now (erased, or its key file not readable): a miss, the object kept.
+    NoKey,
+    /// Sealed under a key of the tenant that has since been destroyed and replaced: it can never open.
+    Stale,
+    /// The tag did not verify: the object is not what was sealed under this name and key.
+    Failed,
 }
 
 impl SealKeys {
     /// None for a store in clear. `create`: writes create a tenant's key at its first object.
     pub(super) fn for_batch<'a>(
         ring: Option<&Keyring>,
+        namespace: &str,
         names: impl Iterator<Item = &'a str>,
         create: bool,
     ) -> Option<Self> {
@@ -111,7 +127,12 @@ impl SealKeys {
         let tags: Vec<Option<&str>> = names.map(tenant_of).collect();
         Some(Self {
             keys: ring.keys_for(&tags, create),
+            namespace: namespace.to_owned(),
         })
+    }
+
+    fn aad(&self, name: &str) -> String {
+        format!("{}\0{name}", self.namespace)
     }
 
     fn key(&self, name: &str) -> Option<&SealKey> {
@@ -125,7 +146,7 @@ impl SealKeys {
     pub(super) fn seal(&self, pool: &ScratchPool, name: &str, plain: &[u8]) -> Option<(Aligned, Seal)> {
         let key = self.key(name)?;
         let mut buf = pool.copy_of(plain)?;
-        match key.seal(name, buf.as_mut_slice()) {
+        match key.seal(&self.aad(name), buf.as_mut_slice()) {
             Ok(seal) => Some((buf, seal)),
             Err(_) => {
                 pool.give(buf);
@@ -134,8 +155,22 @@ impl SealKeys {
         }
     }
 
-    /// Opens `buf` (object `name`) in place; false if the tenant has no key or the tag does not verify.
-    pub(super) fn open(&self, name: &str, buf: &mut [u8], seal: &Seal) -> bool {
-        self.key(name).is_some_and(|k| k.open(name, buf, seal))
+    /// Opens `buf` (object `name`) in place.
+    pub(super) fn open(&self, name: &str, buf: &mut [u8], seal: &Seal) -> Opened {
+        match self.key(name) {
+            None => Opened::NoKey,
+            Some(k) if !k.made(seal) => Opened::Stale,
+            Some(k) if k.open(&self.aad(name), buf, seal) => Opened::Ok,
+            Some(_) => Opened::Failed,
+        }
+    }
+
+    /// Whether an object of name `name` with `seal` was sealed under the tenant's current key (false for a
+    /// clear object, a tenant without a key, or a key since replaced).
+    pub(super) fn current(&self, name: &str, seal: Option<&Seal>) -> bool {
+        match (self.key(name), seal) {
+            (Some(k), Some(s)) => k.made(s),
+            _ => false,
+        }
     }
 }

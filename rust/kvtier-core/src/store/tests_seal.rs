@@ -136,19 +136,41 @@ fn a_wrong_key_a_clear_store_or_an_erased_tenant_is_a_miss_never_plaintext() {
         assert!(!get1(&s, &plain, d.as_ptr() as usize, len as u64));
         assert_eq!(s.stats.corrupt_reads.load(Ordering::Relaxed), 0);
     }
-    // another master key: every object fails its tag, is counted corrupt and dropped
+    // another master key: no object is its key's (a miss, not damage), and none is ever opened
     {
         let other = ring(&root.join("other-keys"));
         let s = PageStore::open(&root, "ns", sealed(&other)).unwrap();
+        assert!(!s.exists(&[plain.as_str()])[0], "a lookup promises only what a read serves");
         let d = payload(1, len, 0);
         assert!(!get1(&s, &plain, d.as_ptr() as usize, len as u64));
-        assert_eq!(s.stats.corrupt_reads.load(Ordering::Relaxed), 1);
-        assert!(
-            !s.exists(&[plain.as_str()])[0],
-            "an object that failed its tag is dropped"
-        );
+        assert_eq!(s.stats.corrupt_reads.load(Ordering::Relaxed), 0);
     }
-    // alice's key destroyed (by another holder of the keyring): her objects are misses, then gone
+    // the right key, and a flipped byte with its crc made to match: the tag alone refuses it
+    {
+        let s = PageStore::open(&root, "ns", sealed(&kr)).unwrap();
+        let e = s.lock_index().get(&alice[0]).cloned().unwrap();
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(s.dir().join(format!("class-{}.dat", e.class)))
+            .unwrap();
+        let off = u64::from(e.slot) * u64::from(e.class);
+        let mut bytes = vec![0u8; len];
+        std::os::unix::fs::FileExt::read_exact_at(&f, &mut bytes, off).unwrap();
+        bytes[100] ^= 1;
+        std::os::unix::fs::FileExt::write_all_at(&f, &bytes, off).unwrap();
+        let crc = crc32c::crc32c_append(crc32c::crc32c(&bytes), alice[0].as_bytes());
+        s.lock_index().map.get_mut(&alice[0]).unwrap().crc = crc;
+        let d = payload(1, len, 0);
+        assert!(!get1(&s, &alice[0], d.as_ptr() as usize, len as u64));
+        assert_eq!(
+            s.stats.corrupt_reads.load(Ordering::Relaxed),
+            1,
+            "the tag, not the crc, refused it"
+        );
+        assert!(put1(&s, &alice[0], base, len as u64)); // dropped, so written again
+    }
+    // alice's key destroyed (by another holder of the keyring): her objects are misses (not counted damage)
     let s = PageStore::open(&root, "ns", sealed(&kr)).unwrap();
     let d = payload(1, len, 0);
     assert!(

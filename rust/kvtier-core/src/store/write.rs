@@ -58,11 +58,18 @@ impl PageStore {
         self.keep_to_limit();
         self.stats.lap(phase::KEEP, &mut t);
         let mut dups = Vec::new();
-        let plan = self.reserve(objs, &mut ok, &mut dups);
+        // the tenants' keys, once per batch: an object already stored under a key since replaced is written again
+        let keys = SealKeys::for_batch(
+            self.opts.keyring.as_deref(),
+            &self.namespace,
+            objs.iter().map(|o| o.0),
+            true,
+        );
+        let plan = self.reserve(objs, keys.as_ref(), &mut ok, &mut dups);
         self.stats.lap(phase::RESERVE, &mut t);
         let plan = self.allocate(plan);
         self.stats.lap(phase::ALLOCATE, &mut t);
-        let mut done = self.write_all(objs, plan);
+        let mut done = self.write_all(objs, keys.as_ref(), plan);
         done.sort_unstable_by_key(|(s, _, _)| s.i); // records and LRU order follow the batch's order
         let pending: u64 = done.iter().map(|(s, _, _)| s.journal).sum();
         let items: Vec<PutItem> = done
@@ -127,11 +134,12 @@ impl PageStore {
     fn reserve(
         &self,
         objs: &[(&str, usize, u64)],
+        keys: Option<&SealKeys>,
         ok: &mut [bool],
         dups: &mut Vec<(usize, usize)>,
     ) -> Vec<Slot> {
         let mut want: Vec<(usize, u32, u64)> = Vec::new(); // (index, class, journal bytes)
-        let sealed = self.opts.keyring.is_some();
+        let sealed = keys.is_some();
         {
             let mut ix = self.lock_index();
             let mut first: HashMap<&str, usize> = HashMap::new();
@@ -143,8 +151,13 @@ impl PageStore {
                     continue;
                 }
                 first.insert(k, i);
-                // (an object stored in clear never stands for a sealed one, nor the reverse)
-                if ix.get(k).is_some_and(|e| e.seal.is_some() == sealed) {
+                // (an object stored in clear never stands for a sealed one, nor the reverse, nor one sealed
+                // under a tenant key since destroyed for one under its current key)
+                let current = |e: &super::index::Entry| match keys {
+                    Some(keys) => keys.current(k, e.seal.as_deref()),
+                    None => e.seal.is_none(),
+                };
+                if ix.get(k).is_some_and(current) {
                     ix.touch(k);
                     ok[i] = true;
                     continue;
@@ -372,23 +385,19 @@ impl PageStore {
     fn write_all(
         &self,
         objs: &[(&str, usize, u64)],
+        keys: Option<&SealKeys>,
         plan: Vec<(Slot, Arc<ClassFile>)>,
     ) -> Vec<(Slot, u32, Option<Seal>)> {
         let mut t = std::time::Instant::now();
         let crcs: Vec<AtomicU64> = (0..plan.len()).map(|_| AtomicU64::new(u64::MAX)).collect();
         let seals: Vec<OnceLock<Seal>> = (0..plan.len()).map(|_| OnceLock::new()).collect();
-        let keys = SealKeys::for_batch(
-            self.opts.keyring.as_deref(),
-            plan.iter().map(|(s, _)| objs[s.i].0),
-            true,
-        );
         self.parallel(plan.len(), |j| {
             let (s, ref c) = plan[j];
             let (key, ptr, len) = objs[s.i];
             // SAFETY: the caller guarantees [ptr, ptr+len) is readable for the whole call.
             let plain = unsafe { std::slice::from_raw_parts(ptr as *const u8, len as usize) };
             let mut sealed_copy: Option<Aligned> = None;
-            let bytes = match &keys {
+            let bytes = match keys {
                 None => plain,
                 Some(keys) => {
                     let Some((buf, seal)) = keys.seal(&self.scratch, key, plain) else {
