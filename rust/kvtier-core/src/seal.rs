@@ -288,7 +288,10 @@ impl Keyring {
             Ok(true) => Ok(()),
             Ok(false) => Err(Error::arg(
                 "keyring",
-                format!("{} already exists: a keyring is never overwritten", p.display()),
+                format!(
+                    "{} already exists: a keyring is never overwritten",
+                    p.display()
+                ),
             )),
             Err(e) => Err(io(format!("writing {}", p.display()), e)),
         }

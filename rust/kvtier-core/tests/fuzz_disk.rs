@@ -243,7 +243,7 @@ fn record_with_slots(slot: impl Strategy<Value = u32>) -> impl Strategy<Value = 
         // a put of a shape the store writes (a class that is a positive multiple of 4096, a length in
         // (0, class]): any other shape is not a record (`Break::Shape`)
         3 => (key(), (1u32..=(u32::MAX / 4096)).prop_flat_map(|c| (Just(c * 4096), 1..=u64::from(c) * 4096)),
-              slot, any::<u32>(), proptest::option::of(any::<[u8; 28]>()))
+              slot, any::<u32>(), proptest::option::of(any::<[u8; 32]>()))
             .prop_map(|(key, (class, len), slot, crc, seal)| Record::Put { key, class, slot, len, crc, seal }),
         1 => key().prop_map(|key| Record::Del { key }),
     ]
@@ -310,7 +310,7 @@ fn plausible_shape(class: u32, len: u64) -> bool {
 fn broken(rec: &Record, b: &Break) -> Vec<u8> {
     let mut e = encode_all(std::slice::from_ref(rec));
     // the key follows the fixed fields, and the seal of a sealed put
-    let head = if e[4] == 3 { FIXED + 28 } else { FIXED };
+    let head = if e[4] == 3 { FIXED + 32 } else { FIXED };
     let key_len = e.len() - head - 4;
     match b {
         Break::FlipBit(i, bit) => {

@@ -53,7 +53,12 @@ impl PyKeyring {
 
     /// The current key id (8 hex digits) of each tenant tag (None: the default tenant); None where the
     /// tenant has no key (with `create`, a tenant without one gets one).
-    fn key_ids(&self, py: Python<'_>, tags: Vec<Option<String>>, create: bool) -> Vec<Option<String>> {
+    fn key_ids(
+        &self,
+        py: Python<'_>,
+        tags: Vec<Option<String>>,
+        create: bool,
+    ) -> Vec<Option<String>> {
         let refs: Vec<Option<&str>> = tags.iter().map(Option::as_deref).collect();
         let keys = py.detach(|| self.inner.keys_for(&refs, create));
         tags.iter()

@@ -44,13 +44,13 @@ mod tests_compaction_attacks;
 #[cfg(test)]
 mod tests_faults;
 #[cfg(test)]
+mod tests_journal_capacity;
+#[cfg(test)]
 mod tests_lifecycle;
 #[cfg(test)]
 mod tests_pages;
 #[cfg(test)]
 mod tests_seal;
-#[cfg(test)]
-mod tests_journal_capacity;
 
 use std::collections::HashMap;
 use std::io::Read;

@@ -27,7 +27,11 @@ impl Aligned {
         let layout = Layout::from_size_align(size, ALIGN as usize).ok()?;
         // SAFETY: `layout` has a non-zero size. The bytes stay unread until `fill_from` writes them.
         let ptr = NonNull::new(unsafe { std::alloc::alloc(layout) })?;
-        Some(Self { ptr, len: 0, layout })
+        Some(Self {
+            ptr,
+            len: 0,
+            layout,
+        })
     }
 
     fn capacity(&self) -> usize {
@@ -143,7 +147,12 @@ impl SealKeys {
 
     /// An aligned sealed copy of `plain` under object name `name` (from `pool`: give it back after the
     /// write), and its seal; None if the tenant has no key, memory ran out or the random source failed.
-    pub(super) fn seal(&self, pool: &ScratchPool, name: &str, plain: &[u8]) -> Option<(Aligned, Seal)> {
+    pub(super) fn seal(
+        &self,
+        pool: &ScratchPool,
+        name: &str,
+        plain: &[u8],
+    ) -> Option<(Aligned, Seal)> {
         let key = self.key(name)?;
         let mut buf = pool.copy_of(plain)?;
         match key.seal(&self.aad(name), buf.as_mut_slice()) {

@@ -140,7 +140,10 @@ fn a_wrong_key_a_clear_store_or_an_erased_tenant_is_a_miss_never_plaintext() {
     {
         let other = ring(&root.join("other-keys"));
         let s = PageStore::open(&root, "ns", sealed(&other)).unwrap();
-        assert!(!s.exists(&[plain.as_str()])[0], "a lookup promises only what a read serves");
+        assert!(
+            !s.exists(&[plain.as_str()])[0],
+            "a lookup promises only what a read serves"
+        );
         let d = payload(1, len, 0);
         assert!(!get1(&s, &plain, d.as_ptr() as usize, len as u64));
         assert_eq!(s.stats.corrupt_reads.load(Ordering::Relaxed), 0);
