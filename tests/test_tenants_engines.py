@@ -65,3 +65,49 @@ def test_sglang_deployment_tenants_are_kept_apart_sealed_and_erased(tmp_path):
     assert a.batch_exists(keys) == 0
     a.close()
     assert kr.tenants()  # the tenant's key was created at its first write
+
+
+def test_sglang_hybrid_pools_are_scoped_and_sealed_too(tmp_path):
+    """The v2 interface's extra pools (SWA KV, Mamba state) take the deployment's tenant and keyring like the
+    anchor: another tenant finds none of them, the same tenant finds all, and they are sealed on disk."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+    from test_sglang_v2 import TRAIL, hybrid, keys_for, snapshot
+
+    Keyring.init(tmp_path / "keys")
+    ring = str(tmp_path / "keys")
+
+    def open_backend(tenant, pools):
+        kv, swa, mamba = pools
+        be = KvtierStorage(config(tmp_path / "s", tenant=tenant, keyring=ring))
+        be.register_mem_pool_host(kv)
+        for name, p in ((PoolName.KV, kv), (PoolName.SWA, swa), (PoolName.MAMBA, mamba)):
+            be.register_mem_host_pool_v2(p, name)
+        be.on_host_pools_registered()
+        return be
+
+    pools = hybrid()
+    keys = keys_for(4)
+    transfers = [PoolTransfer(PoolName.SWA, host_indices=idx([2, 3]), keys=keys[2:], hit_policy=TRAIL),
+                 PoolTransfer(PoolName.MAMBA, host_indices=torch.tensor([5]), keys=keys[3:], hit_policy=TRAIL)]
+    want = snapshot(*pools)
+    be = open_backend("acme", pools)
+    assert be.batch_set_v1(keys, idx([0, 1, 2, 3])) == [True] * 4
+    assert be.batch_set_v2(transfers) == {PoolName.SWA: [True, True], PoolName.MAMBA: [True]}
+    assert all("|sealed=" in p.namespace for p in be._pools.values())
+    be.close()
+    other = open_backend("globex", pools)
+    res = other.batch_exists_v2(keys, transfers)
+    assert res.kv_hit_pages == 0 and not any(res.extra_pool_hit_pages.get(n) for n in (PoolName.SWA, PoolName.MAMBA))
+    other.close()
+    same = open_backend("acme", pools)
+    res = same.batch_exists_v2(keys, transfers)
+    assert res.kv_hit_pages == 4 and res.extra_pool_hit_pages[PoolName.MAMBA] == 4
+    kv, swa, mamba = pools
+    for t in [*kv.kv_buffer, swa.kv_buffer, *mamba.get_hybrid_pool_buffer()]:
+        t.zero_()
+    assert same.batch_get_v2(transfers) == {PoolName.SWA: [True, True], PoolName.MAMBA: [True]}
+    got = snapshot(*pools)
+    assert torch.equal(got[2][2:4], want[2][2:4])  # SWA K pages 2-3, opened bit for bit
+    assert same.erase_tenant("acme") > 0
+    assert same.batch_exists_v2(keys, transfers).kv_hit_pages == 0
+    same.close()
