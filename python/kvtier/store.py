@@ -305,7 +305,7 @@ class PageStore:
         checked (as every store call orders them), then one native call."""
         native = self._native  # read once: close() clears it
         store = native if native is not None and not self._closed else self._reader_store()
-        keys = scope_keys(self.tenant, _keys(keys))
+        keys = _keys(keys) if self.tenant is None else scope_keys(self.tenant, _keys(keys))
         if not isinstance(host_indices, torch.Tensor) or host_indices.dtype != torch.int64 or host_indices.dim() != 1:
             raise InvalidArgumentError("invalid argument `host_indices`: expected a 1-D torch.int64 tensor")
         if store is None:
@@ -334,7 +334,7 @@ class PageStore:
 
     def batch_exists(self, keys: Sequence[str], extra_info: Any = None) -> int:
         """Length of the leading run of keys whose page (K and V) is stored."""
-        keys = scope_keys(self.tenant, _keys(keys))
+        keys = _keys(keys) if self.tenant is None else scope_keys(self.tenant, _keys(keys))
         store = self._reader_store()
         n = int(store.pages_exist(keys)) if store is not None else 0
         self.meter.observe_lookup(n, len(keys))
@@ -345,7 +345,7 @@ class PageStore:
 
     def delete(self, keys: Sequence[str]) -> int:
         """Delete pages; returns how many pages had anything stored."""
-        return int(self._store().delete_pages(scope_keys(self.tenant, _keys(keys))))
+        return int(self._store().delete_pages(_keys(keys) if self.tenant is None else scope_keys(self.tenant, _keys(keys))))
 
     def erase_tenant(self, salt: str | None = None, *, tag: str | None = None) -> int:
         """Delete every page of one tenant (named by ``salt`` or by ``tag``) from this namespace; returns the
