@@ -4,6 +4,7 @@ that is a counted miss never wrong bytes, another master key that finds nothing,
 objects from the whole cluster. Loopback only; the cluster is stopped at the end."""
 
 import struct
+import time
 import zlib
 
 import pytest
@@ -108,3 +109,26 @@ def test_erase_removes_a_tenant_from_the_cluster_and_its_key(cluster, keyring):
         assert a.batch_set_v1(erin, pages_idx(range(3, 6))) == [True] * 3
         assert b.batch_get_v1(erin, pages_idx(range(3))) == [True] * 3
         assert all(same(src, 3 + i, dst, i) for i in range(3))
+
+
+def test_the_erase_command_removes_a_tenant_from_the_cluster(cluster, keyring, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    src = make_pool(seed=51)
+    fay = page_hashes(TOKENS[: 2 * PS], PS, salt="fay")
+    gus = page_hashes(TOKENS[: 2 * PS], PS, salt="gus")
+    with tier(cluster, src) as a:
+        assert a.batch_set_v1(fay + gus, pages_idx(range(4))) == [True] * 4
+        time.sleep(0.3)  # past the lease of the existence checks
+        env = dict(os.environ)
+        dry = subprocess.run([sys.executable, "-m", "kvtier", "erase", "--tenant", "fay", "--cluster",
+                              cluster.master_address], capture_output=True, text=True, timeout=120, env=env)
+        assert dry.returncode == 0 and "would remove" in dry.stdout, dry.stdout + dry.stderr
+        assert a.batch_exists(fay) == 2
+        time.sleep(0.3)
+        done = subprocess.run([sys.executable, "-m", "kvtier", "erase", "--tenant", "fay", "--cluster",
+                               cluster.master_address, "--yes"], capture_output=True, text=True, timeout=120, env=env)
+        assert done.returncode == 0 and "6 object(s) removed" in done.stdout, done.stdout + done.stderr
+        assert a.batch_exists(fay) == 0 and a.batch_exists(gus) == 2

@@ -257,7 +257,7 @@ class PageStore:
         ns, regions, tensors, bind = self._pending
         try:
             native = _native.PageStore(self.path, ns, self.capacity_bytes, self.io_threads, self.direct, self.read_only,
-                                       self.budget_bytes, self.keyring._native if self.keyring is not None else None)
+                                       self.budget_bytes, self.keyring.native if self.keyring is not None else None)
         except FileNotFoundError:
             if not self.read_only:
                 raise

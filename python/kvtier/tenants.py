@@ -83,6 +83,11 @@ class Keyring:
         return cls(path)
 
     @property
+    def native(self) -> Any:
+        """The Rust keyring (``kvtier._native.Keyring``) that the disk and cluster tiers seal with."""
+        return self._native
+
+    @property
     def id(self) -> str:
         """16 hex digits naming the master key (not secret: sealed namespaces carry it)."""
         return self._native.id

@@ -57,13 +57,13 @@ def seal_rate(reps: int = 5, mib: int = 4, count: int = 16) -> dict[str, float]:
             t0 = time.perf_counter()
             seals = b""
             for i in range(count):  # one object per call: one core
-                s, ok = kr._native.seal_into(ranges, [(names[i], src[i], n, tenants[0])], dst[i:i + 1])
+                s, ok = kr.native.seal_into(ranges, [(names[i], src[i], n, tenants[0])], dst[i:i + 1])
                 assert all(ok)
                 seals += bytes(s)
             out["seal"].append(n * count / (time.perf_counter() - t0) / 1e9)
             t0 = time.perf_counter()
             for i in range(count):
-                assert all(kr._native.open_in_place(ranges, [(names[i], dst[i], n, tenants[0])],
+                assert all(kr.native.open_in_place(ranges, [(names[i], dst[i], n, tenants[0])],
                                                     seals[i * SEAL:(i + 1) * SEAL]))
             out["open"].append(n * count / (time.perf_counter() - t0) / 1e9)
             t0 = time.perf_counter()

@@ -90,7 +90,7 @@ class PoolStore:
         self.namespace = (namespace + f"|bufs={pool_geometry(pool)}" + ("|objs=flat:" if self.flat else "|objs=")
                           + "+".join(map(str, self.sizes)) + (f"|sealed={keyring.id}" if keyring is not None else ""))
         self._open_args = (root, self.namespace, capacity_bytes, io_threads, direct, read_only, budget_bytes,
-                           keyring._native if keyring is not None else None)
+                           keyring.native if keyring is not None else None)
         self._native: Any = None
         self._next_try = 0.0
         self._open()

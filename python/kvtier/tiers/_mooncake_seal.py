@@ -37,12 +37,12 @@ class SealedCopies:
         for n in sizes:
             dst.append(off)
             off += n
-        seals, ok = self.keyring._native.seal_into(self._tier._ranges, list(zip(names, ptrs, sizes, tenants)), dst)
+        seals, ok = self.keyring.native.seal_into(self._tier.ranges, list(zip(names, ptrs, sizes, tenants)), dst)
         return dst, bytes(seals), list(ok)
 
     def open(self, names: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int], tenants: Sequence[str | None],
              seals: bytes) -> list[bool]:
         """Opens objects read into the host pool, in place; per object whether its tag verified."""
         assert len(seals) == SEAL * len(names)
-        return list(self.keyring._native.open_in_place(self._tier._ranges, list(zip(names, ptrs, sizes, tenants)),
+        return list(self.keyring.native.open_in_place(self._tier.ranges, list(zip(names, ptrs, sizes, tenants)),
                                                        seals))

@@ -184,6 +184,11 @@ class MooncakeTier:
     def pool(self) -> Any:
         return self._pool
 
+    @property
+    def ranges(self) -> Any:
+        """The host memory registered with this tier (range checks, checksums, sealing)."""
+        return self._ranges
+
     @contextlib.contextmanager
     def _busy(self) -> Iterator[None]:
         """A call in flight: close() waits for every one to finish before it releases the Mooncake client and
@@ -219,7 +224,7 @@ class MooncakeTier:
         if self._seal is None:
             return [self.record_key(x) for x in keys]
         tags = [tenant_of(x) for x in keys]
-        ids = dict(zip(set(tags), self._seal.keyring._native.key_ids(list(set(tags)), create)))
+        ids = dict(zip(set(tags), self._seal.keyring.native.key_ids(list(set(tags)), create)))
         return [f"{self._base(x)}_kvtier-{ids[t]}" if ids[t] is not None else f"{self._base(x)}{NO_KEY}"
                 for x, t in zip(keys, tags)]
 
