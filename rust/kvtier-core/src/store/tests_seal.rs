@@ -193,3 +193,69 @@ fn a_wrong_key_a_clear_store_or_an_erased_tenant_is_a_miss_never_plaintext() {
     drop(s);
     let _ = std::fs::remove_dir_all(&root);
 }
+
+/// A full sealed store with the longest keys: its compactions step through sealed records (a walk of the
+/// live ones, tails of new ones) and keep every seal; the journal stays within capacity; what the last
+/// batches stored opens, before and after a reopen.
+#[test]
+fn a_full_sealed_store_with_the_longest_keys_compacts_and_keeps_every_seal() {
+    let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let root = tmp();
+    let kr = ring(&root.join("keys"));
+    let src = payload(16, 4096, 7);
+    let cap = 4 << 20;
+    let opts = StoreOptions {
+        keyring: Some(kr.clone()),
+        ..opts(cap)
+    };
+    // tenant keys padded to the longest key the journal takes
+    let tenant = tenant_keys("alice", &["x".to_owned()]).unwrap().remove(0);
+    let key = |i: usize| {
+        let k = format!("{tenant}{i:08}");
+        format!("{k}{}", "p".repeat(journal::MAX_KEY - k.len()))
+    };
+    let s = PageStore::open(&root, "ns", opts.clone()).unwrap();
+    let (batches, per) = (120usize, 16usize);
+    for b in 0..batches {
+        let keys: Vec<String> = (0..per).map(|i| key(b * per + i)).collect();
+        let objs: Vec<(&str, usize, u64)> = keys
+            .iter()
+            .enumerate()
+            .map(|(i, k)| (k.as_str(), src.as_ptr() as usize + i * 4096, 4096))
+            .collect();
+        // SAFETY: every object lies inside `src`.
+        let ok = unsafe { s.put(&objs) }.unwrap();
+        assert!(ok.iter().all(|&x| x), "batch {b}");
+        let (data, journal) = s.occupancy();
+        assert!(
+            data + journal <= cap,
+            "batch {b}: {data} + {journal} > {cap}"
+        );
+    }
+    assert!(
+        s.stats.compactions.load(Ordering::Relaxed) >= 1,
+        "no compaction ran"
+    );
+    assert!(s.stats.evictions.load(Ordering::Relaxed) > 0);
+    let check = |s: &PageStore| {
+        let dst = payload(1, 4096, 0);
+        for i in 0..per {
+            let k = key((batches - 1) * per + i);
+            assert!(get1(s, &k, dst.as_ptr() as usize, 4096), "{i}");
+            // SAFETY: 4096 initialised bytes each.
+            unsafe {
+                assert_eq!(
+                    std::slice::from_raw_parts(dst.as_ptr(), 4096),
+                    std::slice::from_raw_parts(src.as_ptr().add(i * 4096), 4096)
+                );
+            }
+        }
+    };
+    check(&s);
+    drop(s);
+    let s = PageStore::open(&root, "ns", opts).unwrap();
+    check(&s);
+    assert_eq!(s.stats.corrupt_reads.load(Ordering::Relaxed), 0);
+    drop(s);
+    let _ = std::fs::remove_dir_all(&root);
+}
