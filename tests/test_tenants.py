@@ -311,3 +311,28 @@ def test_the_erase_command_removes_one_tenant_everywhere_on_disk_and_its_key(tmp
             assert st.batch_exists(alice) == 0 and st.batch_exists(bob) == 2
     bad = _kvtier("erase", tmp_path / "s", "--tag", "nothex")
     assert bad.returncode == 1 and "tag" in bad.stderr
+
+
+def test_an_erased_tenants_page_in_use_is_never_spilled_back_to_the_store(tmp_path):
+    """write_back: a page the engine still holds when its tenant is erased stays on the host until released,
+    and its eviction does not write it to the store again."""
+    from test_controller import rows, setup
+
+    dp, hp, st, c = setup(tmp_path, policy="write_back", host_pages=4)
+    tokens = list(range(800, 800 + 3 * 4))
+    alice, other = page_hashes(tokens, 4, salt="alice"), page_hashes(tokens, 4, salt="bob")
+    c.backup(rows([1, 2, 3]), alice)
+    c.wait_idle()
+    held = c.acquire(alice[:1])  # the engine holds alice's first page
+    assert len(held) == 1
+    got = c.erase_tenant("alice")
+    assert got["host"] == 2 and got["host_in_use"] == 1
+    c.release(alice[:1])
+    c.backup(rows([4, 5, 6]), other)
+    c.wait_idle()
+    more = page_hashes(tokens, 4, salt="carol")
+    c.backup(rows([7, 8, 9]), more)  # needs room: evicts what is left of alice (the LRU page)
+    c.wait_idle()
+    assert alice[0] not in c.pages
+    assert st.batch_exists(alice) == 0, "an erased tenant's page was written back to the store"
+    c.close()

@@ -456,7 +456,8 @@ class TierController(RestorePlanning):
         """Remove one tenant's pages (keys from :func:`kvtier.page_hashes` with ``salt``; named by ``salt``
         or ``tag``) from the host tier (after the writes in flight; never spilled) and from the store (its
         ``erase_tenant``). Returns ``{"host": pages freed, "host_in_use": pages the engine still holds
-        (acquired: freed by their release and a later erase), "store": pages (or objects) the store removed}``."""
+        (acquired: never written to the store again, freed by their eviction or a later erase), "store": pages (or
+        objects) the store removed}``."""
         t = erase_tag(salt, tag)
         self.wait_idle()
         freed = in_use = 0
@@ -466,6 +467,7 @@ class TierController(RestorePlanning):
                 pg = self.pages[k]
                 if pg.refs or not pg.ready:
                     in_use += 1
+                    pg.in_store = True  # never spilled to the store after this erase (write_back)
                     continue
                 del self.pages[k]
                 self.host.free(self._slots([pg.start]))
