@@ -172,7 +172,7 @@ def test_a_keyring_with_an_open_mode_or_bad_key_is_refused(tmp_path):
     with pytest.raises(kvtier.InvalidArgumentError, match="keyring"):
         Keyring.init(tmp_path / "k")  # never overwritten
     os.chmod(tmp_path / "k" / "master.key", 0o644)
-    with pytest.raises(kvtier.InvalidArgumentError, match="readable by others"):
+    with pytest.raises(kvtier.InvalidArgumentError, match="accessible by group or others"):
         PageStore(tmp_path / "s", keyring=tmp_path / "k")
     with pytest.raises(OSError):
         Keyring(tmp_path / "missing")

@@ -1,5 +1,7 @@
-"""Adversarial review of tenants and encryption at rest. Each test states what docs/SECURITY.md promises and
-fails where the code does not keep it (the tests are written to PASS once the bug is fixed)."""
+"""Tenants and encryption at rest under attack: an erased key whose file comes back on the same inode, a sealed
+page served without its record, namespaces erase cannot open, a missing key file, a keyring directory taken
+over, a damaged key file, a sealed object moved to another namespace. Each test states what docs/SECURITY.md
+promises."""
 
 import hashlib
 import os

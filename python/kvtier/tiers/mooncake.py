@@ -468,7 +468,12 @@ class MooncakeTier:
         res = list(self._store.batch_get_into(rk + [names[j] for j in objs], rp + [ptrs[j] for j in objs],
                                               rs + [sizes[j] for j in objs]))
         ok = [False] * n_pages
-        self._verify(range(n_pages), res, rview, keys, names, ptrs, sizes, ok)
+        bad = self._verify(range(n_pages), res, rview, keys, names, ptrs, sizes, ok)
+        for i in bad:
+            # a record that vouches for other bytes (a damaged object, or two writers' objects interleaved)
+            # would keep the page a lookup hit that never reads, and keep every writer from rewriting it: it
+            # goes (forced: the read just leased it), so lookups miss and the next put writes the page whole
+            self._store.remove(rk[i], True)
         hits = sum(ok)
         dt = time.perf_counter() - t0
         self._count(hits=hits, misses=n_pages - hits, bytes_read=hits * self.page_bytes, get_s=dt)
@@ -476,9 +481,11 @@ class MooncakeTier:
         return ok
 
     def _verify(self, ch: range, res: list[int], rview: np.ndarray, keys: list[str], names: list[str],
-                ptrs: list[int], sizes: list[int], ok: list[bool]) -> None:
-        """Marks the pages of one fetched chunk that arrived whole and match their records."""
+                ptrs: list[int], sizes: list[int], ok: list[bool]) -> list[int]:
+        """Marks the pages of one fetched chunk that arrived whole and match their records; returns the pages
+        whose record vouches for bytes that are not there (corrupt)."""
         k, nrec = len(self._sides), len(ch)
+        bad: list[int] = []
         check: list[tuple[int, list[tuple[int, int]]]] = []
         seals: dict[int, bytes] = {}
         for n, i in enumerate(ch):
@@ -499,6 +506,7 @@ class MooncakeTier:
                 got = [res[nrec + n * k + s] for s in range(k)]
                 if rec is not None and any(g == TOO_SMALL or 0 < g != want for g, want in zip(got, sizes[i * k:(i + 1) * k])):
                     self._count(corrupt=1)  # recorded, but an object came back truncated or extended
+                    bad.append(i)
                 continue
             if rec is None:
                 if self.accept_unverified:  # data without a record: a stock SGLang page, served by option
@@ -520,6 +528,8 @@ class MooncakeTier:
             for i, _ in good:
                 ok[i] = True
             self._count(corrupt=len(check) - len(good))
+            bad += [i for i, _ in check if not ok[i]]
+        return bad
 
     def batch_exists(self, keys: Sequence[str], extra_info: Any = None) -> int:
         """Length of the leading run of pages whose record and data objects all exist (data alone counts

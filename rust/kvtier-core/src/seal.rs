@@ -306,7 +306,7 @@ impl Keyring {
             return Err(Error::arg(
                 "keyring",
                 format!(
-                    "{} is readable by others (mode {:o}): chmod 600 it",
+                    "{} is accessible by group or others (mode {:o}): chmod 600 it",
                     p.display(),
                     meta.mode() & 0o777
                 ),
@@ -380,23 +380,34 @@ impl Keyring {
             return None;
         }
         let p = self.tenant_path(tag);
-        let read = || fs::read_to_string(&p).ok().and_then(|t| unhex32(&t));
+        // Ok(Some): a key; Ok(None): no file; Err(true): a file that does not parse; Err(false): unreadable now
+        let read = || match fs::read_to_string(&p) {
+            Ok(t) => unhex32(&t).map(Some).ok_or(true),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(_) => Err(false),
+        };
         let random = match read() {
-            Some(r) => r,
-            None if !create => {
-                cache.remove(tag); // missing (erased, or not here yet) or unreadable: no key for now
+            Ok(Some(r)) => r,
+            // unreadable for now (out of descriptors, an IO error): no key for this batch, nothing changed
+            Err(false) => {
+                cache.remove(tag);
                 return None;
             }
-            None => {
-                // the tenant's first write here, or a key file that does not parse (only damage makes one:
-                // files are created whole). Concurrent creators converge on the one file that was linked.
-                if p.exists() && read().is_none() {
+            _ if !create => {
+                cache.remove(tag); // missing (erased, or not here yet) or damaged: no key for now
+                return None;
+            }
+            first => {
+                // the tenant's first write here, or a key file that reads but does not parse (only damage
+                // makes one: files are created whole and erased by a rename). Concurrent creators converge
+                // on the one file that was linked.
+                if first == Err(true) {
                     let _ = fs::remove_file(&p);
                 }
                 let mut r = [0u8; 32];
                 SystemRandom::new().fill(&mut r).ok()?;
                 create_secret(&p, format!("{}\n", hex(&r)).as_bytes()).ok()?;
-                read()?
+                read().ok()??
             }
         };
         if let Some((k, was)) = cache.get(tag) {
@@ -409,8 +420,9 @@ impl Keyring {
         Some(k)
     }
 
-    /// Destroys tenant `tag`'s key: its file is overwritten, synced and removed, so nothing sealed under it
-    /// can be opened again by anyone. Returns whether there was a key.
+    /// Destroys tenant `tag`'s key: its file is renamed away (readers then find no key; a writer of the
+    /// tenant makes a new one), overwritten, synced and removed, so nothing sealed under it can be opened again
+    /// by anyone. Returns whether there was a key.
     pub fn erase_tenant(&self, tag: &str) -> Result<bool> {
         if !valid_tag(tag) {
             return Err(Error::arg(
@@ -423,19 +435,29 @@ impl Keyring {
             .unwrap_or_else(|p| p.into_inner())
             .remove(tag);
         let p = self.tenant_path(tag);
-        match fs::OpenOptions::new().write(true).open(&p) {
-            Ok(mut f) => {
-                f.write_all(&[0u8; 65])
-                    .and_then(|()| f.sync_all())
-                    .map_err(|e| io(format!("overwriting {}", p.display()), e))?;
-            }
+        let mut r = [0u8; 8];
+        SystemRandom::new()
+            .fill(&mut r)
+            .map_err(|_| Error::arg("keyring", "the system random source failed"))?;
+        let gone = self
+            .dir
+            .join("tenants")
+            .join(format!(".erased-{tag}-{}", hex(&r)));
+        match fs::rename(&p, &gone) {
+            Ok(()) => {}
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(false),
-            Err(e) => return Err(io(format!("opening {}", p.display()), e)),
+            Err(e) => return Err(io(format!("renaming {}", p.display()), e)),
         }
-        fs::remove_file(&p).map_err(|e| io(format!("removing {}", p.display()), e))?;
+        let wipe = fs::OpenOptions::new()
+            .write(true)
+            .open(&gone)
+            .and_then(|mut f| f.write_all(&[0u8; 65]).and_then(|()| f.sync_all()));
+        let removed = fs::remove_file(&gone);
         fs::File::open(self.dir.join("tenants"))
             .and_then(|d| d.sync_all())
             .map_err(|e| io("syncing the keyring's tenants directory", e))?;
+        wipe.and(removed)
+            .map_err(|e| io(format!("destroying {}", gone.display()), e))?;
         Ok(true)
     }
 

@@ -146,7 +146,7 @@ fn a_keyring_is_never_overwritten_and_must_be_private() {
     let p = d.path().join("master.key");
     std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o644)).unwrap();
     let e = Keyring::open(d.path()).unwrap_err().to_string();
-    assert!(e.contains("readable by others"), "{e}");
+    assert!(e.contains("accessible by group or others"), "{e}");
     std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
     std::fs::write(&p, "short\n").unwrap();
     assert!(Keyring::open(d.path())
