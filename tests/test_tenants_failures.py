@@ -8,13 +8,12 @@ import sys
 import textwrap
 
 import pytest
-import torch
 
 import kvtier
 from kvtier import PageStore, page_hashes
 from kvtier.tenants import Keyring, tenant_tag
 
-from test_store import PS, make_pool, page_bytes, pages_idx
+from test_store import PS, make_pool, pages_idx
 
 TOKENS = list(range(5000, 5000 + 8 * PS))
 HERE = os.path.dirname(__file__)
@@ -176,7 +175,6 @@ def test_cluster_node_with_its_own_tenant_key_file_leaves_a_page_that_heals(clus
         got = a.batch_get_v1(keys, pages_idx([2]))
         again = a.batch_set_v1(keys, pages_idx([0]))  # a's own write: should make the page readable again
         healed = a.batch_get_v1(keys, pages_idx([3]))
-        stats = a.stats() if hasattr(a, "stats") else {}
     assert (promised, got, again, healed) == (0, [False], [True], [True]) or (promised, healed) == (1, [True]), \
         f"lookup said {promised}, the read gave {got}; a's put said {again}, then the read gave {healed}"
 
