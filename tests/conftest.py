@@ -62,3 +62,14 @@ def mounted(tmp_path):
     yield make
     for m in reversed(mounts):
         run_cmd("umount", "-l", str(m))
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """A local Mooncake cluster on 127.0.0.1 (a master and one storage process), stopped after the module.
+    Modules that need another shape define their own ``cluster``."""
+    from kvtier.tiers.local_cluster import LocalCluster
+
+    with LocalCluster(storage_nodes=1, segment_bytes=128 << 20, lease_ttl_ms=200, client_ttl_s=2,
+                      log_dir=tmp_path_factory.mktemp("cluster-logs")) as c:
+        yield c

@@ -336,3 +336,52 @@ def test_an_erased_tenants_page_in_use_is_never_spilled_back_to_the_store(tmp_pa
     assert alice[0] not in c.pages
     assert st.batch_exists(alice) == 0, "an erased tenant's page was written back to the store"
     c.close()
+
+
+def test_a_sealed_store_on_a_full_disk_fails_pages_not_the_store(mounted):
+    """A small tmpfs fills up: sealed puts turn False (never raise), every acknowledged page reads back its own
+    bytes, after a reopen too."""
+    mnt = mounted("tmpfs", 8)
+    kr = Keyring.init(mnt / "keys")
+    hp = make_pool(pages=64, seed=5)
+    acked = {}
+    with PageStore(mnt / "s", capacity_bytes=1 << 30, keyring=kr, probe_bytes=0) as st:
+        st.register_mem_pool_host(hp)
+        for i in range(1000):  # 15 MiB of pages for an 8 MiB file system
+            keys = page_hashes(list(range(i * PS, (i + 1) * PS)), PS, salt="alice" if i % 2 else None)
+            if st.batch_set_v1(keys, pages_idx([i % 64])) == [True]:
+                acked[keys[0]] = page_bytes(hp, i % 64)
+        assert len(acked) < 1000, "the disk never filled"
+        assert acked
+    with PageStore(mnt / "s", capacity_bytes=1 << 30, keyring=kr, probe_bytes=0) as st:
+        st.register_mem_pool_host(hp)
+        for k, want in acked.items():
+            assert st.batch_get_v1([k], pages_idx([63])) == [True]
+            assert _same([page_bytes(hp, 63)], [want])
+
+
+def test_a_damaged_record_in_the_middle_of_a_sealed_journal_costs_only_its_page(tmp_path):
+    kr = Keyring.init(tmp_path / "keys")
+    hp = make_pool(pages=16, seed=6)
+    keys = page_hashes(TOKENS, PS, salt="alice")
+    want = [page_bytes(hp, p) for p in range(len(keys))]
+    with PageStore(tmp_path / "s", capacity_bytes=1 << 30, keyring=kr) as st:
+        st.register_mem_pool_host(hp)
+        assert all(st.batch_set_v1(keys, pages_idx(range(len(keys)))))
+        journal = os.path.join(st._store().dir, "journal.log")
+    with open(journal, "r+b") as f:
+        raw = bytearray(f.read())
+        mid = raw.find(keys[2].encode())  # inside the third page's K record (its key follows the seal)
+        assert mid > 0
+        raw[mid + 5] ^= 0x01
+        f.seek(0)
+        f.write(raw)
+    with PageStore(tmp_path / "s", capacity_bytes=1 << 30, keyring=kr) as st:
+        st.register_mem_pool_host(hp)
+        hp.k_buffer.zero_()
+        hp.v_buffer.zero_()
+        got = st.batch_get_v1(keys, pages_idx(range(len(keys))))
+        assert got.count(False) == 1 and got[2] is False
+        for p, ok in enumerate(got):
+            if ok:
+                assert _same([page_bytes(hp, p)], [want[p]])

@@ -204,15 +204,6 @@ def test_a_key_file_missing_for_a_moment_does_not_delete_the_tenants_pages(tmp_p
 # --- 5. the cluster tier serves ciphertext as KV with accept_unverified --------------------------------------
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    from kvtier.tiers.local_cluster import LocalCluster
-
-    with LocalCluster(storage_nodes=1, segment_bytes=64 << 20, lease_ttl_ms=200, client_ttl_s=2,
-                      log_dir=tmp_path_factory.mktemp("attack-cluster-logs")) as c:
-        yield c
-
-
 @pytest.mark.timeout(240)
 def test_sealed_cluster_tier_never_serves_ciphertext_without_a_record(cluster, tmp_path):
     """SECURITY.md: 'a wrong key, a flipped byte, a swapped object or an erased tenant is a counted miss, never

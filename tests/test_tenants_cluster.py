@@ -13,19 +13,11 @@ import torch
 from kvtier import page_hashes
 from kvtier.tenants import Keyring, tenant_keys
 from kvtier.tiers._records import HEAD, OBJ
-from kvtier.tiers.local_cluster import LocalCluster
 from kvtier.tiers.mooncake import MooncakeTier
 from test_store import PS, make_pool, page_bytes, pages_idx
 
 pytestmark = pytest.mark.timeout(240)
 TOKENS = list(range(7000, 7000 + 8 * PS))
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    with LocalCluster(storage_nodes=1, segment_bytes=128 << 20, lease_ttl_ms=200, client_ttl_s=2,
-                      log_dir=tmp_path_factory.mktemp("cluster-logs")) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")

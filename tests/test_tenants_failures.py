@@ -7,7 +7,6 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
 
 import kvtier
 from kvtier import PageStore, page_hashes
@@ -139,15 +138,6 @@ def test_write_back_never_spills_a_page_of_an_erased_tenant(tmp_path):
 # SECURITY.md "Many nodes" describes), the record under one writer's name vouches for the other's ciphertext:
 # batch_exists counts it (mooncake.py _exists: names only), every get is a counted `corrupt` miss, and the next
 # batch_set_v1 skips it as "already there whole with a record" (mooncake.py _set) — the page never heals.
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    from kvtier.tiers.local_cluster import LocalCluster
-
-    with LocalCluster(storage_nodes=1, segment_bytes=128 << 20, lease_ttl_ms=200, client_ttl_s=2,
-                      log_dir=tmp_path_factory.mktemp("cluster-logs")) as c:
-        yield c
 
 
 def _tier(cluster, pool, **kw):

@@ -11,10 +11,11 @@ __all__ = [
     "store_namespaces", "remove_namespace", "store_budget", "set_store_budget", "store_format_version", "page_hashes", "disk_roofline",
     "fault_set", "fault_clear", "fault_points", "fault_hits", "cuda_host_registered", "cuda_driver_available",
     "validate_transfer", "plan_sides", "copy_cpu", "page_numbers", "host_layout", "page_extents", "cuda_batch_supported", "cuda_batch_flags", "cuda_set_batch_limit",
-    "submit_layers", "submit_layers_background", "Submission", "launch_layers", "__version__",
+    "submit_layers", "submit_layers_background", "Submission", "launch_layers", "SEAL_LEN", "__version__",
 ]
 
 __version__: str
+SEAL_LEN: int
 
 @final
 class Progress:

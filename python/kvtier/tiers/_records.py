@@ -10,6 +10,7 @@ import zlib
 from collections.abc import Sequence
 from typing import Any
 
+from .. import _native
 from .._errors import InvalidArgumentError
 
 PROTOCOLS = ("tcp", "rdma")
@@ -18,7 +19,7 @@ HEAD = struct.Struct("<4sHH8s")  # magic, version, objects, fingerprint (first 8
 OBJ = struct.Struct("<QI")  # size, crc32c(bytes + key)
 TAIL = struct.Struct("<I")  # crc32c of everything before it (a torn record is refused)
 SLOT = 64  # bytes per record in the scratch buffer (a sealed page's record: rounded up to whole slots)
-SEAL = 32  # a sealed object's nonce, tag and key id (kvtier.tenants; docs/SECURITY.md)
+SEAL = _native.SEAL_LEN  # a sealed object's nonce, tag and key id (kvtier.tenants; docs/SECURITY.md)
 NO_KEY = "_kvtier-nokey"  # the record name of a sealed page whose tenant has no key: never written
 UNVERIFIED_KEPT = 1 << 16  # page keys remembered exactly as served without a record (the rest: in a filter)
 FILTER_BITS = 1 << 24  # the filter behind them: 2 MiB, under 0.5 % false positives at a million keys

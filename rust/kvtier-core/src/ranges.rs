@@ -193,8 +193,9 @@ impl Ranges {
             .collect();
         let out = par_map(&with, total(&src), |(o, d, t)| {
             let k = keys.get(&t.map(str::to_owned))?.as_ref()?;
-            // SAFETY: checked above: the destination lies inside registered memory `held` keeps alive and
-            // overlaps no other destination nor any source but its own; the caller hands it to this call.
+            // checked above: the destination lies inside registered memory `held` keeps alive and overlaps no
+            // other destination nor any source but its own; the caller hands it to this call.
+            // SAFETY: live, writable memory of `o.2` bytes at `d`, ours alone for the call.
             let buf = unsafe { std::slice::from_raw_parts_mut(*d as *mut u8, o.2 as usize) };
             if *d != o.1 {
                 // SAFETY: the source is registered, live and (checked above) apart from the destination.
@@ -241,8 +242,9 @@ impl Ranges {
             let Some(Some(k)) = keys.get(&t.map(str::to_owned)) else {
                 return false;
             };
-            // SAFETY: checked above: inside registered memory `held` keeps alive, disjoint from every other
-            // object of the call; the caller hands these bytes to this call alone.
+            // checked above: inside registered memory `held` keeps alive, disjoint from every other object of
+            // the call; the caller hands these bytes to this call alone.
+            // SAFETY: live, writable memory of `o.2` bytes at `o.1`, ours alone for the call.
             let buf = unsafe { std::slice::from_raw_parts_mut(o.1 as *mut u8, o.2 as usize) };
             k.open(o.0, buf, seal)
         });
