@@ -68,8 +68,8 @@ def test_backup_from_the_default_stream_sees_earlier_work_and_uses_batches(threa
     else:
         run()
     if kvtier._native.cuda_batch_supported():
-        copies, batch_calls = hp._engine.last_submit
-        assert batch_calls > 0 and copies > 0, hp._engine.last_submit
+        copies, batch_calls = hp.engine.last_submit
+        assert batch_calls > 0 and copies > 0, hp.engine.last_submit
 
 
 def test_per_layer_load_on_the_default_stream_is_seen_by_later_work():
@@ -93,4 +93,4 @@ def test_per_layer_load_on_the_default_stream_is_seen_by_later_work():
         for layer in range(L):
             assert torch.equal(u8(got[layer].cpu()), u8(want_k[layer].reshape(got[layer].shape))), (it, layer)
     if kvtier._native.cuda_batch_supported():
-        assert hp._engine.last_submit[1] > 0, hp._engine.last_submit
+        assert hp.engine.last_submit[1] > 0, hp.engine.last_submit

@@ -28,7 +28,7 @@ def view_row(hp, side_tensor, layout, layer, slot):
 @pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
 def test_core_rows_match_the_pool_views(layout):
     hp = pools(layout)
-    for side, t in zip(hp._sides(), (hp.k_buffer, hp.v_buffer)):
+    for side, t in zip(hp.sides(), (hp.k_buffer, hp.v_buffer)):
         t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape, dtype=torch.uint8))
         flat = side.tensor.reshape(-1).view(torch.uint8).view(-1, side.row_bytes)
         slots = torch.randperm(hp.size)[:10]
@@ -46,7 +46,7 @@ def test_page_buffer_meta_covers_exactly_the_pages_rows(layout):
     ptrs, sizes = hp.get_page_buffer_meta(idx)
     per = L if layout == "layer_first" else 1
     assert len(ptrs) == len(sizes) == 2 * per * len(pages)
-    for i, (side, t) in enumerate(zip(hp._sides(), (hp.k_buffer, hp.v_buffer))):
+    for i, (side, t) in enumerate(zip(hp.sides(), (hp.k_buffer, hp.v_buffer))):
         extents = list(zip(ptrs[i::2], sizes[i::2]))
         for n, p in enumerate(pages):
             mine = extents[n * per:(n + 1) * per]

@@ -62,9 +62,9 @@ def roundtrip(dp, hp, backend, n, stream, idev):
 @pytest.mark.parametrize("idev", ["cpu", "cuda"])
 def test_small_chunks_run_as_kernels_exactly(stream_kind, idev):
     dp, hp = make(1, 192, 128)  # geometry C: 24 / 16 KiB per (page, layer)
-    eng = hp._engine
-    assert eng.route("direct", hp._sides(), "cuda") == "kernel"
-    assert eng.lanes_for("direct", hp._sides()) == eng.lanes
+    eng = hp.engine
+    assert eng.route("direct", hp.sides(), "cuda") == "kernel"
+    assert eng.lanes_for("direct", hp.sides()) == eng.lanes
     stream = torch.cuda.Stream() if stream_kind == "side" else torch.cuda.default_stream()
     roundtrip(dp, hp, "direct", 12, stream, idev)
 
@@ -72,7 +72,7 @@ def test_small_chunks_run_as_kernels_exactly(stream_kind, idev):
 def test_small_chunks_on_the_copy_engine_when_disabled(monkeypatch):
     monkeypatch.setenv("KVTIER_DIRECT_KERNEL_BELOW_KB", "0")
     dp, hp = make(1, 192, 128)
-    assert hp._engine.route("direct", hp._sides(), "cuda") == "dma"
+    assert hp.engine.route("direct", hp.sides(), "cuda") == "dma"
     roundtrip(dp, hp, "direct", 12, torch.cuda.Stream(), "cpu")
 
 
@@ -80,18 +80,18 @@ def test_small_chunks_on_the_copy_engine_when_disabled(monkeypatch):
 @pytest.mark.parametrize("layout, backend", [("page_first_direct", "direct"), ("page_first", "kernel")])
 def test_staged_backups_are_exact(stream_kind, layout, backend):
     dp, hp = make(4, 192, 128, layout=layout)  # 96 / 64 KiB chunks: direct stays on the copy engine
-    eng = hp._engine
+    eng = hp.engine
     eng.staged_min_bytes = 1  # stage every backup
     eng.staging_bytes = 2 * L * PS * 4 * 192 * 2  # two pages per run: several runs alternate the buffers
-    assert eng.route(backend, hp._sides(), "cuda", to_host=True, tokens=PS) in ("staged", "kernel")
-    assert eng.route(backend, hp._sides(), "cuda", tokens=PS) in ("dma", "kernel")  # loads are never staged
+    assert eng.route(backend, hp.sides(), "cuda", to_host=True, tokens=PS) in ("staged", "kernel")
+    assert eng.route(backend, hp.sides(), "cuda", tokens=PS) in ("dma", "kernel")  # loads are never staged
     stream = torch.cuda.Stream() if stream_kind == "side" else torch.cuda.default_stream()
     roundtrip(dp, hp, backend, 9, stream, "cpu")
 
 
 def test_staged_direct_backup_follows_its_producer():
     dp, hp = make(4, 192, 128, pages=32)
-    hp._engine.staged_min_bytes = 1
+    hp.engine.staged_min_bytes = 1
     h, d = hp.alloc(32 * PS), torch.arange(32 * PS)
     producer = torch.cuda.Stream()
     a = torch.randn(4096, 4096, device="cuda")
@@ -118,12 +118,12 @@ def test_pool_synchronize_waits_for_warm_per_layer_loads(stream_kind):
         hp.load_to_device_per_layer(dp, h, d, 0, "direct")  # cold: plans and caches
         torch.cuda.synchronize()
         torch.cuda._sleep(100_000_000)  # the copies below queue behind ~50 ms of GPU work
-        held = len(hp._engine._inflight)
+        held = len(hp.engine._inflight)
         for layer in range(L):
             hp.load_to_device_per_layer(dp, h, d, layer, "direct")
         assert hp._warm is not None
         # no call held anything of its own (a hold per call cost D's 16-page loads half their speed)
-        assert len(hp._engine._inflight) <= held, (held, len(hp._engine._inflight))
+        assert len(hp.engine._inflight) <= held, (held, len(hp.engine._inflight))
         assert not stream.query()
         hp.synchronize()
         assert stream.query(), "synchronize() returned before the warm loads had run"
@@ -158,7 +158,7 @@ def test_repeated_per_layer_loads_take_one_native_call_and_land_exactly(indices,
             assert stream.query()
             check(dp, d, ref)
     assert len(calls) == 3 * L and all(c[7] is True and len(c[8]) == 1 for c in calls), calls[:2]
-    assert len(hp._engine._marks) == 1
+    assert len(hp.engine._marks) == 1
     hp.close()
 
 
@@ -175,7 +175,7 @@ def test_repeated_kernel_route_loads_take_one_native_call_and_land_exactly(geom,
 
     # (the kernel backend moves page_first pools; asymmetric page_first_direct pools are direct-only)
     dp, hp = make(*geom, layout="page_first_direct" if backend == "direct" else "page_first")
-    assert hp._engine.route(backend, hp._sides(), "cuda", per_layer=True) == "kernel"
+    assert hp.engine.route(backend, hp.sides(), "cuda", per_layer=True) == "kernel"
     hs, ds = pages_idx(hp.page_num, 9, indices), pages_idx(24, 9, indices)  # two disjoint index sets
     h, d, h2, d2 = hs[:6 * PS], ds[:6 * PS], hs[6 * PS:], ds[6 * PS:]
     stream = torch.cuda.Stream() if stream_kind == "side" else torch.cuda.default_stream()

@@ -93,7 +93,7 @@ def test_freed_index_tensors_do_not_corrupt_an_inflight_load(backend, layout):
 def test_layer_loader_overlaps_and_is_exact(backend, layout, lanes):
     """With K and V on one stream, or on two lanes (side stream forked from and joined into the caller's)."""
     dp, hp = make(layout=layout, pages=32)
-    hp._engine.lanes = lanes
+    hp.engine.lanes = lanes
     h, d = hp.alloc(32 * PS), torch.arange(PS, 33 * PS)
     hp.backup_from_device_all_layer(dp, h, d, backend)
     torch.cuda.synchronize()
@@ -120,7 +120,7 @@ def test_staged_kernel_backup_is_exact_and_touches_nothing_else(staging_pages):
     staging buffers, so runs alternate between the two buffers many times; arbitrary token slots (not whole
     pages), so runs are not page-aligned; every unaddressed host byte keeps its poison."""
     dp, hp = make(layout="page_first", pages=24)
-    eng = hp._engine
+    eng = hp.engine
     assert eng.staged_backup
     eng.staging_bytes = staging_pages * L * DK * H * 2 * PS  # K: staging_pages pages per buffer
     eng.staged_min_bytes = 0  # staged however small

@@ -65,7 +65,7 @@ def main() -> None:
             sys.setprofile(None)
             restore()
     hp.synchronize()
-    route = hp._engine.route("direct", hp._sides(), dev if dev == "cpu" else "cuda", tokens=64)
+    route = hp.engine.route("direct", hp.sides(), dev if dev == "cpu" else "cuda", tokens=64)
     result = {"route": route, "device": dev, "default_stream": a.default_stream, "python_functions": len(seen),
               "functions": sorted(seen.values()), "native_calls": native, "layers": dp.layer_num}
     print(f"{len(seen)} kvtier Python functions over one new page's round trip ({dev}"

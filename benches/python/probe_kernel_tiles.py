@@ -34,7 +34,7 @@ def main() -> None:
         for t in (dp.kv_buffer if hasattr(dp, "kv_buffer") else dp.k_buffer + dp.v_buffer):
             t.view(torch.uint8).random_(0, 256)
         hp = host_pool_for(dp, layout="page_first", host_to_device_ratio=1.0)
-        eng = hp._engine
+        eng = hp.engine
         for pages in (256, 1024):
             h = page_idx(torch.randperm(hp.page_num)[:pages])
             d = page_idx(torch.randperm(1031)[:pages] + 1)

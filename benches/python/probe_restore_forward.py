@@ -188,7 +188,7 @@ def main() -> None:
                 row["raw_loads_s"] = statistics.median(loads)
                 row["raw_loads_GBps"] = kv_bytes / row["raw_loads_s"] / 1e9
                 row["prefix_bytes"] = kv_bytes
-                row["route"] = tier.host._engine.route("direct", tier.host._sides(), dev, per_layer=True)
+                row["route"] = tier.host.engine.route("direct", tier.host.sides(), dev, per_layer=True)
                 row["lanes"] = tier._lanes
             finally:
                 for owner, name, real in undo:

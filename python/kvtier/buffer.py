@@ -120,6 +120,11 @@ class HostBuffer:
 
     # -- properties -------------------------------------------------------------------------------------
     @property
+    def region(self) -> _native.HostRegion:
+        """The native region this buffer owns: what the core's store, cluster and sealing calls take."""
+        return self._region
+
+    @property
     def ptr(self) -> int:
         """Base address (aligned to :attr:`alignment`)."""
         return self._region.ptr

@@ -83,8 +83,8 @@ class LayerLoader:
         self.layer_num = host_pool.layer_num
         if self.cuda:
             self.stream = stream if stream is not None else torch.cuda.Stream(self.device)
-            engine = getattr(host_pool, "_engine", None)
-            lanes = engine.lanes_for(io_backend, host_pool._sides()) if engine is not None else 1
+            engine = getattr(host_pool, "engine", None)
+            lanes = engine.lanes_for(io_backend, host_pool.sides()) if engine is not None else 1
             # per set, per layer: one event per lane
             self._sets = [[[torch.cuda.Event() for _ in range(lanes)] for _ in range(self.layer_num)]
                           for _ in range(event_sets)]

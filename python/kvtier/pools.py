@@ -142,7 +142,17 @@ class _HostKVPool:
     def _allocate_buffers(self, pin_memory: bool) -> None:
         raise NotImplementedError
 
-    def _sides(self) -> tuple[Side, ...]:
+    @property
+    def engine(self) -> TransferEngine:
+        """The transfer engine this pool's copies go through (its lanes, routes and warm state)."""
+        return self._engine
+
+    @property
+    def buffers(self) -> tuple[HostBuffer, ...]:
+        """The host buffers this pool owns: one for MHA and MLA pools, K then V for asymmetric ones."""
+        return tuple(self._buffers)
+
+    def sides(self) -> tuple[Side, ...]:
         """The host buffers a transfer moves, each with its own geometry: K then V (one for MLA)."""
         return self._k_side, self._v_side
 
@@ -188,7 +198,7 @@ class _HostKVPool:
         page per layer of ``ps·H·D·it`` / ``ps·H·Dv·it`` bytes."""
         self._check_open()
         pages = _native.page_numbers(_index_array("indices", indices), self.page_size, self.page_num)
-        sides = self._sides()
+        sides = self.sides()
         # the extents come from the core's layout (one per page, or per page and layer for layer_first)
         per_side = [_native.page_extents(s.layout, s.layers, s.slots, s.page_size, s.row_bytes, pages) for s in sides]
         ptrs: list[int] = []
@@ -205,7 +215,7 @@ class _HostKVPool:
         self._check_open()
         if self.layout == "layer_first":
             return False
-        return all(s.base % page_size_bytes == 0 and s.page_bytes % page_size_bytes == 0 for s in self._sides())
+        return all(s.base % page_size_bytes == 0 and s.page_bytes % page_size_bytes == 0 for s in self.sides())
 
     # ---------------------------------------------------------------- transfers
     def _check_backend(self, io_backend: str) -> None:
@@ -245,7 +255,7 @@ class _HostKVPool:
                 cached_fast: tuple[tuple[Any, ...], tuple[Any, ...]] = last[2]
                 return cached_fast
             checked_fast = tuple(self._check_device_pool_uncached(device_pool))
-            result_fast = (checked_fast, tuple(zip(self._sides(), checked_fast)))
+            result_fast = (checked_fast, tuple(zip(self.sides(), checked_fast)))
             self._checked_device = ((id(device_pool), version), (device_pool,), result_fast)  # holds it: ids unique
             return result_fast
         try:
@@ -267,7 +277,7 @@ class _HostKVPool:
             cached: tuple[tuple[Any, ...], tuple[Any, ...]] = last[2]
             return cached
         checked = tuple(self._check_device_pool_uncached(device_pool))
-        result = (checked, tuple(zip(self._sides(), checked)))
+        result = (checked, tuple(zip(self.sides(), checked)))
         if key is not None:
             self._checked_device = (key, (device_pool, layers), result)  # holds refs: ids stay unique
         return result

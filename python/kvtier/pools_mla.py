@@ -83,7 +83,7 @@ class MLAHostPool(_HostKVPool):
         self._k_side = Side.of(self, buf, 0, self.k_token_stride, self.kv_buffer)
         self._v_side = None
 
-    def _sides(self) -> tuple[Side, ...]:
+    def sides(self) -> tuple[Side, ...]:
         return (self._k_side,)
 
     def __repr__(self) -> str:

@@ -164,8 +164,8 @@ def run_geometry(name, g, pages_list, reps, ceil_up, ceil_down, rows_out, stream
                 row["loader_us_per_layer"] = round(t_loader * 1e6, 1)
                 row["loader_pct"] = round(100 * nb_layer / t_loader / 1e9 / ceil_up, 1)
             if backend != "naive":  # what moved the bytes (kvtier.transfer.TransferEngine.route)
-                row["load_route"] = hp._engine.route(backend, hp._sides(), "cuda", tokens=len(h))
-                row["backup_route"] = hp._engine.route(backend, hp._sides(), "cuda", to_host=True, tokens=len(h))
+                row["load_route"] = hp.engine.route(backend, hp.sides(), "cuda", tokens=len(h))
+                row["backup_route"] = hp.engine.route(backend, hp.sides(), "cuda", to_host=True, tokens=len(h))
             if backend == "kernel":
                 row["kernel_blocks"] = config.kernel_blocks()
             rows_out.append(row)
@@ -184,7 +184,7 @@ def block_sweep(dp, stream, reps, ceil_up, ceil_down):
     nb_layer = 256 * PS * hp.head_num * (hp.head_dim + hp.v_head_dim) * 2
     for blocks in (4, 8, 16, 24, 32):
         for warps in (16,):
-            hp._engine.blocks, hp._engine.num_warps = blocks, warps
+            hp.engine.blocks, hp.engine.num_warps = blocks, warps
             with torch.cuda.stream(stream):
                 t_load = event_time(lambda: [hp.load_to_device_per_layer(dp, h, d, l, "kernel") for l in range(L)], reps) / L
                 t_back = event_time(lambda: hp.backup_from_device_all_layer(dp, h, d, "kernel"), reps)
@@ -220,7 +220,7 @@ def overlap(dp, reps, trials: int = 3, cases=OVERLAP_CASES):
     del xc
     for layout, backend, batch in cases:
         hp = host_pool_for(dp, layout=layout, host_to_device_ratio=1.0)
-        hp._engine.batch = batch
+        hp.engine.batch = batch
         h, d = page_idx(torch.arange(256)), page_idx(torch.arange(256) + 1)
         loader = LayerLoader(hp, dp, backend)
         runs = []

@@ -66,7 +66,7 @@ def part_kernel(out, reps, up, down, stream):
     nb = _bytes_per_layer(g, 256)
     L = g["layers"]
     loader = LayerLoader(hp, dp, "kernel", stream=stream)
-    eng = hp._engine
+    eng = hp.engine
 
     def measure():
         with torch.cuda.stream(stream):
@@ -147,12 +147,12 @@ def part_direct(out, reps, up, down, stream):
             for name, per_layer, limit in (("one_batch_per_side", False, 16384), ("batch_per_layer", True, 16384),
                                            ("batches_of_1024", False, 1024), ("batches_of_256", False, 256)):
                 old = kvtier._native.cuda_set_batch_limit(limit)
-                t = event_time(lambda: hp._engine.copy(pairs, p, 0, L, to_host=True, backend="direct", per_layer=per_layer), reps)
+                t = event_time(lambda: hp.engine.copy(pairs, p, 0, L, to_host=True, backend="direct", per_layer=per_layer), reps)
                 hts = []
                 for _ in range(reps):
                     torch.cuda.synchronize()
                     t0 = time.perf_counter()
-                    hp._engine.copy(pairs, p, 0, L, to_host=True, backend="direct", per_layer=per_layer)
+                    hp.engine.copy(pairs, p, 0, L, to_host=True, backend="direct", per_layer=per_layer)
                     hts.append(time.perf_counter() - t0)
                     torch.cuda.synchronize()
                 kvtier._native.cuda_set_batch_limit(old)
@@ -170,7 +170,7 @@ KERNEL_CONFIGS = ((4096, 16), (2048, 8), (1024, 4), (2048, 16), (1024, 8))  # (t
 
 
 def _set_kernel(hp, tile, warps, blocks, prefetch=True):
-    eng = hp._engine
+    eng = hp.engine
     eng.tile_words, eng.num_warps, eng.blocks, eng.prefetch = tile, warps, blocks, prefetch
 
 
@@ -204,9 +204,9 @@ def part_staged(out, reps, down, stream):
             dp, hp, h, d = _pools(g, pages, "page_first")
             nb = _bytes_per_layer(g, pages) * g["layers"]
             row = {"geometry": geom, "pages": pages}
-            hp._engine.staged_min_bytes = 0  # compare both paths at every size
+            hp.engine.staged_min_bytes = 0  # compare both paths at every size
             for staged in (True, False):
-                hp._engine.staged_backup = staged
+                hp.engine.staged_backup = staged
                 with torch.cuda.stream(stream):
                     t = event_time(lambda: hp.backup_from_device_all_layer(dp, h, d, "kernel"), reps)
                     exact = check_exact(hp, dp, h, d)

@@ -285,7 +285,7 @@ class KVTier:
         self._sub: Any = None  # the last background submission on self.stream (transfers follow it in order)
         self._subs: list[Any] = []  # every submission since the last fence: each one's error must be seen
         self._subs_lock = threading.Lock()
-        self._lanes = self.host._engine.lanes_for("direct", self.host._sides()) if self.cuda else 1
+        self._lanes = self.host.engine.lanes_for("direct", self.host.sides()) if self.cuda else 1
         self._closed = False
         tier_ref = weakref.ref(self)
 

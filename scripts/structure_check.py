@@ -1,0 +1,196 @@
+#!/usr/bin/env python3
+"""The house's structure rules, checked (part of `make lint`).
+
+1. No import circle among kvtier's Python modules: every `import`, at module level or inside a function, is an
+   edge (a lazy import that hides a circle is still a circle).
+2. No import circle among kvtier-core's Rust modules: `use crate::a` / `crate::a::` in module b is an edge from b
+   to a, where a module is a top-level directory or file under `src/` (tests and `#[cfg(test)]` files excluded).
+3. No library module reaches another object's private names: an attribute `x._name` is allowed only on `self`
+   or `cls`, and on a module kvtier imported under a private name (`_native`, ...), whose public names it uses.
+   Dunder names (`__x__`) are public protocol.
+4. No library source file over 500 lines (Python under python/kvtier, Rust under rust/*/src, tests aside).
+
+Exit status 1 with one line per finding; 0 and a one-line summary otherwise.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PY_ROOT = ROOT / "python"
+PACKAGE = "kvtier"
+RUST_CORE = ROOT / "rust" / "kvtier-core" / "src"
+MAX_LINES = 500
+
+
+def python_modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted((PY_ROOT / PACKAGE).rglob("*.py")):
+        parts = list(path.relative_to(PY_ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def _resolve(module: str, is_package: bool, level: int, name: str | None) -> str:
+    if level == 0:
+        return name or ""
+    base = module.split(".")
+    if not is_package:
+        base = base[:-1]
+    if level > 1:
+        base = base[: len(base) - (level - 1)]
+    return ".".join(base + ([name] if name else []))
+
+
+def python_edges(modules: dict[str, Path]) -> dict[str, set[str]]:
+    edges: dict[str, set[str]] = {m: set() for m in modules}
+    for module, path in modules.items():
+        is_package = path.name == "__init__.py"
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = _resolve(module, is_package, node.level, node.module)
+                targets = [base]
+                targets += [f"{base}.{a.name}" for a in node.names]
+            for target in targets:
+                # The longest known module the name falls in (a package's submodule, or the module itself).
+                while target and target not in modules:
+                    target = target.rpartition(".")[0]
+                if target and target != module and not module.startswith(target + "."):
+                    edges[module].add(target)
+    return edges
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one member (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    counter = [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(edges.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    sys.setrecursionlimit(10000)
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def rust_edges() -> dict[str, set[str]]:
+    top = {p.stem if p.is_file() else p.name for p in RUST_CORE.iterdir() if p.name not in ("lib.rs",)}
+    edges: dict[str, set[str]] = {m: set() for m in top}
+    pattern = re.compile(r"\bcrate::(\w+)")
+    group = re.compile(r"\bcrate::\{([^}]*)\}")
+    for path in RUST_CORE.rglob("*.rs"):
+        rel = path.relative_to(RUST_CORE)
+        if rel.name == "lib.rs" or "test" in rel.stem or "tests" in rel.parts:
+            continue
+        owner = rel.parts[0].removesuffix(".rs")
+        text = path.read_text()
+        text = text.split("#[cfg(test)]\nmod tests {")[0]
+        names = set(pattern.findall(text))
+        for g in group.findall(text):
+            names |= {n.strip().split("::")[0] for n in g.split(",") if n.strip()}
+        for name in names:
+            if name in top and name != owner:
+                edges[owner].add(name)
+    return edges
+
+
+def private_reach_ins(modules: dict[str, Path]) -> list[str]:
+    out = []
+    for module, path in modules.items():
+        tree = ast.parse(path.read_text(), str(path))
+        private_modules = set()
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                for a in node.names:
+                    bound = a.asname or a.name.split(".")[0]
+                    if bound.startswith("_"):
+                        private_modules.add(bound)
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                    and node.func.id in ("getattr", "hasattr", "setattr", "delattr") and len(node.args) >= 2
+                    and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)):
+                name, target = node.args[1].value, node.args[0]
+                private = name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+                if private and not (isinstance(target, ast.Name) and target.id in ("self", "cls")):
+                    out.append(f"{path.relative_to(ROOT)}:{node.lineno}: reaches {ast.unparse(target)}.{name} "
+                               f"by {node.func.id}")
+                continue
+            if not isinstance(node, ast.Attribute):
+                continue
+            name = node.attr
+            if not name.startswith("_") or (name.startswith("__") and name.endswith("__")):
+                continue
+            base = node.value
+            if isinstance(base, ast.Name) and base.id in ("self", "cls"):
+                continue
+            out.append(f"{path.relative_to(ROOT)}:{node.lineno}: reaches {ast.unparse(base)}.{name}")
+    return out
+
+
+def long_files() -> list[str]:
+    out = []
+    paths = list((PY_ROOT / PACKAGE).rglob("*.py"))
+    for crate in (ROOT / "rust").iterdir():
+        paths += [p for p in (crate / "src").rglob("*.rs") if "test" not in p.stem]
+    for path in sorted(paths):
+        n = len(path.read_text().splitlines())
+        if n > MAX_LINES:
+            out.append(f"{path.relative_to(ROOT)}: {n} lines (at most {MAX_LINES})")
+    return out
+
+
+def main() -> int:
+    modules = python_modules()
+    findings = []
+    for c in cycles(python_edges(modules)):
+        findings.append("python import circle: " + " <-> ".join(c))
+    for c in cycles(rust_edges()):
+        findings.append("kvtier-core module circle: " + " <-> ".join(c))
+    findings += private_reach_ins(modules)
+    findings += long_files()
+    for f in findings:
+        print(f)
+    if findings:
+        print(f"structure check: {len(findings)} findings", file=sys.stderr)
+        return 1
+    print(f"structure check: {len(modules)} Python modules, no circle, no private reach-in, no file over {MAX_LINES} lines")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
