@@ -141,15 +141,8 @@ def rust_edges() -> dict[str, set[str]]:
 
 def private_reach_ins(modules: dict[str, Path]) -> list[str]:
     out = []
-    for module, path in modules.items():
+    for path in modules.values():
         tree = ast.parse(path.read_text(), str(path))
-        private_modules = set()
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.Import, ast.ImportFrom)):
-                for a in node.names:
-                    bound = a.asname or a.name.split(".")[0]
-                    if bound.startswith("_"):
-                        private_modules.add(bound)
         for node in ast.walk(tree):
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
                     and node.func.id in ("getattr", "hasattr", "setattr", "delattr") and len(node.args) >= 2
