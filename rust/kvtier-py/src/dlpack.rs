@@ -55,6 +55,10 @@ const K_DL_UINT: u8 = 1;
 const NAME: &CStr = c"dltensor";
 const USED_NAME: &CStr = c"used_dltensor";
 
+/// DLPack's deleter for the tensors `capsule` makes.
+///
+/// # Safety
+/// `m` is null or the `managed` field of a `Ctx` leaked by `capsule`; the consumer calls this once.
 unsafe extern "C" fn deleter(m: *mut DLManagedTensor) {
     if m.is_null() {
         return;
@@ -68,6 +72,10 @@ unsafe extern "C" fn deleter(m: *mut DLManagedTensor) {
     }
 }
 
+/// The capsule's destructor, which Python calls once when the capsule dies.
+///
+/// # Safety
+/// `cap` is a live capsule object made by `capsule`; the GIL is held (Python calls destructors under it).
 unsafe extern "C" fn capsule_destructor(cap: *mut ffi::PyObject) {
     // A capsule still named "dltensor" was never consumed: free it here. A consumer renames it
     // "used_dltensor" and takes over the deleter.
