@@ -73,3 +73,27 @@ def cluster(tmp_path_factory):
     with LocalCluster(storage_nodes=1, segment_bytes=128 << 20, lease_ttl_ms=200, client_ttl_s=2,
                       log_dir=tmp_path_factory.mktemp("cluster-logs")) as c:
         yield c
+
+
+@pytest.fixture
+def managers():
+    """vLLM's TieringOffloadingManagers built through its spec factory (tests/vllm_tier.py); every one is shut
+    down at the end, and its /dev/shm region must be gone (the tier let go of vLLM's rows)."""
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+    from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+    made = []
+
+    def make(cfg):
+        spec = OffloadingSpecFactory.create_spec(cfg)
+        assert isinstance(spec, TieringOffloadingSpec)
+        m = spec.get_manager()
+        made.append((m, cfg.engine_id))
+        return m
+
+    yield make
+    for m, engine in made:
+        if getattr(m, "_down", False):
+            continue
+        m.shutdown()
+        assert not os.path.exists(f"/dev/shm/vllm_offload_{engine}.mmap")

@@ -89,7 +89,7 @@ def namespaces():
 CLIENT = textwrap.dedent("""
     import sys, torch
     sys.path.insert(0, {tests!r})
-    from test_store import make_pool, page_bytes, pages_idx
+    from store_pools import make_pool, page_bytes, pages_idx
     from kvtier.tiers.mooncake import MooncakeTier
     n = 8
     writer = MooncakeTier("10.0.0.1:50051", model_name="org/readme-cluster", local_hostname="10.0.0.5")

@@ -86,7 +86,7 @@ def test_controller_and_store_metrics(tmp_path):
 
 
 def test_sglang_backend_is_collected(tmp_path):
-    from test_sglang import config, idx, sglang_pool
+    from sglang_pools import config, idx, sglang_pool
 
     from kvtier.integrations.sglang import KvtierStorage
 

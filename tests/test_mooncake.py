@@ -18,8 +18,8 @@ from kvtier.tiers import TieredStore
 from kvtier.tiers.local_cluster import LocalCluster, free_port
 from kvtier.tiers._records import record_bytes as _record
 from kvtier.tiers.mooncake import MooncakeTier
-from test_pools_mla import filled, rows
-from test_store import make_pool, page_bytes, pages_idx
+from mla_pools import filled, rows
+from store_pools import make_pool, page_bytes, pages_idx
 
 pytestmark = pytest.mark.timeout(240)
 KEYS = [f"{i:064x}" for i in range(8)]
@@ -288,7 +288,7 @@ def test_master_restart(tmp_path):
 CLIENT = textwrap.dedent("""
     import sys, torch
     sys.path.insert(0, {tests!r})
-    from test_store import make_pool, page_bytes, pages_idx
+    from store_pools import make_pool, page_bytes, pages_idx
     from kvtier.tiers.mooncake import MooncakeTier
     role, addr, seed, first, n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
     t = MooncakeTier(addr, model_name="org/xproc")

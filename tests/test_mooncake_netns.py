@@ -66,7 +66,7 @@ def netns():
 NODE = textwrap.dedent("""
     import sys, time, torch
     sys.path.insert(0, {tests!r})
-    from test_store import make_pool, page_bytes, pages_idx
+    from store_pools import make_pool, page_bytes, pages_idx
     from kvtier.tiers.mooncake import MooncakeTier
     role, master, me, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
     t = MooncakeTier(master, model_name="org/netns", local_hostname=me)

@@ -13,7 +13,7 @@ from kvtier._errors import InvalidArgumentError
 from kvtier.integrations.sglang import KvtierStorage
 from kvtier.tiers._mooncake_env import store_class
 from kvtier.tiers.local_cluster import LocalCluster
-from test_sglang import config, idx, page_bytes, sglang_mla_pool, sglang_pool
+from sglang_pools import config, idx, page_bytes, sglang_mla_pool, sglang_pool
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 import kvtier
 from kvtier import AsymmetricMHAHostPool, DeviceKVPool, MHAHostPool, host_pool_for
 from kvtier.transfer import TransferEngine
+from pool_combos import COMBOS
 
 # The fixture geometry of SGLang's asymmetric unit tests: page 2, 3 layers, 2 heads, K 4, V 6, fp16.
 PS, L, H, DK, DV = 2, 3, 2, 4, 6
@@ -242,14 +243,6 @@ def test_kernel_rejects_page_first_direct_and_unknown_backends():
 
 # ------------------------------------------------------------------------------------------- round trips
 
-COMBOS = [
-    ("asym", "page_first", "kernel"),
-    ("asym", "page_first_direct", "direct"),
-    ("sym", "layer_first", "kernel"),
-    ("sym", "layer_first", "direct"),
-    ("sym", "page_first", "kernel"),
-    ("sym", "page_first_direct", "direct"),
-]
 
 
 @pytest.mark.parametrize("kind, layout, backend", COMBOS)

@@ -5,7 +5,7 @@ geometry (K 192 / V 128, page 16, 3 layers)."""
 import pytest
 import torch
 
-from test_pools import COMBOS  # every (pool kind, layout, backend) the pools support
+from pool_combos import COMBOS  # every (pool kind, layout, backend) the pools support
 
 from kvtier import DeviceKVPool, host_pool_for
 

@@ -8,24 +8,12 @@ import torch
 import kvtier
 from kvtier import InvalidArgumentError, MLADeviceKVPool, MLAHostPool, PageStore, TierController, host_pool_for
 
-PS, L, LORA, ROPE = 4, 3, 24, 8
+from mla_pools import L, LORA, PS, ROPE, filled, rows
+
 D = LORA + ROPE
 LAYOUT_BACKENDS = [("layer_first", "direct"), ("layer_first", "kernel"), ("page_first", "kernel"),
                    ("page_first_direct", "direct")]
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
-
-
-def filled(size=8 * PS, ps=PS, layers=L, dtype=torch.bfloat16, device="cpu", seed=0):
-    dp = MLADeviceKVPool(size, ps, layers, LORA, ROPE, dtype, device)
-    g = torch.Generator().manual_seed(seed)
-    for t in dp.kv_buffer:
-        u8 = t.view(torch.uint8)
-        u8.copy_(torch.randint(0, 256, u8.shape, generator=g, dtype=torch.uint8).to(device))
-    return dp
-
-
-def rows(pages, ps=PS, device="cpu"):
-    return torch.tensor([p * ps + i for p in pages for i in range(ps)], dtype=torch.int64, device=device)
 
 
 def u8(t):

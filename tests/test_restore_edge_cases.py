@@ -288,7 +288,7 @@ def test_planner_metric_families_have_one_series_per_planner(tmp_path):
     exposition: Prometheus rejects the duplicates of the scrape, and they do not add up."""
     pytest.importorskip("sglang")  # two SGLang backends (in vLLM's environment: skipped)
     from prometheus_client import CollectorRegistry, generate_latest
-    from test_sglang import config, sglang_pool
+    from sglang_pools import config, sglang_pool
 
     from kvtier.integrations.sglang import KvtierStorage
     from kvtier.metrics import KvtierCollector

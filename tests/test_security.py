@@ -16,7 +16,7 @@ import torch
 import kvtier
 from kvtier import PageStore
 
-from test_store import make_pool, page_bytes, pages_idx
+from store_pools import make_pool, page_bytes, pages_idx
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -36,7 +36,7 @@ def test_everything_is_owner_only_even_with_an_open_umask(tmp_path):
         import os, sys
         sys.path.insert(0, {str(REPO / 'tests')!r})
         os.umask(0)
-        from test_store import make_pool, pages_idx
+        from store_pools import make_pool, pages_idx
         from kvtier import PageStore
         hp = make_pool()
         with PageStore({str(root)!r}, direct=False) as st:

@@ -7,58 +7,12 @@ import random
 
 import pytest
 import torch
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
-from sglang.srt.mem_cache.pool_host.mha import AsymmetricMHATokenToKVPoolHost, MHATokenToKVPoolHost
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
 import kvtier
 from kvtier.integrations.sglang import KvtierStorage
-
-PS, L, H = 4, 3, 2
-
-
-def config(path, *, tp_rank=0, tp_size=1, mla=False, layout="page_first_direct", metrics=False, **extra):
-    return HiCacheStorageConfig(
-        tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
-        is_mla_model=mla, enable_storage_metrics=metrics, is_page_first_layout=(layout == "page_first"),
-        model_name="XiaomiMiMo/MiMo-V2-Flash",
-        extra_config={"backend_name": "kvtier", "module_path": "kvtier.integrations.sglang",
-                      "class_name": "KvtierStorage", "interface_v1": 1, "path": str(path),
-                      # the planner is off here (these tests pin the mechanics; test_engine_planning.py covers it)
-                      "restore_planner": False, **extra},
-    )
-
-
-def sglang_pool(layout, dk=192, dv=128, pages=8, dtype=torch.bfloat16, seed=0):
-    """SGLang's own host pool built on the CPU the way its unit tests do (no CUDA, no allocator)."""
-    asym = dk != dv
-    cls = AsymmetricMHATokenToKVPoolHost if asym else MHATokenToKVPoolHost
-    pool = cls.__new__(cls)
-    pool.page_size, pool.layer_num, pool.head_num, pool.head_dim, pool.v_head_dim = PS, L, H, dk, dv
-    pool.dtype, pool.layout, pool.page_num, pool.size = dtype, layout, pages, pages * PS
-    shape = {"page_first": lambda d: (pages * PS, L, H, d), "page_first_direct": lambda d: (pages, L, PS, H, d)}[layout]
-    g = torch.Generator().manual_seed(seed)
-
-    def rand(s):
-        return torch.randint(0, 256, (torch.Size(s).numel() * 2,), generator=g, dtype=torch.uint8).view(dtype).view(s)
-
-    pool.kv_buffer = (rand(shape(dk)), rand(shape(dv))) if asym else rand((2, *shape(dk)))
-    return pool
-
-
-def page_bytes(pool, page):
-    ptrs, sizes = pool.get_page_buffer_meta(torch.arange(page * PS, (page + 1) * PS))
-    out = []
-    for t, ptr, n in ((pool.k_buffer, ptrs[0], sizes[0]), (pool.v_buffer, ptrs[1], sizes[1])):
-        base = t.data_ptr() if not isinstance(pool.kv_buffer, torch.Tensor) else pool.kv_buffer.data_ptr()
-        flat = (t if not isinstance(pool.kv_buffer, torch.Tensor) else pool.kv_buffer).view(torch.uint8).reshape(-1)
-        out.append(flat[ptr - base : ptr - base + n].clone())
-    return out
-
-
-def idx(pages):
-    return torch.tensor([p * PS + i for p in pages for i in range(PS)], dtype=torch.int64)
-
+from sglang_pools import PS, L, config, idx, page_bytes, sglang_mla_pool, sglang_pool
 
 def test_factory_loads_kvtier_as_a_dynamic_backend(tmp_path):
     pool = sglang_pool("page_first_direct")
@@ -244,23 +198,6 @@ def test_dp_attention_ranks_get_their_own_namespaces(tmp_path):
     b.close()
 
 
-def sglang_mla_pool(layout, pages=8, lora=64, rope=16, dtype=torch.bfloat16, seed=0):
-    """SGLang's own MLA host pool, built on the CPU (as sglang_pool does for MHA): one latent+rope row per
-    token and layer, one object per page for zero-copy storage."""
-    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
-
-    pool = MLATokenToKVPoolHost.__new__(MLATokenToKVPoolHost)
-    d = lora + rope
-    pool.page_size, pool.layer_num, pool.kv_lora_rank, pool.qk_rope_head_dim = PS, L, lora, rope
-    pool.kv_cache_dim, pool.dtype, pool.layout = d, dtype, layout
-    pool.page_num, pool.size, pool.dcp_size = pages, pages * PS, 1  # logical_page_size follows (a property)
-    shape = {"page_first": (pages * PS, L, 1, d), "page_first_direct": (pages, L, PS, 1, d)}[layout]
-    g = torch.Generator().manual_seed(seed)
-    pool.kv_buffer = torch.randint(0, 256, (torch.Size(shape).numel() * 2,), generator=g,
-                                   dtype=torch.uint8).view(dtype).view(shape)
-    return pool
-
-
 @pytest.mark.parametrize("layout", ["page_first", "page_first_direct"])
 def test_mla_pool_round_trip(tmp_path, layout):
     """DeepSeek-style MLA: SGLang's MLA host pool gives one object per page; kvtier stores it whole, reads
@@ -337,7 +274,8 @@ def test_mla_ranks_in_separate_processes(tmp_path):
     code = f"""
 import sys, torch
 sys.path.insert(0, {str(__import__("os").path.dirname(__file__))!r})
-from test_sglang import KvtierStorage, config, idx, sglang_mla_pool
+from kvtier.integrations.sglang import KvtierStorage
+from sglang_pools import config, idx, sglang_mla_pool
 from pathlib import Path
 w = KvtierStorage(config(Path(sys.argv[1]), mla=True, tp_rank=0, tp_size=2))
 w.register_mem_pool_host(sglang_mla_pool("page_first_direct", seed=11))

@@ -9,58 +9,14 @@ import pytest
 import torch
 from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
 from sglang.srt.mem_cache.hicache_storage import HiCacheFile, PoolHitPolicy, PoolName, PoolTransfer
-from sglang.srt.mem_cache.pool_host import PoolEntry
-from sglang.srt.mem_cache.pool_host.group import HostPoolGroup
 from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
-from test_sglang import PS, config, idx, sglang_pool
+from sglang_pools import PS, config, group, hybrid, idx, keys_for, mamba_pool, sglang_pool, snapshot
 
 from kvtier import InvalidArgumentError
 from kvtier.integrations.sglang import KvtierStorage
 
 ALL, TRAIL = PoolHitPolicy.ALL_PAGES, PoolHitPolicy.TRAILING_PAGES
-
-
-def mamba_pool(seed=0, slots=8):
-    """SGLang's own Mamba state host pool, on the CPU: a temporal state and one conv state per slot."""
-    info = MambaStateBufferInfo(temporal=torch.zeros(2, slots + 1, 4, 8),
-                                conv=(torch.zeros(2, slots + 1, 3, 16, dtype=torch.bfloat16),))
-    pool = MambaPoolHost(info, 2.0, 0, device_capacity=slots, pin_memory=False, device="cpu", layout="page_first")
-    g = torch.Generator().manual_seed(seed)
-    for t in pool.get_hybrid_pool_buffer():
-        u8 = t.view(torch.uint8)
-        u8.copy_(torch.randint(0, 256, u8.shape, generator=g, dtype=torch.uint8))
-    return pool
-
-
-def hybrid(seed=0):
-    """The anchor (MiMo-like asymmetric full-attention KV), an SWA KV pool and a Mamba state pool."""
-    return sglang_pool("page_first_direct", seed=seed), sglang_pool("page_first_direct", 128, 128, seed=seed + 1), \
-        mamba_pool(seed + 2)
-
-
-def group(kv, swa, mamba):
-    for p in (kv, swa):  # what SGLang's constructor would have set on pools built without it
-        p.device, p.can_use_write_back_jit = "cpu", False
-    return HostPoolGroup([
-        PoolEntry(PoolName.KV, kv, None, lambda i: i, is_primary_index_anchor=True),
-        PoolEntry(PoolName.SWA, swa, None, lambda i: i),
-        PoolEntry(PoolName.MAMBA, mamba, None, lambda i: i),
-    ])
-
-
-def snapshot(*pools):
-    out = []
-    for p in pools:
-        ts = p.get_hybrid_pool_buffer() if hasattr(p, "get_hybrid_pool_buffer") else [p.kv_buffer]
-        for t in ts:
-            for x in (t if isinstance(t, (list, tuple)) else [t]):
-                out.append(x.view(torch.uint8).clone())
-    return out
-
-
-def keys_for(n, salt=0):
-    return [f"{salt:08x}{i:056x}" for i in range(n)]
 
 
 def backend(path, **kw):
@@ -194,7 +150,7 @@ def test_bad_v2_calls_are_clear_and_harmless(tmp_path):
 def test_mla_model_pools_follow_sglangs_writer_rules(tmp_path):
     """In an MLA model (rank-replicated KV), Mamba state is still sharded by TP rank (every rank writes its
     own); the other extra pools are written by the writer rank and read by the others."""
-    from test_sglang import sglang_mla_pool
+    from sglang_pools import sglang_mla_pool
 
     writer, reader = backend(tmp_path, mla=True, tp_rank=0, tp_size=2), backend(tmp_path, mla=True, tp_rank=1, tp_size=2)
     pools = {}

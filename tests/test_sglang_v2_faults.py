@@ -15,8 +15,8 @@ import zlib
 import pytest
 import torch
 from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
-from test_sglang import config, idx, sglang_pool
-from test_sglang_v2 import mamba_pool
+from sglang_pools import config, idx, sglang_pool
+from sglang_pools import mamba_pool
 
 from kvtier import _native, testing
 from kvtier.integrations.sglang import KvtierStorage
@@ -97,8 +97,8 @@ CHILD = textwrap.dedent(
     import sys, torch, zlib
     sys.path.insert(0, sys.argv[3])
     from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
-    from test_sglang import config, sglang_pool
-    from test_sglang_v2 import mamba_pool
+    from sglang_pools import config, sglang_pool
+    from sglang_pools import mamba_pool
     from kvtier.integrations.sglang import KvtierStorage
     from pathlib import Path
     be = KvtierStorage(config(Path(sys.argv[1])))

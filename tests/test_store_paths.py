@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from test_sglang import config, idx, sglang_pool
+from sglang_pools import config, idx, sglang_pool
 
 from kvtier import _native
 from kvtier._paths import default_store_dir, fs_type, volatile_warning

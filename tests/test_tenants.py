@@ -15,7 +15,7 @@ import kvtier
 from kvtier import PageStore, page_hashes
 from kvtier.tenants import Keyring, scope_keys, tenant_keys, tenant_of, tenant_tag
 
-from test_store import PS, make_pool, page_bytes, pages_idx
+from store_pools import PS, make_pool, page_bytes, pages_idx
 
 TOKENS = list(range(1000, 1000 + 6 * PS))
 
@@ -181,7 +181,7 @@ def test_a_keyring_with_an_open_mode_or_bad_key_is_refused(tmp_path):
 KILL_CHILD = textwrap.dedent("""
     import sys, torch
     sys.path.insert(0, sys.argv[3])
-    from test_store import make_pool, pages_idx, PS
+    from store_pools import make_pool, pages_idx, PS
     from kvtier import PageStore, page_hashes
     from kvtier.tenants import Keyring
     hp = make_pool(pages=64, seed=11)
@@ -226,7 +226,7 @@ def test_kill_9_loses_no_acknowledged_sealed_page(tmp_path):
 
 
 def test_tier_controller_keeps_tenants_apart_in_host_and_disk_and_erases_one(tmp_path):
-    from test_controller import rows, setup
+    from controller_pools import rows, setup
 
     kr = Keyring.init(tmp_path / "keys")
     dp, hp, _, _ = setup(tmp_path / "unused", store=False)
@@ -316,7 +316,7 @@ def test_the_erase_command_removes_one_tenant_everywhere_on_disk_and_its_key(tmp
 def test_an_erased_tenants_page_in_use_is_never_spilled_back_to_the_store(tmp_path):
     """write_back: a page the engine still holds when its tenant is erased stays on the host until released,
     and its eviction does not write it to the store again."""
-    from test_controller import rows, setup
+    from controller_pools import rows, setup
 
     dp, hp, st, c = setup(tmp_path, policy="write_back", host_pages=4)
     tokens = list(range(800, 800 + 3 * 4))

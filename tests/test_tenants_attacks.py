@@ -17,7 +17,7 @@ import torch
 from kvtier import PageStore, page_hashes
 from kvtier.tenants import Keyring, tenant_tag
 
-from test_store import PS, make_pool, page_bytes, pages_idx
+from store_pools import PS, make_pool, page_bytes, pages_idx
 
 TOKENS = list(range(3000, 3000 + 8 * PS))
 

@@ -14,7 +14,7 @@ from kvtier import page_hashes
 from kvtier.tenants import Keyring, tenant_keys
 from kvtier.tiers._records import HEAD, OBJ
 from kvtier.tiers.mooncake import MooncakeTier
-from test_store import PS, make_pool, page_bytes, pages_idx
+from store_pools import PS, make_pool, page_bytes, pages_idx
 
 pytestmark = pytest.mark.timeout(240)
 TOKENS = list(range(7000, 7000 + 8 * PS))

@@ -7,7 +7,8 @@ from array import array
 import torch
 
 from kvtier.tenants import Keyring, tenant_keys
-from test_sglang import KvtierStorage, config, idx, page_bytes, sglang_pool
+from kvtier.integrations.sglang import KvtierStorage
+from sglang_pools import config, idx, page_bytes, sglang_pool
 
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.utils import get_storage_hash_str
@@ -71,7 +72,10 @@ def test_sglang_hybrid_pools_are_scoped_and_sealed_too(tmp_path):
     """The v2 interface's extra pools (SWA KV, Mamba state) take the deployment's tenant and keyring like the
     anchor: another tenant finds none of them, the same tenant finds all, and they are sealed on disk."""
     from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
-    from test_sglang_v2 import TRAIL, hybrid, keys_for, snapshot
+    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy
+    from sglang_pools import hybrid, keys_for, snapshot
+
+    TRAIL = PoolHitPolicy.TRAILING_PAGES
 
     Keyring.init(tmp_path / "keys")
     ring = str(tmp_path / "keys")

@@ -12,7 +12,7 @@ import kvtier
 from kvtier import PageStore, page_hashes
 from kvtier.tenants import Keyring, tenant_tag
 
-from test_store import PS, make_pool, pages_idx
+from store_pools import PS, make_pool, pages_idx
 
 TOKENS = list(range(5000, 5000 + 8 * PS))
 HERE = os.path.dirname(__file__)
@@ -36,7 +36,7 @@ def test_a_key_file_unreadable_for_a_moment_during_a_write_keeps_the_tenants_key
         import os, resource
         from kvtier import PageStore, page_hashes
         from kvtier.tenants import Keyring, tenant_tag
-        from test_store import PS, make_pool, pages_idx
+        from store_pools import PS, make_pool, pages_idx
         kr = Keyring.init({str(tmp_path / 'keys')!r})
         hp = make_pool()
         keys = page_hashes(list(range(5000, 5000 + 4 * PS)), PS, salt="alice")
@@ -106,7 +106,7 @@ def test_erase_racing_a_writers_key_creation_neither_fails_nor_removes_the_new_k
 
 
 def test_write_back_never_spills_a_page_of_an_erased_tenant(tmp_path):
-    from test_controller import rows, setup
+    from controller_pools import rows, setup
 
     kr = Keyring.init(tmp_path / "keys")
     dp, hp, _, _ = setup(tmp_path / "unused", store=False)

@@ -10,7 +10,7 @@ from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key
 from vllm.v1.request import Request
 
 from kvtier.tenants import Keyring, tenant_keys
-from test_vllm import load, managers, offloading_config, random_rows, shutdown, store  # noqa: F401
+from vllm_tier import load, offloading_config, random_rows, shutdown, store
 
 TOKENS = list(range(100, 100 + 3 * 16))
 
