@@ -27,9 +27,11 @@ import torch
 from . import _native
 from ._errors import ClosedError, InvalidArgumentError
 from .buffer import HostBuffer
-from ._indices import _index_array, _Prepared, _unchanged, _WarmLoad, reusable, version_of
 from ._device import DeviceKVPool, _Geometry, device_layers, device_of
-from .transfer import Side, TransferEngine
+from .transfer.engine import TransferEngine
+from .transfer.indices import Prepared, WarmLoad, index_array, reusable, unchanged, version_of
+from .transfer.layout import Side
+from .transfer.route import PLANNED, Route
 
 __all__ = ["DeviceKVPool", "MHAHostPool", "AsymmetricMHAHostPool", "host_pool_for", "device_of", "device_layers",
            "LAYOUTS", "IO_BACKENDS", "BACKEND_LAYOUTS"]
@@ -117,11 +119,11 @@ class _HostKVPool:
         self._closed = False
         self._engine = TransferEngine()
         # validated index sets of the last few operations (a per-layer load and a backup of the same pages
-        # alternate): key -> (the index tensors, kept referenced so their ids stay unique; _Prepared)
-        self._prepared: collections.OrderedDict[tuple[Any, ...], tuple[Any, _Prepared]] = collections.OrderedDict()
+        # alternate): key -> (the index tensors, kept referenced so their ids stay unique; Prepared)
+        self._prepared: collections.OrderedDict[tuple[Any, ...], tuple[Any, Prepared]] = collections.OrderedDict()
         self._checked_device: tuple[Any, ...] | None = None
         self._prepared_lock = threading.Lock()  # transfers may come from several threads
-        self._warm: _WarmLoad | None = None  # the last per-layer load's checked arguments (see _warm_load)
+        self._warm: WarmLoad | None = None  # the last per-layer load's checked arguments (see load_to_device_per_layer)
         self._allocate_buffers(pin_memory)
 
     # ---------------------------------------------------------------- shapes and buffers
@@ -182,7 +184,7 @@ class _HostKVPool:
         """Frees whole pages; returns the slot count. Double frees and foreign indices raise ValueError and
         free nothing."""
         self._check_open()
-        return self._alloc.free(_index_array("indices", indices))
+        return self._alloc.free(index_array("indices", indices))
 
     def available_size(self) -> int:
         return self._alloc.available()
@@ -197,7 +199,7 @@ class _HostKVPool:
         sizes ``[L·ps·H·D·it, L·ps·H·Dv·it, …]`` for page-first layouts; for ``layer_first`` one pair per
         page per layer of ``ps·H·D·it`` / ``ps·H·Dv·it`` bytes."""
         self._check_open()
-        pages = _native.page_numbers(_index_array("indices", indices), self.page_size, self.page_num)
+        pages = _native.page_numbers(index_array("indices", indices), self.page_size, self.page_num)
         sides = self.sides()
         # the extents come from the core's layout (one per page, or per page and layer for layer_first)
         per_side = [_native.page_extents(s.layout, s.layers, s.slots, s.page_size, s.row_bytes, pages) for s in sides]
@@ -325,11 +327,12 @@ class _HostKVPool:
                     )
         return layers
 
-    def _prepare(self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor, io_backend: str,
-                 to_host: bool, per_layer: bool = False) -> tuple[tuple[Any, ...], _Prepared, str]:
+    def prepare(self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor, io_backend: str,
+                to_host: bool, per_layer: bool = False) -> tuple[tuple[Any, ...], Prepared, Route]:
         """Checks one transfer's arguments and returns ``(pairs, prepared, route)``: ``(side, device layers)``
         of K then V, the validated indices, and how the engine moves them (:meth:`TransferEngine.route`;
-        ``per_layer``: not every layer in one go)."""
+        ``per_layer``: not every layer in one go). Every transfer method starts here; benches pass its answer
+        to :meth:`TransferEngine.copy` to time the engine alone."""
         if self._closed:
             self._check_open()
         if type(io_backend) is not str or io_backend not in BACKEND_LAYOUTS or self.layout not in BACKEND_LAYOUTS[io_backend]:
@@ -350,7 +353,7 @@ class _HostKVPool:
             cacheable = (isinstance(host_indices, torch.Tensor) and isinstance(device_indices, torch.Tensor)
                          and reusable(host_indices) and reusable(device_indices))
         cached = self._prepared.get(key) if cacheable else None
-        if cached is not None and _unchanged(cached[1], host_indices, device_indices):
+        if cached is not None and unchanged(cached[1], host_indices, device_indices):
             p = cached[1]
             with self._prepared_lock:
                 if key in self._prepared:  # another thread may have evicted it since
@@ -359,12 +362,12 @@ class _HostKVPool:
                                        per_layer=per_layer)
             # Validated when made, unless the planner was to validate it: a route that needs validated indices
             # (kernel, staged, torch) validates them once here, whatever route the first use took.
-            if not p.validated and route not in ("cpu", "dma"):
+            if not p.validated and route not in PLANNED:
                 _native.validate_transfer(p.host, p.device, self.size, rows, self.page_size, p.paged, p.paged, to_host)
                 p.validated = True
             return pairs, p, route
-        h = _index_array("host_indices", host_indices)
-        d = _index_array("device_indices", device_indices)
+        h = index_array("host_indices", host_indices)
+        d = index_array("device_indices", device_indices)
         paged = self.layout == "page_first_direct"
         if io_backend == "direct" and self.layout == "layer_first" and len(h) % self.page_size:
             raise InvalidArgumentError(
@@ -375,8 +378,8 @@ class _HostKVPool:
         # first copies; the other paths (kernels, torch copies of unpinned memory) are validated here.
         route = self._engine.route(io_backend, sides, first.device.type, to_host=to_host, tokens=len(h),
                                    per_layer=per_layer)
-        prepared = _Prepared(h, d, paged)
-        if route not in ("cpu", "dma") or len(h) == 0 or len(h) != len(d):
+        prepared = Prepared(h, d, paged)
+        if route not in PLANNED or len(h) == 0 or len(h) != len(d):
             _native.validate_transfer(h, d, self.size, rows, self.page_size, paged, paged, to_host)
             prepared.validated = True
         if cacheable:
@@ -392,26 +395,26 @@ class _HostKVPool:
         host K[layer_id][host_indices[i]]``, then V with its own geometry (a separate call). Enqueued on the
         current CUDA stream for CUDA device pools; synchronous for CPU ones."""
         w = self._warm
-        if (w is not None and type(layer_id) is int and w.matches(self, device_pool, host_indices, device_indices,
-                                                               io_backend, layer_id)):
+        if (w is not None and not self._closed and type(layer_id) is int
+                and w.matches(self, device_pool, host_indices, device_indices, io_backend, layer_id)):
             self._engine.load_layer(w.pairs, w.prepared, layer_id, io_backend, w.route, w.plans, w.refs)
             return
         self._check_layer(layer_id)
-        pairs, p, route = self._prepare(device_pool, host_indices, device_indices, io_backend, False, True)
+        pairs, p, route = self.prepare(device_pool, host_indices, device_indices, io_backend, False, True)
         self._engine.copy(pairs, p, layer_id, layer_id + 1, to_host=False, backend=io_backend, route=route)
-        w = _WarmLoad(self._engine, device_pool, host_indices, device_indices, io_backend, pairs, p, route)
+        w = WarmLoad(self._engine, device_pool, host_indices, device_indices, io_backend, pairs, p, route)
         self._warm = w if w.reusable else None
 
-    def _load_layers(self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor, io_backend: str,
-                     events: Any, background: bool = True,
-                     after: Any = None, previous: Any = None) -> Any:
+    def load_all_layers(self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor,
+                        io_backend: str, events: Any, background: bool = True, after: Any = None,
+                        previous: Any = None) -> Any:
         """Every layer host → device, recording ``events[layer]`` (torch CUDA events, recorded at least once
         before) on the current stream after each layer is enqueued. Validation and planning happen once for
         all layers and one native call enqueues them all; the same copies as ``load_to_device_per_layer``
         for each layer. With ``background``, ``direct`` copies are submitted by a native thread and the
         returned ``Submission`` must be waited on before an event is used (see LayerLoader); else None.
         ``after``: an event the copies follow; ``previous``: the last background submission on this stream."""
-        pairs, p, route = self._prepare(device_pool, host_indices, device_indices, io_backend, False, True)
+        pairs, p, route = self.prepare(device_pool, host_indices, device_indices, io_backend, False, True)
         return self._engine.copy(pairs, p, 0, self.layer_num, to_host=False, backend=io_backend, per_layer=True,
                                  events=events, background=background, after=after, previous=previous, route=route)
 
@@ -420,7 +423,7 @@ class _HostKVPool:
         """Device → host for every layer, K then V (separate calls, separate geometries). Enqueued on the
         current CUDA stream for CUDA device pools: order it after the producer of the device KV (see
         :func:`kvtier.backup_async`)."""
-        pairs, p, route = self._prepare(device_pool, host_indices, device_indices, io_backend, True)
+        pairs, p, route = self.prepare(device_pool, host_indices, device_indices, io_backend, True)
         self._engine.copy(pairs, p, 0, self.layer_num, to_host=True, backend=io_backend, route=route)
 
     def backup_from_device_per_layer(self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor,
@@ -429,7 +432,7 @@ class _HostKVPool:
         for an engine whose device pool holds a window of the layers at a time. Enqueued on the current CUDA
         stream for CUDA device pools."""
         self._check_layer(layer_id)
-        pairs, p, route = self._prepare(device_pool, host_indices, device_indices, io_backend, True, True)
+        pairs, p, route = self.prepare(device_pool, host_indices, device_indices, io_backend, True, True)
         self._engine.copy(pairs, p, layer_id, layer_id + 1, to_host=True, backend=io_backend, route=route)
 
     def _copy_layer(self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor, layer_id: int,
@@ -440,7 +443,7 @@ class _HostKVPool:
         ``after`` and after ``previous`` (the last background submission on the current stream); other routes
         enqueue before returning (None)."""
         self._check_layer(layer_id)
-        pairs, p, route = self._prepare(device_pool, host_indices, device_indices, io_backend, to_host, True)
+        pairs, p, route = self.prepare(device_pool, host_indices, device_indices, io_backend, to_host, True)
         return self._engine.copy(pairs, p, layer_id, layer_id + 1, to_host=to_host, backend=io_backend, per_layer=True,
                                  events=[events], background=True, after=after, previous=previous, route=route)
 

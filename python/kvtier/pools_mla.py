@@ -25,7 +25,7 @@ from ._errors import InvalidArgumentError
 from .buffer import HostBuffer
 from ._device import _positive_int
 from .pools import LAYOUTS, _HostKVPool
-from .transfer import Side
+from .transfer.layout import Side
 
 
 class MLADeviceKVPool:
