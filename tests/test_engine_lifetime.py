@@ -37,20 +37,20 @@ class Submission:
 
 
 def held(engine):
-    return [entry[2] for entry in engine._inflight]
+    return engine.inflight.held()
 
 
 def test_refs_go_only_when_their_event_has_completed_and_in_order():
     eng = TransferEngine()
     a, b = Event(), Event()
-    eng._hold(("a",), a)
-    eng._hold(("b",), b)
+    eng.inflight.hold(("a",), a)
+    eng.inflight.hold(("b",), b)
     assert held(eng) == [("a",), ("b",)]
     b.done = True  # the later one finished first: the earlier still holds the line
-    eng._hold(("c",), Event(done=True))
+    eng.inflight.hold(("c",), Event(done=True))
     assert ("a",) in held(eng)
     a.done = True
-    eng._hold(("d",), Event())
+    eng.inflight.hold(("d",), Event())
     assert held(eng) == [("d",)]
 
 
@@ -58,14 +58,14 @@ def test_a_background_submission_holds_until_finished_and_all_its_last_events_co
     eng = TransferEngine()
     sub = Submission()
     lanes = [Event(done=True), Event(done=False)]
-    eng._hold(("load",), lanes, sub)
-    eng._hold(("next",), Event(done=True))
+    eng.inflight.hold(("load",), lanes, sub)
+    eng.inflight.hold(("next",), Event(done=True))
     assert ("load",) in held(eng), "released while the submitting thread was still running"
     sub._finished = True
-    eng._hold(("next2",), Event(done=True))
+    eng.inflight.hold(("next2",), Event(done=True))
     assert ("load",) in held(eng), "released while one lane's last event was pending"
     lanes[1].done = True
-    eng._hold(("next3",), Event(done=True))
+    eng.inflight.hold(("next3",), Event(done=True))
     assert held(eng) == []
 
 
@@ -73,8 +73,8 @@ def test_synchronize_joins_submissions_even_failed_ones_and_waits_for_every_even
     eng = TransferEngine()
     ok, failed = Submission(), Submission(error="cuMemcpyBatchAsync failed")
     ev1, ev2, ev3 = Event(), Event(), Event()
-    eng._hold(("x",), [ev1, ev2], ok)
-    eng._hold(("y",), ev3, failed)
+    eng.inflight.hold(("x",), [ev1, ev2], ok)
+    eng.inflight.hold(("y",), ev3, failed)
     eng.synchronize()
     assert ok.joined == 1 and failed.joined == 1
     assert ev1.synced == ev2.synced == ev3.synced == 1

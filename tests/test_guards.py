@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import kvtier
-from kvtier import DeviceKVPool, host_pool_for, kernels
+from kvtier import DeviceKVPool, host_pool_for
+from kvtier.transfer import kernels
 
 
 def pools(layout="page_first_direct"):
@@ -33,7 +34,7 @@ def test_indices_changed_behind_torchs_back_are_validated_again():
 def test_validated_indices_are_a_private_copy():
     dp, hp = pools()
     h, d = torch.arange(4), torch.arange(2, 6)
-    _, prepared, _ = hp._prepare(dp, h, d, "direct", to_host=False)
+    _, prepared, _ = hp.prepare(dp, h, d, "direct", to_host=False)
     h.numpy()[:] = 7
     assert prepared.host.tolist() == [0, 1, 2, 3]
 

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvtier import kernels
+from kvtier.transfer import kernels
 
 POINTER = ".param .u64 .ptr .global .align 1 _rows_kernel_param_{i}"
 INT = ".param .u32 _rows_kernel_param_{i}"

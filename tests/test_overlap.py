@@ -17,7 +17,7 @@ pytest.importorskip("triton")
 KERNEL_CHECK = textwrap.dedent(
     """
     import itertools, torch
-    from kvtier import kernels
+    from kvtier.transfer import kernels
     L, S, PS, H = 3, 16, 4, 2
     for dtype, D, layout, (tile, prefetch) in itertools.product(
         (torch.float16, torch.float32, torch.uint8), (6, 5), ("layer_first", "page_first", "page_first_direct"),

@@ -118,12 +118,12 @@ def test_pool_synchronize_waits_for_warm_per_layer_loads(stream_kind):
         hp.load_to_device_per_layer(dp, h, d, 0, "direct")  # cold: plans and caches
         torch.cuda.synchronize()
         torch.cuda._sleep(100_000_000)  # the copies below queue behind ~50 ms of GPU work
-        held = len(hp.engine._inflight)
+        held = len(hp.engine.inflight)
         for layer in range(L):
             hp.load_to_device_per_layer(dp, h, d, layer, "direct")
         assert hp._warm is not None
         # no call held anything of its own (a hold per call cost D's 16-page loads half their speed)
-        assert len(hp.engine._inflight) <= held, (held, len(hp.engine._inflight))
+        assert len(hp.engine.inflight) <= held, (held, len(hp.engine.inflight))
         assert not stream.query()
         hp.synchronize()
         assert stream.query(), "synchronize() returned before the warm loads had run"
@@ -158,7 +158,7 @@ def test_repeated_per_layer_loads_take_one_native_call_and_land_exactly(indices,
             assert stream.query()
             check(dp, d, ref)
     assert len(calls) == 3 * L and all(c[7] is True and len(c[8]) == 1 for c in calls), calls[:2]
-    assert len(hp.engine._marks) == 1
+    assert len(hp.engine.inflight.marks) == 1
     hp.close()
 
 

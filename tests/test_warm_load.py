@@ -134,7 +134,7 @@ def test_cached_indices_are_validated_for_a_route_that_needs_it(monkeypatch):
         hp.backup_from_device_all_layer(dp, h, bad, "direct")  # CPU pool: the planner refuses it
     monkeypatch.setattr(hp.engine, "route", lambda *a, **k: "kernel")  # as a CUDA pool's small chunks
     with pytest.raises(InvalidArgumentError, match="device_indices"):
-        hp._prepare(dp, h, bad, "direct", True)
+        hp.prepare(dp, h, bad, "direct", True)
 
 
 def test_concurrent_transfers_share_the_index_cache():
@@ -195,7 +195,7 @@ def test_plan_cache_of_one_index_set_is_bounded():
 def test_empty_layer_range_per_layer_is_a_no_op():
     dp, hp = pools()
     h, d = hp.alloc(PS), torch.arange(PS)
-    pairs, p, route = hp._prepare(dp, h, d, "direct", False, True)
+    pairs, p, route = hp.prepare(dp, h, d, "direct", False, True)
     before = [t.clone() for t in dp.k_buffer]
     assert hp.engine.copy(pairs, p, 1, 1, to_host=False, per_layer=True, route=route) is None
     assert all(torch.equal(a, b) for a, b in zip(before, dp.k_buffer))

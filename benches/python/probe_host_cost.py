@@ -53,7 +53,7 @@ def measure(hp, dp, h, d, stream, mode: str, layers: int) -> tuple[float, float,
     warm = host_us(call, layers)
     full = host_us(cold, layers)
     w = hp._warm
-    plans = hp.engine._dma(w.pairs, w.prepared, False)
+    plans = hp.engine.dma_plans(w.pairs, w.prepared, False)
     idx = torch.cuda.current_device()
     s = hp.engine.detour_stream(w.pairs[0][1][0].device) if mode == "default" else stream
     native = host_us(lambda: _native.submit_layers(plans, 3, 4, idx, s.cuda_stream, [], True, True, []), layers)

@@ -22,15 +22,17 @@ import time
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from kvtier import pools, transfer
+from kvtier.pools_base import HostKVPool
+from kvtier.transfer import TransferEngine
+from kvtier.transfer.inflight import InFlight
 from kvtier.integrations import _transformers_cache as tc
 from kvtier.integrations.transformers import KVTier, cache_kwarg
 
 SUFFIX = 64
 # host time inside these (inclusive, summed over one forward): where the cache's update() spends it
 TIMED = [(tc.KvtierCache, "update"), (tc.KvtierCache, "_transfer"), (tc.KvtierCache, "_wait"),
-         (pools._HostKVPool, "_prepare"), (pools._HostKVPool, "_check_device_pool"), (transfer.TransferEngine, "copy"),
-         (transfer.TransferEngine, "_dma"), (transfer.TransferEngine, "_hold")]
+         (HostKVPool, "prepare"), (HostKVPool, "_check_device_pool"), (TransferEngine, "copy"),
+         (TransferEngine, "dma_plans"), (InFlight, "hold")]
 
 
 def instrument(acc: dict) -> list:

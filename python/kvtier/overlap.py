@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ._errors import InvalidArgumentError
-from .pools import device_of
+from ._device import device_of
 
 
 class LayerLoad:
@@ -117,7 +117,7 @@ class LayerLoader:
         if after is None:
             after = torch.cuda.current_stream(self.device).record_event()
         with torch.cuda.stream(self.stream):
-            fused = getattr(self.host_pool, "_load_layers", None)
+            fused = getattr(self.host_pool, "load_all_layers", None)
             submission = None
             if fused is not None:  # kvtier pools: validate and plan once, one native call for every layer
                 # background submissions on this stream follow each other in call order

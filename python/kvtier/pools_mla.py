@@ -23,9 +23,9 @@ import torch
 
 from ._errors import InvalidArgumentError
 from .buffer import HostBuffer
-from ._device import _positive_int
-from .pools import LAYOUTS, _HostKVPool
-from .transfer import Side
+from ._device import positive_int
+from .pools_base import LAYOUTS, HostKVPool
+from .transfer.layout import Side
 
 
 class MLADeviceKVPool:
@@ -43,11 +43,11 @@ class MLADeviceKVPool:
         dtype: torch.dtype = torch.bfloat16,
         device: str | torch.device = "cuda",
     ) -> None:
-        self.size = _positive_int("size", size)
-        self.page_size = _positive_int("page_size", page_size)
-        self.layer_num = _positive_int("layer_num", layer_num)
-        self.kv_lora_rank = _positive_int("kv_lora_rank", kv_lora_rank)
-        self.qk_rope_head_dim = _positive_int("qk_rope_head_dim", qk_rope_head_dim)
+        self.size = positive_int("size", size)
+        self.page_size = positive_int("page_size", page_size)
+        self.layer_num = positive_int("layer_num", layer_num)
+        self.kv_lora_rank = positive_int("kv_lora_rank", kv_lora_rank)
+        self.qk_rope_head_dim = positive_int("qk_rope_head_dim", qk_rope_head_dim)
         if not isinstance(dtype, torch.dtype):
             raise InvalidArgumentError(f"invalid argument `dtype`: expected a torch.dtype, got {dtype!r}")
         self.dtype = self.store_dtype = dtype
@@ -57,7 +57,7 @@ class MLADeviceKVPool:
         self.kv_buffer = [torch.zeros(rows, 1, self.kv_cache_dim, dtype=dtype, device=self.device) for _ in range(self.layer_num)]
 
 
-class MLAHostPool(_HostKVPool):
+class MLAHostPool(HostKVPool):
     """Host pool for MLA device pools: one Rust-owned buffer ``kv_buffer`` shaped as the module docs say
     (``head_num`` 1, ``head_dim`` = ``kv_cache_dim``, ``v_head_dim`` 0), every layout and both backends.
     ``get_page_buffer_meta`` gives one object per page (``L·ps·D·it`` bytes; for ``layer_first`` one per page
@@ -84,6 +84,7 @@ class MLAHostPool(_HostKVPool):
         self._v_side = None
 
     def sides(self) -> tuple[Side, ...]:
+        """The one host buffer a transfer moves (latent and rope together)."""
         return (self._k_side,)
 
     def __repr__(self) -> str:

@@ -33,7 +33,7 @@ import torch
 
 import kvtier
 from kvtier import DeviceKVPool, LayerLoader, MLADeviceKVPool, device_layers, host_pool_for
-from kvtier import config
+from kvtier import _native, config
 
 from ._common import check_plot_path, out_dir, write_results
 
@@ -411,7 +411,7 @@ def main(argv=None):
     res = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
         "kvtier": kvtier.__version__, "ceiling_h2d_GBps": up, "ceiling_d2h_GBps": down,
-        "batch_supported": kvtier._native.cuda_batch_supported(), "kernel_blocks": config.kernel_blocks(),
+        "batch_supported": _native.cuda_batch_supported(), "kernel_blocks": config.kernel_blocks(),
         "kernel_warps": config.kernel_warps(), "kernel_tile_words": kvtier.transfer.KERNEL_TILE_WORDS, "transfer_lanes": config.transfer_lanes(),
         "kernel_backup": config.kernel_backup(), "direct_kernel_below_kb": config.direct_kernel_below() >> 10,
         "direct_backup": config.direct_backup(), "rows": [],
@@ -432,7 +432,7 @@ def main(argv=None):
                 res["overlap"] = overlap(dp, 5)
         del dp
         torch.cuda.empty_cache()
-    res["batch_flags"] = kvtier._native.cuda_batch_flags()
+    res["batch_flags"] = _native.cuda_batch_flags()
     # The ceiling again at the end: this machine is shared and one 2 GiB copy series can land in a slow
     # moment (H2D measured 50.3 GB/s once, against 55.4 minutes later). The higher of the two is the
     # ceiling every ratio is taken against (conservative for kvtier); both are recorded.

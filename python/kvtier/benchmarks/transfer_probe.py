@@ -33,8 +33,8 @@ import time
 
 import torch
 
-import kvtier
-from kvtier import DeviceKVPool, LayerLoader, host_pool_for, kernels
+from kvtier import DeviceKVPool, LayerLoader, _native, host_pool_for
+from kvtier.transfer import kernels
 
 from .transfer import DT, GEOMS, PS, ceiling, check_exact, event_time, page_idx
 
@@ -143,10 +143,10 @@ def part_direct(out, reps, up, down, stream):
             t = event_time(lambda: loader.load(h, d).synchronize(), reps) / L
             row["load_pct"] = round(100 * nb / t / 1e9 / up, 1)
             row["load_us_per_copy"] = round(t / 512 * 1e6, 3)
-            pairs, p, _ = hp._prepare(dp, h, d, "direct", to_host=True)
+            pairs, p, _ = hp.prepare(dp, h, d, "direct", to_host=True)
             for name, per_layer, limit in (("one_batch_per_side", False, 16384), ("batch_per_layer", True, 16384),
                                            ("batches_of_1024", False, 1024), ("batches_of_256", False, 256)):
-                old = kvtier._native.cuda_set_batch_limit(limit)
+                old = _native.cuda_set_batch_limit(limit)
                 t = event_time(lambda: hp.engine.copy(pairs, p, 0, L, to_host=True, backend="direct", per_layer=per_layer), reps)
                 hts = []
                 for _ in range(reps):
@@ -155,7 +155,7 @@ def part_direct(out, reps, up, down, stream):
                     hp.engine.copy(pairs, p, 0, L, to_host=True, backend="direct", per_layer=per_layer)
                     hts.append(time.perf_counter() - t0)
                     torch.cuda.synchronize()
-                kvtier._native.cuda_set_batch_limit(old)
+                _native.cuda_set_batch_limit(old)
                 row[f"backup_{name}_pct"] = round(100 * nb * L / t / 1e9 / down, 1)
                 row[f"backup_{name}_host_ms"] = round(statistics.median(hts) * 1e3, 2)
                 row[f"backup_{name}_gpu_ms"] = round(t * 1e3, 2)
@@ -233,7 +233,7 @@ def part_direct_geoms(out, reps, up, down, stream):
             exact = check_exact(hp, dp, h, d)
         _emit(out, "direct_geoms", {"geometry": geom, "pages": 256, "load_pct": round(100 * nb / t_load / 1e9 / up, 1),
                                     "backup_pct": round(100 * nb * L / t_back / 1e9 / down, 1), "exact": exact,
-                                    "batch_limit": kvtier._native.cuda_set_batch_limit(kvtier._native.cuda_set_batch_limit(1))})
+                                    "batch_limit": _native.cuda_set_batch_limit(_native.cuda_set_batch_limit(1))})
         hp.close()
         del dp
         torch.cuda.empty_cache()
@@ -251,11 +251,11 @@ def part_overlap_batch(out, reps):
     for t in dp.k_buffer + dp.v_buffer:
         t.view(torch.uint8).random_(0, 256)
     for limit in (1024, 256, 64, 16):
-        old = kvtier._native.cuda_set_batch_limit(limit)
+        old = _native.cuda_set_batch_limit(limit)
         try:
             res = overlap(dp, reps, trials=3, cases=(("page_first_direct", "direct", True),))["direct"]
         finally:
-            kvtier._native.cuda_set_batch_limit(old)
+            _native.cuda_set_batch_limit(old)
         _emit(out, "overlap_batch", {"batch_limit": limit, **res})
     del dp
     torch.cuda.empty_cache()

@@ -108,7 +108,7 @@ class PoolStore:
         try:
             if self.flat:
                 self._scratch = HostBuffer(max(1 << 20, self.sizes[0]), pin=False)
-                native.register_region(self._scratch._region)
+                native.register_region(self._scratch.region)
             else:
                 for t in pool_tensors(self.pool):
                     native.register_tensor(t)

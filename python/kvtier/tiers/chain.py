@@ -34,7 +34,7 @@ import torch
 
 from .._errors import ClosedError, InvalidArgumentError
 from ..tenants import erase_tag
-from .._indices import _index_array
+from ..transfer.indices import index_array
 from ..planner import TierEstimate
 from ..store import _keys
 
@@ -116,7 +116,7 @@ class TieredStore:
     def _check_slots(self, keys: list[str], host_indices: Any) -> int:
         """Checks ``host_indices`` as the first tier would (a 1-D int64 tensor, ``page_size`` slots per key)
         before the chain slices it per tier; returns the page size."""
-        _index_array("host_indices", host_indices)
+        index_array("host_indices", host_indices)
         ps: int = self.pool.page_size
         if len(host_indices) != len(keys) * ps:
             raise InvalidArgumentError(

@@ -1,4 +1,5 @@
-"""Validated index sets of one transfer call: the private copies that reach the copies and the kernels."""
+"""Validated index sets of one transfer call (the private copies that reach the copies and the kernels), and
+the checked arguments of a pool's last per-layer load (its warm path)."""
 
 from __future__ import annotations
 
@@ -7,13 +8,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from ._errors import InvalidArgumentError
+from .._errors import InvalidArgumentError
+from .route import DMA, KERNEL
 
 if TYPE_CHECKING:
-    from .transfer import TransferEngine
+    from .engine import TransferEngine
 
 
-class _Prepared:
+class Prepared:
     """Validated indices of one transfer call (host numpy copies, and GPU copies made on demand)."""
 
     __slots__ = ("host", "device", "paged", "_gpu", "plans", "validated")  # _gpu: (device, (host, device), event)
@@ -60,7 +62,7 @@ def reusable(t: Any) -> bool:
     return not t.is_neg() and (version_of(t) is not UNTRACKED or t.device.type == "cpu")
 
 
-def _unchanged(prepared: _Prepared, host_indices: Any, device_indices: Any) -> bool:
+def unchanged(prepared: Prepared, host_indices: Any, device_indices: Any) -> bool:
     """Whether CPU index tensors still hold what was validated: writes through ``.numpy()`` or DLPack do not
     bump ``_version``, so the cache key alone cannot tell. A length-n comparison, cheap next to the copy it
     guards. CUDA index tensors are not compared (that would cost a device-to-host copy per call): a caller
@@ -73,7 +75,7 @@ def _unchanged(prepared: _Prepared, host_indices: Any, device_indices: Any) -> b
     return True
 
 
-def _index_array(name: str, t: Any) -> np.ndarray:
+def index_array(name: str, t: Any) -> np.ndarray:
     """A 1-D int64 numpy view (CPU) of an index tensor; CUDA tensors are copied to the host."""
     if not isinstance(t, torch.Tensor):
         raise InvalidArgumentError(f"invalid argument `{name}`: expected a torch.Tensor, got {type(t).__name__}")
@@ -92,7 +94,7 @@ def _index_array(name: str, t: Any) -> np.ndarray:
     return np.array(t.detach().to("cpu").numpy(), dtype=np.int64, copy=True)
 
 
-class _WarmLoad:
+class WarmLoad:
     """The checked arguments of a pool's last per-layer load. A per-layer load is called once per layer with
     the same pools and index tensors; the next call reuses the checks when it passes the same objects, the
     index tensors are unchanged (version, and for CPU tensors their contents) and the device tensors of its
@@ -102,7 +104,7 @@ class _WarmLoad:
                  "prepared", "route", "plans", "refs", "contents")
 
     def __init__(self, engine: TransferEngine, device_pool: Any, host: Any, device: Any, backend: str,
-                 pairs: tuple[Any, ...], prepared: _Prepared, route: str) -> None:
+                 pairs: tuple[Any, ...], prepared: Prepared, route: str) -> None:
         self.pool, self.host, self.device, self.backend = device_pool, host, device, backend
         try:
             self.versions = (host._version, device._version)
@@ -121,19 +123,19 @@ class _WarmLoad:
                 ptrs.append((t.data_ptr(), t.shape, t.stride(), t.dtype, t.untyped_storage().nbytes()))
             self.snapshot.append(list(ts))
             self.ptrs.append(ptrs)
-            regions.append(side.buffer._region)
+            regions.append(side.region)
         self.pairs, self.prepared, self.route = pairs, prepared, route
         # the plans the first call made and cached (the copy engine's route), or the kernel route's launches
         self.plans = None
-        if len(prepared.host) and route == "dma":
-            self.plans = engine._dma(pairs, prepared, False)
-        elif len(prepared.host) and route == "kernel":
+        if len(prepared.host) and route == DMA:
+            self.plans = engine.dma_plans(pairs, prepared, False)
+        elif len(prepared.host) and route == KERNEL:
             self.plans = engine.warm_kernel(pairs, prepared)
         # what every load of this index set keeps alive until the GPU has passed it: one object for all of
-        # them, so the engine's mark sees the same refs from call to call (TransferEngine._mark)
+        # them, so the engine's mark sees the same refs from call to call (InFlight.mark)
         self.refs = (tuple(regions), self.plans)
         # CPU index tensors: (tensor, its address, a numpy view of it, the validated bytes). Comparing the view's
-        # bytes costs 0.5 µs against 3.6 µs for _unchanged's conversions; the address check makes sure the view
+        # bytes costs 0.5 µs against 3.6 µs for unchanged()'s conversions; the address check makes sure the view
         # still shows the tensor's memory.
         self.contents: list[tuple[Any, ...]] = []
         for t, v in ((host, prepared.host), (device, prepared.device)):
@@ -141,7 +143,9 @@ class _WarmLoad:
                 self.contents.append((t, t.data_ptr(), t.detach().numpy(), v.tobytes()))
 
     def matches(self, pool: Any, device_pool: Any, host: Any, device: Any, backend: str, layer: int) -> bool:
-        if (pool._closed or device_pool is not self.pool or host is not self.host or device is not self.device
+        """Whether a per-layer load of ``layer`` with these arguments may reuse the checks (``pool``: the host
+        pool, which has checked that it is open)."""
+        if (device_pool is not self.pool or host is not self.host or device is not self.device
                 or backend != self.backend or not 0 <= layer < pool.layer_num):
             return False
         try:

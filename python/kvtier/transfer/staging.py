@@ -7,18 +7,59 @@ kernel's 128-byte ones or one small copy per (page, layer). Used by the ``kernel
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import threading
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
-from . import _native, kernels
+from .. import _native
+from . import kernels
+from .inflight import InFlight
+from .layout import Side
+from .streams import Streams
 
-if TYPE_CHECKING:
-    from .transfer import Side, TransferEngine
+
+class StagingEngine(Protocol):
+    """What a staged backup reads from the engine that runs it (:class:`kvtier.transfer.TransferEngine`'s
+    public members): the kernel's settings, whether copies are batched, its streams, holds, staging buffers
+    and device-layer offset tables."""
+
+    blocks: int
+    num_warps: int
+    tile_words: int
+    prefetch: bool
+    batch: bool
+    staging_bytes: int
+    streams: Streams
+    inflight: InFlight
+    stager: Stager
+
+    def layer_offsets(self, tensors: Any, word: int) -> tuple[torch.Tensor, int]: ...
 
 
-def staged_backup(engine: TransferEngine, pairs, prepared, didx: torch.Tensor, regions: tuple) -> None:
+class Stager:
+    """The staging buffers of one engine, one :class:`Staging` per device, grown on demand; one backup at a
+    time uses them."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()  # held for a whole staged backup
+        self.buffers: dict[Any, Staging] = {}
+
+    def get(self, device: torch.device, need: int, size: int) -> Staging:
+        """The staging of ``device``, made anew (of ``max(size, need)`` bytes per buffer) when it holds less
+        than ``need``. Called under :attr:`lock`."""
+        st = self.buffers.get(device)
+        if st is None or st.half < need:
+            st = self.buffers[device] = Staging(device, max(size, need))
+        return st
+
+    def clear(self) -> None:
+        """Drop every staging buffer (a closing engine calls it)."""
+        self.buffers.clear()
+
+
+def staged_backup(engine: StagingEngine, pairs, prepared, didx: torch.Tensor, regions: tuple) -> None:
     """Device → host for every layer of page-first pools: the kernel gathers a run of pages (all layers)
     into a device staging buffer in the host's byte order (``page_first`` or ``page_first_direct``; a
     page is one contiguous extent in both), then the copy engine moves it
@@ -30,14 +71,11 @@ def staged_backup(engine: TransferEngine, pairs, prepared, didx: torch.Tensor, r
     (measured: runs of 1, 2, 4, 8 pages gave 80 % of the ceiling at 16 pages of A, SM writes 84–87 %)."""
     dev = didx.device
     caller = torch.cuda.current_stream(dev)
-    detour = engine._fork(dev, caller)  # as in copy: the batch API refuses the legacy default stream
+    detour = engine.streams.fork(dev, caller, engine.batch)  # as in copy: the batch API refuses the default stream
     stream = detour[0] if detour is not None else caller
-    with engine._stage_lock:
-        st = engine._staging.get(dev)
+    with engine.stager.lock:
         need = max(side.layers * side.row_bytes * side.page_size for side, _ in pairs)
-        if st is None or st.half < need:
-            st = Staging(dev, max(engine.staging_bytes, need))
-            engine._staging[dev] = st
+        st = engine.stager.get(dev, need, engine.staging_bytes)
         held: list = [st]
         try:
             _stage_runs(engine, pairs, prepared, didx, stream, st, held)
@@ -48,11 +86,11 @@ def staged_backup(engine: TransferEngine, pairs, prepared, didx: torch.Tensor, r
             stream.synchronize()
             raise
         if detour is not None:
-            engine._join(caller, detour)
-        engine._hold((regions, held, didx))
+            engine.streams.join(caller, detour)
+        engine.inflight.hold((regions, held, didx))
 
 
-def _stage_runs(engine: TransferEngine, pairs, prepared, didx: torch.Tensor, stream, st: Staging, held: list) -> None:
+def _stage_runs(engine: StagingEngine, pairs, prepared, didx: torch.Tensor, stream, st: Staging, held: list) -> None:
     dev = didx.device
     start = stream.record_event()  # gathers follow the producer of the device KV
     st.gather.wait_event(start)
@@ -66,7 +104,7 @@ def _stage_runs(engine: TransferEngine, pairs, prepared, didx: torch.Tensor, str
         # the first run is at most half the transfer, so a second run's gather overlaps its copy
         half = -(-n // 2)
         size, pos = min(cap, max(side.page_size, -(-half // side.page_size) * side.page_size)), 0
-        offsets = engine._offsets(tensors, kernels.word_of(side.row_bytes))
+        offsets = engine.layer_offsets(tensors, kernels.word_of(side.row_bytes))
         held.append(offsets)
         while pos < n:
             end = min(n, pos + size)
@@ -93,6 +131,7 @@ def _stage_runs(engine: TransferEngine, pairs, prepared, didx: torch.Tensor, str
             pos = end
             size = cap
 
+
 def _stage_plan(side: Side, prepared: Any, stage: torch.Tensor, pos: int, end: int, st: Staging):
     """DMA plan from a staging buffer (one row = one token's every layer) to the host slots
     ``prepared.host[pos:end]``, validated in Rust like every plan; cached per run for repeated calls."""
@@ -101,7 +140,7 @@ def _stage_plan(side: Side, prepared: Any, stage: torch.Tensor, pos: int, end: i
     if entry is not None and entry[0] is st:
         return entry[1]
     plan = _native.TransferPlan(
-        True, side.buffer._region, side.offset, "page_first", side.slots, side.page_size,
+        True, side.region, side.offset, "page_first", side.slots, side.page_size,
         side.layers * side.row_bytes, [stage], prepared.host[pos:end], st.arange_np[: end - pos], 0, 1,
         False, False, side.split,
     )
