@@ -168,7 +168,7 @@ class KVTier:
         if cluster is not None and (not isinstance(cluster, str) or store_dir is None):
             raise InvalidArgumentError("invalid argument `cluster`: a Mooncake master address (str), with `store_dir` set")
         if model_id is None:
-            name = getattr(config, "name_or_path", "") or getattr(config, "_name_or_path", "")
+            name = getattr(config, "name_or_path", "")
             if not name:
                 raise InvalidArgumentError(
                     "invalid argument `model_id`: the model has no name_or_path (it was built from a config), so "
