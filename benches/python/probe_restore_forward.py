@@ -24,11 +24,12 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from kvtier import pools, transfer
 from kvtier.integrations import _transformers_cache as tc
+from kvtier.integrations import _transformers_state as ts
 from kvtier.integrations.transformers import KVTier, cache_kwarg
 
 SUFFIX = 64
 # host time inside these (inclusive, summed over one forward): where the cache's update() spends it
-TIMED = [(tc.KvtierCache, "update"), (tc.KvtierCache, "_transfer"), (tc.KvtierCache, "_wait"),
+TIMED = [(tc.KvtierCache, "update"), (ts.TierRuntime, "transfer"), (ts.TierRuntime, "wait"),
          (pools._HostKVPool, "_prepare"), (pools._HostKVPool, "_check_device_pool"), (transfer.TransferEngine, "copy"),
          (transfer.TransferEngine, "_dma"), (transfer.TransferEngine, "_hold")]
 
