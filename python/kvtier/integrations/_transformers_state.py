@@ -137,7 +137,7 @@ class TierRuntime:
         for ev in events:
             stream.wait_event(ev)
 
-    def joined(self) -> None:
+    def _joined(self) -> None:
         """Every background submission has enqueued its copies; the first that failed raises its error."""
         with self._subs_lock:
             subs, self._subs = self._subs, []
@@ -146,7 +146,7 @@ class TierRuntime:
 
     def drain(self) -> None:
         """Wait until every transfer this tier issued has completed (a failed one raises its error)."""
-        self.joined()
+        self._joined()
         if self.stream is not None:
             self.stream.synchronize()
 
@@ -155,5 +155,5 @@ class TierRuntime:
         any that failed, so nothing is adopted after a backup that did not happen."""
         if self.stream is None:
             return None
-        self.joined()  # their copies are enqueued: an event recorded now follows them
+        self._joined()  # their copies are enqueued: an event recorded now follows them
         return self.stream.record_event()
