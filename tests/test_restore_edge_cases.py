@@ -35,7 +35,7 @@ def _logits(model, ids, cache, n=1):
 
 # ------------------------------------------------------------------------------------ the prompt-mismatch refusal
 def test_generate_after_crop_refuses_other_ids_inside_the_held_prefix(tmp_path):
-    """_check_sequence (_transformers_cache.py) checks only tokens [_checked, m) and _truncate keeps
+    """KvtierCache.check_generate_inputs (_transformers_cache.py) checks only tokens [_checked, m) and _truncate keeps
     _checked = min(_checked, tokens) (:462): after ``crop`` the tokens still held are never checked again. A generate
     on the cropped cache with ids that differ inside the held prefix (token 5) is not refused: its first
     token's logits are computed on the other prompt's KV (they differ from recomputing by ~0.2) — exactly

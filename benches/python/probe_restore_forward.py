@@ -26,11 +26,12 @@ from kvtier.pools_base import HostKVPool
 from kvtier.transfer import TransferEngine
 from kvtier.transfer.inflight import InFlight
 from kvtier.integrations import _transformers_cache as tc
+from kvtier.integrations import _transformers_state as ts
 from kvtier.integrations.transformers import KVTier, cache_kwarg
 
 SUFFIX = 64
 # host time inside these (inclusive, summed over one forward): where the cache's update() spends it
-TIMED = [(tc.KvtierCache, "update"), (tc.KvtierCache, "_transfer"), (tc.KvtierCache, "_wait"),
+TIMED = [(tc.KvtierCache, "update"), (ts.TierRuntime, "transfer"), (ts.TierRuntime, "wait"),
          (HostKVPool, "prepare"), (HostKVPool, "_check_device_pool"), (TransferEngine, "copy"),
          (TransferEngine, "dma_plans"), (InFlight, "hold")]
 

@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
@@ -14,14 +14,12 @@ from .._errors import ClosedError, InvalidArgumentError, KvtierError
 from ..planner import RestorePlan
 from ..store import page_hashes
 from ..tenants import tenant_keys
+from ._transformers_state import TierRuntime
 from ._transformers_window import _release, _Table, _Window
 
 # forward arguments that do not change the KV a token gets (positions and masks are checked, not listed here)
 _PLAIN = frozenset({"input_ids", "cache", "past_key_values", "use_cache", "logits_to_keep", "return_dict",
                     "output_attentions", "output_hidden_states", "labels"})
-
-if TYPE_CHECKING:
-    from .transformers import KVTier
 
 
 class _Layer(DynamicLayer):
@@ -53,12 +51,16 @@ class KvtierCache(DynamicCache):
     :meth:`KVTier.cache`. ``restored_tokens``, ``restored_host_pages`` and ``restored_store_pages`` say what
     its prompt did not have to compute."""
 
-    def __init__(self, tier: KVTier, token_ids: list[int], *, restore: bool = True, salt: str | None = None) -> None:
-        Cache.__init__(self, layers=[_Layer() for _ in range(tier.layers)])
+    def __init__(self, tier: Any, state: TierRuntime, token_ids: list[int], *, restore: bool = True,
+                 keep: bool = True, salt: str | None = None) -> None:
+        """``tier``: the KVTier that makes it (``cache.tier``); ``state``: that tier's runtime; ``keep=False``:
+        nothing of the sequence is ever kept (counted as unverified)."""
+        Cache.__init__(self, layers=[_Layer() for _ in range(state.layers)])
         self.tier = tier
+        self._state = state
         self.salt = salt  # the tenant: its keys are tenant_keys(salt, chain) (kvtier.tenants)
         self.table = _Table()
-        self._finalizer = weakref.finalize(self, _release, tier, self.table)
+        self._finalizer = weakref.finalize(self, _release, state, self.table)
         self._fed: list[int] = []  # token ids the model was fed (restored ones first)
         self._prompt = token_ids  # what this cache was made for: the first forwards must feed its rest
         # per forward, whether its positions were the plain ones (an all-ones mask, positions following the
@@ -79,7 +81,9 @@ class KvtierCache(DynamicCache):
         self._ttft: Any = None  # (plan, start) until the forward that completes the prompt
         self._stored: set[str] = set()  # keys of pages recomputed by a split plan that the store already has
         self._last_held = -2  # the cache's length at generate's last step (its next is a decode step when +1)
-        tier.stats.caches += 1
+        state.stats.caches += 1
+        if not keep:
+            self._unverified()
         if restore:
             self._restore(token_ids)
 
@@ -88,20 +92,20 @@ class KvtierCache(DynamicCache):
 
     # ------------------------------------------------------------------ restore
     def _restore(self, tokens: list[int]) -> None:
-        tier, ps = self.tier, self.tier.page_size
+        st, ps = self._state, self._state.page_size
         n = (len(tokens) - 1) // ps  # at least one token is left to compute (the model must give logits)
         if n <= 0:
             return
         chain = page_hashes(tokens[: n * ps], ps)
         keys = self._salted(chain)
-        ctrl = tier.controller
-        if tier.restore == "all":  # every cached page, loaded: no measurement, no planning
+        ctrl = st.controller
+        if st.restore == "all":  # every cached page, loaded: no measurement, no planning
             host, disk = ctrl.match(keys)
             if disk:
                 ctrl.prefetch(keys[: host + disk]).result()
             self._attach(ctrl.acquire(keys), keys, chain, host)
             return
-        t0 = tier._marks.mark()
+        t0 = st.marks.mark()
         plan = self.plan = ctrl.plan_restore(keys, len(tokens), can_split=True)
         h, j, k = plan.host_pages, plan.recompute_to, plan.load_to
         # the host pages are held first (a reference each): the tail's read cannot evict them to make room
@@ -112,7 +116,7 @@ class KvtierCache(DynamicCache):
         tail = ctrl.prefetch(keys[j:k]) if k > j else None
         try:
             if j > r:  # the head: computed here, while the tail streams in
-                model = tier._model()
+                model = st.model()
                 if model is None:
                     raise ClosedError("the model of this KVTier is gone; build a KVTier for the model in use")
                 # head pages the durable tier already holds are not written again (those only a later tier,
@@ -123,10 +127,10 @@ class KvtierCache(DynamicCache):
                         self._stored.update(keys[max(pos, h) : min(pos + count, j)])
                     pos += count
                 with torch.no_grad():
-                    model(input_ids=torch.tensor([tokens[r * ps : j * ps]], device=tier.device), use_cache=True,
-                          logits_to_keep=1, **{tier._cache_kwarg: self})
+                    model(input_ids=torch.tensor([tokens[r * ps : j * ps]], device=st.device), use_cache=True,
+                          logits_to_keep=1, **{st.cache_kwarg: self})
                 self.recomputed_tokens = (j - r) * ps
-                tier.stats.recomputed_head_tokens += self.recomputed_tokens
+                st.stats.recomputed_head_tokens += self.recomputed_tokens
         finally:
             if tail is not None:
                 tail.result()
@@ -139,7 +143,7 @@ class KvtierCache(DynamicCache):
         """Pages ``[first, first + len(starts))`` of the prompt (``keys``, and ``chain``: their hashes before
         the tenant's salt), acquired from the controller, become the sequence's (without a copy); ``host`` of
         them came from the host pool, the rest from the store."""
-        tier, ps = self.tier, self.tier.page_size
+        st, ps = self._state, self._state.page_size
         r = len(starts)
         if not r:
             return
@@ -154,16 +158,50 @@ class KvtierCache(DynamicCache):
         self.restored_tokens += r * ps
         self.restored_host_pages += min(host, r)
         self.restored_store_pages += r - min(host, r)
-        tier.stats.restored_pages += r
-        tier.stats.restored_host_pages += min(host, r)
-        tier.stats.restored_store_pages += r - min(host, r)
+        st.stats.restored_pages += r
+        st.stats.restored_host_pages += min(host, r)
+        st.stats.restored_store_pages += r - min(host, r)
         win = self._ensure_window((first + r) * ps)
-        for layer_idx in range(tier.window):  # the first layers move while the embeddings compute
+        for layer_idx in range(st.window):  # the first layers move while the embeddings compute
             self._load(win, layer_idx, (first + r) * ps)
+
+    # ------------------------------------------------------------------ the hooks KVTier installs on the model
+    def before_forward(self, ids: Any, kwargs: dict[str, Any]) -> None:
+        """The forward pre-hook: checks and records the ids about to be fed (:meth:`_fed_tokens`), and starts
+        timing the forward — only when it says something (a page or more of new tokens, or the forward that may
+        end a time to first token), so a decode step makes no event."""
+        st = self._state
+        if getattr(st.text_config, "_attn_implementation", None) != st.attn_implementation:
+            self._unverified()  # KV computed another way than the namespace says: never kept
+        self._fed_tokens(ids, kwargs)
+        if isinstance(ids, torch.Tensor) and ids.dim() == 2:
+            n = int(ids.shape[1])
+            if st.observe and (n >= st.page_size or self._ttft is not None):
+                st.marks.poll()
+                self._forward = (st.marks.mark(), n, self.get_seq_length())
+
+    def after_forward(self) -> None:
+        """The forward hook: the forward's time goes to the prefill model (forwards of a page or more: decode
+        steps say little about prefill); the first forward that completes the prompt ends the time to first
+        token of the cache's plan."""
+        started, self._forward = self._forward, None
+        if started is None:
+            return
+        st = self._state
+        start, n, ctx = started
+        end = st.marks.mark()
+        ctrl = st.controller
+        if n >= st.page_size:
+            st.marks.after(start, end, lambda s: ctrl.observe_prefill(n, ctx, s))
+        ttft = self._ttft
+        if ttft is not None and len(self._fed) >= len(self._prompt):
+            self._ttft = None
+            plan, t0 = ttft
+            st.marks.after(t0, end, lambda s: ctrl.observe_ttft(plan, s))
 
     # ------------------------------------------------------------------ helpers
     def _fed_tokens(self, ids: Any, kwargs: dict[str, Any]) -> None:
-        """The forward pre-hook: the ids about to be fed (their KV gets keyed by them). KV is keyed by token ids
+        """The ids about to be fed (their KV gets keyed by them), from :meth:`before_forward`. KV is keyed by token ids
         alone, so a forward whose KV also depends on something else (a mask with padding, other positions,
         embeddings, images, any argument not in _PLAIN) makes the sequence unverified: nothing more of it is
         kept. A forward that feeds other tokens than the prompt this cache was made for is an error: its
@@ -195,12 +233,13 @@ class KvtierCache(DynamicCache):
                 return
         self._fed.extend(ids[0].tolist())
 
-    def _check_sequence(self, input_ids: torch.Tensor, first: bool = True) -> None:
-        """``generate``'s whole sequence (it feeds the model only the tokens after this cache's length) must
-        start with every token this cache holds: ids that differ inside the held prefix — restored, cropped
-        to, or left by an earlier ``generate`` — are refused, never answered from another prompt's KV. The
-        whole held prefix is compared at each call's first step and whenever the cache's length moved other
-        than by the one token of a decode step (one sync each); decode steps are not compared."""
+    def check_generate_inputs(self, input_ids: torch.Tensor, first: bool = True) -> None:
+        """The check KVTier adds to the model's ``prepare_inputs_for_generation``: ``generate``'s whole sequence
+        (it feeds the model only the tokens after this cache's length) must start with every token this cache
+        holds: ids that differ inside the held prefix — restored, cropped to, or left by an earlier ``generate``
+        — are refused, never answered from another prompt's KV. The whole held prefix is compared at each call's
+        first step and whenever the cache's length moved other than by the one token of a decode step (one sync
+        each); decode steps are not compared."""
         held = self.get_seq_length()
         step = not first and held == self._last_held + 1  # generate fed the one token it just produced
         self._last_held = held
@@ -216,13 +255,13 @@ class KvtierCache(DynamicCache):
     def _unverified(self) -> None:
         if self._verified:
             self._verified = False
-            self.tier.stats.unverified_sequences += 1
+            self._state.stats.unverified_sequences += 1
 
     def _slots(self, first: int, last: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(host slots, device rows) of pages [first, last), cached so repeated transfers are validated once."""
         got = self._idx.get((first, last))
         if got is None:
-            ps = self.tier.page_size
+            ps = self._state.page_size
             starts = torch.tensor(self.table.starts[first:last], dtype=torch.int64)
             host = (starts[:, None] + torch.arange(ps)[None]).reshape(-1)
             got = host, torch.arange(ps + first * ps, ps + last * ps, dtype=torch.int64)
@@ -232,99 +271,65 @@ class KvtierCache(DynamicCache):
         return got
 
     def _ensure_window(self, tokens: int) -> _Window:
-        t = self.tier
+        t = self._state
         if self._window is None:
             self._window = _Window(t.layers, t.window, t.heads, t.k_dim, t.v_dim, t.dtype, t.device, t.page_size, tokens)
         elif self._window.size < tokens:
-            t._drain()  # nothing in flight may touch the old slots
+            t.drain()  # nothing in flight may touch the old slots
             self._window.ensure(tokens)
         return self._window
 
     def _grow(self, tokens: int) -> None:
-        need = -(-tokens // self.tier.page_size) - len(self.table.starts)
+        need = -(-tokens // self._state.page_size) - len(self.table.starts)
         if need > 0:
-            got = self.tier.controller.allocate(need)
+            got = self._state.controller.allocate(need)
             if got is None:
                 raise KvtierError(
                     f"kvtier host pool full: {tokens} tokens of this sequence do not fit next to the pages other "
-                    f"live caches hold (KVTier(host_tokens={self.tier.host_tokens})); raise host_tokens")
+                    f"live caches hold (KVTier(host_tokens={self._state.host_tokens})); raise host_tokens")
             self.table.starts += got
             self.table.keys += [None] * len(got)
 
     def _load(self, win: _Window, layer_idx: int, tokens: int) -> None:
         """Host -> slot of ``layer_idx``: its first ``tokens`` tokens (whole pages), on the transfer stream
         after the compute stream's work so far (the slot's previous user included)."""
-        tier = self.tier
+        st = self._state
         s = layer_idx % win.window
-        host, dev = self._slots(0, -(-tokens // tier.page_size))
-        win.loaded[s] = self._transfer(win, layer_idx, host, dev, to_host=False)
+        host, dev = self._slots(0, -(-tokens // st.page_size))
+        win.loaded[s] = st.transfer(win, layer_idx, host, dev, to_host=False)
         win.state[s] = (layer_idx, tokens, self._epoch)
-        tier.stats.layer_loads += 1
-
-    def _transfer(self, win: _Window, layer_idx: int, host: torch.Tensor, dev: torch.Tensor, *, to_host: bool) -> Any:
-        """One layer between host pages and its window slot. On CUDA: on the transfer stream, after the compute
-        stream's work so far, submitted by a native thread (the Python thread never waits on the driver, so the
-        model's next kernels are enqueued meanwhile) in order after the tier's previous transfer; returns what
-        the slot's next user waits for (:meth:`_wait`). On the CPU: done on return (None)."""
-        tier = self.tier
-        if tier.stream is None:
-            copy = tier.host.backup_from_device_per_layer if to_host else tier.host.load_to_device_per_layer
-            copy(win, host, dev, layer_idx, "direct")
-            return None
-        after = torch.cuda.current_stream(tier.device).record_event()
-        events = [torch.cuda.Event() for _ in range(tier._lanes)]
-        for ev in events:
-            ev.record(tier.stream)  # (creates it; the transfer records it again after its copies)
-        with torch.cuda.stream(tier.stream):
-            sub = tier.host._copy_layer(win, host, dev, layer_idx, "direct", to_host=to_host, events=events, after=after,
-                                        previous=tier._sub)
-        if sub is not None:
-            tier._sub = sub
-            with tier._subs_lock:
-                tier._subs.append(sub)
-        return sub, events
-
-    @staticmethod
-    def _wait(stream: Any, pending: Any) -> None:
-        """``stream`` waits for a transfer from :meth:`_transfer` (once its events are recorded)."""
-        if pending is None or stream is None:
-            return
-        sub, events = pending
-        if sub is not None:
-            sub.wait_recorded(0)
-        for ev in events:
-            stream.wait_event(ev)
+        st.stats.layer_loads += 1
 
     # ------------------------------------------------------------------ the Cache API
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        tier = self.tier
-        tier._check_open()
+        st = self._state
+        st.check_open()
         if self._released:
             raise ClosedError("this KvtierCache was released; make a new one with KVTier.cache()")
-        if not 0 <= layer_idx < tier.layers:
-            raise InvalidArgumentError(f"invalid argument `layer_idx`: {layer_idx} not in [0, {tier.layers})")
+        if not 0 <= layer_idx < st.layers:
+            raise InvalidArgumentError(f"invalid argument `layer_idx`: {layer_idx} not in [0, {st.layers})")
         if key_states.dim() == 4 and key_states.shape[0] != 1:
             raise InvalidArgumentError(f"invalid argument `key_states`: a batch of {key_states.shape[0]} sequences; kvtier's "
                                        "cache holds one (batch size 1, no beam search or num_return_sequences > 1)")
-        want_k, want_v = (1, tier.heads, key_states.shape[-2], tier.k_dim), (1, tier.heads, key_states.shape[-2], tier.v_dim)
-        if tuple(key_states.shape) != want_k or tuple(value_states.shape) != want_v or key_states.dtype != tier.dtype \
-                or value_states.dtype != tier.dtype or key_states.device != tier.device:
+        want_k, want_v = (1, st.heads, key_states.shape[-2], st.k_dim), (1, st.heads, key_states.shape[-2], st.v_dim)
+        if tuple(key_states.shape) != want_k or tuple(value_states.shape) != want_v or key_states.dtype != st.dtype \
+                or value_states.dtype != st.dtype or key_states.device != st.device:
             raise InvalidArgumentError(
-                f"invalid argument `key_states`/`value_states`: expected {want_k} and {want_v} {tier.dtype} on "
-                f"{tier.device} (batch size 1), got {tuple(key_states.shape)} {key_states.dtype} and "
+                f"invalid argument `key_states`/`value_states`: expected {want_k} and {want_v} {st.dtype} on "
+                f"{st.device} (batch size 1), got {tuple(key_states.shape)} {key_states.dtype} and "
                 f"{tuple(value_states.shape)} {value_states.dtype} on {key_states.device}")
-        ps, layer = tier.page_size, self.layers[layer_idx]
+        ps, layer = st.page_size, self.layers[layer_idx]
         t0 = layer.get_seq_length()
         t1 = t0 + key_states.shape[-2]
         self._grow(t1)
         win = self._ensure_window(t1)
         s = layer_idx % win.window
         if t0 and win.state[s] != (layer_idx, t0, self._epoch):
-            tier.stats.on_demand_loads += 1
+            st.stats.on_demand_loads += 1
             self._load(win, layer_idx, t0)
-        compute = torch.cuda.current_stream(tier.device) if tier.cuda else None
-        self._wait(compute, win.loaded[s])
+        compute = torch.cuda.current_stream(st.device) if st.cuda else None
+        st.wait(compute, win.loaded[s])
         ks, vs = win.k_slots[s], win.v_slots[s]
         ks[ps + t0 : ps + t1].copy_(key_states[0].transpose(0, 1))
         vs[ps + t0 : ps + t1].copy_(value_states[0].transpose(0, 1))
@@ -339,15 +344,15 @@ class KvtierCache(DynamicCache):
         host, dev = self._slots(t0 // ps, -(-t1 // ps))
         # the slot's next user: the layer `window` ahead, or past the last layer the next forward's layer of
         # the same slot (layers need not be a multiple of the window)
-        nxt = layer_idx + win.window if layer_idx + win.window < tier.layers else layer_idx % win.window
+        nxt = layer_idx + win.window if layer_idx + win.window < st.layers else layer_idx % win.window
         nxt_len = self.layers[nxt].get_seq_length()
         # the slot's next writer (a load below, ordered after it on the transfer stream, or the compute stream
         # when no load is needed, as in a prefill) must wait until the backup has read it
-        win.loaded[s] = self._transfer(win, layer_idx, host, dev, to_host=True)
+        win.loaded[s] = st.transfer(win, layer_idx, host, dev, to_host=True)
         if nxt != layer_idx and nxt_len:
             self._load(win, nxt, nxt_len)
-        if layer_idx == tier.layers - 1:
-            tier.stats.computed_tokens += t1 - t0
+        if layer_idx == st.layers - 1:
+            st.stats.computed_tokens += t1 - t0
             self._adopt(t1)
         return keys, values
 
@@ -358,7 +363,7 @@ class KvtierCache(DynamicCache):
         if len(self._fed) != tokens:
             self._unverified()
             return
-        ps, tier = self.tier.page_size, self.tier
+        ps, st = self._state.page_size, self._state
         first, full = self._adopted, tokens // ps
         if full <= first:
             return
@@ -373,13 +378,13 @@ class KvtierCache(DynamicCache):
         keys = self._salted(chain)
         self._chain[first:] = chain
         self._page_keys[first:] = keys
-        event = tier._fence()
+        event = st.fence()
         stored = [k in self._stored for k in keys] if self._stored else None
-        took = tier.controller.adopt(keys, self.table.starts[first:full], event=event, stored=stored)
+        took = st.controller.adopt(keys, self.table.starts[first:full], event=event, stored=stored)
         for j, (k, ok) in enumerate(zip(keys, took), start=first):
             if ok:
                 self.table.keys[j] = k
-        tier.stats.adopted_pages += sum(took)
+        st.stats.adopted_pages += sum(took)
         self._adopted = full
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -398,21 +403,21 @@ class KvtierCache(DynamicCache):
         self._truncate(0)
 
     def _truncate(self, tokens: int) -> None:
-        tier, ps = self.tier, self.tier.page_size
-        tier._check_open()
+        st, ps = self._state, self._state.page_size
+        st.check_open()
         keep = -(-tokens // ps)
-        self.table.release(tier, keep)
+        self.table.release(st, keep)
         j = tokens // ps
         shared = self.table.keys[j] if tokens % ps else None
         if shared is not None:  # a shared page gets written again: copy it first
-            got = tier.controller.allocate(1)
+            got = st.controller.allocate(1)
             if got is None:
                 raise KvtierError("kvtier host pool full: no page to copy a shared page into; raise host_tokens")
-            tier._drain()
+            st.drain()
             old, new = self.table.starts[j] // ps, got[0] // ps
-            for buf in (tier.host.k_buffer, tier.host.v_buffer):
+            for buf in (st.host.k_buffer, st.host.v_buffer):
                 buf[new].copy_(buf[old])
-            tier.controller.release([shared])
+            st.controller.release([shared])
             self.table.starts[j], self.table.keys[j] = got[0], None
         self._adopted = min(self._adopted, j)
         del self._page_keys[j:]
@@ -450,16 +455,16 @@ class KvtierCache(DynamicCache):
     def host_kv(self, layer_idx: int, tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of layer ``layer_idx``'s K and V of the first ``tokens`` tokens as kvtier holds them on the
         host, shaped as transformers' caches (``(1, heads, tokens, dim)``): for checks."""
-        tier, ps = self.tier, self.tier.page_size
-        tier._check_open()
+        st, ps = self._state, self._state.page_size
+        st.check_open()
         tokens = self.get_seq_length(layer_idx) if tokens is None else tokens
-        if not 0 <= layer_idx < tier.layers or not 0 <= tokens <= self.get_seq_length(layer_idx):
+        if not 0 <= layer_idx < st.layers or not 0 <= tokens <= self.get_seq_length(layer_idx):
             raise InvalidArgumentError(f"invalid argument `layer_idx`/`tokens`: {layer_idx}, {tokens}")
-        tier._drain()
+        st.drain()
         pages = [s // ps for s in self.table.starts[: -(-tokens // ps)]]
         out = []
-        for buf in (tier.host.k_buffer, tier.host.v_buffer):  # (pages, layers, page_size, heads, dim)
-            rows = buf[pages, layer_idx].reshape(-1, tier.heads, buf.shape[-1])[:tokens]
+        for buf in (st.host.k_buffer, st.host.v_buffer):  # (pages, layers, page_size, heads, dim)
+            rows = buf[pages, layer_idx].reshape(-1, st.heads, buf.shape[-1])[:tokens]
             out.append(rows.transpose(0, 1).unsqueeze(0).contiguous())
         return out[0], out[1]
 
@@ -470,4 +475,4 @@ class KvtierCache(DynamicCache):
 
     def __repr__(self) -> str:
         return (f"KvtierCache(tokens={self.get_seq_length()}, restored={self.restored_tokens}, "
-                f"window={self.tier.window}/{self.tier.layers})")
+                f"window={self._state.window}/{self._state.layers})")

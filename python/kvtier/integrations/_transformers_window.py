@@ -3,12 +3,11 @@ layer slots, seen as a kvtier device pool) and :class:`_Table` (the sequence's h
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from .transformers import KVTier
+from ._transformers_state import TierRuntime
 
 
 class _Window:
@@ -61,18 +60,18 @@ class _Table:
         self.starts: list[int] = []
         self.keys: list[str | None] = []
 
-    def release(self, tier: KVTier, first: int = 0) -> None:
+    def release(self, state: TierRuntime, first: int = 0) -> None:
         starts, keys = self.starts[first:], self.keys[first:]
         del self.starts[first:], self.keys[first:]
-        if tier._closed or not starts:
+        if state.closed or not starts:
             return
-        tier._drain()  # no transfer in flight may still touch a page given back
-        tier.controller.release([k for k in keys if k is not None])
-        tier.controller.free([s for s, k in zip(starts, keys) if k is None])
+        state.drain()  # no transfer in flight may still touch a page given back
+        state.controller.release([k for k in keys if k is not None])
+        state.controller.free([s for s, k in zip(starts, keys) if k is None])
 
 
-def _release(tier: KVTier, table: _Table) -> None:
+def _release(state: TierRuntime, table: _Table) -> None:
     try:
-        table.release(tier)
+        table.release(state)
     except Exception:  # noqa: BLE001 - a finalizer never raises; the pages are then lost to this pool only
         pass

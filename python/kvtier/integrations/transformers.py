@@ -39,10 +39,9 @@ import hashlib
 import inspect
 import json
 import os
-import threading
 import warnings
 import weakref
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 from collections.abc import Sequence
 
@@ -50,15 +49,16 @@ import torch
 import transformers
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from .._errors import ClosedError, InvalidArgumentError
+from .._errors import InvalidArgumentError
 from ..config import parse_size
 from ..controller import TierController
 from ..planner import PrefillModel
 from ..pools import host_pool_for
 from ..store import DEFAULT_CAPACITY, PageStore
 from ._transformers_cache import KvtierCache
+from ._transformers_plan import calibrate as _calibrate
+from ._transformers_state import TierRuntime, TransformersStats
 from ._transformers_window import _Window
-from ._transformers_plan import Marks, after_forward, before_forward, calibrate as _calibrate
 
 __all__ = ["KVTier", "KvtierCache", "TransformersStats", "TESTED_TRANSFORMERS", "RESTORE_MODES", "cache_kwarg"]
 
@@ -73,22 +73,6 @@ TESTED_TRANSFORMERS: frozenset[str] = frozenset({"5.19.0", "5.20.2", "5.24.0"})
 _NOT_KV = {"_name_or_path", "transformers_version", "use_cache", "output_attentions", "output_hidden_states",
            "return_dict", "_commit_hash", "dtype", "torch_dtype", "id2label", "label2id", "problem_type",
            "chunk_size_feed_forward", "tokenizer_class", "prefix", "task_specific_params"}
-
-
-@dataclass
-class TransformersStats:
-    """Counters of one :class:`KVTier` (every cache it made)."""
-
-    caches: int = 0
-    restored_pages: int = 0  # pages of a prompt served instead of computed ...
-    restored_host_pages: int = 0  # ... from the host pool
-    restored_store_pages: int = 0  # ... from the store (or the cluster tier behind it)
-    recomputed_head_tokens: int = 0  # cached tokens recomputed while the rest of their prefix loaded (split plans)
-    computed_tokens: int = 0  # tokens whose KV the model computed (summed over layers / layers)
-    adopted_pages: int = 0  # full pages handed to the index (then to the store)
-    layer_loads: int = 0  # host -> device per-layer loads
-    on_demand_loads: int = 0  # ... of which a layer waited for because it had not been prefetched
-    unverified_sequences: int = 0  # caches fed tokens the pre-hook did not see (nothing of them persisted)
 
 
 def _positive(name: str, value: Any) -> int:
@@ -184,7 +168,7 @@ class KVTier:
         if cluster is not None and (not isinstance(cluster, str) or store_dir is None):
             raise InvalidArgumentError("invalid argument `cluster`: a Mooncake master address (str), with `store_dir` set")
         if model_id is None:
-            name = getattr(config, "name_or_path", "") or getattr(config, "_name_or_path", "")
+            name = getattr(config, "name_or_path", "")
             if not name:
                 raise InvalidArgumentError(
                     "invalid argument `model_id`: the model has no name_or_path (it was built from a config), so "
@@ -234,14 +218,13 @@ class KVTier:
             raise InvalidArgumentError(f"invalid argument `model`: K has {heads} heads and V {v_heads}; kvtier needs equal")
         self.heads, self.k_dim, self.v_dim, self.dtype, self.device = heads, k_dim, v_dim, dtype, kv_device
         self.cuda = kv_device.type == "cuda"
-        self._text_config = text
         self.attn_implementation = getattr(text, "_attn_implementation", None)  # part of the namespace: checked per use
         fields = {k: v for k, v in text.to_dict().items() if k not in _NOT_KV}
         fields.update(_kvtier="transformers-v1", attn=getattr(text, "_attn_implementation", None), device=kv_device.type,
                       kv=[heads, k_dim, v_dim, str(dtype)])
         digest = hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:20]
         self.model_name = f"hf:{model_id}:{digest}"
-        self.stats = TransformersStats()
+        stats = TransformersStats()
         self._template = _Window(self.layers, 1, heads, k_dim, v_dim, dtype, kv_device, page_size, page_size)
         token_bytes = (k_dim + v_dim) * heads * self.layers * torch.empty((), dtype=dtype).element_size()
         if store_dir is not None and store_capacity_bytes < 2 * page_size * token_bytes:
@@ -282,11 +265,15 @@ class KVTier:
             self.host.close()
             raise
         self.stream = torch.cuda.Stream(kv_device) if self.cuda else None
-        self._sub: Any = None  # the last background submission on self.stream (transfers follow it in order)
-        self._subs: list[Any] = []  # every submission since the last fence: each one's error must be seen
-        self._subs_lock = threading.Lock()
         self._lanes = self.host.engine.lanes_for("direct", self.host.sides()) if self.cuda else 1
-        self._closed = False
+        self.restore = restore
+        # what the caches and the calibration share with this tier (they never see the KVTier's insides)
+        self._state = TierRuntime(layers=self.layers, window=window, heads=heads, k_dim=k_dim, v_dim=v_dim, dtype=dtype,
+                                  device=kv_device, page_size=page_size, host_tokens=host_tokens, host=self.host,
+                                  controller=self.controller, stats=stats, restore=restore, model=weakref.ref(model),
+                                  cache_kwarg=cache_kwarg(model), text_config=text,
+                                  attn_implementation=self.attn_implementation, stream=self.stream, lanes=self._lanes)
+        self._marks = self._state.marks
         tier_ref = weakref.ref(self)
 
         def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -294,30 +281,21 @@ class KVTier:
             cache = kwargs.get("cache", kwargs.get("past_key_values"))
             if tier is not None and isinstance(cache, KvtierCache) and cache.tier is tier:
                 ids = kwargs.get("input_ids", args[0] if args and isinstance(args[0], torch.Tensor) else None)
-                if getattr(tier._text_config, "_attn_implementation", None) != tier.attn_implementation:
-                    cache._unverified()  # KV computed another way than the namespace says: never kept
-                cache._fed_tokens(ids, kwargs)
-                if isinstance(ids, torch.Tensor) and ids.dim() == 2:
-                    before_forward(tier, cache, int(ids.shape[1]))
+                cache.before_forward(ids, kwargs)
 
         def done(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
             tier = tier_ref()
             cache = kwargs.get("cache", kwargs.get("past_key_values"))
             if tier is not None and isinstance(cache, KvtierCache) and cache.tier is tier:
-                after_forward(tier, cache)
+                cache.after_forward()
 
-        self.restore = restore
-        self._model = weakref.ref(model)
-        self._cache_kwarg = cache_kwarg(model)
-        self._marks = Marks(kv_device)
-        self._observe = True
         self._hook = model.register_forward_pre_hook(hook, with_kwargs=True)
         self._done_hook = model.register_forward_hook(done, with_kwargs=True)
         self._unwrap = _check_generate_inputs(model, tier_ref)
         # a tier dropped without close() leaves no hook behind
         weakref.finalize(self, _unhook, self._hook, self._done_hook, self._unwrap)
         if restore == "plan" and prefill is None and calibrate:
-            _calibrate(self, model, self._cache_kwarg, int(getattr(text, "vocab_size", 0) or 2))
+            _calibrate(self, self._state, model, int(getattr(text, "vocab_size", 0) or 2))
 
     # ------------------------------------------------------------------ public
     def cache(self, token_ids: Any, *, cache_salt: str | None = None) -> KvtierCache:
@@ -327,7 +305,7 @@ class KVTier:
         (set by the server, never taken from the caller's input): its pages are keyed for that tenant alone, in
         every tier (:func:`kvtier.tenants.tenant_keys`); ``None``: shared by every request without a salt."""
         self._check_open()
-        now = getattr(self._text_config, "_attn_implementation", None)
+        now = getattr(self._state.text_config, "_attn_implementation", None)
         if now != self.attn_implementation:
             raise InvalidArgumentError(
                 f"invalid argument `model`: its attention implementation changed from {self.attn_implementation!r} to "
@@ -336,20 +314,20 @@ class KVTier:
         self._marks.poll()
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise InvalidArgumentError(f"invalid argument `cache_salt`: a non-empty string or None, got {cache_salt!r}")
-        return KvtierCache(self, tokens, salt=cache_salt)
+        return KvtierCache(self, self._state, tokens, salt=cache_salt)
 
     def calibrate(self, lengths: Sequence[int] | None = None) -> None:
         """Time forwards of random tokens of each of ``lengths`` (default: a few up to 4K tokens) through a
         cache that keeps nothing, for the learned prefill model (also a warm-up of those shapes). Counters
         are left as they were. A no-op with a prefill model the caller fixed."""
         self._check_open()
-        model = self._model()
+        model = self._state.model()
         if model is None or not self.controller.prefill.learned:
             return
         if lengths is not None and (isinstance(lengths, (str, bytes)) or not all(
                 isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in lengths)):
             raise InvalidArgumentError(f"invalid argument `lengths`: positive token counts, got {lengths!r}")
-        _calibrate(self, model, self._cache_kwarg, int(getattr(self._text_config, "vocab_size", 0) or 2),
+        _calibrate(self, self._state, model, int(getattr(self._state.text_config, "vocab_size", 0) or 2),
                    None if lengths is None else list(lengths))
 
     def drop_host_copies(self) -> int:
@@ -365,37 +343,24 @@ class KVTier:
                 c._evict_locked(k)
         return len(victims)
 
-    def _joined(self) -> None:
-        """Every background submission has enqueued its copies; the first that failed raises its error."""
-        with self._subs_lock:
-            subs, self._subs = self._subs, []
-        for sub in subs:
-            sub.join()
+    @property
+    def stats(self) -> TransformersStats:
+        """Counters of this tier (every cache it made)."""
+        return self._state.stats
 
     def _drain(self) -> None:
         """Wait until every transfer this tier issued has completed (a failed one raises its error)."""
-        self._joined()
-        if self.stream is not None:
-            self.stream.synchronize()
-
-    def _fence(self) -> Any:
-        """A CUDA event after every transfer this tier has issued so far (None on the CPU); raises the error of
-        any that failed, so nothing is adopted after a backup that did not happen."""
-        if self.stream is None:
-            return None
-        self._joined()  # their copies are enqueued: an event recorded now follows them
-        return self.stream.record_event()
+        self._state.drain()
 
     def _check_open(self) -> None:
-        if self._closed:
-            raise ClosedError("KVTier is closed")
+        self._state.check_open()
 
     def close(self) -> None:
         """Wait for the store writes, then release the host pool and the store. Caches made by this tier must
         not be used afterwards."""
-        if self._closed:
+        if self._state.closed:
             return
-        self._closed = True
+        self._state.closed = True
         _unhook(self._hook, self._done_hook, self._unwrap)
         self._marks.poll(wait=True)
         self._drain()
@@ -437,7 +402,7 @@ def _check_generate_inputs(model: Any, tier_ref: Any) -> Any:
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         if tier is not None and isinstance(cache, KvtierCache) and cache.tier is tier and isinstance(input_ids, torch.Tensor) \
                 and input_ids.dim() == 2 and input_ids.shape[0] == 1:
-            cache._check_sequence(input_ids, bool(kwargs.get("is_first_iteration")))
+            cache.check_generate_inputs(input_ids, bool(kwargs.get("is_first_iteration")))
         return original(input_ids, *args, **kwargs)
 
     model.prepare_inputs_for_generation = prepare

@@ -1,0 +1,159 @@
+"""What one :class:`~kvtier.integrations.transformers.KVTier` shares with its caches and its calibration:
+:class:`TierRuntime` (the model's KV geometry, the host pool and controller, the counters, the tier's transfer
+stream and its clock), with the counters (:class:`TransformersStats`) and the clock (:class:`Marks`).
+
+The bottom of the transformers integration: it imports nothing of it. ``KVTier`` builds one runtime and hands it
+to every cache it makes; the user never receives it.
+
+Nothing here waits for the GPU: a forward is timed by two CUDA events (the clock on the CPU) and read once the
+later one has passed, at the next forward or the next restore."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .._errors import ClosedError
+
+
+@dataclass
+class TransformersStats:
+    """Counters of one :class:`KVTier` (every cache it made)."""
+
+    caches: int = 0
+    restored_pages: int = 0  # pages of a prompt served instead of computed ...
+    restored_host_pages: int = 0  # ... from the host pool
+    restored_store_pages: int = 0  # ... from the store (or the cluster tier behind it)
+    recomputed_head_tokens: int = 0  # cached tokens recomputed while the rest of their prefix loaded (split plans)
+    computed_tokens: int = 0  # tokens whose KV the model computed (summed over layers / layers)
+    adopted_pages: int = 0  # full pages handed to the index (then to the store)
+    layer_loads: int = 0  # host -> device per-layer loads
+    on_demand_loads: int = 0  # ... of which a layer waited for because it had not been prefetched
+    unverified_sequences: int = 0  # caches fed tokens the pre-hook did not see (nothing of them persisted)
+
+
+class Marks:
+    """Points in time on the model's device: ``mark()`` now; ``after(start, end, fn)`` calls ``fn(seconds)``
+    once ``end`` has passed (polled by :meth:`poll`, never waited for)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self._waiting: list[tuple[Any, Any, Any]] = []
+
+    def mark(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
+
+    def after(self, start: Any, end: Any, fn: Any) -> None:
+        self._waiting.append((start, end, fn))
+        if len(self._waiting) > 256:  # a caller that never polls: keep the newest
+            del self._waiting[:128]
+
+    def poll(self, wait: bool = False) -> None:
+        keep = []
+        for start, end, fn in self._waiting:
+            if not self.cuda:
+                fn(end - start)
+            elif wait or end.query():
+                end.synchronize()
+                fn(start.elapsed_time(end) / 1e3)
+            else:
+                keep.append((start, end, fn))
+        self._waiting = keep
+
+
+class TierRuntime:
+    """The state one ``KVTier`` and its caches share (every attribute is read by both; ``KVTier`` builds it).
+
+    Geometry: ``layers``, ``window``, ``heads``, ``k_dim``, ``v_dim``, ``dtype``, ``device``, ``cuda``,
+    ``page_size``, ``host_tokens``. Tiers: ``host`` (the pinned host pool), ``controller``. The model:
+    ``model`` (a weak reference), ``cache_kwarg`` (the name its forward takes a cache by), ``text_config`` and
+    ``attn_implementation`` (the attention the namespace was made with). Policy and counters: ``restore``,
+    ``stats``. Measuring: ``marks`` (the clock), ``observe`` (whether forwards are timed now). Transfers:
+    ``stream`` (None on the CPU), ``lanes``, and :meth:`transfer` / :meth:`drain` / :meth:`fence`.
+    ``closed``: set by ``KVTier.close``."""
+
+    def __init__(self, *, layers: int, window: int, heads: int, k_dim: int, v_dim: int, dtype: torch.dtype,
+                 device: torch.device, page_size: int, host_tokens: int, host: Any, controller: Any,
+                 stats: TransformersStats, restore: str, model: Any, cache_kwarg: str, text_config: Any,
+                 attn_implementation: Any, stream: Any, lanes: int) -> None:
+        self.layers, self.window, self.heads, self.k_dim, self.v_dim = layers, window, heads, k_dim, v_dim
+        self.dtype, self.device, self.cuda = dtype, device, device.type == "cuda"
+        self.page_size, self.host_tokens = page_size, host_tokens
+        self.host, self.controller, self.stats, self.restore = host, controller, stats, restore
+        self.model, self.cache_kwarg = model, cache_kwarg
+        self.text_config, self.attn_implementation = text_config, attn_implementation
+        self.marks = Marks(device)
+        self.observe = True
+        self.stream, self.lanes = stream, lanes
+        self.closed = False
+        self._sub: Any = None  # the last background submission on self.stream (transfers follow it in order)
+        self._subs: list[Any] = []  # every submission since the last fence: each one's error must be seen
+        self._subs_lock = threading.Lock()
+
+    def check_open(self) -> None:
+        """Raises :class:`ClosedError` once the tier is closed."""
+        if self.closed:
+            raise ClosedError("KVTier is closed")
+
+    def transfer(self, win: Any, layer_idx: int, host: torch.Tensor, dev: torch.Tensor, *, to_host: bool) -> Any:
+        """One layer between host pages and its window slot. On CUDA: on the transfer stream, after the compute
+        stream's work so far, submitted by a native thread (the Python thread never waits on the driver, so the
+        model's next kernels are enqueued meanwhile) in order after the tier's previous transfer; returns what
+        the slot's next user waits for (:meth:`wait`). On the CPU: done on return (None)."""
+        if self.stream is None:
+            copy = self.host.backup_from_device_per_layer if to_host else self.host.load_to_device_per_layer
+            copy(win, host, dev, layer_idx, "direct")
+            return None
+        after = torch.cuda.current_stream(self.device).record_event()
+        events = [torch.cuda.Event() for _ in range(self.lanes)]
+        for ev in events:
+            ev.record(self.stream)  # (creates it; the transfer records it again after its copies)
+        with torch.cuda.stream(self.stream):
+            sub = self.host._copy_layer(win, host, dev, layer_idx, "direct", to_host=to_host, events=events, after=after,
+                                        previous=self._sub)
+        if sub is not None:
+            self._sub = sub
+            with self._subs_lock:
+                self._subs.append(sub)
+        return sub, events
+
+    @staticmethod
+    def wait(stream: Any, pending: Any) -> None:
+        """``stream`` waits for a transfer from :meth:`transfer` (once its events are recorded)."""
+        if pending is None or stream is None:
+            return
+        sub, events = pending
+        if sub is not None:
+            sub.wait_recorded(0)
+        for ev in events:
+            stream.wait_event(ev)
+
+    def _joined(self) -> None:
+        """Every background submission has enqueued its copies; the first that failed raises its error."""
+        with self._subs_lock:
+            subs, self._subs = self._subs, []
+        for sub in subs:
+            sub.join()
+
+    def drain(self) -> None:
+        """Wait until every transfer this tier issued has completed (a failed one raises its error)."""
+        self._joined()
+        if self.stream is not None:
+            self.stream.synchronize()
+
+    def fence(self) -> Any:
+        """A CUDA event after every transfer this tier has issued so far (None on the CPU); raises the error of
+        any that failed, so nothing is adopted after a backup that did not happen."""
+        if self.stream is None:
+            return None
+        self._joined()  # their copies are enqueued: an event recorded now follows them
+        return self.stream.record_event()
