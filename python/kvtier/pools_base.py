@@ -379,7 +379,7 @@ class HostKVPool:
         pairs, p, route = self.prepare(device_pool, host_indices, device_indices, io_backend, True, True)
         self._engine.copy(pairs, p, layer_id, layer_id + 1, to_host=True, backend=io_backend, route=route)
 
-    def _copy_layer(self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor, layer_id: int,
+    def copy_layer(self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor, layer_id: int,
                     io_backend: str, *, to_host: bool, events: Any, after: Any = None, previous: Any = None) -> Any:
         """One layer either way (the copies of ``backup_from_device_per_layer`` / ``load_to_device_per_layer``),
         recording ``events`` (one per lane) after it; ``direct`` copies are submitted by a native thread (the

@@ -118,7 +118,7 @@ class TierRuntime:
         for ev in events:
             ev.record(self.stream)  # (creates it; the transfer records it again after its copies)
         with torch.cuda.stream(self.stream):
-            sub = self.host._copy_layer(win, host, dev, layer_idx, "direct", to_host=to_host, events=events, after=after,
+            sub = self.host.copy_layer(win, host, dev, layer_idx, "direct", to_host=to_host, events=events, after=after,
                                         previous=self._sub)
         if sub is not None:
             self._sub = sub
