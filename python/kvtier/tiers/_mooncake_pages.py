@@ -72,7 +72,7 @@ class PageObjects:
         if (starts % ps).any() or (rows - starts[:, None] != np.arange(ps)).any():
             raise InvalidArgumentError("invalid argument `host_indices`: every page must be page_size consecutive "
                                        "slots starting at a multiple of page_size")
-        pages = starts // ps
+        pages: np.ndarray = starts // ps
         if pages.size and (pages.min() < 0 or pages.max() >= self.page_num):
             raise InvalidArgumentError(f"invalid argument `host_indices`: pages must lie in [0, {self.page_num})")
         return pages
