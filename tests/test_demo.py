@@ -3,7 +3,7 @@
 import subprocess
 import sys
 
-from kvtier.demo import run
+from kvtier.demo.tour import run
 
 
 def test_demo_verifies_everything(capsys):
@@ -26,7 +26,7 @@ def test_cli_bad_arguments_exit_nonzero_without_traceback():
 
 
 def test_toy_workload_where_transformers_is_missing():
-    from kvtier.workload import run_workload
+    from kvtier.demo.workload import run_workload
 
     out = run_workload(device="cpu", model="toy", n_conv=2, turns=2, quiet=True)
     assert out["failures"] == [] and out["model"] == "toy" and len(out["results"]) == 4
@@ -36,7 +36,7 @@ def test_the_workload_serves_a_real_architecture():
     import pytest
 
     pytest.importorskip("transformers")
-    from kvtier.workload import run_workload
+    from kvtier.demo.workload import run_workload
 
     out = run_workload(device="cpu", quiet=True, restore="all")
     sources = {r["source"] for r in out["results"]}
@@ -60,7 +60,7 @@ def test_the_demo_is_never_slower_than_no_tier():
     import pytest
 
     pytest.importorskip("transformers")
-    from kvtier.workload import run_workload
+    from kvtier.demo.workload import run_workload
 
     for _ in range(2):
         out = run_workload(device="cpu", quiet=True)

@@ -201,8 +201,8 @@ def test_failed_journal_append_loses_no_acknowledged_page(tmp_path, change):
         for k, p in acked.items():
             for j, side in enumerate(("k", "v")):
                 name = f"{k}.{side}"
-                if st._store().exists([name])[0]:
-                    assert st._store().get([name], [ptrs[j]], [sizes[j]]) == [True], f"acknowledged {name} lost"
+                if st.native_store().exists([name])[0]:
+                    assert st.native_store().get([name], [ptrs[j]], [sizes[j]]) == [True], f"acknowledged {name} lost"
                     got = (hp.k_buffer, hp.v_buffer)[j][63].view(torch.uint8)
                     assert torch.equal(got, want[p][j].view(torch.uint8)), f"{name}: wrong bytes"
                     checked += 1

@@ -66,7 +66,7 @@ def test_a_deployment_tenant_scopes_the_engine_keys(tmp_path):
         a.register_mem_pool_host(hp)
         assert a.batch_set_v1(keys, pages_idx(range(2))) == [True, True]
         assert a.batch_exists(keys) == 2
-        stored = {k.rsplit(".", 1)[0] for k in a._store().keys()}
+        stored = {k.rsplit(".", 1)[0] for k in a.native_store().keys()}
         assert stored == set(tenant_keys("acme", keys))
     with PageStore(tmp_path, capacity_bytes=1 << 30, tenant="other") as b:
         b.register_mem_pool_host(hp)
@@ -115,7 +115,7 @@ def test_a_wrong_key_or_a_flipped_byte_is_a_miss_never_served(tmp_path):
     with PageStore(tmp_path / "s", capacity_bytes=1 << 30, keyring=kr) as st:
         st.register_mem_pool_host(hp)
         assert all(st.batch_set_v1(keys, pages_idx(range(3))))
-        ns = st._store().dir
+        ns = st.native_store().dir
     # a flipped byte in page 1's K object: that page is a counted corrupt miss, the others are served
     data = [os.path.join(ns, f) for f in os.listdir(ns) if f.startswith("class-")]
     assert data
@@ -368,7 +368,7 @@ def test_a_damaged_record_in_the_middle_of_a_sealed_journal_costs_only_its_page(
     with PageStore(tmp_path / "s", capacity_bytes=1 << 30, keyring=kr) as st:
         st.register_mem_pool_host(hp)
         assert all(st.batch_set_v1(keys, pages_idx(range(len(keys)))))
-        journal = os.path.join(st._store().dir, "journal.log")
+        journal = os.path.join(st.native_store().dir, "journal.log")
     with open(journal, "r+b") as f:
         raw = bytearray(f.read())
         mid = raw.find(keys[2].encode())  # inside the third page's K record (its key follows the seal)

@@ -118,7 +118,7 @@ def test_erase_never_reports_success_while_a_namespace_of_the_directory_still_ho
     with PageStore(tmp_path / "s", capacity_bytes=1 << 30) as st:  # a clear store: pages in clear
         st.register_mem_pool_host(hp)
         assert all(st.batch_set_v1(alice, pages_idx([0, 1])))
-        ns_dir = st._store().dir
+        ns_dir = st.native_store().dir
     shutil.copytree(ns_dir, ns_dir + "-copy")  # a copy in the store directory
     r = _kvtier("erase", tmp_path / "s", "--tenant", "alice", "--yes")
     # the tenant's key names are still in the copy's journal (and its pages in its data files)
@@ -266,12 +266,12 @@ def test_a_sealed_object_moved_to_another_namespace_is_not_served(tmp_path):
     with PageStore(tmp_path / "s", capacity_bytes=1 << 30, keyring=kr, model_name="model-a") as a:
         a.register_mem_pool_host(hp)
         assert all(a.batch_set_v1(keys, pages_idx([0, 1])))
-        dir_a = a._store().dir
+        dir_a = a.native_store().dir
     hp_b = make_pool(seed=13)
     with PageStore(tmp_path / "s", capacity_bytes=1 << 30, keyring=kr, model_name="model-b") as b:
         b.register_mem_pool_host(hp_b)
         assert b.batch_exists(keys) == 0
-        dir_b = b._store().dir
+        dir_b = b.native_store().dir
     for f in os.listdir(dir_a):
         if f != "NAMESPACE" and os.path.isfile(os.path.join(dir_a, f)):
             shutil.copy2(os.path.join(dir_a, f), os.path.join(dir_b, f))

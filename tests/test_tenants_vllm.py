@@ -39,7 +39,7 @@ def test_vllm_salts_never_share_a_row_and_one_salt_does(tmp_path, managers):  # 
     store(m, alice, data)
     tier = m.secondary_tiers[0]
     # kvtier keeps vLLM's salted hash as the row's key (nothing stripped)
-    assert {k.rsplit(".", 1)[0] for k in tier.store._store().keys()} == {k.hex() for k in alice}
+    assert {k.rsplit(".", 1)[0] for k in tier.store.native_store().keys()} == {k.hex() for k in alice}
     assert tier_lookup(m, bob) == [LookupResult.MISS] * 3 and tier_lookup(m, none) == [LookupResult.MISS] * 3
     assert tier_lookup(m, alice) == [LookupResult.HIT] * 3
     shutdown(m)
@@ -58,7 +58,7 @@ def test_vllm_deployment_tenant_and_keyring(tmp_path, managers):  # noqa: F811
     data = random_rows(m, 3, seed=2)
     store(m, ks, data)
     tier = m.secondary_tiers[0]
-    assert {k.rsplit(".", 1)[0] for k in tier.store._store().keys()} == set(tenant_keys("acme", [k.hex() for k in ks]))
+    assert {k.rsplit(".", 1)[0] for k in tier.store.native_store().keys()} == set(tenant_keys("acme", [k.hex() for k in ks]))
     assert "|sealed=" in tier.store.namespace_for(None)
     assert tier_lookup(m, ks) == [LookupResult.HIT] * 3
     shutdown(m)

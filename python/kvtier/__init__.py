@@ -44,7 +44,7 @@ _LAZY = {
 }
 _SUBMODULES = {"buffer", "cli", "config", "controller", "demo", "hashes", "kernels", "metrics", "overlap", "planner", "pools",
                "pools_mla", "store", "testing",
-               "transfer", "workload", "benchmarks", "integrations", "tiers"}
+               "transfer", "benchmarks", "integrations", "tiers"}
 
 
 def __getattr__(name: str) -> Any:

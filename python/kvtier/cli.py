@@ -193,11 +193,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
         if not os.access(d if os.path.isdir(d) else os.path.dirname(d), os.W_OK):
             raise KvtierError(f"--store-dir {args.store_dir}: not writable")
     if args.cluster:
-        from .demo_cluster import run_cluster
+        from .demo.cluster import run_cluster
 
         return run_cluster(conversations=args.conversations, turns=args.turns, seed=args.seed,
                            store_dir=args.store_dir)
-    from .demo import run
+    from .demo.tour import run
 
     return run(layers=args.layers, pages=args.pages, seed=args.seed, conversations=args.conversations,
                turns=args.turns, keep=args.keep, store_dir=args.store_dir)

@@ -121,7 +121,7 @@ class KvtierCollector:
                 out.append(s.first)
             elif hasattr(s, "store") and hasattr(s, "batch_get_v1") and hasattr(s, "kvtier_stats"):  # KvtierStorage
                 out.append(s.store)
-                out.extend(p for p in getattr(s, "_pools", {}).values())
+                out.extend(getattr(s, "pool_stores", ()))
             else:
                 out.append(s)
         seen, unique = set(), []
@@ -190,7 +190,7 @@ class KvtierCollector:
         for i, s in enumerate(self.stores):
             planner = getattr(s, "planner", None)
             if planner is not None and hasattr(planner, "stats"):
-                sources.append((f"store{i}", planner.stats, getattr(getattr(s, "_v1", None), "measured", None)))
+                sources.append((f"store{i}", planner.stats, getattr(s, "measured", None)))
         if not sources:
             return
         for who, stats, measured in sources:

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 import torch
 
 from . import _native
+from .buffer import HostBuffer
 from .metrics import LatencyHistogram
 from .hashes import page_hashes  # noqa: F401 - kvtier.store.page_hashes stays importable
 from .planner import TierEstimate, TierMeter
@@ -162,12 +163,12 @@ class PageStore:
             f"|dcp={r['dcp'][0]}/{r['dcp'][1]}" if r["dcp"][1] > 1 else "")
         return (
             f"kvtier-v1|model={self.model_name}|tp={r['tp'][0]}/{r['tp'][1]}|pp={r['pp'][0]}/{r['pp'][1]}"
-            f"|cp={r['cp'][0]}/{r['cp'][1]}{extra}|dtype={self._dtype_of(pool)}|layout={pool.layout}"
+            f"|cp={r['cp'][0]}/{r['cp'][1]}{extra}|dtype={self.dtype_of(pool)}|layout={pool.layout}"
             f"|page={pool.page_size}|layers={pool.layer_num}|{_heads(pool)}"
             + (f"|sealed={self.keyring.id}" if self.keyring is not None else "")
         )
 
-    def _dtype_of(self, pool: Any) -> str:
+    def dtype_of(self, pool: Any) -> str:
         """The KV cache's logical dtype: the explicit ``kv_cache_dtype``, else what the pool (kvtier's:
         ``logical_dtype``) or its device pool says, else the dtype its bytes are stored as."""
         return logical_dtype(pool, self.kv_cache_dtype)
@@ -185,7 +186,7 @@ class PageStore:
                 f"invalid argument `pool`: layout {layout!r} cannot be served zero-copy; supported layouts: "
                 + ", ".join(repr(x) for x in PAGE_LAYOUTS)
             )
-        regions = [b._region for b in getattr(pool, "_buffers", [])]
+        regions = [b.region for b in host_buffers(pool)]
         tensors: list[torch.Tensor] = []
         if not regions:
             kv = getattr(pool, "kv_buffer", None)
@@ -280,7 +281,9 @@ class PageStore:
         """The host pool this store reads and writes (``None`` before ``register_mem_pool_host``)."""
         return self._pool
 
-    def _store(self) -> Any:
+    def native_store(self) -> Any:
+        """The open native store (``kvtier._native.PageStore``): for what has no method here, such as
+        another object's pages beside this namespace's; raises while it cannot be opened."""
         store = self._reader_store()
         if store is None:
             raise KvtierError(f"PageStore at {self.path}: the namespace does not exist yet (its writer has not "
@@ -345,7 +348,7 @@ class PageStore:
 
     def delete(self, keys: Sequence[str]) -> int:
         """Delete pages; returns how many pages had anything stored."""
-        return int(self._store().delete_pages(_keys(keys) if self.tenant is None else scope_keys(self.tenant, _keys(keys))))
+        return int(self.native_store().delete_pages(_keys(keys) if self.tenant is None else scope_keys(self.tenant, _keys(keys))))
 
     def erase_tenant(self, salt: str | None = None, *, tag: str | None = None) -> int:
         """Delete every page of one tenant (named by ``salt`` or by ``tag``) from this namespace; returns the
@@ -355,18 +358,18 @@ class PageStore:
         t = erase_tag(salt, tag)
         if self.read_only:
             return 0  # a reader erases nothing: the namespace's writer does
-        store = self._store()
+        store = self.native_store()
         pages = sorted({k.rsplit(".", 1)[0] for k in store.keys() if tenant_of(k) == t})
         return int(store.delete_pages(pages)) if pages else 0
 
     def clear(self) -> None:
         """Delete every page of this namespace."""
-        self._store().clear()
+        self.native_store().clear()
 
     def get_stats(self) -> dict[str, Any]:
         """Counters: pages and bytes stored, hits, misses, evictions, corrupt reads, write failures, read and
         write throughput (GB/s over the time spent in batches), O_DIRECT status."""
-        st = dict(self._store().stats())
+        st = dict(self.native_store().stats())
         st["pages"] = st["objects"] // self.page_kinds
         st["write_GBps"] = st["bytes_written"] / st["put_ns"] if st["put_ns"] else 0.0
         st["read_GBps"] = st["bytes_read"] / st["get_ns"] if st["get_ns"] else 0.0
@@ -376,7 +379,7 @@ class PageStore:
         """Re-read every object and check its checksum: ``{"checked", "corrupt", "unreadable"}`` (object
         keys). With ``repair=True`` the corrupt and unreadable objects are deleted and the journal is
         compacted (removing damaged records)."""
-        return dict(self._store().verify(repair))
+        return dict(self.native_store().verify(repair))
 
     def close(self) -> None:
         """Release the namespace (and its lock). Idempotent."""
@@ -400,6 +403,15 @@ def logical_dtype(pool: Any, kv_cache_dtype: str | None = None) -> str:
     dtype = (kv_cache_dtype or getattr(pool, "logical_dtype", None)
              or getattr(getattr(pool, "device_pool", None), "dtype", None) or pool.dtype)
     return str(dtype).removeprefix("torch.")
+
+
+def host_buffers(pool: Any) -> tuple[HostBuffer, ...]:
+    """The host buffers of a kvtier host pool; ``()`` for an engine's own pool (SGLang's keeps CPU tensors), whose
+    attributes, whatever they are named, are never kvtier buffers."""
+    buffers = getattr(pool, "buffers", None)
+    if not isinstance(buffers, tuple) or not all(isinstance(b, HostBuffer) for b in buffers):
+        return ()
+    return buffers
 
 
 def _keys(keys: Sequence[str]) -> list[str]:

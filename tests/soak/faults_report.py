@@ -7,7 +7,7 @@ import sys
 import time
 
 from kvtier import testing
-from kvtier.workload import run_workload
+from kvtier.demo.workload import run_workload
 
 CASES = [
     ("none", None, None, {}),

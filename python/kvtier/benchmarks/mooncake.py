@@ -44,7 +44,7 @@ def _pool(kind: str, g: dict, pages: int) -> Any:
     else:
         dp = DeviceKVPool(g["page"] * pages, g["page"], g["layers"], g["heads"], g["dk"], g["dv"], torch.bfloat16, "cpu")
     hp = host_pool_for(dp, layout="page_first_direct", host_to_device_ratio=2.0)
-    for b in hp._buffers:
+    for b in hp.buffers:
         t = b.as_tensor(torch.uint8, (b.nbytes,))
         t.copy_(torch.randint(0, 256, (b.nbytes,), dtype=torch.uint8))
     return hp
@@ -61,17 +61,18 @@ def run_case(name: str, c: LocalCluster, reps: int, keyring: Any = None) -> dict
     ps = hp.page_size
     tier = MooncakeTier(c.master_address, model_name=f"bench/{name}", keyring=keyring)
     tier.register_mem_pool_host(hp)
-    raw = tier._store
+    raw, objs = tier.client, tier.page_objects
+    assert objs is not None
     src, dst = _idx(ps, range(n)), _idx(ps, range(n, 2 * n))
-    names, ptrs, sizes = tier._objects([f"x{i}" for i in range(n)], src.view(-1, ps)[:, 0].numpy() // ps)
-    _, dptrs, _ = tier._objects([f"x{i}" for i in range(n)], dst.view(-1, ps)[:, 0].numpy() // ps)
+    names, ptrs, sizes = objs.objects([f"x{i}" for i in range(n)], src.view(-1, ps)[:, 0].numpy() // ps)
+    _, dptrs, _ = objs.objects([f"x{i}" for i in range(n)], dst.view(-1, ps)[:, 0].numpy() // ps)
     total = sum(sizes)
     rows: dict[str, list[float]] = {k: [] for k in ("raw_put", "raw_get", "kvtier_put", "kvtier_get")}
-    want = tier._ranges.crc32c(names, ptrs, sizes)
+    want = tier.ranges.crc32c(names, ptrs, sizes)
     checks: list[bool] = []  # after every get, raw or kvtier: the bytes that landed are the bytes sent
 
     def landed() -> bool:
-        return bool(tier._ranges.crc32c(names, dptrs, sizes) == want)
+        return bool(tier.ranges.crc32c(names, dptrs, sizes) == want)
 
     for r in range(reps):
         keys = [f"raw{r}_{k}" for k in names]

@@ -26,7 +26,7 @@ import time
 import torch
 
 import kvtier
-from kvtier import DeviceKVPool, PageStore, host_pool_for
+from kvtier import DeviceKVPool, PageStore, _native, host_pool_for
 
 from .._cleanup import remove_tree
 from ._common import bar_plot, check_plot_path, fs_type, out_dir, write_results
@@ -38,7 +38,7 @@ CASES = {
 THREADS = 16
 
 
-def _one_round(d, hp, keys, idx, n, c, total, keyring=None):
+def one_round(d, hp, keys, idx, n, c, total, keyring=None):
     """One fresh store: a warm fill deleted, then timed durable writes and verified reads of the same pages
     (sealed with ``keyring`` when given)."""
     st = PageStore(d, capacity_bytes=4 * total, io_threads=THREADS, keyring=keyring)
@@ -93,8 +93,8 @@ def run_case(name, c, root, reps):
     # ceiling: the same number of objects of each size, same queue depth
     cw, cr = [], []
     for _ in range(reps):
-        wk, rk, direct = kvtier._native.disk_roofline(root, ksize, n, THREADS)
-        wv, rv, _ = kvtier._native.disk_roofline(root, vsize, n, THREADS)
+        wk, rk, direct = _native.disk_roofline(root, ksize, n, THREADS)
+        wv, rv, _ = _native.disk_roofline(root, vsize, n, THREADS)
         # combine as time-weighted throughput over the same bytes
         cw.append(total / (n * ksize / wk + n * vsize / wv))
         cr.append(total / (n * ksize / rk + n * vsize / rv))
@@ -105,7 +105,7 @@ def run_case(name, c, root, reps):
     for rep in range(reps):
         d = os.path.join(root, f"store-{name}-{rep}")
         try:
-            w, r, ok_bits, o_direct = _one_round(d, hp, keys, idx, n, c, total)
+            w, r, ok_bits, o_direct = one_round(d, hp, keys, idx, n, c, total)
         finally:  # a failed or interrupted round leaves no store behind
             remove_tree(d)
         ws.append(w)

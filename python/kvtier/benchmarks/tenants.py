@@ -28,8 +28,7 @@ from typing import Any
 
 import torch
 
-import kvtier
-from kvtier import DeviceKVPool, PageStore, host_pool_for, page_hashes
+from kvtier import DeviceKVPool, PageStore, _native, host_pool_for, page_hashes
 
 from .._cleanup import remove_tree
 from ..buffer import HostBuffer
@@ -46,8 +45,8 @@ def seal_rate(reps: int = 5, mib: int = 4, count: int = 16) -> dict[str, float]:
         n = mib << 20
         buf = HostBuffer(2 * n * count, pin=False)
         buf.as_tensor(torch.uint8, (buf.nbytes,)).random_(0, 256)
-        ranges = kvtier._native.HostRanges()
-        ranges.register_region(buf._region)
+        ranges = _native.HostRanges()
+        ranges.register_region(buf.region)
         names = [f"t0123456789abcdef.obj{i}" for i in range(count)]
         src = [buf.ptr + i * n for i in range(count)]
         dst = [buf.ptr + (count + i) * n for i in range(count)]
@@ -88,15 +87,15 @@ def disk(root: str, reps: int, cases: list[str], pages: int | None) -> list[dict
         got: dict[str, list[float]] = {k: [] for k in ("ceil_w", "ceil_r", "clear_w", "clear_r", "sealed_w", "sealed_r")}
         exact = True
         for rep in range(reps):
-            wk, rk, _ = kvtier._native.disk_roofline(root, ksize, n, store_bench.THREADS)
-            wv, rv, _ = kvtier._native.disk_roofline(root, vsize, n, store_bench.THREADS)
+            wk, rk, _ = _native.disk_roofline(root, ksize, n, store_bench.THREADS)
+            wv, rv, _ = _native.disk_roofline(root, vsize, n, store_bench.THREADS)
             got["ceil_w"].append(total / (n * ksize / wk + n * vsize / wv))
             got["ceil_r"].append(total / (n * ksize / rk + n * vsize / rv))
             order = [("clear", None), ("sealed", kr)]
             for label, ring in (order if rep % 2 == 0 else order[::-1]):
                 d = os.path.join(root, f"{name}-{label}-{rep}")
                 try:
-                    w, r, ok, _ = store_bench._one_round(d, hp, keys, idx, n, c, total, keyring=ring)
+                    w, r, ok, _ = store_bench.one_round(d, hp, keys, idx, n, c, total, keyring=ring)
                 finally:
                     remove_tree(d)
                 got[f"{label}_w"].append(w)

@@ -196,7 +196,7 @@ class KvtierStorage(HiCacheStorage):
         extra = (f"|dp={r['dp'][0]}" if r["dp"][0] else "") + (f"|dcp={r['dcp'][0]}/{r['dcp'][1]}" if r["dcp"][1] > 1 else "")
         # (a KV pool's logical dtype, as the anchor's; a state pool's own: its buffers are named in full below)
         dtype = str(getattr(host_pool, "dtype", "")).removeprefix("torch.") if name in RANK_SHARDED_POOLS \
-            else self.store._dtype_of(host_pool)
+            else self.store.dtype_of(host_pool)
         ns = (f"kvtier-v1|model={self.store.model_name}|tp={tp[0]}/{tp[1]}|pp={r['pp'][0]}/{r['pp'][1]}"
               f"|cp={r['cp'][0]}/{r['cp'][1]}{extra}|pool={name}|dtype={dtype}|layout={getattr(host_pool, 'layout', None)}"
               f"|page={getattr(host_pool, 'page_size', 1)}")
@@ -323,7 +323,7 @@ class KvtierStorage(HiCacheStorage):
         if buf is None or buf.nbytes < nbytes:
             buf = HostBuffer(max(nbytes, 1 << 20), pin=False)
             with self._scratch_lock:
-                self.store._store().register_region(buf._region)
+                self.store.native_store().register_region(buf.region)
                 self._scratches.append(buf)
             self._local.scratch = buf
         return buf
@@ -336,7 +336,7 @@ class KvtierStorage(HiCacheStorage):
         raw = value.detach().contiguous().view(torch.uint8).reshape(-1).cpu()
         buf = self._scratch_for(raw.numel())
         buf.as_tensor(torch.uint8, (raw.numel(),)).copy_(raw)
-        return self.store._store().put([f"{key}.flat"], [buf.ptr], [raw.numel()])[0]
+        return self.store.native_store().put([f"{key}.flat"], [buf.ptr], [raw.numel()])[0]
 
     def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None) -> bool:
         return all(self.set(k, v) for k, v in zip(keys, values))
@@ -346,7 +346,7 @@ class KvtierStorage(HiCacheStorage):
             raise InvalidArgumentError("invalid argument `target_location`: expected the destination flat-page tensor")
         dst = target_location.view(torch.uint8).reshape(-1)
         buf = self._scratch_for(dst.numel())
-        if not self.store._store().get([f"{key}.flat"], [buf.ptr], [dst.numel()])[0]:
+        if not self.store.native_store().get([f"{key}.flat"], [buf.ptr], [dst.numel()])[0]:
             return None
         dst.copy_(buf.as_tensor(torch.uint8, (dst.numel(),)))
         return target_location
@@ -386,6 +386,15 @@ class KvtierStorage(HiCacheStorage):
         st = self.tiers.get_stats() if self.tiers is not None else self.store.get_stats()
         st["restore_planner"] = self.planner.stats.as_dict()
         return st
+
+    @property
+    def pool_stores(self) -> tuple[PoolStore, ...]:
+        """The stores of the extra pools registered through the v2 interface (one namespace each)."""
+        return tuple(self._pools.values())
+
+    def measured(self) -> dict[str, Any]:
+        """What the tiers behind the v1 batches measured about themselves (the page store's, or the chain's)."""
+        return dict(self._v1.measured())
 
     def close(self) -> None:
         if self.tiers is not None:

@@ -10,8 +10,11 @@ import zlib
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from .. import _native
 from .._errors import InvalidArgumentError
+from ..tenants import tenant_of
 
 PROTOCOLS = ("tcp", "rdma")
 MAGIC, VERSION = b"KVTM", 1
@@ -147,3 +150,58 @@ class Taint:
         if key in self._recent:
             return True
         return self.spilled > 0 and all(self._filter[p >> 3] >> (p & 7) & 1 for p in self._positions(key))
+
+
+def check_read(m: Any, n_pages: int, res: Sequence[int], rview: np.ndarray, keys: Sequence[str], names: Sequence[str],
+               ptrs: Sequence[int], sizes: Sequence[int], ranges: Any, seal: Any,
+               accept_unverified: bool) -> tuple[list[int], list[int], list[int], int]:
+    """Which pages of one read (``m``: the tier's :class:`~kvtier.tiers._mooncake_pages.PageObjects`; ``res``:
+    Mooncake's results, the records' first, then each page's data objects; ``rview``: the record buffer) arrived
+    whole and match their records: ``(served, unverified, corrupt, stale)`` — the pages served, the pages served
+    without a record (``accept_unverified``), the pages whose record vouches for bytes that are not there, and
+    how many records were another geometry's, version's or torn. A sealed tier's (``seal``) pages are opened in
+    place, and served only if every tag verifies."""
+    k = len(m.sides)
+    served: list[int] = []
+    unverified: list[int] = []
+    bad: list[int] = []
+    stale = 0
+    check: list[tuple[int, list[tuple[int, int]]]] = []
+    seals: dict[int, bytes] = {}
+    for i in range(n_pages):
+        arrived = all(res[n_pages + i * k + s] == sizes[i * k + s] for s in range(k))
+        rec = None
+        if res[i] == m.rec_bytes:
+            raw = rview[i * m.slot: i * m.slot + m.rec_bytes].tobytes()
+            rec = parse_record(raw, m.fp, k, seal is not None)
+            if rec is not None and seal is not None:
+                seals[i] = record_seals(raw, k)
+            if rec is None or any(rec[s][0] != sizes[i * k + s] for s in range(k)):
+                stale += 1  # another geometry, dtype or version under this key, or a torn record
+                continue
+        elif res[i] > 0 or res[i] == TOO_SMALL:
+            stale += 1  # a record of another size: not one of ours
+            continue
+        if not arrived:
+            got = [res[n_pages + i * k + s] for s in range(k)]
+            if rec is not None and any(g == TOO_SMALL or 0 < g != want for g, want in zip(got, sizes[i * k:(i + 1) * k])):
+                bad.append(i)  # recorded, but an object came back truncated or extended
+            continue
+        if rec is None:
+            if accept_unverified:  # data without a record: a stock SGLang page, served by option
+                unverified.append(i)
+            continue
+        check.append((i, rec))
+    if check:
+        objs = [j for i, _ in check for j in range(i * k, (i + 1) * k)]
+        crcs = ranges.crc32c([names[j] for j in objs], [ptrs[j] for j in objs], [sizes[j] for j in objs])
+        good = [i for n, (i, rec) in enumerate(check) if all(crcs[n * k + s] == rec[s][1] for s in range(k))]
+        if seal is not None and good:
+            objs = [j for i in good for j in range(i * k, (i + 1) * k)]
+            opened = seal.open([names[j] for j in objs], [ptrs[j] for j in objs], [sizes[j] for j in objs],
+                               [tenant_of(keys[j // k]) for j in objs], b"".join(seals[i] for i in good))
+            good = [i for n, i in enumerate(good) if all(opened[n * k:(n + 1) * k])]
+        served = good
+        kept = set(good)
+        bad += [i for i, _ in check if i not in kept]
+    return served, unverified, bad, stale

@@ -21,7 +21,6 @@ before this tier in a :class:`kvtier.tiers.TieredStore`.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -34,12 +33,12 @@ from .. import _native
 from .._errors import ClosedError, InvalidArgumentError, KvtierError
 from ..buffer import HostBuffer
 from ..planner import TierEstimate, TierMeter
-from ..store import PAGE_LAYOUTS, _heads, _keys, _page_layout, logical_dtype
+from ..store import PAGE_LAYOUTS, _keys, _page_layout, host_buffers
 from ._mooncake_env import connect
+from ._mooncake_pages import PageObjects, RegisteredScratch
 from ..tenants import erase_tag, open_keyring, scope_keys, tenant_of
 from ._mooncake_seal import SealedCopies
-from ._records import (NO_KEY, SEAL, SLOT, TOO_SMALL, Taint, parse_record, record_bytes, record_seals, record_size,
-                       validate_options)
+from ._records import NO_KEY, SEAL, Taint, check_read, validate_options
 
 class MooncakeTier:
     """See the module docs. Same batch interface as :class:`kvtier.PageStore`.
@@ -101,7 +100,7 @@ class MooncakeTier:
         self.master_server_address = master_server_address
         self.page_bytes = 0
         self._pool: Any = None
-        self._layout: tuple[int, ...] | None = None
+        self._objs: PageObjects | None = None  # the registered pool's pages as Mooncake objects
         self._ranges = _native.HostRanges()
         self._lock = threading.Lock()
         self._stats: dict[str, float] = dict.fromkeys(("hits", "misses", "corrupt", "stale", "unverified_served", "unverified_skipped",
@@ -114,19 +113,15 @@ class MooncakeTier:
         self.meter = TierMeter(self.name)
         self._cv = threading.Condition()
         self._inflight = 0
-        self._local = threading.local()
-        self._buffers: list[HostBuffer] = []
         #: page keys served without a record (bounded, oldest forgotten first); never adopted, never filled
         self._unverified = Taint()  # keys served without a record: never vouched for nor filled, however many
-        self._adopt: HostBuffer | None = None  # read-back space for objects stored without a record
-        self._adopt_lock = threading.Lock()
         self._store, self._replicate = connect(master_server_address, protocol, device_name, local_hostname,
                                                metadata_server, global_segment_size, local_buffer_size, replica_num,
                                                setup_timeout_s)
+        self._scratch = RegisteredScratch(self._store, self._ranges)
 
     # ------------------------------------------------------------------ set-up
     validate_options = staticmethod(validate_options)
-
 
     def register_mem_pool_host(self, pool: Any) -> None:
         """Attach the host pool (kvtier's or SGLang's, page-first layouts): its memory is registered with
@@ -141,12 +136,12 @@ class MooncakeTier:
                                        f"cluster tier; supported: {PAGE_LAYOUTS}")
         page_num = int(getattr(pool, "page_num", None) or pool.size // pool.page_size)
         lay = _page_layout(pool, page_num)
-        regions = [b._region for b in getattr(pool, "_buffers", [])]
+        buffers = host_buffers(pool)
         spans: list[tuple[int, int]] = []
-        if regions:
-            for r in regions:
-                self._ranges.register_region(r)
-            spans = [(b.ptr, b.nbytes) for b in pool._buffers]
+        if buffers:
+            for b in buffers:
+                self._ranges.register_region(b.region)
+            spans = [(b.ptr, b.nbytes) for b in buffers]
         else:
             kv = pool.kv_buffer
             for t in (list(kv) if isinstance(kv, (tuple, list)) else [kv]):
@@ -156,33 +151,26 @@ class MooncakeTier:
             rc = self._store.register_buffer(ptr, n)
             if rc != 0:
                 raise KvtierError(f"MooncakeTier: registering {n} bytes of host pool memory failed (code {rc})")
-        mla = lay[5] == 0
-        self._pool, self._layout, self._page_num = pool, lay, page_num
-        self.page_bytes = lay[2] + lay[5]
-        self._mla = mla
-        self._sides = ("k",) if mla else ("k", "v")
-        self._rec_bytes = record_size(len(self._sides), self._seal is not None)  # one page's record
-        self._slot = -(-self._rec_bytes // SLOT) * SLOT
-        tp, pp = self.ranks["tp"], self.ranks["pp"]
-        # SGLang's suffixes: MHA "{tp}" (or "{tp}_{pp}"), MLA "" (or "{pp}"): one object per page for all ranks
-        self._suffix = (f"{pp[0]}" if pp[1] > 1 else "") if mla else (f"{tp[0]}_{pp[0]}" if pp[1] > 1 else f"{tp[0]}")
-        # everything that decides which bytes a page holds: with GQA heads replicated over ranks, rank 1 of
-        # TP 4 and rank 1 of TP 8 hold different heads under one key, so the TP size is named (an MLA page is
-        # the same on every rank); PP ranks may hold different layers in equal numbers (start layer named)
-        cp = self.ranks["cp"]
-        ranks = (f"pp={pp[0]}/{pp[1]}" if mla else f"tp={tp[0]}/{tp[1]}|pp={pp[0]}/{pp[1]}") + f"|cp={cp[0]}/{cp[1]}"
-        # the key tag too: a tagged page "x" and an untagged page "<tag>_x" of one model are the same objects
-        # (SGLang joins the names with "_"), and only the record tells them apart
-        geometry = (f"kvtier-mooncake-v1|model={self.model_name}|key_tag={self.key_tag!r}|suffix={self._suffix}|{ranks}"
-                    f"|start_layer={getattr(pool, 'start_layer', 0)}|dtype={logical_dtype(pool, self.kv_cache_dtype)}"
-                    f"|layout={pool.layout}|page={pool.page_size}|layers={pool.layer_num}|{_heads(pool)}"
-                    f"|objects={lay[2]},{lay[5]}" + (f"|sealed={self.keyring.id}" if self.keyring is not None else ""))
-        self.fingerprint_text = geometry
-        self._fp = hashlib.sha256(geometry.encode()).digest()[:8]
+        objs = PageObjects(pool, lay, page_num, prefix=self.prefix, model_name=self.model_name, key_tag=self.key_tag,
+                           ranks=self.ranks, kv_cache_dtype=self.kv_cache_dtype,
+                           sealed=self.keyring.id if self.keyring is not None else None)
+        self._pool, self._objs, self.page_bytes = pool, objs, objs.page_bytes
+        self.fingerprint_text = objs.fingerprint_text
 
     @property
     def pool(self) -> Any:
+        """The registered host pool (``None`` before ``register_mem_pool_host``)."""
         return self._pool
+
+    @property
+    def page_objects(self) -> PageObjects | None:
+        """The registered pool's pages as Mooncake objects: keys, addresses, sizes (``None`` before registration)."""
+        return self._objs
+
+    @property
+    def client(self) -> Any:
+        """The Mooncake store client this tier drives (what a bench compares the tier with)."""
+        return self._store
 
     @property
     def ranges(self) -> Any:
@@ -205,17 +193,18 @@ class MooncakeTier:
                 self._cv.notify_all()
 
     # ------------------------------------------------------------------ keys and addresses
-    def _base(self, key: str) -> str:
-        return f"{self.prefix}_{key}_{self._suffix}"
+    def _map(self) -> PageObjects:
+        if self._objs is None:
+            raise KvtierError("MooncakeTier: call register_mem_pool_host(pool) first")
+        return self._objs
 
     def data_keys(self, key: str) -> list[str]:
         """The Mooncake keys of one page's data objects (SGLang's names)."""
-        b = self._base(key)
-        return [f"{b}_{s}" for s in self._sides]
+        return self._map().data_keys(key)
 
     def record_key(self, key: str) -> str:
         """The integrity record's key of a page in clear (a sealed page's also names its tenant key's id)."""
-        return f"{self._base(key)}_kvtier"
+        return f"{self._map().base(key)}_kvtier"
 
     def _record_keys(self, keys: list[str], create: bool) -> list[str]:
         """The record key of each page. Sealed: ``..._kvtier-<key id>``, the id of the tenant's current key,
@@ -225,47 +214,17 @@ class MooncakeTier:
             return [self.record_key(x) for x in keys]
         tags = [tenant_of(x) for x in keys]
         ids = dict(zip(set(tags), self._seal.keyring.native.key_ids(list(set(tags)), create)))
-        return [f"{self._base(x)}_kvtier-{ids[t]}" if ids[t] is not None else f"{self._base(x)}{NO_KEY}"
+        base = self._map().base
+        return [f"{base(x)}_kvtier-{ids[t]}" if ids[t] is not None else f"{base(x)}{NO_KEY}"
                 for x, t in zip(keys, tags)]
 
-    def _pages(self, keys: Sequence[str], host_indices: Any) -> tuple[list[str], np.ndarray]:
-        """Checked page numbers of ``host_indices`` (whole, aligned, in-range pages), before any IO."""
-        if self._pool is None:
+    def _pages(self, keys: Sequence[str], host_indices: Any) -> tuple[PageObjects, list[str], np.ndarray]:
+        """The registered pages, and the checked page numbers of ``host_indices`` (whole, aligned, in-range
+        pages), before any IO."""
+        if self._objs is None:
             raise KvtierError("MooncakeTier: call register_mem_pool_host(pool) first")
         keys = scope_keys(self.tenant, _keys(keys))
-        if not isinstance(host_indices, torch.Tensor) or host_indices.dtype != torch.int64 or host_indices.dim() != 1:
-            raise InvalidArgumentError("invalid argument `host_indices`: expected a 1-D torch.int64 tensor")
-        ps = self._pool.page_size
-        idx = host_indices.detach().to("cpu").numpy().astype(np.int64, copy=True)
-        if idx.size != len(keys) * ps:
-            raise InvalidArgumentError(f"invalid argument `host_indices`: {idx.size} slots for {len(keys)} pages of {ps}")
-        rows = idx.reshape(len(keys), ps)
-        starts = rows[:, 0]
-        if (starts % ps).any() or (rows - starts[:, None] != np.arange(ps)).any():
-            raise InvalidArgumentError("invalid argument `host_indices`: every page must be page_size consecutive "
-                                       "slots starting at a multiple of page_size")
-        pages = starts // ps
-        if pages.size and (pages.min() < 0 or pages.max() >= self._page_num):
-            raise InvalidArgumentError(f"invalid argument `host_indices`: pages must lie in [0, {self._page_num})")
-        return keys, pages
-
-    def _objects(self, keys: list[str], pages: np.ndarray) -> tuple[list[str], list[int], list[int]]:
-        """Per page, its data objects' keys, addresses and sizes (K then V)."""
-        assert self._layout is not None
-        kb, kst, kn, vb, vst, vn = self._layout
-        names: list[str] = []
-        ptrs: list[int] = []
-        sizes: list[int] = []
-        for key, p in zip(keys, pages.tolist()):
-            dk = self.data_keys(key)
-            names.append(dk[0])
-            ptrs.append(kb + p * kst)
-            sizes.append(kn)
-            if not self._mla:
-                names.append(dk[1])
-                ptrs.append(vb + p * vst)
-                sizes.append(vn)
-        return names, ptrs, sizes
+        return self._objs, keys, self._objs.pages(keys, host_indices)
 
     def _count(self, **kw: float) -> None:
         with self._lock:
@@ -273,25 +232,10 @@ class MooncakeTier:
                 self._stats[k] += v
 
     # ------------------------------------------------------------------ batches
-    def _scratch(self, n: int) -> tuple[int, np.ndarray]:
-        """This thread's record buffer (registered with Mooncake and the range checks) for ``n`` records: its
-        address and a numpy view of it."""
-        buf = getattr(self._local, "buf", None)
-        if buf is None or buf.nbytes < n * self._slot:
-            buf = self.registered_buffer(max(n * self._slot, 1 << 16), "record")
-            self._local.buf = buf
-        return buf.ptr, buf.as_tensor(torch.uint8, (buf.nbytes,)).numpy()
-
     def registered_buffer(self, nbytes: int, what: str) -> HostBuffer:
         """Scratch memory registered with Mooncake and the range checks, kept (registered) until close: a
         batch may still use an older one."""
-        buf = HostBuffer(nbytes, pin=False)
-        with self._lock:
-            self._buffers.append(buf)
-        self._ranges.register_region(buf._region)
-        if self._store.register_buffer(buf.ptr, buf.nbytes) != 0:
-            raise KvtierError(f"MooncakeTier: registering the {what} buffer with Mooncake failed")
-        return buf
+        return self._scratch.buffer(nbytes, what)
 
     def batch_set_v1(self, keys: Sequence[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
         """Put pages and their integrity records. True per page when its data and record were accepted (pages
@@ -300,12 +244,12 @@ class MooncakeTier:
             return self._set(keys, host_indices)
 
     def _set(self, keys: Sequence[str], host_indices: torch.Tensor) -> list[bool]:
-        keys, pages = self._pages(keys, host_indices)
+        m, keys, pages = self._pages(keys, host_indices)
         if not keys:
             return []
-        names, ptrs, sizes = self._objects(keys, pages)
+        names, ptrs, sizes = m.objects(keys, pages)
         self._ranges.check(ptrs, sizes, False, "host_indices")
-        k = len(self._sides)
+        k = len(m.sides)
         t0 = time.perf_counter()
         recs = self._record_keys(keys, create=True)
         exist = self._store.batch_is_exist(recs + names)
@@ -340,7 +284,7 @@ class MooncakeTier:
         # for them if their bytes are ours (a sealed tier upserts everything: its objects are its own names)
         held = [j for i in todo for j in range(i * k, (i + 1) * k) if exist[nk + j] == 1 and self._seal is None]
         if held:
-            foreign = self._foreign_pages(held, names, ptrs, sizes)
+            foreign = self._scratch.foreign_pages(k, held, names, ptrs, sizes)
             todo = [i for i in todo if i not in foreign]
             self._count(unverified_skipped=len(foreign))
         objs = [j for i in todo for j in range(i * k, (i + 1) * k)]
@@ -359,14 +303,8 @@ class MooncakeTier:
             op = [sp[sealed_at[j]] for j in objs]
             seals = b"".join(all_seals[sealed_at[j] * SEAL:(sealed_at[j] + 1) * SEAL] for j in objs)
         rk = [recs[i] for i in todo]
-        rptr, rview = self._scratch(len(todo))
-        rp, rs = [rptr + n * self._slot for n in range(len(todo))], [self._rec_bytes] * len(todo)
-
-        def records(crcs: list[int]) -> None:
-            for n in range(len(todo)):
-                rec = record_bytes(self._fp, [(os_[n * k + s], crcs[n * k + s]) for s in range(k)],
-                                   seals[n * k * SEAL:(n + 1) * k * SEAL])
-                rview[n * self._slot: n * self._slot + self._rec_bytes] = np.frombuffer(rec, dtype=np.uint8)
+        rptr, rview = self._scratch.records(len(todo) * m.slot)
+        rp, rs = [rptr + n * m.slot for n in range(len(todo))], [m.rec_bytes] * len(todo)
 
         fresh = [n for n, i in enumerate(todo) if i not in upsert]
         redo = [n for n, i in enumerate(todo) if i in upsert]
@@ -390,7 +328,7 @@ class MooncakeTier:
 
         # data and records in one call: Mooncake's cost is per object and per call, and the checksums cost
         # less up front than overlapped with the send (measured on 2 cores: the send is CPU work too)
-        records(self._ranges.crc32c(on, op, os_))
+        m.write_records(rview, os_, self._ranges.crc32c(on, op, os_), seals)
         res = put_records()
         base = len(on)
         for n, i in enumerate(todo):
@@ -419,29 +357,6 @@ class MooncakeTier:
         chain does not copy them into its durable tiers, and this tier never adds a record to them."""
         return self._tainted(list(keys))
 
-    def _foreign_pages(self, held: list[int], names: list[str], ptrs: list[int], sizes: list[int]) -> set[int]:
-        """Pages (indices) among the objects ``held`` whose stored bytes differ from this writer's (or cannot be
-        read back): read back into a scratch buffer and compared by checksum."""
-        k = len(self._sides)
-        with self._adopt_lock:
-            need = sum(sizes[j] for j in held)
-            if self._adopt is None or self._adopt.nbytes < need:
-                buf = HostBuffer(max(need, 1 << 20), pin=False)
-                self._buffers.append(buf)
-                self._ranges.register_region(buf._region)
-                if self._store.register_buffer(buf.ptr, buf.nbytes) != 0:
-                    return {j // k for j in held}
-                self._adopt = buf
-            dst, off = [], self._adopt.ptr
-            for j in held:
-                dst.append(off)
-                off += sizes[j]
-            hn, hs = [names[j] for j in held], [sizes[j] for j in held]
-            got = self._store.batch_get_into(hn, dst, hs)
-            stored = self._ranges.crc32c(hn, dst, hs)
-        ours = self._ranges.crc32c(hn, [ptrs[j] for j in held], hs)
-        return {j // k for j, g, a, b in zip(held, got, stored, ours) if g != sizes[j] or a != b}
-
     def batch_get_v1(self, keys: Sequence[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
         """Read pages into the host pool; True per page only when its record matches and every object read
         back has the recorded size and checksum (a False page's host bytes are unspecified). A key may appear
@@ -450,25 +365,33 @@ class MooncakeTier:
             return self._get(keys, host_indices)
 
     def _get(self, keys: Sequence[str], host_indices: torch.Tensor) -> list[bool]:
-        keys, pages = self._pages(keys, host_indices)
+        m, keys, pages = self._pages(keys, host_indices)
         if not keys:
             return []
         if len(set(keys)) != len(keys):
             raise InvalidArgumentError("invalid argument `keys`: a key appears twice in one batch_get_v1")
-        names, ptrs, sizes = self._objects(keys, pages)
+        names, ptrs, sizes = m.objects(keys, pages)
         self._ranges.check(ptrs, sizes, True, "host_indices")  # destinations: inside the pool, disjoint
-        k, n_pages = len(self._sides), len(keys)
+        k, n_pages = len(m.sides), len(keys)
         t0 = time.perf_counter()
-        rptr, rview = self._scratch(n_pages)
+        rptr, rview = self._scratch.records(n_pages * m.slot)
         rk = self._record_keys(keys, create=False)
-        rp, rs = [rptr + n * self._slot for n in range(n_pages)], [self._rec_bytes] * n_pages
+        rp, rs = [rptr + n * m.slot for n in range(n_pages)], [m.rec_bytes] * n_pages
         # records and data in one call (measured: splitting a batch to overlap checksums with the transfer
         # costs Mooncake more than it saves)
         objs = [j for i in range(n_pages) for j in range(i * k, (i + 1) * k)]
         res = list(self._store.batch_get_into(rk + [names[j] for j in objs], rp + [ptrs[j] for j in objs],
                                               rs + [sizes[j] for j in objs]))
         ok = [False] * n_pages
-        bad = self._verify(range(n_pages), res, rview, keys, names, ptrs, sizes, ok)
+        served, unverified, bad, stale = check_read(m, n_pages, res, rview, keys, names, ptrs, sizes, self._ranges,
+                                                    self._seal, self.accept_unverified)
+        for i in served + unverified:
+            ok[i] = True
+        self._count(stale=stale, corrupt=len(bad), unverified_served=len(unverified))
+        if unverified:  # data without a record: a stock SGLang page, served by option, never vouched for
+            with self._lock:
+                for i in unverified:
+                    self._unverified.add(keys[i])
         for i in bad:
             # a record that vouches for other bytes (a damaged object, or two writers' objects interleaved)
             # would keep the page a lookup hit that never reads, and keep every writer from rewriting it: it
@@ -480,57 +403,6 @@ class MooncakeTier:
         self.meter.observe("read", hits * self.page_bytes, dt)
         return ok
 
-    def _verify(self, ch: range, res: list[int], rview: np.ndarray, keys: list[str], names: list[str],
-                ptrs: list[int], sizes: list[int], ok: list[bool]) -> list[int]:
-        """Marks the pages of one fetched chunk that arrived whole and match their records; returns the pages
-        whose record vouches for bytes that are not there (corrupt)."""
-        k, nrec = len(self._sides), len(ch)
-        bad: list[int] = []
-        check: list[tuple[int, list[tuple[int, int]]]] = []
-        seals: dict[int, bytes] = {}
-        for n, i in enumerate(ch):
-            arrived = all(res[nrec + n * k + s] == sizes[i * k + s] for s in range(k))
-            rec = None
-            if res[n] == self._rec_bytes:
-                raw = rview[i * self._slot: i * self._slot + self._rec_bytes].tobytes()
-                rec = parse_record(raw, self._fp, k, self._seal is not None)
-                if rec is not None and self._seal is not None:
-                    seals[i] = record_seals(raw, k)
-                if rec is None or any(rec[s][0] != sizes[i * k + s] for s in range(k)):
-                    self._count(stale=1)  # another geometry, dtype or version under this key, or a torn record
-                    continue
-            elif res[n] > 0 or res[n] == TOO_SMALL:
-                self._count(stale=1)  # a record of another size: not one of ours
-                continue
-            if not arrived:
-                got = [res[nrec + n * k + s] for s in range(k)]
-                if rec is not None and any(g == TOO_SMALL or 0 < g != want for g, want in zip(got, sizes[i * k:(i + 1) * k])):
-                    self._count(corrupt=1)  # recorded, but an object came back truncated or extended
-                    bad.append(i)
-                continue
-            if rec is None:
-                if self.accept_unverified:  # data without a record: a stock SGLang page, served by option
-                    ok[i] = True
-                    self._count(unverified_served=1)
-                    with self._lock:
-                        self._unverified.add(keys[i])
-                continue
-            check.append((i, rec))
-        if check:
-            objs = [j for i, _ in check for j in range(i * k, (i + 1) * k)]
-            crcs = self._ranges.crc32c([names[j] for j in objs], [ptrs[j] for j in objs], [sizes[j] for j in objs])
-            good = [(i, n) for n, (i, rec) in enumerate(check) if all(crcs[n * k + s] == rec[s][1] for s in range(k))]
-            if self._seal is not None and good:  # sealed: opened in place, served only if every tag verifies
-                objs = [j for i, _ in good for j in range(i * k, (i + 1) * k)]
-                opened = self._seal.open([names[j] for j in objs], [ptrs[j] for j in objs], [sizes[j] for j in objs],
-                                         [tenant_of(keys[j // k]) for j in objs], b"".join(seals[i] for i, _ in good))
-                good = [(i, n) for m, (i, n) in enumerate(good) if all(opened[m * k:(m + 1) * k])]
-            for i, _ in good:
-                ok[i] = True
-            self._count(corrupt=len(check) - len(good))
-            bad += [i for i, _ in check if not ok[i]]
-        return bad
-
     def batch_exists(self, keys: Sequence[str], extra_info: Any = None) -> int:
         """Length of the leading run of pages whose record and data objects all exist (data alone counts
         with ``accept_unverified``)."""
@@ -539,11 +411,10 @@ class MooncakeTier:
 
     def _exists(self, keys: Sequence[str]) -> int:
         keys = scope_keys(self.tenant, _keys(keys))
-        if self._pool is None:
-            raise KvtierError("MooncakeTier: call register_mem_pool_host(pool) first")
+        m = self._map()
         if not keys:
             return 0
-        k = len(self._sides)
+        k = len(m.sides)
         names = [n for x in keys for n in self.data_keys(x)]
         exist = self._store.batch_is_exist(self._record_keys(keys, create=False) + names)
         n = 0
@@ -614,9 +485,7 @@ class MooncakeTier:
             self._store.close()
         except Exception:
             pass
-        for buf in self._buffers:
-            buf.close()
-        self._buffers = []
+        self._scratch.close()
 
     def __enter__(self) -> MooncakeTier:
         return self

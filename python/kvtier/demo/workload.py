@@ -27,10 +27,10 @@ from typing import Any
 
 import torch
 
-from ._cleanup import remove_tree
-from ._progress import Progress
-from . import DeviceKVPool, PageStore, TierController, host_pool_for, page_hashes
-from ._errors import InvalidArgumentError
+from .._cleanup import remove_tree
+from .._progress import Progress
+from .. import DeviceKVPool, PageStore, TierController, host_pool_for, page_hashes
+from .._errors import InvalidArgumentError
 
 
 @dataclass
@@ -153,8 +153,8 @@ def run_workload(
         raise
     chain = None
     if cluster is not None:
-        from .tiers import TieredStore
-        from .tiers.mooncake import MooncakeTier
+        from ..tiers import TieredStore
+        from ..tiers.mooncake import MooncakeTier
 
         try:
             remote = MooncakeTier(cluster, model_name="demo/tiny-mimo")
@@ -239,7 +239,7 @@ def run_workload(
 
 
 def llama_config(device: str) -> Any:
-    """The demo's Llama on ``device`` (see :mod:`kvtier.workload_transformers`)."""
+    """The demo's Llama on ``device`` (see :mod:`kvtier.demo.workload_transformers`)."""
     from .workload_transformers import llama_config as config
 
     return config(device)

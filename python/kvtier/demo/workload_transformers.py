@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from ._cleanup import remove_tree
-from ._progress import Progress
+from .._cleanup import remove_tree
+from .._progress import Progress
 
 #: Per device: the model config, tokens per page, and the workload's sizes in pages (system prompt, each
 #: conversation's own start, each turn). Large enough that a prompt's prefill is what TTFT is made of.
@@ -109,7 +109,7 @@ def _run(*, device: str, n_conv: int, turns: int, seed: int, store_dir: str | No
          cluster: str | None, restore: str = "plan") -> dict:
     from transformers import DynamicCache, LlamaForCausalLM
 
-    from .integrations.transformers import KVTier
+    from ..integrations.transformers import KVTier
 
     cfg = llama_config(device)
     s = SIZES["cuda" if device == "cuda" else "cpu"]
@@ -248,7 +248,7 @@ def _close_to(cache: Any, ref: Any, pages: list[int], ps: int, tol: float) -> bo
 
 def _remember(tier: Any, tokens: list[int], sums: dict[str, int]) -> None:
     """Checksums of the pages of ``tokens`` the controller now keeps on the host, for pages not seen before."""
-    from .store import page_hashes
+    from ..store import page_hashes
 
     ps, ctrl = tier.page_size, tier.controller
     keys = page_hashes(tokens[: len(tokens) // ps * ps], ps)

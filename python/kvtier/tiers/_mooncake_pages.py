@@ -1,0 +1,164 @@
+"""The cluster tier's view of a registered host pool (see :mod:`kvtier.tiers.mooncake`): each page's Mooncake keys
+(SGLang's names), its data objects' addresses and sizes, the checks on the slots a batch names, the geometry
+fingerprint its integrity records carry; and the scratch memory the tier registers with Mooncake."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from .._errors import InvalidArgumentError, KvtierError
+from ..buffer import HostBuffer
+from ..store import _heads, logical_dtype
+from ._records import SEAL, SLOT, record_bytes, record_size
+
+
+class PageObjects:
+    """One registered pool's pages as Mooncake objects. ``layout``: the pool's page layout
+    (``kvtier.store``'s ``(k_base, k_stride, k_len, v_base, v_stride, v_len)``); ``ranks``: the tier's
+    ``{"tp": (rank, size), "pp": ..., "cp": ...}``; ``sealed``: the keyring id of a sealed tier, else None."""
+
+    def __init__(self, pool: Any, layout: tuple[int, int, int, int, int, int], page_num: int, *, prefix: str,
+                 model_name: str, key_tag: str | None, ranks: dict[str, tuple[int, int]],
+                 kv_cache_dtype: str | None, sealed: str | None) -> None:
+        mla = layout[5] == 0
+        self.pool, self.layout, self.page_num, self.mla, self.prefix = pool, layout, page_num, mla, prefix
+        self.page_bytes = layout[2] + layout[5]
+        self.sides = ("k",) if mla else ("k", "v")
+        self.rec_bytes = record_size(len(self.sides), sealed is not None)  # one page's record
+        self.slot = -(-self.rec_bytes // SLOT) * SLOT  # its place in a record buffer
+        tp, pp = ranks["tp"], ranks["pp"]
+        # SGLang's suffixes: MHA "{tp}" (or "{tp}_{pp}"), MLA "" (or "{pp}"): one object per page for all ranks
+        self.suffix = (f"{pp[0]}" if pp[1] > 1 else "") if mla else (f"{tp[0]}_{pp[0]}" if pp[1] > 1 else f"{tp[0]}")
+        # everything that decides which bytes a page holds: with GQA heads replicated over ranks, rank 1 of
+        # TP 4 and rank 1 of TP 8 hold different heads under one key, so the TP size is named (an MLA page is
+        # the same on every rank); PP ranks may hold different layers in equal numbers (start layer named)
+        cp = ranks["cp"]
+        named = (f"pp={pp[0]}/{pp[1]}" if mla else f"tp={tp[0]}/{tp[1]}|pp={pp[0]}/{pp[1]}") + f"|cp={cp[0]}/{cp[1]}"
+        # the key tag too: a tagged page "x" and an untagged page "<tag>_x" of one model are the same objects
+        # (SGLang joins the names with "_"), and only the record tells them apart
+        self.fingerprint_text = (
+            f"kvtier-mooncake-v1|model={model_name}|key_tag={key_tag!r}|suffix={self.suffix}|{named}"
+            f"|start_layer={getattr(pool, 'start_layer', 0)}|dtype={logical_dtype(pool, kv_cache_dtype)}"
+            f"|layout={pool.layout}|page={pool.page_size}|layers={pool.layer_num}|{_heads(pool)}"
+            f"|objects={layout[2]},{layout[5]}" + (f"|sealed={sealed}" if sealed is not None else ""))
+        #: the first 8 bytes of the fingerprint's sha256: what every record of this geometry carries
+        self.fp = hashlib.sha256(self.fingerprint_text.encode()).digest()[:8]
+
+    def base(self, key: str) -> str:
+        """The name every object of the page ``key`` starts with."""
+        return f"{self.prefix}_{key}_{self.suffix}"
+
+    def data_keys(self, key: str) -> list[str]:
+        """The Mooncake keys of one page's data objects (SGLang's names)."""
+        b = self.base(key)
+        return [f"{b}_{s}" for s in self.sides]
+
+    def pages(self, keys: list[str], host_indices: Any) -> np.ndarray:
+        """Checked page numbers of ``host_indices`` (whole, aligned, in-range pages, one per key), before any IO."""
+        if not isinstance(host_indices, torch.Tensor) or host_indices.dtype != torch.int64 or host_indices.dim() != 1:
+            raise InvalidArgumentError("invalid argument `host_indices`: expected a 1-D torch.int64 tensor")
+        ps = self.pool.page_size
+        idx = host_indices.detach().to("cpu").numpy().astype(np.int64, copy=True)
+        if idx.size != len(keys) * ps:
+            raise InvalidArgumentError(f"invalid argument `host_indices`: {idx.size} slots for {len(keys)} pages of {ps}")
+        rows = idx.reshape(len(keys), ps)
+        starts = rows[:, 0]
+        if (starts % ps).any() or (rows - starts[:, None] != np.arange(ps)).any():
+            raise InvalidArgumentError("invalid argument `host_indices`: every page must be page_size consecutive "
+                                       "slots starting at a multiple of page_size")
+        pages: np.ndarray = starts // ps
+        if pages.size and (pages.min() < 0 or pages.max() >= self.page_num):
+            raise InvalidArgumentError(f"invalid argument `host_indices`: pages must lie in [0, {self.page_num})")
+        return pages
+
+    def objects(self, keys: list[str], pages: np.ndarray) -> tuple[list[str], list[int], list[int]]:
+        """Per page, its data objects' keys, addresses and sizes (K then V)."""
+        kb, kst, kn, vb, vst, vn = self.layout
+        names: list[str] = []
+        ptrs: list[int] = []
+        sizes: list[int] = []
+        for key, p in zip(keys, pages.tolist()):
+            dk = self.data_keys(key)
+            names.append(dk[0])
+            ptrs.append(kb + p * kst)
+            sizes.append(kn)
+            if not self.mla:
+                names.append(dk[1])
+                ptrs.append(vb + p * vst)
+                sizes.append(vn)
+        return names, ptrs, sizes
+
+
+    def write_records(self, rview: np.ndarray, sizes: Sequence[int], crcs: Sequence[int], seals: bytes) -> None:
+        """Writes the records of consecutive pages into a record buffer (``rview``, one :attr:`slot` each): their
+        objects' sizes and checksums (``len(sides)`` per page) and, for a sealed tier, their ``seals``."""
+        k = len(self.sides)
+        for n in range(len(sizes) // k):
+            rec = record_bytes(self.fp, [(sizes[n * k + s], crcs[n * k + s]) for s in range(k)],
+                               seals[n * k * SEAL:(n + 1) * k * SEAL])
+            rview[n * self.slot: n * self.slot + self.rec_bytes] = np.frombuffer(rec, dtype=np.uint8)
+
+
+class RegisteredScratch:
+    """Scratch memory registered with Mooncake (``client``) and with the tier's range checks (``ranges``), kept
+    (registered) until :meth:`close`: a batch may still use an older buffer."""
+
+    def __init__(self, client: Any, ranges: Any) -> None:
+        self.client, self.ranges = client, ranges
+        self._buffers: list[HostBuffer] = []
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self._adopt: HostBuffer | None = None  # read-back space for objects stored without a record
+        self._adopt_lock = threading.Lock()
+
+    def buffer(self, nbytes: int, what: str) -> HostBuffer:
+        """A new registered buffer of ``nbytes`` (``what``: its use, named in the error)."""
+        buf = HostBuffer(nbytes, pin=False)
+        with self._lock:
+            self._buffers.append(buf)
+        self.ranges.register_region(buf.region)
+        if self.client.register_buffer(buf.ptr, buf.nbytes) != 0:
+            raise KvtierError(f"MooncakeTier: registering the {what} buffer with Mooncake failed")
+        return buf
+
+    def records(self, nbytes: int) -> tuple[int, np.ndarray]:
+        """This thread's record buffer of at least ``nbytes``: its address and a numpy view of it."""
+        buf = getattr(self._local, "buf", None)
+        if buf is None or buf.nbytes < nbytes:
+            buf = self.buffer(max(nbytes, 1 << 16), "record")
+            self._local.buf = buf
+        return buf.ptr, buf.as_tensor(torch.uint8, (buf.nbytes,)).numpy()
+
+    def foreign_pages(self, k: int, held: list[int], names: list[str], ptrs: list[int], sizes: list[int]) -> set[int]:
+        """Pages (indices; ``k`` objects each) among the objects ``held`` whose stored bytes differ from this
+        writer's (or cannot be read back): read back into a scratch buffer and compared by checksum."""
+        with self._adopt_lock:
+            need = sum(sizes[j] for j in held)
+            if self._adopt is None or self._adopt.nbytes < need:
+                buf = HostBuffer(max(need, 1 << 20), pin=False)
+                self._buffers.append(buf)
+                self.ranges.register_region(buf.region)
+                if self.client.register_buffer(buf.ptr, buf.nbytes) != 0:
+                    return {j // k for j in held}
+                self._adopt = buf
+            dst, off = [], self._adopt.ptr
+            for j in held:
+                dst.append(off)
+                off += sizes[j]
+            hn, hs = [names[j] for j in held], [sizes[j] for j in held]
+            got = self.client.batch_get_into(hn, dst, hs)
+            stored = self.ranges.crc32c(hn, dst, hs)
+        ours = self.ranges.crc32c(hn, [ptrs[j] for j in held], hs)
+        return {j // k for j, g, a, b in zip(held, got, stored, ours) if g != sizes[j] or a != b}
+
+    def close(self) -> None:
+        """Closes every buffer (after the client that used them is closed)."""
+        for buf in self._buffers:
+            buf.close()
+        self._buffers = []
