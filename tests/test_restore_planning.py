@@ -263,7 +263,7 @@ def test_a_split_restore_recomputes_the_head_while_the_tail_loads(tmp_path, devi
         tier.controller.wait_idle()
         # the head's pages were already stored: not written again
         assert tier.page_store.get_stats()["bytes_written"] == written
-        tier._marks.poll(wait=True)
+        tier.synchronize()
         st = tier.controller.planner_stats.as_dict()
         assert st["plans"]["split"] == 1 and st["observed"] >= 1 and st["tokens_loaded"]["disk"] == (40 - p.recompute_to) * PS
 

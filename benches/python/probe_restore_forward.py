@@ -179,7 +179,7 @@ def main() -> None:
                     t0 = time.perf_counter()
                     for layer in range(tier.layers):
                         c._load(win, layer, c.get_seq_length())
-                    tier._drain()
+                    tier.synchronize()
                     sync()
                     loads.append(time.perf_counter() - t0)
                 kv_bytes = c.get_seq_length() * tier.layers * tier.heads * (tier.k_dim + tier.v_dim) * \

@@ -476,6 +476,16 @@ class TierController(RestorePlanning):
         stored = int(erase(tag=t)) if erase is not None else 0
         return {"host": freed, "host_in_use": in_use, "store": stored}
 
+    def evict_unreferenced(self) -> int:
+        """Evict every host page no load or backup references any more (after its store write under
+        ``write_back``): later restores of those pages come from the store. Returns the pages evicted."""
+        with self.lock:
+            self._poll_locked()
+            victims = [k for k, p in self.pages.items() if p.refs == 0 and p.ready]
+            for k in victims:
+                self._evict_locked(k)
+        return len(victims)
+
     def wait_idle(self) -> None:
         """Wait for every background store write, prefetch and reference release."""
         while self._pending:

@@ -272,7 +272,7 @@ def _store_stats(store: Any) -> dict[str, Any] | None:
     try:
         if hasattr(store, "get_stats"):
             return dict(store.get_stats())
-        native = store._store()  # a v2 pool store
+        native = store.native_store()  # a v2 pool store
         return dict(native.stats()) if native is not None else None
     except Exception:  # noqa: BLE001 - a scrape must not fail because one store is closed
         return None

@@ -183,7 +183,7 @@ def _run(*, device: str, n_conv: int, turns: int, seed: int, store_dir: str | No
             # the reused pages hold the bytes computed for them when they were first kept
             reused = [j for j in range(len(cache.table.keys)) if j < cache.restored_host_pages or
                       (plan is not None and plan.recompute_to <= j < plan.load_to and j < len(cache.table.keys))]
-            tier._drain()
+            tier.synchronize()
             ok_kv = all((key := cache.table.keys[j]) is not None and sums.get(key) == _page_sum(tier, cache.table.starts[j])
                         for j in reused if cache.table.keys[j] in sums)
             foreign = [j for j in reused if cache.table.keys[j] not in sums]  # stored by another node
@@ -211,7 +211,7 @@ def _run(*, device: str, n_conv: int, turns: int, seed: int, store_dir: str | No
     finally:
         bar.close()
         tier.controller.wait_idle()
-        tier._marks.poll(wait=True)
+        tier.synchronize()
         store_stats = tier.page_store.get_stats() if tier.page_store is not None else {}
         tier_stats = chain.get_stats() if chain is not None else None
         ctrl = tier.controller

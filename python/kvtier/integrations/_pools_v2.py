@@ -118,7 +118,7 @@ class PoolStore:
         self._native = native
         return native
 
-    def _store(self) -> Any:
+    def native_store(self) -> Any:
         """The native store; None only for a reader whose writer has not created the namespace yet."""
         with self._lock:
             if self._closed:
@@ -172,7 +172,7 @@ class PoolStore:
         starts = self.check(keys, host_indices)
         if self.read_only:
             return [True] * len(keys)  # the writer rank stores the replicated pages
-        store = self._store()
+        store = self.native_store()
         if starts is None or store is None or not keys:
             return [False] * len(keys)
         if self.flat:
@@ -186,7 +186,7 @@ class PoolStore:
     def get(self, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
         keys = scope_keys(self.tenant, keys)
         starts = self.check(keys, host_indices)
-        store = self._store()
+        store = self.native_store()
         if starts is None or store is None or not keys:
             return [False] * len(keys)
         if self.flat:
@@ -199,7 +199,7 @@ class PoolStore:
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
         keys = scope_keys(self.tenant, keys)
-        store = self._store()
+        store = self.native_store()
         if store is None or not keys:
             return [False] * len(keys)
         if self.flat:
@@ -230,13 +230,13 @@ class PoolStore:
         return True
 
     def clear(self) -> None:
-        store = self._store()
+        store = self.native_store()
         if store is not None and not self.read_only:
             store.clear()
 
     def erase_tenant(self, tag: str) -> int:
         """Delete every object of tenant ``tag`` (a writer's namespace); returns how many."""
-        store = self._store()
+        store = self.native_store()
         if store is None or self.read_only:
             return 0
         mine = [k for k in store.keys() if tenant_of(k) == tag]

@@ -334,19 +334,20 @@ class KVTier:
         """Evict every unreferenced page from the host pool (after its store write): later restores come from
         the store. Returns the pages dropped (for benchmarks and tests)."""
         self._check_open()
-        c = self.controller
-        c.wait_idle()
-        with c.lock:
-            c._poll_locked()
-            victims = [k for k, p in c.pages.items() if p.refs == 0 and p.ready]
-            for k in victims:
-                c._evict_locked(k)
-        return len(victims)
+        self.controller.wait_idle()
+        return self.controller.evict_unreferenced()
 
     @property
     def stats(self) -> TransformersStats:
         """Counters of this tier (every cache it made)."""
         return self._state.stats
+
+    def synchronize(self) -> None:
+        """Wait until every transfer this tier issued has completed (a failed one raises its error) and every
+        pending forward and TTFT timing has been read into the planner: what a benchmark calls before it reads
+        a clock or the planner's statistics."""
+        self._state.drain()
+        self._marks.poll(wait=True)
 
     def _drain(self) -> None:
         """Wait until every transfer this tier issued has completed (a failed one raises its error)."""
