@@ -41,6 +41,7 @@ _LAZY = {
     "page_hashes": "hashes",
     "MooncakeTier": "tiers.mooncake",
     "TieredStore": "tiers.chain",
+    "Tier": "tier",
 }
 _SUBMODULES = {"buffer", "cli", "config", "controller", "demo", "hashes", "kernels", "metrics", "overlap", "planner", "pools",
                "pools_mla", "store", "testing",
@@ -80,6 +81,7 @@ __all__ = [
     "PageStore",
     "MooncakeTier",
     "TieredStore",
+    "Tier",
     "TierController",
     "page_hashes",
     "host_pool_for",

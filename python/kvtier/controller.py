@@ -33,6 +33,7 @@ from .overlap import LayerLoad, LayerLoader, backup_async
 from ._restore_planning import RestorePlanning
 from .planner import PlannerStats, PrefillModel, TierMeter
 from .pools import device_of
+from .tier import Tier
 
 POLICIES = ("write_through", "write_back", "write_through_selective")
 
@@ -96,7 +97,7 @@ class TierController(RestorePlanning):
         self,
         device_pool: Any,
         host_pool: Any,
-        store: Any = None,
+        store: Tier | None = None,
         *,
         io_backend: str = "direct",
         write_policy: str = "write_through",

@@ -37,6 +37,7 @@ from ..tenants import erase_tag
 from ..transfer.indices import index_array
 from ..planner import TierEstimate
 from ..store import _keys
+from ..tier import Tier
 
 #: Keys a chain remembers as deleted (oldest forgotten first), see the module docs.
 DELETED_KEPT = 65536
@@ -67,7 +68,7 @@ class TieredStore:
         fill: write pages a later tier served into the tiers before it (default True).
     """
 
-    def __init__(self, tiers: Sequence[tuple[str, Any]], *, fill: bool = True) -> None:
+    def __init__(self, tiers: Sequence[tuple[str, Tier]], *, fill: bool = True) -> None:
         tiers = list(tiers)
         if not tiers:
             raise InvalidArgumentError("invalid argument `tiers`: at least one (name, store) pair is needed")

@@ -1,0 +1,75 @@
+"""The interface every KV tier below the host pool implements: :class:`~kvtier.PageStore` (local disk),
+:class:`~kvtier.tiers.mooncake.MooncakeTier` (a cluster) and :class:`~kvtier.tiers.TieredStore` (an ordered chain
+of tiers). :class:`~kvtier.TierController`, the restore planner and the SGLang and vLLM integrations use a tier
+only through these methods, so a new tier (an object store, another cluster) is one class that implements them.
+
+Pages are named by keys (``str``, e.g. :func:`kvtier.page_hashes`) and move to and from a registered host pool
+through its token indices (``host_indices``: whole pages, ``page_size`` tokens each), as in SGLang's HiCache
+storage interface. A batch call answers per key; a failure of one page is a ``False`` (a miss on read), never an
+exception, and never a wrong byte: a tier that cannot prove a page's bytes reports it missing."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from ._tier_meter import TierEstimate
+
+
+@runtime_checkable
+class Tier(Protocol):
+    """A KV tier: pages by key, to and from a registered host pool, with its own measured speed."""
+
+    #: bytes of one page (K and V) once a host pool is registered; 0 before
+    page_bytes: int
+
+    @property
+    def pool(self) -> Any:
+        """The registered host pool, or None before :meth:`register_mem_pool_host`."""
+
+    def register_mem_pool_host(self, pool: Any) -> None:
+        """Attach the host pool whose pages this tier reads and writes (its geometry names the namespace)."""
+
+    def batch_set_v1(self, keys: Sequence[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
+        """Store the pages at ``host_indices`` under ``keys``; ``True`` for each page made durable here."""
+        ...
+
+    def batch_get_v1(self, keys: Sequence[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
+        """Read ``keys`` into the pages at ``host_indices``; ``True`` for each page whose bytes were verified."""
+        ...
+
+    def batch_exists(self, keys: Sequence[str], extra_info: Any = None) -> int:
+        """How many leading ``keys`` this tier holds (and a read would verify)."""
+        ...
+
+    def exists(self, key: str) -> bool:
+        """Whether this tier holds ``key``."""
+        ...
+
+    def locate(self, keys: Sequence[str]) -> list[tuple[str, int]]:
+        """Runs of leading ``keys`` by the tier that holds them: ``[(tier name, pages), ...]``."""
+        ...
+
+    def measured(self) -> dict[str, TierEstimate]:
+        """This tier's moving estimate of itself (read and write GB/s, batch latency, hit rate), by tier name."""
+        ...
+
+    def delete(self, keys: Sequence[str]) -> int:
+        """Remove ``keys``; returns how many were held."""
+        ...
+
+    def erase_tenant(self, salt: str | None = None, *, tag: str | None = None) -> int:
+        """Remove every page of one tenant (by its salt or tag); returns the pages removed."""
+        ...
+
+    def clear(self) -> None:
+        """Remove every page of this tier's namespace."""
+
+    def get_stats(self) -> dict[str, Any]:
+        """Counters: hits, misses, bytes, failures, capacity."""
+        ...
+
+    def close(self) -> None:
+        """Finish pending writes and release the tier's files, connections and registered memory."""
