@@ -16,6 +16,7 @@ use std::sync::Mutex;
 
 use crate::cuda::Registration;
 use crate::error::{Error, Result};
+pub use crate::progress::Progress;
 
 /// The minimum alignment: O_DIRECT needs 4096-byte aligned buffers on the file systems kvtier targets.
 pub const MIN_ALIGNMENT: usize = 4096;
@@ -86,31 +87,6 @@ pub struct RegionOptions {
     pub prefault_threads: Option<usize>,
     /// Counts the bytes pre-faulted, for progress shown by another thread (large regions take seconds).
     pub progress: Option<std::sync::Arc<Progress>>,
-}
-
-/// Bytes done of the running step (pre-faulting, then CUDA registration), for progress shown by another
-/// thread while a long call runs.
-#[derive(Debug, Default)]
-pub struct Progress {
-    /// Bytes done so far.
-    pub done: std::sync::atomic::AtomicU64,
-    /// Bytes the step will do.
-    pub total: std::sync::atomic::AtomicU64,
-}
-
-impl Progress {
-    /// Starts a step of `total` bytes.
-    pub fn start(&self, total: usize) {
-        use std::sync::atomic::Ordering::Relaxed;
-        self.done.store(0, Relaxed);
-        self.total.store(total as u64, Relaxed);
-    }
-
-    /// Adds `n` bytes done.
-    pub fn add(&self, n: usize) {
-        self.done
-            .fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed);
-    }
 }
 
 impl Default for RegionOptions {

@@ -223,7 +223,7 @@ fn with_primary_ctx<T>(d: &Driver, device: i32, f: impl FnOnce() -> Result<T>) -
 }
 
 /// One live registration of a host range with the driver. Undone by [`unregister_all`] (the owning
-/// [`crate::buffer::HostRegion`] calls it before unmapping).
+/// `buffer::HostRegion` calls it before unmapping).
 #[derive(Debug)]
 pub struct Registration {
     addr: usize,
@@ -255,7 +255,7 @@ pub fn register_ranges(
     base: *mut u8,
     chunks: &[(usize, usize)],
     threads: usize,
-    progress: Option<&crate::buffer::Progress>,
+    progress: Option<&crate::progress::Progress>,
 ) -> Result<Vec<Registration>> {
     let d = driver()?;
     let base = base as usize;
