@@ -42,11 +42,15 @@ mod tests_budget;
 #[cfg(test)]
 mod tests_compaction;
 #[cfg(test)]
-mod tests_compaction_attacks;
+mod tests_compaction_races;
+#[cfg(test)]
+mod tests_disk;
 #[cfg(test)]
 mod tests_faults;
 #[cfg(test)]
-mod tests_journal_capacity;
+mod tests_follower_races;
+#[cfg(test)]
+mod tests_journal_damage;
 #[cfg(test)]
 mod tests_lifecycle;
 #[cfg(test)]
