@@ -3,6 +3,7 @@
 //! - [`buffer`]: aligned, pre-faulted anonymous host memory ([`buffer::HostRegion`]), optionally on huge
 //!   pages and registered (pinned) with the CUDA driver.
 //! - [`cuda`]: the CUDA driver, loaded at run time; absent drivers are an error value, never a link failure.
+//! - [`progress`]: bytes done of a long step (pre-faulting, registration), read by another thread.
 //! - [`alloc`]: whole-page token-slot allocation with HiCache's semantics and checked frees.
 //! - [`plan`]: validation of transfer indices and the byte-range plans that copy engines execute.
 //! - [`engine`]: the transfer engine: plans executed with `memcpy` or submitted to CUDA streams (copy
@@ -27,6 +28,7 @@ pub mod error;
 pub mod fault;
 pub mod hash;
 pub mod plan;
+pub mod progress;
 pub mod ranges;
 pub mod roofline;
 pub mod seal;

@@ -9,6 +9,7 @@ mod plans;
 mod ranges;
 mod seal;
 mod store;
+mod store_batches;
 mod store_fns;
 mod transfer;
 

@@ -8,7 +8,7 @@
 use std::path::PathBuf;
 use std::sync::{Arc, RwLock};
 
-use kvtier_core::store::{PageBatch, PageLayout, PageStore, StoreOptions};
+use kvtier_core::store::{PageLayout, PageStore, StoreOptions};
 use kvtier_core::Error;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -24,72 +24,12 @@ pub struct PyPageStore {
 }
 
 impl PyPageStore {
-    fn store(&self) -> KvResult<Arc<PageStore>> {
+    pub(crate) fn store(&self) -> KvResult<Arc<PageStore>> {
         self.inner
             .read()
             .unwrap_or_else(|p| p.into_inner())
             .clone()
             .ok_or_else(|| Error::Closed("PageStore").into())
-    }
-
-    /// One object batch; the core checks every range against the registered memory before any IO.
-    fn batch(
-        &self,
-        py: Python<'_>,
-        keys: &[String],
-        ptrs: &[usize],
-        sizes: &[u64],
-        writes: bool,
-    ) -> KvResult<Vec<bool>> {
-        let s = self.store()?;
-        if keys.len() != ptrs.len() || keys.len() != sizes.len() {
-            return Err(Error::arg(
-                "keys",
-                format!(
-                    "{} keys, {} addresses and {} sizes",
-                    keys.len(),
-                    ptrs.len(),
-                    sizes.len()
-                ),
-            )
-            .into());
-        }
-        let objs: Vec<(&str, usize, u64)> = keys
-            .iter()
-            .zip(ptrs)
-            .zip(sizes)
-            .map(|((k, &p), &n)| (k.as_str(), p, n))
-            .collect();
-        Ok(py.detach(|| {
-            if writes {
-                s.get_objects(&objs)
-            } else {
-                s.put_objects(&objs)
-            }
-        })?)
-    }
-
-    fn pages(
-        &self,
-        py: Python<'_>,
-        keys: Vec<String>,
-        host_indices: &Bound<'_, PyAny>,
-        writes: bool,
-    ) -> KvResult<Vec<bool>> {
-        // the bound layout lies inside memory the store keeps registered while it lives (this call holds it)
-        let s = self.store()?;
-        let idx = crate::transfer::indices(py, "host_indices", host_indices)?;
-        Ok(py.detach(|| {
-            let batch = PageBatch {
-                keys: &keys,
-                host_indices: &idx,
-            };
-            if writes {
-                s.get_pages(&batch)
-            } else {
-                s.put_pages(&batch)
-            }
-        })?)
     }
 }
 

@@ -11,6 +11,7 @@
 //! - `commit`: the commit lock, journal appends, the prepaid delete reserve; `compact`: compaction in
 //!   steps between commits;
 //! - `write` / `read`: put, get and verify; `pages`: page-level batches over a bound host pool;
+//! - `open`: opening a namespace (options, the O_DIRECT probe, the journal read and its torn tail);
 //! - `recovery`: replay at open; [`stats`]: counters and the open report.
 
 mod budget;
@@ -25,6 +26,7 @@ pub mod journal;
 pub mod lifecycle;
 mod memory;
 mod namespace;
+mod open;
 mod pages;
 mod read;
 mod recovery;
@@ -40,11 +42,15 @@ mod tests_budget;
 #[cfg(test)]
 mod tests_compaction;
 #[cfg(test)]
-mod tests_compaction_attacks;
+mod tests_compaction_races;
+#[cfg(test)]
+mod tests_disk;
 #[cfg(test)]
 mod tests_faults;
 #[cfg(test)]
-mod tests_journal_capacity;
+mod tests_follower_races;
+#[cfg(test)]
+mod tests_journal;
 #[cfg(test)]
 mod tests_lifecycle;
 #[cfg(test)]
@@ -53,7 +59,6 @@ mod tests_pages;
 mod tests_seal;
 
 use std::collections::HashMap;
-use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -175,175 +180,6 @@ impl PageStore {
             keyring,
         };
         Self::open_impl(root, namespace, opts, false)
-    }
-
-    fn open_impl(
-        root: &Path,
-        namespace: &str,
-        mut opts: StoreOptions,
-        writable: bool,
-    ) -> Result<Self> {
-        if namespace.is_empty() {
-            return Err(Error::arg("namespace", "must not be empty"));
-        }
-        if opts.capacity_bytes < ALIGN {
-            return Err(Error::arg(
-                "capacity_bytes",
-                format!("must be >= {ALIGN}, got {}", opts.capacity_bytes),
-            ));
-        }
-        if opts.io_threads == 0 {
-            return Err(Error::arg("io_threads", "must be >= 1"));
-        }
-        if let Some(b @ 1..ALIGN) = opts.budget_bytes {
-            return Err(Error::arg(
-                "budget_bytes",
-                format!("must be 0 (no budget) or >= {ALIGN}, got {b}"),
-            ));
-        }
-        // the store allocates whole 4 KiB blocks: a capacity between two multiples is the lower one
-        opts.capacity_bytes = opts.capacity_bytes / ALIGN * ALIGN;
-        let (dir, lock, live_writer) = if writable {
-            let (d, l) = namespace::open_writable(root, namespace)?;
-            (d, Some(l), false)
-        } else {
-            let (d, live) = namespace::open_read_only(root, namespace)?;
-            (d, None, live)
-        };
-        format::check(&dir, root, writable)?;
-        let share = if writable {
-            let name = namespace_dir(namespace);
-            Some(budget::Share::open(root, &name, opts.budget_bytes)?)
-        } else {
-            None
-        };
-        let (direct, direct_note) = match (writable, opts.direct) {
-            (false, _) => (false, None),
-            (true, Some(false)) => (
-                false,
-                Some("O_DIRECT disabled by the caller; using buffered IO".to_owned()),
-            ),
-            (true, want) => match files::probe_direct(&dir) {
-                Ok(None) => (true, None),
-                Ok(Some(e)) if want == Some(true) => {
-                    return Err(Error::Os {
-                        what: format!("O_DIRECT required but refused here: {e}"),
-                        source: std::io::Error::from_raw_os_error(libc::EINVAL),
-                    })
-                }
-                Ok(Some(e)) => (
-                    false,
-                    Some(format!(
-                        "the file system refused O_DIRECT ({e}); using buffered IO with fdatasync"
-                    )),
-                ),
-                // not a verdict on O_DIRECT: keep it (each IO falls back to buffered on EINVAL)
-                Err(e) => (
-                    true,
-                    Some(format!(
-                        "the O_DIRECT probe could not write ({e}); O_DIRECT kept"
-                    )),
-                ),
-            },
-        };
-        let jpath = dir.join("journal.log");
-        if writable {
-            let _ = std::fs::remove_file(dir.join("journal.compact")); // an interrupted compaction
-        }
-        let journal = match JournalFile::open(&jpath, writable, opts.capacity_bytes) {
-            Ok(j) => j,
-            Err(e) if !writable && e.kind() == std::io::ErrorKind::NotFound => {
-                return Err(io_err(format!("no journal in {}", dir.display()), e))
-            }
-            Err(e) => return Err(io_err("opening journal.log", e)),
-        };
-        let mut bytes = Vec::new();
-        (&journal.file)
-            .read_to_end(&mut bytes)
-            .map_err(|e| io_err("reading journal.log", e))?;
-        let parsed = journal::parse_resync(&bytes);
-        let follow = (!writable)
-            .then(|| {
-                use std::os::unix::fs::MetadataExt;
-                let md = journal
-                    .file
-                    .metadata()
-                    .map_err(|e| io_err("stat journal.log", e))?;
-                Ok::<_, Error>(follow::Follow::new(
-                    (md.dev(), md.ino()),
-                    parsed.valid_end as u64,
-                ))
-            })
-            .transpose()?;
-        let mut report = OpenReport {
-            torn_tail: (bytes.len() - parsed.valid_end) as u64,
-            damaged_spans: parsed.damaged.len() as u64,
-            damaged_bytes: parsed.damaged_bytes() as u64,
-            ..Default::default()
-        };
-        if writable && parsed.valid_end < bytes.len() {
-            journal
-                .file
-                .set_len(parsed.valid_end as u64)
-                .and_then(|()| journal.file.sync_all())
-                .map_err(|e| io_err("cutting a torn journal tail", e))?;
-        }
-        let (mut index, forgotten) = recovery::replay(
-            &dir,
-            parsed.records,
-            &mut report,
-            if writable {
-                index::presize(opts.capacity_bytes)
-            } else {
-                0
-            },
-        )?;
-        let punch_ok = recovery::trim_data_files(&dir, &mut index, writable);
-        index.j_end = if writable {
-            parsed.valid_end as u64
-        } else {
-            bytes.len() as u64
-        };
-        // what the journal holds on disk, its earlier reserve past the end included (kept, not given up:
-        // another process could take that space before the reserve is established again)
-        let held = files::extent_bytes(&journal.file).div_ceil(ALIGN) * ALIGN;
-        index.j_alloc = (index.j_end.div_ceil(ALIGN) * ALIGN).max(if writable { held } else { 0 });
-        index.compact_floor = journal.compact_base;
-        let mut store = Self {
-            dir,
-            namespace: namespace.to_owned(),
-            opts,
-            direct,
-            direct_note,
-            read_only: !writable,
-            live_writer,
-            _lock: lock,
-            index: Mutex::new(index),
-            journal: Mutex::new(journal),
-            compaction: Mutex::new(None),
-            classes: Mutex::new(HashMap::new()),
-            alloc_lock: Mutex::new(()),
-            punch_ok: AtomicBool::new(punch_ok),
-            scratch: seal_io::ScratchPool::default(),
-            poisoned: AtomicBool::new(false),
-            pages: Default::default(),
-            memory: Default::default(),
-            follow,
-            share,
-            stats_file: Default::default(),
-            stats: Stats::default(),
-            report,
-        };
-        store
-            .stats
-            .dropped_records
-            .store(store.report.dropped_records, Ordering::Relaxed);
-        if writable {
-            let (compacted, note) = store.after_open(forgotten);
-            store.report.compacted = compacted;
-            store.report.reserve_note = note;
-        }
-        Ok(store)
     }
 
     fn lock_index(&self) -> MutexGuard<'_, Index> {

@@ -66,6 +66,11 @@ pub(super) fn get1(s: &PageStore, key: &str, ptr: usize, len: u64) -> bool {
     unsafe { s.get(&[(key, ptr, len)]) }.unwrap()[0]
 }
 
+pub(super) fn bytes_at(r: &crate::buffer::HostRegion, off: usize, n: usize) -> Vec<u8> {
+    // SAFETY: callers pass ranges inside the live region.
+    unsafe { std::slice::from_raw_parts(r.as_ptr().add(off), n).to_vec() }
+}
+
 #[test]
 fn put_get_reopen_bit_exact() {
     let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());

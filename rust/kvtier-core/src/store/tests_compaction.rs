@@ -1,8 +1,7 @@
 //! Compaction of a full store: how often it runs, what it keeps when entries change between its steps, a
 //! crash or an IO error at any point of it, and followers that look at the journal only when they must.
 
-use super::tests::{get1, opts, payload, put1, tmp, SERIAL};
-use super::tests_journal_capacity::bytes_at;
+use super::tests::{bytes_at, get1, opts, payload, put1, tmp, SERIAL};
 use super::*;
 use crate::fault::{self, Fault};
 use std::collections::HashMap;

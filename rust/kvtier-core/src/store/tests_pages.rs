@@ -2,8 +2,7 @@
 //! writer, and the cases the two independent reviews found (duplicate keys, generations, stores without
 //! hole punching, an inspector's lock probe, full stores at odd capacities).
 
-use super::tests::{get1, opts, payload, put1, tmp, SERIAL};
-use super::tests_journal_capacity::bytes_at;
+use super::tests::{bytes_at, get1, opts, payload, put1, tmp, SERIAL};
 use super::*;
 use crate::fault::{self, Fault};
 use std::sync::atomic::Ordering;

@@ -1,0 +1,71 @@
+//! The batches of `kvtier._native.PageStore`: object batches given as `(key, address, length)`, page batches
+//! as token slots of the bound pool, both handed to the core with the GIL released.
+
+use kvtier_core::store::PageBatch;
+use kvtier_core::Error;
+use pyo3::prelude::*;
+
+use crate::errors::KvResult;
+use crate::store::PyPageStore;
+
+impl PyPageStore {
+    /// One object batch; the core checks every range against the registered memory before any IO.
+    pub(crate) fn batch(
+        &self,
+        py: Python<'_>,
+        keys: &[String],
+        ptrs: &[usize],
+        sizes: &[u64],
+        writes: bool,
+    ) -> KvResult<Vec<bool>> {
+        let s = self.store()?;
+        if keys.len() != ptrs.len() || keys.len() != sizes.len() {
+            return Err(Error::arg(
+                "keys",
+                format!(
+                    "{} keys, {} addresses and {} sizes",
+                    keys.len(),
+                    ptrs.len(),
+                    sizes.len()
+                ),
+            )
+            .into());
+        }
+        let objs: Vec<(&str, usize, u64)> = keys
+            .iter()
+            .zip(ptrs)
+            .zip(sizes)
+            .map(|((k, &p), &n)| (k.as_str(), p, n))
+            .collect();
+        Ok(py.detach(|| {
+            if writes {
+                s.get_objects(&objs)
+            } else {
+                s.put_objects(&objs)
+            }
+        })?)
+    }
+
+    pub(crate) fn pages(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        host_indices: &Bound<'_, PyAny>,
+        writes: bool,
+    ) -> KvResult<Vec<bool>> {
+        // the bound layout lies inside memory the store keeps registered while it lives (this call holds it)
+        let s = self.store()?;
+        let idx = crate::transfer::indices(py, "host_indices", host_indices)?;
+        Ok(py.detach(|| {
+            let batch = PageBatch {
+                keys: &keys,
+                host_indices: &idx,
+            };
+            if writes {
+                s.get_pages(&batch)
+            } else {
+                s.put_pages(&batch)
+            }
+        })?)
+    }
+}
