@@ -124,8 +124,10 @@ gpu-wheel: $(DEPS_STAMP) ## Build the abi3 wheel into .wheel/ and the test-only 
 test-gpu: build $(TEST_STAMP) ## Run the CUDA tests here (needs a GPU)
 	$(VPY) -m pytest -m cuda -p no:cacheprovider
 
-lint: build $(TEST_STAMP) ## cargo fmt --check, clippy, ruff, mypy (strict on the public API), stubtest of kvtier._native, no history words
+lint: build $(TEST_STAMP) ## cargo fmt --check, clippy, ruff, mypy (strict on the public API), stubtest of kvtier._native, no history words, the structure rules, the unsafe inventory
 	scripts/history_words.sh
+	$(VPY) scripts/structure_check.py
+	$(VPY) scripts/safety_inventory.py --check
 	cargo fmt --all --check
 	cargo clippy --workspace --all-targets --quiet -- -D warnings
 	$(VENV)/bin/ruff check python tests benches
