@@ -26,7 +26,7 @@ use std::sync::OnceLock;
 use std::time::Instant;
 
 use kvtier_core::buffer::{HostRegion, HugePages, RegionOptions};
-use kvtier_core::journal::{self, Record};
+use kvtier_core::journal::{self, Placement, Record};
 use kvtier_core::store::{namespace_dir, PageStore, StoreOptions};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngSeed, TestCaseError, TestRunner};
@@ -244,7 +244,7 @@ fn record_with_slots(slot: impl Strategy<Value = u32>) -> impl Strategy<Value = 
         // (0, class]): any other shape is not a record (`Break::Shape`)
         3 => (key(), (1u32..=(u32::MAX / 4096)).prop_flat_map(|c| (Just(c * 4096), 1..=u64::from(c) * 4096)),
               slot, any::<u32>(), proptest::option::of(any::<[u8; 32]>()))
-            .prop_map(|(key, (class, len), slot, crc, seal)| Record::Put { key, class, slot, len, crc, seal }),
+            .prop_map(|(key, (class, len), slot, crc, seal)| Record::Put { key, at: Placement { class, slot, len, crc, seal }, }),
         1 => key().prop_map(|key| Record::Del { key }),
     ]
 }
@@ -565,11 +565,13 @@ fn churn() -> &'static [u8] {
             let key = format!("churn-{i:0>60}");
             recs.push(Record::Put {
                 key: key.clone(),
-                class: 4096,
-                slot: 0,
-                len: 1,
-                crc: 0,
-                seal: None,
+                at: Placement {
+                    class: 4096,
+                    slot: 0,
+                    len: 1,
+                    crc: 0,
+                    seal: None,
+                },
             });
             recs.push(Record::Del { key });
         }
@@ -641,11 +643,13 @@ fn journal_replay_matches_model() {
                     };
                     recs.push(Record::Put {
                         key: key.clone(),
-                        class,
-                        slot: *slot,
-                        len: *len,
-                        crc,
-                        seal: None,
+                        at: Placement {
+                            class,
+                            slot: *slot,
+                            len: *len,
+                            crc,
+                            seal: None,
+                        },
                     });
                     // a shape the store never writes is not a record: damaged bytes, or part of the tail
                     if !plausible_shape(class, *len) {
@@ -1131,10 +1135,8 @@ fn build_template(which: usize) -> Template {
     let mut objects = BTreeMap::new();
     for r in recs {
         match r {
-            Record::Put {
-                key, class, slot, ..
-            } => {
-                objects.insert(key.clone(), (class, slot, contents[&key].clone()));
+            Record::Put { key, at } => {
+                objects.insert(key.clone(), (at.class, at.slot, contents[&key].clone()));
             }
             Record::Del { key } => {
                 objects.remove(&key);
@@ -1358,20 +1360,12 @@ fn apply(files: &mut BTreeMap<String, FileState>, m: &Mutation) -> bool {
                     return;
                 }
                 let i = i.index(r.len());
-                if let Record::Put {
-                    key,
-                    class,
-                    slot,
-                    len,
-                    crc,
-                    ..
-                } = &mut r[i]
-                {
+                if let Record::Put { key, at } = &mut r[i] {
                     match field {
-                        Field::Class(c) => *class = *c,
-                        Field::Slot(s) => *slot = *s,
-                        Field::Len(d) => *len = (*len as i64 + d).clamp(1, 1 << 16) as u64,
-                        Field::Crc(x) => *crc ^= x,
+                        Field::Class(c) => at.class = *c,
+                        Field::Slot(s) => at.slot = *s,
+                        Field::Len(d) => at.len = (at.len as i64 + d).clamp(1, 1 << 16) as u64,
+                        Field::Crc(x) => at.crc ^= x,
                         Field::ToDel => r[i] = Record::Del { key: key.clone() },
                     }
                 }
@@ -1574,11 +1568,13 @@ fn journal_only(recs: &[Record]) -> TempDir {
 fn bug_replay_slot_u32_max_panics() {
     let tmp = journal_only(&[Record::Put {
         key: "k".into(),
-        class: 4096,
-        slot: u32::MAX,
-        len: 1,
-        crc: 0,
-        seal: None,
+        at: Placement {
+            class: 4096,
+            slot: u32::MAX,
+            len: 1,
+            crc: 0,
+            seal: None,
+        },
     }]);
     let r = std::panic::catch_unwind(|| {
         PageStore::open(&tmp.0, "bug", opts(1 << 30, false)).map(|_| ())
@@ -1597,11 +1593,13 @@ fn bug_replay_slot_u32_max_panics() {
 fn bug_replay_large_slot_allocates_free_list() {
     let tmp = journal_only(&[Record::Put {
         key: "k".into(),
-        class: 4096,
-        slot: 1 << 22,
-        len: 1,
-        crc: 0,
-        seal: None,
+        at: Placement {
+            class: 4096,
+            slot: 1 << 22,
+            len: 1,
+            crc: 0,
+            seal: None,
+        },
     }]);
     let s = PageStore::open(&tmp.0, "bug", opts(1 << 30, false)).unwrap();
     // the record names bytes past the (missing) class file: dropped, counted, nothing reserved
@@ -1617,11 +1615,13 @@ fn bug_replay_large_slot_allocates_free_list() {
 fn a_dropped_record_does_not_come_back_when_the_file_grows() {
     let tmp = journal_only(&[Record::Put {
         key: "stale".into(),
-        class: 4096,
-        slot: 0,
-        len: 4096,
-        crc: 0,
-        seal: None,
+        at: Placement {
+            class: 4096,
+            slot: 0,
+            len: 4096,
+            crc: 0,
+            seal: None,
+        },
     }]);
     let src = region(4096);
     fill(&src, &[9u8; 4096]);
@@ -1646,11 +1646,13 @@ fn a_dropped_record_does_not_come_back_when_the_file_grows() {
 fn bug_verify_huge_len_panics() {
     let tmp = journal_only(&[Record::Put {
         key: "k".into(),
-        class: 4096,
-        slot: 0,
-        len: u64::MAX,
-        crc: 0,
-        seal: None,
+        at: Placement {
+            class: 4096,
+            slot: 0,
+            len: u64::MAX,
+            crc: 0,
+            seal: None,
+        },
     }]);
     let s = PageStore::open(&tmp.0, "bug", opts(1 << 30, false)).unwrap();
     let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {

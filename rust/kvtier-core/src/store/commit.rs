@@ -10,11 +10,12 @@ use std::sync::MutexGuard;
 
 use super::files::fallocate;
 use super::index::{Entry, JOURNAL_SLACK};
-use super::journal::{encoded_len, Record};
-use crate::seal::{Seal, SEAL_LEN};
+use super::journal::{encoded_len, Placement, Record};
+use crate::seal::SEAL_LEN;
 
 /// A put to commit: `(key, class, slot, len, crc, seal)`.
-pub(super) type PutItem = (String, u32, u32, u64, u32, Option<Seal>);
+/// A put to commit: its key and where its bytes were written.
+pub(super) type PutItem = (String, Placement);
 use super::stats::phase;
 use super::{io_err, PageStore};
 use crate::error::{Error, Result};
@@ -244,29 +245,24 @@ impl PageStore {
         // each put's record (with its seal, if any) and its prepaid del
         let new: u64 = items
             .iter()
-            .map(|i| (2 * encoded_len(i.0.len()) + if i.5.is_some() { SEAL_LEN } else { 0 }) as u64)
+            .map(|(key, at)| {
+                (2 * encoded_len(key.len()) + if at.seal.is_some() { SEAL_LEN } else { 0 }) as u64
+            })
             .sum();
         self.ensure_reserve(&j, new)?;
         self.stats.lap(phase::JOURNAL_RESERVE, &mut t);
         let recs: Vec<Record> = items
             .iter()
-            .map(|(key, class, slot, len, crc, seal)| Record::Put {
+            .map(|(key, at)| Record::Put {
                 key: key.clone(),
-                class: *class,
-                slot: *slot,
-                len: *len,
-                crc: *crc,
-                seal: *seal,
+                at: *at,
             })
             .collect();
         self.append_locked(&mut j, &recs)?;
         self.stats.lap(phase::JOURNAL_APPEND, &mut t);
         let mut ix = self.lock_index();
-        for (key, class, slot, len, crc, seal) in items {
-            ix.insert(
-                key.clone(),
-                Entry::new(*class, *slot, *len, *crc).sealed(*seal),
-            );
+        for (key, at) in items {
+            ix.insert(key.clone(), Entry::from(*at));
         }
         drop(ix);
         self.stats.lap(phase::INDEX_INSERT, &mut t);

@@ -54,15 +54,9 @@ impl Follow {
 /// naming bytes the file lacks reads as an IO error, a miss).
 fn apply(ix: &mut Index, r: Record) {
     match r {
-        Record::Put {
-            key,
-            class,
-            slot,
-            len,
-            crc,
-            seal,
-        } => {
-            if !put_shape_ok(class, len) {
+        Record::Put { key, at } => {
+            let (class, slot) = (at.class, at.slot);
+            if !put_shape_ok(class, at.len) {
                 ix.remove(&key);
                 return;
             }
@@ -70,7 +64,7 @@ fn apply(ix: &mut Index, r: Record) {
             *n = (*n).max(slot.saturating_add(1));
             ix.used += u64::from(class);
             ix.data_alloc += u64::from(class);
-            ix.insert(key, Entry::new(class, slot, len, crc).sealed(seal));
+            ix.insert(key, Entry::from(at));
         }
         Record::Del { key } => {
             ix.remove(&key);

@@ -8,9 +8,8 @@ use super::io_err;
 use super::namespace::{open_rw, sync_dir};
 use crate::error::{Error, Result};
 
-/// The format this kvtier writes and reads: the journal records, data files, namespace files and the
-/// root's `BUDGET` table described in docs/STORE.md.
-pub const FORMAT_VERSION: u32 = 1;
+/// The format this kvtier writes and reads (defined beside the journal's records, which change most often).
+pub use super::journal::FORMAT_VERSION;
 /// The file's name, in the root and in each namespace directory.
 pub const FORMAT_FILE: &str = "FORMAT";
 const PREFIX: &str = "kvtier page store format ";

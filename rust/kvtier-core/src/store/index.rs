@@ -3,7 +3,7 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
-use super::journal::encoded_len;
+use super::journal::{encoded_len, Placement};
 use crate::seal::{Seal, SEAL_LEN};
 
 /// Bytes the journal keeps beyond the prepaid del records (R4).
@@ -54,6 +54,13 @@ pub(super) struct Entry {
     pub(super) seal: Option<Box<Seal>>,
 }
 
+impl From<Placement> for Entry {
+    /// A new entry where a put record says its object lives.
+    fn from(at: Placement) -> Self {
+        Entry::new(at.class, at.slot, at.len, at.crc).sealed(at.seal)
+    }
+}
+
 impl Entry {
     pub(super) fn new(class: u32, slot: u32, len: u64, crc: u32) -> Self {
         Self {
@@ -66,6 +73,17 @@ impl Entry {
             gen: 0,
             bad: false,
             seal: None,
+        }
+    }
+
+    /// What a put record of this entry carries (compaction writes it again).
+    pub(super) fn placement(&self) -> Placement {
+        Placement {
+            class: self.class,
+            slot: self.slot,
+            len: self.len,
+            crc: self.crc,
+            seal: self.seal.as_deref().copied(),
         }
     }
 
@@ -373,15 +391,7 @@ impl Index {
         let mut n = 0;
         let put = |k: &str, e: &Entry, out: &mut Vec<u8>| {
             if e.servable() {
-                super::journal::encode_put(
-                    out,
-                    k,
-                    e.class,
-                    e.slot,
-                    e.len,
-                    e.crc,
-                    e.seal.as_deref(),
-                );
+                super::journal::encode_put(out, k, &e.placement());
             }
         };
         let range = if w.pos < w.end {

@@ -19,29 +19,42 @@
 
 use crate::seal::{Seal, SEAL_LEN};
 
+/// The on-disk format this kvtier writes and reads: the journal records below, data files, namespace files and
+/// the root's `BUDGET` table described in docs/STORE.md. A change to a record's layout bumps it, so a kvtier
+/// that reads another format refuses the store by name at open (`format::check`) instead of reading its
+/// records as damage.
+pub const FORMAT_VERSION: u32 = 1;
 /// Record magic.
 pub const MAGIC: u32 = 0x4b56_544a;
 const FIXED: usize = 4 + 1 + 2 + 4 + 4 + 8 + 4;
 /// Longest key accepted (HiCache keys are 64 hex characters plus a suffix).
 pub const MAX_KEY: usize = 1024;
 
+/// Where a put record says an object lives and how to check it: every field of a put but its key. Replay,
+/// followers and the index take it whole, so a field added here reaches them without a change there.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Placement {
+    /// Size class (slot size in bytes).
+    pub class: u32,
+    /// Slot index in that class's data file.
+    pub slot: u32,
+    /// Object length in bytes.
+    pub len: u64,
+    /// crc32c of the object bytes followed by the key bytes.
+    pub crc: u32,
+    /// Nonce and tag of an object sealed at rest; `None`: stored in clear.
+    pub seal: Option<Seal>,
+}
+
 /// A journal record.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Record {
-    /// `key` now lives in slot `slot` of size class `class`, `len` bytes with checksum `crc`.
+    /// `key` now lives where `at` says.
     Put {
         /// Object key.
         key: String,
-        /// Size class (slot size in bytes).
-        class: u32,
-        /// Slot index in that class's data file.
-        slot: u32,
-        /// Object length in bytes.
-        len: u64,
-        /// crc32c of the object bytes followed by the key bytes.
-        crc: u32,
-        /// Nonce and tag of an object sealed at rest; `None`: stored in clear.
-        seal: Option<Seal>,
+        /// Its slot, length, checksum and seal.
+        at: Placement,
     },
     /// `key` is gone.
     Del {
@@ -54,61 +67,41 @@ impl Record {
     /// Appends the encoded record to `out`.
     pub fn encode(&self, out: &mut Vec<u8>) {
         match self {
-            Record::Put {
-                key,
-                class,
-                slot,
-                len,
-                crc,
-                seal,
-            } => encode_put(out, key, *class, *slot, *len, *crc, seal.as_ref()),
-            Record::Del { key } => encode_raw(out, 2, key, 0, 0, 0, 0, None),
+            Record::Put { key, at } => encode_put(out, key, at),
+            Record::Del { key } => encode_raw(out, 2, key, &Placement::default(), None),
+        }
+    }
+}
+
+impl Default for Placement {
+    /// The all-zero fields a del record carries.
+    fn default() -> Self {
+        Placement {
+            class: 0,
+            slot: 0,
+            len: 0,
+            crc: 0,
+            seal: None,
         }
     }
 }
 
 /// Appends the encoded put record of `key` to `out` (as `Record::Put`'s `encode`, without a `Record`).
-pub fn encode_put(
-    out: &mut Vec<u8>,
-    key: &str,
-    class: u32,
-    slot: u32,
-    len: u64,
-    crc: u32,
-    seal: Option<&Seal>,
-) {
-    encode_raw(
-        out,
-        if seal.is_some() { 3 } else { 1 },
-        key,
-        class,
-        slot,
-        len,
-        crc,
-        seal,
-    )
+pub fn encode_put(out: &mut Vec<u8>, key: &str, at: &Placement) {
+    let kind = if at.seal.is_some() { 3 } else { 1 };
+    encode_raw(out, kind, key, at, at.seal.as_ref())
 }
 
-#[allow(clippy::too_many_arguments)]
-fn encode_raw(
-    out: &mut Vec<u8>,
-    kind: u8,
-    key: &str,
-    class: u32,
-    slot: u32,
-    len: u64,
-    crc: u32,
-    seal: Option<&Seal>,
-) {
+fn encode_raw(out: &mut Vec<u8>, kind: u8, key: &str, at: &Placement, seal: Option<&Seal>) {
     let start = out.len();
     debug_assert!(key.len() <= MAX_KEY);
     out.extend_from_slice(&MAGIC.to_le_bytes());
     out.push(kind);
     out.extend_from_slice(&(key.len() as u16).to_le_bytes());
-    out.extend_from_slice(&class.to_le_bytes());
-    out.extend_from_slice(&slot.to_le_bytes());
-    out.extend_from_slice(&len.to_le_bytes());
-    out.extend_from_slice(&crc.to_le_bytes());
+    out.extend_from_slice(&at.class.to_le_bytes());
+    out.extend_from_slice(&at.slot.to_le_bytes());
+    out.extend_from_slice(&at.len.to_le_bytes());
+    out.extend_from_slice(&at.crc.to_le_bytes());
     if let Some(s) = seal {
         out.extend_from_slice(s);
     }
@@ -212,11 +205,13 @@ fn parse_one(b: &[u8]) -> Option<(Record, usize)> {
         // a put of a shape the store never writes is not a record either (see `no_record_is_found_inside_an_accepted_key`)
         1 | 3 if super::index::put_shape_ok(u32_at(b, 7), u64_at(b, 15)) => Record::Put {
             key,
-            class: u32_at(b, 7),
-            slot: u32_at(b, 11),
-            len: u64_at(b, 15),
-            crc: u32_at(b, 23),
-            seal: (kind == 3).then(|| b[FIXED..head].try_into().expect("28 bytes")),
+            at: Placement {
+                class: u32_at(b, 7),
+                slot: u32_at(b, 11),
+                len: u64_at(b, 15),
+                crc: u32_at(b, 23),
+                seal: (kind == 3).then(|| b[FIXED..head].try_into().expect("28 bytes")),
+            },
         },
         // a del's unused fields are zero (as `encode` writes them): one fewer way for bytes that are not a
         // record to pass for one
@@ -236,28 +231,34 @@ mod tests {
         let recs = vec![
             Record::Put {
                 key: "a".repeat(64),
-                class: 8192,
-                slot: 3,
-                len: 5000,
-                crc: 77,
-                seal: None,
+                at: Placement {
+                    class: 8192,
+                    slot: 3,
+                    len: 5000,
+                    crc: 77,
+                    seal: None,
+                },
             },
             Record::Del { key: "b".into() },
             Record::Put {
                 key: "t0123456789abcdef.x.k".into(),
-                class: 8192,
-                slot: 4,
-                len: 8192,
-                crc: 78,
-                seal: Some(std::array::from_fn(|i| i as u8 + 1)),
+                at: Placement {
+                    class: 8192,
+                    slot: 4,
+                    len: 8192,
+                    crc: 78,
+                    seal: Some(std::array::from_fn(|i| i as u8 + 1)),
+                },
             },
             Record::Put {
                 key: "../../etc/x".into(),
-                class: 4096,
-                slot: 0,
-                len: 1,
-                crc: 1,
-                seal: None,
+                at: Placement {
+                    class: 4096,
+                    slot: 0,
+                    len: 1,
+                    crc: 1,
+                    seal: None,
+                },
             },
         ];
         let mut buf = Vec::new();
@@ -313,7 +314,7 @@ mod tests {
             let recs: Vec<Record> = keys.iter().enumerate().map(|(i, parts)| {
                 let key: String = parts.concat();
                 if puts[i] {
-                    Record::Put { key, class: 4096 * (i as u32 + 1), slot: i as u32, len: 4096, crc: crcs[i], seal: None }
+                    Record::Put { key, at: Placement { class: 4096 * (i as u32 + 1), slot: i as u32, len: 4096, crc: crcs[i], seal: None }, }
                 } else {
                     Record::Del { key }
                 }
@@ -340,7 +341,7 @@ mod tests {
         fn mutated_journal_yields_a_prefix(seed_keys in proptest::collection::vec("[a-f0-9]{1,70}", 1..6),
                                            flip in any::<usize>()) {
             let recs: Vec<Record> = seed_keys.iter().enumerate().map(|(i, k)| Record::Put {
-                key: k.clone(), class: 4096, slot: i as u32, len: 10, crc: i as u32, seal: None }).collect();
+                key: k.clone(), at: Placement { class: 4096, slot: i as u32, len: 10, crc: i as u32, seal: None }, }).collect();
             let mut buf = Vec::new();
             for r in &recs { r.encode(&mut buf); }
             let i = flip % buf.len();
@@ -356,7 +357,7 @@ mod tests {
                                                    flip in any::<usize>(), width in 1usize..6) {
             let recs: Vec<Record> = seed_keys.iter().enumerate().map(|(i, k)| if i % 3 == 2 {
                 Record::Del { key: k.clone() } } else { Record::Put {
-                key: k.clone(), class: 4096, slot: i as u32, len: 10, crc: i as u32, seal: None } }).collect();
+                key: k.clone(), at: Placement { class: 4096, slot: i as u32, len: 10, crc: i as u32, seal: None }, } }).collect();
             let mut buf = Vec::new();
             let mut starts = Vec::new();
             for r in &recs { starts.push(buf.len()); r.encode(&mut buf); }

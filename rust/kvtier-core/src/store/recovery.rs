@@ -44,14 +44,8 @@ pub(super) fn replay(
         };
     for r in records {
         match r {
-            Record::Put {
-                key,
-                class,
-                slot,
-                len,
-                crc,
-                seal,
-            } => {
+            Record::Put { key, at } => {
+                let (class, slot, len) = (at.class, at.slot, at.len);
                 let flen = match file_len.get(&class) {
                     Some(&n) => n,
                     None => {
@@ -101,7 +95,7 @@ pub(super) fn replay(
                 remove(&mut live, &mut owner, id);
                 order += 1;
                 owner.get_mut(&class).expect("created above")[slot as usize] = id + 1;
-                live[id as usize] = Some((Entry::new(class, slot, len, crc).sealed(seal), order));
+                live[id as usize] = Some((Entry::from(at), order));
             }
             Record::Del { key } => {
                 if !dropped.is_empty() {

@@ -301,7 +301,7 @@ fn a_key_that_could_hold_a_journal_record_is_refused() {
     // the fault table is process-wide: a fault test running beside this one (dir_sync, data_write, ...) would
     // fail this test's store IO
     let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
-    use super::journal::{parse_resync, Record};
+    use super::journal::{parse_resync, Placement, Record};
     let (victim, inner) = (0u64..)
         .find_map(|n| {
             let key = format!("victim-{n}");
@@ -315,11 +315,13 @@ fn a_key_that_could_hold_a_journal_record_is_refused() {
     let mut rec = Vec::new();
     Record::Put {
         key: evil.clone(),
-        class: 4096,
-        slot: 1,
-        len: 4096,
-        crc: 0,
-        seal: None,
+        at: Placement {
+            class: 4096,
+            slot: 1,
+            len: 4096,
+            crc: 0,
+            seal: None,
+        },
     }
     .encode(&mut rec);
     let torn = parse_resync(&rec[..rec.len() / 2]);

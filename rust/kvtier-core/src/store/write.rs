@@ -8,6 +8,7 @@ use std::sync::{Arc, OnceLock};
 use super::commit::PutItem;
 use super::files::ClassFile;
 use super::index::put_journal_cost;
+use super::journal::Placement;
 use super::seal_io::{Aligned, SealKeys};
 use super::stats::phase;
 use super::{PageStore, ALIGN, MAX_OBJECT};
@@ -75,14 +76,14 @@ impl PageStore {
         let items: Vec<PutItem> = done
             .iter()
             .map(|(s, crc, seal)| {
-                (
-                    objs[s.i].0.to_owned(),
-                    s.class,
-                    s.slot,
-                    objs[s.i].2,
-                    *crc,
-                    *seal,
-                )
+                let at = Placement {
+                    class: s.class,
+                    slot: s.slot,
+                    len: objs[s.i].2,
+                    crc: *crc,
+                    seal: *seal,
+                };
+                (objs[s.i].0.to_owned(), at)
             })
             .collect();
         let committed = self.commit_puts(&items).is_ok();
