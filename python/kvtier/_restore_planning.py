@@ -87,9 +87,6 @@ class RestorePlanning:
     def durable_tier(self) -> str | None:
         """The name of the store's durable tier (a :class:`kvtier.PageStore`'s, or a tier chain's first), whose
         copy of a page makes writing it again unnecessary; None without a store."""
-        tiers = getattr(self.store, "tiers", None)
-        if tiers and isinstance(tiers, list):
-            return str(tiers[0][0])
         return getattr(self.store, "name", None) if self.store is not None else None
 
     def plan_restore(self, page_keys: Sequence[str], prompt_tokens: int, *, can_split: bool = True) -> RestorePlan:

@@ -26,6 +26,12 @@ class Tier(Protocol):
     page_bytes: int
 
     @property
+    def name(self) -> str:
+        """The name this tier's figures go by: the keys of :meth:`measured` and the names :meth:`locate` gives
+        (the planner costs a run of pages by the estimate of the same name). A chain's is its first, durable
+        tier's."""
+
+    @property
     def pool(self) -> Any:
         """The registered host pool, or None before :meth:`register_mem_pool_host`."""
 

@@ -90,6 +90,11 @@ class TieredStore:
         self._deleted: collections.OrderedDict[str, None] = collections.OrderedDict()  # see DELETED_KEPT
 
     @property
+    def name(self) -> str:
+        """The first (durable) tier's name: a page it holds needs no writing again."""
+        return self.tiers[0][0]
+
+    @property
     def pool(self) -> Any:
         return self.tiers[0][1].pool
 

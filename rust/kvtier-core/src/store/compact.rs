@@ -29,7 +29,7 @@ const STEP_MIN: u64 = 16 << 10;
 /// Entries encoded per hold of the index lock.
 const CHUNK: usize = 4096;
 /// The longest record (a sealed put with a key of `journal::MAX_KEY` bytes).
-const MAX_RECORD: u64 = 31 + crate::seal::SEAL_LEN as u64 + journal::MAX_KEY as u64;
+const MAX_RECORD: u64 = (journal::encoded_len(journal::MAX_KEY) + crate::seal::SEAL_LEN) as u64;
 
 /// A compaction in progress: the new journal (`journal.compact`) being written.
 pub(super) struct Compaction {

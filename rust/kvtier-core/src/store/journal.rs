@@ -4,7 +4,7 @@
 //!
 //! ```text
 //! magic u32 = 0x4b56544a ("KVTJ") | kind u8 (1 put, 2 del, 3 sealed put) | key_len u16 | class u32 |
-//! slot u32 | len u64 | crc u32 (crc32c of the object's bytes, then its key) | [seal [28], kind 3 only] |
+//! slot u32 | len u64 | crc u32 (crc32c of the object's bytes, then its key) | [seal [SEAL_LEN = 32], kind 3 only] |
 //! key [key_len] | record_crc u32
 //! ```
 //!
@@ -177,7 +177,7 @@ pub fn parse(buf: &[u8]) -> (Vec<Record>, usize) {
 
 /// Bytes of a del or clear put record of a `key_len`-byte key once encoded (a sealed put has
 /// [`SEAL_LEN`] more).
-pub fn encoded_len(key_len: usize) -> usize {
+pub const fn encoded_len(key_len: usize) -> usize {
     FIXED + key_len + 4
 }
 
@@ -210,7 +210,7 @@ fn parse_one(b: &[u8]) -> Option<(Record, usize)> {
                 slot: u32_at(b, 11),
                 len: u64_at(b, 15),
                 crc: u32_at(b, 23),
-                seal: (kind == 3).then(|| b[FIXED..head].try_into().expect("28 bytes")),
+                seal: (kind == 3).then(|| b[FIXED..head].try_into().expect("SEAL_LEN bytes")),
             },
         },
         // a del's unused fields are zero (as `encode` writes them): one fewer way for bytes that are not a
