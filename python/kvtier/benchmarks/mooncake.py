@@ -3,13 +3,18 @@
     kvtier bench mooncake [--reps 7] [--storage-nodes 1] [--out DIR]
 
 A local cluster (kvtier.tiers.local_cluster: a master and storage processes on 127.0.0.1) and one client
-process. Cases: single objects of 64 KiB, 1 MiB and 4 MiB (an MLA-shaped pool, one object per page), and the
+process. Cases: single objects of 64 KiB, 256 KiB, 1 MiB and 4 MiB (an MLA-shaped pool, one object per page), and the
 K/V page pairs of a MiMo-like page (48 layers x 64 tokens x 4 heads x K 192 | V 128, bf16: 4.5 + 3 MiB) and
 one DeepSeek-like latent page (61 layers x 64 tokens x 576, bf16: 4.3 MiB). For each, per repetition with fresh
 keys: the ceiling — Mooncake's ``batch_put_from`` / ``batch_get_into`` of exactly the pool's page objects —
 then ``MooncakeTier.batch_set_v1`` / ``batch_get_v1`` of the same pages (which add the existence check, the
 crc32c of every object, the integrity records and their check). Medians, and kvtier as a share of the raw
 figure. Gets are checked bit-exact. Writes ``cpu-mooncake.json`` / ``.md`` into --out only at the end.
+
+What integrity costs, split in the same run: raw Mooncake moving the page objects plus one record-sized object
+per page (what the integrity records cost in objects and round trips, without computing anything), and one
+core's crc32c of the batch's bytes (what computing the checksums costs; the tier computes them for every put
+and get), each as a share of the raw figure.
 """
 
 from __future__ import annotations
@@ -25,12 +30,14 @@ import torch
 from kvtier import DeviceKVPool, MLADeviceKVPool, host_pool_for
 
 from ..tiers.local_cluster import LocalCluster
+from ..tiers._records import record_size
 from ..tiers.mooncake import MooncakeTier
 from ._common import out_dir, write_results
 
 # name: (kind, geometry, pages per batch)
 CASES = {
     "64KiB": ("mla", dict(layers=1, page=64, lora=448, rope=64), 256),
+    "256KiB": ("mla", dict(layers=4, page=64, lora=448, rope=64), 128),
     "1MiB": ("mla", dict(layers=16, page=64, lora=448, rope=64), 64),
     "4MiB": ("mla", dict(layers=64, page=64, lora=448, rope=64), 32),
     "mimo-kv": ("mha", dict(layers=48, page=64, heads=4, dk=192, dv=128), 32),
@@ -67,7 +74,11 @@ def run_case(name: str, c: LocalCluster, reps: int, keyring: Any = None) -> dict
     names, ptrs, sizes = objs.objects([f"x{i}" for i in range(n)], src.view(-1, ps)[:, 0].numpy() // ps)
     _, dptrs, _ = objs.objects([f"x{i}" for i in range(n)], dst.view(-1, ps)[:, 0].numpy() // ps)
     total = sum(sizes)
-    rows: dict[str, list[float]] = {k: [] for k in ("raw_put", "raw_get", "kvtier_put", "kvtier_get")}
+    rec = record_size(len(names) // n, keyring is not None)  # one page's record
+    recbuf = tier.registered_buffer(2 * n * rec, "bench record")
+    rptrs, rdst = [recbuf.ptr + i * rec for i in range(n)], [recbuf.ptr + (n + i) * rec for i in range(n)]
+    rows: dict[str, list[float]] = {k: [] for k in ("raw_put", "raw_get", "raw_rec_put", "raw_rec_get", "kvtier_put",
+                                                   "kvtier_get", "exist", "crc32c")}
     want = tier.ranges.crc32c(names, ptrs, sizes)
     checks: list[bool] = []  # after every get, raw or kvtier: the bytes that landed are the bytes sent
 
@@ -89,6 +100,25 @@ def run_case(name: str, c: LocalCluster, reps: int, keyring: Any = None) -> dict
                 raise RuntimeError(f"{name}: raw Mooncake refused objects ({res[:4]} ..., {got[:4]} ...)")
             checks.append(landed())
 
+        def raw_records_round() -> None:
+            rk = [f"rr{r}_{x}" for x in names] + [f"rr{r}_rec{i}" for i in range(n)]
+            rp, rs, rd = ptrs + rptrs, sizes + [rec] * n, dptrs + rdst
+            t0 = time.perf_counter()
+            res = raw.batch_put_from(rk, rp, rs)
+            rows["raw_rec_put"].append(total / (time.perf_counter() - t0) / 1e9)
+            t0 = time.perf_counter()
+            got = raw.batch_get_into(rk, rd, rs)
+            rows["raw_rec_get"].append(total / (time.perf_counter() - t0) / 1e9)
+            if any(x != 0 for x in res) or any(x != s for x, s in zip(got, rs)):
+                raise RuntimeError(f"{name}: raw Mooncake refused objects with records ({res[:4]} ...)")
+            t0 = time.perf_counter()
+            raw.batch_is_exist(rk)  # the existence check the tier's put makes first (records and data)
+            rows["exist"].append(total / (time.perf_counter() - t0) / 1e9)
+            t0 = time.perf_counter()
+            tier.ranges.crc32c(names, ptrs, sizes)  # one core, the batch's bytes, as the tier's put computes them
+            rows["crc32c"].append(total / (time.perf_counter() - t0) / 1e9)
+            checks.append(landed())
+
         def tier_round() -> None:
             t0 = time.perf_counter()
             ok = tier.batch_set_v1(pk, src)
@@ -100,7 +130,8 @@ def run_case(name: str, c: LocalCluster, reps: int, keyring: Any = None) -> dict
                 raise RuntimeError(f"{name}: the tier refused pages ({ok.count(False)} puts, {ok2.count(False)} gets)")
             checks.append(landed())
 
-        for step in ((raw_round, tier_round) if r % 2 == 0 else (tier_round, raw_round)):  # alternate who goes first
+        order = [raw_round, raw_records_round, tier_round]
+        for step in (order if r % 2 == 0 else order[::-1]):  # alternate who goes first
             step()
         time.sleep(1.1)  # past the lease of what was read, so it can be removed
         raw.remove_all()
@@ -110,6 +141,12 @@ def run_case(name: str, c: LocalCluster, reps: int, keyring: Any = None) -> dict
            **{f"{k}_GBps": round(v, 3) for k, v in med.items()},
            "put_pct": round(100 * med["kvtier_put"] / med["raw_put"], 1),
            "get_pct": round(100 * med["kvtier_get"] / med["raw_get"], 1),
+           # integrity split: records as objects (raw + one record per page, % of raw) and checksumming (the
+           # time one core's crc32c of the batch takes, % of the raw put's time)
+           "records_put_pct": round(100 * med["raw_rec_put"] / med["raw_put"], 1),
+           "records_get_pct": round(100 * med["raw_rec_get"] / med["raw_get"], 1),
+           "crc_time_pct": round(100 * med["raw_put"] / med["crc32c"], 1),
+           "exist_time_pct": round(100 * med["raw_put"] / med["exist"], 1),
            "all": {k: [round(x, 3) for x in v] for k, v in rows.items()}, "bit_exact": all(checks)}
     print(json.dumps({k: v for k, v in row.items() if k != "all"}), flush=True)
     return row
@@ -136,11 +173,18 @@ def main(argv: list[str] | None = None) -> None:
     lines = [f"# kvtier cluster tier vs raw Mooncake — {res['date']} — {res['transport']}", "",
              "| case | batch | raw put | kvtier put | % | raw get | kvtier get (verified) | % | exact |",
              "|---|---|---|---|---|---|---|---|---|"]
+    split = ["", "What integrity costs: raw Mooncake with one record-sized object per page (% of raw), one core's "
+             "crc32c of the batch (GB/s; its time as % of the raw put's), and the existence check of data and "
+             "records a put makes first (its time as % of the raw put's).", "",
+             "| case | records: put % of raw | records: get % of raw | crc32c GB/s | crc32c time, % of raw put | "
+             "existence check, % of raw put |", "|---|---|---|---|---|---|"]
     for r in res["rows"]:
         sz = "+".join(f"{s >> 10} KiB" for s in r["object_bytes"])
         lines.append(f"| {r['case']} | {r['objects_per_batch']} x {sz} | {r['raw_put_GBps']} GB/s | {r['kvtier_put_GBps']} GB/s | "
                      f"{r['put_pct']}% | {r['raw_get_GBps']} GB/s | {r['kvtier_get_GBps']} GB/s | {r['get_pct']}% | {r['bit_exact']} |")
-    md = "\n".join(lines) + "\n"
+        split.append(f"| {r['case']} | {r['records_put_pct']}% | {r['records_get_pct']}% | {r['crc32c_GBps']} | "
+                     f"{r['crc_time_pct']}% | {r['exist_time_pct']}% |")
+    md = "\n".join(lines + split) + "\n"
     print(md)
     if out is not None:
         write_results(out, {"cpu-mooncake.json": json.dumps(res, indent=1), "cpu-mooncake.md": md})
