@@ -1,4 +1,4 @@
-"""The per-layer load's warm path (pools._WarmLoad): a repeated call reuses the previous call's checks only
+"""The per-layer load's warm path (kvtier.transfer.indices.WarmLoad): a repeated call reuses the previous call's checks only
 while every object it checked is unchanged. Each test changes one thing between two per-layer calls and
 checks that the second call sees it (new data lands where the new arguments say, or a clear error)."""
 
