@@ -1,7 +1,7 @@
 """Part (b) of bench_transformers.py: time to first token of a prompt whose prefix was seen before, against
 recomputing it, for every way kvtier can restore it — in one run, on one model.
 
-Rows (each TTFT the second of two runs; the first warms the kernels up and lets the tier measure itself):
+Rows (each TTFT the median of REPS runs after a first that warms the kernels up and lets the tier measure itself):
 - ``recompute``: transformers prefills the whole prompt (DynamicCache); ``gpu_copy``: transformers reuses a
   prefix DynamicCache kept on the GPU (deep-copied).
 - ``kvtier_host`` / ``kvtier_disk``: every cached page loaded (``restore="all"``) from the pinned host pool,
@@ -20,6 +20,7 @@ picks recompute's token; the pages a planned row loaded are the stored bytes (la
 from __future__ import annotations
 
 import copy
+import statistics
 import time
 from typing import Any
 
@@ -27,7 +28,8 @@ import torch
 from transformers import DynamicCache
 
 SUFFIX = 64
-REPS = 2
+#: each time is the median of REPS runs after one warm-up run (a single run scatters by ±30 % on the H200)
+REPS = 5
 
 
 class Throttled:
@@ -92,14 +94,14 @@ def _context(row: dict, model: Any, tier: Any, ctx: int, i: int, vocab: int, dev
     n = ctx // ps * ps
 
     def timed(fn: Any) -> tuple[float, Any]:
-        out = None
-        for _ in range(REPS):
+        out, dts = None, []
+        for _ in range(REPS + 1):
             _sync(device)
             t0 = time.perf_counter()
             out = fn()
             _sync(device)
-            dt = time.perf_counter() - t0
-        return dt, out
+            dts.append(time.perf_counter() - t0)
+        return statistics.median(dts[1:]), out
 
     row["recompute_s"], rec = timed(lambda: _first(model, new.to(device), DynamicCache(config=cfg), kwarg))
     kept = DynamicCache(config=cfg)
@@ -115,7 +117,8 @@ def _context(row: dict, model: Any, tier: Any, ctx: int, i: int, vocab: int, dev
 
     def restore(mode: str, drop: bool) -> tuple[float, Any]:
         tier.restore = mode
-        for rep in range(REPS):
+        dts = []
+        for rep in range(REPS + 1):
             if drop:
                 tier.drop_host_copies()
             _sync(device)
@@ -123,11 +126,11 @@ def _context(row: dict, model: Any, tier: Any, ctx: int, i: int, vocab: int, dev
             cache = tier.cache(new)
             got = _first(model, new[:, cache.get_seq_length():].to(device), cache, kwarg)
             _sync(device)
-            dt = time.perf_counter() - t0
-            if rep < REPS - 1:
+            dts.append(time.perf_counter() - t0)
+            if rep < REPS:
                 cache.release()
                 tier.controller.wait_idle()
-        return dt, (cache, got)
+        return statistics.median(dts[1:]), (cache, got)
 
     def record(name: str, dt: float, cache: Any, got: torch.Tensor) -> None:
         plan = cache.plan
@@ -159,6 +162,7 @@ def _context(row: dict, model: Any, tier: Any, ctx: int, i: int, vocab: int, dev
     # host + disk + never seen in one prefix: the first third back on the host, the second only on the disk, the
     # last third new (each run: host copies dropped, the first third read back, a tail of its own)
     third = n // ps // 3 * ps
+    mixed_s: dict[str, list[float]] = {"recompute": [], "planned": []}
     for rep in range(REPS):
         tier.restore = "all"
         tier.drop_host_copies()
@@ -171,14 +175,16 @@ def _context(row: dict, model: Any, tier: Any, ctx: int, i: int, vocab: int, dev
         t0 = time.perf_counter()
         _first(model, mixed.to(device), DynamicCache(config=cfg), kwarg)
         _sync(device)
-        row["mixed_recompute_s"] = time.perf_counter() - t0
+        mixed_s["recompute"].append(time.perf_counter() - t0)
         tier.restore = "plan"
         _sync(device)
         t0 = time.perf_counter()
         cache = tier.cache(mixed)
         _first(model, mixed[:, cache.get_seq_length():].to(device), cache, kwarg)
         _sync(device)
-        row["planned_mixed_s"] = time.perf_counter() - t0
+        mixed_s["planned"].append(time.perf_counter() - t0)
+        row["mixed_recompute_s"] = statistics.median(mixed_s["recompute"])
+        row["planned_mixed_s"] = statistics.median(mixed_s["planned"])
         row["planned_mixed_ratio"] = row["planned_mixed_s"] / row["mixed_recompute_s"]
         row["planned_mixed_plan"] = cache.plan.as_dict() if cache.plan else None
         row["planned_mixed_predicted_s"] = cache.plan.predicted_s if cache.plan else None
