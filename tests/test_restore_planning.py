@@ -310,3 +310,28 @@ def test_a_prompt_that_differs_inside_the_restored_prefix_is_refused(tmp_path):
             KVTier(model, model_id="x", restore="some")
         with pytest.raises(kvtier.InvalidArgumentError, match="prefill"):
             KVTier(model, model_id="x", prefill="fast")
+
+
+def test_the_restore_mode_can_be_switched_between_requests(tmp_path):
+    """``KVTier.restore`` is read by every cache(): a disk the planner finds too slow is recomputed under
+    "plan", and every page is loaded under "all" once the mode is switched on the same tier; a bad mode is
+    refused by name and leaves the mode as it was."""
+    model = llama()
+    ids = tokens(12 * PS + 3)
+    with KVTier(model, model_id="t/switch", page_size=PS, host_tokens=4096, store_dir=tmp_path,
+                prefill=PrefillModel.fixed(1e9, name="prefill")) as tier:
+        stored_then_dropped(tier, model, ids)
+        with_disk_at(tier, 1e-6)  # far slower than the (near free) prefill: the planner recomputes
+        assert tier.restore == "plan"
+        c = tier.cache(ids)
+        assert c.plan is not None and c.plan.kind == "recompute" and c.restored_tokens == 0
+        c.release()
+        tier.controller.wait_idle()
+        tier.drop_host_copies()
+        tier.restore = "all"
+        c = tier.cache(ids)
+        assert c.plan is None and c.restored_store_pages == 12 and c.restored_tokens == 12 * PS
+        c.release()
+        with pytest.raises(kvtier.InvalidArgumentError, match="restore"):
+            tier.restore = "some"
+        assert tier.restore == "all"

@@ -266,7 +266,6 @@ class KVTier:
             raise
         self.stream = torch.cuda.Stream(kv_device) if self.cuda else None
         self._lanes = self.host.engine.lanes_for("direct", self.host.sides()) if self.cuda else 1
-        self.restore = restore
         # what the caches and the calibration share with this tier (they never see the KVTier's insides)
         self._state = TierRuntime(layers=self.layers, window=window, heads=heads, k_dim=k_dim, v_dim=v_dim, dtype=dtype,
                                   device=kv_device, page_size=page_size, host_tokens=host_tokens, host=self.host,
@@ -336,6 +335,18 @@ class KVTier:
         self._check_open()
         self.controller.wait_idle()
         return self.controller.evict_unreferenced()
+
+    @property
+    def restore(self) -> str:
+        """How the next :meth:`cache` restores a prefix: ``"plan"`` or ``"all"`` (see the constructor); settable
+        between requests."""
+        return self._state.restore
+
+    @restore.setter
+    def restore(self, mode: str) -> None:
+        if mode not in RESTORE_MODES:
+            raise InvalidArgumentError(f"invalid argument `restore`: {mode!r}; expected one of {RESTORE_MODES}")
+        self._state.restore = mode
 
     @property
     def stats(self) -> TransformersStats:
