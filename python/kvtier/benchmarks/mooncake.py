@@ -86,51 +86,40 @@ def run_case(name: str, c: LocalCluster, reps: int, keyring: Any = None) -> dict
         return bool(tier.ranges.crc32c(names, dptrs, sizes) == want)
 
     for r in range(reps):
-        keys = [f"raw{r}_{k}" for k in names]
         pk = [f"kv{r}_{i}" for i in range(n)]
 
-        def raw_round() -> None:
+        def timed(row: str, call: Any, *args: Any) -> Any:
+            """``call(*args)``, its rate over the batch's data bytes appended to ``rows[row]``."""
             t0 = time.perf_counter()
-            res = raw.batch_put_from(keys, ptrs, sizes)
-            rows["raw_put"].append(total / (time.perf_counter() - t0) / 1e9)
-            t0 = time.perf_counter()
-            got = raw.batch_get_into(keys, dptrs, sizes)
-            rows["raw_get"].append(total / (time.perf_counter() - t0) / 1e9)
-            if any(x != 0 for x in res) or any(x != s for x, s in zip(got, sizes)):
-                raise RuntimeError(f"{name}: raw Mooncake refused objects ({res[:4]} ..., {got[:4]} ...)")
-            checks.append(landed())
+            out = call(*args)
+            rows[row].append(total / (time.perf_counter() - t0) / 1e9)
+            return out
 
-        def raw_records_round() -> None:
-            rk = [f"rr{r}_{x}" for x in names] + [f"rr{r}_rec{i}" for i in range(n)]
-            rp, rs, rd = ptrs + rptrs, sizes + [rec] * n, dptrs + rdst
-            t0 = time.perf_counter()
-            res = raw.batch_put_from(rk, rp, rs)
-            rows["raw_rec_put"].append(total / (time.perf_counter() - t0) / 1e9)
-            t0 = time.perf_counter()
-            got = raw.batch_get_into(rk, rd, rs)
-            rows["raw_rec_get"].append(total / (time.perf_counter() - t0) / 1e9)
+        def raw_round(records: bool = False) -> None:
+            """Mooncake's own calls on the page objects, with one record-sized object per page when
+            ``records`` (then also the existence check and the checksums the tier's put makes)."""
+            tag = "raw_rec" if records else "raw"
+            rk, rp, rs, rd = [f"{tag}{r}_{x}" for x in names], ptrs, sizes, dptrs
+            if records:
+                rk, rp = rk + [f"{tag}{r}_rec{i}" for i in range(n)], rp + rptrs
+                rs, rd = rs + [rec] * n, rd + rdst
+            res = timed(f"{tag}_put", raw.batch_put_from, rk, rp, rs)
+            got = timed(f"{tag}_get", raw.batch_get_into, rk, rd, rs)
             if any(x != 0 for x in res) or any(x != s for x, s in zip(got, rs)):
-                raise RuntimeError(f"{name}: raw Mooncake refused objects with records ({res[:4]} ...)")
-            t0 = time.perf_counter()
-            raw.batch_is_exist(rk)  # the existence check the tier's put makes first (records and data)
-            rows["exist"].append(total / (time.perf_counter() - t0) / 1e9)
-            t0 = time.perf_counter()
-            tier.ranges.crc32c(names, ptrs, sizes)  # one core, the batch's bytes, as the tier's put computes them
-            rows["crc32c"].append(total / (time.perf_counter() - t0) / 1e9)
+                raise RuntimeError(f"{name}: raw Mooncake refused objects ({res[:4]} ..., {got[:4]} ...)")
+            if records:
+                timed("exist", raw.batch_is_exist, rk)  # the existence check the tier's put makes first
+                timed("crc32c", tier.ranges.crc32c, names, ptrs, sizes)  # one core, as the tier's put does
             checks.append(landed())
 
         def tier_round() -> None:
-            t0 = time.perf_counter()
-            ok = tier.batch_set_v1(pk, src)
-            rows["kvtier_put"].append(total / (time.perf_counter() - t0) / 1e9)
-            t0 = time.perf_counter()
-            ok2 = tier.batch_get_v1(pk, dst)
-            rows["kvtier_get"].append(total / (time.perf_counter() - t0) / 1e9)
+            ok = timed("kvtier_put", tier.batch_set_v1, pk, src)
+            ok2 = timed("kvtier_get", tier.batch_get_v1, pk, dst)
             if not all(ok) or not all(ok2):
                 raise RuntimeError(f"{name}: the tier refused pages ({ok.count(False)} puts, {ok2.count(False)} gets)")
             checks.append(landed())
 
-        order = [raw_round, raw_records_round, tier_round]
+        order = [raw_round, lambda: raw_round(records=True), tier_round]
         for step in (order if r % 2 == 0 else order[::-1]):  # alternate who goes first
             step()
         time.sleep(1.1)  # past the lease of what was read, so it can be removed

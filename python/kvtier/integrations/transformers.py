@@ -272,7 +272,6 @@ class KVTier:
                                   controller=self.controller, stats=stats, restore=restore, model=weakref.ref(model),
                                   cache_kwarg=cache_kwarg(model), text_config=text,
                                   attn_implementation=self.attn_implementation, stream=self.stream, lanes=self._lanes)
-        self._marks = self._state.marks
         tier_ref = weakref.ref(self)
 
         def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -310,7 +309,7 @@ class KVTier:
                 f"invalid argument `model`: its attention implementation changed from {self.attn_implementation!r} to "
                 f"{now!r} since this KVTier was built (its pages were computed with the first); build a new KVTier")
         tokens = _token_list("token_ids", token_ids)
-        self._marks.poll()
+        self._state.marks.poll()
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise InvalidArgumentError(f"invalid argument `cache_salt`: a non-empty string or None, got {cache_salt!r}")
         return KvtierCache(self, self._state, tokens, salt=cache_salt)
@@ -358,11 +357,7 @@ class KVTier:
         pending forward and TTFT timing has been read into the planner: what a benchmark calls before it reads
         a clock or the planner's statistics."""
         self._state.drain()
-        self._marks.poll(wait=True)
-
-    def _drain(self) -> None:
-        """Wait until every transfer this tier issued has completed (a failed one raises its error)."""
-        self._state.drain()
+        self._state.marks.poll(wait=True)
 
     def _check_open(self) -> None:
         self._state.check_open()
@@ -374,8 +369,7 @@ class KVTier:
             return
         self._state.closed = True
         _unhook(self._hook, self._done_hook, self._unwrap)
-        self._marks.poll(wait=True)
-        self._drain()
+        self.synchronize()
         try:
             self.controller.close()
         finally:
