@@ -4,6 +4,7 @@ the plan for a request's cached prefix (:func:`kvtier.planner.plan_restore`), an
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -31,6 +32,11 @@ class RestorePlanning:
     lock: Any
     pages: Any
     stats: Any
+    _io: concurrent.futures.ThreadPoolExecutor
+    _pending: list[concurrent.futures.Future[Any]]
+
+    def _slots(self, starts: Sequence[int]) -> torch.Tensor:
+        raise NotImplementedError  # TierController's
 
     def _poll_locked(self) -> None:
         raise NotImplementedError  # TierController's
@@ -124,6 +130,37 @@ class RestorePlanning:
                             store_segments=segments, tiers=self.measured(), prefill=self.prefill, can_split=can_split)
         self.planner_stats.record(plan)
         return plan
+
+    def read_into(self, page_keys: Sequence[str], starts: Sequence[int]) -> concurrent.futures.Future[int]:
+        """Read the pages of ``page_keys`` from the store into the caller's private host pages ``starts`` (from
+        :meth:`allocate`), in the background, in one batch: a split restore's tail, loaded while its head is
+        computed. The future's result is how many leading pages were read and verified; the bytes of any page
+        after them are not the page's (whatever the failed read left). The pages stay the caller's: hand the
+        verified ones to the index with :meth:`adopt` (``stored=True``) or give them back with :meth:`free`,
+        either only once the future is done."""
+        keys, starts = list(page_keys), [int(s) for s in starts]
+        if len(keys) != len(starts):
+            raise InvalidArgumentError(f"invalid argument `starts`: {len(starts)} pages for {len(keys)} keys")
+        if self.store is None and keys:
+            raise InvalidArgumentError("invalid argument `page_keys`: this controller has no store to read from")
+
+        def work() -> int:
+            ok: list[bool] = []
+            if keys:
+                try:
+                    ok = list(self.store.batch_get_v1(keys, self._slots(starts)))
+                except Exception:  # an IO failure is a miss, never an engine crash
+                    ok = [False] * len(keys)
+            good = next((i for i, g in enumerate(ok) if not g), len(ok))
+            with self.lock:
+                self.stats.prefetched_pages += sum(ok)
+                self.stats.prefetch_misses += len(ok) - sum(ok)
+                self.stats.bytes_from_store += sum(ok) * self.page_bytes
+            return good
+
+        fut = self._io.submit(work)
+        self._pending.append(fut)
+        return fut
 
     def observe_prefill(self, new_tokens: int, context_tokens: int, seconds: float) -> None:
         """One forward of the engine: ``new_tokens`` computed after ``context_tokens`` cached ones took

@@ -15,6 +15,7 @@ from ..planner import RestorePlan
 from ..store import page_hashes
 from ..tenants import tenant_keys
 from ._transformers_state import TierRuntime
+from ._transformers_restore import PendingTail, RestoreSteps
 from ._transformers_window import _release, _Table, _Window
 
 # forward arguments that do not change the KV a token gets (positions and masks are checked, not listed here)
@@ -46,7 +47,7 @@ class _Layer(DynamicLayer):
         pass
 
 
-class KvtierCache(DynamicCache):
+class KvtierCache(RestoreSteps, DynamicCache):
     """The KV cache of one sequence, kept in a :class:`KVTier` (see the module docs); made by
     :meth:`KVTier.cache`. ``restored_tokens``, ``restored_host_pages`` and ``restored_store_pages`` say what
     its prompt did not have to compute."""
@@ -80,6 +81,9 @@ class KvtierCache(DynamicCache):
         self._forward: Any = None  # (start, new tokens, cached tokens) of the forward in flight
         self._ttft: Any = None  # (plan, start) until the forward that completes the prompt
         self._stored: set[str] = set()  # keys of pages recomputed by a split plan that the store already has
+        self._tail: PendingTail | None = None  # a split restore's tail still being read (_transformers_restore)
+        self._redo: int | None = None  # the first failed tail page, when the forward in flight used it
+        self._span: tuple[int, int] | None = None  # (length before, tokens fed) of the forward in flight
         self._last_held = -2  # the cache's length at generate's last step (its next is a decode step when +1)
         state.stats.caches += 1
         if not keep:
@@ -89,55 +93,6 @@ class KvtierCache(DynamicCache):
 
     def _salted(self, chain: list[str]) -> list[str]:
         return tenant_keys(self.salt, chain) if self.salt is not None and chain else chain
-
-    # ------------------------------------------------------------------ restore
-    def _restore(self, tokens: list[int]) -> None:
-        st, ps = self._state, self._state.page_size
-        n = (len(tokens) - 1) // ps  # at least one token is left to compute (the model must give logits)
-        if n <= 0:
-            return
-        chain = page_hashes(tokens[: n * ps], ps)
-        keys = self._salted(chain)
-        ctrl = st.controller
-        if st.restore == "all":  # every cached page, loaded: no measurement, no planning
-            host, disk = ctrl.match(keys)
-            if disk:
-                ctrl.prefetch(keys[: host + disk]).result()
-            self._attach(ctrl.acquire(keys), keys, chain, host)
-            return
-        t0 = st.marks.mark()
-        plan = self.plan = ctrl.plan_restore(keys, len(tokens), can_split=True)
-        h, j, k = plan.host_pages, plan.recompute_to, plan.load_to
-        # the host pages are held first (a reference each): the tail's read cannot evict them to make room
-        got = ctrl.acquire(keys[:h]) if h else []
-        self._attach(got, keys, chain, len(got))
-        r = len(got)
-        # the tail's read runs in the background while the head is computed
-        tail = ctrl.prefetch(keys[j:k]) if k > j else None
-        try:
-            if j > r:  # the head: computed here, while the tail streams in
-                model = st.model()
-                if model is None:
-                    raise ClosedError("the model of this KVTier is gone; build a KVTier for the model in use")
-                # head pages the durable tier already holds are not written again (those only a later tier,
-                # such as the cluster, holds are: its copy is not durability)
-                durable, pos = ctrl.durable_tier, h
-                for name, count in plan.segments:
-                    if name == durable:
-                        self._stored.update(keys[max(pos, h) : min(pos + count, j)])
-                    pos += count
-                with torch.no_grad():
-                    model(input_ids=torch.tensor([tokens[r * ps : j * ps]], device=st.device), use_cache=True,
-                          logits_to_keep=1, **{st.cache_kwarg: self})
-                self.recomputed_tokens = (j - r) * ps
-                st.stats.recomputed_head_tokens += self.recomputed_tokens
-        finally:
-            if tail is not None:
-                tail.result()
-        if tail is not None and self.get_seq_length() == j * ps:
-            more = ctrl.acquire(keys[j:k])
-            self._attach(more, keys, chain, 0, first=j)
-        self._ttft = (plan, t0)
 
     def _attach(self, starts: list[int], keys: list[str], chain: list[str], host: int, *, first: int = 0) -> None:
         """Pages ``[first, first + len(starts))`` of the prompt (``keys``, and ``chain``: their hashes before
@@ -174,30 +129,38 @@ class KvtierCache(DynamicCache):
         if getattr(st.text_config, "_attn_implementation", None) != st.attn_implementation:
             self._unverified()  # KV computed another way than the namespace says: never kept
         self._fed_tokens(ids, kwargs)
+        self._span = None
         if isinstance(ids, torch.Tensor) and ids.dim() == 2:
             n = int(ids.shape[1])
+            self._span = (self.get_seq_length(), n)
             if st.observe and (n >= st.page_size or self._ttft is not None):
                 st.marks.poll()
-                self._forward = (st.marks.mark(), n, self.get_seq_length())
+                # a forward on a tail still being read waits for the disk: not a prefill to learn from
+                self._forward = (st.marks.mark(), n, self.get_seq_length(), self._tail is None)
 
-    def after_forward(self) -> None:
+    def after_forward(self, model: Any = None, kwargs: dict[str, Any] | None = None, output: Any = None) -> Any:
         """The forward hook: the forward's time goes to the prefill model (forwards of a page or more: decode
         steps say little about prefill); the first forward that completes the prompt ends the time to first
-        token of the cache's plan."""
+        token of the cache's plan. Returns None, or the output that replaces ``output`` when the forward used a
+        tail page that failed its check (:meth:`_recover`)."""
         started, self._forward = self._forward, None
+        failed, self._redo = self._redo, None
+        if failed is not None and self._span is not None:
+            return self._recover(model, kwargs or {}, output, self._span, failed)
         if started is None:
-            return
+            return None
         st = self._state
-        start, n, ctx = started
+        start, n, ctx, learn = started
         end = st.marks.mark()
         ctrl = st.controller
-        if n >= st.page_size:
+        if n >= st.page_size and learn:
             st.marks.after(start, end, lambda s: ctrl.observe_prefill(n, ctx, s))
         ttft = self._ttft
         if ttft is not None and len(self._fed) >= len(self._prompt):
             self._ttft = None
             plan, t0 = ttft
             st.marks.after(t0, end, lambda s: ctrl.observe_ttft(plan, s))
+        return None
 
     # ------------------------------------------------------------------ helpers
     def _fed_tokens(self, ids: Any, kwargs: dict[str, Any]) -> None:
@@ -294,6 +257,8 @@ class KvtierCache(DynamicCache):
         """Host -> slot of ``layer_idx``: its first ``tokens`` tokens (whole pages), on the transfer stream
         after the compute stream's work so far (the slot's previous user included)."""
         st = self._state
+        if self._tail is not None and not st.cuda:  # (on CUDA the transfer stream waits at the tail's gate)
+            self._tail.wait()
         s = layer_idx % win.window
         host, dev = self._slots(0, -(-tokens // st.page_size))
         win.loaded[s] = st.transfer(win, layer_idx, host, dev, to_host=False)
@@ -353,7 +318,10 @@ class KvtierCache(DynamicCache):
             self._load(win, nxt, nxt_len)
         if layer_idx == st.layers - 1:
             st.stats.computed_tokens += t1 - t0
-            self._adopt(t1)
+            if self._tail is not None:  # this forward ran on the tail: its pages are checked before anything is kept
+                self._redo = self._settle_tail()
+            if self._redo is None:
+                self._adopt(t1)
         return keys, values
 
     def _adopt(self, tokens: int) -> None:
@@ -405,6 +373,9 @@ class KvtierCache(DynamicCache):
     def _truncate(self, tokens: int) -> None:
         st, ps = self._state, self._state.page_size
         st.check_open()
+        if self._tail is not None:
+            self._settled()
+            tokens = min(tokens, self.get_seq_length())
         keep = -(-tokens // ps)
         self.table.release(st, keep)
         j = tokens // ps
@@ -460,6 +431,8 @@ class KvtierCache(DynamicCache):
         tokens = self.get_seq_length(layer_idx) if tokens is None else tokens
         if not 0 <= layer_idx < st.layers or not 0 <= tokens <= self.get_seq_length(layer_idx):
             raise InvalidArgumentError(f"invalid argument `layer_idx`/`tokens`: {layer_idx}, {tokens}")
+        self._settled()
+        tokens = min(tokens, self.get_seq_length(layer_idx))
         st.drain()
         pages = [s // ps for s in self.table.starts[: -(-tokens // ps)]]
         out = []

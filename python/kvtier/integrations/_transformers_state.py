@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from .._errors import ClosedError
+from ..transfer.gate import gate_until
 
 
 @dataclass
@@ -125,6 +126,18 @@ class TierRuntime:
             with self._subs_lock:
                 self._subs.append(sub)
         return sub, events
+
+    def hold_transfers_until(self, future: Any) -> None:
+        """Transfers issued after this call do not start on the device before ``future`` is done (a split
+        restore's tail read: its pages' loads are enqueued before their bytes are there). On the CPU nothing:
+        the caller waits for the future before its first copy of those pages."""
+        if self.stream is None:
+            return
+        sub = gate_until(self.device, self.stream, future, self._sub)
+        if sub is not None:
+            self._sub = sub
+            with self._subs_lock:
+                self._subs.append(sub)
 
     @staticmethod
     def wait(stream: Any, pending: Any) -> None:

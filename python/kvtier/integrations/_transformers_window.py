@@ -3,6 +3,7 @@ layer slots, seen as a kvtier device pool) and :class:`_Table` (the sequence's h
 
 from __future__ import annotations
 
+import concurrent.futures
 from typing import Any
 
 import torch
@@ -59,12 +60,15 @@ class _Table:
     def __init__(self) -> None:
         self.starts: list[int] = []
         self.keys: list[str | None] = []
+        self.reading: Any = None  # a store read into some of the pages (a future), until the cache has settled it
 
     def release(self, state: TierRuntime, first: int = 0) -> None:
         starts, keys = self.starts[first:], self.keys[first:]
         del self.starts[first:], self.keys[first:]
         if state.closed or not starts:
             return
+        if self.reading is not None:  # never free a page a read is still writing into
+            concurrent.futures.wait([self.reading])
         state.drain()  # no transfer in flight may still touch a page given back
         state.controller.release([k for k in keys if k is not None])
         state.controller.free([s for s, k in zip(starts, keys) if k is None])

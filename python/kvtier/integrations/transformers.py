@@ -281,11 +281,14 @@ class KVTier:
                 ids = kwargs.get("input_ids", args[0] if args and isinstance(args[0], torch.Tensor) else None)
                 cache.before_forward(ids, kwargs)
 
-        def done(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        def done(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
             tier = tier_ref()
             cache = kwargs.get("cache", kwargs.get("past_key_values"))
             if tier is not None and isinstance(cache, KvtierCache) and cache.tier is tier:
-                cache.after_forward()
+                if args and isinstance(args[0], torch.Tensor) and "input_ids" not in kwargs:
+                    kwargs = {**kwargs, "input_ids": args[0]}
+                return cache.after_forward(module, kwargs, output)  # (not None: the forward was computed again)
+            return None
 
         self._hook = model.register_forward_pre_hook(hook, with_kwargs=True)
         self._done_hook = model.register_forward_hook(done, with_kwargs=True)

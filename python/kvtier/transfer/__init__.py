@@ -27,7 +27,8 @@ The package, one module per concept (imports run one way, engine → the rest):
   the copies); ``layout``: :class:`Side`, a K or V host buffer's geometry (and the torch route's copy);
 - ``kernels``: the Triton kernels; ``staging``: staged backups; ``streams``: side streams and the
   default-stream detour; ``inflight``: what keeps in-flight copies' objects alive;
-- ``indices``: the pools' validated index sets and the warm path of repeated per-layer loads.
+- ``indices``: the pools' validated index sets and the warm path of repeated per-layer loads;
+- ``gate``: holding a stream's later copies until host work (a disk read) has finished.
 """
 
 from __future__ import annotations

@@ -194,3 +194,39 @@ pub fn cuda_set_batch_limit(limit: usize) -> usize {
 pub fn cuda_batch_flags() -> u32 {
     kvtier_core::cuda::batch_flags()
 }
+
+/// A gate a stream's later work waits at until the host opens it (`kvtier_core::cuda::HostGate`); opened
+/// when the last reference to it goes.
+#[pyclass(name = "HostGate", module = "kvtier._native", frozen)]
+pub struct PyHostGate(std::sync::Arc<kvtier_core::cuda::HostGate>);
+
+#[pymethods]
+impl PyHostGate {
+    #[new]
+    fn new() -> Self {
+        Self(std::sync::Arc::new(kvtier_core::cuda::HostGate::new()))
+    }
+    /// Opens the gate (idempotent): every stream waiting at it goes on.
+    fn open(&self) {
+        self.0.open()
+    }
+    /// True once opened.
+    #[getter]
+    fn is_open(&self) -> bool {
+        self.0.is_open()
+    }
+}
+
+/// Enqueues `gate` on CUDA `stream` of `device` from a native thread, after `previous` (see
+/// `kvtier_core::engine::submit_gate_background`); `stream` must be a live stream of that device.
+#[pyfunction]
+#[pyo3(signature = (device, stream, gate, previous=None))]
+pub fn submit_gate_background(
+    device: i32,
+    stream: usize,
+    gate: PyRef<'_, PyHostGate>,
+    previous: Option<PyRef<'_, PySubmission>>,
+) -> KvResult<PySubmission> {
+    let previous = previous.as_ref().map(|p| &p.0);
+    Ok(PySubmission(engine::submit_gate_background(device, stream, gate.0.clone(), previous)?))
+}

@@ -56,7 +56,12 @@ pub(super) struct Driver {
     pub(super) stream_wait_event: unsafe extern "C" fn(*mut c_void, *mut c_void, u32) -> CuResult,
     pub(super) event_synchronize: unsafe extern "C" fn(*mut c_void) -> CuResult,
     pub(super) stream_synchronize: unsafe extern "C" fn(*mut c_void) -> CuResult,
+    pub(super) launch_host_func: LaunchHostFunc,
 }
+
+/// `cuLaunchHostFunc`: stream, host function, its argument.
+pub(super) type LaunchHostFunc =
+    unsafe extern "C" fn(*mut c_void, unsafe extern "C" fn(*mut c_void), *mut c_void) -> CuResult;
 
 /// `cuLaunchKernel`: function, grid x/y/z, block x/y/z, dynamic shared bytes, stream, parameter pointers,
 /// extra options.
@@ -128,6 +133,7 @@ fn load() -> std::result::Result<Driver, String> {
             stream_wait_event: sym(lib, c"cuStreamWaitEvent")?,
             event_synchronize: sym(lib, c"cuEventSynchronize")?,
             stream_synchronize: sym(lib, c"cuStreamSynchronize")?,
+            launch_host_func: sym(lib, c"cuLaunchHostFunc")?,
         }
     };
     Ok(drv)

@@ -12,6 +12,7 @@
 mod context;
 mod copy;
 mod driver;
+mod gate;
 mod launch;
 mod registration;
 mod streams;
@@ -19,6 +20,7 @@ mod streams;
 pub use context::{make_current, Current};
 pub use copy::{batch_flags, batch_limit, batch_supported, set_batch_limit, Submitted};
 pub use driver::available;
+pub use gate::HostGate;
 pub use launch::{Kernel, Param};
 pub use registration::{is_host_registered, register_ranges, unregister_all, Registration};
 pub use streams::Lanes;

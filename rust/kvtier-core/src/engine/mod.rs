@@ -19,7 +19,7 @@ mod tests;
 
 pub use groups::{submit_layers, MAX_AHEAD_COPIES};
 pub use launch::{launch_layers, KernelLaunch};
-pub use submission::{submit_layers_background, Submission};
+pub use submission::{submit_gate_background, submit_layers_background, Submission};
 
 use std::ops::Range;
 use std::sync::Arc;

@@ -16,6 +16,25 @@ struct Progress {
 
 type State = Arc<(Mutex<Progress>, Condvar)>;
 
+/// Blocks until the submission behind `state` (if any) has finished submitting.
+fn wait_done(state: Option<&State>) {
+    if let Some(state) = state {
+        let (m, cv) = &**state;
+        let mut g = m.lock().unwrap_or_else(|p| p.into_inner());
+        while !g.done {
+            g = cv.wait(g).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+}
+
+fn finish(state: &State, res: Result<()>) {
+    let (m, cv) = &**state;
+    let mut g = m.lock().unwrap_or_else(|p| p.into_inner());
+    g.done = true;
+    g.error = res.err();
+    cv.notify_all();
+}
+
 /// A per-layer submission running on a native thread (see [`submit_layers_background`]).
 pub struct Submission {
     state: State,
@@ -109,13 +128,7 @@ pub fn submit_layers_background(
         .name("kvtier-submit".into())
         .spawn(move || {
             let _regions = regions; // host memory stays mapped while this thread may submit copies of it
-            if let Some(prev) = previous {
-                let (m, cv) = &*prev;
-                let mut g = m.lock().unwrap_or_else(|p| p.into_inner());
-                while !g.done {
-                    g = cv.wait(g).unwrap_or_else(|p| p.into_inner());
-                }
-            }
+            wait_done(previous.as_ref());
             let (m, cv) = &*worker;
             let bump = || {
                 m.lock().unwrap_or_else(|p| p.into_inner()).recorded += 1;
@@ -131,14 +144,42 @@ pub fn submit_layers_background(
                 &bump,
                 MAX_AHEAD_COPIES,
             );
-            let mut g = m.lock().unwrap_or_else(|p| p.into_inner());
-            g.done = true;
-            g.error = res.err();
-            cv.notify_all();
+            finish(&worker, res.map(|_| ()));
         })
         .map_err(|e| Error::Os {
             what: "spawning the submission thread".into(),
             source: e,
         })?;
     Ok(Submission { state, groups: n })
+}
+
+/// Enqueues `gate` (see [`crate::cuda::HostGate`]) on CUDA `stream` of `device` from a native thread, in
+/// order after `previous` (the last background submission on that stream): what is submitted on `stream`
+/// after this submission finishes does not start on the device before the gate opens. The returned
+/// submission has no layers; [`Submission::join`] waits until the gate is enqueued.
+pub fn submit_gate_background(
+    device: i32,
+    stream: usize,
+    gate: Arc<crate::cuda::HostGate>,
+    previous: Option<&Submission>,
+) -> Result<Submission> {
+    let previous = previous.map(|p| p.state.clone());
+    let state: State = Arc::new((Mutex::new(Progress::default()), Condvar::new()));
+    let worker = state.clone();
+    std::thread::Builder::new()
+        .name("kvtier-gate".into())
+        .spawn(move || {
+            wait_done(previous.as_ref());
+            let res = crate::cuda::make_current(device).and_then(|cur| {
+                // SAFETY: the caller passes a live stream of `device` (the binding's contract); the gate's
+                // state lives as long as the host function needs it (it holds a count).
+                unsafe { cur.enqueue_gate(stream, &gate) }
+            });
+            finish(&worker, res);
+        })
+        .map_err(|e| Error::Os {
+            what: "spawning the gate's submission thread".into(),
+            source: e,
+        })?;
+    Ok(Submission { state, groups: 0 })
 }

@@ -1,0 +1,277 @@
+"""How kvtier's transformers cache restores a prompt's cached prefix (:class:`RestoreSteps`, mixed into
+``KvtierCache``): the restore planner's plan carried out — the host pages attached, the head of the prefix
+computed while its tail is read from the store — and the tail in flight: read into private host pages, used by
+the next forward before the read has finished, and checked before anything that forward made is kept or
+returned.
+
+How it stays correct (kvtier's promise: a wrong byte is never served):
+
+- The tail's pages are the sequence's private pages (``_Table.keys`` None) until :meth:`KvtierCache._settle_tail`
+  has seen the read's result; only the verified leading pages then go to the controller's index.
+- On CUDA the loads of those pages wait on the transfer stream behind a host gate that opens when the read has
+  finished (``TierRuntime.hold_transfers_until``), so no load reads a page before its bytes are there; on the
+  CPU the first load waits for the read instead.
+- A forward that ran on the tail settles it at its last layer, before it adopts anything. When a page failed,
+  that forward's output was made from bytes that are not the page's: nothing of it is adopted, and the
+  forward hook replaces the output with :func:`recompute_forward` (the cache cut back to the verified pages,
+  the rest of the tokens computed again).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .._errors import ClosedError, KvtierError
+from ..planner import RestorePlan
+from ..store import page_hashes
+
+
+@dataclass
+class PendingTail:
+    """Pages ``[first, first + len(keys))`` of the prompt, read into ``starts`` by ``future`` (its result: how
+    many leading pages were read and verified)."""
+
+    future: concurrent.futures.Future[int]
+    first: int
+    keys: list[str]
+    starts: list[int]
+
+    def wait(self) -> None:
+        """Until the read has finished (its result is not looked at)."""
+        concurrent.futures.wait([self.future])
+
+    def good(self) -> int:
+        """How many leading pages were read and verified (0 when the read raised)."""
+        try:
+            return min(len(self.keys), int(self.future.result()))
+        except Exception:  # noqa: BLE001 - a failed read is a miss
+            return 0
+
+
+def recompute_forward(model: Any, device: torch.device, start: int, tokens: list[int], kwargs: dict[str, Any],
+                      output: Any, fed: int) -> Any:
+    """The output of the forward ``model(**kwargs)`` made again after a tail page failed: its cache has been cut
+    back to its verified pages (``start`` tokens), ``tokens`` are the tokens after them up to where the failed
+    forward ended (the failed pages' and that forward's ``fed`` ones), computed on ``device``; the output is
+    trimmed to the failed forward's shape."""
+    if kwargs.get("inputs_embeds") is not None:
+        raise KvtierError("a restored page failed its check after a forward fed by `inputs_embeds` used it; kvtier "
+                          "cannot compute that forward again: call it again with input_ids")
+    for name in ("position_ids", "cache_position"):
+        value = kwargs.get(name)
+        if isinstance(value, torch.Tensor):
+            plain = torch.arange(start + len(tokens) - fed, start + len(tokens), device=value.device)
+            if value.numel() != fed or not bool((value.reshape(-1) == plain).all()):
+                raise KvtierError(f"a restored page failed its check after a forward with its own `{name}` used it; "
+                                  "kvtier cannot compute that forward again: call it again")
+    again = {k: v for k, v in kwargs.items() if k not in ("input_ids", "position_ids", "cache_position")}
+    ids = torch.tensor([tokens], dtype=torch.long, device=device)
+    out = model(input_ids=ids, **again)
+    return _trimmed(out, output)
+
+
+def _trimmed(out: Any, like: Any) -> Any:
+    """``out``'s per-token tensors cut to the last tokens ``like`` has (the failed forward fed fewer tokens)."""
+    def cut(new: Any, old: Any) -> Any:
+        if isinstance(new, torch.Tensor) and isinstance(old, torch.Tensor) and new.dim() >= 2 and old.dim() >= 2 \
+                and new.shape[1] > old.shape[1]:
+            return new[:, new.shape[1] - old.shape[1]:]
+        if isinstance(new, tuple) and isinstance(old, tuple) and len(new) == len(old):
+            return tuple(cut(a, b) for a, b in zip(new, old))
+        return new
+
+    if isinstance(out, tuple) and isinstance(like, tuple):
+        return tuple(cut(a, b) for a, b in zip(out, like))
+    for name in ("logits", "hidden_states"):
+        new, old = getattr(out, name, None), getattr(like, name, None)
+        if new is not None and old is not None:
+            setattr(out, name, cut(new, old))
+    return out
+
+
+class RestoreSteps:
+    """How a :class:`~kvtier.integrations._transformers_cache.KvtierCache` restores its prompt's cached prefix (a
+    mixin): the plan carried out (host pages attached, the head computed while the tail is read), the tail
+    attached and settled, and the recomputation when a page of it failed (see the module docs)."""
+
+    _state: Any
+    _tail: PendingTail | None
+    _redo: int | None
+    _prompt: list[int]
+    _fed: list[int]
+    _page_keys: list[str]
+    _chain: list[str]
+    _adopted: int
+    _stored: set[str]
+    _ttft: Any
+    plan: RestorePlan | None
+    recomputed_tokens: int
+    table: Any
+    layers: Any
+    restored_tokens: int
+    restored_store_pages: int
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        raise NotImplementedError  # the cache's
+
+    def _ensure_window(self, tokens: int) -> Any:
+        raise NotImplementedError  # the cache's
+
+    def _load(self, win: Any, layer_idx: int, tokens: int) -> None:
+        raise NotImplementedError  # the cache's
+
+    def _truncate(self, tokens: int) -> None:
+        raise NotImplementedError  # the cache's
+
+    def _salted(self, chain: list[str]) -> list[str]:
+        raise NotImplementedError  # the cache's
+
+    def _attach(self, starts: list[int], keys: list[str], chain: list[str], host: int, *, first: int = 0) -> None:
+        raise NotImplementedError  # the cache's
+
+    def _restore(self, tokens: list[int]) -> None:
+        st, ps = self._state, self._state.page_size
+        n = (len(tokens) - 1) // ps  # at least one token is left to compute (the model must give logits)
+        if n <= 0:
+            return
+        chain = page_hashes(tokens[: n * ps], ps)
+        keys = self._salted(chain)
+        ctrl = st.controller
+        if st.restore == "all":  # every cached page, loaded: no measurement, no planning
+            host, disk = ctrl.match(keys)
+            if disk:
+                ctrl.prefetch(keys[: host + disk]).result()
+            self._attach(ctrl.acquire(keys), keys, chain, host)
+            return
+        t0 = st.marks.mark()
+        plan = self.plan = ctrl.plan_restore(keys, len(tokens), can_split=True)
+        h, j, k = plan.host_pages, plan.recompute_to, plan.load_to
+        # the host pages are held first (a reference each): the tail's read cannot evict them to make room
+        got = ctrl.acquire(keys[:h]) if h else []
+        self._attach(got, keys, chain, len(got))
+        r = len(got)
+        # the tail is read into private pages in the background from now on (while the head is computed),
+        # and used by the next forward before the read has finished (_transformers_tail)
+        starts = ctrl.allocate(k - j) if k > j and j >= r else None
+        pending = None
+        if starts is not None:
+            self._ensure_window(len(tokens))  # (never reallocated, so never drained, while the read runs)
+            pending = PendingTail(ctrl.read_into(keys[j:k], starts), j, list(keys[j:k]), list(starts))
+            self.table.reading = pending.future
+        tail = ctrl.prefetch(keys[j:k]) if k > j and pending is None else None
+        try:
+            if j > r:  # the head: computed here, while the tail streams in
+                self._compute_head(plan, keys, tokens, r, j)
+        except BaseException:
+            self._tail = pending
+            self._drop_tail()
+            raise
+        finally:
+            if tail is not None:
+                tail.result()
+        self._tail = pending
+        if pending is not None:
+            if self.get_seq_length() == j * ps:
+                # loads of the tail's pages wait (on the device) for the read
+                st.hold_transfers_until(pending.future)
+                self._attach_tail(chain)
+            else:
+                self._drop_tail()
+        elif tail is not None and self.get_seq_length() == j * ps:
+            more = ctrl.acquire(keys[j:k])
+            self._attach(more, keys, chain, 0, first=j)
+        self._ttft = (plan, t0)
+
+    def _compute_head(self, plan: RestorePlan, keys: list[str], tokens: list[int], r: int, j: int) -> None:
+        """Pages ``[r, j)`` of the prompt computed by the model (a split plan's head)."""
+        st, ps, ctrl = self._state, self._state.page_size, self._state.controller
+        model = st.model()
+        if model is None:
+            raise ClosedError("the model of this KVTier is gone; build a KVTier for the model in use")
+        # head pages the durable tier already holds are not written again (those only a later tier, such as
+        # the cluster, holds are: its copy is not durability)
+        durable, pos = ctrl.durable_tier, plan.host_pages
+        for name, count in plan.segments:
+            if name == durable:
+                self._stored.update(keys[max(pos, plan.host_pages) : min(pos + count, j)])
+            pos += count
+        with torch.no_grad():
+            model(input_ids=torch.tensor([tokens[r * ps : j * ps]], device=st.device), use_cache=True,
+                  logits_to_keep=1, **{st.cache_kwarg: self})
+        self.recomputed_tokens = (j - r) * ps
+        st.stats.recomputed_head_tokens += self.recomputed_tokens
+
+    def _attach_tail(self, chain: list[str]) -> None:
+        """The pending tail's pages become the sequence's (private until :meth:`_settle_tail`), loaded as any."""
+        tail, st, ps = self._tail, self._state, self._state.page_size
+        assert tail is not None
+        first, n = tail.first, len(tail.keys)
+        self.table.starts += tail.starts
+        self.table.keys += [None] * n
+        self._adopted = first + n
+        self._page_keys[first:] = list(tail.keys)
+        self._chain[first:] = list(chain[first : first + n])
+        self._fed[first * ps:] = self._prompt[first * ps : (first + n) * ps]
+        for layer in self.layers:
+            layer.length = (first + n) * ps
+        self.restored_tokens += n * ps
+        self.restored_store_pages += n
+        st.stats.restored_pages += n
+        st.stats.restored_store_pages += n
+        win = self._ensure_window((first + n) * ps)
+        for layer_idx in range(st.window):
+            self._load(win, layer_idx, (first + n) * ps)
+
+    def _drop_tail(self) -> None:
+        """A tail that never became the sequence's: its private pages go back once the read has finished."""
+        tail, self._tail = self._tail, None
+        self.table.reading = None
+        if tail is not None:
+            tail.wait()
+            self._state.controller.free(tail.starts)
+
+    def _settle_tail(self) -> int | None:
+        """The pending tail's read has finished: its verified leading pages go to the index (the sequence keeps
+        a reference to each). Returns None when every page was verified, else the first failed page (from then
+        on the sequence's pages hold wrong bytes until it is cut back)."""
+        tail, self._tail = self._tail, None
+        if tail is None:
+            return None
+        self.table.reading = None
+        good, st, ps = tail.good(), self._state, self._state.page_size
+        if good:
+            took = st.controller.adopt(tail.keys[:good], tail.starts[:good], stored=[True] * good)
+            for i, (key, ok) in enumerate(zip(tail.keys, took), start=tail.first):
+                if ok and i < len(self.table.keys):
+                    self.table.keys[i] = key
+        bad = len(tail.keys) - good
+        if not bad:
+            return None
+        self.restored_tokens -= bad * ps
+        self.restored_store_pages -= bad
+        st.stats.restored_pages -= bad
+        st.stats.restored_store_pages -= bad
+        return tail.first + good
+
+    def _settled(self) -> None:
+        """Settle a pending tail outside a forward: a failed page cuts the sequence back to the verified ones."""
+        if self._tail is not None:
+            failed = self._settle_tail()
+            if failed is not None and self.get_seq_length() > failed * self._state.page_size:
+                self._truncate(failed * self._state.page_size)
+
+    def _recover(self, model: Any, kwargs: dict[str, Any], output: Any, span: tuple[int, int], failed: int) -> Any:
+        """The forward that just ran used tail pages from ``failed`` on, which failed their check: cut the
+        sequence back to the verified pages and return the output of that forward computed again (the failed
+        pages' tokens first). ``span``: (the sequence's length before that forward, the tokens it fed)."""
+        st, ps = self._state, self._state.page_size
+        ctx, n = span
+        ids = kwargs.get("input_ids")
+        new = ids[0, -n:].tolist() if isinstance(ids, torch.Tensor) and ids.dim() == 2 and n else []
+        tokens = self._prompt[failed * ps : ctx] + new
+        self._truncate(failed * ps)
+        return recompute_forward(model, st.device, failed * ps, tokens, kwargs, output, n)

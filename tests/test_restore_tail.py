@@ -1,0 +1,190 @@
+"""A split restore's tail in flight (kvtier.integrations._transformers_restore): the tail is read into private
+pages while the head is computed and used by the next forward before the read has finished. These tests break
+the read after the plan was made — one page in the middle, every page of a damaged disk, a read that raises —
+and check the promises: the output is recomputing's, no unverified page reaches the index or another
+sequence, nothing leaks from the host pool, and a cache released or cropped before its first forward gives
+every page back."""
+
+import gc
+import os
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from kvtier.integrations.transformers import KVTier, cache_kwarg
+from kvtier.planner import PrefillModel
+from test_restore_planning import PS, greedy, llama, stored_then_dropped, tokens, with_disk_at
+
+PAGES = 40
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+def _device(device):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    return torch.bfloat16 if device == "cuda" else torch.float32
+
+
+def _tier(model, tmp_path, name):
+    # 1 ms per token and a disk that reads a token's KV in 2 ms: a split, about two thirds recomputed
+    return KVTier(model, model_id=f"t/{name}", page_size=PS, host_tokens=4096, store_dir=tmp_path,
+                  prefill=PrefillModel((0.0, 1e-3, 0.0, 0.0)))
+
+
+def _split_disk(tier):
+    with_disk_at(tier, tier.controller.page_bytes / PS / 2e-3 / 1e9)
+
+
+def _fail_reads(monkeypatch, tier, bad_keys=None, *, raise_error=False):
+    """The store's reads report ``bad_keys`` (all when None) failed and leave garbage in their host pages, as a
+    read that failed its checksum half-way does; or raise."""
+    store = tier.controller.store
+    real = store.batch_get_v1
+    calls = []
+
+    def get(keys, host_indices, extra_info=None):
+        calls.append(list(keys))
+        if raise_error:
+            raise OSError("disk gone")
+        ok = list(real(keys, host_indices, extra_info))
+        rows = host_indices.reshape(len(keys), -1)
+        for i, k in enumerate(keys):
+            if bad_keys is None or k in bad_keys:
+                ok[i] = False
+                page = int(rows[i, 0]) // PS  # (the host pool is pages first: [page, layer, token, head, dim])
+                for buf in (tier.host.k_buffer, tier.host.v_buffer):
+                    buf[page].copy_(torch.randn_like(buf[page].float()).to(buf.dtype) * 100)
+        return ok
+
+    monkeypatch.setattr(store, "batch_get_v1", get)
+    return calls
+
+
+def _host_pages_in_use(tier):
+    return (tier.host.size - tier.host.available_size()) // PS
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("where", ["middle", "first", "all", "raises"])
+def test_a_tail_page_that_fails_after_the_plan_gives_recomputings_tokens(tmp_path, monkeypatch, device, where):
+    dtype = _device(device)
+    model = llama(device, dtype)
+    ids = tokens(PAGES * PS + 5)
+    with _tier(model, tmp_path, f"tail-{where}") as tier:
+        want = greedy(model, ids, DynamicCache(config=model.config))
+        stored_then_dropped(tier, model, ids)
+        _split_disk(tier)
+        ctrl = tier.controller
+        plan_keys = []
+        real_read = ctrl.read_into
+
+        def read_into(page_keys, starts):
+            plan_keys.extend(page_keys)
+            return real_read(page_keys, starts)
+
+        monkeypatch.setattr(ctrl, "read_into", read_into)
+        class Chooser:  # the tail's keys are known once the restore asks for them
+            def __contains__(self, key):
+                i = plan_keys.index(key)
+                return i == len(plan_keys) // 2 if where == "middle" else i == 0
+
+        _fail_reads(monkeypatch, tier, None if where == "all" else Chooser(), raise_error=where == "raises")
+        c = tier.cache(ids)
+        p = c.plan
+        assert p.kind == "split" and len(plan_keys) == p.load_to - p.recompute_to > 2, p
+        got = greedy(model, ids, c)
+        assert torch.equal(got, want), f"{where}: {got} != {want}"
+        # the verified pages before the failed one are in the index, no page at or after it is
+        failed = {"middle": len(plan_keys) // 2, "first": 0, "all": 0, "raises": 0}[where]
+        assert all(k in ctrl.pages for k in plan_keys[:failed])
+        tier.synchronize()
+        ctrl.wait_idle()
+        # what the index holds now is what recomputing makes: a restore from the host alone gives recompute's tokens
+        monkeypatch.undo()
+        c.release()
+        d = tier.cache(ids)
+        assert torch.equal(greedy(model, ids, d), want)
+        d.release()
+        gc.collect()
+        ctrl.wait_idle()
+        assert all(pg.refs == 0 for pg in ctrl.pages.values())
+        assert _host_pages_in_use(tier) == len(ctrl.pages), "a tail page leaked from the host pool"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_failed_tail_gives_the_same_logits_whatever_the_forward_asks_for(tmp_path, monkeypatch, device):
+    """The forward that used the failed page is computed again; its output keeps the shape the caller asked
+    for (every position's logits, a tuple instead of a ModelOutput) and recomputing's values."""
+    dtype = _device(device)
+    model = llama(device, dtype)
+    ids = tokens(PAGES * PS + 5).to(device)
+    with torch.no_grad():
+        want = model(input_ids=ids, use_cache=True, past_key_values=DynamicCache(config=model.config)).logits
+    with _tier(model, tmp_path, "tail-shape") as tier:
+        stored_then_dropped(tier, model, ids.cpu())
+        _split_disk(tier)
+        _fail_reads(monkeypatch, tier)
+        c = tier.cache(ids)
+        held = c.get_seq_length()
+        assert c.plan.kind == "split" and held == PAGES * PS
+        with torch.no_grad():
+            out = model(input_ids=ids[:, held:], use_cache=True, return_dict=False, **{cache_kwarg(model): c})
+        assert isinstance(out, tuple) and out[0].shape == (1, ids.shape[1] - held, want.shape[-1])
+        tol = 0 if device == "cpu" else 0.3
+        assert (out[0].float() - want[:, held:].float()).abs().max().item() <= tol
+        assert c.get_seq_length() == ids.shape[1] and c.restored_tokens < PAGES * PS
+        assert tier.stats.restored_store_pages == c.restored_store_pages
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("how", ["release", "crop", "garbage"])
+def test_a_cache_dropped_before_its_first_forward_gives_every_tail_page_back(tmp_path, monkeypatch, device, how):
+    dtype = _device(device)
+    model = llama(device, dtype)
+    ids = tokens(PAGES * PS + 5)
+    with _tier(model, tmp_path, f"tail-{how}") as tier:
+        want = greedy(model, ids, DynamicCache(config=model.config))
+        stored_then_dropped(tier, model, ids)
+        _split_disk(tier)
+        ctrl = tier.controller
+        before = _host_pages_in_use(tier)
+        _fail_reads(monkeypatch, tier, None)
+        c = tier.cache(ids)
+        assert c.plan.kind == "split"
+        if how == "release":
+            c.release()
+        elif how == "crop":
+            c.crop(-PS)  # cut inside the tail: the failed pages go first, then the crop
+            assert c.get_seq_length() == c.plan.recompute_to * PS
+            assert torch.equal(greedy(model, ids, c), want)
+            c.release()
+        else:
+            del c
+        gc.collect()
+        tier.synchronize()
+        ctrl.wait_idle()
+        assert all(pg.refs == 0 for pg in ctrl.pages.values())
+        assert _host_pages_in_use(tier) == len(ctrl.pages) >= before
+
+
+def test_a_load_plan_on_a_damaged_disk_recomputes(tmp_path):
+    """A real fault: every data file overwritten after the plan's lookup (the index says the pages are there,
+    their checksums say they are not). The whole prefix is computed; nothing of the damaged bytes is kept."""
+    model = llama()
+    ids = tokens(30 * PS + 3)
+    with KVTier(model, model_id="t/damaged", page_size=PS, host_tokens=4096, store_dir=tmp_path,
+                prefill=PrefillModel((0.0, 1e-3, 0.0, 0.0))) as tier:
+        want = greedy(model, ids, DynamicCache(config=model.config))
+        stored_then_dropped(tier, model, ids)
+        with_disk_at(tier, 1e6)
+        for d, _, files in os.walk(tmp_path):
+            for f in files:
+                if f.endswith(".dat"):
+                    path = os.path.join(d, f)
+                    with open(path, "r+b") as fh:
+                        fh.write(os.urandom(os.path.getsize(path)))
+        c = tier.cache(ids)
+        assert c.plan.kind == "load"
+        assert torch.equal(greedy(model, ids, c), want)
+        assert c.restored_tokens == 0 and tier.controller.stats.prefetch_misses >= 1
