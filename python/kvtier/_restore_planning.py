@@ -127,7 +127,8 @@ class RestorePlanning:
         # one prefetch brings in at most the budget: pages past it are not loadable by this restore
         segments = _cap(segments, self.prefetch_budget)
         plan = plan_restore(prompt_tokens=prompt_tokens, page_tokens=self.ps, page_bytes=self.page_bytes, host_pages=n,
-                            store_segments=segments, tiers=self.measured(), prefill=self.prefill, can_split=can_split)
+                            store_segments=segments, tiers=self.measured(), prefill=self.prefill, can_split=can_split,
+                            corrections=self.planner_stats.corrections())
         self.planner_stats.record(plan)
         return plan
 
