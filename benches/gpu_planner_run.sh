@@ -3,7 +3,7 @@
 # device call (< 10 min):
 #   here:  make gpu-wheel; pip download transformers==5.24.0 and a recent regex into .whl-hf/ (see RESULTS §8)
 #   there: bash benches/gpu_planner_run.sh OUTDIR
-# 1. bench_transformers.py's time-to-first-token rows (recompute, every page loaded, planned: host, disk, mixed,
+# 1. bench_transformers.py's time-to-first-token rows (one invocation per context) (recompute, every page loaded, planned: host, disk, mixed,
 #    a disk throttled to 0.3 GB/s) at 8K and 32K; 2. `kvtier demo` on the GPU; 3. the CUDA tests of the
 #    transformers cache and the planner.
 set -uo pipefail
@@ -14,8 +14,11 @@ if [ -d .whl-hf ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$site" .whl-hf/*.whl || exit 1
 fi
 python3 -c "import transformers, kvtier; print('transformers', transformers.__version__, 'kvtier', kvtier.__version__)"
-timeout 330 python3 benches/python/bench_transformers.py --skip-decode --out "$out/h200-transformers-ttft.json" \
-  > "$out/bench-transformers.log" 2>&1; echo "bench exit $?"; tail -8 "$out/bench-transformers.log"
+for ctx in 8192 32768; do
+  timeout 240 python3 benches/python/bench_transformers.py --skip-decode --contexts $ctx \
+    --out "$out/h200-transformers-ttft-$ctx.json" > "$out/bench-transformers-$ctx.log" 2>&1
+  echo "bench $ctx exit $?"; tail -6 "$out/bench-transformers-$ctx.log"
+done
 timeout 150 python3 -m kvtier demo > "$out/demo.log" 2>&1; echo "demo exit $?"; tail -14 "$out/demo.log"
-timeout 90 python3 -m pytest tests/test_restore_planning.py tests/test_transformers.py -m cuda -p no:cacheprovider -q -rs \
-  > "$out/pytest-planner-cuda.log" 2>&1; tail -4 "$out/pytest-planner-cuda.log"
+timeout 150 python3 -m pytest tests/test_restore_planning.py tests/test_transformers.py tests/test_restore_tail.py \
+  -m cuda -p no:cacheprovider -q -rs > "$out/pytest-planner-cuda.log" 2>&1; tail -4 "$out/pytest-planner-cuda.log"

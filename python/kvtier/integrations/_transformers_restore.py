@@ -39,13 +39,17 @@ class PendingTail:
     first: int
     keys: list[str]
     starts: list[int]
+    gate: Any = None  # the transfer stream's gate (CUDA), opened here too once the read is seen done
 
     def wait(self) -> None:
         """Until the read has finished (its result is not looked at)."""
         concurrent.futures.wait([self.future])
+        if self.gate is not None:
+            self.gate.open()
 
     def good(self) -> int:
         """How many leading pages were read and verified (0 when the read raised)."""
+        self.wait()
         try:
             return min(len(self.keys), int(self.future.result()))
         except Exception:  # noqa: BLE001 - a failed read is a miss
@@ -177,7 +181,7 @@ class RestoreSteps:
         if pending is not None:
             if self.get_seq_length() == j * ps:
                 # loads of the tail's pages wait (on the device) for the read
-                st.hold_transfers_until(pending.future)
+                pending.gate = st.hold_transfers_until(pending.future)
                 self._attach_tail(chain)
             else:
                 self._drop_tail()

@@ -127,17 +127,19 @@ class TierRuntime:
                 self._subs.append(sub)
         return sub, events
 
-    def hold_transfers_until(self, future: Any) -> None:
+    def hold_transfers_until(self, future: Any) -> Any:
         """Transfers issued after this call do not start on the device before ``future`` is done (a split
-        restore's tail read: its pages' loads are enqueued before their bytes are there). On the CPU nothing:
-        the caller waits for the future before its first copy of those pages."""
+        restore's tail read: its pages' loads are enqueued before their bytes are there). Returns the gate
+        (``open()`` it once the future is seen done; see :func:`kvtier.transfer.gate.gate_until`), or None. On
+        the CPU nothing: the caller waits for the future before its first copy of those pages."""
         if self.stream is None:
-            return
-        sub = gate_until(self.device, self.stream, future, self._sub)
+            return None
+        sub, gate = gate_until(self.device, self.stream, future, self._sub)
         if sub is not None:
             self._sub = sub
             with self._subs_lock:
                 self._subs.append(sub)
+        return gate
 
     @staticmethod
     def wait(stream: Any, pending: Any) -> None:

@@ -13,15 +13,21 @@ import torch
 from .. import _native
 
 
-def gate_until(device: torch.device, stream: Any, future: concurrent.futures.Future[Any], previous: Any = None) -> Any:
-    """Work submitted on CUDA ``stream`` after the returned submission (pass it as the next background
-    submission's ``previous``) does not start on the device before ``future`` is done, whatever its result:
-    the caller looks at that before it uses what the work made. None when ``future`` is already done (nothing
-    to wait for). The gate opens from the future's completion; it also opens if it is ever dropped unopened."""
+def gate_until(device: torch.device, stream: Any, future: concurrent.futures.Future[Any],
+               previous: Any = None) -> tuple[Any, Any]:
+    """``(submission, gate)``: work submitted on CUDA ``stream`` after the submission (pass it as the next
+    background submission's ``previous``) does not start on the device before ``future`` is done, whatever its
+    result: the caller looks at that before it uses what the work made. ``(None, None)`` when ``future`` is
+    already done (nothing to wait for).
+
+    The gate opens from the future's completion callback, which runs on the thread that completed it and needs
+    the GIL: a caller that has seen the future done opens it too (``gate.open()``, idempotent), so a thread that
+    then blocks on the device while holding the GIL cannot wait on a callback that waits on it. A gate dropped
+    unopened opens."""
     if future.done():
-        return None
+        return None, None
     gate = _native.HostGate()
     index = device.index if device.index is not None else torch.cuda.current_device()
     sub = _native.submit_gate_background(index, int(stream.cuda_stream), gate, previous)
     future.add_done_callback(lambda _done: gate.open())
-    return sub
+    return sub, gate
