@@ -98,13 +98,15 @@ def test_a_slow_tier_late_in_the_run_is_cut_off():
 @settings(max_examples=300, deadline=None)
 @given(gbps=st.floats(0.01, 100.0), latency=st.floats(0.0, 0.05), host=st.integers(0, 40), pages=st.integers(0, 300),
        extra=st.integers(1, 5000), per_token=st.floats(1e-7, 1e-3), attn=st.floats(0.0, 1e-8),
-       fixed=st.floats(0.0, 0.05), ctx=st.floats(0.0, 1e-5), split=st.booleans())
-def test_no_plan_is_predicted_slower_than_recomputing(gbps, latency, host, pages, extra, per_token, attn, fixed, ctx, split):
+       fixed=st.floats(0.0, 0.05), ctx=st.floats(0.0, 1e-5), split=st.booleans(), overlap=st.booleans())
+def test_no_plan_is_predicted_slower_than_recomputing(gbps, latency, host, pages, extra, per_token, attn, fixed, ctx, split,
+                                                      overlap):
     ps = 16
     pm = model(per_token, attn, fixed, ctx)
     total = host + pages
     p = plan_restore(prompt_tokens=total * ps + extra, page_tokens=ps, page_bytes=ps * 64 * KB, host_pages=host,
-                     store_segments=[("disk", pages)], tiers=disk(gbps, latency), prefill=pm, can_split=split)
+                     store_segments=[("disk", pages)], tiers=disk(gbps, latency), prefill=pm, can_split=split,
+                     overlap=overlap)
     assert p.predicted_s <= p.recompute_s + 1e-12
     assert 0 <= p.host_pages <= p.recompute_to <= p.load_to <= total
     assert sum(n for _, n in p.load) == p.loaded_pages
@@ -112,10 +114,14 @@ def test_no_plan_is_predicted_slower_than_recomputing(gbps, latency, host, pages
     assert p.recomputed_tokens + p.reused_pages * ps == p.prompt_tokens
     # the prediction is the model's own arithmetic for the chosen pages
     h, j, k = p.host_pages, p.recompute_to, p.load_to
-    if p.kind != "recompute":
+    if p.kind in ("load", "split"):  # with overlap, the rest's host time (the fixed term) hides behind the IO
         read = disk(gbps, latency)["disk"].read_s((k - j) * ps * 64 * KB)
-        want = max(pm.seconds((j - h) * ps, h * ps), read) + pm.seconds(p.prompt_tokens - k * ps, k * ps)
+        a = fixed if overlap else 0.0
+        first = max(pm.seconds((j - h) * ps, h * ps), read, 2 * a if p.kind == "split" else a)
+        want = first + max(pm.seconds(p.prompt_tokens - k * ps, k * ps) - a, 0.0)
         assert math.isclose(p.predicted_s, want, rel_tol=1e-9)
+    elif p.kind == "host":
+        assert math.isclose(p.predicted_s, pm.seconds(p.prompt_tokens - h * ps, h * ps), rel_tol=1e-9)
 
 
 def test_bad_arguments_name_themselves():
@@ -173,6 +179,19 @@ def test_planner_stats_count_every_decision():
     assert d["tokens_recomputed"] == p.recomputed_tokens + 128 * 64 + 64
     assert d["observed"] == 1
     assert stats.median_error() == pytest.approx(abs(1 / 1.1 - 1), rel=1e-6)
+
+
+def test_a_rest_queued_before_the_read_ends_hides_its_host_time():
+    """With overlap (the engine queues the rest's forward while the head computes or the read runs), a split
+    or load is predicted the fixed per-forward term sooner — never more than the rest costs, never below the
+    head or the read — and a balanced disk that was not worth splitting becomes worth it."""
+    pm = model(per_token=31e-6, fixed=45e-3)
+    plain, early = plan(1.5, prefill=pm), plan(1.5, prefill=pm, overlap=True)
+    assert early.candidates["split"] == pytest.approx(plain.candidates["split"] - 45e-3)
+    assert early.candidates["recompute"] == plain.candidates["recompute"]
+    assert early.kind == "split" and early.predicted_s < 0.9 * early.recompute_s
+    assert plan(1.5, prefill=model(per_token=31e-6, fixed=0.0), overlap=True).candidates["split"] == \
+        plan(1.5, prefill=model(per_token=31e-6, fixed=0.0)).candidates["split"]
 
 
 def test_observed_overlap_scales_only_its_own_kind_and_never_up():

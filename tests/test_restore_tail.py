@@ -107,7 +107,9 @@ def test_a_tail_page_that_fails_after_the_plan_gives_recomputings_tokens(tmp_pat
         assert torch.equal(greedy(model, ids, d), want)
         d.release()
         gc.collect()
+        tier.synchronize()
         ctrl.wait_idle()
+        ctrl.acquire([])  # (sees the backups' events complete: their references go)
         assert all(pg.refs == 0 for pg in ctrl.pages.values())
         assert _host_pages_in_use(tier) == len(ctrl.pages), "a tail page leaked from the host pool"
 
@@ -164,6 +166,7 @@ def test_a_cache_dropped_before_its_first_forward_gives_every_tail_page_back(tmp
         gc.collect()
         tier.synchronize()
         ctrl.wait_idle()
+        ctrl.acquire([])  # (sees the backups' events complete: their references go)
         assert all(pg.refs == 0 for pg in ctrl.pages.values())
         assert _host_pages_in_use(tier) == len(ctrl.pages) >= before
 

@@ -1,6 +1,8 @@
 """Time to first token of a restore from the disk against where it splits: the head (pages [0, j)) recomputed
 while the tail [j, n) loads, for a range of j, with the planner's prediction beside each, and the parts
-measured apart (the head's forward alone, the tail's read alone). One model, one prefix, one run.
+measured apart (the head's forward alone, the tail's read alone). One model, one prefix, one run; each time
+the median of 3 restores after a warm-up. ``cache_s`` is the time ``KVTier.cache`` took to return (with the tail
+in flight, it returns once the head is queued), ``rest_s`` the forward after it until its output is ready.
 
     PYTHONPATH=python python benches/python/probe_split_curve.py [--ctx 8192] [--out split.json]
 """
@@ -11,6 +13,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import tempfile
 import time
 
@@ -22,12 +25,16 @@ from kvtier.planner import RestorePlan
 from kvtier.store import page_hashes
 
 
+REPS = 3  # timed restores per head (medians), after one warm-up
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ctx", type=int, default=8192)
     ap.add_argument("--ps", type=int, default=64)
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--out", default="split-curve.json")
+    ap.add_argument("--label", default="", help="a name for this run in the output (e.g. the wheel's commit)")
     a = ap.parse_args()
     dev = "cuda" if torch.cuda.is_available() and not a.tiny else "cpu"
     if a.tiny:
@@ -46,7 +53,7 @@ def main() -> None:
     ids = torch.randint(0, cfg.vocab_size, (1, ctx + 64), generator=torch.Generator().manual_seed(3))
     n = ctx // ps
     root = tempfile.mkdtemp(dir=os.getcwd())
-    out: dict = {"ctx": ctx, "rows": []}
+    out: dict = {"ctx": ctx, "label": a.label, "rows": []}
     try:
         tier = KVTier(model, model_id="probe/split", page_size=ps, window=2, host_tokens=2 * ctx + 8 * ps, store_dir=root)
         tier.calibrate([ctx // 4, ctx // 2, ctx])
@@ -65,7 +72,8 @@ def main() -> None:
             ctrl = tier.controller
             real_plan = ctrl.plan_restore
             for j in sorted({0, n // 4, n // 2, 5 * n // 8, 3 * n // 4, 7 * n // 8, n - 4, n}):
-                for rep in range(2):
+                ttfts, caches, rests = [], [], []
+                for rep in range(REPS + 1):  # the first is a warm-up of the shape
                     tier.drop_host_copies()
                     # the tail's read alone
                     if rep == 0 and j < n:
@@ -93,11 +101,16 @@ def main() -> None:
                     ctrl.plan_restore = real_plan
                     c.release()
                     tier.controller.wait_idle()
+                    if rep:
+                        ttfts.append(t2 - t0)
+                        caches.append(t1 - t0)
+                        rests.append(t2 - t1)
                 pm = ctrl.prefill
                 head_pred = pm.seconds(j * ps, 0) if j < n else None
                 read_pred = ctrl.measured()["disk"].read_s((n - j) * ctrl.page_bytes) if j < n else 0.0
                 rest_pred = pm.seconds(ids.shape[1] - n * ps, n * ps) if j < n else pm.seconds(ids.shape[1], 0)
-                row = dict(j=j, ttft_s=t2 - t0, cache_s=t1 - t0, rest_s=t2 - t1, tail_read_alone_s=read_s if j < n else 0.0,
+                row = dict(j=j, ttft_s=statistics.median(ttfts), cache_s=statistics.median(caches),
+                           rest_s=statistics.median(rests), tail_read_alone_s=read_s if j < n else 0.0,
                            head_pred_s=head_pred, read_pred_s=read_pred, rest_pred_s=rest_pred)
                 out["rows"].append(row)
                 print({k: (round(v * 1e3, 1) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)

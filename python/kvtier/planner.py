@@ -247,6 +247,7 @@ def plan_restore(
     split_margin: float = 0.10,
     split_step: int = 8,
     corrections: Mapping[str, float] | None = None,
+    overlap: bool = False,
 ) -> RestorePlan:
     """The fastest predicted plan for a request (see :class:`RestorePlan`).
 
@@ -274,6 +275,10 @@ def plan_restore(
             An engine that overlaps the rest of the prompt's host work with a read or a head forward (kvtier's
             transformers cache queues it before the read has finished) finishes sooner than the prefill model,
             fitted on forwards alone, predicts.
+        overlap: the engine queues the forward of the rest of the prompt before the store's read has finished
+            (kvtier's transformers cache on CUDA: the loads wait on the device, behind a gate): that forward's
+            host time — the prefill model's fixed per-forward term, at most — runs while the device computes
+            the head or waits for the read, and only its device time remains after them.
     """
     for name, v in (("prompt_tokens", prompt_tokens), ("page_tokens", page_tokens), ("page_bytes", page_bytes)):
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -342,8 +347,10 @@ def plan_restore(
     # say otherwise), and among loads predicted within 1 % of the best the longest is taken: a model whose
     # per-token terms are lost in the noise (a small model on a CPU) predicts the same forward for any split,
     # and the read's few microseconds per page would then stop a free load after one page
+    # the rest's host time hidden by the read (or the head) when the engine queues it early: the fixed term
+    host = float(coef[0]) if overlap else 0.0
     rest = np.minimum.accumulate(np.broadcast_to(P(N - (h + p) * ps, (h + p) * ps), p.shape))
-    t = (read(0, p) + rest) * scale.get("load", 1.0)
+    t = (np.maximum(read(0, p), host) + np.maximum(rest - host, 0.0)) * scale.get("load", 1.0)
     best_t = float(np.min(t))
     i = int(np.nonzero(t <= best_t + max(0.01 * best_t, 1e-9))[0][-1])
     seen["load"] = float(t[i])
@@ -352,7 +359,9 @@ def plan_restore(
     if can_split and m > max(1, split_step):  # recompute the head [h, h + p) while the tail [h + p, cached) loads
         floor = best.predicted_s
         p = np.arange(max(1, split_step), m, max(1, split_step))
-        t = (np.maximum(P(p * ps, h * ps), read(p, m)) + P(N - cached * ps, cached * ps)) * scale.get("split", 1.0)
+        rest_t = float(P(N - cached * ps, cached * ps))
+        t = (np.maximum(np.maximum(P(p * ps, h * ps), read(p, m)), 2 * host) + max(rest_t - host, 0.0)) \
+            * scale.get("split", 1.0)
         i = int(np.argmin(t))
         seen["split"] = float(t[i])
         if t[i] < floor * (1.0 - split_margin):  # type: ignore[operator]

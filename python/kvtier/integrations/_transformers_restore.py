@@ -152,7 +152,8 @@ class RestoreSteps:
             self._attach(ctrl.acquire(keys), keys, chain, host)
             return
         t0 = st.marks.mark()
-        plan = self.plan = ctrl.plan_restore(keys, len(tokens), can_split=True)
+        # on CUDA the next forward is queued before the tail's read ends (its loads wait behind a gate)
+        plan = self.plan = ctrl.plan_restore(keys, len(tokens), can_split=True, overlap=st.cuda)
         h, j, k = plan.host_pages, plan.recompute_to, plan.load_to
         # the host pages are held first (a reference each): the tail's read cannot evict them to make room
         got = ctrl.acquire(keys[:h]) if h else []
