@@ -204,9 +204,23 @@ class RestoreSteps:
             if name == durable:
                 self._stored.update(keys[max(pos, plan.host_pages) : min(pos + count, j)])
             pos += count
-        with torch.no_grad():
-            model(input_ids=torch.tensor([tokens[r * ps : j * ps]], device=st.device), use_cache=True,
-                  logits_to_keep=1, **{st.cache_kwarg: self})
+        ids = torch.tensor([tokens[r * ps : j * ps]], device=st.device)
+        side = st.head_stream()
+        if side is None:
+            with torch.no_grad():
+                model(input_ids=ids, use_cache=True, logits_to_keep=1, **{st.cache_kwarg: self})
+        else:
+            # On CUDA the head runs on its own stream: a caller that synchronizes the current stream before its
+            # next forward (torch does, for every blocking host-to-device copy; generate makes several) does not
+            # wait for the head, so that forward is queued while the head computes. It needs the head only
+            # through the KV, whose loads follow the head's backups on the transfer stream.
+            compute = torch.cuda.current_stream(st.device)
+            side.wait_stream(compute)  # (the window's slots, the ids: made on the current stream)
+            with torch.no_grad(), torch.cuda.stream(side):
+                model(input_ids=ids, use_cache=True, logits_to_keep=1, **{st.cache_kwarg: self})
+            win = self._ensure_window(0)
+            for t in (*win.k_slots, *win.v_slots):  # never reused by the allocator before the head is done
+                t.record_stream(side)
         self.recomputed_tokens = (j - r) * ps
         st.stats.recomputed_head_tokens += self.recomputed_tokens
 

@@ -99,6 +99,7 @@ class TierRuntime:
         self._sub: Any = None  # the last background submission on self.stream (transfers follow it in order)
         self._subs: list[Any] = []  # every submission since the last fence: each one's error must be seen
         self._subs_lock = threading.Lock()
+        self._head_stream: Any = None
 
     def check_open(self) -> None:
         """Raises :class:`ClosedError` once the tier is closed."""
@@ -126,6 +127,14 @@ class TierRuntime:
             with self._subs_lock:
                 self._subs.append(sub)
         return sub, events
+
+    def head_stream(self) -> Any:
+        """The CUDA stream a split restore computes its head on (made once; None on the CPU)."""
+        if self.stream is None:
+            return None
+        if self._head_stream is None:
+            self._head_stream = torch.cuda.Stream(self.device)
+        return self._head_stream
 
     def hold_transfers_until(self, future: Any) -> Any:
         """Transfers issued after this call do not start on the device before ``future`` is done (a split
