@@ -276,9 +276,10 @@ def plan_restore(
             transformers cache queues it before the read has finished) finishes sooner than the prefill model,
             fitted on forwards alone, predicts.
         overlap: the engine queues the forward of the rest of the prompt before the store's read has finished
-            (kvtier's transformers cache on CUDA: the loads wait on the device, behind a gate): that forward's
-            host time — the prefill model's fixed per-forward term, at most — runs while the device computes
-            the head or waits for the read, and only its device time remains after them.
+            (kvtier's transformers cache on CUDA: the loads wait on the device, behind a gate): when that
+            forward is bound by its host time (the prefill model's fixed per-forward term larger than the rest
+            of its predicted time), that time runs while the device computes the head or waits for the read,
+            and only the device's part remains after them.
     """
     for name, v in (("prompt_tokens", prompt_tokens), ("page_tokens", page_tokens), ("page_bytes", page_bytes)):
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -347,10 +348,16 @@ def plan_restore(
     # say otherwise), and among loads predicted within 1 % of the best the longest is taken: a model whose
     # per-token terms are lost in the noise (a small model on a CPU) predicts the same forward for any split,
     # and the read's few microseconds per page would then stop a free load after one page
-    # the rest's host time hidden by the read (or the head) when the engine queues it early: the fixed term
-    host = float(coef[0]) if overlap else 0.0
+    # the rest's host time hidden by the read (or the head) when the engine queues it early: the fixed term,
+    # for a rest bound by it (its other terms, the device's work, below it); a longer rest is bound by the device
+    a = float(coef[0]) if overlap else 0.0
+
+    def hidden(rest: Any) -> Any:
+        return np.where(rest - a <= a, a, 0.0)
+
     rest = np.minimum.accumulate(np.broadcast_to(P(N - (h + p) * ps, (h + p) * ps), p.shape))
-    t = (np.maximum(read(0, p), host) + np.maximum(rest - host, 0.0)) * scale.get("load", 1.0)
+    host = hidden(rest)
+    t = (np.maximum(read(0, p), host) + rest - host) * scale.get("load", 1.0)
     best_t = float(np.min(t))
     i = int(np.nonzero(t <= best_t + max(0.01 * best_t, 1e-9))[0][-1])
     seen["load"] = float(t[i])
@@ -360,8 +367,8 @@ def plan_restore(
         floor = best.predicted_s
         p = np.arange(max(1, split_step), m, max(1, split_step))
         rest_t = float(P(N - cached * ps, cached * ps))
-        t = (np.maximum(np.maximum(P(p * ps, h * ps), read(p, m)), 2 * host) + max(rest_t - host, 0.0)) \
-            * scale.get("split", 1.0)
+        host_t = float(hidden(rest_t))
+        t = (np.maximum(np.maximum(P(p * ps, h * ps), read(p, m)), 2 * host_t) + rest_t - host_t) * scale.get("split", 1.0)
         i = int(np.argmin(t))
         seen["split"] = float(t[i])
         if t[i] < floor * (1.0 - split_margin):  # type: ignore[operator]
