@@ -69,6 +69,7 @@ impl Drop for HostGate {
 }
 
 /// The host function: blocks until the gate whose state `user` points to is open. Never unwinds.
+// SAFETY: callers pass a pointer from `Arc::into_raw` of a gate's state that carries one count for this call.
 unsafe extern "C" fn wait_at_gate(user: *mut c_void) {
     // SAFETY: `user` is the pointer `Arc::into_raw` made in `enqueue_gate` for exactly this one call; the
     // count it carries is taken back here, once.
@@ -110,12 +111,19 @@ mod tests {
             unsafe { wait_at_gate(user as *mut c_void) };
         });
         std::thread::sleep(Duration::from_millis(50));
-        assert!(!waiter.is_finished(), "the host function passed a closed gate");
+        assert!(
+            !waiter.is_finished(),
+            "the host function passed a closed gate"
+        );
         assert!(!gate.is_open());
         gate.open();
         waiter.join().unwrap();
         assert!(gate.is_open());
-        assert_eq!(Arc::strong_count(&gate.state), 1, "the host function's count was not given back");
+        assert_eq!(
+            Arc::strong_count(&gate.state),
+            1,
+            "the host function's count was not given back"
+        );
     }
 
     #[test]
