@@ -403,7 +403,8 @@ class KvtierCache(RestoreSteps, DynamicCache):
     def release(self) -> None:
         """Give the sequence's host pages back now (else when the cache is garbage collected); the cache cannot
         be used afterwards."""
-        self._finalizer()
+        self._finalizer()  # (frees the tail's private pages once its read has finished)
+        self._tail = self._redo = None  # never settled afterwards: its pages are no longer the sequence's
         self._released = True
         for layer in self.layers:
             layer.length = 0
