@@ -200,29 +200,6 @@ def test_a_rest_queued_before_the_read_ends_hides_its_host_time():
     assert plan(1.5, overlap=True, **long_rest).candidates["split"] == plan(1.5, **long_rest).candidates["split"]
 
 
-def test_observed_overlap_scales_only_its_own_kind_and_never_up():
-    """A split (or load) observed faster than the prefill model predicts (the engine overlapped the rest's host
-    work with the read) scales that kind's later predictions; a slow outlier never makes a kind look slower
-    than the model says, so it is still chosen and measured again."""
-    stats = PlannerStats()
-    assert stats.corrections() == {}
-    first = plan(1.8)
-    assert first.kind == "split" and first.model_s == first.predicted_s
-    stats.observe(first, first.predicted_s * 0.8)
-    assert stats.corrections() == {"split": pytest.approx(0.8)}
-    again = plan(1.8, corrections=stats.corrections())
-    assert again.kind == "split" and again.predicted_s == pytest.approx(again.model_s * 0.8)
-    assert again.candidates["recompute"] == first.candidates["recompute"]  # other kinds unchanged
-    stats.observe(again, again.model_s * 0.8)  # the ratio is taken against the model's own prediction
-    assert stats.corrections()["split"] == pytest.approx(0.8)
-    slow = PlannerStats()
-    slow.observe(first, first.predicted_s * 3)
-    assert slow.corrections() == {"split": 1.0}
-    fast = PlannerStats()
-    fast.observe(first, first.predicted_s * 0.1)
-    assert fast.corrections() == {"split": 0.5}
-
-
 # ---------------------------------------------------------------------------------------------- the transformers cache
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")

@@ -1,6 +1,6 @@
-"""Adversarial review of the split restore's tail in flight (kvtier.integrations._transformers_restore).
+"""The split restore's tail in flight (kvtier.integrations._transformers_restore), as an adversary breaks it.
 
-Each test says what it exercises; tests marked ``DEFECT`` fail on the code reviewed (49925fc) and say why.
+Each test says what it exercises; the first ones say what used to go wrong and what holds now.
 All run on the CPU (on the CPU ``KVTier.cache`` waits for the tail's read at its first load, but the tail is
 still unsettled — private, counted, and checked only at the next forward — until that forward's last layer)."""
 
@@ -11,8 +11,7 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 import kvtier
-from kvtier.integrations.transformers import KVTier, cache_kwarg
-from kvtier.planner import PrefillModel
+from kvtier.integrations.transformers import cache_kwarg
 from test_restore_planning import PS, greedy, llama, stored_then_dropped, tokens
 from test_restore_tail import PAGES, _fail_reads, _host_pages_in_use, _split_disk, _tier
 
@@ -50,10 +49,10 @@ def _failing_split(tmp_path, monkeypatch, name, model=None, bad=None):
     return model, ids, tier
 
 
-# ---------------------------------------------------------------------------------------------------- DEFECTS
+# ---------------------------------------------------------------------------------------------- what used to go wrong
 @pytest.mark.parametrize("then", ["host_kv", "reset", "crop"])
 def test_release_then_another_call_never_adopts_freed_tail_pages(tmp_path, monkeypatch, then):
-    """DEFECT (fails on 49925fc; passes with this branch's one-line fix in KvtierCache.release): ``release()`` gives the tail's private pages back (_Table.release frees every page whose
+    """Used to go wrong (now ``release()`` settles the tail first and drops it): ``release()`` gives the tail's private pages back (_Table.release frees every page whose
     key is None) but leaves ``_tail`` set; a later ``host_kv``/``reset``/``crop`` runs ``_settled`` ->
     ``_settle_tail``, which hands those FREED pages to the controller's index (``adopt``). The index then
     holds pages the host pool will give to the next allocation: another sequence overwrites them and a
@@ -89,7 +88,7 @@ def test_release_then_another_call_never_adopts_freed_tail_pages(tmp_path, monke
 
 
 def test_a_failed_tail_used_by_an_inputs_embeds_forward_is_never_served(tmp_path, monkeypatch):
-    """DEFECT (fails): a forward fed ``inputs_embeds`` (no input_ids) has ``_span`` None (before_forward sets it
+    """Used to go wrong: a forward fed ``inputs_embeds`` (no input_ids) has ``_span`` None (before_forward sets it
     only for 2-D ids), so ``after_forward`` skips ``_recover`` although ``_redo`` says a tail page failed: the
     guard in ``recompute_forward`` that should refuse such a forward is unreachable. The logits computed
     from the garbage page are returned, ``_redo`` is cleared, and the cache keeps the garbage KV for every
@@ -111,7 +110,7 @@ def test_a_failed_tail_used_by_an_inputs_embeds_forward_is_never_served(tmp_path
 
 
 def test_a_failed_tail_used_by_the_base_model_is_never_served(tmp_path, monkeypatch):
-    """DEFECT (fails): the hooks are on the top model only. A forward of its base model (``model.model``, e.g.
+    """Used to go wrong: the hooks are on the top model only. A forward of its base model (``model.model``, e.g.
     for hidden states) on a pending tail settles the tail at its last layer and sets ``_redo``, but no
     forward hook runs: its hidden states, computed from the failed page's garbage, are returned without an
     error, and the garbage stays in the cache (``_redo`` then lingers until some later top-level forward)."""
@@ -133,7 +132,7 @@ def test_a_failed_tail_used_by_the_base_model_is_never_served(tmp_path, monkeypa
 
 @pytest.mark.parametrize("then", ["reset", "crop_below_failed", "past_prompt"])
 def test_an_interrupt_after_the_tail_settled_leaves_no_stale_recovery(tmp_path, monkeypatch, then):
-    """DEFECT (fails): a KeyboardInterrupt after the last layer settled a failed tail (here: a pre-hook on the
+    """Used to go wrong: a KeyboardInterrupt after the last layer settled a failed tail (here: a pre-hook on the
     final norm) skips the forward hook, so ``_redo`` stays set (and the garbage pages stay in the cache).
     ``reset()``/``crop()`` do not clear it; the next forward is then "recovered" from the stale page:
 
@@ -172,16 +171,17 @@ def test_an_interrupt_after_the_tail_settled_leaves_no_stale_recovery(tmp_path, 
         elif then == "crop_below_failed":
             c.crop(-(c.get_seq_length() - PS))  # keep one page (below the failed one)
             got, ref = _logits(model, ids[:, PS:], c), want[:, PS : ids.shape[1]]
-        else:
-            assert c.get_seq_length() == longer.shape[1] - 1
-            got, ref = _logits(model, longer[:, -1:], c), want[:, -1:]
+        else:  # the cache was cut back to its verified pages when the failed page was seen: go on from there
+            held = c.get_seq_length()
+            assert held < ids.shape[1]
+            got, ref = _logits(model, longer[:, held:], c), want[:, held:]
         assert got.shape == ref.shape, (got.shape, ref.shape)
         err = (got - ref).abs().max().item()
         assert err < 1e-4, f"after the interrupt ({then}), the next forward's logits are off by {err:.3f}"
 
 
 def test_a_recomputed_forward_keeps_the_attentions_shape(tmp_path, monkeypatch):
-    """DEFECT (fails, low): ``_trimmed`` cuts ``logits`` and ``hidden_states`` to the failed forward's tokens
+    """Used to go wrong: ``_trimmed`` cuts ``logits`` and ``hidden_states`` to the failed forward's tokens
     but not ``attentions`` (dim 2 is the query): a caller asking ``output_attentions=True`` gets every
     recomputed token's rows, a shape the forward it called never gives."""
     torch.manual_seed(0)
@@ -201,7 +201,7 @@ def test_a_recomputed_forward_keeps_the_attentions_shape(tmp_path, monkeypatch):
 
 
 def test_a_failed_tail_released_unsettled_keeps_the_counters(tmp_path, monkeypatch):
-    """DEFECT (fails, low): the tail's pages are counted restored when attached; only ``_settle_tail`` takes
+    """Used to go wrong: the tail's pages are counted restored when attached; only ``_settle_tail`` takes
     failed ones back. A cache released (or collected) before its first forward never settles: the tier's
     ``restored_pages``/``restored_store_pages`` keep pages that failed their check."""
     model, ids, tier = _failing_split(tmp_path, monkeypatch, "counters")

@@ -130,7 +130,7 @@ class RestorePlanning:
         segments = _cap(segments, self.prefetch_budget)
         plan = plan_restore(prompt_tokens=prompt_tokens, page_tokens=self.ps, page_bytes=self.page_bytes, host_pages=n,
                             store_segments=segments, tiers=self.measured(), prefill=self.prefill, can_split=can_split,
-                            corrections=self.planner_stats.corrections(), overlap=overlap)
+                            overlap=overlap)
         self.planner_stats.record(plan)
         return plan
 

@@ -189,9 +189,6 @@ class RestorePlan:
     candidates: dict[str, float] = field(default_factory=dict)
     #: which tier holds the pages after the host's (``[(tier, pages)]`` from ``host_pages`` on, in order)
     segments: list[tuple[str, int]] = field(default_factory=list)
-    #: the prefill model's own prediction, before the correction learned from this kind's observed plans
-    #: (``corrections`` of :func:`plan_restore`); equal to ``predicted_s`` without one
-    model_s: float | None = None
 
     @property
     def reused_pages(self) -> int:
@@ -217,8 +214,7 @@ class RestorePlan:
         return dict(kind=self.kind, prompt_tokens=self.prompt_tokens, page_tokens=self.page_tokens,
                     host_pages=self.host_pages, recompute_to=self.recompute_to, load_to=self.load_to,
                     load=list(self.load), cached_pages=self.cached_pages, predicted_s=self.predicted_s,
-                    recompute_s=self.recompute_s, candidates=dict(self.candidates), segments=list(self.segments),
-                    model_s=self.model_s)
+                    recompute_s=self.recompute_s, candidates=dict(self.candidates), segments=list(self.segments))
 
 
 def _segments_between(segments: Sequence[tuple[str, int]], first: int, last: int) -> list[tuple[str, int]]:
@@ -246,7 +242,6 @@ def plan_restore(
     margin: float = 0.02,
     split_margin: float = 0.10,
     split_step: int = 8,
-    corrections: Mapping[str, float] | None = None,
     overlap: bool = False,
 ) -> RestorePlan:
     """The fastest predicted plan for a request (see :class:`RestorePlan`).
@@ -270,11 +265,6 @@ def plan_restore(
             every other kind stayed within 10%).
         split_step: the head ends on a multiple of this many pages, so heads repeat their shapes (a GPU's
             first forward of a new shape pays for choosing its kernels).
-        corrections: by plan kind (``load``, ``split``), observed over predicted time to first token of
-            recent plans of that kind (:meth:`PlannerStats.corrections`), which scales that kind's prediction.
-            An engine that overlaps the rest of the prompt's host work with a read or a head forward (kvtier's
-            transformers cache queues it before the read has finished) finishes sooner than the prefill model,
-            fitted on forwards alone, predicts.
         overlap: the engine queues the forward of the rest of the prompt before the store's read has finished
             (kvtier's transformers cache on CUDA: the loads wait on the device, behind a gate): when that
             forward is bound by its host time (the prefill model's fixed per-forward term larger than the rest
@@ -296,12 +286,9 @@ def plan_restore(
     ps = page_tokens
     tiers = dict(tiers or {})
 
-    scale = {kind: float(c) for kind, c in (corrections or {}).items() if c is not None and math.isfinite(c) and c > 0}
-
     def full(kind: str, host: int, j: int, k: int, predicted: float | None, recompute: float | None) -> RestorePlan:
-        model = predicted / scale.get(kind, 1.0) if predicted is not None else None
         return RestorePlan(prompt_tokens, ps, host, j, k, _segments_between(segs, j - h, k - h), predicted,
-                           recompute, kind, cached, segments=list(segs), model_s=model)
+                           recompute, kind, cached, segments=list(segs))
 
     coef = prefill.coefficients() if prefill is not None else None
     if coef is None:  # nothing to decide with: take what the tiers hold
@@ -357,7 +344,7 @@ def plan_restore(
 
     rest = np.minimum.accumulate(np.broadcast_to(P(N - (h + p) * ps, (h + p) * ps), p.shape))
     host = hidden(rest)
-    t = (np.maximum(read(0, p), host) + rest - host) * scale.get("load", 1.0)
+    t = np.maximum(read(0, p), host) + rest - host
     best_t = float(np.min(t))
     i = int(np.nonzero(t <= best_t + max(0.01 * best_t, 1e-9))[0][-1])
     seen["load"] = float(t[i])
@@ -368,7 +355,7 @@ def plan_restore(
         p = np.arange(max(1, split_step), m, max(1, split_step))
         rest_t = float(P(N - cached * ps, cached * ps))
         host_t = float(hidden(rest_t))
-        t = (np.maximum(np.maximum(P(p * ps, h * ps), read(p, m)), 2 * host_t) + rest_t - host_t) * scale.get("split", 1.0)
+        t = np.maximum(np.maximum(P(p * ps, h * ps), read(p, m)), 2 * host_t) + rest_t - host_t
         i = int(np.argmin(t))
         seen["split"] = float(t[i])
         if t[i] < floor * (1.0 - split_margin):  # type: ignore[operator]
@@ -392,7 +379,6 @@ class PlannerStats:
         self.predicted_s = 0.0  # sums over the observed plans
         self.observed_s = 0.0
         self._ratios: collections.deque[float] = collections.deque(maxlen=WINDOW)
-        self._by_kind: dict[str, collections.deque[float]] = {}  # observed / the model's own prediction
 
     def record(self, plan: RestorePlan) -> None:
         with self._lock:
@@ -413,21 +399,6 @@ class PlannerStats:
             self.predicted_s += plan.predicted_s
             self.observed_s += seconds
             self._ratios.append(plan.predicted_s / seconds)
-            if plan.model_s is not None and plan.model_s > 0:
-                self._by_kind.setdefault(plan.kind, collections.deque(maxlen=WINDOW)).append(seconds / plan.model_s)
-
-    def corrections(self) -> dict[str, float]:
-        """For the kinds whose time to first token overlaps IO with host work (``load``, ``split``): the median
-        of observed over the prefill model's prediction of recent such plans, within [0.5, 1]. Never above 1:
-        one slow outlier (a first forward of a new shape) must not stop a kind from being chosen, and so from
-        being measured again; a kind slower than predicted is judged by the model alone, as before."""
-        with self._lock:
-            out = {}
-            for kind in ("load", "split"):
-                r = self._by_kind.get(kind)
-                if r:
-                    out[kind] = float(min(1.0, max(0.5, float(np.median(np.array(r))))))
-            return out
 
     def median_error(self) -> float | None:
         """Median of ``|predicted / observed - 1|`` over the last :data:`WINDOW` observed plans."""

@@ -82,8 +82,11 @@ class KvtierCache(RestoreSteps, DynamicCache):
         self._ttft: Any = None  # (plan, start) until the forward that completes the prompt
         self._stored: set[str] = set()  # keys of pages recomputed by a split plan that the store already has
         self._tail: PendingTail | None = None  # a split restore's tail still being read (_transformers_restore)
-        self._redo: int | None = None  # the first failed tail page, when the forward in flight used it
+        # (first failed tail page, the cached tokens from it on) when the forward in flight used a failed tail
+        self._redo: tuple[int, list[int]] | None = None
         self._span: tuple[int, int] | None = None  # (length before, tokens fed) of the forward in flight
+        self._hooked = False  # the model's pre-hook saw the next forward (its hook can compute it again)
+        self._this_hooked = False  # ... the forward in flight (taken at its first layer)
         self._last_held = -2  # the cache's length at generate's last step (its next is a decode step when +1)
         state.stats.caches += 1
         if not keep:
@@ -130,6 +133,8 @@ class KvtierCache(RestoreSteps, DynamicCache):
             self._unverified()  # KV computed another way than the namespace says: never kept
         self._fed_tokens(ids, kwargs)
         self._span = None
+        self._redo = None  # (left by a forward that never reached its hook: interrupted, its output never returned)
+        self._hooked = True
         if isinstance(ids, torch.Tensor) and ids.dim() == 2:
             n = int(ids.shape[1])
             self._span = (self.get_seq_length(), n)
@@ -144,9 +149,10 @@ class KvtierCache(RestoreSteps, DynamicCache):
         token of the cache's plan. Returns None, or the output that replaces ``output`` when the forward used a
         tail page that failed its check (:meth:`_recover`)."""
         started, self._forward = self._forward, None
-        failed, self._redo = self._redo, None
-        if failed is not None and self._span is not None:
-            return self._recover(model, kwargs or {}, output, self._span, failed)
+        redo, self._redo = self._redo, None
+        self._hooked = False
+        if redo is not None and self._span is not None:
+            return self._recover(model, kwargs or {}, output, self._span, redo)
         if started is None:
             return None
         st = self._state
@@ -286,6 +292,8 @@ class KvtierCache(RestoreSteps, DynamicCache):
                 f"{tuple(value_states.shape)} {value_states.dtype} on {key_states.device}")
         ps, layer = st.page_size, self.layers[layer_idx]
         t0 = layer.get_seq_length()
+        if layer_idx == 0:  # whether the model's hooks are around this forward (a base model's forward: not)
+            self._this_hooked, self._hooked = self._hooked, False
         t1 = t0 + key_states.shape[-2]
         self._grow(t1)
         win = self._ensure_window(t1)
@@ -319,7 +327,7 @@ class KvtierCache(RestoreSteps, DynamicCache):
         if layer_idx == st.layers - 1:
             st.stats.computed_tokens += t1 - t0
             if self._tail is not None:  # this forward ran on the tail: its pages are checked before anything is kept
-                self._redo = self._settle_tail()
+                self._failed_tail(self._settle_tail(), t0)
             if self._redo is None:
                 self._adopt(t1)
         return keys, values
@@ -373,6 +381,7 @@ class KvtierCache(RestoreSteps, DynamicCache):
     def _truncate(self, tokens: int) -> None:
         st, ps = self._state, self._state.page_size
         st.check_open()
+        self._redo = None
         if self._tail is not None:
             self._settled()
             tokens = min(tokens, self.get_seq_length())
@@ -403,6 +412,8 @@ class KvtierCache(RestoreSteps, DynamicCache):
     def release(self) -> None:
         """Give the sequence's host pages back now (else when the cache is garbage collected); the cache cannot
         be used afterwards."""
+        if self._tail is not None and not self._state.closed:
+            self._settled()  # (its verified pages to the index, the counters right)
         self._finalizer()  # (frees the tail's private pages once its read has finished)
         self._tail = self._redo = None  # never settled afterwards: its pages are no longer the sequence's
         self._released = True

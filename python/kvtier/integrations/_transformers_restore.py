@@ -62,6 +62,9 @@ def recompute_forward(model: Any, device: torch.device, start: int, tokens: list
     back to its verified pages (``start`` tokens), ``tokens`` are the tokens after them up to where the failed
     forward ended (the failed pages' and that forward's ``fed`` ones), computed on ``device``; the output is
     trimmed to the failed forward's shape."""
+    if kwargs.get("labels") is not None:
+        raise KvtierError("a restored page failed its check after a forward with `labels` used it; the cache was cut "
+                          "back to the verified pages: call the model again from there")
     if kwargs.get("inputs_embeds") is not None:
         raise KvtierError("a restored page failed its check after a forward fed by `inputs_embeds` used it; kvtier "
                           "cannot compute that forward again: call it again with input_ids")
@@ -94,6 +97,11 @@ def _trimmed(out: Any, like: Any) -> Any:
         new, old = getattr(out, name, None), getattr(like, name, None)
         if new is not None and old is not None:
             setattr(out, name, cut(new, old))
+    new, old = getattr(out, "attentions", None), getattr(like, "attentions", None)
+    if isinstance(new, tuple) and isinstance(old, tuple) and len(new) == len(old):  # (batch, heads, queries, keys)
+        out.attentions = tuple(a[:, :, a.shape[2] - b.shape[2]:] if isinstance(a, torch.Tensor) and
+                               isinstance(b, torch.Tensor) and a.dim() == 4 and a.shape[2] > b.shape[2] else a
+                               for a, b in zip(new, old))
     return out
 
 
@@ -104,7 +112,9 @@ class RestoreSteps:
 
     _state: Any
     _tail: PendingTail | None
-    _redo: int | None
+    _redo: tuple[int, list[int]] | None
+    _this_hooked: bool
+    _span: tuple[int, int] | None
     _prompt: list[int]
     _fed: list[int]
     _page_keys: list[str]
@@ -283,14 +293,33 @@ class RestoreSteps:
             if failed is not None and self.get_seq_length() > failed * self._state.page_size:
                 self._truncate(failed * self._state.page_size)
 
-    def _recover(self, model: Any, kwargs: dict[str, Any], output: Any, span: tuple[int, int], failed: int) -> Any:
-        """The forward that just ran used tail pages from ``failed`` on, which failed their check: cut the
-        sequence back to the verified pages and return the output of that forward computed again (the failed
-        pages' tokens first). ``span``: (the sequence's length before that forward, the tokens it fed)."""
+    def _failed_tail(self, failed: int | None, ctx: int) -> None:
+        """At the last layer of the forward that ran on the tail (``ctx``: the sequence's length before it):
+        ``failed`` is the first tail page that failed its check (None: none did). The sequence is cut back to
+        the verified pages at once, so nothing of this forward is kept; the model's hook then computes the
+        forward again (:meth:`_recover`), or — a forward its hooks do not see (a base model's) or cannot
+        repeat (no ``input_ids``) — this raises."""
+        if failed is None:
+            return
+        ps = self._state.page_size
+        prior = self._fed[failed * ps : ctx]  # the cached tokens from the failed page on (prompt or not)
+        self._truncate(failed * ps)
+        if not self._this_hooked or self._span is None or len(prior) != ctx - failed * ps:
+            raise KvtierError(
+                "a restored page failed its check after this forward had used it: its output is not returned; "
+                f"the cache was cut back to the {failed * ps} tokens verified: call the model again from there "
+                "with input_ids (through the model kvtier hooked, not its base model)")
+        self._redo = (failed, prior)
+
+    def _recover(self, model: Any, kwargs: dict[str, Any], output: Any, span: tuple[int, int],
+                 redo: tuple[int, list[int]]) -> Any:
+        """The forward that just ran used tail pages from ``redo[0]`` on, which failed their check (the
+        sequence was cut back to them at its last layer): the output of that forward computed again, the
+        failed pages' tokens (``redo[1]``) first. ``span``: (the sequence's length before that forward, the
+        tokens it fed)."""
         st, ps = self._state, self._state.page_size
-        ctx, n = span
+        failed, prior = redo
+        _, n = span
         ids = kwargs.get("input_ids")
         new = ids[0, -n:].tolist() if isinstance(ids, torch.Tensor) and ids.dim() == 2 and n else []
-        tokens = self._prompt[failed * ps : ctx] + new
-        self._truncate(failed * ps)
-        return recompute_forward(model, st.device, failed * ps, tokens, kwargs, output, n)
+        return recompute_forward(model, st.device, failed * ps, prior + new, kwargs, output, n)

@@ -4,6 +4,7 @@ layer slots, seen as a kvtier device pool) and :class:`_Table` (the sequence's h
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 from typing import Any
 
 import torch
@@ -75,6 +76,16 @@ class _Table:
 
 
 def _release(state: TierRuntime, table: _Table) -> None:
+    # A cache collected on a thread of kvtier's own (the store's: a garbage collection can run anywhere) must
+    # not wait there: its tail's read, or another cache's whose gate a drain waits behind, may be queued on
+    # that very thread. It is released from a thread of its own.
+    if threading.current_thread().name.startswith("kvtier-"):
+        threading.Thread(target=_release_now, args=(state, table), name="release-cache", daemon=True).start()
+        return
+    _release_now(state, table)
+
+
+def _release_now(state: TierRuntime, table: _Table) -> None:
     try:
         table.release(state)
     except Exception:  # noqa: BLE001 - a finalizer never raises; the pages are then lost to this pool only
