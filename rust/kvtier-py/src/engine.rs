@@ -228,5 +228,10 @@ pub fn submit_gate_background(
     previous: Option<PyRef<'_, PySubmission>>,
 ) -> KvResult<PySubmission> {
     let previous = previous.as_ref().map(|p| &p.0);
-    Ok(PySubmission(engine::submit_gate_background(device, stream, gate.0.clone(), previous)?))
+    Ok(PySubmission(engine::submit_gate_background(
+        device,
+        stream,
+        gate.0.clone(),
+        previous,
+    )?))
 }

@@ -110,12 +110,19 @@ mod tests {
             unsafe { wait_at_gate(user as *mut c_void) };
         });
         std::thread::sleep(Duration::from_millis(50));
-        assert!(!waiter.is_finished(), "the host function passed a closed gate");
+        assert!(
+            !waiter.is_finished(),
+            "the host function passed a closed gate"
+        );
         assert!(!gate.is_open());
         gate.open();
         waiter.join().unwrap();
         assert!(gate.is_open());
-        assert_eq!(Arc::strong_count(&gate.state), 1, "the host function's count was not given back");
+        assert_eq!(
+            Arc::strong_count(&gate.state),
+            1,
+            "the host function's count was not given back"
+        );
     }
 
     #[test]
