@@ -226,6 +226,7 @@ impl PageStore {
         if end > from {
             self.copy_tail(&mut c, from, end)?;
         }
+        let mut t = std::time::Instant::now();
         let reserve = round_up(c.written + self.lock_index().del_bytes + JOURNAL_SLACK);
         // the new journal must carry the delete reserve too (R4), or it could not replace the old one
         fault::check("journal_reserve")?;
@@ -237,12 +238,14 @@ impl PageStore {
             }
         })?;
         c.file.sync_all()?;
+        self.stats.lap(super::stats::phase::COMPACT_SYNC, &mut t);
         std::fs::rename(self.dir.join("journal.compact"), &j.path)?;
         // From here the new file is journal.log: it must become the handle appends go to, whatever happens
         // next. Until the directory is synced the rename may not survive a crash (the old journal would
         // come back without the records appended to the new one): if that sync fails, the journal is
         // poisoned and nothing more is acknowledged until a reopen.
         let synced = super::namespace::sync_dir(&self.dir); // (the `dir_sync` fault point)
+        self.stats.lap(super::stats::phase::DIR_SYNC, &mut t);
         j.file = c.file;
         j.poisoned = synced
             .err()

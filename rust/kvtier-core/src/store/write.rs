@@ -226,7 +226,9 @@ impl PageStore {
                         break;
                     }
                     drop(ix);
+                    let mut tp = std::time::Instant::now();
                     self.punch_slots(&punch);
+                    self.stats.lap(phase::PUNCH, &mut tp);
                     continue;
                 }
                 // room for every object still waiting at once (not one per round)
@@ -241,12 +243,16 @@ impl PageStore {
                     let punch = ix.take_punchable(&keep);
                     if !punch.is_empty() {
                         drop(ix);
+                        let mut tp = std::time::Instant::now();
                         self.punch_slots(&punch);
+                        self.stats.lap(phase::PUNCH, &mut tp);
                         continue;
                     }
                 }
                 // without hole punching only a slot of the wanted class makes room
+                let mut tv = std::time::Instant::now();
                 let victims = ix.victims(deficit, &batch_keys, (!punching).then_some(class));
+                self.stats.lap(phase::VICTIMS, &mut tv);
                 if victims.is_empty() {
                     break;
                 }
