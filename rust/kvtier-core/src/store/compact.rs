@@ -246,7 +246,12 @@ impl PageStore {
         // poisoned and nothing more is acknowledged until a reopen.
         let synced = super::namespace::sync_dir(&self.dir); // (the `dir_sync` fault point)
         self.stats.lap(super::stats::phase::DIR_SYNC, &mut t);
-        j.file = c.file;
+        let old = std::mem::replace(&mut j.file, c.file);
+        // The old journal is unlinked: its last close frees its blocks, 27-32 ms for a 100 MB journal on
+        // ext4, which this batch and every commit waiting for the lock paid. The background thread closes
+        // both handles on it instead (`worker`).
+        self.worker.run(super::worker::Job::Close(old));
+        self.worker.run(super::worker::Job::Close(c.old));
         j.poisoned = synced
             .err()
             .map(|e| format!("the directory could not be synced after compaction ({e})"));

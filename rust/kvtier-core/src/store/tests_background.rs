@@ -1,0 +1,126 @@
+//! Work taken off the put path (docs/STORE.md, "Off the put path"): the replaced journal closed and `STATS`
+//! written by the background thread. A crash while it has work pending loses no acknowledged object.
+
+use super::tests::{bytes_at, get1, opts, payload, tmp, SERIAL};
+use super::*;
+use std::sync::atomic::Ordering;
+
+fn key(t: usize, i: usize) -> String {
+    format!("{t:02}{i:062x}.k")
+}
+
+/// Copies the namespace directory of `s` under `to` (a crash now: every file as it is).
+fn crash_copy(s: &PageStore, to: &Path) {
+    let d = to.join(s.dir().file_name().unwrap());
+    std::fs::create_dir_all(&d).unwrap();
+    for e in std::fs::read_dir(s.dir()).unwrap() {
+        let e = e.unwrap();
+        if e.file_type().unwrap().is_file() {
+            // a STATS.tmp the background thread renamed meanwhile is no store file
+            let _ = std::fs::copy(e.path(), d.join(e.file_name()));
+        }
+    }
+}
+
+/// Object `i` of a 16-object payload stands for key `(t, i)`.
+fn obj(i: usize) -> usize {
+    i % 16
+}
+
+fn put_batch(
+    s: &PageStore,
+    keys: &[(String, usize)],
+    src: &crate::buffer::HostRegion,
+) -> Vec<bool> {
+    let objs: Vec<(&str, usize, u64)> = keys
+        .iter()
+        .map(|(k, c)| (k.as_str(), src.as_ptr() as usize + c * 4096, 4096))
+        .collect();
+    // SAFETY: every object lies inside `src`.
+    unsafe { s.put(&objs) }.unwrap()
+}
+
+/// A crash copy after every batch of a full store (so between the steps of each compaction, and right after
+/// each finish, whose old journal the background thread may not have closed yet) holds exactly what the writer held, each object with its own bytes.
+#[test]
+fn a_crash_after_any_batch_with_background_work_pending_loses_nothing() {
+    let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let root = tmp();
+    let src = payload(16, 4096, 62);
+    let cap = 1 << 20;
+    let w = PageStore::open(&root, "ns", opts(cap)).unwrap();
+    let dst = payload(1, 4096, 0);
+    let mut finishes = 0;
+    for b in 0..200usize {
+        let before = w.stats.compactions.load(Ordering::Relaxed);
+        let keys: Vec<(String, usize)> = (0..6)
+            .map(|i| (key(0, b * 6 + i), obj(b * 6 + i)))
+            .collect();
+        assert!(put_batch(&w, &keys, &src).iter().all(|&x| x));
+        finishes += usize::from(w.stats.compactions.load(Ordering::Relaxed) > before);
+        let copy = tmp();
+        crash_copy(&w, &copy);
+        let c = PageStore::open(&copy, "ns", opts(cap)).unwrap();
+        let mut have = c.keys();
+        let mut want = w.keys();
+        have.sort();
+        want.sort();
+        assert_eq!(have, want, "batch {b}");
+        for (k, i) in &keys {
+            assert!(get1(&c, k, dst.as_ptr() as usize, 4096), "batch {b}: {k}");
+            assert_eq!(bytes_at(&dst, 0, 4096), bytes_at(&src, i * 4096, 4096));
+        }
+        drop(c);
+        std::fs::remove_dir_all(copy).unwrap();
+    }
+    assert!(finishes >= 2, "{finishes} compactions finished");
+    std::fs::remove_dir_all(root).unwrap();
+}
+
+/// The journal a compaction replaced is closed by the background thread: once it has run, the store's
+/// blocks are within its capacity again (the old journal's blocks are given back), as before the thread.
+/// `STATS` is written by that thread while the writer runs, and once more when it is dropped.
+#[test]
+fn the_background_thread_gives_the_old_journal_back_and_writes_stats() {
+    let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let root = tmp();
+    let src = payload(16, 4096, 63);
+    let cap = 1 << 20;
+    let w = PageStore::open(&root, "ns", opts(cap)).unwrap();
+    let mut b = 0;
+    while w.stats.compactions.load(Ordering::Relaxed) < 2 {
+        let keys: Vec<(String, usize)> = (0..6).map(|i| (key(1, b * 6 + i), obj(i))).collect();
+        assert!(put_batch(&w, &keys, &src).iter().all(|&x| x));
+        b += 1;
+        assert!(b < 2000, "no compaction");
+    }
+    w.flush_background();
+    // the stated bound (tests_disk): the capacity plus 64 KiB of fixed files and metadata
+    assert!(
+        w.disk_blocks() <= cap + (64 << 10),
+        "{} blocks",
+        w.disk_blocks()
+    );
+    // a STATS rewrite is due: it is written by the thread, not in the call
+    w.stats_file.written_ms.store(0, Ordering::Relaxed);
+    let keys: Vec<(String, usize)> = vec![(key(2, 0), 0)];
+    assert!(put_batch(&w, &keys, &src)[0]);
+    w.flush_background();
+    let text = std::fs::read_to_string(w.dir().join(stats_file::STATS_FILE)).unwrap();
+    let puts = w.stats.puts.load(Ordering::Relaxed);
+    assert!(text.contains(&format!("\"puts\": {puts},")), "{text}");
+    let dir = w.dir().to_owned();
+    assert!(put_batch(&w, &[(key(2, 1), 1)], &src)[0]);
+    drop(w);
+    let text = std::fs::read_to_string(dir.join(stats_file::STATS_FILE)).unwrap();
+    assert!(text.contains(&format!("\"puts\": {},", puts + 1)), "{text}");
+    assert!(
+        std::fs::read_dir(&dir).unwrap().all(|e| !e
+            .unwrap()
+            .file_name()
+            .to_string_lossy()
+            .starts_with("STATS.tmp")),
+        "a temporary STATS left behind"
+    );
+    std::fs::remove_dir_all(root).unwrap();
+}
