@@ -87,6 +87,11 @@ impl PageStore {
         }
     }
 
+    /// Whether a compaction is running and no thread is stepping it now.
+    pub(super) fn compaction_running(&self) -> bool {
+        !self.read_only && self.compaction.try_lock().is_ok_and(|c| c.is_some())
+    }
+
     /// Compacts now and to the end (the running compaction, or a new one), waiting for a step in another
     /// thread: at open, by `kvtier verify --repair` (it drops damaged spans), and when a batch finds only
     /// the journal short of room.
