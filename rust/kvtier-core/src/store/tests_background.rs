@@ -187,3 +187,70 @@ fn the_background_thread_gives_the_old_journal_back_and_writes_stats() {
     );
     std::fs::remove_dir_all(root).unwrap();
 }
+
+/// A compaction's finish syncs the new journal and preallocates its delete reserve outside the commit lock,
+/// then takes the lock for what was committed since. Commits in between (a put of a new key, which grows
+/// the del reserve the new journal must carry, and a delete) are copied under the lock: the store, a crash
+/// copy of it and a follower that read the old journal all hold exactly them.
+#[test]
+fn commits_between_the_finish_sync_and_the_switch_are_in_the_new_journal() {
+    let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let root = tmp();
+    let src = payload(16, 4096, 64);
+    let w = PageStore::open(&root, "ns", opts(1 << 30)).unwrap();
+    let keys: Vec<(String, usize)> = (0..300).map(|i| (key(3, i), obj(i))).collect();
+    assert!(put_batch(&w, &keys, &src).iter().all(|&x| x));
+    let gone: Vec<&str> = keys[..100].iter().map(|k| k.0.as_str()).collect();
+    assert_eq!(w.delete(&gone).unwrap(), 100);
+    let r = PageStore::open_read_only(&root, "ns").unwrap();
+    assert!(r.exists(&[keys[150].0.as_str()])[0]);
+    static SRC: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    SRC.store(src.as_ptr() as usize, Ordering::Relaxed);
+    fn hook(s: &PageStore) {
+        let late = key(4, 0);
+        let p = SRC.load(Ordering::Relaxed) + 5 * 4096;
+        // SAFETY: the test's payload is alive while the hook is set.
+        assert!(unsafe { s.put(&[(late.as_str(), p, 4096)]) }.unwrap()[0]);
+        assert_eq!(s.delete(&[key(3, 150).as_str()]).unwrap(), 1);
+    }
+    *compact::FINISH_HOOK.lock().unwrap() = Some(hook);
+    let before = w.stats.compactions.load(Ordering::Relaxed);
+    let r1 = w.compact();
+    *compact::FINISH_HOOK.lock().unwrap() = None;
+    r1.unwrap();
+    assert_eq!(w.stats.compactions.load(Ordering::Relaxed), before + 1);
+    let late = key(4, 0);
+    let mut want: Vec<(String, usize)> = keys[100..]
+        .iter()
+        .filter(|k| k.0 != key(3, 150))
+        .cloned()
+        .collect();
+    want.push((late.clone(), 5));
+    let check = |s: &PageStore, what: &str| {
+        let dst = payload(1, 4096, 0);
+        assert!(
+            !s.exists(&[key(3, 150).as_str()])[0],
+            "{what}: a deleted key"
+        );
+        for (k, i) in &want {
+            assert!(get1(s, k, dst.as_ptr() as usize, 4096), "{what}: {k}");
+            assert_eq!(
+                bytes_at(&dst, 0, 4096),
+                bytes_at(&src, i * 4096, 4096),
+                "{what}: {k}"
+            );
+        }
+    };
+    check(&w, "writer");
+    std::thread::sleep(follow::RECHECK + std::time::Duration::from_millis(20));
+    check(&r, "follower");
+    assert_eq!(r.keys().len(), want.len());
+    let copy = tmp();
+    crash_copy(&w, &copy);
+    let c = PageStore::open(&copy, "ns", opts(1 << 30)).unwrap();
+    check(&c, "crash copy");
+    assert_eq!(c.keys().len(), want.len());
+    drop(c);
+    std::fs::remove_dir_all(copy).unwrap();
+    std::fs::remove_dir_all(root).unwrap();
+}
