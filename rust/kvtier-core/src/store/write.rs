@@ -310,36 +310,6 @@ impl PageStore {
         plan
     }
 
-    /// Gives the blocks of free slots back (taken with `take_punchable`).
-    pub(super) fn punch_slots(&self, slots: &[(u32, u32)]) {
-        let ok = self.punch_ok.load(Ordering::Relaxed) && {
-            let mut all = true;
-            for &(class, slot) in slots {
-                let r = self.class(class).and_then(|c| {
-                    c.punch(u64::from(slot) * u64::from(class), u64::from(class))
-                        .map_err(|e| super::io_err("punch", e))
-                });
-                if let Err(Error::Os { source, .. }) = &r {
-                    if source.raw_os_error() == Some(libc::EOPNOTSUPP) {
-                        self.punch_ok.store(false, Ordering::Relaxed);
-                    }
-                }
-                all &= r.is_ok();
-                if !all {
-                    break;
-                }
-            }
-            all
-        };
-        if ok {
-            self.stats
-                .punched_slots
-                .fetch_add(slots.len() as u64, Ordering::Relaxed);
-        }
-        // a failed punch leaves some blocks in place: all of them stay counted (over-counting is safe)
-        self.lock_index().punched(slots, ok);
-    }
-
     /// Step 4: blocks for the slots that need them, one `fallocate` per contiguous run. A run that cannot
     /// be allocated is retried once after giving back other classes' free blocks; then its objects fail.
     fn allocate(&self, plan: Vec<Slot>) -> Vec<(Slot, Arc<ClassFile>)> {
