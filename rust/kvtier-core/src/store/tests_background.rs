@@ -28,6 +28,23 @@ fn obj(i: usize) -> usize {
     i % 16
 }
 
+/// Closes every replaced journal in the background while alive (the tests hold `SERIAL`).
+struct AllInBackground;
+
+impl AllInBackground {
+    fn new() -> Self {
+        compact::CLOSE_IN_BACKGROUND_FROM.store(0, Ordering::Relaxed);
+        Self
+    }
+}
+
+impl Drop for AllInBackground {
+    fn drop(&mut self) {
+        compact::CLOSE_IN_BACKGROUND_FROM
+            .store(compact::CLOSE_IN_BACKGROUND_DEFAULT, Ordering::Relaxed);
+    }
+}
+
 fn put_batch(
     s: &PageStore,
     keys: &[(String, usize)],
@@ -49,6 +66,7 @@ fn put_batch(
 #[test]
 fn followers_see_every_acknowledged_object_while_batches_overlap_compaction_steps() {
     let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let _bg = AllInBackground::new();
     let root = tmp();
     let src = payload(16, 4096, 61);
     let cap = 2 << 20;
@@ -108,6 +126,7 @@ fn followers_see_every_acknowledged_object_while_batches_overlap_compaction_step
 #[test]
 fn a_crash_after_any_batch_with_background_work_pending_loses_nothing() {
     let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let _bg = AllInBackground::new();
     let root = tmp();
     let src = payload(16, 4096, 62);
     let cap = 1 << 20;
@@ -146,6 +165,7 @@ fn a_crash_after_any_batch_with_background_work_pending_loses_nothing() {
 #[test]
 fn the_background_thread_gives_the_old_journal_back_and_writes_stats() {
     let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let _bg = AllInBackground::new();
     let root = tmp();
     let src = payload(16, 4096, 63);
     let cap = 1 << 20;
@@ -195,6 +215,7 @@ fn the_background_thread_gives_the_old_journal_back_and_writes_stats() {
 #[test]
 fn commits_between_the_finish_sync_and_the_switch_are_in_the_new_journal() {
     let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let _bg = AllInBackground::new();
     let root = tmp();
     let src = payload(16, 4096, 64);
     let w = PageStore::open(&root, "ns", opts(1 << 30)).unwrap();

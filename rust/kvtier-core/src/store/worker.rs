@@ -2,11 +2,11 @@
 //! the call's path (docs/STORE.md, "Off the put path"). Two jobs, neither of which any promise of the store
 //! depends on:
 //!
-//! - closing the journal a compaction replaced. The old file is already renamed over (unlinked), so its
-//!   last `close` frees its blocks: 27–32 ms for a 100 MB journal on ext4 (mounted with `discard`),
-//!   measured as most of every compaction's finish, under the commit lock, in the batch that ran it
-//!   (benches/RESULTS.md, "Page store, full"). Until the thread closes it, its blocks stay allocated, as
-//!   they do while a follower still holds it open.
+//! - closing the journal a compaction replaced, when it is large (`compact::CLOSE_IN_BACKGROUND_FROM`,
+//!   4 MiB). The old file is already renamed over (unlinked), so its last `close` frees its blocks: 27–32
+//!   ms for a 100 MB journal on ext4 (mounted with `discard`), measured as most of every compaction's
+//!   finish, under the commit lock, in the batch that ran it (benches/RESULTS.md, "Page store, full").
+//!   Until the thread closes it, its blocks stay allocated, as they do while a follower still holds it.
 //! - rewriting `STATS` (a temporary file renamed over it, every 2 s): advice, never synced; its rename took
 //!   up to 336 ms inside a put on a loaded machine. The JSON is taken in the call (a few locks, cheap) and
 //!   written here, so the file shows the counters of that moment.
