@@ -291,7 +291,9 @@ impl PageStore {
             .iter()
             .map(|k| Record::Del { key: k.clone() })
             .collect();
+        let mut t = std::time::Instant::now();
         self.append_locked(j, &recs)?;
+        self.stats.lap(phase::EVICT_APPEND, &mut t);
         let mut ix = self.lock_index();
         for k in &keys {
             ix.remove(k);

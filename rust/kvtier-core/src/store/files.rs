@@ -1,12 +1,16 @@
-//! Data files: one per size class, fixed-size slots; block allocation (`fallocate`), hole punching, the
-//! O_DIRECT probe and object IO with its buffered fallback.
+//! Data files: one per size class, fixed-size slots; block allocation (`fallocate`), hole punching (and
+//! `PageStore::punch_slots`, which gives free slots' blocks back), the O_DIRECT probe and object IO with
+//! its buffered fallback.
 
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
+use std::sync::atomic::Ordering;
+
 use super::namespace::open_rw;
 use super::ALIGN;
+use crate::error::Error;
 use crate::fault;
 
 /// One size class's data file.
@@ -273,5 +277,37 @@ pub(super) fn probe_direct(dir: &Path) -> std::result::Result<Option<String>, st
         Ok(()) => Ok(None),
         Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok(Some(e.to_string())),
         Err(e) => Err(e),
+    }
+}
+
+impl super::PageStore {
+    /// Gives the blocks of free slots back (taken with `take_punchable`).
+    pub(super) fn punch_slots(&self, slots: &[(u32, u32)]) {
+        let ok = self.punch_ok.load(Ordering::Relaxed) && {
+            let mut all = true;
+            for &(class, slot) in slots {
+                let r = self.class(class).and_then(|c| {
+                    c.punch(u64::from(slot) * u64::from(class), u64::from(class))
+                        .map_err(|e| super::io_err("punch", e))
+                });
+                if let Err(Error::Os { source, .. }) = &r {
+                    if source.raw_os_error() == Some(libc::EOPNOTSUPP) {
+                        self.punch_ok.store(false, Ordering::Relaxed);
+                    }
+                }
+                all &= r.is_ok();
+                if !all {
+                    break;
+                }
+            }
+            all
+        };
+        if ok {
+            self.stats
+                .punched_slots
+                .fetch_add(slots.len() as u64, Ordering::Relaxed);
+        }
+        // a failed punch leaves some blocks in place: all of them stay counted (over-counting is safe)
+        self.lock_index().punched(slots, ok);
     }
 }

@@ -33,10 +33,13 @@ mod recovery;
 mod seal_io;
 pub mod stats;
 mod stats_file;
+mod worker;
 mod write;
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_background;
 #[cfg(test)]
 mod tests_budget;
 #[cfg(test)]
@@ -141,6 +144,8 @@ pub struct PageStore {
     share: Option<budget::Share>,
     /// When the counters were last written to `STATS` (see `stats_file`).
     stats_file: stats_file::StatsFile,
+    /// Work taken off the put path: closing replaced journals, rewriting `STATS` (see `worker`).
+    worker: worker::Worker,
     /// Counters.
     pub stats: Stats,
     report: OpenReport,
@@ -234,7 +239,7 @@ impl PageStore {
     /// `(objects, bytes of slots in use)`.
     pub fn usage(&self) -> (usize, u64) {
         let ix = self.lock_index();
-        (ix.map.values().filter(|e| e.servable()).count(), ix.used)
+        (ix.servable_count(), ix.used)
     }
     /// `(data bytes held, journal bytes held)`: the occupancy the capacity limit applies to.
     pub fn occupancy(&self) -> (u64, u64) {

@@ -169,6 +169,7 @@ impl PageStore {
             follow,
             share,
             stats_file: Default::default(),
+            worker: Default::default(),
             stats: Stats::default(),
             report,
         };

@@ -40,12 +40,12 @@ pub struct Stats {
     pub verify_done: AtomicU64,
     /// ... and how many it will check.
     pub verify_total: AtomicU64,
-    /// Nanoseconds of put batches by phase, named by [`PUT_PHASES`] (`reserve` includes `evict`, `compact_step` includes `compact_finish`).
+    /// Nanoseconds of put batches by phase, named by [`PUT_PHASES`] (`reserve` includes `evict` (which includes `evict_append`), `punch` and `victims`, `compact_step` includes `compact_finish`, which includes `compact_sync` and `dir_sync`).
     pub put_phase_ns: [AtomicU64; PUT_PHASES.len()],
 }
 
 /// The phases of a put batch (docs/STORE.md, "put"), as `put_phase_ns` counts them.
-pub const PUT_PHASES: [&str; 14] = [
+pub const PUT_PHASES: [&str; 19] = [
     "validate",
     "keep_to_limit",
     "reserve",
@@ -60,6 +60,11 @@ pub const PUT_PHASES: [&str; 14] = [
     "settle",
     "stats_file",
     "compact_finish",
+    "punch",
+    "victims",
+    "compact_sync",
+    "dir_sync",
+    "evict_append",
 ];
 
 /// Phase indices into `put_phase_ns`.
@@ -79,6 +84,16 @@ pub(crate) mod phase {
     pub const STATS_FILE: usize = 12;
     /// Part of `COMPACT` (or of an open's compaction): the finish under the commit lock.
     pub const COMPACT_FINISH: usize = 13;
+    /// Part of `RESERVE`: giving free slots' blocks back (`fallocate` punches).
+    pub const PUNCH: usize = 14;
+    /// Part of `RESERVE`: choosing the eviction's victims.
+    pub const VICTIMS: usize = 15;
+    /// Part of `COMPACT_FINISH`: the new journal's reserve and sync.
+    pub const COMPACT_SYNC: usize = 16;
+    /// Part of `COMPACT_FINISH`: the rename and the directory's sync.
+    pub const DIR_SYNC: usize = 17;
+    /// Part of `EVICT`: the del records' append and sync.
+    pub const EVICT_APPEND: usize = 18;
 }
 
 impl Stats {

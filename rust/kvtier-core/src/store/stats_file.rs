@@ -1,8 +1,11 @@
 //! The writer's counters on disk: `STATS` in the namespace directory, a JSON object rewritten atomically (a
 //! temporary file renamed over it) after a batch at most every [`EVERY_MS`] and when the store closes, so
 //! `kvtier stats` can show a live or a finished writer's traffic (docs/STORE.md, "Counters on disk"). Not
-//! synced: the counters are advice, and a crash costs at most the last few seconds of them.
+//! synced: the counters are advice, and a crash costs at most the last few seconds of them. A running
+//! writer's rewrites are done by its background thread (`worker`), off the put path; the last one, at
+//! close, after that thread has stopped.
 
+use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -16,7 +19,7 @@ pub const EVERY_MS: u64 = 2000;
 /// When the writer opened and last wrote its counters.
 pub(super) struct StatsFile {
     opened_ms: u64,
-    written_ms: AtomicU64,
+    pub(super) written_ms: AtomicU64,
 }
 
 impl Default for StatsFile {
@@ -55,7 +58,13 @@ impl PageStore {
             return;
         }
         self.stats_file.written_ms.store(t, Relaxed);
-        let _ = self.write_stats(t);
+        let body = self.stats_json(t);
+        if now {
+            let _ = write(&self.dir, &body);
+        } else {
+            let dir = self.dir.clone();
+            self.worker.run(super::worker::Job::Stats { dir, body });
+        }
     }
 
     /// The counters as the JSON object `STATS` holds.
@@ -83,26 +92,27 @@ impl PageStore {
             .collect();
         format!("{{{}}}\n", body.join(", "))
     }
+}
 
-    fn write_stats(&self, t: u64) -> std::io::Result<()> {
-        let tmp = self
-            .dir
-            .join(format!("{STATS_FILE}.tmp.{}", std::process::id()));
+/// Writes `body` to `STATS` in `dir`: a temporary file renamed over it.
+pub(super) fn write(dir: &Path, body: &str) -> std::io::Result<()> {
+    let tmp = dir.join(format!("{STATS_FILE}.tmp.{}", std::process::id()));
+    let _ = std::fs::remove_file(&tmp);
+    let r = (|| {
+        let f = super::namespace::open_rw(&tmp, libc::O_NOFOLLOW | libc::O_EXCL)?;
+        std::os::unix::fs::FileExt::write_all_at(&f, body.as_bytes(), 0)?;
+        std::fs::rename(&tmp, dir.join(STATS_FILE))
+    })();
+    if r.is_err() {
         let _ = std::fs::remove_file(&tmp);
-        let r = (|| {
-            let f = super::namespace::open_rw(&tmp, libc::O_NOFOLLOW | libc::O_EXCL)?;
-            std::os::unix::fs::FileExt::write_all_at(&f, self.stats_json(t).as_bytes(), 0)?;
-            std::fs::rename(&tmp, self.dir.join(STATS_FILE))
-        })();
-        if r.is_err() {
-            let _ = std::fs::remove_file(&tmp);
-        }
-        r
     }
+    r
 }
 
 impl Drop for PageStore {
     fn drop(&mut self) {
+        // the background thread's last jobs first (an older STATS must not land over the last one)
+        self.worker.finish();
         self.persist_stats(true);
     }
 }
