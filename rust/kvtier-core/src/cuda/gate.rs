@@ -71,8 +71,8 @@ impl Drop for HostGate {
 /// The host function: blocks until the gate whose state `user` points to is open. Never unwinds.
 // SAFETY: callers pass a pointer from `Arc::into_raw` of a gate's state that carries one count for this call.
 unsafe extern "C" fn wait_at_gate(user: *mut c_void) {
-    // SAFETY: `user` is the pointer `Arc::into_raw` made in `enqueue_gate` for exactly this one call; the
-    // count it carries is taken back here, once.
+    // The count `user` carries is taken back here, once.
+    // SAFETY: `user` is the pointer `Arc::into_raw` made in `enqueue_gate` for exactly this one call.
     let state = unsafe { Arc::from_raw(user as *const GateState) };
     state.wait_open();
 }
@@ -86,8 +86,8 @@ impl Current {
     pub unsafe fn enqueue_gate(&self, stream: usize, gate: &HostGate) -> Result<()> {
         let user = Arc::into_raw(gate.state.clone()) as *mut c_void;
         let f = self.d.launch_host_func;
-        // SAFETY: per the contract; `wait_at_gate` has the `CUhostFn` signature and `user` stays valid until
-        // it runs (it owns one count of the gate's state).
+        // `user` stays valid until the host function runs: it owns one count of the gate's state.
+        // SAFETY: per the contract; `wait_at_gate` has the `CUhostFn` signature and `user` is a live count.
         let rc = unsafe { f(stream as *mut c_void, wait_at_gate, user) };
         if rc != 0 {
             // SAFETY: the driver refused the launch, so the host function will never run: take the count back.

@@ -171,8 +171,8 @@ pub fn submit_gate_background(
         .spawn(move || {
             wait_done(previous.as_ref());
             let res = crate::cuda::make_current(device).and_then(|cur| {
-                // SAFETY: the caller passes a live stream of `device` (the binding's contract); the gate's
-                // state lives as long as the host function needs it (it holds a count).
+                // The gate's state lives as long as the host function needs it (that function holds a count).
+                // SAFETY: the caller passes a live stream of `device` (the binding's contract).
                 unsafe { cur.enqueue_gate(stream, &gate) }
             });
             finish(&worker, res);
