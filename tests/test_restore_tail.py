@@ -65,16 +65,39 @@ def _host_pages_in_use(tier):
     return (tier.host.size - tier.host.available_size()) // PS
 
 
+def _settled(tier):
+    """Every transfer, store IO and collected cache finished, and the backups' events seen complete (their
+    references go)."""
+    gc.collect()
+    tier.synchronize()
+    tier.controller.wait_idle()
+    tier.controller.acquire([])
+
+
+def _nothing_leaked(tier):
+    """No page referenced, and the host pool's allocated pages are exactly the index's."""
+    _settled(tier)
+    ctrl = tier.controller
+    return all(pg.refs == 0 for pg in ctrl.pages.values()) and _host_pages_in_use(tier) == len(ctrl.pages)
+
+
+def _stored_split(tmp_path, device, name):
+    """A tier whose store holds a 40-page prompt (not on the host) and whose disk the planner splits: (model,
+    ids, tier, recomputing's greedy tokens)."""
+    model = llama(device, _device(device))
+    ids = tokens(PAGES * PS + 5)
+    tier = _tier(model, tmp_path, name)
+    want = greedy(model, ids, DynamicCache(config=model.config))
+    stored_then_dropped(tier, model, ids)
+    _split_disk(tier)
+    return model, ids, tier, want
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("where", ["middle", "first", "all", "raises"])
 def test_a_tail_page_that_fails_after_the_plan_gives_recomputings_tokens(tmp_path, monkeypatch, device, where):
-    dtype = _device(device)
-    model = llama(device, dtype)
-    ids = tokens(PAGES * PS + 5)
-    with _tier(model, tmp_path, f"tail-{where}") as tier:
-        want = greedy(model, ids, DynamicCache(config=model.config))
-        stored_then_dropped(tier, model, ids)
-        _split_disk(tier)
+    model, ids, tier, want = _stored_split(tmp_path, device, f"tail-{where}")
+    with tier:
         ctrl = tier.controller
         plan_keys = []
         real_read = ctrl.read_into
@@ -95,7 +118,7 @@ def test_a_tail_page_that_fails_after_the_plan_gives_recomputings_tokens(tmp_pat
         assert p.kind == "split" and len(plan_keys) == p.load_to - p.recompute_to > 2, p
         got = greedy(model, ids, c)
         assert torch.equal(got, want), f"{where}: {got} != {want}"
-        # the verified pages before the failed one are in the index, no page at or after it is
+        # the verified pages before the failed one are in the index (from it on, the recomputed ones are)
         failed = {"middle": len(plan_keys) // 2, "first": 0, "all": 0, "raises": 0}[where]
         assert all(k in ctrl.pages for k in plan_keys[:failed])
         tier.synchronize()
@@ -106,12 +129,7 @@ def test_a_tail_page_that_fails_after_the_plan_gives_recomputings_tokens(tmp_pat
         d = tier.cache(ids)
         assert torch.equal(greedy(model, ids, d), want)
         d.release()
-        gc.collect()
-        tier.synchronize()
-        ctrl.wait_idle()
-        ctrl.acquire([])  # (sees the backups' events complete: their references go)
-        assert all(pg.refs == 0 for pg in ctrl.pages.values())
-        assert _host_pages_in_use(tier) == len(ctrl.pages), "a tail page leaked from the host pool"
+        assert _nothing_leaked(tier), "a tail page leaked from the host pool"
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -142,13 +160,8 @@ def test_a_failed_tail_gives_the_same_logits_whatever_the_forward_asks_for(tmp_p
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("how", ["release", "crop", "garbage"])
 def test_a_cache_dropped_before_its_first_forward_gives_every_tail_page_back(tmp_path, monkeypatch, device, how):
-    dtype = _device(device)
-    model = llama(device, dtype)
-    ids = tokens(PAGES * PS + 5)
-    with _tier(model, tmp_path, f"tail-{how}") as tier:
-        want = greedy(model, ids, DynamicCache(config=model.config))
-        stored_then_dropped(tier, model, ids)
-        _split_disk(tier)
+    model, ids, tier, want = _stored_split(tmp_path, device, f"tail-{how}")
+    with tier:
         ctrl = tier.controller
         before = _host_pages_in_use(tier)
         _fail_reads(monkeypatch, tier, None)
@@ -163,12 +176,7 @@ def test_a_cache_dropped_before_its_first_forward_gives_every_tail_page_back(tmp
             c.release()
         else:
             del c
-        gc.collect()
-        tier.synchronize()
-        ctrl.wait_idle()
-        ctrl.acquire([])  # (sees the backups' events complete: their references go)
-        assert all(pg.refs == 0 for pg in ctrl.pages.values())
-        assert _host_pages_in_use(tier) == len(ctrl.pages) >= before
+        assert _nothing_leaked(tier) and len(ctrl.pages) >= before
 
 
 def test_a_load_plan_on_a_damaged_disk_recomputes(tmp_path):

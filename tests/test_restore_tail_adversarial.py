@@ -13,7 +13,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 import kvtier
 from kvtier.integrations.transformers import cache_kwarg
 from test_restore_planning import PS, greedy, llama, stored_then_dropped, tokens
-from test_restore_tail import PAGES, _fail_reads, _host_pages_in_use, _split_disk, _tier
+from test_restore_tail import PAGES, _fail_reads, _host_pages_in_use, _settled, _split_disk, _tier
 
 
 def _logits(model, ids, cache, **kw):
@@ -26,16 +26,9 @@ def _want_logits(model, ids):
         return model(input_ids=ids, use_cache=True, past_key_values=DynamicCache(config=model.config)).logits
 
 
-def _settle_everything(tier):
-    gc.collect()
-    tier.synchronize()
-    tier.controller.wait_idle()
-    tier.controller.acquire([])
-
-
 def _index_is_backed_by_allocated_pages(tier):
     """Every page the index holds is memory the host pool counts as allocated (and nothing else is)."""
-    _settle_everything(tier)
+    _settled(tier)
     return _host_pages_in_use(tier) == len(tier.controller.pages)
 
 
@@ -210,7 +203,7 @@ def test_a_failed_tail_released_unsettled_keeps_the_counters(tmp_path, monkeypat
         c = tier.cache(ids)
         assert c.plan.kind == "split"
         c.release()
-        _settle_everything(tier)
+        _settled(tier)
         assert tier.stats.restored_store_pages == before, "pages that failed their check are counted restored"
 
 
@@ -246,7 +239,7 @@ def test_a_second_cache_while_the_first_tail_is_unsettled(tmp_path, monkeypatch)
         assert tier.stats.restored_store_pages == a.restored_store_pages + b.restored_store_pages
         a.release()
         b.release()
-        _settle_everything(tier)
+        _settled(tier)
         assert all(pg.refs == 0 for pg in tier.controller.pages.values())
         assert _host_pages_in_use(tier) == len(tier.controller.pages)
 
@@ -309,7 +302,7 @@ def test_two_tenants_split_the_same_prompt(tmp_path, monkeypatch):
         assert torch.equal(greedy(model, ids, b), want)
         a.release()
         b.release()
-        _settle_everything(tier)
+        _settled(tier)
         assert _host_pages_in_use(tier) == len(tier.controller.pages)
 
 
@@ -335,6 +328,6 @@ def test_an_interrupt_in_the_recomputation_returns_nothing_and_leaks_nothing(tmp
             h.remove()
         assert len(calls) == 2
         c.release()
-        _settle_everything(tier)
+        _settled(tier)
         assert all(pg.refs == 0 for pg in tier.controller.pages.values())
         assert _host_pages_in_use(tier) == len(tier.controller.pages)

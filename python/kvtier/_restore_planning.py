@@ -154,16 +154,19 @@ class RestorePlanning:
                     ok = list(self.store.batch_get_v1(keys, self._slots(starts)))
                 except Exception:  # an IO failure is a miss, never an engine crash
                     ok = [False] * len(keys)
-            good = next((i for i, g in enumerate(ok) if not g), len(ok))
             with self.lock:
-                self.stats.prefetched_pages += sum(ok)
-                self.stats.prefetch_misses += len(ok) - sum(ok)
-                self.stats.bytes_from_store += sum(ok) * self.page_bytes
-            return good
+                self._count_reads(ok)
+            return next((i for i, g in enumerate(ok) if not g), len(ok))
 
         fut = self._io.submit(work)
         self._pending.append(fut)
         return fut
+
+    def _count_reads(self, ok: Sequence[bool]) -> None:
+        """A store read's pages, read and missed, in the counters (lock held)."""
+        self.stats.prefetched_pages += sum(ok)
+        self.stats.prefetch_misses += len(ok) - sum(ok)
+        self.stats.bytes_from_store += sum(ok) * self.page_bytes
 
     def observe_prefill(self, new_tokens: int, context_tokens: int, seconds: float) -> None:
         """One forward of the engine: ``new_tokens`` computed after ``context_tokens`` cached ones took

@@ -309,9 +309,7 @@ class TierController(RestorePlanning):
                     else:  # a miss: never leave unverified bytes reachable
                         del self.pages[k]
                         self.host.free(self._slots([pg.start]))
-                self.stats.prefetched_pages += sum(ok)
-                self.stats.prefetch_misses += len(ok) - sum(ok)
-                self.stats.bytes_from_store += sum(ok) * self.page_bytes
+                self._count_reads(ok)
                 return sum(1 for k in keys if k in self.pages)
 
         fut = self._io.submit(work)

@@ -97,16 +97,18 @@ class KvtierCache(RestoreSteps, DynamicCache):
     def _salted(self, chain: list[str]) -> list[str]:
         return tenant_keys(self.salt, chain) if self.salt is not None and chain else chain
 
-    def _attach(self, starts: list[int], keys: list[str], chain: list[str], host: int, *, first: int = 0) -> None:
+    def _attach(self, starts: list[int], keys: list[str], chain: list[str], host: int, *, first: int = 0,
+                private: bool = False) -> None:
         """Pages ``[first, first + len(starts))`` of the prompt (``keys``, and ``chain``: their hashes before
         the tenant's salt), acquired from the controller, become the sequence's (without a copy); ``host`` of
-        them came from the host pool, the rest from the store."""
+        them came from the host pool, the rest from the store. ``private``: the pages are the sequence's own,
+        not the index's (a tail still being read)."""
         st, ps = self._state, self._state.page_size
         r = len(starts)
         if not r:
             return
         self.table.starts += list(starts)
-        self.table.keys += list(keys[first : first + r])
+        self.table.keys += [None] * r if private else list(keys[first : first + r])
         self._adopted = first + r
         self._page_keys[first:] = list(keys[first : first + r])
         self._chain[first:] = list(chain[first : first + r])

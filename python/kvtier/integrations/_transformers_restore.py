@@ -144,7 +144,8 @@ class RestoreSteps:
     def _salted(self, chain: list[str]) -> list[str]:
         raise NotImplementedError  # the cache's
 
-    def _attach(self, starts: list[int], keys: list[str], chain: list[str], host: int, *, first: int = 0) -> None:
+    def _attach(self, starts: list[int], keys: list[str], chain: list[str], host: int, *, first: int = 0,
+                private: bool = False) -> None:
         raise NotImplementedError  # the cache's
 
     def _restore(self, tokens: list[int]) -> None:
@@ -177,7 +178,7 @@ class RestoreSteps:
             self._ensure_window(len(tokens))  # (never reallocated, so never drained, while the read runs)
             pending = PendingTail(ctrl.read_into(keys[j:k], starts), j, list(keys[j:k]), list(starts))
             self.table.reading = pending.future
-        tail = ctrl.prefetch(keys[j:k]) if k > j and pending is None else None
+        # (no room for the tail in the host pool: the next forward computes it)
         try:
             if j > r:  # the head: computed here, while the tail streams in
                 self._compute_head(plan, keys, tokens, r, j)
@@ -185,20 +186,14 @@ class RestoreSteps:
             self._tail = pending
             self._drop_tail()
             raise
-        finally:
-            if tail is not None:
-                tail.result()
         self._tail = pending
         if pending is not None:
             if self.get_seq_length() == j * ps:
                 # loads of the tail's pages wait (on the device) for the read
                 pending.gate = st.hold_transfers_until(pending.future)
-                self._attach_tail(chain)
+                self._attach(pending.starts, keys, chain, 0, first=j, private=True)  # (the index's once settled)
             else:
                 self._drop_tail()
-        elif tail is not None and self.get_seq_length() == j * ps:
-            more = ctrl.acquire(keys[j:k])
-            self._attach(more, keys, chain, 0, first=j)
         self._ttft = (plan, t0)
 
     def _compute_head(self, plan: RestorePlan, keys: list[str], tokens: list[int], r: int, j: int) -> None:
@@ -233,27 +228,6 @@ class RestoreSteps:
                 t.record_stream(side)
         self.recomputed_tokens = (j - r) * ps
         st.stats.recomputed_head_tokens += self.recomputed_tokens
-
-    def _attach_tail(self, chain: list[str]) -> None:
-        """The pending tail's pages become the sequence's (private until :meth:`_settle_tail`), loaded as any."""
-        tail, st, ps = self._tail, self._state, self._state.page_size
-        assert tail is not None
-        first, n = tail.first, len(tail.keys)
-        self.table.starts += tail.starts
-        self.table.keys += [None] * n
-        self._adopted = first + n
-        self._page_keys[first:] = list(tail.keys)
-        self._chain[first:] = list(chain[first : first + n])
-        self._fed[first * ps:] = self._prompt[first * ps : (first + n) * ps]
-        for layer in self.layers:
-            layer.length = (first + n) * ps
-        self.restored_tokens += n * ps
-        self.restored_store_pages += n
-        st.stats.restored_pages += n
-        st.stats.restored_store_pages += n
-        win = self._ensure_window((first + n) * ps)
-        for layer_idx in range(st.window):
-            self._load(win, layer_idx, (first + n) * ps)
 
     def _drop_tail(self) -> None:
         """A tail that never became the sequence's: its private pages go back once the read has finished."""

@@ -122,11 +122,15 @@ class TierRuntime:
         with torch.cuda.stream(self.stream):
             sub = self.host.copy_layer(win, host, dev, layer_idx, "direct", to_host=to_host, events=events, after=after,
                                         previous=self._sub)
+        self._track(sub)
+        return sub, events
+
+    def _track(self, sub: Any) -> None:
+        """A background submission on the transfer stream: the next one follows it; its error must be seen."""
         if sub is not None:
             self._sub = sub
             with self._subs_lock:
                 self._subs.append(sub)
-        return sub, events
 
     def head_stream(self) -> Any:
         """The CUDA stream a split restore computes its head on (made once; None on the CPU)."""
@@ -144,10 +148,7 @@ class TierRuntime:
         if self.stream is None:
             return None
         sub, gate = gate_until(self.device, self.stream, future, self._sub)
-        if sub is not None:
-            self._sub = sub
-            with self._subs_lock:
-                self._subs.append(sub)
+        self._track(sub)
         return gate
 
     @staticmethod

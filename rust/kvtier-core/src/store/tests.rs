@@ -66,6 +66,24 @@ pub(super) fn get1(s: &PageStore, key: &str, ptr: usize, len: u64) -> bool {
     unsafe { s.get(&[(key, ptr, len)]) }.unwrap()[0]
 }
 
+/// Copies the namespace directory of `s` under `to` (a crash now: every file as it is). A file that went
+/// between the listing and its copy (a `STATS.tmp` the background thread renamed) is no store file.
+pub(super) fn crash_copy(s: &PageStore, to: &Path) {
+    let d = to.join(s.dir().file_name().unwrap());
+    std::fs::create_dir_all(&d).unwrap();
+    for e in std::fs::read_dir(s.dir()).unwrap() {
+        let e = e.unwrap();
+        if e.file_type().unwrap().is_file() {
+            match std::fs::copy(e.path(), d.join(e.file_name())) {
+                Err(err) if err.kind() == std::io::ErrorKind::NotFound => {}
+                other => {
+                    other.unwrap();
+                }
+            }
+        }
+    }
+}
+
 pub(super) fn bytes_at(r: &crate::buffer::HostRegion, off: usize, n: usize) -> Vec<u8> {
     // SAFETY: callers pass ranges inside the live region.
     unsafe { std::slice::from_raw_parts(r.as_ptr().add(off), n).to_vec() }

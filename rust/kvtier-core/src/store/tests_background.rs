@@ -2,25 +2,12 @@
 //! a batch's IO and commit, the replaced journal closed and `STATS` written by the background thread. A
 //! crash between the new steps, and followers reading while they happen, lose no acknowledged object.
 
-use super::tests::{bytes_at, get1, opts, payload, tmp, SERIAL};
+use super::tests::{bytes_at, crash_copy, get1, opts, payload, tmp, SERIAL};
 use super::*;
 use std::sync::atomic::Ordering;
 
 fn key(t: usize, i: usize) -> String {
     format!("{t:02}{i:062x}.k")
-}
-
-/// Copies the namespace directory of `s` under `to` (a crash now: every file as it is).
-fn crash_copy(s: &PageStore, to: &Path) {
-    let d = to.join(s.dir().file_name().unwrap());
-    std::fs::create_dir_all(&d).unwrap();
-    for e in std::fs::read_dir(s.dir()).unwrap() {
-        let e = e.unwrap();
-        if e.file_type().unwrap().is_file() {
-            // a STATS.tmp the background thread renamed meanwhile is no store file
-            let _ = std::fs::copy(e.path(), d.join(e.file_name()));
-        }
-    }
 }
 
 /// Object `i` of a 16-object payload stands for key `(t, i)`.

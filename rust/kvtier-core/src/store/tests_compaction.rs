@@ -1,7 +1,7 @@
 //! Compaction of a full store: how often it runs, what it keeps when entries change between its steps, a
 //! crash or an IO error at any point of it, and followers that look at the journal only when they must.
 
-use super::tests::{bytes_at, get1, opts, payload, put1, tmp, SERIAL};
+use super::tests::{bytes_at, crash_copy, get1, opts, payload, put1, tmp, SERIAL};
 use super::*;
 use crate::fault::{self, Fault};
 use std::collections::HashMap;
@@ -149,18 +149,6 @@ fn compaction_steps_keep_what_changes_between_them() {
     assert_holds(&s, &want, &src);
     assert_eq!(s.open_report().damaged_spans, 0);
     std::fs::remove_dir_all(root).unwrap();
-}
-
-/// Copies the namespace directory of `s` under `to` (a crash now: every file as it is).
-fn crash_copy(s: &PageStore, to: &Path) {
-    let d = to.join(s.dir().file_name().unwrap());
-    std::fs::create_dir_all(&d).unwrap();
-    for e in std::fs::read_dir(s.dir()).unwrap() {
-        let e = e.unwrap();
-        if e.file_type().unwrap().is_file() {
-            std::fs::copy(e.path(), d.join(e.file_name())).unwrap();
-        }
-    }
 }
 
 /// A crash at any point of a compaction (between its steps, with `journal.compact` half written; right

@@ -2,7 +2,7 @@
 //! a compaction (with a crash copy after each), faults at the compaction's own IO points, the room a
 //! compaction takes beside the capacity. Followers: `tests_follower_races.rs`.
 
-use super::tests::{bytes_at, get1, opts, payload, put1, tmp, SERIAL};
+use super::tests::{bytes_at, crash_copy, get1, opts, payload, put1, tmp, SERIAL};
 use super::*;
 use std::sync::atomic::Ordering;
 
@@ -37,18 +37,6 @@ fn check_holds(s: &PageStore, want: &[String], src: &crate::buffer::HostRegion, 
             bytes_at(src, content(k) * 4096, 4096),
             "{what}: {k}"
         );
-    }
-}
-
-/// Copies the namespace directory of `s` under `to` (a crash now: every file as it is).
-fn crash_copy(s: &PageStore, to: &Path) {
-    let d = to.join(s.dir().file_name().unwrap());
-    std::fs::create_dir_all(&d).unwrap();
-    for e in std::fs::read_dir(s.dir()).unwrap() {
-        let e = e.unwrap();
-        if e.file_type().unwrap().is_file() {
-            std::fs::copy(e.path(), d.join(e.file_name())).unwrap();
-        }
     }
 }
 
