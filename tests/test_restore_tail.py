@@ -26,9 +26,9 @@ def _device(device):
     return torch.bfloat16 if device == "cuda" else torch.float32
 
 
-def _tier(model, tmp_path, name):
+def _tier(model, tmp_path, name, window=2):
     # 1 ms per token and a disk that reads a token's KV in 2 ms: a split, about two thirds recomputed
-    return KVTier(model, model_id=f"t/{name}", page_size=PS, host_tokens=4096, store_dir=tmp_path,
+    return KVTier(model, model_id=f"t/{name}", page_size=PS, host_tokens=4096, store_dir=tmp_path, window=window,
                   prefill=PrefillModel((0.0, 1e-3, 0.0, 0.0)))
 
 
@@ -81,12 +81,12 @@ def _nothing_leaked(tier):
     return all(pg.refs == 0 for pg in ctrl.pages.values()) and _host_pages_in_use(tier) == len(ctrl.pages)
 
 
-def _stored_split(tmp_path, device, name):
+def _stored_split(tmp_path, device, name, window=2):
     """A tier whose store holds a 40-page prompt (not on the host) and whose disk the planner splits: (model,
     ids, tier, recomputing's greedy tokens)."""
     model = llama(device, _device(device))
     ids = tokens(PAGES * PS + 5)
-    tier = _tier(model, tmp_path, name)
+    tier = _tier(model, tmp_path, name, window)
     want = greedy(model, ids, DynamicCache(config=model.config))
     stored_then_dropped(tier, model, ids)
     _split_disk(tier)
@@ -95,8 +95,9 @@ def _stored_split(tmp_path, device, name):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("where", ["middle", "first", "all", "raises"])
-def test_a_tail_page_that_fails_after_the_plan_gives_recomputings_tokens(tmp_path, monkeypatch, device, where):
-    model, ids, tier, want = _stored_split(tmp_path, device, f"tail-{where}")
+@pytest.mark.parametrize("window", [2, 3])  # 3: every layer resident (the head stays on the device)
+def test_a_tail_page_that_fails_after_the_plan_gives_recomputings_tokens(tmp_path, monkeypatch, device, where, window):
+    model, ids, tier, want = _stored_split(tmp_path, device, f"tail-{where}", window)
     with tier:
         ctrl = tier.controller
         plan_keys = []
@@ -130,6 +131,37 @@ def test_a_tail_page_that_fails_after_the_plan_gives_recomputings_tokens(tmp_pat
         assert torch.equal(greedy(model, ids, d), want)
         d.release()
         assert _nothing_leaked(tier), "a tail page leaked from the host pool"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("window", [2, 3])
+def test_the_forward_after_a_split_loads_only_what_its_slots_lack(tmp_path, monkeypatch, device, window):
+    """A slot that still holds its layer's head (every layer resident: window 3 of 3 layers) gets only the
+    tail's pages; a slot another layer used since (window 2) gets the whole prefix again. Either way the
+    tokens are recomputing's."""
+    model, ids, tier, want = _stored_split(tmp_path, device, f"tail-slots-{window}", window)
+    with tier:
+        st, loads = tier._state, []
+        real = st.transfer
+
+        def transfer(win, layer_idx, host, dev, *, to_host):
+            if not to_host:
+                loads.append((layer_idx, int(dev[0]) // PS - 1, len(dev) // PS))  # (layer, first page, pages)
+            return real(win, layer_idx, host, dev, to_host=to_host)
+
+        monkeypatch.setattr(st, "transfer", transfer)
+        c = tier.cache(ids)
+        p = c.plan
+        assert p.kind == "split" and p.host_pages == 0 and p.load_to == PAGES, p
+        j, k = p.recompute_to, p.load_to
+        assert torch.equal(greedy(model, ids, c), want)
+        if window == 3:  # the tail's pages, once per layer; nothing else, decode steps included
+            assert sorted(loads) == [(layer, j, k - j) for layer in range(3)]
+        else:  # slot 0 got layer 0's head back after layer 2's (the tail only), layer 1 has slot 1 to itself (the
+            # tail only), layer 2 shares slot 0 (the whole prefix again)
+            assert (0, j, k - j) in loads and (1, j, k - j) in loads and (2, 0, k) in loads
+        c.release()
+        assert _nothing_leaked(tier)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -34,6 +34,7 @@ def main() -> None:
     ap.add_argument("--ps", type=int, default=64)
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--out", default="split-curve.json")
+    ap.add_argument("--window", default="2", help="KVTier's window: layers resident on the device, or 'all'")
     ap.add_argument("--label", default="", help="a name for this run in the output (e.g. the wheel's commit)")
     a = ap.parse_args()
     dev = "cuda" if torch.cuda.is_available() and not a.tiny else "cpu"
@@ -53,9 +54,10 @@ def main() -> None:
     ids = torch.randint(0, cfg.vocab_size, (1, ctx + 64), generator=torch.Generator().manual_seed(3))
     n = ctx // ps
     root = tempfile.mkdtemp(dir=os.getcwd())
-    out: dict = {"ctx": ctx, "label": a.label, "rows": []}
+    window = cfg.num_hidden_layers if a.window == "all" else int(a.window)
+    out: dict = {"ctx": ctx, "label": a.label, "window": window, "rows": []}
     try:
-        tier = KVTier(model, model_id="probe/split", page_size=ps, window=2, host_tokens=2 * ctx + 8 * ps, store_dir=root)
+        tier = KVTier(model, model_id="probe/split", page_size=ps, window=window, host_tokens=2 * ctx + 8 * ps, store_dir=root)
         tier.calibrate([ctx // 4, ctx // 2, ctx])
         with torch.no_grad():
             for _ in range(2):

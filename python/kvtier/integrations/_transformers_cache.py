@@ -268,7 +268,15 @@ class KvtierCache(RestoreSteps, DynamicCache):
         if self._tail is not None and not st.cuda:  # (on CUDA the transfer stream waits at the tail's gate)
             self._tail.wait()
         s = layer_idx % win.window
-        host, dev = self._slots(0, -(-tokens // st.page_size))
+        # a slot that still holds this layer's first `held` tokens (a window of every layer: the head a split
+        # restore computed, or the last forward's) gets only the pages from the one `held` ends in
+        held, kept = win.state[s], 0
+        if held is not None and held[0] == layer_idx and held[2] == self._epoch and held[1] <= tokens:
+            if held[1] == tokens:  # (nothing to move: the slot's last transfer is what its users wait for)
+                return
+            kept = held[1]
+        first, last = kept // st.page_size, -(-tokens // st.page_size)
+        host, dev = self._slots(first, last)
         win.loaded[s] = st.transfer(win, layer_idx, host, dev, to_host=False)
         win.state[s] = (layer_idx, tokens, self._epoch)
         st.stats.layer_loads += 1
