@@ -241,7 +241,7 @@ def plan_restore(
     can_split: bool = True,
     margin: float = 0.02,
     split_margin: float = 0.10,
-    split_step: int = 8,
+    split_step: int = 4,
     overlap: bool = False,
 ) -> RestorePlan:
     """The fastest predicted plan for a request (see :class:`RestorePlan`).
@@ -264,7 +264,9 @@ def plan_restore(
             faster than the best plan without one (on the H200 a split ran 3-21% over its prediction while
             every other kind stayed within 10%).
         split_step: the head ends on a multiple of this many pages, so heads repeat their shapes (a GPU's
-            first forward of a new shape pays for choosing its kernels).
+            first forward of a new shape pays for choosing its kernels). On the H200's 8K split (pages of 64
+            tokens) 8 pages were 16 ms of head and 42 ms of read (``h200-probe-split-curve.json``), so the best
+            head on that grid could leave the head and the read about 30 ms apart; 4 halves that.
         overlap: the engine queues the forward of the rest of the prompt before the store's read has finished
             (kvtier's transformers cache on CUDA: the loads wait on the device, behind a gate): when that
             forward is bound by its host time (the prefill model's fixed per-forward term larger than the rest
