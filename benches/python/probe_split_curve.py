@@ -3,6 +3,9 @@ while the tail [j, n) loads, for a range of j, with the planner's prediction bes
 measured apart (the head's forward alone, the tail's read alone). One model, one prefix, one run; each time
 the median of 3 restores after a warm-up. ``cache_s`` is the time ``KVTier.cache`` took to return (with the tail
 in flight, it returns once the head is queued), ``rest_s`` the forward after it until its output is ready.
+On CUDA each row also has the device's timeline (medians, ms from the restore's start): ``head_end`` (the head's
+stream done), ``read_done`` (the tail's read seen done on the host), ``loads_end`` (the transfer stream done with
+what was queued when ``KVTier.cache`` returned: the tail's loads behind their gate), ``end`` (the forward's output).
 
     PYTHONPATH=python python benches/python/probe_split_curve.py [--ctx 8192] [--out split.json]
 """
@@ -74,7 +77,7 @@ def main() -> None:
             ctrl = tier.controller
             real_plan = ctrl.plan_restore
             for j in sorted({0, n // 4, n // 2, 5 * n // 8, 3 * n // 4, 7 * n // 8, n - 4, n}):
-                ttfts, caches, rests = [], [], []
+                ttfts, caches, rests, lines = [], [], [], []
                 for rep in range(REPS + 1):  # the first is a warm-up of the shape
                     tier.drop_host_copies()
                     # the tail's read alone
@@ -94,12 +97,27 @@ def main() -> None:
                         plan = RestorePlan(ids.shape[1], ps, 0, 0, 0, [], None, est.recompute_s, "recompute", n)
                     ctrl.plan_restore = lambda *x, _p=plan, **y: _p
                     sync()
+                    marks: dict = {}
+                    if dev == "cuda":
+                        marks["start"] = torch.cuda.current_stream().record_event(torch.cuda.Event(enable_timing=True))
                     t0 = time.perf_counter()
                     c = tier.cache(ids)
                     t1 = time.perf_counter()
+                    if dev == "cuda":
+                        st = tier._state
+                        marks["head_end"] = st.head_stream().record_event(torch.cuda.Event(enable_timing=True))
+                        marks["loads_end"] = st.stream.record_event(torch.cuda.Event(enable_timing=True))
+                        if c._tail is not None:
+                            c._tail.future.add_done_callback(lambda _f, _m=marks: _m.setdefault("read_t", time.perf_counter()))
                     model(input_ids=ids[:, c.get_seq_length():].to(dev), use_cache=True, logits_to_keep=1, **{kw: c})
+                    if dev == "cuda":
+                        marks["end"] = torch.cuda.current_stream().record_event(torch.cuda.Event(enable_timing=True))
                     sync()
                     t2 = time.perf_counter()
+                    if dev == "cuda" and rep:
+                        line = {k: marks["start"].elapsed_time(marks[k]) for k in ("head_end", "loads_end", "end")}
+                        line["read_done"] = (marks["read_t"] - t0) * 1e3 if "read_t" in marks else None
+                        lines.append(line)
                     ctrl.plan_restore = real_plan
                     c.release()
                     tier.controller.wait_idle()
@@ -114,6 +132,9 @@ def main() -> None:
                 row = dict(j=j, ttft_s=statistics.median(ttfts), cache_s=statistics.median(caches),
                            rest_s=statistics.median(rests), tail_read_alone_s=read_s if j < n else 0.0,
                            head_pred_s=head_pred, read_pred_s=read_pred, rest_pred_s=rest_pred)
+                if lines:
+                    row["timeline_ms"] = {k: (statistics.median(x[k] for x in lines) if lines[0][k] is not None else None)
+                                          for k in lines[0]}
                 out["rows"].append(row)
                 print({k: (round(v * 1e3, 1) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
         out["disk"] = ctrl.measured()["disk"].__dict__
