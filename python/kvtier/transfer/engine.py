@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import collections
 import operator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from collections.abc import Sequence
 
 import torch
@@ -31,19 +31,18 @@ _REGION = operator.attrgetter("region")
 
 class _Tuning:
     """A :class:`TransferEngine` setting that routes or kernel launches are made from: setting it counts in
-    :data:`~kvtier.transfer.route.TUNING`, so warm per-layer loads made before are made again with it (the
-    engine's ``__init__`` sets the stored values directly: a new pool invalidates no other pool's)."""
+    :data:`~kvtier.transfer.route.TUNING`, so warm per-layer loads made before are made again with it. Only
+    the setting goes through this descriptor: it has no ``__get__``, so a read finds the value in the
+    engine's ``__dict__`` as for a plain attribute (no Python call on the per-call paths). The engine's
+    ``__init__`` writes the values there directly: a new pool invalidates no other pool's warm loads."""
 
     __slots__ = ("name",)
 
     def __set_name__(self, owner: type, name: str) -> None:
-        self.name = "_" + name
-
-    def __get__(self, obj: Any, owner: Any = None) -> Any:
-        return self if obj is None else getattr(obj, self.name)
+        self.name = name
 
     def __set__(self, obj: Any, value: Any) -> None:
-        setattr(obj, self.name, value)
+        obj.__dict__[self.name] = value
         TUNING[0] += 1
 
 
@@ -52,21 +51,31 @@ class TransferEngine:
     distinct streams); closing the pool must not race with copies still being issued."""
 
     # Tuning the warm per-layer loads are made from (see _Tuning): setting one makes them again.
-    blocks = _Tuning()  # thread blocks per kernel transfer (split over concurrent lanes)
-    num_warps = _Tuning()  # warps per kernel thread block
-    tile_words = _Tuning()  # words per kernel tile (see kvtier.transfer.kernels)
-    prefetch = _Tuning()  # kernels issue the next tile's load before storing the current one
-    lanes = _Tuning()  # streams a kernel transfer spreads K and V over
-    kernel_below = _Tuning()  # see route()
+    if TYPE_CHECKING:  # to a reader, plain attributes
+        blocks: int
+        num_warps: int
+        tile_words: int
+        prefetch: bool
+        lanes: int
+        kernel_below: int
+    else:
+        blocks = _Tuning()
+        num_warps = _Tuning()
+        tile_words = _Tuning()
+        prefetch = _Tuning()
+        lanes = _Tuning()
+        kernel_below = _Tuning()
 
     def __init__(self) -> None:
         # Tuning, read on every call: config's defaults; benches and tests set them to compare settings.
-        self._blocks = config.kernel_blocks()
-        self._num_warps = config.kernel_warps()
-        self._tile_words = KERNEL_TILE_WORDS
-        self._prefetch = True
-        self._lanes = config.transfer_lanes()
-        self._kernel_below = config.direct_kernel_below()
+        vars(self).update(
+            blocks=config.kernel_blocks(),  # thread blocks per kernel transfer (split over concurrent lanes)
+            num_warps=config.kernel_warps(),  # warps per kernel thread block
+            tile_words=KERNEL_TILE_WORDS,  # words per kernel tile (see kvtier.transfer.kernels)
+            prefetch=True,  # kernels issue the next tile's load before storing the current one
+            lanes=config.transfer_lanes(),  # streams a kernel transfer spreads K and V over
+            kernel_below=config.direct_kernel_below(),  # see route()
+        )
         self.batch = config.direct_batch()  # copy-engine copies go in cuMemcpyBatchAsync batches (read per call)
         self.staged_backup = config.kernel_backup() == "staged"  # large kernel backups staged (see route)
         self.staging_bytes = config.staging_bytes()  # bytes of each of the two staging buffers (at least)
