@@ -175,13 +175,13 @@ def profile(hp, dp, backend: str, h, d, caller) -> str:
 
     pr = cProfile.Profile()
     with torch.cuda.stream(caller):
-        torch.cuda._sleep(4 * BUSY_CYCLES)
-        pr.enable()
-        for _ in range(4):
+        for _ in range(4):  # each pass behind its own sleep, drained after (the driver's queue stays short)
+            torch.cuda._sleep(BUSY_CYCLES)
+            pr.enable()
             for layer in range(hp.layer_num):
                 hp.load_to_device_per_layer(dp, h, d, layer, backend)
-        pr.disable()
-    torch.cuda.synchronize()
+            pr.disable()
+            torch.cuda.synchronize()
     buf = io.StringIO()
     pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(20)
     return buf.getvalue()
