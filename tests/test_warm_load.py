@@ -230,3 +230,49 @@ def test_index_tensors_made_under_inference_mode(op):
                 hp.backup_from_device_per_layer(dp, h, d, layer, "direct")
         for layer in range(hp.layer_num):
             expect(hp, dp, h, d, layer)
+
+
+@pytest.mark.parametrize("setting", ["blocks", "num_warps", "tile_words", "prefetch", "lanes", "kernel_below",
+                                     "set_native"])
+def test_changed_engine_setting_takes_the_full_path(setting):
+    """A warm load keeps the launches and the route its first call made: after a setting they are made from
+    changes, the next call makes them again. (Review finding: the kernel block sweep of the transfer bench
+    measured its first setting's launches for every setting, 37.6 % flat from 4 to 32 blocks.) A new pool,
+    whose engine starts from the defaults, changes nothing for this one."""
+    from kvtier.transfer import kernels
+
+    dp, hp = pools()
+    h, d = hp.alloc(2 * PS), torch.arange(PS, 3 * PS)
+    fill(hp, h)
+    hp.load_to_device_per_layer(dp, h, d, 0, "direct")
+    w = hp._warm
+    kvtier.host_pool_for(dp, layout="page_first_direct", host_to_device_ratio=2.0).close()
+    hp.load_to_device_per_layer(dp, h, d, 1, "direct")
+    assert hp._warm is w, "the warm load was not reused"
+    if setting == "set_native":
+        kernels.set_native(True)  # the same value: still a setting made, launches are made again
+    else:
+        setattr(hp.engine, setting, getattr(hp.engine, setting))
+    hp.load_to_device_per_layer(dp, h, d, 2, "direct")
+    assert hp._warm is not w, f"{setting} changed and the warm load was reused"
+    expect(hp, dp, h, d, 2)
+    w = hp._warm
+    hp.load_to_device_per_layer(dp, h, d, 0, "direct")
+    assert hp._warm is w
+    expect(hp, dp, h, d, 0)
+
+
+def test_engine_refuses_a_warm_kernel_layer_outside_its_launches():
+    """The native launch cannot check a kernel's layer against its offset table and host layout: the engine's
+    warm kernel load refuses one outside the launches' layers before anything reaches the device, whoever
+    calls it (the pool's warm path checks it against the pool's layers first)."""
+    from types import SimpleNamespace
+
+    from kvtier.transfer import TransferEngine, kernels
+
+    warm = kernels.WarmLaunches([], 1, [SimpleNamespace(layers=3), SimpleNamespace(layers=4)])
+    assert warm.layers == 3
+    pairs = ((None, [torch.zeros(1)]),)
+    for layer in (-1, 3, 4):
+        with pytest.raises(InvalidArgumentError, match="layer"):
+            TransferEngine().load_layer(pairs, None, layer, "kernel", "kernel", warm, ())

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import collections
 import operator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from collections.abc import Sequence
 
 import torch
@@ -15,7 +15,7 @@ from .._errors import InvalidArgumentError
 from . import kernels, staging
 from .inflight import InFlight
 from .layout import Side, copy_torch
-from .route import CPU, DMA, KERNEL, STAGED, TORCH, Route
+from .route import CPU, DMA, KERNEL, STAGED, TORCH, TUNING, Route
 from .streams import DEFAULT_STREAMS, Streams, raw_stream
 
 
@@ -29,24 +29,59 @@ KERNEL_TILE_WORDS = 2048
 _REGION = operator.attrgetter("region")
 
 
+class _Tuning:
+    """A :class:`TransferEngine` setting that routes or kernel launches are made from: setting it counts in
+    :data:`~kvtier.transfer.route.TUNING`, so warm per-layer loads made before are made again with it. Only
+    the setting goes through this descriptor: it has no ``__get__``, so a read finds the value in the
+    engine's ``__dict__`` as for a plain attribute (no Python call on the per-call paths). The engine's
+    ``__init__`` writes the values there directly: a new pool invalidates no other pool's warm loads."""
+
+    __slots__ = ("name",)
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        obj.__dict__[self.name] = value
+        TUNING[0] += 1
+
+
 class TransferEngine:
     """Executes validated K-or-V copies; see the module docs. Copies may be issued from several threads (on
     distinct streams); closing the pool must not race with copies still being issued."""
 
+    # Tuning the warm per-layer loads are made from (see _Tuning): setting one makes them again.
+    if TYPE_CHECKING:  # to a reader, plain attributes
+        blocks: int
+        num_warps: int
+        tile_words: int
+        prefetch: bool
+        lanes: int
+        kernel_below: int
+    else:
+        blocks = _Tuning()
+        num_warps = _Tuning()
+        tile_words = _Tuning()
+        prefetch = _Tuning()
+        lanes = _Tuning()
+        kernel_below = _Tuning()
+
     def __init__(self) -> None:
         # Tuning, read on every call: config's defaults; benches and tests set them to compare settings.
-        self.blocks = config.kernel_blocks()  # thread blocks per kernel transfer (split over concurrent lanes)
-        self.num_warps = config.kernel_warps()  # warps per kernel thread block
-        self.tile_words = KERNEL_TILE_WORDS  # words per kernel tile (see kvtier.transfer.kernels)
-        self.prefetch = True  # kernels issue the next tile's load before storing the current one
-        self.batch = config.direct_batch()  # copy-engine copies go in cuMemcpyBatchAsync batches
-        self.lanes = config.transfer_lanes()  # streams a kernel transfer spreads K and V over
+        vars(self).update(
+            blocks=config.kernel_blocks(),  # thread blocks per kernel transfer (split over concurrent lanes)
+            num_warps=config.kernel_warps(),  # warps per kernel thread block
+            tile_words=KERNEL_TILE_WORDS,  # words per kernel tile (see kvtier.transfer.kernels)
+            prefetch=True,  # kernels issue the next tile's load before storing the current one
+            lanes=config.transfer_lanes(),  # streams a kernel transfer spreads K and V over
+            kernel_below=config.direct_kernel_below(),  # see route()
+        )
+        self.batch = config.direct_batch()  # copy-engine copies go in cuMemcpyBatchAsync batches (read per call)
         self.staged_backup = config.kernel_backup() == "staged"  # large kernel backups staged (see route)
         self.staging_bytes = config.staging_bytes()  # bytes of each of the two staging buffers (at least)
         # staged only from this many bytes per backup: below, fixed per-run costs outweigh the copy engine's
         # larger PCIe writes (16 pages of A: staged 80-84 %, SM writes 84-87 %; 256 pages: 97 % against 92-94 %)
         self.staged_min_bytes = 4 * self.staging_bytes
-        self.kernel_below = config.direct_kernel_below()  # see route()
         self.direct_staged = config.direct_backup() == "staged"
         self.last_submit: tuple[int, int] | None = None  # (copies, batch calls) of the last direct submission
         # State: what in-flight copies hold, the streams beside the caller's, staging buffers, offset tables.
@@ -294,9 +329,15 @@ class TransferEngine:
         ``plans``, one tuple for every call with these plans (see :meth:`InFlight.mark`)."""
         dev = pairs[0][1][0].device
         index = dev.index
-        if route == KERNEL and plans is not None and index == torch.cuda.current_device():
-            self._load_layer_kernel(prepared, layer, dev, plans, refs)
-            return
+        if route == KERNEL and plans is not None:
+            # the layer indexes the launches' offset tables and host layouts, which the native launch cannot
+            # check (a DMA plan knows its layers: submit_layers checks them); the pool's warm path checked it
+            # against the pool's layers, a direct caller of this method may not have
+            if not 0 <= layer < plans.layers:
+                raise InvalidArgumentError(f"invalid argument `layer`: {layer} is not in [0, {plans.layers})")
+            if index == torch.cuda.current_device():
+                self._load_layer_kernel(prepared, layer, dev, plans, refs)
+                return
         if route != DMA or plans is None or index != torch.cuda.current_device():
             self.copy(pairs, prepared, layer, layer + 1, to_host=False, backend=backend, route=route)
             return

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from .._errors import InvalidArgumentError
-from .route import DMA, KERNEL
+from .route import DMA, KERNEL, TUNING
 
 if TYPE_CHECKING:
     from .engine import TransferEngine
@@ -97,15 +97,17 @@ def index_array(name: str, t: Any) -> np.ndarray:
 class WarmLoad:
     """The checked arguments of a pool's last per-layer load. A per-layer load is called once per layer with
     the same pools and index tensors; the next call reuses the checks when it passes the same objects, the
-    index tensors are unchanged (version, and for CPU tensors their contents) and the device tensors of its
-    layer are the ones checked (same objects, same addresses). Anything else takes the full path."""
+    index tensors are unchanged (version, and for CPU tensors their contents), the device tensors of its
+    layer are the ones checked (same objects, same addresses) and no setting the route and launches were made
+    from has changed since (:data:`~kvtier.transfer.route.TUNING`). Anything else takes the full path."""
 
     __slots__ = ("pool", "host", "device", "backend", "versions", "reusable", "snapshot", "ptrs", "pairs",
-                 "prepared", "route", "plans", "refs", "contents")
+                 "prepared", "route", "plans", "refs", "contents", "tuning")
 
     def __init__(self, engine: TransferEngine, device_pool: Any, host: Any, device: Any, backend: str,
                  pairs: tuple[Any, ...], prepared: Prepared, route: str) -> None:
         self.pool, self.host, self.device, self.backend = device_pool, host, device, backend
+        self.tuning = TUNING[0]  # the settings the caller's copy and the launches below are made with
         try:
             self.versions = (host._version, device._version)
             # (a lazily negated view's contents cannot be compared in place: never reused)
@@ -146,7 +148,7 @@ class WarmLoad:
         """Whether a per-layer load of ``layer`` with these arguments may reuse the checks (``pool``: the host
         pool, which has checked that it is open)."""
         if (device_pool is not self.pool or host is not self.host or device is not self.device
-                or backend != self.backend or not 0 <= layer < pool.layer_num):
+                or backend != self.backend or not 0 <= layer < pool.layer_num or TUNING[0] != self.tuning):
             return False
         try:
             versions = (host._version, device._version)

@@ -31,6 +31,7 @@ import torch
 
 from .. import _native
 from .._errors import InvalidArgumentError
+from .route import TUNING
 
 try:
     import triton
@@ -188,6 +189,7 @@ def set_native(enabled: bool) -> None:
     """Launch compiled variants natively (default) or always through Triton's launcher (benches compare)."""
     global _native_enabled
     _native_enabled = bool(enabled)
+    TUNING[0] += 1  # warm per-layer loads made before launch as set now
 
 
 def native_status() -> dict:
@@ -341,12 +343,14 @@ class WarmLaunches:
     """The launches of a repeated per-layer load (``kvtier.transfer.indices.WarmLoad``), fixed but for the layer: the
     tuples ``_native.launch_layers`` takes, made once instead of on every call as :func:`run_rows` does, the
     lanes they run on, and per caller stream its side streams. Holding it keeps every buffer the launches
-    address alive (the launch descriptions hold them)."""
+    address alive (the launch descriptions hold them). ``layers``: the layers every launch's offset table and
+    host layout hold; a launch's layer must be below it (the native call cannot tell)."""
 
-    __slots__ = ("natives", "lanes", "launches", "sides")
+    __slots__ = ("natives", "lanes", "launches", "sides", "layers")
 
     def __init__(self, natives: list, lanes: int, launches: list[RowsLaunch]) -> None:
         self.natives, self.lanes, self.launches = natives, lanes, launches
+        self.layers = min([x.layers for x in launches], default=0)
         # caller stream handle -> (side stream handles, the side streams themselves, kept alive here)
         self.sides: dict[int, tuple[list[int], list[Any]]] = {}
 

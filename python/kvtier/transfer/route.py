@@ -28,3 +28,10 @@ PLANNED = frozenset({Route.CPU, Route.DMA})
 # The members as module constants for the per-call paths: an enum's class attribute costs ~0.2 µs in CPython
 # 3.11, a module global a tenth of that.
 CPU, TORCH, KERNEL, STAGED, DMA = Route.CPU, Route.TORCH, Route.KERNEL, Route.STAGED, Route.DMA
+
+#: How many times, in this process, a setting that routes and kernel launches are made from has changed (a
+#: :class:`~kvtier.transfer.TransferEngine`'s tuning attributes, :func:`kvtier.transfer.kernels.set_native`).
+#: A warm per-layer load made before a change is not reused (:class:`~kvtier.transfer.indices.WarmLoad`), so
+#: a bench that sweeps a setting measures the setting, not the launches of the first one. A list: one
+#: mutable cell the modules read in place.
+TUNING = [0]
