@@ -37,6 +37,7 @@ def main() -> None:
     ap.add_argument("--ps", type=int, default=64)
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--out", default="split-curve.json")
+    ap.add_argument("--heads", default=None, help="heads to force, in pages (default: 0, n/4, n/2, 5n/8, 3n/4, 7n/8, n-4, n)")
     ap.add_argument("--window", default="2", help="KVTier's window: layers resident on the device, or 'all'")
     ap.add_argument("--label", default="", help="a name for this run in the output (e.g. the wheel's commit)")
     a = ap.parse_args()
@@ -76,7 +77,11 @@ def main() -> None:
             keys = page_hashes(ids[0, : n * ps].tolist(), ps)
             ctrl = tier.controller
             real_plan = ctrl.plan_restore
-            for j in sorted({0, n // 4, n // 2, 5 * n // 8, 3 * n // 4, 7 * n // 8, n - 4, n}):
+            heads = [int(x) for x in a.heads.split(",")] if a.heads else [0, n // 4, n // 2, 5 * n // 8, 3 * n // 4,
+                                                                           7 * n // 8, n - 4, n]
+            if any(not 0 <= j <= n for j in heads):
+                raise SystemExit(f"--heads: every head must be in [0, {n}] pages")
+            for j in sorted(set(heads)):
                 ttfts, caches, rests, lines = [], [], [], []
                 for rep in range(REPS + 1):  # the first is a warm-up of the shape
                     tier.drop_host_copies()
