@@ -94,3 +94,39 @@ def test_per_layer_load_on_the_default_stream_is_seen_by_later_work():
             assert torch.equal(u8(got[layer].cpu()), u8(want_k[layer].reshape(got[layer].shape))), (it, layer)
     if kvtier._native.cuda_batch_supported():
         assert hp.engine.last_submit[1] > 0, hp.engine.last_submit
+
+
+def test_warm_per_layer_loads_on_the_default_stream_wait_for_earlier_work(monkeypatch):
+    """Repeated per-layer loads of one index set from the default stream (one native call each: fork to the
+    detour, copies, join, mark) run after the work queued before them: a read of the destination queued
+    behind a long sleep still sees the old bytes; a read queued after sees the new ones."""
+    calls = []
+    real = kvtier._native.submit_layers_detour
+
+    def counted(*args):
+        calls.append(args[2] - args[1])
+        return real(*args)
+
+    monkeypatch.setattr(kvtier._native, "submit_layers_detour", counted)
+    dp, hp = make()
+    n = 96
+    h, d = hp.alloc(n * PS), torch.arange(PS, (n + 1) * PS)
+    for side in (hp.k_buffer, hp.v_buffer):
+        side.view(torch.uint8).random_(0, 256)
+    want_k = [hp.k_buffer[h.view(-1, PS)[:, 0].cpu() // PS][:, layer].clone() for layer in range(L)]
+    for it in range(3):
+        for t in dp.k_buffer + dp.v_buffer:
+            t.zero_()
+        before, after = [], []
+        with default():
+            for layer in range(L):
+                torch.cuda._sleep(2_000_000)  # the read below runs late: copies that do not wait overwrite first
+                before.append(dp.k_buffer[layer][d].clone())
+                hp.load_to_device_per_layer(dp, h, d, layer, "direct")
+                after.append(dp.k_buffer[layer][d].clone())
+        torch.cuda.synchronize()
+        for layer in range(L):
+            assert not u8(before[layer]).any(), (it, layer)
+            assert torch.equal(u8(after[layer].cpu()), u8(want_k[layer].reshape(after[layer].shape))), (it, layer)
+    if kvtier._native.cuda_batch_supported():
+        assert len(calls) >= 2 * L and set(calls) == {1}, calls  # the warm loads took the one-call detour

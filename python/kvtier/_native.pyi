@@ -11,7 +11,7 @@ __all__ = [
     "store_namespaces", "remove_namespace", "store_budget", "set_store_budget", "store_format_version", "page_hashes", "disk_roofline",
     "fault_set", "fault_clear", "fault_points", "fault_hits", "cuda_host_registered", "cuda_driver_available",
     "validate_transfer", "plan_sides", "copy_cpu", "page_numbers", "host_layout", "page_extents", "cuda_batch_supported", "cuda_batch_flags", "cuda_set_batch_limit",
-    "submit_layers", "submit_layers_background", "Submission", "submit_gate_background", "HostGate", "launch_layers", "SEAL_LEN", "__version__",
+    "submit_layers", "submit_layers_detour", "submit_layers_background", "Submission", "submit_gate_background", "HostGate", "launch_layers", "SEAL_LEN", "__version__",
 ]
 
 __version__: str
@@ -211,6 +211,18 @@ def submit_layers(
     batch: bool,
     per_layer: bool,
     events: list[int],
+) -> tuple[int, int]: ...
+def submit_layers_detour(
+    plans: list[TransferPlan],
+    layer_begin: int,
+    layer_end: int,
+    device: int,
+    caller: int,
+    detour: int,
+    fork: int,
+    join: int,
+    batch: bool,
+    mark: int,
 ) -> tuple[int, int]: ...
 def submit_layers_background(
     plans: list[TransferPlan],

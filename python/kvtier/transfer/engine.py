@@ -350,6 +350,15 @@ class TransferEngine:
                 self.last_submit = _native.submit_layers(plans, layer, layer + 1, index, handle, [], self.batch,
                                                          True, [mark[2]])
                 return
+            d = self.streams.made_detour(dev) if mark is not None and mark[1] is refs and self.batch else None
+            if d is not None and mark is not None:
+                # ... from a default stream: one native call forks to the detour, submits, joins back and
+                # re-records the mark (five event operations from Python cost D's 16-page loads half their
+                # speed from a default stream on the H200: benches/RESULTS.md §2)
+                self.last_submit = _native.submit_layers_detour(
+                    plans, layer, layer + 1, index, handle, d[0].cuda_stream, d[1].cuda_event, d[2].cuda_event,
+                    self.batch, mark[2])
+                return
         stream = torch.cuda.current_stream(dev)
         handle = stream.cuda_stream
         # fork and join as in copy (only a default stream can need it: skip the call otherwise)

@@ -45,6 +45,42 @@ pub fn submit_layers(
     })?)
 }
 
+/// `submit_layers` from a default stream `caller` through the `detour` stream, forked and joined with the
+/// events `fork` and `join`, then `mark` (0 = none) recorded on `caller` (see
+/// `kvtier_core::engine::submit_layers_detour`). Returns `(copies, batch_calls)`. The caller's contract is
+/// `submit_layers`'.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+pub fn submit_layers_detour(
+    py: Python<'_>,
+    plans: Vec<PyRef<'_, PyTransferPlan>>,
+    layer_begin: usize,
+    layer_end: usize,
+    device: i32,
+    caller: usize,
+    detour: usize,
+    fork: usize,
+    join: usize,
+    batch: bool,
+    mark: usize,
+) -> KvResult<(usize, usize)> {
+    let refs = self::plans(&plans);
+    Ok(py.detach(|| {
+        engine::submit_layers_detour(
+            &refs,
+            layer_begin,
+            layer_end,
+            device,
+            caller,
+            detour,
+            fork,
+            join,
+            batch,
+            mark,
+        )
+    })?)
+}
+
 /// Copies layers `[layer_begin, layer_end)` of every plan now with CPU `memcpy` (CPU device tensors), in one
 /// native call with the GIL released.
 #[pyfunction]

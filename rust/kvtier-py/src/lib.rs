@@ -52,6 +52,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(engine::cuda_batch_flags, m)?)?;
     m.add_function(wrap_pyfunction!(engine::cuda_set_batch_limit, m)?)?;
     m.add_function(wrap_pyfunction!(engine::submit_layers, m)?)?;
+    m.add_function(wrap_pyfunction!(engine::submit_layers_detour, m)?)?;
     m.add_function(wrap_pyfunction!(engine::submit_layers_background, m)?)?;
     m.add_class::<engine::PySubmission>()?;
     m.add_function(wrap_pyfunction!(engine::submit_gate_background, m)?)?;

@@ -264,3 +264,56 @@ pub fn submit_layers(
         0,
     )
 }
+
+/// [`submit_layers`] (no lanes, no per-layer events) for a caller on a default stream, which the batch API
+/// refuses: `caller` records `fork`, `detour` waits for it and takes the copies of layers
+/// `[layer_begin, layer_end)`, then records `join`; `caller` waits for `join`, then records `mark` (0 = none),
+/// which then follows the copies. One call for what the Python detour (`kvtier.transfer.streams`) does in
+/// five event operations. Returns `(copies, batch_calls)`. On an error, nothing of this call is left in
+/// flight (the detour synchronized).
+#[allow(clippy::too_many_arguments)]
+pub fn submit_layers_detour(
+    plans: &[&Plan],
+    layer_begin: usize,
+    layer_end: usize,
+    device: i32,
+    caller: usize,
+    detour: usize,
+    fork: usize,
+    join: usize,
+    batch: bool,
+    mark: usize,
+) -> Result<(usize, usize)> {
+    if detour == 0 || detour == caller {
+        return Err(Error::arg(
+            "detour",
+            "must be a non-default stream other than the caller's",
+        ));
+    }
+    if fork == 0 || join == 0 || fork == join {
+        return Err(Error::arg(
+            "fork/join",
+            "two distinct live events are needed (record a torch event once to create it)",
+        ));
+    }
+    let mut groups = build_groups(plans, layer_begin, layer_end, false, 1, &[join])?;
+    {
+        let cur = cuda::make_current(device)?;
+        // SAFETY: the caller passes a live event and a live stream of this device.
+        unsafe { cur.record_event(fork, caller)? };
+    }
+    // the detour waits for `fork`, takes the copies and records `join` after them (the group's event)
+    let done = copy_groups(device, detour, &[], fork, batch, &mut groups, &|| {}, 0)?;
+    let cur = cuda::make_current(device)?;
+    // SAFETY: live streams and events of this device (as above).
+    let mut res = unsafe { cur.stream_wait(caller, join) };
+    if res.is_ok() && mark != 0 {
+        // SAFETY: as above.
+        res = unsafe { cur.record_event(mark, caller) };
+    }
+    if res.is_err() {
+        // SAFETY: a live stream (as above); the error returned is the first one.
+        let _ = unsafe { cur.stream_synchronize(detour) };
+    }
+    res.map(|()| done)
+}

@@ -17,7 +17,7 @@ mod submission;
 #[cfg(test)]
 mod tests;
 
-pub use groups::{submit_layers, MAX_AHEAD_COPIES};
+pub use groups::{submit_layers, submit_layers_detour, MAX_AHEAD_COPIES};
 pub use launch::{launch_layers, KernelLaunch};
 pub use submission::{submit_gate_background, submit_layers_background, Submission};
 

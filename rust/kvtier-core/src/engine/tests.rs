@@ -210,3 +210,21 @@ fn streams_events_and_launches_are_checked() {
     assert!(KernelLaunch::new(0, k, &[8, 2], &[1, 2], 0).is_err()); // width 2
     assert!(KernelLaunch::new(0, k, &[8], &[1, 2], 0).is_err()); // counts differ
 }
+
+#[test]
+fn a_detour_submission_refuses_bad_streams_and_events_before_any_cuda_call() {
+    // (no plan reaches the driver: the arguments are refused first, on a machine without CUDA too)
+    let cases = [
+        (7usize, 0usize, 8usize, 9usize, "detour"),
+        (5, 5, 8, 9, "detour"),
+        (5, 6, 0, 9, "fork/join"),
+        (5, 6, 8, 0, "fork/join"),
+        (5, 6, 8, 8, "fork/join"),
+    ];
+    for (caller, detour, fork, join, arg) in cases {
+        let err = super::submit_layers_detour(&[], 0, 1, 0, caller, detour, fork, join, true, 0)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(arg), "{caller} {detour} {fork} {join}: {err}");
+    }
+}
