@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import operator
+import threading
 from typing import TYPE_CHECKING, Any
 from collections.abc import Sequence
 
@@ -89,6 +90,9 @@ class TransferEngine:
         self.streams = Streams()
         self.stager = staging.Stager()
         self._marks = self.inflight.marks  # read by every warm per-layer load
+        # (device, default stream, thread) -> the detour its last warm per-layer load forked to (its events
+        # recorded): the next load of the same index set there is one native call (load_layer)
+        self._detoured: dict[tuple[int, int, int], Any] = {}
         self._ptr_tables: collections.OrderedDict[tuple[Any, ...], tuple[Any, Any]] = collections.OrderedDict()
 
     def synchronize(self) -> None:
@@ -99,6 +103,7 @@ class TransferEngine:
         """Waits for every copy, then drops the staging buffers and side streams (a closing pool calls it)."""
         self.synchronize()
         self._marks.clear()
+        self._detoured.clear()
         self.stager.clear()
         self.streams.clear()
 
@@ -350,7 +355,8 @@ class TransferEngine:
                 self.last_submit = _native.submit_layers(plans, layer, layer + 1, index, handle, [], self.batch,
                                                          True, [mark[2]])
                 return
-            d = self.streams.made_detour(dev) if mark is not None and mark[1] is refs and self.batch else None
+            d = self._detoured.get((index, handle, threading.get_ident())) if mark is not None and mark[1] is refs \
+                and self.batch else None
             if d is not None and mark is not None:
                 # ... from a default stream: one native call forks to the detour, submits, joins back and
                 # re-records the mark (five event operations from Python cost D's 16-page loads half their
@@ -368,6 +374,9 @@ class TransferEngine:
         )
         if detour is not None:
             self.streams.join(stream, detour)
+            if len(self._detoured) > 64:  # (one per device, default stream and calling thread)
+                self._detoured.clear()
+            self._detoured[(dev.index, handle, threading.get_ident())] = detour
         self.inflight.mark(dev.index, handle, stream, refs)
 
     def _rows(self, side: Side, tensors, prepared: Any, hidx, didx, to_host: bool, blocks: int):

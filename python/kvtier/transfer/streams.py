@@ -72,15 +72,6 @@ class Streams:
         d[0].wait_event(d[1])
         return d
 
-    def made_detour(self, device: torch.device) -> Any:
-        """The calling thread's detour on ``device`` when a :meth:`fork` has made it, the driver has the batch
-        API and its events exist (recorded once), else None: what a native detour submission
-        (``_native.submit_layers_detour``) needs, without an event operation here."""
-        if not self._batch_api:
-            return None
-        d = self._detours.get((device, threading.get_ident()))
-        return d if d is not None and d[1].cuda_event and d[2].cuda_event else None
-
     @staticmethod
     def join(caller: Any, d: Any) -> None:
         """Make ``caller`` wait for what the detour ``d`` (:meth:`fork`) was given."""
