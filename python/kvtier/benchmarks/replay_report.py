@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .replay_trace import BLOCK_TOKENS, KNOWN
+from .replay_trace import KNOWN, parse_tokens
 
 
 def _gb(n: float) -> str:
@@ -100,8 +100,9 @@ def plot(path: str, rows: list[dict[str, Any]], best_pct: float, title: str) -> 
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.5, 4))
-    finite = [r for r in rows if r["store_pages"] is not None]
-    xs = [r["store_pages"] * BLOCK_TOKENS for r in finite]
+    # the capacity asked for (a cluster row's store_pages is what its memory holds, finite even for "inf")
+    finite = [r for r in rows if math.isfinite(parse_tokens("capacity", str(r["capacity"])))]
+    xs = [parse_tokens("capacity", str(r["capacity"])) for r in finite]
     tier = "Mooncake cluster" if finite and finite[0].get("store_tier") == "mooncake" else "PageStore"
     ax.plot(xs, [r["kvtier"]["hit_pct"] for r in finite], "o-", label=f"kvtier (host + {tier})")
     ax.plot(xs, [r["model"]["hit_pct"] for r in finite], "x--", label="LRU model of the same tiers")
