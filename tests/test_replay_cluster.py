@@ -128,3 +128,4 @@ def test_the_cluster_is_torn_down_when_the_replay_raises(tmp_path, monkeypatch, 
     _free(lc.rpc_port)
     _free(lc.metrics_port)
     assert c.tiers == []
+
