@@ -41,9 +41,11 @@ def test_sample_trace_through_the_cluster_tier_agrees_with_the_model(tmp_path):
     assert row["store_tier"] == "mooncake" and row["cluster_memory_bytes"] == 19 << 20
     assert row["kvtier"]["store_pct"] > 20 and abs(row["kvtier"]["store_pct"] - row["model"]["store_pct"]) <= 1
     assert row["moved"]["mooncake_read_bytes"] > 0 and row["moved"]["mooncake_written_bytes"] > 0
-    # the capacity was reached: Mooncake evicted, by its watermark rule, about what the model did
-    assert row["model"]["store_evictions"] > 0
-    assert abs(row["kvtier"]["store_evictions"] - row["model"]["store_evictions"]) <= 0.1 * row["model"]["store_evictions"]
+    # the capacity was reached: Mooncake evicted, by its watermark rule, about what the model did (give or take
+    # one round, 5-15% of the pages held: the eviction thread's rounds fall inside or after a put)
+    assert row["model"]["store_evictions"] > 0 and row["kvtier"]["store_evictions"] > 0
+    one_round = 0.15 * row["store_pages"]
+    assert abs(row["kvtier"]["store_evictions"] - row["model"]["store_evictions"]) <= one_round
     assert row["ttft"]["store_read_GBps"] > 0 and row["ttft"]["store_source"] == "measured"
 
 
