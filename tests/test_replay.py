@@ -256,7 +256,8 @@ def test_bad_trace_lines_are_named_with_their_line_number(tmp_path, text, messag
         (("--nodes", "0"), "--nodes must be in \\[1, 64\\]"),
         (("--limit", "0"), "--limit must be at least 1"),
         (("--read-gbps", "disk=fast"), "--read-gbps: 'disk=fast' is not TIER=GBPS"),
-        (("--cluster",), "no Mooncake cluster tier"),
+        (("--cluster", "--capacities", "500K", "--page-bytes", "8K"), "under the 16 MiB Mooncake mounts"),
+        (("--read-gbps", "nvme=3"), "the tier is disk or mooncake"),
         (("--plot", "x.bogus"), "--plot x.bogus: give a file name ending in one of"),
     ],
 )

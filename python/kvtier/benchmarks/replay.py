@@ -3,6 +3,7 @@
     kvtier bench replay --trace conversation [--capacities 1M,3M,10M,50M,inf] [--host-tokens 256K]
                         [--page-bytes 16K] [--limit N] [--out DIR] [--plot hit.png]
     kvtier bench replay --trace synthetic --nodes 10 --routing prefix --capacities 3M
+    kvtier bench replay --trace conversation --cluster --page-bytes 8K [--nodes 10 --routing prefix]
 
 Each request looks up the longest prefix of its blocks (host first, then the store), counts the hit tokens
 of each tier, brings the store's part into the host and writes the blocks it missed through to the store
@@ -15,7 +16,13 @@ a fixed prefill rate. The model runs in the same loop; a hit rate (or a tier's s
 
 With ``--nodes N`` the trace is replayed twice per capacity C: N nodes with a store of C each (separate),
 and N nodes sharing one store of N×C (the paper's 10 prefill nodes pooling their 3M tokens each); each node
-has its own host tier. The shared tier is one shared PageStore: Mooncake's cluster tier is not replayed.
+has its own host tier. The shared tier is one shared PageStore, or with ``--cluster`` the Mooncake cluster tier.
+
+``--cluster``: the store behind each node's host tier is the Mooncake cluster tier (a LocalCluster on
+127.0.0.1 started for each configuration and stopped after it, every node a MooncakeTier client of it), as
+SGLang's HiCache deploys it (its L3 storage backend, with no disk of the node's own between). The model
+holds Mooncake's own eviction rule (kvtier.benchmarks.replay_cluster and replay_model.ClusterLru). With
+``--nodes`` the separate stores stay PageStores (each node's own 3M) and the shared one is the cluster.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from .._errors import KvtierError
 from ..config import parse_size
 from . import replay_trace as tr
 from ._common import check_plot_path, out_dir, write_results
+from .replay_cluster import cluster_memory
 from .replay_model import one_lru_pct
 from .replay_report import disagreements, nodes_table, plot, sweep_table
 from .replay_run import Setup, run
@@ -77,7 +85,8 @@ def _parser() -> argparse.ArgumentParser:
         "--read-gbps",
         default=None,
         metavar="TIER=GBPS",
-        help="assume a tier's read rate for the TTFT prediction instead of kvtier's measurement (e.g. disk=6)",
+        help="assume a tier's read rate for the TTFT prediction instead of kvtier's measurement (e.g. disk=6, "
+        "mooncake=20)",
     )
     ap.add_argument("--nodes", type=int, default=1, help="nodes: >1 replays separate stores against one shared")
     ap.add_argument(
@@ -106,7 +115,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--cluster",
         action="store_true",
-        help="a Mooncake cluster tier: not available in this bench (the shared tier is a PageStore)",
+        help="replay the Mooncake cluster tier (a LocalCluster on 127.0.0.1) behind the host tier instead of a "
+        "PageStore; with --nodes, the tier all nodes share",
     )
     return ap
 
@@ -129,8 +139,8 @@ def _setup(a: argparse.Namespace, trace: tr.Trace, root: str) -> Setup:
                 assumed[name.strip()] = float(value)
             except ValueError:
                 raise KvtierError(f"--read-gbps: {item!r} is not TIER=GBPS (e.g. disk=6)") from None
-            if not assumed[name.strip()] > 0 or name.strip() != "disk":
-                raise KvtierError(f"--read-gbps: {item!r}: the tier is disk and the rate a number > 0")
+            if not assumed[name.strip()] > 0 or name.strip() not in ("disk", "mooncake"):
+                raise KvtierError(f"--read-gbps: {item!r}: the tier is disk or mooncake and the rate a number > 0")
     ids = [h for r in trace.requests for h in r.hash_ids]
     return Setup(
         host_pages=host,
@@ -146,11 +156,6 @@ def _setup(a: argparse.Namespace, trace: tr.Trace, root: str) -> Setup:
 
 def main(argv: list[str] | None = None) -> None:
     a = _parser().parse_args(argv)
-    if a.cluster:
-        raise KvtierError(
-            "--cluster: the replay bench has no Mooncake cluster tier; --nodes N replays a shared "
-            "PageStore instead (kvtier bench mooncake measures the cluster tier)"
-        )
     if a.nodes < 1 or a.nodes > 64:
         raise KvtierError(f"--nodes must be in [1, 64], got {a.nodes}")
     if a.limit is not None and a.limit < 1:
@@ -162,6 +167,14 @@ def main(argv: list[str] | None = None) -> None:
         for c in (a.capacities or ("3M" if a.nodes > 1 else "1M,3M,10M,50M,inf")).split(",")
     ]
     check_plot_path(a.plot)
+    if a.cluster:
+        from ..tiers._mooncake_env import binary, store_class
+
+        try:  # Mooncake missing is one clear error before any replay
+            store_class()
+            binary("mooncake_master")
+        except (KvtierError, ImportError, OSError) as exc:
+            raise KvtierError(f"--cluster: the Mooncake cluster tier is not available here: {exc}") from None
     out = out_dir(a.out)
     trace = tr.load(a.trace, a.limit)
     created = a.dir is not None and not os.path.exists(a.dir)
@@ -194,14 +207,25 @@ def _bench(a: argparse.Namespace, trace: tr.Trace, setup: Setup, caps: list[floa
         f"trace {trace.path} ({name}, sha256 {trace.sha256[:16]}…): {len(reqs)} requests, "
         f"{sum(r.input_length for r in reqs)} input tokens; best possible hit rate (unlimited cache) {best:.2f}%"
     )
+    store = "Mooncake cluster tier (LocalCluster)" if a.cluster else "PageStore"
     print(
         f"tiers: host {setup.host_pages} blocks ({setup.host_pages * tr.BLOCK_TOKENS} tokens) per node; store: "
-        f"PageStore, {setup.page_bytes} B per block really stored (scaled x{setup.bytes_per_token * 512 // setup.page_bytes} "
+        f"{store}, {setup.page_bytes} B per block really stored (scaled x{setup.bytes_per_token * 512 // setup.page_bytes} "
         f"to {setup.bytes_per_token} B/token); prefill assumed {setup.prefill_tokens_per_s:.0f} tokens/s",
         flush=True,
     )
     rows, pairs_out = [], []
     mode = "sweep" if a.nodes == 1 else f"{a.nodes} nodes, {a.routing} routing"
+    mode += ", cluster" if a.cluster else ""
+    distinct = len({h for r in reqs for h in r.hash_ids})
+
+    def memory(pages: int | None) -> int | None:
+        return cluster_memory(pages, setup.page_bytes, distinct) if a.cluster else None
+
+    for cap in caps:  # every cluster's size checked before the first replay
+        pages = tr.blocks_of(cap)
+        memory(None if pages is None else pages * a.nodes)
+
     for cap in caps:
         pages = tr.blocks_of(cap)
         if a.nodes == 1:
@@ -214,6 +238,7 @@ def _bench(a: argparse.Namespace, trace: tr.Trace, setup: Setup, caps: list[floa
                 routing=a.routing,
                 seed=a.seed,
                 label=f"{tr.label(cap)}",
+                cluster_memory=memory(pages),
             )
             row["one_lru_pct"] = one_lru_pct(pairs, pages)
             row["capacity"] = tr.label(cap)
@@ -238,6 +263,7 @@ def _bench(a: argparse.Namespace, trace: tr.Trace, setup: Setup, caps: list[floa
             routing=a.routing,
             seed=a.seed,
             label=f"shared-{tr.label(cap)}",
+            cluster_memory=memory(None if pages is None else pages * a.nodes),
         )
         sep["capacity"] = shr["capacity"] = tr.label(cap)  # the rows name the per-node capacity
         rows += [sep, shr]
@@ -247,14 +273,20 @@ def _bench(a: argparse.Namespace, trace: tr.Trace, setup: Setup, caps: list[floa
     if a.nodes == 1:
         table = sweep_table(rows, best, known)
     else:
-        table = nodes_table(pairs_out, known) + (
-            "\nshared tier: one PageStore of N × the per-node capacity (not Mooncake's cluster tier)\n"
+        shared = (
+            "the Mooncake cluster tier (one LocalCluster), memory for N × the per-node capacity"
+            if a.cluster
+            else "one PageStore of N × the per-node capacity"
         )
+        table = nodes_table(pairs_out, known) + f"\nshared tier: {shared}; separate: a PageStore per node\n"
+    if a.cluster:
+        table += _cluster_note(rows)
     t = rows[-1]["ttft"]
-    src = "assumed" if setup.assumed_gbps else t["disk_source"]
+    tier = rows[-1]["store_tier"]
+    src = "assumed" if tier in setup.assumed_gbps else t["store_source"]
     table += (
         f"\nTTFT: the planner's prediction per request, mean; prefill {setup.prefill_tokens_per_s:.0f} tokens/s "
-        f"(assumed), disk read {t['disk_read_GBps'] or 0:.2f} GB/s ({src}); a block of the model geometry is "
+        f"(assumed), {tier} read {t['store_read_GBps'] or 0:.2f} GB/s ({src}); a block of the model geometry is "
         f"{setup.bytes_per_token * tr.BLOCK_TOKENS / 2**20:.0f} MiB\n"
     )
     bad = disagreements(rows, a.tolerance)
@@ -285,6 +317,23 @@ def _bench(a: argparse.Namespace, trace: tr.Trace, setup: Setup, caps: list[floa
         "table": table,
         "disagreements": bad,
     }
+
+
+def _cluster_note(rows: list[dict[str, Any]]) -> str:
+    """The cluster runs' memory, pages held (kvtier: the master's object count / 3 at the end; the model),
+    pages evicted, and pages a lookup found that the read did not deliver (kvtier: the tier's misses)."""
+    parts = [
+        f"{r['label']}: {r['cluster_memory_bytes'] / 2**20:.0f} MiB, held {r['kvtier']['store_pages_held']} / "
+        f"{r['model']['store_pages_held']} pages, evicted {r['kvtier']['store_evictions']} / "
+        f"{r['model']['store_evictions']}, found but not read {r['kvtier']['store_read_misses']}"
+        for r in rows
+        if r.get("cluster_memory_bytes")
+    ]
+    return (
+        "\ncluster (memory; pages held at the end and evicted, kvtier / model; pages found but not read, kvtier): " + "; ".join(parts) + "\n"
+        if parts
+        else ""
+    )
 
 
 def _save(out: str, result: dict[str, Any]) -> None:

@@ -17,6 +17,10 @@ bench drives them (:mod:`kvtier.benchmarks.replay_tiers`):
    so a page is the unit);
 5. the pins are released.
 
+The cluster tier (Mooncake Store, :class:`ClusterLru`) keeps Mooncake's own policy instead of a plain LRU:
+an existence query touches every page it finds (it grants a read lease), and memory is freed in batches by
+the master's watermark rule, not one page per insert (the class docs give the rule and its source).
+
 What the model does not have: bytes. A store's capacity in bytes holds a page count that moves with its
 journal (kvtier.benchmarks.replay_tiers sizes each store so that its mean equals the model's page count, and
 the bench prints the page counts both held).
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import math
 from collections.abc import Hashable, Sequence
 
 
@@ -72,6 +77,68 @@ class LruTier:
         for k in new:
             self.pages[k] = None
         self.writes += len(new)
+        self.most_held = max(self.most_held, len(self.pages))
+        return [k for k in keys if k in self.pages]
+
+
+class ClusterLru(LruTier):
+    """The Mooncake Store cluster tier as the replay drives it (``kvtier.tiers.MooncakeTier`` over a
+    :class:`kvtier.tiers.local_cluster.LocalCluster` with a 1 ms lease), from Mooncake's master
+    (``mooncake-store/src/master_service.cpp``: ``GrantReadLease``, ``EvictionThreadFunc``, ``BatchEvict``):
+
+    - a page costs ``page_cost`` bytes of the cluster's ``memory`` (its K and V objects and kvtier's record);
+    - an existence query (``batch_is_exist``: lookups, routing, and the check before a put) and a read grant
+      a lease, ``now + ttl``; a put ends with ``max(lease, now)``: with a 1 ms lease the order of expiry is the
+      order of last touch, so a touch is ``move_to_end`` here, for every page a query finds (not only the
+      leading run);
+    - a put allocates every new object at once (one that finds no room fails; then the master wants an
+      eviction); its new objects are not evictable until the put ends. The eviction thread (every 10 ms)
+      evicts when the allocated share passes ``high_watermark`` (or a put failed): ``target = max(ratio,
+      used - high_watermark + ratio)`` of the evictable objects, those whose lease expired first. A put of
+      a request's pages takes longer than the thread's sleep, so the model evicts inside the put: after the
+      allocation, among the pages held before it.
+    """
+
+    OBJECTS_PER_PAGE = 3  # K, V and the integrity record
+
+    def __init__(self, memory: int, page_cost: int, high_watermark: float = 0.9, ratio: float = 0.05) -> None:
+        super().__init__(memory // page_cost)
+        self.memory, self.page_cost, self.high, self.ratio = memory, page_cost, high_watermark, ratio
+        self.put_failures = 0
+        self.eviction_rounds = 0
+
+    def run(self, keys: Sequence[Hashable]) -> int:
+        """Leading run of ``keys`` held; every held key queried is touched (an existence query leases it)."""
+        n = super().run(keys)
+        for k in keys:
+            if k in self.pages:
+                self.pages.move_to_end(k)
+        return n
+
+    def _evict(self, placed: int, failed: bool) -> None:
+        used = (len(self.pages) + placed) * self.page_cost / self.memory
+        if used <= self.high and not failed:
+            return
+        target = max(self.ratio, used - self.high + self.ratio)
+        objects = math.ceil(self.OBJECTS_PER_PAGE * len(self.pages) * target)
+        victims = min(len(self.pages), -(-objects // self.OBJECTS_PER_PAGE))  # a page missing an object is gone
+        for _ in range(victims):
+            self.pages.popitem(last=False)
+        self.evictions += victims
+        self.eviction_rounds += 1
+
+    def write(self, keys: Sequence[Hashable]) -> list[Hashable]:
+        for k in keys:  # the existence query before the put
+            if k in self.pages:
+                self.pages.move_to_end(k)
+        new = [k for k in dict.fromkeys(keys) if k not in self.pages]
+        room = max(0, (self.memory - len(self.pages) * self.page_cost) // self.page_cost)
+        placed, failed = new[:room], new[room:]
+        self.put_failures += len(failed)
+        self._evict(len(placed), bool(failed))
+        for k in placed:
+            self.pages[k] = None
+        self.writes += len(placed)
         self.most_held = max(self.most_held, len(self.pages))
         return [k for k in keys if k in self.pages]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .replay_trace import BLOCK_TOKENS, KNOWN
+from .replay_trace import KNOWN, parse_tokens
 
 
 def _gb(n: float) -> str:
@@ -26,9 +26,10 @@ def sweep_table(rows: list[dict[str, Any]], best_pct: float, known: str | None) 
     """Hit rate against the store's capacity, kvtier beside the model, with each tier's share, bytes moved
     (actually, and scaled to the model's geometry), the planner's TTFT and the replay time per request."""
     paper = KNOWN[known] if known else None
+    t = rows[0].get("store_tier", "disk") if rows else "disk"
     out = [
         "| store capacity (tokens) | kvtier hit % | model hit % | one LRU hit % | % of best (kvtier) | paper | "
-        "host share % | disk share % | disk read MB (scaled GB) | disk written MB (scaled GB) | store pages held "
+        f"host share % | {t} share % | {t} read MB (scaled GB) | {t} written MB (scaled GB) | store pages held "
         "kvtier / model | TTFT mean, recompute → planned | replay ms/request kvtier (model) |",
         "|" + "---|" * 13,
     ]
@@ -44,8 +45,8 @@ def sweep_table(rows: list[dict[str, Any]], best_pct: float, known: str | None) 
         mv, sc = r["moved"], r["moved_scaled"]
         out.append(
             f"| {cap} | {k['hit_pct']:.2f} | {m['hit_pct']:.2f} | {r['one_lru_pct']:.2f} | {best} | {note} | "
-            f"{k['host_pct']:.2f} | {k['store_pct']:.2f} | {mv['disk_read_bytes'] / 1e6:.1f} "
-            f"({_gb(sc['disk_read_bytes'])}) | {mv['disk_written_bytes'] / 1e6:.1f} ({_gb(sc['disk_written_bytes'])}) | "
+            f"{k['host_pct']:.2f} | {k['store_pct']:.2f} | {mv[t + '_read_bytes'] / 1e6:.1f} "
+            f"({_gb(sc[t + '_read_bytes'])}) | {mv[t + '_written_bytes'] / 1e6:.1f} ({_gb(sc[t + '_written_bytes'])}) | "
             f"{k['store_pages_held']} / {m['store_pages_held']} | {_ttft(r)} | {k['ms_per_request']:.2f} "
             f"({m['ms_per_request']:.3f}) |"
         )
@@ -56,19 +57,23 @@ def nodes_table(pairs: list[tuple[dict[str, Any], dict[str, Any]]], known: str |
     """Separate caches against one shared store, per node capacity: hit rates and their ratio."""
     paper = KNOWN[known] if known else None
     out = [
-        "| per-node store (tokens) | nodes | separate: kvtier / model hit % | shared: kvtier / model hit % | "
-        "shared/separate kvtier | model | paper | TTFT mean planned, separate → shared | replay ms/request |",
-        "|" + "---|" * 9,
+        "| per-node store (tokens) | nodes | shared tier | separate: kvtier / model hit % | shared: kvtier / model "
+        "hit % | shared/separate kvtier | model | paper | shared tier's share %, kvtier / model | host share % "
+        "separate → shared | TTFT mean planned, separate → shared | replay ms/request separate / shared |",
+        "|" + "---|" * 12,
     ]
     for sep, shr in pairs:
         ks, ms, kh, mh = sep["kvtier"], sep["model"], shr["kvtier"], shr["model"]
         ratio = kh["hit_pct"] / ks["hit_pct"] if ks["hit_pct"] else math.inf
         mratio = mh["hit_pct"] / ms["hit_pct"] if ms["hit_pct"] else math.inf
         p = f"{paper.paper_shared_ratio:.2f}×" if paper and _cap(sep) == "3M" and sep["nodes"] == 10 else ""
+        tier = "Mooncake cluster" if shr.get("store_tier") == "mooncake" else "PageStore"
         out.append(
-            f"| {_cap(sep)} | {sep['nodes']} | {ks['hit_pct']:.2f} / {ms['hit_pct']:.2f} | {kh['hit_pct']:.2f} / "
-            f"{mh['hit_pct']:.2f} | {ratio:.2f}× | {mratio:.2f}× | {p} | {sep['ttft']['planned_mean_s']:.2f} → "
-            f"{shr['ttft']['planned_mean_s']:.2f} s | {ks['ms_per_request']:.2f} / {kh['ms_per_request']:.2f} |"
+            f"| {_cap(sep)} | {sep['nodes']} | {tier} | {ks['hit_pct']:.2f} / {ms['hit_pct']:.2f} | "
+            f"{kh['hit_pct']:.2f} / {mh['hit_pct']:.2f} | {ratio:.2f}× | {mratio:.2f}× | {p} | "
+            f"{kh['store_pct']:.2f} / {mh['store_pct']:.2f} | {ks['host_pct']:.2f} → {kh['host_pct']:.2f} | "
+            f"{sep['ttft']['planned_mean_s']:.2f} → {shr['ttft']['planned_mean_s']:.2f} s | "
+            f"{ks['ms_per_request']:.2f} / {kh['ms_per_request']:.2f} |"
         )
     return "\n".join(out) + "\n"
 
@@ -95,9 +100,11 @@ def plot(path: str, rows: list[dict[str, Any]], best_pct: float, title: str) -> 
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.5, 4))
-    finite = [r for r in rows if r["store_pages"] is not None]
-    xs = [r["store_pages"] * BLOCK_TOKENS for r in finite]
-    ax.plot(xs, [r["kvtier"]["hit_pct"] for r in finite], "o-", label="kvtier (host + PageStore)")
+    # the capacity asked for (a cluster row's store_pages is what its memory holds, finite even for "inf")
+    finite = [r for r in rows if math.isfinite(parse_tokens("capacity", str(r["capacity"])))]
+    xs = [parse_tokens("capacity", str(r["capacity"])) for r in finite]
+    tier = "Mooncake cluster" if finite and finite[0].get("store_tier") == "mooncake" else "PageStore"
+    ax.plot(xs, [r["kvtier"]["hit_pct"] for r in finite], "o-", label=f"kvtier (host + {tier})")
     ax.plot(xs, [r["model"]["hit_pct"] for r in finite], "x--", label="LRU model of the same tiers")
     ax.plot(xs, [r["one_lru_pct"] for r in finite], ":", color="grey", label="one LRU cache")
     ax.axhline(best_pct, color="black", lw=0.8, label=f"best possible ({best_pct:.1f}%)")

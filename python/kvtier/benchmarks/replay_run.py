@@ -1,7 +1,8 @@
 """One replay configuration: a trace served by kvtier's real tiers and by the LRU model, request by request.
 
-Nodes: ``separate`` gives each node its own PageStore; ``shared`` gives every node one PageStore. Each node
-has its own host tier either way. A request goes to one node: ``random`` (seeded; the same draw for kvtier
+Nodes: ``separate`` gives each node its own PageStore; ``shared`` gives every node one PageStore; a cluster
+run gives every node a Mooncake client of one cluster tier (:mod:`kvtier.benchmarks.replay_cluster`). Each
+node has its own host tier either way. A request goes to one node: ``random`` (seeded; the same draw for kvtier
 and the model) or ``prefix``, SGLang's router's cache-aware rule without its load thresholds: the node whose
 tiers hold the longest prefix of the request if that prefix is at least :data:`CACHE_THRESHOLD` of its blocks,
 else the node that has served the fewest requests (ties: fewest served, then the lowest index; each side
@@ -24,6 +25,7 @@ from kvtier.planner import PrefillModel, TierEstimate, plan_restore
 
 from .._cleanup import remove_tree
 from .._errors import KvtierError
+from .replay_cluster import ClusterRun
 from .replay_model import LruTier, ModelNode
 from .replay_tiers import KvtierNode, SharedStore, open_dir
 from .replay_trace import BLOCK_TOKENS, Request
@@ -103,13 +105,22 @@ def run(
     routing: str,
     seed: int,
     label: str,
+    cluster_memory: int | None = None,
 ) -> dict[str, Any]:
     """Replays ``reqs`` through ``nodes`` nodes whose store holds ``store_pages`` pages each (``shared``: one
-    store of ``store_pages`` for all); returns the row the report prints."""
+    store of ``store_pages`` for all; ``cluster_memory``: one Mooncake cluster tier of that many bytes for all,
+    instead of a PageStore); returns the row the report prints."""
     sh = None
+    cl: ClusterRun | None = None
     kv: list[KvtierNode] = []
     try:
-        if shared:
+        if cluster_memory is not None:
+            cl = ClusterRun(cluster_memory, setup.page_bytes).__enter__()
+            kv = []
+            for _ in range(nodes):
+                kv.append(KvtierNode(setup.host_pages, setup.page_bytes, setup.prefill_tokens_per_s, cluster=cl.tier))
+            model = [ModelNode(setup.host_pages, cl.model) for _ in range(nodes)]
+        elif shared:
             sh = SharedStore(
                 open_dir(setup.root, f"{label}-shared"), store_pages, setup.page_bytes, setup.key_len, setup.batch_pages
             )
@@ -132,12 +143,17 @@ def run(
                 for i in range(nodes)
             ]
             model = [ModelNode(setup.host_pages, LruTier(store_pages)) for _ in range(nodes)]
-        return _replay(reqs, setup, kv, model, sh, routing, seed, label)
+        row = _replay(reqs, setup, kv, model, sh, routing, seed, label, cl)
+        if cl is not None:
+            row["cluster_memory_bytes"] = cluster_memory
+        return row
     finally:
         for node in kv:
             node.close()
         if sh is not None:
             sh.close()
+        if cl is not None:
+            cl.close()
         for d in os.listdir(setup.root):  # this run's stores: the next run starts from empty disks
             if d.startswith(f"{label}-"):
                 remove_tree(os.path.join(setup.root, d))
@@ -152,8 +168,10 @@ def _replay(
     routing: str,
     seed: int,
     label: str,
+    cl: ClusterRun | None,
 ) -> dict[str, Any]:
     n_nodes = len(kv)
+    tier = "mooncake" if cl is not None else "disk"
     rng = random.Random(seed)
     served_kv, served_model = [0] * n_nodes, [0] * n_nodes
     a, b = Side(), Side()
@@ -197,7 +215,7 @@ def _replay(
             page_tokens=BLOCK_TOKENS,
             page_bytes=model_page_bytes,
             host_pages=n,
-            store_segments=[("disk", m)] if m else [],
+            store_segments=[(tier, m)] if m else [],
             tiers=tiers,
             prefill=prefill,
             can_split=True,
@@ -211,30 +229,41 @@ def _replay(
     if wrong:
         raise KvtierError(f"replay {label}: {wrong} page(s) came back from a store with another block's bytes")
     st = [node.ctl.stats for node in kv]
-    stores = [sh.store] if sh is not None else [node.own_store for node in kv]
-    store_stats = [s.get_stats() for s in stores if s is not None]
-    model_stores = {id(node.store): node.store for node in model}.values()
-    disk = tiers.get("disk")
+    model_stores = list({id(node.store): node.store for node in model}.values())
+    read_misses = None
+    if cl is not None:
+        held, evicted = cl.held()
+        tier_stats = [node.cluster_tier.get_stats() for node in kv]
+        # pages a lookup found that the read then did not deliver (evicted in between, a failed check)
+        read_misses = sum(int(t["misses"]) for t in tier_stats)
+    else:
+        stores = [sh.store] if sh is not None else [node.own_store for node in kv]
+        store_stats = [s.get_stats() for s in stores if s is not None]
+        held = sum(int(s["pages"]) for s in store_stats)
+        evicted = sum(int(s["evictions"]) // 2 for s in store_stats)
+    est = tiers.get(tier)
     scale = setup.bytes_per_token * BLOCK_TOKENS / setup.page_bytes
     moved = {
         "host_hit_bytes": sum(s.host_hit_pages for s in st) * setup.page_bytes,
-        "disk_read_bytes": sum(s.bytes_from_store for s in st),
-        "disk_written_bytes": sum(s.bytes_to_store for s in st),
+        f"{tier}_read_bytes": sum(s.bytes_from_store for s in st),
+        f"{tier}_written_bytes": sum(s.bytes_to_store for s in st),
     }
     return {
         "label": label,
         "nodes": n_nodes,
         "requests": len(reqs),
         "input_tokens": total,
+        "store_tier": tier,
         "store_pages": model[0].store.capacity,
         "kvtier": {
             "hit_pct": a.pct(a.host_tokens + a.store_tokens, total),
             "host_pct": a.pct(a.host_tokens, total),
             "store_pct": a.pct(a.store_tokens, total),
             "ms_per_request": 1e3 * a.seconds / len(reqs),
-            "store_pages_held": sum(int(s["pages"]) for s in store_stats),
-            "store_evictions": sum(int(s["evictions"]) // 2 for s in store_stats),
+            "store_pages_held": held,
+            "store_evictions": evicted,
             "host_evictions": sum(s.host_evictions for s in st),
+            "store_read_misses": read_misses,
         },
         "model": {
             "hit_pct": b.pct(b.host_tokens + b.store_tokens, total),
@@ -252,8 +281,8 @@ def _replay(
             "recompute_mean_s": ttft_recompute / len(reqs),
             "planned_mean_s": ttft_planned / len(reqs),
             "plans": dict(kinds),
-            "disk_read_GBps": disk.read_GBps if disk else None,
-            "disk_source": disk.source if disk else None,
+            "store_read_GBps": est.read_GBps if est else None,
+            "store_source": est.source if est else None,
         },
         "served_per_node": served_kv,
     }

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -137,7 +137,8 @@ class _SharedView:
 
 
 class KvtierNode:
-    """One node: host pool + TierController over its own PageStore (``store_dir``) or a shared one."""
+    """One node: host pool + TierController over its own PageStore (``store_dir``), a shared one, or a
+    cluster tier (``cluster``: makes a tier registered with the node's host pool)."""
 
     def __init__(
         self,
@@ -149,11 +150,15 @@ class KvtierNode:
         store_pages: int | None = None,
         key_len: int = 8,
         shared: SharedStore | None = None,
+        cluster: Callable[[Any], Any] | None = None,
     ) -> None:
         self.dp, self.hp = _pool(host_pages, page_bytes)
         self.own_store: PageStore | None = None
-        if shared is not None:
-            store: Any = shared.view(self.hp)
+        self.cluster_tier: Any = None
+        if cluster is not None:
+            self.cluster_tier = store = cluster(self.hp)
+        elif shared is not None:
+            store = shared.view(self.hp)
         else:
             assert store_dir is not None
             self.own_store = store = PageStore(
@@ -180,7 +185,7 @@ class KvtierNode:
 
     def serve(self, ids: Sequence[int]) -> tuple[int, int]:
         """One request (the steps of :mod:`kvtier.benchmarks.replay_model`): ``(host blocks, store blocks)``
-        of its prefix found."""
+        of its prefix found (the store's: the leading run of them the read brought to the host)."""
         ctl = self.ctl
         keys = [page_key(h) for h in ids]
         block = dict(zip(keys, ids))
@@ -195,6 +200,9 @@ class KvtierNode:
             ctl.prefetch(seg).result()
             with ctl.lock:
                 loaded = [k for k in want if k in ctl.pages]
+                # the store's part of the hit is what reached the host: a page the lookup found but the read
+                # did not deliver (evicted meanwhile, a failed check) is recomputed
+                m = next((i for i, k in enumerate(seg) if k not in ctl.pages), m)
             if loaded:
                 if len(ctl.acquire(loaded)) != len(loaded):
                     raise KvtierError("kvtier replay: a prefetched page could not be acquired")
@@ -229,6 +237,8 @@ class KvtierNode:
         self.ctl.close()
         if self.own_store is not None:
             self.own_store.close()
+        if self.cluster_tier is not None:  # before the host memory it registered goes
+            self.cluster_tier.close()
         self.hp.close()
 
 

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import IO, Any
 
@@ -67,6 +68,9 @@ class LocalCluster:
         client_ttl_s: seconds the master keeps a silent client's segments listed (Mooncake's ``client_ttl``).
         lease_ttl_ms: Mooncake's ``default_kv_lease_ttl`` (a read object cannot be evicted or removed for
             this long).
+        eviction_high_watermark_ratio, eviction_ratio: Mooncake's eviction settings (``None``: the master's
+            defaults, 0.9 and 0.05): when the allocated share of the cluster's memory passes the watermark, the
+            master evicts about that ratio of its objects, those whose leases expired longest ago first.
         log_dir: where the children's logs go (default: a new temporary directory, removed by :meth:`stop`
             unless a child failed to start: its log is then kept and named in the error).
         start_timeout_s: how long each child may take to be ready.
@@ -74,7 +78,14 @@ class LocalCluster:
 
     def __init__(self, storage_nodes: int = 1, segment_bytes: int = 256 << 20, *, client_ttl_s: int = 10,
                  lease_ttl_ms: int = 5000, log_dir: str | os.PathLike[str] | None = None,
-                 start_timeout_s: float = 30.0) -> None:
+                 start_timeout_s: float = 30.0, eviction_high_watermark_ratio: float | None = None,
+                 eviction_ratio: float | None = None) -> None:
+        for fname, f in (("eviction_high_watermark_ratio", eviction_high_watermark_ratio),
+                         ("eviction_ratio", eviction_ratio)):
+            if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 < f <= 1.0):
+                raise InvalidArgumentError(f"invalid argument `{fname}`: must be a number in (0, 1], got {f!r}")
+        self.eviction = {"eviction_high_watermark_ratio": eviction_high_watermark_ratio,
+                         "eviction_ratio": eviction_ratio}
         for name, v, lo in (("storage_nodes", storage_nodes, 0), ("segment_bytes", segment_bytes, 1 << 20),
                             ("client_ttl_s", client_ttl_s, 1), ("lease_ttl_ms", lease_ttl_ms, 1)):
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
@@ -86,6 +97,7 @@ class LocalCluster:
         self.log_dir = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="kvtier-cluster-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.rpc_port = 0
+        self.metrics_port = 0
         self.master: subprocess.Popen[Any] | None = None
         self.nodes: list[subprocess.Popen[Any] | None] = []
         self._logs: list[IO[Any]] = []
@@ -122,9 +134,11 @@ class LocalCluster:
         for attempt in range(3):
             port = self.rpc_port or free_port()
             log, f = self._log(f"master{'-' + str(self._master_starts) if self._master_starts else ''}.log")
+            self.metrics_port = free_port()
             cmd = [binary("mooncake_master"), "--rpc_address=127.0.0.1", f"--rpc_port={port}",
-                   "--metrics_host=127.0.0.1", f"--metrics_port={free_port()}",
+                   "--metrics_host=127.0.0.1", f"--metrics_port={self.metrics_port}",
                    f"--default_kv_lease_ttl={self.lease_ttl_ms}", f"--client_ttl={self.client_ttl_s}"]
+            cmd += [f"--{k}={v}" for k, v in self.eviction.items() if v is not None]
             self.master = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                            env=child_env(), preexec_fn=_die_with_parent)
             try:
@@ -137,6 +151,27 @@ class LocalCluster:
                 continue  # the free port was taken meanwhile: try another
             self.rpc_port, self._master_starts = port, self._master_starts + 1
             return
+
+    def metrics(self) -> dict[str, float]:
+        """The master's counters (its Prometheus text on the metrics port), by name: ``master_key_count``,
+        ``master_allocated_bytes``, ``master_evicted_key_count``, ... (labelled series are left out)."""
+        if self.master is None or self.master.poll() is not None:
+            raise KvtierError("the master is not running")
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        try:
+            with urllib.request.urlopen(url, timeout=5) as r:
+                text = r.read().decode()
+        except OSError as exc:
+            raise KvtierError(f"cannot read the master's metrics at {url}: {exc}") from None
+        out = {}
+        for line in text.splitlines():
+            parts = line.split()
+            if len(parts) == 2 and not line.startswith("#") and "{" not in parts[0]:
+                try:
+                    out[parts[0]] = float(parts[1])
+                except ValueError:
+                    continue
+        return out
 
     def stop_master(self) -> None:
         if self.master is not None:
