@@ -245,7 +245,7 @@ fn main() {
         .unwrap_or(0);
     println!("{} pages put in {total_s:.1} s, {failed} objects failed, {live} objects live, journal {:.1} MB", a.pages, jlen as f64 / 1e6);
     #[cfg(feature = "phases")]
-    phases.print(&store);
+    phases.print(&store, io_max);
     let fj = fill.json("filling");
     let uj = full.json("full");
     drop(store);
@@ -267,6 +267,13 @@ fn main() {
         "reopen {reopen:.2} s for {relive} objects ({per_m:.2} s per million; compacted at open: {}), index RSS {per_obj:.0} bytes per object",
         store.open_report().compacted
     );
+    let phases: Vec<String> = store
+        .open_report()
+        .open_phase_ns
+        .iter()
+        .map(|(n, ns)| format!("{n} {:.2} s", *ns as f64 / 1e9))
+        .collect();
+    println!("reopen by phase: {}", phases.join(", "));
     drop(store);
     if !a.keep {
         let _ = std::fs::remove_dir_all(&a.dir);
