@@ -267,13 +267,8 @@ fn main() {
         "reopen {reopen:.2} s for {relive} objects ({per_m:.2} s per million; compacted at open: {}), index RSS {per_obj:.0} bytes per object",
         store.open_report().compacted
     );
-    let phases: Vec<String> = store
-        .open_report()
-        .open_phase_ns
-        .iter()
-        .map(|(n, ns)| format!("{n} {:.2} s", *ns as f64 / 1e9))
-        .collect();
-    println!("reopen by phase: {}", phases.join(", "));
+    #[cfg(feature = "phases")]
+    phases::print_open(&store);
     drop(store);
     if !a.keep {
         let _ = std::fs::remove_dir_all(&a.dir);

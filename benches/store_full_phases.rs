@@ -4,7 +4,8 @@
 //! which no batch waits for. A batch over 50 ms is called the disk's when the disk's own probe (a batch's
 //! bytes written + fdatasync, no store) took over 50 ms in the same run and the batch's three syncs
 //! (`data_sync`, `evict_append`, `journal_append`: each an append or write and its fdatasync) were most
-//! of its time; otherwise the store's.
+//! of its time; otherwise the store's. Then where the reopen's time went. (These counters are this tree's:
+//! a build of an older store with `phases` does not compile.)
 use kvtier_core::store::PageStore;
 
 fn meminfo_kb(field: &str) -> u64 {
@@ -103,4 +104,15 @@ impl Phases {
             );
         }
     }
+}
+
+/// Where the reopen's time went (`OpenReport::open_phase_ns`).
+pub fn print_open(store: &PageStore) {
+    let phases: Vec<String> = store
+        .open_report()
+        .open_phase_ns
+        .iter()
+        .map(|(n, ns)| format!("{n} {:.2} s", *ns as f64 / 1e9))
+        .collect();
+    println!("reopen by phase: {}", phases.join(", "));
 }
