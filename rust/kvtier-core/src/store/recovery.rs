@@ -119,13 +119,13 @@ pub(super) fn replay(
     by_age.sort_unstable_by_key(|x| x.2);
     let mut ix = Index::default();
     ix.map.reserve(by_age.len().max(presize));
-    for (key, e, _) in by_age {
+    for (_, e, _) in &by_age {
         let n = ix.next.entry(e.class).or_insert(0);
         *n = (*n).max(e.slot + 1);
         ix.used += u64::from(e.class);
         ix.data_alloc += u64::from(e.class);
-        ix.insert(key, e);
     }
+    ix.load(by_age.into_iter().map(|(k, e, _)| (k, e)));
     report
         .open_phase_ns
         .push(("index_build", t.elapsed().as_nanos() as u64));
