@@ -14,7 +14,8 @@
 //! fdatasync latency (4 KiB write + fdatasync, 200 times) and what a batch's bytes cost without the store
 //! (one buffered write of a batch's bytes + fdatasync, 100 times). Then the time to reopen the store (drop, open, per million
 //! live objects) and the RSS the open index takes per live object (RSS with the store open minus after
-//! it is dropped and `malloc_trim`). The store directory is removed at the end unless `--keep`. One JSON
+//! it is dropped and `malloc_trim`). The store directory is removed at the end unless `--keep`; `--reopen-only`
+//! then only times an open of that kept store. One JSON
 //! line goes to stdout last. Only `open`, `put` and `stats` are used, so the same file builds against
 //! older trees (`benches/store_full_before_after.sh`).
 use std::os::unix::fs::FileExt;
@@ -36,6 +37,7 @@ struct Args {
     capacity: u64,
     dir: PathBuf,
     keep: bool,
+    reopen_only: bool,
 }
 
 fn args() -> Args {
@@ -46,6 +48,7 @@ fn args() -> Args {
         capacity: 2 << 30,
         dir: std::env::temp_dir().join(format!("kvtier-store-full-{}", std::process::id())),
         keep: false,
+        reopen_only: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(k) = it.next() {
@@ -62,6 +65,7 @@ fn args() -> Args {
             "--capacity-gib" => a.capacity = (val() * (1u64 << 30) as f64) as u64,
             "--dir" => a.dir = PathBuf::from(it.next().expect("--dir needs a value")),
             "--keep" => a.keep = true,
+            "--reopen-only" => a.reopen_only = true,
             "--bench" => {} // cargo bench passes it
             other => panic!("unknown argument {other}"),
         }
@@ -151,8 +155,29 @@ impl Phase {
     }
 }
 
+/// `--reopen-only`: times an open of the store a `--keep` run left in `--dir` (kept).
+fn reopen_only(a: &Args) {
+    let opts = StoreOptions {
+        capacity_bytes: a.capacity,
+        ..StoreOptions::default()
+    };
+    let t0 = Instant::now();
+    let store = PageStore::open(&a.dir, "bench", opts).expect("reopen");
+    let reopen = t0.elapsed().as_secs_f64();
+    let live = store.usage().0 as f64;
+    println!(
+        "reopen {reopen:.2} s for {live} objects ({:.2} s per million)",
+        reopen / (live.max(1.0) / 1e6)
+    );
+    #[cfg(feature = "phases")]
+    phases::print_open(&store);
+}
+
 fn main() {
     let a = args();
+    if a.reopen_only {
+        return reopen_only(&a);
+    }
     let _ = std::fs::remove_dir_all(&a.dir);
     std::fs::create_dir_all(&a.dir).expect("bench dir");
     let (sync_med, sync_p99, sync_max) = fdatasync_ms(&a.dir, 4096, 200);
@@ -245,7 +270,7 @@ fn main() {
         .unwrap_or(0);
     println!("{} pages put in {total_s:.1} s, {failed} objects failed, {live} objects live, journal {:.1} MB", a.pages, jlen as f64 / 1e6);
     #[cfg(feature = "phases")]
-    phases.print(&store);
+    phases.print(&store, io_max);
     let fj = fill.json("filling");
     let uj = full.json("full");
     drop(store);
@@ -267,6 +292,8 @@ fn main() {
         "reopen {reopen:.2} s for {relive} objects ({per_m:.2} s per million; compacted at open: {}), index RSS {per_obj:.0} bytes per object",
         store.open_report().compacted
     );
+    #[cfg(feature = "phases")]
+    phases::print_open(&store);
     drop(store);
     if !a.keep {
         let _ = std::fs::remove_dir_all(&a.dir);

@@ -5,9 +5,9 @@
 use std::sync::atomic::Ordering;
 
 use super::index::Index;
-use super::PageStore;
+use super::Shared;
 
-impl PageStore {
+impl Shared {
     /// The occupancy this namespace may have now: its capacity, and within the root's budget what the
     /// other namespaces' claims leave.
     pub(super) fn limit(&self) -> u64 {

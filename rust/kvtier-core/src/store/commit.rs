@@ -17,7 +17,7 @@ use crate::seal::SEAL_LEN;
 /// A put to commit: its key and where its bytes were written.
 pub(super) type PutItem = (String, Placement);
 use super::stats::phase;
-use super::{io_err, PageStore};
+use super::{io_err, Shared};
 use crate::error::{Error, Result};
 use crate::fault;
 
@@ -141,7 +141,7 @@ fn encode(recs: &[Record]) -> Vec<u8> {
     buf
 }
 
-impl PageStore {
+impl Shared {
     pub(super) fn lock_journal(&self) -> MutexGuard<'_, JournalFile> {
         self.journal.lock().unwrap_or_else(|p| p.into_inner())
     }

@@ -1,6 +1,7 @@
 //! Journal compaction, in steps between commits (docs/STORE.md, "Compaction"). A compaction starts when the
-//! journal's dead records are as many bytes as its live ones. Its steps run beside the next put batch (in
-//! a thread of their own) or after a delete call, outside the commit lock, each doing work in proportion to what the journal grew by since the last one:
+//! journal's dead records are as many bytes as its live ones. Its steps run on the writer's background
+//! thread, handed over by put batches that do not wait for them (`worker`), or after a delete call, outside
+//! the commit lock, each doing work in proportion to what the journal grew by since the last one:
 //! first the walk (put records of the entries live at the start, oldest first, a chunk at a time under the
 //! index lock), then the tail (the records the old journal got since the start, copied as they are), each
 //! step synced. Only the records committed since the finish's own sync, the rename and the directory sync
@@ -14,7 +15,7 @@ use std::sync::atomic::Ordering;
 use super::files::fallocate;
 use super::index::JOURNAL_SLACK;
 use super::journal;
-use super::{io_err, PageStore};
+use super::{io_err, Shared};
 use crate::error::Result;
 use crate::fault;
 
@@ -40,8 +41,25 @@ pub(super) const CLOSE_IN_BACKGROUND_DEFAULT: u64 = 4 << 20;
 
 /// Tests: called by a compaction's finish between its sync and taking the commit lock.
 #[cfg(test)]
-pub(super) static FINISH_HOOK: std::sync::Mutex<Option<fn(&PageStore)>> =
-    std::sync::Mutex::new(None);
+pub(super) static FINISH_HOOK: std::sync::Mutex<Option<fn(&Shared)>> = std::sync::Mutex::new(None);
+
+/// Tests: called at each point of a step where a crash or another thread's commit can come: `"step"`
+/// (before it starts or resumes the compaction), `"written"` (a step's records written, not yet synced),
+/// `"synced"` (a step's records synced), `"finish"` (the finish's sync done, the commit lock not yet taken).
+#[cfg(test)]
+pub(super) static STEP_HOOK: std::sync::Mutex<Option<StepHook>> = std::sync::Mutex::new(None);
+#[cfg(test)]
+pub(super) type StepHook = fn(&Shared, &'static str);
+
+#[cfg(test)]
+fn step_hook(s: &Shared, point: &'static str) {
+    let hook = *STEP_HOOK.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(hook) = hook {
+        hook(s, point);
+    }
+}
+#[cfg(not(test))]
+fn step_hook(_: &Shared, _: &'static str) {}
 
 /// A compaction in progress: the new journal (`journal.compact`) being written.
 pub(super) struct Compaction {
@@ -75,13 +93,39 @@ fn new_journal_reserve(f: &File, bytes: u64) -> io::Result<()> {
     })
 }
 
-impl PageStore {
+impl Shared {
+    /// Hands a step to the background thread if a compaction runs or the journal is due for one, unless a
+    /// step is queued already (`worker`). A put batch calls it and never waits for the step.
+    pub(super) fn step_in_background(&self) {
+        if self.read_only || !self.compaction_wanted() {
+            return;
+        }
+        if self.step_queued.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        self.worker.run(super::worker::Job::Step(self.me.clone()));
+    }
+
+    /// Whether a compaction is running (a step is due) or the journal is due for one. It waits for no lock:
+    /// one another thread holds (a step's walk, a finish's switch, a commit) counts as "wanted", and the
+    /// step decides (a batch waited up to 169 ms in this check once, at load, when it took the locks).
+    fn compaction_wanted(&self) -> bool {
+        if self.compaction.try_lock().map_or(true, |c| c.is_some()) {
+            return true; // running, or a step holds its lock now (a queued one follows if it has work)
+        }
+        let (Ok(ix), Ok(j)) = (self.index.try_lock(), self.journal.try_lock()) else {
+            return true;
+        };
+        j.rewrite_due || (ix.j_end >= ix.compact_trigger() && ix.j_end >= j.compact_at)
+    }
+
     /// One step of the running compaction, or the start of one if the journal is due (a no-op while
-    /// another thread steps it). Called after put and delete, outside every lock.
+    /// another thread steps it). Called by the background thread and after a delete, outside every lock.
     pub(super) fn compact_step(&self) {
         if self.read_only {
             return;
         }
+        step_hook(self, "step");
         let Ok(mut running) = self.compaction.try_lock() else {
             return;
         };
@@ -112,9 +156,10 @@ impl PageStore {
         }
     }
 
-    /// Whether a compaction is running and no thread is stepping it now.
+    /// Whether a compaction is running (a thread may be stepping it now).
+    #[cfg(test)]
     pub(super) fn compaction_running(&self) -> bool {
-        !self.read_only && self.compaction.try_lock().is_ok_and(|c| c.is_some())
+        !self.read_only && self.compaction.try_lock().map_or(true, |c| c.is_some())
     }
 
     /// Compacts now and to the end (the running compaction, or a new one), waiting for a step in another
@@ -195,7 +240,9 @@ impl PageStore {
             }
         }
         let Some(from) = c.copied else {
+            step_hook(self, "written");
             c.file.sync_data()?;
+            step_hook(self, "synced");
             return Ok(Some(c));
         };
         let end = self.lock_index().j_end;
@@ -203,7 +250,9 @@ impl PageStore {
         if end - from > left {
             // more tail than this step copies: a piece now (never less than a whole record), the rest later
             self.copy_tail(&mut c, from, from + left.max(MAX_RECORD))?;
+            step_hook(self, "written");
             c.file.sync_data()?;
+            step_hook(self, "synced");
             return Ok(Some(c));
         }
         self.copy_tail(&mut c, from, end)?;
@@ -262,6 +311,7 @@ impl PageStore {
         if let Some(hook) = *FINISH_HOOK.lock().unwrap_or_else(|p| p.into_inner()) {
             hook(self); // commits between this sync and the lock (tests_background)
         }
+        step_hook(self, "finish");
         let mut j = self.lock_journal();
         if let Some(why) = &j.poisoned {
             return Err(io::Error::other(why.clone()));
@@ -291,7 +341,8 @@ impl PageStore {
         j.poisoned = dir_synced
             .err()
             .map(|e| format!("the directory could not be synced after compaction ({e})"));
-        self.poisoned.store(j.poisoned.is_some(), Ordering::Relaxed);
+        let poisoned = j.poisoned.is_some();
+        self.poisoned.store(poisoned, Ordering::Relaxed);
         j.compact_at = j.compact_base;
         j.rewrite_due = false;
         let mut ix = self.lock_index();
@@ -303,11 +354,17 @@ impl PageStore {
         drop(j);
         // The old journal is unlinked: its last close frees its blocks, 27-32 ms for a 100 MB journal on
         // ext4, which this batch (and every commit waiting for the lock) paid. A large one is closed by the
-        // background thread (`worker`); a small one here, after the locks, so that its blocks are given
-        // back before the call returns, as they always were.
+        // background thread (`worker`), cut a piece at a time first if its rename is durable; a small one
+        // here, after the locks, so that its blocks are given back before the call returns, as they always
+        // were.
         if old_bytes >= CLOSE_IN_BACKGROUND_FROM.load(Ordering::Relaxed) {
-            self.worker.run(super::worker::Job::Close(old));
-            self.worker.run(super::worker::Job::Close(c.old));
+            use super::worker::Job;
+            self.worker.run(Job::Close(c.old));
+            self.worker.run(if poisoned {
+                Job::Close(old)
+            } else {
+                Job::CutAndClose(old, self.me.clone())
+            });
         }
         Ok(())
     }

@@ -280,7 +280,7 @@ pub(super) fn probe_direct(dir: &Path) -> std::result::Result<Option<String>, st
     }
 }
 
-impl super::PageStore {
+impl super::Shared {
     /// Gives the blocks of free slots back (taken with `take_punchable`).
     pub(super) fn punch_slots(&self, slots: &[(u32, u32)]) {
         let ok = self.punch_ok.load(Ordering::Relaxed) && {

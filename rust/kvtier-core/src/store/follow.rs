@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use super::index::{put_shape_ok, Entry, Index};
 use super::journal::{self, Record};
 use super::stats::OpenReport;
-use super::{recovery, PageStore};
+use super::{recovery, Shared};
 
 /// How long lookups that find every key go without looking at the journal: the longest a follower keeps
 /// an object the writer has deleted (its bytes, verified, are still the key's own: a slot the writer reuses
@@ -72,7 +72,7 @@ fn apply(ix: &mut Index, r: Record) {
     }
 }
 
-impl PageStore {
+impl Shared {
     /// Before a lookup of `keys` (all keys: `None`): brings a read-only store up to date with its writer's
     /// journal if a key is not in its index or [`RECHECK`] has passed since the last look (a no-op for
     /// writable stores).
@@ -114,7 +114,7 @@ impl PageStore {
             if (&file).read_to_end(&mut bytes).is_err() {
                 return;
             }
-            let parsed = journal::parse_resync(&bytes);
+            let parsed = journal::parse_resync_in_place(&bytes);
             let mut report = OpenReport::default();
             let Ok((mut ix, _)) = recovery::replay(&self.dir, parsed.records, &mut report, 0)
             else {

@@ -217,6 +217,27 @@ impl Index {
         }
     }
 
+    /// Replay's index build: [`insert`](Self::insert) of each entry, oldest first, into an empty index
+    /// whose keys are distinct, with the LRU order built at once from the ticks in order (a bulk build)
+    /// instead of one tree insert per key.
+    pub(super) fn load(&mut self, entries: impl ExactSizeIterator<Item = (String, Entry)>) {
+        debug_assert!(self.map.is_empty() && self.lru.is_empty());
+        self.map.reserve(entries.len());
+        let mut order = Vec::with_capacity(entries.len());
+        for (key, mut e) in entries {
+            self.tick += 1;
+            self.gens += 1;
+            e.tick = self.tick;
+            e.gen = self.gens;
+            self.del_bytes += encoded_len(key.len()) as u64;
+            order.push((e.tick, key.clone()));
+            let old = self.map.insert(key, e);
+            debug_assert!(old.is_none(), "replay's keys are distinct");
+        }
+        // ticks ascending: `BTreeMap`'s collect builds the tree from the sorted run in one pass
+        self.lru = order.into_iter().collect();
+    }
+
     /// Inserts an entry whose slot is already counted (reserved, or replayed); a previous entry of the key
     /// is superseded and its slot released. Returns the previous entry.
     pub(super) fn insert(&mut self, key: String, mut e: Entry) -> Option<Entry> {

@@ -120,18 +120,51 @@ fn u64_at(b: &[u8], o: usize) -> u64 {
     u64::from_le_bytes(b[o..o + 8].try_into().expect("8 bytes"))
 }
 
-/// What [`parse`] found in a journal.
+/// A record read in place: its key borrowed from the journal's bytes (replay at open takes these, so that
+/// no record allocates; only the keys live at the end are copied, once).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RecordRef<'a> {
+    /// `key` now lives where `at` says.
+    Put {
+        /// Object key.
+        key: &'a str,
+        /// Its slot, length, checksum and seal.
+        at: Placement,
+    },
+    /// `key` is gone.
+    Del {
+        /// Object key.
+        key: &'a str,
+    },
+}
+
+impl RecordRef<'_> {
+    /// The record with its key copied.
+    pub fn to_record(self) -> Record {
+        match self {
+            RecordRef::Put { key, at } => Record::Put {
+                key: key.to_owned(),
+                at,
+            },
+            RecordRef::Del { key } => Record::Del {
+                key: key.to_owned(),
+            },
+        }
+    }
+}
+
+/// What [`parse`] found in a journal (records owned: [`Record`]; read in place: [`RecordRef`]).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Parsed {
+pub struct Parsed<R = Record> {
     /// Valid records, in file order.
-    pub records: Vec<Record>,
+    pub records: Vec<R>,
     /// `(offset, length)` of each damaged span: bytes between valid records that form no record.
     pub damaged: Vec<(usize, usize)>,
     /// End of the last valid record: bytes from here on are a torn tail.
     pub valid_end: usize,
 }
 
-impl Parsed {
+impl<R> Parsed<R> {
     /// Bytes in damaged spans.
     pub fn damaged_bytes(&self) -> usize {
         self.damaged.iter().map(|d| d.1).sum()
@@ -140,7 +173,21 @@ impl Parsed {
 
 /// Parses a whole journal with resynchronisation (see the module docs).
 pub fn parse_resync(buf: &[u8]) -> Parsed {
-    let mut out = Parsed::default();
+    let p = parse_resync_in_place(buf);
+    Parsed {
+        records: p.records.into_iter().map(RecordRef::to_record).collect(),
+        damaged: p.damaged,
+        valid_end: p.valid_end,
+    }
+}
+
+/// [`parse_resync`] with each record's key borrowed from `buf`.
+pub fn parse_resync_in_place(buf: &[u8]) -> Parsed<RecordRef<'_>> {
+    let mut out = Parsed {
+        records: Vec::new(),
+        damaged: Vec::new(),
+        valid_end: 0,
+    };
     let mut off = 0;
     while off < buf.len() {
         if let Some((rec, n)) = parse_one(&buf[off..]) {
@@ -169,7 +216,7 @@ pub fn parse(buf: &[u8]) -> (Vec<Record>, usize) {
     let mut out = Vec::new();
     let mut off = 0;
     while let Some((rec, n)) = parse_one(&buf[off..]) {
-        out.push(rec);
+        out.push(rec.to_record());
         off += n;
     }
     (out, off)
@@ -181,7 +228,7 @@ pub const fn encoded_len(key_len: usize) -> usize {
     FIXED + key_len + 4
 }
 
-fn parse_one(b: &[u8]) -> Option<(Record, usize)> {
+fn parse_one(b: &[u8]) -> Option<(RecordRef<'_>, usize)> {
     if b.len() < FIXED + 4 || u32_at(b, 0) != MAGIC {
         return None;
     }
@@ -198,12 +245,10 @@ fn parse_one(b: &[u8]) -> Option<(Record, usize)> {
     if crc32c::crc32c(&b[..head + key_len]) != u32_at(b, head + key_len) {
         return None;
     }
-    let key = std::str::from_utf8(&b[head..head + key_len])
-        .ok()?
-        .to_owned();
+    let key = std::str::from_utf8(&b[head..head + key_len]).ok()?;
     let rec = match kind {
         // a put of a shape the store never writes is not a record either (see `no_record_is_found_inside_an_accepted_key`)
-        1 | 3 if super::index::put_shape_ok(u32_at(b, 7), u64_at(b, 15)) => Record::Put {
+        1 | 3 if super::index::put_shape_ok(u32_at(b, 7), u64_at(b, 15)) => RecordRef::Put {
             key,
             at: Placement {
                 class: u32_at(b, 7),
@@ -215,7 +260,7 @@ fn parse_one(b: &[u8]) -> Option<(Record, usize)> {
         },
         // a del's unused fields are zero (as `encode` writes them): one fewer way for bytes that are not a
         // record to pass for one
-        2 if b[7..FIXED].iter().all(|&x| x == 0) => Record::Del { key },
+        2 if b[7..FIXED].iter().all(|&x| x == 0) => RecordRef::Del { key },
         _ => return None,
     };
     Some((rec, total))

@@ -5,14 +5,14 @@
 use std::any::Any;
 use std::sync::Arc;
 
-use super::{PageLayout, PageStore};
+use super::{PageLayout, Shared};
 use crate::buffer::HostRegion;
 use crate::error::{Error, Result};
 
 /// Registered memory (see the module docs): the core's one registry type.
 pub(super) type Memory = crate::ranges::Ranges;
 
-impl PageStore {
+impl Shared {
     /// Allows IO into and out of `region`, which the store keeps mapped until it is dropped.
     pub fn register_region(&self, region: Arc<HostRegion>) {
         self.memory.register_region(region);
@@ -100,6 +100,7 @@ impl PageStore {
 mod tests {
     use super::super::tests::{opts, payload, tmp, SERIAL};
     use super::*;
+    use crate::store::PageStore;
 
     #[test]
     fn objects_and_layouts_outside_registered_memory_are_refused_before_any_io() {

@@ -41,6 +41,8 @@ mod tests;
 #[cfg(test)]
 mod tests_background;
 #[cfg(test)]
+mod tests_background_steps;
+#[cfg(test)]
 mod tests_budget;
 #[cfg(test)]
 mod tests_compaction;
@@ -112,8 +114,21 @@ impl Default for StoreOptions {
     }
 }
 
-/// One open namespace of a page store. Thread-safe; every method takes `&self`.
+/// One open namespace of a page store. Thread-safe; every method takes `&self` (most are [`Shared`]'s,
+/// reached through `Deref`).
 pub struct PageStore {
+    inner: Arc<Shared>,
+    report: OpenReport,
+}
+
+/// The store itself, shared by its handle ([`PageStore`]) and the writer's background thread, which runs
+/// compaction steps off the put path (`worker`): it holds the store only while a job runs, and the handle's
+/// drop joins it first.
+pub struct Shared {
+    /// This store, for the jobs it hands to its background thread.
+    me: std::sync::Weak<Shared>,
+    /// A compaction step is queued for the background thread and has not started yet.
+    step_queued: AtomicBool,
     dir: PathBuf,
     namespace: String,
     opts: StoreOptions,
@@ -148,7 +163,13 @@ pub struct PageStore {
     worker: worker::Worker,
     /// Counters.
     pub stats: Stats,
-    report: OpenReport,
+}
+
+impl std::ops::Deref for PageStore {
+    type Target = Shared;
+    fn deref(&self) -> &Shared {
+        &self.inner
+    }
 }
 
 fn io_err(what: impl Into<String>, e: std::io::Error) -> Error {
@@ -187,6 +208,17 @@ impl PageStore {
         Self::open_impl(root, namespace, opts, false)
     }
 
+    /// What opening the store found on disk.
+    pub fn open_report(&self) -> &OpenReport {
+        &self.report
+    }
+    /// Bytes of a torn journal tail found at open (cut unless read-only).
+    pub fn recovered_tail(&self) -> u64 {
+        self.report.torn_tail
+    }
+}
+
+impl Shared {
     fn lock_index(&self) -> MutexGuard<'_, Index> {
         self.index.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -214,14 +246,6 @@ impl PageStore {
     /// Read-only open: whether a writer held the namespace when it was opened (results are a snapshot).
     pub fn live_writer(&self) -> bool {
         self.live_writer
-    }
-    /// What opening the store found on disk.
-    pub fn open_report(&self) -> &OpenReport {
-        &self.report
-    }
-    /// Bytes of a torn journal tail found at open (cut unless read-only).
-    pub fn recovered_tail(&self) -> u64 {
-        self.report.torn_tail
     }
     /// The capacity limit.
     pub fn capacity(&self) -> u64 {

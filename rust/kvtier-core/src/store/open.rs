@@ -10,7 +10,7 @@ use std::sync::Mutex;
 use super::commit::JournalFile;
 use super::{
     budget, files, follow, format, index, io_err, journal, namespace, namespace_dir, recovery,
-    seal_io, OpenReport, PageStore, Stats, StoreOptions, ALIGN,
+    seal_io, OpenReport, PageStore, Shared, Stats, StoreOptions, ALIGN,
 };
 use crate::error::{Error, Result};
 
@@ -95,11 +95,19 @@ impl PageStore {
             }
             Err(e) => return Err(io_err("opening journal.log", e)),
         };
+        let mut t = std::time::Instant::now();
+        let mut phases: Vec<(&'static str, u64)> = Vec::new();
+        let lap = |phases: &mut Vec<_>, name: &'static str, t: &mut std::time::Instant| {
+            phases.push((name, t.elapsed().as_nanos() as u64));
+            *t = std::time::Instant::now();
+        };
         let mut bytes = Vec::new();
         (&journal.file)
             .read_to_end(&mut bytes)
             .map_err(|e| io_err("reading journal.log", e))?;
-        let parsed = journal::parse_resync(&bytes);
+        lap(&mut phases, "read", &mut t);
+        let parsed = journal::parse_resync_in_place(&bytes);
+        lap(&mut phases, "parse", &mut t);
         let follow = (!writable)
             .then(|| {
                 use std::os::unix::fs::MetadataExt;
@@ -136,7 +144,15 @@ impl PageStore {
                 0
             },
         )?;
+        // (replay counted `index_build`, its last part, itself)
+        let index_build = report.open_phase_ns.pop().map_or(0, |p| p.1);
+        lap(&mut phases, "replay", &mut t);
+        if let Some(p) = phases.last_mut() {
+            p.1 -= index_build.min(p.1);
+        }
+        phases.push(("index_build", index_build));
         let punch_ok = recovery::trim_data_files(&dir, &mut index, writable);
+        lap(&mut phases, "trim", &mut t);
         index.j_end = if writable {
             parsed.valid_end as u64
         } else {
@@ -147,7 +163,9 @@ impl PageStore {
         let held = files::extent_bytes(&journal.file).div_ceil(ALIGN) * ALIGN;
         index.j_alloc = (index.j_end.div_ceil(ALIGN) * ALIGN).max(if writable { held } else { 0 });
         index.compact_floor = journal.compact_base;
-        let mut store = Self {
+        let store = Shared {
+            me: std::sync::Weak::new(),
+            step_queued: AtomicBool::new(false),
             dir,
             namespace: namespace.to_owned(),
             opts,
@@ -171,14 +189,23 @@ impl PageStore {
             stats_file: Default::default(),
             worker: Default::default(),
             stats: Stats::default(),
-            report,
         };
         store
             .stats
             .dropped_records
-            .store(store.report.dropped_records, Ordering::Relaxed);
+            .store(report.dropped_records, Ordering::Relaxed);
+        report.open_phase_ns.splice(0..0, phases);
+        let mut store = PageStore {
+            inner: std::sync::Arc::new_cyclic(|me| Shared {
+                me: me.clone(),
+                ..store
+            }),
+            report,
+        };
         if writable {
             let (compacted, note) = store.after_open(forgotten);
+            let after = ("after_open", t.elapsed().as_nanos() as u64);
+            store.report.open_phase_ns.push(after);
             store.report.compacted = compacted;
             store.report.reserve_note = note;
         }

@@ -4,7 +4,7 @@
 
 use std::sync::{Condvar, Mutex, RwLock};
 
-use super::PageStore;
+use super::Shared;
 use crate::error::{Error, Result};
 
 /// Where a host pool's pages live: page `p`'s K object is `k_len` bytes at `k_base + p·k_stride`, its V
@@ -164,7 +164,7 @@ pub struct PageBatch<'a> {
     pub host_indices: &'a [i64],
 }
 
-impl PageStore {
+impl Shared {
     /// Waits until no batch in flight conflicts with `objs`' ranges (a writer conflicts with any overlap,
     /// readers only with writers), then claims them. Each batch claims all its ranges at once, so claims
     /// cannot deadlock; call it without holding locks another batch needs to finish.

@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 
 use super::index::Entry;
 use super::seal_io::{Opened, SealKeys};
-use super::PageStore;
+use super::Shared;
 use crate::error::Result;
 use crate::fault;
 
@@ -26,7 +26,7 @@ pub struct VerifyReport {
     pub unreadable: Vec<String>,
 }
 
-impl PageStore {
+impl Shared {
     /// Reads objects `(key, ptr, len)` into memory; returns per object whether it was found with exactly
     /// that length and its checksum verified. A corrupt object is a counted miss and is dropped (del record
     /// first; if that cannot be logged it is marked bad: never served, never overwritten).

@@ -6,7 +6,7 @@ use std::path::Path;
 
 use super::files::punch;
 use super::index::{Entry, Index};
-use super::journal::Record;
+use super::journal::RecordRef as Record;
 use super::stats::OpenReport;
 use super::{io_err, ALIGN};
 use crate::error::Result;
@@ -16,23 +16,24 @@ use crate::error::Result;
 /// rehash inside a batch).
 pub(super) fn replay(
     dir: &Path,
-    records: Vec<Record>,
+    records: Vec<Record<'_>>,
     report: &mut OpenReport,
     presize: usize,
 ) -> Result<(Index, Vec<String>)> {
-    // Each key is interned once (no copy per record): `ids` owns it, `live[id]` is its entry and the order
-    // of its put record, `owner[class][slot]` is `id + 1` of the live key holding the slot (0: none).
+    // Each key is interned once, borrowed from the journal's bytes (no allocation per record: a key is
+    // copied only if it is live at the end): `ids` names it, `live[id]` is its entry and the order of its
+    // put record, `owner[class][slot]` is `id + 1` of the live key holding the slot (0: none).
     let puts = records
         .iter()
         .filter(|r| matches!(r, Record::Put { .. }))
         .count();
-    let mut ids: HashMap<String, u32> = HashMap::with_capacity(puts);
+    let mut ids: HashMap<&str, u32> = HashMap::with_capacity(puts);
     let mut live: Vec<Option<(Entry, u64)>> = Vec::with_capacity(puts);
     let mut owner: HashMap<u32, Vec<u32>> = HashMap::new();
     let mut file_len: HashMap<u32, u64> = HashMap::new();
     let mut missing: BTreeSet<u32> = BTreeSet::new();
     // keys whose latest record was dropped (a later put or delete of the key takes it out again)
-    let mut dropped: BTreeSet<String> = BTreeSet::new();
+    let mut dropped: BTreeSet<&str> = BTreeSet::new();
     let mut order = 0u64;
     let remove =
         |live: &mut Vec<Option<(Entry, u64)>>, owner: &mut HashMap<u32, Vec<u32>>, id: u32| {
@@ -63,7 +64,7 @@ pub(super) fn replay(
                 let plausible = super::index::put_shape_ok(class, len)
                     && u64::from(slot) * u64::from(class) + len <= flen;
                 if !plausible {
-                    if let Some(&id) = ids.get(&key) {
+                    if let Some(&id) = ids.get(key) {
                         remove(&mut live, &mut owner, id);
                     }
                     report.dropped_records += 1;
@@ -71,9 +72,9 @@ pub(super) fn replay(
                     continue;
                 }
                 if !dropped.is_empty() {
-                    dropped.remove(&key);
+                    dropped.remove(key);
                 }
-                let id = match ids.get(&key) {
+                let id = match ids.get(key) {
                     Some(&id) => id,
                     None => {
                         let id = u32::try_from(live.len()).expect("fewer than 2^32 keys");
@@ -99,32 +100,36 @@ pub(super) fn replay(
             }
             Record::Del { key } => {
                 if !dropped.is_empty() {
-                    dropped.remove(&key);
+                    dropped.remove(key);
                 }
-                if let Some(&id) = ids.get(&key) {
+                if let Some(&id) = ids.get(key) {
                     remove(&mut live, &mut owner, id);
                 }
             }
         }
     }
     report.missing_class_files = missing.into_iter().collect();
+    let t = std::time::Instant::now();
     let mut by_age: Vec<(String, Entry, u64)> = ids
         .into_iter()
-        .filter_map(|(k, id)| live[id as usize].take().map(|(e, o)| (k, e, o)))
+        .filter_map(|(k, id)| live[id as usize].take().map(|(e, o)| (k.to_owned(), e, o)))
         .collect();
     drop(live);
     drop(owner);
     by_age.sort_unstable_by_key(|x| x.2);
     let mut ix = Index::default();
     ix.map.reserve(by_age.len().max(presize));
-    for (key, e, _) in by_age {
+    for (_, e, _) in &by_age {
         let n = ix.next.entry(e.class).or_insert(0);
         *n = (*n).max(e.slot + 1);
         ix.used += u64::from(e.class);
         ix.data_alloc += u64::from(e.class);
-        ix.insert(key, e);
     }
-    Ok((ix, dropped.into_iter().collect()))
+    ix.load(by_age.into_iter().map(|(k, e, _)| (k, e)));
+    report
+        .open_phase_ns
+        .push(("index_build", t.elapsed().as_nanos() as u64));
+    Ok((ix, dropped.into_iter().map(str::to_owned).collect()))
 }
 
 /// The length of `class`'s data file; `None` when it does not exist (or is not a file). Any other error

@@ -42,10 +42,14 @@ pub struct Stats {
     pub verify_total: AtomicU64,
     /// Nanoseconds of put batches by phase, named by [`PUT_PHASES`] (`reserve` includes `evict` (which includes `evict_append`), `punch` and `victims`, `compact_step` includes `compact_finish`, which includes `compact_sync` and `dir_sync`).
     pub put_phase_ns: [AtomicU64; PUT_PHASES.len()],
+    /// Nanoseconds of the writer's background thread by the same phases: the compaction steps it runs
+    /// (`compact_step`, `compact_finish`, `compact_sync`, `dir_sync`) and the replaced journals it closes
+    /// (`journal_close`), none of which a put batch waits for.
+    pub background_phase_ns: [AtomicU64; PUT_PHASES.len()],
 }
 
 /// The phases of a put batch (docs/STORE.md, "put"), as `put_phase_ns` counts them.
-pub const PUT_PHASES: [&str; 19] = [
+pub const PUT_PHASES: [&str; 20] = [
     "validate",
     "keep_to_limit",
     "reserve",
@@ -65,6 +69,7 @@ pub const PUT_PHASES: [&str; 19] = [
     "compact_sync",
     "dir_sync",
     "evict_append",
+    "journal_close",
 ];
 
 /// Phase indices into `put_phase_ns`.
@@ -94,6 +99,8 @@ pub(crate) mod phase {
     pub const DIR_SYNC: usize = 17;
     /// Part of `EVICT`: the del records' append and sync.
     pub const EVICT_APPEND: usize = 18;
+    /// Background: closing a replaced journal (its blocks given back a piece at a time, each synced).
+    pub const JOURNAL_CLOSE: usize = 19;
 }
 
 impl Stats {
@@ -121,10 +128,16 @@ impl Stats {
         .collect()
     }
 
-    /// Adds the time since `*t` to phase `p` and restarts `*t`.
+    /// Adds the time since `*t` to phase `p` (of the background thread's phases on that thread) and
+    /// restarts `*t`.
     pub(crate) fn lap(&self, p: usize, t: &mut std::time::Instant) {
         let now = std::time::Instant::now();
-        self.put_phase_ns[p].fetch_add((now - *t).as_nanos() as u64, Relaxed);
+        let phases = if super::worker::on_worker() {
+            &self.background_phase_ns
+        } else {
+            &self.put_phase_ns
+        };
+        phases[p].fetch_add((now - *t).as_nanos() as u64, Relaxed);
         *t = now;
     }
 
@@ -133,6 +146,15 @@ impl Stats {
         PUT_PHASES
             .iter()
             .zip(&self.put_phase_ns)
+            .map(|(k, v)| (*k, v.load(Relaxed)))
+            .collect()
+    }
+
+    /// The background thread's time by phase: `(name, nanoseconds)`.
+    pub fn background_phases(&self) -> Vec<(&'static str, u64)> {
+        PUT_PHASES
+            .iter()
+            .zip(&self.background_phase_ns)
             .map(|(k, v)| (*k, v.load(Relaxed)))
             .collect()
     }
@@ -158,6 +180,11 @@ pub struct OpenReport {
     pub reserve_note: Option<String>,
     /// Whether the journal was compacted at open.
     pub compacted: bool,
+    /// Where the open's time went, in order: `(phase, nanoseconds)` — reading the journal (`read`),
+    /// parsing it (`parse`), replaying its records (`replay`), building the index of the live keys from
+    /// that (`index_build`), trimming the data files (`trim`), and (writable) what follows (`after_open`:
+    /// a compaction if due, the reserve, eviction to the capacity).
+    pub open_phase_ns: Vec<(&'static str, u64)>,
 }
 
 impl OpenReport {

@@ -9,7 +9,7 @@ use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use super::PageStore;
+use super::{PageStore, Shared};
 
 /// The file's name in the namespace directory.
 pub const STATS_FILE: &str = "STATS";
@@ -38,7 +38,7 @@ fn now_ms() -> u64 {
         .map_or(0, |d| d.as_millis() as u64)
 }
 
-impl PageStore {
+impl Shared {
     /// Writes `STATS` if the last write is [`EVERY_MS`] old (or `now`); a failed write is ignored (the file
     /// keeps its last content). Writable stores only.
     pub(super) fn persist_stats(&self, now: bool) {

@@ -68,7 +68,7 @@ pub(super) fn get1(s: &PageStore, key: &str, ptr: usize, len: u64) -> bool {
 
 /// Copies the namespace directory of `s` under `to` (a crash now: every file as it is). A file that went
 /// between the listing and its copy (a `STATS.tmp` the background thread renamed) is no store file.
-pub(super) fn crash_copy(s: &PageStore, to: &Path) {
+pub(super) fn crash_copy(s: &Shared, to: &Path) {
     let d = to.join(s.dir().file_name().unwrap());
     std::fs::create_dir_all(&d).unwrap();
     for e in std::fs::read_dir(s.dir()).unwrap() {

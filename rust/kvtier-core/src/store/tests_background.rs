@@ -126,6 +126,7 @@ fn a_crash_after_any_batch_with_background_work_pending_loses_nothing() {
             .map(|i| (key(0, b * 6 + i), obj(b * 6 + i)))
             .collect();
         assert!(put_batch(&w, &keys, &src).iter().all(|&x| x));
+        w.flush_background(); // the step it handed over (paused steps: `a_crash_at_each_point_...`)
         finishes += usize::from(w.stats.compactions.load(Ordering::Relaxed) > before);
         let copy = tmp();
         crash_copy(&w, &copy);
@@ -214,7 +215,7 @@ fn commits_between_the_finish_sync_and_the_switch_are_in_the_new_journal() {
     assert!(r.exists(&[keys[150].0.as_str()])[0]);
     static SRC: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
     SRC.store(src.as_ptr() as usize, Ordering::Relaxed);
-    fn hook(s: &PageStore) {
+    fn hook(s: &Shared) {
         let late = key(4, 0);
         let p = SRC.load(Ordering::Relaxed) + 5 * 4096;
         // SAFETY: the test's payload is alive while the hook is set.

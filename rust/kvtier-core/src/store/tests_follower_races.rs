@@ -95,7 +95,7 @@ fn a_follower_that_misses_two_journal_swaps_is_not_fooled_by_a_reused_inode() {
 /// the journal for the one it read, grown: it read on from its offset and never saw the records that
 /// replaced the cut ones (same length, same inode) — an acknowledged object was a miss for it until the
 /// journal reached its next compaction. Now a cut-back makes the next compaction step rewrite the journal
-/// into a new file (here, a small journal, in the failed put's own step), and the follower rebuilds.
+/// into a new file (here, a small journal, in the step the failed put hands over), and the follower rebuilds.
 #[test]
 fn a_follower_that_read_a_record_that_was_cut_back_finds_what_replaced_it() {
     use crate::fault::{self, Fault};
@@ -125,6 +125,7 @@ fn a_follower_that_read_a_record_that_was_cut_back_finds_what_replaced_it() {
         );
     });
     fault::clear();
+    w.flush_background(); // the step the failed put handed to the background thread
     assert!(
         !w.lock_journal().rewrite_due,
         "the failed put's step rewrote the journal"

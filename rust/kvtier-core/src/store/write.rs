@@ -11,7 +11,7 @@ use super::index::put_journal_cost;
 use super::journal::Placement;
 use super::seal_io::{Aligned, SealKeys};
 use super::stats::phase;
-use super::{PageStore, ALIGN, MAX_OBJECT};
+use super::{Shared, ALIGN, MAX_OBJECT};
 use crate::error::{Error, Result};
 use crate::fault;
 use crate::seal::Seal;
@@ -31,7 +31,7 @@ struct Slot {
     journal: u64,
 }
 
-impl PageStore {
+impl Shared {
     /// Stores objects `(key, ptr, len)`; returns per object whether it is now durably stored. An object
     /// whose key already exists is left as is (keys name content) and reported stored. IO errors fail the
     /// objects they touch and are never raised; only invalid arguments are.
@@ -68,37 +68,18 @@ impl PageStore {
         );
         let plan = self.reserve(objs, keys.as_ref(), &mut ok, &mut dups);
         self.stats.lap(phase::RESERVE, &mut t);
-        // A running compaction's step overlaps this batch's IO (docs/STORE.md, "put", step 8): it took
-        // 13-16 ms of CPU (the walk) after a full store's batches, which wait on the disk meanwhile.
-        let stepped = std::thread::scope(|sc| {
-            let step = self.compaction_running().then(|| {
-                std::thread::Builder::new()
-                    .name("kvtier-compact".into())
-                    .spawn_scoped(sc, || {
-                        let mut t = std::time::Instant::now();
-                        self.compact_step();
-                        self.stats.lap(phase::COMPACT, &mut t);
-                    })
-            });
-            self.put_rest(objs, keys.as_ref(), plan, &mut ok, &mut t);
-            match step {
-                Some(Ok(h)) => {
-                    if let Err(panic) = h.join() {
-                        std::panic::resume_unwind(panic);
-                    }
-                    true
-                }
-                _ => false, // none running, or no thread: the step runs after the batch, as below
-            }
-        });
+        // A running compaction's step goes to the background thread now, to overlap this batch's IO
+        // (docs/STORE.md, "put", step 8); the batch never waits for it (joined at the batch's end, it made
+        // batches wait 221-344 ms at load: the walk's CPU).
+        self.step_in_background();
+        self.put_rest(objs, keys.as_ref(), plan, &mut ok, &mut t);
         for (d, f) in dups {
             ok[d] = ok[f];
         }
         let mut t = std::time::Instant::now();
-        if !stepped {
-            self.compact_step();
-            self.stats.lap(phase::COMPACT, &mut t);
-        }
+        // a compaction this batch's records made due starts there too
+        self.step_in_background();
+        self.stats.lap(phase::COMPACT, &mut t);
         self.settle();
         self.stats.lap(phase::SETTLE, &mut t);
         let stored = ok.iter().filter(|&&b| b).count() as u64;
