@@ -98,15 +98,16 @@ def test_a_slow_tier_late_in_the_run_is_cut_off():
 @settings(max_examples=300, deadline=None)
 @given(gbps=st.floats(0.01, 100.0), latency=st.floats(0.0, 0.05), host=st.integers(0, 40), pages=st.integers(0, 300),
        extra=st.integers(1, 5000), per_token=st.floats(1e-7, 1e-3), attn=st.floats(0.0, 1e-8),
-       fixed=st.floats(0.0, 0.05), ctx=st.floats(0.0, 1e-5), split=st.booleans(), overlap=st.booleans())
+       fixed=st.floats(0.0, 0.05), ctx=st.floats(0.0, 1e-5), split=st.booleans(), overlap=st.booleans(),
+       trail=st.booleans())
 def test_no_plan_is_predicted_slower_than_recomputing(gbps, latency, host, pages, extra, per_token, attn, fixed, ctx, split,
-                                                      overlap):
+                                                      overlap, trail):
     ps = 16
     pm = model(per_token, attn, fixed, ctx)
     total = host + pages
     p = plan_restore(prompt_tokens=total * ps + extra, page_tokens=ps, page_bytes=ps * 64 * KB, host_pages=host,
                      store_segments=[("disk", pages)], tiers=disk(gbps, latency), prefill=pm, can_split=split,
-                     overlap=overlap)
+                     overlap=overlap, trail=trail)
     assert p.predicted_s <= p.recompute_s + 1e-12
     assert 0 <= p.host_pages <= p.recompute_to <= p.load_to <= total
     assert sum(n for _, n in p.load) == p.loaded_pages
@@ -118,8 +119,11 @@ def test_no_plan_is_predicted_slower_than_recomputing(gbps, latency, host, pages
         read = disk(gbps, latency)["disk"].read_s((k - j) * ps * 64 * KB)
         rest = pm.seconds(p.prompt_tokens - k * ps, k * ps)
         a = fixed if overlap and rest - fixed <= fixed else 0.0  # the rest's host time, when it bounds the rest
-        first = max(pm.seconds((j - h) * ps, h * ps), read, 2 * a if p.kind == "split" else a)
-        want = first + rest - a
+        head = pm.seconds((j - h) * ps, h * ps)
+        if p.kind == "split" and trail and a > 0:  # the rest trails the head: free after it, not after the read
+            want = max(head, read + rest - a, 2 * a)
+        else:
+            want = max(head, read, 2 * a if p.kind == "split" else a) + rest - a
         assert math.isclose(p.predicted_s, want, rel_tol=1e-9)
     elif p.kind == "host":
         assert math.isclose(p.predicted_s, pm.seconds(p.prompt_tokens - h * ps, h * ps), rel_tol=1e-9)
@@ -198,6 +202,27 @@ def test_a_rest_queued_before_the_read_ends_hides_its_host_time():
     # a rest bound by the device (many new tokens after the prefix) hides nothing: its prediction is unchanged
     long_rest = dict(prefill=pm, prompt=128 * 64 + 8192)
     assert plan(1.5, overlap=True, **long_rest).candidates["split"] == plan(1.5, **long_rest).candidates["split"]
+
+
+def test_a_rest_that_trails_the_head_is_split_so_the_read_ends_first():
+    """With ``trail`` (the rest's forward follows the head layer by layer: kvtier's transformers cache with
+    every layer resident) a host-bound rest costs nothing after a head that ends last, and its device part
+    after a read that ends last: the head is chosen so the read ends first, by the margin, and the plan is
+    predicted sooner than without trailing; a rest bound by the device trails nothing."""
+    pm = model(per_token=31e-6, fixed=45e-3)
+    early, trailing = plan(1.8, prefill=pm, overlap=True), plan(1.8, prefill=pm, overlap=True, trail=True)
+    assert trailing.kind == "split" and trailing.predicted_s < early.predicted_s
+    ps, pb = 64, 64 * 128 * KB
+    head = pm.seconds((trailing.recompute_to) * ps, 0)
+    read = disk(1.8)["disk"].read_s(trailing.loaded_pages * pb)
+    rest = pm.seconds(64, 128 * ps)
+    assert head >= read * 1.10 + rest - 45e-3 - 4 * ps * 31e-6  # (within one step of the 4-page grid)
+    assert trailing.predicted_s == pytest.approx(max(head, read + rest - 45e-3, 2 * 45e-3))
+    # one step less of head would leave the read ending later than the margin allows
+    shorter = pm.seconds((trailing.recompute_to - 4) * ps, 0)
+    assert shorter < disk(1.8)["disk"].read_s((trailing.loaded_pages + 4) * pb) * 1.10 + rest - 45e-3
+    long_rest = dict(prefill=pm, prompt=128 * 64 + 8192, overlap=True)
+    assert plan(1.8, trail=True, **long_rest).candidates["split"] == plan(1.8, **long_rest).candidates["split"]
 
 
 # ---------------------------------------------------------------------------------------------- the transformers cache

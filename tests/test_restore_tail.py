@@ -141,13 +141,14 @@ def test_the_forward_after_a_split_loads_only_what_its_slots_lack(tmp_path, monk
     tokens are recomputing's."""
     model, ids, tier, want = _stored_split(tmp_path, device, f"tail-slots-{window}", window)
     with tier:
-        st, loads = tier._state, []
+        st, loads, streams = tier._state, [], set()
         real = st.transfer
 
-        def transfer(win, layer_idx, host, dev, *, to_host):
+        def transfer(win, layer_idx, host, dev, *, to_host, tail=False):
             if not to_host:
                 loads.append((layer_idx, int(dev[0]) // PS - 1, len(dev) // PS))  # (layer, first page, pages)
-            return real(win, layer_idx, host, dev, to_host=to_host)
+                streams.add(tail)
+            return real(win, layer_idx, host, dev, to_host=to_host, tail=tail)
 
         monkeypatch.setattr(st, "transfer", transfer)
         c = tier.cache(ids)
@@ -157,6 +158,8 @@ def test_the_forward_after_a_split_loads_only_what_its_slots_lack(tmp_path, monk
         assert torch.equal(greedy(model, ids, c), want)
         if window == 3:  # the tail's pages, once per layer; nothing else, decode steps included
             assert sorted(loads) == [(layer, j, k - j) for layer in range(3)]
+            # on CUDA on the tail stream (each waits for the read alone, not behind the head's backups)
+            assert streams == {device == "cuda"}
         else:  # slot 0 got layer 0's head back after layer 2's (the tail only), layer 1 has slot 1 to itself (the
             # tail only), layer 2 shares slot 0 (the whole prefix again)
             assert (0, j, k - j) in loads and (1, j, k - j) in loads and (2, 0, k) in loads

@@ -40,6 +40,9 @@ def main() -> None:
     ap.add_argument("--heads", default=None, help="heads to force, in pages (default: 0, n/4, n/2, 5n/8, 3n/4, 7n/8, n-4, n)")
     ap.add_argument("--window", default="2", help="KVTier's window: layers resident on the device, or 'all'")
     ap.add_argument("--label", default="", help="a name for this run in the output (e.g. the wheel's commit)")
+    ap.add_argument("--trace", default=None, help="a folder: the last restore of each head is also recorded by "
+                    "torch.profiler (host and device), as split-j<head>.json.gz there")
+    ap.add_argument("--reps", type=int, default=REPS, help=f"timed restores per head (default {REPS})")
     a = ap.parse_args()
     dev = "cuda" if torch.cuda.is_available() and not a.tiny else "cpu"
     if a.tiny:
@@ -83,7 +86,9 @@ def main() -> None:
                 raise SystemExit(f"--heads: every head must be in [0, {n}] pages")
             for j in sorted(set(heads)):
                 ttfts, caches, rests, lines = [], [], [], []
-                for rep in range(REPS + 1):  # the first is a warm-up of the shape
+                # the first is a warm-up of the shape; with --trace one more, recorded and left out of the medians
+                for rep in range(a.reps + 1 + bool(a.trace)):
+                    traced = bool(a.trace) and rep == a.reps + 1
                     tier.drop_host_copies()
                     # the tail's read alone
                     if rep == 0 and j < n:
@@ -102,6 +107,11 @@ def main() -> None:
                         plan = RestorePlan(ids.shape[1], ps, 0, 0, 0, [], None, est.recompute_s, "recompute", n)
                     ctrl.plan_restore = lambda *x, _p=plan, **y: _p
                     sync()
+                    prof = None
+                    if traced:
+                        prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + (
+                            [torch.profiler.ProfilerActivity.CUDA] if dev == "cuda" else []))
+                        prof.__enter__()
                     marks: dict = {}
                     if dev == "cuda":
                         marks["start"] = torch.cuda.current_stream().record_event(torch.cuda.Event(enable_timing=True))
@@ -111,22 +121,29 @@ def main() -> None:
                     if dev == "cuda":
                         st = tier._state
                         marks["head_end"] = st.head_stream().record_event(torch.cuda.Event(enable_timing=True))
-                        marks["loads_end"] = st.stream.record_event(torch.cuda.Event(enable_timing=True))
+                        loads = getattr(st, "_tail_stream", None) or st.stream  # (the tail stream: window all)
+                        marks["loads_end"] = loads.record_event(torch.cuda.Event(enable_timing=True))
                         if c._tail is not None:
                             c._tail.future.add_done_callback(lambda _f, _m=marks: _m.setdefault("read_t", time.perf_counter()))
                     model(input_ids=ids[:, c.get_seq_length():].to(dev), use_cache=True, logits_to_keep=1, **{kw: c})
+                    t_queued = time.perf_counter()  # the host has queued the rest's forward
                     if dev == "cuda":
                         marks["end"] = torch.cuda.current_stream().record_event(torch.cuda.Event(enable_timing=True))
                     sync()
                     t2 = time.perf_counter()
-                    if dev == "cuda" and rep:
+                    if prof is not None:
+                        prof.__exit__(None, None, None)
+                        os.makedirs(a.trace, exist_ok=True)
+                        prof.export_chrome_trace(os.path.join(a.trace, f"split-j{j}.json.gz"))
+                    if dev == "cuda" and rep and not traced:
                         line = {k: marks["start"].elapsed_time(marks[k]) for k in ("head_end", "loads_end", "end")}
                         line["read_done"] = (marks["read_t"] - t0) * 1e3 if "read_t" in marks else None
+                        line["rest_queued"] = (t_queued - t0) * 1e3  # (host clock, like read_done)
                         lines.append(line)
                     ctrl.plan_restore = real_plan
                     c.release()
                     tier.controller.wait_idle()
-                    if rep:
+                    if rep and not traced:
                         ttfts.append(t2 - t0)
                         caches.append(t1 - t0)
                         rests.append(t2 - t1)

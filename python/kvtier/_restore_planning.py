@@ -96,7 +96,7 @@ class RestorePlanning:
         return getattr(self.store, "name", None) if self.store is not None else None
 
     def plan_restore(self, page_keys: Sequence[str], prompt_tokens: int, *, can_split: bool = True,
-                     overlap: bool = False) -> RestorePlan:
+                     overlap: bool = False, trail: bool = False) -> RestorePlan:
         """How to restore the prefix of a prompt of ``prompt_tokens`` tokens whose full pages have the keys
         ``page_keys`` (:func:`kvtier.page_hashes`): which leading pages to take from the host, which to
         recompute, which to load from each store tier, and the predicted time to first token — the fastest
@@ -108,7 +108,8 @@ class RestorePlanning:
         background), compute the head ``[host_pages, recompute_to)`` meanwhile, wait for the prefetch, then
         use pages ``[recompute_to, load_to)`` and compute the rest; report the forward times
         (:meth:`observe_prefill`) and the time to first token (:meth:`observe_ttft`). ``overlap``: the engine
-        queues the rest's forward before the read has finished (see :func:`kvtier.planner.plan_restore`)."""
+        queues the rest's forward before the read has finished, ``trail``: and that forward follows the head layer
+        by layer (see :func:`kvtier.planner.plan_restore`)."""
         if isinstance(prompt_tokens, bool) or not isinstance(prompt_tokens, int) or prompt_tokens <= 0:
             raise InvalidArgumentError(f"invalid argument `prompt_tokens`: must be a positive int, got {prompt_tokens!r}")
         keys = list(page_keys)
@@ -130,7 +131,7 @@ class RestorePlanning:
         segments = _cap(segments, self.prefetch_budget)
         plan = plan_restore(prompt_tokens=prompt_tokens, page_tokens=self.ps, page_bytes=self.page_bytes, host_pages=n,
                             store_segments=segments, tiers=self.measured(), prefill=self.prefill, can_split=can_split,
-                            overlap=overlap)
+                            overlap=overlap, trail=trail)
         self.planner_stats.record(plan)
         return plan
 

@@ -243,6 +243,8 @@ def plan_restore(
     split_margin: float = 0.10,
     split_step: int = 4,
     overlap: bool = False,
+    trail: bool = False,
+    trail_margin: float = 0.10,
 ) -> RestorePlan:
     """The fastest predicted plan for a request (see :class:`RestorePlan`).
 
@@ -272,6 +274,13 @@ def plan_restore(
             forward is bound by its host time (the prefill model's fixed per-forward term larger than the rest
             of its predicted time), that time runs while the device computes the head or waits for the read,
             and only the device's part remains after them.
+        trail: with ``overlap``, the rest's forward also follows the head layer by layer (each of its layers
+            waits for that layer's head and tail only: kvtier's transformers cache with every layer resident).
+            A host-bound rest then costs almost nothing after a head that ends last, while after a read that
+            ends last it still pays its device part — and on the H200 more: its forward, queued behind the
+            read, fills the GPU's launch queue, so the host queues its last layers only once the read is done.
+            Heads are chosen so that the read ends first by ``trail_margin`` of its predicted time.
+        trail_margin: see ``trail``.
     """
     for name, v in (("prompt_tokens", prompt_tokens), ("page_tokens", page_tokens), ("page_bytes", page_bytes)):
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -357,8 +366,13 @@ def plan_restore(
         p = np.arange(max(1, split_step), m, max(1, split_step))
         rest_t = float(P(N - cached * ps, cached * ps))
         host_t = float(hidden(rest_t))
-        t = np.maximum(np.maximum(P(p * ps, h * ps), read(p, m)), 2 * host_t) + rest_t - host_t
-        i = int(np.argmin(t))
+        head_t, read_t = P(p * ps, h * ps), read(p, m)
+        if trail and overlap and host_t > 0:  # the rest trails the head: after a head that ends last it is free
+            t = np.maximum(np.maximum(head_t, read_t + rest_t - host_t), 2 * host_t)
+            i = int(np.argmin(np.maximum(np.maximum(head_t, read_t * (1.0 + trail_margin) + rest_t - host_t), 2 * host_t)))
+        else:
+            t = np.maximum(np.maximum(head_t, read_t), 2 * host_t) + rest_t - host_t
+            i = int(np.argmin(t))
         seen["split"] = float(t[i])
         if t[i] < floor * (1.0 - split_margin):  # type: ignore[operator]
             best = full("split", h, h + int(p[i]), cached, float(t[i]), recompute)

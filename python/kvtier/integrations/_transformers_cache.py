@@ -98,11 +98,12 @@ class KvtierCache(RestoreSteps, DynamicCache):
         return tenant_keys(self.salt, chain) if self.salt is not None and chain else chain
 
     def _attach(self, starts: list[int], keys: list[str], chain: list[str], host: int, *, first: int = 0,
-                private: bool = False) -> None:
+                private: bool = False, tail: bool = False) -> None:
         """Pages ``[first, first + len(starts))`` of the prompt (``keys``, and ``chain``: their hashes before
         the tenant's salt), acquired from the controller, become the sequence's (without a copy); ``host`` of
         them came from the host pool, the rest from the store. ``private``: the pages are the sequence's own,
-        not the index's (a tail still being read)."""
+        not the index's (a tail still being read). ``tail``: their loads go on the tail stream (see
+        :meth:`_load`)."""
         st, ps = self._state, self._state.page_size
         r = len(starts)
         if not r:
@@ -123,7 +124,7 @@ class KvtierCache(RestoreSteps, DynamicCache):
         st.stats.restored_store_pages += r - min(host, r)
         win = self._ensure_window((first + r) * ps)
         for layer_idx in range(st.window):  # the first layers move while the embeddings compute
-            self._load(win, layer_idx, (first + r) * ps)
+            self._load(win, layer_idx, (first + r) * ps, tail=tail)
 
     # ------------------------------------------------------------------ the hooks KVTier installs on the model
     def before_forward(self, ids: Any, kwargs: dict[str, Any]) -> None:
@@ -261,9 +262,15 @@ class KvtierCache(RestoreSteps, DynamicCache):
             self.table.starts += got
             self.table.keys += [None] * len(got)
 
-    def _load(self, win: _Window, layer_idx: int, tokens: int) -> None:
+    def _load(self, win: _Window, layer_idx: int, tokens: int, *, tail: bool = False) -> None:
         """Host -> slot of ``layer_idx``: its first ``tokens`` tokens (whole pages), on the transfer stream
-        after the compute stream's work so far (the slot's previous user included)."""
+        after the compute stream's work so far (the slot's previous user included).
+
+        ``tail`` (a split restore's tail, every layer resident, CUDA): on the tail stream instead, so these
+        loads wait for the store's read alone and not behind the head's backups; the slot's next user then
+        waits for both its last transfer (the head's backup of this layer) and this load, and so runs as soon
+        as the head has computed this layer and the tail has arrived (the rest of the prompt trails the head
+        layer by layer instead of waiting for all of it)."""
         st = self._state
         if self._tail is not None and not st.cuda:  # (on CUDA the transfer stream waits at the tail's gate)
             self._tail.wait()
@@ -277,7 +284,12 @@ class KvtierCache(RestoreSteps, DynamicCache):
             kept = held[1]
         first, last = kept // st.page_size, -(-tokens // st.page_size)
         host, dev = self._slots(first, last)
-        win.loaded[s] = st.transfer(win, layer_idx, host, dev, to_host=False)
+        pending = st.transfer(win, layer_idx, host, dev, to_host=False, tail=tail)
+        if tail and kept and win.loaded[s] is not None:  # (rows [0, kept): the head's, still being written)
+            before = win.loaded[s]
+            win.loaded[s] = [*(before if isinstance(before, list) else [before]), pending]
+        else:
+            win.loaded[s] = pending
         win.state[s] = (layer_idx, tokens, self._epoch)
         st.stats.layer_loads += 1
 

@@ -163,8 +163,11 @@ class RestoreSteps:
             self._attach(ctrl.acquire(keys), keys, chain, host)
             return
         t0 = st.marks.mark()
-        # on CUDA the next forward is queued before the tail's read ends (its loads wait behind a gate)
-        plan = self.plan = ctrl.plan_restore(keys, len(tokens), can_split=True, overlap=st.cuda)
+        # on CUDA the next forward is queued before the tail's read ends (its loads wait behind a gate); with
+        # every layer resident the tail loads run on a stream of their own and that forward trails the head
+        # layer by layer (``_load``)
+        trail = st.cuda and st.window >= st.layers
+        plan = self.plan = ctrl.plan_restore(keys, len(tokens), can_split=True, overlap=st.cuda, trail=trail)
         h, j, k = plan.host_pages, plan.recompute_to, plan.load_to
         # the host pages are held first (a reference each): the tail's read cannot evict them to make room
         got = ctrl.acquire(keys[:h]) if h else []
@@ -190,8 +193,13 @@ class RestoreSteps:
         if pending is not None:
             if self.get_seq_length() == j * ps:
                 # loads of the tail's pages wait (on the device) for the read
-                pending.gate = st.hold_transfers_until(pending.future)
-                self._attach(pending.starts, keys, chain, 0, first=j, private=True)  # (the index's once settled)
+                pending.gate = st.hold_transfers_until(pending.future, tail=trail)
+                # (the index's once settled)
+                self._attach(pending.starts, keys, chain, 0, first=j, private=True, tail=trail)
+                if trail:
+                    win = self._ensure_window(0)
+                    for t in (*win.k_slots, *win.v_slots):  # never reused by the allocator before the loads are done
+                        t.record_stream(st.tail_stream())
             else:
                 self._drop_tail()
         self._ttft = (plan, t0)

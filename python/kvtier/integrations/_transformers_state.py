@@ -100,37 +100,54 @@ class TierRuntime:
         self._subs: list[Any] = []  # every submission since the last fence: each one's error must be seen
         self._subs_lock = threading.Lock()
         self._head_stream: Any = None
+        # a split restore's tail loads when every layer is resident (CUDA): a stream of their own, so they wait
+        # for the store's read only, never behind the head's backups on ``stream``
+        self._tail_stream: Any = None
+        self._tail_sub: Any = None
 
     def check_open(self) -> None:
         """Raises :class:`ClosedError` once the tier is closed."""
         if self.closed:
             raise ClosedError("KVTier is closed")
 
-    def transfer(self, win: Any, layer_idx: int, host: torch.Tensor, dev: torch.Tensor, *, to_host: bool) -> Any:
-        """One layer between host pages and its window slot. On CUDA: on the transfer stream, after the compute
-        stream's work so far, submitted by a native thread (the Python thread never waits on the driver, so the
-        model's next kernels are enqueued meanwhile) in order after the tier's previous transfer; returns what
-        the slot's next user waits for (:meth:`wait`). On the CPU: done on return (None)."""
+    def transfer(self, win: Any, layer_idx: int, host: torch.Tensor, dev: torch.Tensor, *, to_host: bool,
+                 tail: bool = False) -> Any:
+        """One layer between host pages and its window slot. On CUDA: on the transfer stream (``tail``: the tail
+        stream, :meth:`tail_stream`), after the compute stream's work so far, submitted by a native thread (the
+        Python thread never waits on the driver, so the model's next kernels are enqueued meanwhile) in order
+        after that stream's previous transfer; returns what the slot's next user waits for (:meth:`wait`). On
+        the CPU: done on return (None)."""
         if self.stream is None:
             copy = self.host.backup_from_device_per_layer if to_host else self.host.load_to_device_per_layer
             copy(win, host, dev, layer_idx, "direct")
             return None
+        stream = self.tail_stream() if tail else self.stream
         after = torch.cuda.current_stream(self.device).record_event()
         events = [torch.cuda.Event() for _ in range(self.lanes)]
         for ev in events:
-            ev.record(self.stream)  # (creates it; the transfer records it again after its copies)
-        with torch.cuda.stream(self.stream):
+            ev.record(stream)  # (creates it; the transfer records it again after its copies)
+        with torch.cuda.stream(stream):
             sub = self.host.copy_layer(win, host, dev, layer_idx, "direct", to_host=to_host, events=events, after=after,
-                                        previous=self._sub)
-        self._track(sub)
+                                        previous=self._tail_sub if tail else self._sub)
+        self._track(sub, tail)
         return sub, events
 
-    def _track(self, sub: Any) -> None:
-        """A background submission on the transfer stream: the next one follows it; its error must be seen."""
+    def _track(self, sub: Any, tail: bool = False) -> None:
+        """A background submission on the transfer (or tail) stream: the next one there follows it; its error
+        must be seen."""
         if sub is not None:
-            self._sub = sub
+            if tail:
+                self._tail_sub = sub
+            else:
+                self._sub = sub
             with self._subs_lock:
                 self._subs.append(sub)
+
+    def tail_stream(self) -> Any:
+        """The CUDA stream a split restore's tail loads run on when every layer is resident (made once)."""
+        if self._tail_stream is None:
+            self._tail_stream = torch.cuda.Stream(self.device)
+        return self._tail_stream
 
     def head_stream(self) -> Any:
         """The CUDA stream a split restore computes its head on (made once; None on the CPU)."""
@@ -140,21 +157,29 @@ class TierRuntime:
             self._head_stream = torch.cuda.Stream(self.device)
         return self._head_stream
 
-    def hold_transfers_until(self, future: Any) -> Any:
-        """Transfers issued after this call do not start on the device before ``future`` is done (a split
-        restore's tail read: its pages' loads are enqueued before their bytes are there). Returns the gate
-        (``open()`` it once the future is seen done; see :func:`kvtier.transfer.gate.gate_until`), or None. On
-        the CPU nothing: the caller waits for the future before its first copy of those pages."""
+    def hold_transfers_until(self, future: Any, *, tail: bool = False) -> Any:
+        """Transfers issued after this call on the transfer stream (``tail``: the tail stream) do not start on
+        the device before ``future`` is done (a split restore's tail read: its pages' loads are enqueued before
+        their bytes are there). Returns the gate (``open()`` it once the future is seen done; see
+        :func:`kvtier.transfer.gate.gate_until`), or None. On the CPU nothing: the caller waits for the future
+        before its first copy of those pages."""
         if self.stream is None:
             return None
-        sub, gate = gate_until(self.device, self.stream, future, self._sub)
-        self._track(sub)
+        if tail:
+            sub, gate = gate_until(self.device, self.tail_stream(), future, self._tail_sub)
+        else:
+            sub, gate = gate_until(self.device, self.stream, future, self._sub)
+        self._track(sub, tail)
         return gate
 
     @staticmethod
     def wait(stream: Any, pending: Any) -> None:
         """``stream`` waits for a transfer from :meth:`transfer` (once its events are recorded)."""
         if pending is None or stream is None:
+            return
+        if isinstance(pending, list):  # (a slot waited for by two streams' transfers: a split's head and tail)
+            for one in pending:
+                TierRuntime.wait(stream, one)
             return
         sub, events = pending
         if sub is not None:
@@ -174,6 +199,8 @@ class TierRuntime:
         self._joined()
         if self.stream is not None:
             self.stream.synchronize()
+        if self._tail_stream is not None:
+            self._tail_stream.synchronize()
 
     def fence(self) -> Any:
         """A CUDA event after every transfer this tier has issued so far (None on the CPU); raises the error of
@@ -181,4 +208,6 @@ class TierRuntime:
         if self.stream is None:
             return None
         self._joined()  # their copies are enqueued: an event recorded now follows them
+        if self._tail_stream is not None:  # (and those on the tail stream)
+            self.stream.wait_stream(self._tail_stream)
         return self.stream.record_event()
