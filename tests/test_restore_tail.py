@@ -40,14 +40,15 @@ def _fail_reads(monkeypatch, tier, bad_keys=None, *, raise_error=False):
     """The store's reads report ``bad_keys`` (all when None) failed and leave garbage in their host pages, as a
     read that failed its checksum half-way does; or raise."""
     store = tier.controller.store
-    real = store.batch_get_v1
+    real, real_first = store.batch_get_v1, store.batch_get_layers_first
     calls = []
 
-    def get(keys, host_indices, extra_info=None):
+    def get(keys, host_indices, extra_info=None, *, first=None):
         calls.append(list(keys))
         if raise_error:
             raise OSError("disk gone")
-        ok = list(real(keys, host_indices, extra_info))
+        # (a two-pass read, as a split with every layer resident on CUDA makes: its gate opens half-way)
+        ok = list(real(keys, host_indices, extra_info) if first is None else real_first(keys, host_indices, *first))
         rows = host_indices.reshape(len(keys), -1)
         for i, k in enumerate(keys):
             if bad_keys is None or k in bad_keys:
@@ -57,7 +58,15 @@ def _fail_reads(monkeypatch, tier, bad_keys=None, *, raise_error=False):
                     buf[page].copy_(torch.randn_like(buf[page].float()).to(buf.dtype) * 100)
         return ok
 
+    def get_first(keys, host_indices, layers, first_layers, gate=None):
+        try:
+            return get(keys, host_indices, first=(layers, first_layers, gate))
+        finally:
+            if gate is not None:
+                gate.open()
+
     monkeypatch.setattr(store, "batch_get_v1", get)
+    monkeypatch.setattr(store, "batch_get_layers_first", get_first)
     return calls
 
 
@@ -103,9 +112,9 @@ def test_a_tail_page_that_fails_after_the_plan_gives_recomputings_tokens(tmp_pat
         plan_keys = []
         real_read = ctrl.read_into
 
-        def read_into(page_keys, starts):
+        def read_into(page_keys, starts, **kw):
             plan_keys.extend(page_keys)
-            return real_read(page_keys, starts)
+            return real_read(page_keys, starts, **kw)
 
         monkeypatch.setattr(ctrl, "read_into", read_into)
         class Chooser:  # the tail's keys are known once the restore asks for them

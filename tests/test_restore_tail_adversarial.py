@@ -220,9 +220,9 @@ def test_a_second_cache_while_the_first_tail_is_unsettled(tmp_path, monkeypatch)
         keys = []
         real = tier.controller.read_into
 
-        def read_into(page_keys, starts):
+        def read_into(page_keys, starts, **kw):
             keys.append(list(page_keys))
-            return real(page_keys, starts)
+            return real(page_keys, starts, **kw)
 
         monkeypatch.setattr(tier.controller, "read_into", read_into)
 

@@ -135,14 +135,21 @@ class RestorePlanning:
         self.planner_stats.record(plan)
         return plan
 
-    def read_into(self, page_keys: Sequence[str], starts: Sequence[int]) -> concurrent.futures.Future[int]:
+    def read_into(self, page_keys: Sequence[str], starts: Sequence[int], *, first_layers: int = 0,
+                  gate: Any = None) -> concurrent.futures.Future[int]:
         """Read the pages of ``page_keys`` from the store into the caller's private host pages ``starts`` (from
         :meth:`allocate`), in the background, in one batch: a split restore's tail, loaded while its head is
         computed. The future's result is how many leading pages were read and verified; the bytes of any page
         after them are not the page's (whatever the failed read left). The pages stay the caller's: hand the
         verified ones to the index with :meth:`adopt` (``stored=True``) or give them back with :meth:`free`,
-        either only once the future is done."""
+        either only once the future is done.
+
+        ``first_layers`` (with ``gate``, a ``kvtier._native.HostGate``): a store that can
+        (:meth:`kvtier.PageStore.batch_get_layers_first`) reads those layers of every page first and opens the
+        gate then, while it reads the rest; the gate opens by the end of the read whatever happens (every page
+        is checked whole before the future's result counts it)."""
         keys, starts = list(page_keys), [int(s) for s in starts]
+        split = getattr(self.store, "batch_get_layers_first", None) if first_layers else None
         if len(keys) != len(starts):
             raise InvalidArgumentError(f"invalid argument `starts`: {len(starts)} pages for {len(keys)} keys")
         if self.store is None and keys:
@@ -152,9 +159,14 @@ class RestorePlanning:
             ok: list[bool] = []
             if keys:
                 try:
-                    ok = list(self.store.batch_get_v1(keys, self._slots(starts)))
+                    if split is not None:
+                        ok = list(split(keys, self._slots(starts), self.host.layer_num, first_layers, gate))
+                    else:
+                        ok = list(self.store.batch_get_v1(keys, self._slots(starts)))
                 except Exception:  # an IO failure is a miss, never an engine crash
                     ok = [False] * len(keys)
+            if gate is not None:
+                gate.open()
             with self.lock:
                 self._count_reads(ok)
             return next((i for i, g in enumerate(ok) if not g), len(ok))

@@ -303,7 +303,8 @@ class PageStore:
         return self._native
 
     # ------------------------------------------------------------------ zero-copy v1
-    def _batch(self, write: bool, keys: Sequence[str], host_indices: torch.Tensor) -> list[bool]:
+    def _batch(self, write: bool, keys: Sequence[str], host_indices: torch.Tensor,
+               split: tuple[int, int, Any] | None = None) -> list[bool]:
         """One page batch (``batch_set_v1`` / ``batch_get_v1``): the store's state, then the arguments, are
         checked (as every store call orders them), then one native call."""
         native = self._native  # read once: close() clears it
@@ -317,7 +318,7 @@ class PageStore:
         if not keys and not idx.size:
             return []
         t0 = time.perf_counter()
-        ok: list[bool] = store.put_pages(keys, idx) if write else store.get_pages(keys, idx)
+        ok: list[bool] = store.put_pages(keys, idx) if write else store.get_pages(keys, idx, *(split or ()))
         dt = time.perf_counter() - t0
         self.latency["write" if write else "read"].observe(dt)
         if not write:  # (writes are timed from the store's own counters: a page already stored costs no IO)
@@ -334,6 +335,18 @@ class PageStore:
         """Read pages into the host pool at ``host_indices``; returns per key whether K and V were found with
         the pool's sizes and their checksums verified (a False page's host bytes are unspecified)."""
         return self._batch(False, keys, host_indices)
+
+    def batch_get_layers_first(self, keys: Sequence[str], host_indices: torch.Tensor, layers: int, first_layers: int,
+                               gate: Any = None) -> list[bool]:
+        """:meth:`batch_get_v1` in two passes: the first ``first_layers`` of the pool's ``layers`` of each page,
+        then ``gate`` (a ``kvtier._native.HostGate``; opened on every path) opens, then the rest; each page is
+        checked whole. Whatever a caller makes from the first layers meanwhile goes with a page that comes back
+        False. A sealed store reads in one pass."""
+        try:
+            return self._batch(False, keys, host_indices, (layers, first_layers, gate))
+        finally:
+            if gate is not None:
+                gate.open()
 
     def batch_exists(self, keys: Sequence[str], extra_info: Any = None) -> int:
         """Length of the leading run of keys whose page (K and V) is stored."""

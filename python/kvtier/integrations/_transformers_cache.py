@@ -98,12 +98,12 @@ class KvtierCache(RestoreSteps, DynamicCache):
         return tenant_keys(self.salt, chain) if self.salt is not None and chain else chain
 
     def _attach(self, starts: list[int], keys: list[str], chain: list[str], host: int, *, first: int = 0,
-                private: bool = False, tail: bool = False) -> None:
+                private: bool = False, tail: bool = False, load: bool = True) -> None:
         """Pages ``[first, first + len(starts))`` of the prompt (``keys``, and ``chain``: their hashes before
         the tenant's salt), acquired from the controller, become the sequence's (without a copy); ``host`` of
         them came from the host pool, the rest from the store. ``private``: the pages are the sequence's own,
         not the index's (a tail still being read). ``tail``: their loads go on the tail stream (see
-        :meth:`_load`)."""
+        :meth:`_load`); ``load`` False: the caller issues the loads."""
         st, ps = self._state, self._state.page_size
         r = len(starts)
         if not r:
@@ -123,7 +123,7 @@ class KvtierCache(RestoreSteps, DynamicCache):
         st.stats.restored_host_pages += min(host, r)
         st.stats.restored_store_pages += r - min(host, r)
         win = self._ensure_window((first + r) * ps)
-        for layer_idx in range(st.window):  # the first layers move while the embeddings compute
+        for layer_idx in range(st.window if load else 0):  # the first layers move while the embeddings compute
             self._load(win, layer_idx, (first + r) * ps, tail=tail)
 
     # ------------------------------------------------------------------ the hooks KVTier installs on the model

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from .. import _native
 from .._errors import ClosedError, KvtierError
 from ..planner import RestorePlan
 from ..store import page_hashes
@@ -40,12 +41,14 @@ class PendingTail:
     keys: list[str]
     starts: list[int]
     gate: Any = None  # the transfer stream's gate (CUDA), opened here too once the read is seen done
+    first_gate: Any = None  # the gate the read opens once its pages' first layers are in (opened here too)
 
     def wait(self) -> None:
         """Until the read has finished (its result is not looked at)."""
         concurrent.futures.wait([self.future])
-        if self.gate is not None:
-            self.gate.open()
+        for gate in (self.first_gate, self.gate):
+            if gate is not None:
+                gate.open()
 
     def good(self) -> int:
         """How many leading pages were read and verified (0 when the read raised)."""
@@ -177,9 +180,14 @@ class RestoreSteps:
         # and used by the next forward before the read has finished (_transformers_tail)
         starts = ctrl.allocate(k - j) if k > j and j >= r else None
         pending = None
+        # trailing, the store reads the first half of every page's layers first: their loads, and the rest of
+        # the prompt's first layers, run while it reads the other half
+        half = st.layers // 2 if trail else 0
         if starts is not None:
             self._ensure_window(len(tokens))  # (never reallocated, so never drained, while the read runs)
-            pending = PendingTail(ctrl.read_into(keys[j:k], starts), j, list(keys[j:k]), list(starts))
+            first_gate = _native.HostGate() if half else None
+            read = ctrl.read_into(keys[j:k], starts, first_layers=half, gate=first_gate)
+            pending = PendingTail(read, j, list(keys[j:k]), list(starts), first_gate=first_gate)
             self.table.reading = pending.future
         # (no room for the tail in the host pool: the next forward computes it)
         try:
@@ -191,18 +199,32 @@ class RestoreSteps:
             raise
         self._tail = pending
         if pending is not None:
-            if self.get_seq_length() == j * ps:
+            if self.get_seq_length() == j * ps and not trail:
                 # loads of the tail's pages wait (on the device) for the read
-                pending.gate = st.hold_transfers_until(pending.future, tail=trail)
-                # (the index's once settled)
-                self._attach(pending.starts, keys, chain, 0, first=j, private=True, tail=trail)
-                if trail:
-                    win = self._ensure_window(0)
-                    for t in (*win.k_slots, *win.v_slots):  # never reused by the allocator before the loads are done
-                        t.record_stream(st.tail_stream())
+                pending.gate = st.hold_transfers_until(pending.future)
+                self._attach(pending.starts, keys, chain, 0, first=j, private=True)  # (the index's once settled)
+            elif self.get_seq_length() == j * ps:
+                self._attach(pending.starts, keys, chain, 0, first=j, private=True, tail=True, load=False)
+                self._load_tail(pending, k * ps, half)
             else:
                 self._drop_tail()
         self._ttft = (plan, t0)
+
+    def _load_tail(self, tail: PendingTail, tokens: int, half: int) -> None:
+        """Every layer's tail on the tail stream (CUDA, every layer resident): the first ``half`` layers behind
+        the gate the read opens once their bytes are in, the others behind the read's end."""
+        st = self._state
+        win = self._ensure_window(0)
+        if tail.first_gate is not None:
+            st.hold_tail_at(tail.first_gate)
+        else:
+            tail.gate = st.hold_transfers_until(tail.future, tail=True)
+        for layer_idx in range(st.layers):
+            if layer_idx == half and tail.first_gate is not None:
+                tail.gate = st.hold_transfers_until(tail.future, tail=True)
+            self._load(win, layer_idx, tokens, tail=True)
+        for t in (*win.k_slots, *win.v_slots):  # never reused by the allocator before the loads are done
+            t.record_stream(st.tail_stream())
 
     def _compute_head(self, plan: RestorePlan, keys: list[str], tokens: list[int], r: int, j: int) -> None:
         """Pages ``[r, j)`` of the prompt computed by the model (a split plan's head)."""

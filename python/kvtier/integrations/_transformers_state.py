@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from .. import _native
 from .._errors import ClosedError
 from ..transfer.gate import gate_until
 
@@ -171,6 +172,13 @@ class TierRuntime:
             sub, gate = gate_until(self.device, self.stream, future, self._sub)
         self._track(sub, tail)
         return gate
+
+    def hold_tail_at(self, gate: Any) -> None:
+        """Transfers issued after this call on the tail stream do not start on the device before ``gate``
+        (a ``kvtier._native.HostGate``) is opened (CUDA only)."""
+        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        self._track(_native.submit_gate_background(index, int(self.tail_stream().cuda_stream), gate, self._tail_sub),
+                    True)
 
     @staticmethod
     def wait(stream: Any, pending: Any) -> None:

@@ -234,7 +234,7 @@ pub fn cuda_batch_flags() -> u32 {
 /// A gate a stream's later work waits at until the host opens it (`kvtier_core::cuda::HostGate`); opened
 /// when the last reference to it goes.
 #[pyclass(name = "HostGate", module = "kvtier._native", frozen)]
-pub struct PyHostGate(std::sync::Arc<kvtier_core::cuda::HostGate>);
+pub struct PyHostGate(pub(crate) std::sync::Arc<kvtier_core::cuda::HostGate>);
 
 #[pymethods]
 impl PyHostGate {

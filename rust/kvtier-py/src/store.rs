@@ -122,17 +122,23 @@ impl PyPageStore {
         keys: Vec<String>,
         host_indices: &Bound<'_, PyAny>,
     ) -> KvResult<Vec<bool>> {
-        self.pages(py, keys, host_indices, false)
+        self.pages(py, keys, host_indices, false, None)
     }
 
-    /// Reads whole pages into the bound pool; per key, whether K and V were found and verified.
+    /// Reads whole pages into the bound pool; per key, whether K and V were found and verified. With
+    /// `first_layers` (of the pool's `layers`): those layers of every page first, then `gate` opens.
+    #[pyo3(signature = (keys, host_indices, layers=0, first_layers=0, gate=None))]
     fn get_pages(
         &self,
         py: Python<'_>,
         keys: Vec<String>,
         host_indices: &Bound<'_, PyAny>,
+        layers: usize,
+        first_layers: usize,
+        gate: Option<PyRef<'_, crate::engine::PyHostGate>>,
     ) -> KvResult<Vec<bool>> {
-        self.pages(py, keys, host_indices, true)
+        let split = (layers + first_layers > 0).then(|| (layers, first_layers, gate.map(|g| g.0.clone())));
+        self.pages(py, keys, host_indices, true, split)
     }
 
     /// The leading run of keys whose page (every object) is stored.

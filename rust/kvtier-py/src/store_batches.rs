@@ -1,6 +1,9 @@
 //! The batches of `kvtier._native.PageStore`: object batches given as `(key, address, length)`, page batches
 //! as token slots of the bound pool, both handed to the core with the GIL released.
 
+use std::sync::Arc;
+
+use kvtier_core::cuda::HostGate;
 use kvtier_core::store::PageBatch;
 use kvtier_core::Error;
 use pyo3::prelude::*;
@@ -52,6 +55,7 @@ impl PyPageStore {
         keys: Vec<String>,
         host_indices: &Bound<'_, PyAny>,
         writes: bool,
+        split: Option<(usize, usize, Option<Arc<HostGate>>)>,
     ) -> KvResult<Vec<bool>> {
         // the bound layout lies inside memory the store keeps registered while it lives (this call holds it)
         let s = self.store()?;
@@ -61,7 +65,13 @@ impl PyPageStore {
                 keys: &keys,
                 host_indices: &idx,
             };
-            if writes {
+            if let Some((layers, first, gate)) = split {
+                s.get_pages_in_two(&batch, layers, first, &mut || {
+                    if let Some(g) = &gate {
+                        g.open();
+                    }
+                })
+            } else if writes {
                 s.get_pages(&batch)
             } else {
                 s.put_pages(&batch)

@@ -61,6 +61,8 @@ mod tests_lifecycle;
 #[cfg(test)]
 mod tests_pages;
 #[cfg(test)]
+mod tests_pages_in_two;
+#[cfg(test)]
 mod tests_seal;
 
 use std::collections::HashMap;

@@ -258,20 +258,57 @@ impl Shared {
     /// is a miss until a later put of the page supplies the other (deleting it here could delete the half
     /// another thread's concurrent put of the same page relies on), and eviction takes both together.
     pub fn put_pages(&self, batch: &PageBatch<'_>) -> Result<Vec<bool>> {
-        self.page_io(batch, false)
+        self.page_io(batch, false, None)
     }
 
     /// Reads whole pages into the bound pool; per key, whether K and V were both found with the pool's
     /// sizes and verified (a False page's host bytes are unspecified).
     pub fn get_pages(&self, batch: &PageBatch<'_>) -> Result<Vec<bool>> {
-        self.page_io(batch, true)
+        self.page_io(batch, true, None)
+    }
+
+    /// As [`Shared::get_pages`], the first `first_layers` of the pool's `layers` of every page before the
+    /// rest (a page's K and V hold their layers in order: `page_first_direct`): `between()` is called once
+    /// they are all in memory (not yet checked), then the rest is read and every page checked whole (see
+    /// [`Shared::get_in_two`]). A split restore loads those layers to the GPU while the rest is read.
+    /// `between` is called exactly once, on every path.
+    pub fn get_pages_in_two(
+        &self,
+        batch: &PageBatch<'_>,
+        layers: usize,
+        first_layers: usize,
+        between: &mut dyn FnMut(),
+    ) -> Result<Vec<bool>> {
+        if layers == 0 || first_layers == 0 || first_layers >= layers {
+            between();
+            return Err(Error::arg(
+                "first_layers",
+                format!("{first_layers} of {layers} layers (expected 0 < first_layers < layers)"),
+            ));
+        }
+        self.page_io(batch, true, Some((layers as u64, first_layers as u64, between)))
     }
 
     /// One page batch: objects of pages proven inside the bound pool (distinct pages when `writes`), their
     /// host ranges claimed against the other batches of this store, then `get` or `put`; per page, whether
-    /// every object of it went through.
-    fn page_io(&self, batch: &PageBatch<'_>, writes: bool) -> Result<Vec<bool>> {
-        let (names, ranges, per) = self.page_objects(batch, writes)?;
+    /// every object of it went through. `split` (a get): `(layers, first, between)` of `get_pages_in_two`.
+    fn page_io(
+        &self,
+        batch: &PageBatch<'_>,
+        writes: bool,
+        split: Option<(u64, u64, &mut dyn FnMut())>,
+    ) -> Result<Vec<bool>> {
+        let mut split = split;
+        let found = self.page_objects(batch, writes);
+        let (names, ranges, per) = match found {
+            Ok(x) => x,
+            Err(e) => {
+                if let Some((_, _, between)) = split.as_mut() {
+                    between();
+                }
+                return Err(e);
+            }
+        };
         let objs: Vec<(&str, usize, u64)> = names
             .iter()
             .zip(&ranges)
@@ -282,7 +319,16 @@ impl Shared {
         // keeps alive and readable/writable. For a get the pages are distinct (checked) and a page's K and
         // V never share a byte (checked at bind), so no two destinations overlap; while the claim is held no
         // other batch of this store writes a range this one touches, or touches a range this one writes.
-        let ok = if writes {
+        let ok = if let Some((layers, first, between)) = split {
+            // an object's first layers: a whole number of layers (its length a multiple of the count), else
+            // (a layout this was not made for) the object in one pass
+            let prefix: Vec<u64> = objs
+                .iter()
+                .map(|o| if o.2 % layers == 0 { o.2 / layers * first } else { 0 })
+                .collect();
+            // SAFETY: as for `get` below.
+            unsafe { self.get_in_two(&objs, &prefix, between) }?
+        } else if writes {
             // SAFETY: live, disjoint destinations in the bound pool, claimed for this batch (see above).
             unsafe { self.get(&objs) }?
         } else {

@@ -34,6 +34,54 @@ impl Shared {
     /// # Safety
     /// Each `[ptr, ptr+len)` must be writable memory, not read or written by anyone else during the call.
     pub unsafe fn get(&self, objs: &[(&str, usize, u64)]) -> Result<Vec<bool>> {
+        // SAFETY: the caller's guarantee, passed on.
+        unsafe { self.get_in_two(objs, &[], &mut || {}) }
+    }
+
+    /// As [`Shared::get`], in two passes: the first `prefix[i]` bytes of every object (read, not yet
+    /// checked), then `between()`, then the rest of each object and the check of the whole (the bytes of
+    /// the first pass are never written again). An object whose first pass failed is a failed read, even if
+    /// the rest would read: what the first pass left may have been used meanwhile. The objects stay pinned
+    /// from the look-up to the end. Without `prefix` (empty), or in a sealed store (whose bytes are usable
+    /// only once opened), one pass, and `between()` after it. `between` is called exactly once.
+    ///
+    /// # Safety
+    /// As [`Shared::get`].
+    pub unsafe fn get_in_two(
+        &self,
+        objs: &[(&str, usize, u64)],
+        prefix: &[u64],
+        between: &mut dyn FnMut(),
+    ) -> Result<Vec<bool>> {
+        let mut between = Some(between);
+        let mut call_between = || {
+            if let Some(f) = between.take() {
+                f();
+            }
+        };
+        if !prefix.is_empty() && prefix.len() != objs.len() {
+            call_between();
+            return Err(crate::error::Error::arg(
+                "prefix",
+                format!("{} prefixes for {} objects", prefix.len(), objs.len()),
+            ));
+        }
+        // SAFETY: the caller's guarantee, passed on.
+        let got = unsafe { self.get_passes(objs, prefix, &mut call_between) };
+        call_between();
+        got
+    }
+
+    /// The body of [`Shared::get_in_two`] (which checks `prefix` and calls `between` once on every path).
+    ///
+    /// # Safety
+    /// As [`Shared::get`].
+    unsafe fn get_passes(
+        &self,
+        objs: &[(&str, usize, u64)],
+        prefix: &[u64],
+        between: &mut dyn FnMut(),
+    ) -> Result<Vec<bool>> {
         for (k, _, _) in objs {
             Self::check_key(k)?;
         }
@@ -72,9 +120,33 @@ impl Shared {
             false,
         );
         let results: Vec<AtomicU8> = (0..work.len()).map(|_| AtomicU8::new(0)).collect();
+        // the first pass (two passes only for a clear store): each object's prefix, unchecked
+        let split = !prefix.is_empty() && !sealed;
+        if split {
+            self.parallel(work.len(), |j| {
+                let (i, ref e) = work[j];
+                let (_, ptr, len) = objs[i];
+                let p = prefix[i].min(len) as usize;
+                let Some(c) = classes.get(&e.class) else {
+                    results[j].store(IO_ERROR, Ordering::Relaxed);
+                    return;
+                };
+                // SAFETY: the caller guarantees [ptr, ptr+len) is writable and exclusively ours for the
+                // call; p <= len.
+                let buf = unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, p) };
+                let off = u64::from(e.slot) * u64::from(e.class);
+                if fault::check("data_read").and_then(|()| c.read(buf, off)).is_err() {
+                    results[j].store(IO_ERROR, Ordering::Relaxed);
+                }
+            });
+            between();
+        }
         self.parallel(work.len(), |j| {
             let (i, ref e) = work[j];
             let (key, ptr, len) = objs[i];
+            if results[j].load(Ordering::Relaxed) != 0 {
+                return; // (its first pass failed)
+            }
             let Some(c) = classes.get(&e.class) else {
                 results[j].store(IO_ERROR, Ordering::Relaxed);
                 return;
@@ -82,7 +154,9 @@ impl Shared {
             // SAFETY: the caller guarantees [ptr, ptr+len) is writable and exclusively ours for the call.
             let buf = unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, len as usize) };
             let off = u64::from(e.slot) * u64::from(e.class);
-            let r = match fault::check("data_read").and_then(|()| c.read(buf, off)) {
+            let skip = if split { prefix[i].min(len) as usize } else { 0 };
+            let rest = fault::check("data_read").and_then(|()| c.read(&mut buf[skip..], off + skip as u64));
+            let r = match rest {
                 Err(_) => IO_ERROR,
                 Ok(()) if crc32c::crc32c_append(crc32c::crc32c(buf), key.as_bytes()) != e.crc => {
                     CORRUPT
