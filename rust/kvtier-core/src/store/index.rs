@@ -1,8 +1,9 @@
 //! The in-memory index: keys to entries, LRU order, the state of every slot, and the occupancy the
 //! capacity limit is checked against (docs/STORE.md, "In memory").
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashSet};
 
+use super::fasthash::FastMap;
 use super::journal::{encoded_len, Placement};
 use crate::seal::{Seal, SEAL_LEN};
 
@@ -101,7 +102,7 @@ impl Entry {
 
 #[derive(Default)]
 pub(super) struct Index {
-    pub(super) map: HashMap<String, Entry>,
+    pub(super) map: FastMap<String, Entry>,
     lru: BTreeMap<u64, String>,
     tick: u64,
     gens: u64,
@@ -110,13 +111,13 @@ pub(super) struct Index {
     /// Bytes of class-file blocks held: live, reserved, zombie and free-with-blocks slots.
     pub(super) data_alloc: u64,
     /// Free slots that still have their blocks, per class.
-    pub(super) free: HashMap<u32, Vec<u32>>,
+    pub(super) free: FastMap<u32, Vec<u32>>,
     /// Free slots without blocks (punched, or below `next` and never allocated), per class.
-    pub(super) holes: HashMap<u32, Vec<u32>>,
+    pub(super) holes: FastMap<u32, Vec<u32>>,
     /// One past the highest slot ever handed out, per class.
-    pub(super) next: HashMap<u32, u32>,
+    pub(super) next: FastMap<u32, u32>,
     /// Slots of deleted objects still pinned by a reader: freed when the last pin goes.
-    zombies: HashMap<(u32, u32), u32>,
+    zombies: FastMap<(u32, u32), u32>,
     /// Σ over live keys of a del record's size: the journal reserve that makes every delete possible.
     pub(super) del_bytes: u64,
     /// The journal's length.
@@ -217,13 +218,13 @@ impl Index {
         }
     }
 
-    /// Replay's index build: [`insert`](Self::insert) of each entry, oldest first, into an empty index
+    /// Replay's index build: [`insert`](Self::insert) of each of the `n` entries, oldest first, into an empty index
     /// whose keys are distinct, with the LRU order built at once from the ticks in order (a bulk build)
     /// instead of one tree insert per key.
-    pub(super) fn load(&mut self, entries: impl ExactSizeIterator<Item = (String, Entry)>) {
+    pub(super) fn load(&mut self, n: usize, entries: impl Iterator<Item = (String, Entry)>) {
         debug_assert!(self.map.is_empty() && self.lru.is_empty());
-        self.map.reserve(entries.len());
-        let mut order = Vec::with_capacity(entries.len());
+        self.map.reserve(n);
+        let mut order = Vec::with_capacity(n);
         for (key, mut e) in entries {
             self.tick += 1;
             self.gens += 1;

@@ -18,6 +18,7 @@ mod budget;
 mod capacity;
 mod commit;
 mod compact;
+mod fasthash;
 mod files;
 mod follow;
 pub mod format;
