@@ -64,7 +64,7 @@ fn apply(ix: &mut Index, r: Record) {
             *n = (*n).max(slot.saturating_add(1));
             ix.used += u64::from(class);
             ix.data_alloc += u64::from(class);
-            ix.insert(key, Entry::from(at));
+            ix.insert(&key, Entry::from(at));
         }
         Record::Del { key } => {
             ix.remove(&key);

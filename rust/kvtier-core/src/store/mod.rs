@@ -288,7 +288,7 @@ impl Shared {
         ix.map
             .iter()
             .filter(|(_, e)| e.servable())
-            .map(|(k, _)| k.clone())
+            .map(|(k, _)| k.to_string())
             .collect()
     }
 

@@ -144,7 +144,7 @@ pub(super) fn replay(
         ix.used += u64::from(at.class);
         ix.data_alloc += u64::from(at.class);
     }
-    ix.load(n, by_age.map(|(k, at)| (k.to_owned(), Entry::from(at))));
+    ix.load(n, by_age.map(|(k, at)| (k, Entry::from(at))));
     report
         .open_phase_ns
         .push(("index_build", t.elapsed().as_nanos() as u64));
