@@ -31,6 +31,7 @@ mod open;
 mod pages;
 mod read;
 mod recovery;
+mod replay_keys;
 mod seal_io;
 pub mod stats;
 mod stats_file;

@@ -8,6 +8,7 @@ use super::fasthash::FastMap;
 use super::files::punch;
 use super::index::{Entry, Index};
 use super::journal::RecordRef as Record;
+use super::replay_keys;
 use super::stats::OpenReport;
 use super::{io_err, ALIGN};
 use crate::error::Result;
@@ -21,16 +22,21 @@ pub(super) fn replay(
     report: &mut OpenReport,
     presize: usize,
 ) -> Result<(Index, Vec<String>)> {
-    // Each key is interned once, borrowed from the journal's bytes (no allocation per record: a key is
-    // copied only if it is live at the end): `ids` names it, `live[id]` is where its live put record is
-    // (`Live::NONE`: not live). Per size class, `owner[slot]` is `id + 1` of the live key holding the slot
-    // (0: none); `class_ix` finds a class's state in `classes`, `last` remembers the previous record's.
-    let puts = records
-        .iter()
-        .filter(|r| matches!(r, Record::Put { .. }))
-        .count();
-    let mut ids: FastMap<&str, u32> = FastMap::with_capacity_and_hasher(puts, Default::default());
-    let mut live: Vec<Live> = Vec::with_capacity(puts);
+    // Each key is named by the place of its first record (`first`, see `replay_keys`: no allocation
+    // per record, and a key is copied only if it is live at the end); `live[id]` is where its live put
+    // record is (`Live::NONE`: not live). Per size class, `owner[slot]` is `id + 1` of the live key
+    // holding the slot (0: none); `class_ix` finds a class's state in `classes`, `last` remembers the
+    // previous record's.
+    let first = replay_keys::first_of_key(&records).ok_or_else(|| {
+        io_err(
+            "replaying journal.log",
+            std::io::Error::other(format!(
+                "{} records: replay takes fewer than 2^32",
+                records.len()
+            )),
+        )
+    })?;
+    let mut live: Vec<Live> = vec![Live::NONE; records.len()];
     let mut classes: Vec<ClassReplay> = Vec::new();
     let mut class_ix: FastMap<u32, u32> = FastMap::default();
     let mut last: Option<(u32, u32)> = None;
@@ -75,10 +81,9 @@ pub(super) fn replay(
                 // length within its class. Anything else names no object and never sizes anything.
                 let plausible = super::index::put_shape_ok(class, len)
                     && u64::from(slot) * u64::from(class) + len <= classes[ci as usize].file_len;
+                let id = first[rec];
                 if !plausible {
-                    if let Some(&id) = ids.get(key) {
-                        remove(&mut live, &mut classes, id);
-                    }
+                    remove(&mut live, &mut classes, id);
                     report.dropped_records += 1;
                     dropped.insert(key);
                     continue;
@@ -86,11 +91,6 @@ pub(super) fn replay(
                 if !dropped.is_empty() {
                     dropped.remove(key);
                 }
-                let next = live.len();
-                let id = *ids.entry(key).or_insert_with(|| {
-                    live.push(Live::NONE);
-                    u32::try_from(next).expect("fewer than 2^32 keys")
-                });
                 // R3: a later put naming a slot that another live key holds overwrote that key's bytes
                 let o = &mut classes[ci as usize].owner;
                 if o.len() <= slot as usize {
@@ -104,7 +104,7 @@ pub(super) fn replay(
                 remove(&mut live, &mut classes, id);
                 classes[ci as usize].owner[slot as usize] = id + 1;
                 live[id as usize] = Live {
-                    rec,
+                    rec: rec as u32,
                     class: ci,
                     slot,
                 };
@@ -113,22 +113,20 @@ pub(super) fn replay(
                 if !dropped.is_empty() {
                     dropped.remove(key);
                 }
-                if let Some(&id) = ids.get(key) {
-                    remove(&mut live, &mut classes, id);
-                }
+                remove(&mut live, &mut classes, first[rec]);
             }
         }
     }
     report.missing_class_files = missing.into_iter().collect();
     let t = std::time::Instant::now();
-    drop(ids);
+    drop(first);
     drop(classes);
     // The live records, oldest first: a key's age is its put record's place in the journal, so marking
     // them and walking the records in order gives the LRU order without a sort.
     let mut is_live = vec![false; records.len()];
     let mut n = 0;
     for l in live.iter().filter(|l| l.rec != Live::NONE.rec) {
-        is_live[l.rec] = true;
+        is_live[l.rec as usize] = true;
         n += 1;
     }
     drop(live);
@@ -155,7 +153,7 @@ pub(super) fn replay(
 /// replay's classes and its slot.
 #[derive(Clone, Copy)]
 struct Live {
-    rec: usize,
+    rec: u32,
     class: u32,
     slot: u32,
 }
@@ -163,7 +161,7 @@ struct Live {
 impl Live {
     /// Not live.
     const NONE: Live = Live {
-        rec: usize::MAX,
+        rec: u32::MAX,
         class: 0,
         slot: 0,
     };
