@@ -7,35 +7,72 @@ use std::path::Path;
 use super::fasthash::FastMap;
 use super::files::punch;
 use super::index::{Entry, Index};
-use super::journal::RecordRef as Record;
+use super::journal::{key_bytes_at, record_at, RecordRef as Record};
 use super::replay_keys;
 use super::stats::OpenReport;
 use super::{io_err, ALIGN};
 use crate::error::Result;
 
-/// The index rebuilt from `records`, what replay found, and the keys whose latest record was dropped.
-/// The index's map is sized for at least `presize` keys (a writer's most objects, so that it does not
-/// rehash inside a batch).
+/// What replay keeps of a journal record (`journal::parse_resync_with(bytes, Rec::of)`): where it starts
+/// in the journal, and a put's class, slot and length (a del's are 0: no put has class 0). 24 bytes where
+/// a `RecordRef` takes 72; the rest is read at `off` where it is needed.
+#[derive(Clone, Copy)]
+pub(super) struct Rec {
+    off: usize,
+    class: u32,
+    slot: u32,
+    len: u64,
+}
+
+impl Rec {
+    pub(super) fn of(r: Record<'_>, off: usize) -> Self {
+        match r {
+            Record::Put { at, .. } => Rec {
+                off,
+                class: at.class,
+                slot: at.slot,
+                len: at.len,
+            },
+            Record::Del { .. } => Rec {
+                off,
+                class: 0,
+                slot: 0,
+                len: 0,
+            },
+        }
+    }
+
+    fn is_put(&self) -> bool {
+        self.class != 0
+    }
+}
+
+/// The index rebuilt from the `records` of the journal's bytes `journal`, what replay found, and the
+/// keys whose latest record was dropped. The index's map is sized for at least `presize` keys (a
+/// writer's most objects, so that it does not rehash inside a batch).
 pub(super) fn replay(
     dir: &Path,
-    records: Vec<Record<'_>>,
+    journal: &[u8],
+    records: Vec<Rec>,
     report: &mut OpenReport,
     presize: usize,
 ) -> Result<(Index, Vec<String>)> {
+    let key = |r: &Rec| record_at(journal, r.off).key();
     // Each key is named by the place of its first record (`first`, see `replay_keys`: no allocation
     // per record, and a key is copied only if it is live at the end); `live[id]` is where its live put
     // record is (`Live::NONE`: not live). Per size class, `owner[slot]` is `id + 1` of the live key
     // holding the slot (0: none); `class_ix` finds a class's state in `classes`, `last` remembers the
     // previous record's.
-    let first = replay_keys::first_of_key(&records).ok_or_else(|| {
-        io_err(
-            "replaying journal.log",
-            std::io::Error::other(format!(
-                "{} records: replay takes fewer than 2^32",
-                records.len()
-            )),
-        )
-    })?;
+    let first = replay_keys::first_of_key(records.len(), |i| key_bytes_at(journal, records[i].off))
+        .ok_or_else(|| {
+            io_err(
+                "replaying journal.log",
+                std::io::Error::other(format!(
+                    "{} records: replay takes fewer than 2^32",
+                    records.len()
+                )),
+            )
+        })?;
     let mut live: Vec<Live> = vec![Live::NONE; records.len()];
     let mut classes: Vec<ClassReplay> = Vec::new();
     let mut class_ix: FastMap<u32, u32> = FastMap::default();
@@ -50,72 +87,68 @@ pub(super) fn replay(
         }
     };
     for (rec, r) in records.iter().enumerate() {
-        match *r {
-            Record::Put { key, at } => {
-                let (class, slot, len) = (at.class, at.slot, at.len);
-                let ci = match last {
-                    Some((c, i)) if c == class => i,
-                    _ => {
-                        let i = match class_ix.get(&class) {
-                            Some(&i) => i,
-                            None => {
-                                let n = class_file_len(dir, class)?;
-                                if n.is_none() {
-                                    missing.insert(class);
-                                }
-                                let i =
-                                    u32::try_from(classes.len()).expect("fewer than 2^32 classes");
-                                classes.push(ClassReplay {
-                                    file_len: n.unwrap_or(0),
-                                    owner: Vec::new(),
-                                });
-                                class_ix.insert(class, i);
-                                i
-                            }
-                        };
-                        last = Some((class, i));
+        if !r.is_put() {
+            if !dropped.is_empty() {
+                dropped.remove(key(r));
+            }
+            remove(&mut live, &mut classes, first[rec]);
+            continue;
+        }
+        let (class, slot, len) = (r.class, r.slot, r.len);
+        let ci = match last {
+            Some((c, i)) if c == class => i,
+            _ => {
+                let i = match class_ix.get(&class) {
+                    Some(&i) => i,
+                    None => {
+                        let n = class_file_len(dir, class)?;
+                        if n.is_none() {
+                            missing.insert(class);
+                        }
+                        let i = u32::try_from(classes.len()).expect("fewer than 2^32 classes");
+                        classes.push(ClassReplay {
+                            file_len: n.unwrap_or(0),
+                            owner: Vec::new(),
+                        });
+                        class_ix.insert(class, i);
                         i
                     }
                 };
-                // A record can only name bytes the store once wrote: an object inside its class file, a
-                // length within its class. Anything else names no object and never sizes anything.
-                let plausible = super::index::put_shape_ok(class, len)
-                    && u64::from(slot) * u64::from(class) + len <= classes[ci as usize].file_len;
-                let id = first[rec];
-                if !plausible {
-                    remove(&mut live, &mut classes, id);
-                    report.dropped_records += 1;
-                    dropped.insert(key);
-                    continue;
-                }
-                if !dropped.is_empty() {
-                    dropped.remove(key);
-                }
-                // R3: a later put naming a slot that another live key holds overwrote that key's bytes
-                let o = &mut classes[ci as usize].owner;
-                if o.len() <= slot as usize {
-                    o.resize(slot as usize + 1, 0);
-                }
-                let prev = o[slot as usize];
-                if prev != 0 && prev - 1 != id {
-                    remove(&mut live, &mut classes, prev - 1);
-                    report.superseded_by_slot += 1;
-                }
-                remove(&mut live, &mut classes, id);
-                classes[ci as usize].owner[slot as usize] = id + 1;
-                live[id as usize] = Live {
-                    rec: rec as u32,
-                    class: ci,
-                    slot,
-                };
+                last = Some((class, i));
+                i
             }
-            Record::Del { key } => {
-                if !dropped.is_empty() {
-                    dropped.remove(key);
-                }
-                remove(&mut live, &mut classes, first[rec]);
-            }
+        };
+        // A record can only name bytes the store once wrote: an object inside its class file, a
+        // length within its class. Anything else names no object and never sizes anything.
+        let plausible = super::index::put_shape_ok(class, len)
+            && u64::from(slot) * u64::from(class) + len <= classes[ci as usize].file_len;
+        let id = first[rec];
+        if !plausible {
+            remove(&mut live, &mut classes, id);
+            report.dropped_records += 1;
+            dropped.insert(key(r));
+            continue;
         }
+        if !dropped.is_empty() {
+            dropped.remove(key(r));
+        }
+        // R3: a later put naming a slot that another live key holds overwrote that key's bytes
+        let o = &mut classes[ci as usize].owner;
+        if o.len() <= slot as usize {
+            o.resize(slot as usize + 1, 0);
+        }
+        let prev = o[slot as usize];
+        if prev != 0 && prev - 1 != id {
+            remove(&mut live, &mut classes, prev - 1);
+            report.superseded_by_slot += 1;
+        }
+        remove(&mut live, &mut classes, id);
+        classes[ci as usize].owner[slot as usize] = id + 1;
+        live[id as usize] = Live {
+            rec: rec as u32,
+            class: ci,
+            slot,
+        };
     }
     report.missing_class_files = missing.into_iter().collect();
     let t = std::time::Instant::now();
@@ -130,19 +163,25 @@ pub(super) fn replay(
         n += 1;
     }
     drop(live);
-    let by_age = records.iter().zip(is_live).filter_map(|(r, l)| match *r {
-        Record::Put { key, at } if l => Some((key, at)),
-        _ => None,
-    });
     let mut ix = Index::default();
     ix.map.reserve(n.max(presize));
-    for (_, at) in by_age.clone() {
-        let next = ix.next.entry(at.class).or_insert(0);
-        *next = (*next).max(at.slot + 1);
-        ix.used += u64::from(at.class);
-        ix.data_alloc += u64::from(at.class);
+    for r in records
+        .iter()
+        .zip(&is_live)
+        .filter_map(|(r, &l)| l.then_some(r))
+    {
+        let next = ix.next.entry(r.class).or_insert(0);
+        *next = (*next).max(r.slot + 1);
+        ix.used += u64::from(r.class);
+        ix.data_alloc += u64::from(r.class);
     }
-    ix.load(n, by_age.map(|(k, at)| (k, Entry::from(at))));
+    let by_age = records.iter().zip(is_live).filter_map(|(r, l)| {
+        match l.then(|| record_at(journal, r.off)) {
+            Some(Record::Put { key, at }) => Some((key, Entry::from(at))),
+            _ => None,
+        }
+    });
+    ix.load(n, by_age);
     report
         .open_phase_ns
         .push(("index_build", t.elapsed().as_nanos() as u64));
