@@ -27,12 +27,15 @@ pub(super) struct Rec {
 impl Rec {
     pub(super) fn of(r: Record<'_>, off: usize) -> Self {
         match r {
-            Record::Put { at, .. } => Rec {
-                off,
-                class: at.class,
-                slot: at.slot,
-                len: at.len,
-            },
+            Record::Put { at, .. } => {
+                debug_assert!(at.class != 0, "the parser keeps no put of class 0");
+                Rec {
+                    off,
+                    class: at.class,
+                    slot: at.slot,
+                    len: at.len,
+                }
+            }
             Record::Del { .. } => Rec {
                 off,
                 class: 0,
