@@ -15,7 +15,7 @@
 //! (one buffered write of a batch's bytes + fdatasync, 100 times). Then the time to reopen the store (drop, open, per million
 //! live objects) and the RSS the open index takes per live object (RSS with the store open minus after
 //! it is dropped and `malloc_trim`). The store directory is removed at the end unless `--keep`; `--reopen-only`
-//! then only times an open of that kept store. One JSON
+//! then only times an open of that kept store (and the RSS the open took per live object). One JSON
 //! line goes to stdout last. Only `open`, `put` and `stats` are used, so the same file builds against
 //! older trees (`benches/store_full_before_after.sh`).
 use std::os::unix::fs::FileExt;
@@ -161,13 +161,16 @@ fn reopen_only(a: &Args) {
         capacity_bytes: a.capacity,
         ..StoreOptions::default()
     };
+    let rss0 = rss_bytes();
     let t0 = Instant::now();
     let store = PageStore::open(&a.dir, "bench", opts).expect("reopen");
     let reopen = t0.elapsed().as_secs_f64();
+    let rss1 = rss_bytes();
     let live = store.usage().0 as f64;
     println!(
-        "reopen {reopen:.2} s for {live} objects ({:.2} s per million)",
-        reopen / (live.max(1.0) / 1e6)
+        "reopen {reopen:.2} s for {live} objects ({:.2} s per million), index RSS {:.0} bytes per object",
+        reopen / (live.max(1.0) / 1e6),
+        rss1.saturating_sub(rss0) as f64 / live.max(1.0)
     );
     #[cfg(feature = "phases")]
     phases::print_open(&store);

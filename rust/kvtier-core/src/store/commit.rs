@@ -262,7 +262,7 @@ impl Shared {
         self.stats.lap(phase::JOURNAL_APPEND, &mut t);
         let mut ix = self.lock_index();
         for (key, at) in items {
-            ix.insert(key.clone(), Entry::from(*at));
+            ix.insert(key, Entry::from(*at));
         }
         drop(ix);
         self.stats.lap(phase::INDEX_INSERT, &mut t);
@@ -279,7 +279,9 @@ impl Shared {
             let mut seen = std::collections::HashSet::new();
             victims
                 .iter()
-                .filter(|(k, g)| ix.map.get(k).is_some_and(|e| e.gen == *g) && seen.insert(k))
+                .filter(|(k, g)| {
+                    ix.map.get(k.as_str()).is_some_and(|e| e.gen == *g) && seen.insert(k)
+                })
                 .map(|v| v.0.clone())
                 .collect()
         };

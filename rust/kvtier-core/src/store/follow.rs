@@ -64,7 +64,7 @@ fn apply(ix: &mut Index, r: Record) {
             *n = (*n).max(slot.saturating_add(1));
             ix.used += u64::from(class);
             ix.data_alloc += u64::from(class);
-            ix.insert(key, Entry::from(at));
+            ix.insert(&key, Entry::from(at));
         }
         Record::Del { key } => {
             ix.remove(&key);
@@ -114,9 +114,10 @@ impl Shared {
             if (&file).read_to_end(&mut bytes).is_err() {
                 return;
             }
-            let parsed = journal::parse_resync_in_place(&bytes);
+            let parsed = journal::parse_resync_with(&bytes, recovery::Rec::of);
             let mut report = OpenReport::default();
-            let Ok((mut ix, _)) = recovery::replay(&self.dir, parsed.records, &mut report, 0)
+            let Ok((mut ix, _)) =
+                recovery::replay(&self.dir, &bytes, parsed.records, &mut report, 0)
             else {
                 return;
             };

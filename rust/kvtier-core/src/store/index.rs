@@ -1,8 +1,10 @@
 //! The in-memory index: keys to entries, LRU order, the state of every slot, and the occupancy the
 //! capacity limit is checked against (docs/STORE.md, "In memory").
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashSet};
+use std::sync::Arc;
 
+use super::fasthash::FastMap;
 use super::journal::{encoded_len, Placement};
 use crate::seal::{Seal, SEAL_LEN};
 
@@ -101,8 +103,9 @@ impl Entry {
 
 #[derive(Default)]
 pub(super) struct Index {
-    pub(super) map: HashMap<String, Entry>,
-    lru: BTreeMap<u64, String>,
+    /// Each key is one allocation, shared by the map and the LRU order.
+    pub(super) map: FastMap<Arc<str>, Entry>,
+    lru: BTreeMap<u64, Arc<str>>,
     tick: u64,
     gens: u64,
     /// Bytes of live and reserved slots.
@@ -110,13 +113,13 @@ pub(super) struct Index {
     /// Bytes of class-file blocks held: live, reserved, zombie and free-with-blocks slots.
     pub(super) data_alloc: u64,
     /// Free slots that still have their blocks, per class.
-    pub(super) free: HashMap<u32, Vec<u32>>,
+    pub(super) free: FastMap<u32, Vec<u32>>,
     /// Free slots without blocks (punched, or below `next` and never allocated), per class.
-    pub(super) holes: HashMap<u32, Vec<u32>>,
+    pub(super) holes: FastMap<u32, Vec<u32>>,
     /// One past the highest slot ever handed out, per class.
-    pub(super) next: HashMap<u32, u32>,
+    pub(super) next: FastMap<u32, u32>,
     /// Slots of deleted objects still pinned by a reader: freed when the last pin goes.
-    zombies: HashMap<(u32, u32), u32>,
+    zombies: FastMap<(u32, u32), u32>,
     /// Σ over live keys of a del record's size: the journal reserve that makes every delete possible.
     pub(super) del_bytes: u64,
     /// The journal's length.
@@ -141,7 +144,7 @@ pub(super) struct Index {
 pub(super) struct Walk {
     pos: u64,
     end: u64,
-    touched: Vec<String>,
+    touched: Vec<Arc<str>>,
 }
 
 impl Index {
@@ -188,14 +191,15 @@ impl Index {
         self.tick += 1;
         let t = self.tick;
         if let Some(e) = self.map.get_mut(key) {
+            // the LRU order holds the map's own key: take it back and put it at the new tick
+            let k = self.lru.remove(&e.tick).unwrap_or_else(|| Arc::from(key));
             if let Some(w) = &mut self.walk {
                 if e.tick > w.pos && e.tick <= w.end {
-                    w.touched.push(key.to_owned()); // leaves the walk's range before it was copied
+                    w.touched.push(k.clone()); // leaves the walk's range before it was copied
                 }
             }
-            self.lru.remove(&e.tick);
             e.tick = t;
-            self.lru.insert(t, key.to_owned());
+            self.lru.insert(t, k);
         }
     }
 
@@ -217,19 +221,20 @@ impl Index {
         }
     }
 
-    /// Replay's index build: [`insert`](Self::insert) of each entry, oldest first, into an empty index
+    /// Replay's index build: [`insert`](Self::insert) of each of the `n` entries, oldest first, into an empty index
     /// whose keys are distinct, with the LRU order built at once from the ticks in order (a bulk build)
     /// instead of one tree insert per key.
-    pub(super) fn load(&mut self, entries: impl ExactSizeIterator<Item = (String, Entry)>) {
+    pub(super) fn load<'k>(&mut self, n: usize, entries: impl Iterator<Item = (&'k str, Entry)>) {
         debug_assert!(self.map.is_empty() && self.lru.is_empty());
-        self.map.reserve(entries.len());
-        let mut order = Vec::with_capacity(entries.len());
+        self.map.reserve(n);
+        let mut order = Vec::with_capacity(n);
         for (key, mut e) in entries {
             self.tick += 1;
             self.gens += 1;
             e.tick = self.tick;
             e.gen = self.gens;
             self.del_bytes += encoded_len(key.len()) as u64;
+            let key: Arc<str> = Arc::from(key);
             order.push((e.tick, key.clone()));
             let old = self.map.insert(key, e);
             debug_assert!(old.is_none(), "replay's keys are distinct");
@@ -240,13 +245,18 @@ impl Index {
 
     /// Inserts an entry whose slot is already counted (reserved, or replayed); a previous entry of the key
     /// is superseded and its slot released. Returns the previous entry.
-    pub(super) fn insert(&mut self, key: String, mut e: Entry) -> Option<Entry> {
+    pub(super) fn insert(&mut self, key: &str, mut e: Entry) -> Option<Entry> {
         self.tick += 1;
         self.gens += 1;
         e.tick = self.tick;
         e.gen = self.gens;
-        self.lru.insert(e.tick, key.clone());
         let dl = encoded_len(key.len()) as u64;
+        // a key already present keeps its allocation (the map keeps its key on insert)
+        let key = match self.map.get_key_value(key) {
+            Some((k, _)) => k.clone(),
+            None => Arc::from(key),
+        };
+        self.lru.insert(e.tick, key.clone());
         let old = self.map.insert(key, e);
         match &old {
             Some(o) => {
@@ -384,15 +394,15 @@ impl Index {
             if got >= bytes.max(1) {
                 break;
             }
-            if !evictable(k, e) || !taken.insert(k.as_str()) {
+            if !evictable(k, e) || !taken.insert(k) {
                 continue;
             }
-            out.push((k.clone(), e.gen));
+            out.push((k.to_string(), e.gen));
             got += u64::from(e.class);
             if let Some(sib) = sibling(k) {
                 if let Some((sk, se)) = self.map.get_key_value(sib.as_str()) {
-                    if se.pins == 0 && !exclude.contains(sk.as_str()) && taken.insert(sk.as_str()) {
-                        out.push((sk.clone(), se.gen));
+                    if se.pins == 0 && !exclude.contains(&**sk) && taken.insert(sk) {
+                        out.push((sk.to_string(), se.gen));
                         got += u64::from(se.class);
                     }
                 }

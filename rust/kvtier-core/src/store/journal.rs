@@ -138,7 +138,14 @@ pub enum RecordRef<'a> {
     },
 }
 
-impl RecordRef<'_> {
+impl<'a> RecordRef<'a> {
+    /// The key the record names.
+    pub fn key(&self) -> &'a str {
+        match *self {
+            RecordRef::Put { key, .. } | RecordRef::Del { key } => key,
+        }
+    }
+
     /// The record with its key copied.
     pub fn to_record(self) -> Record {
         match self {
@@ -183,6 +190,31 @@ pub fn parse_resync(buf: &[u8]) -> Parsed {
 
 /// [`parse_resync`] with each record's key borrowed from `buf`.
 pub fn parse_resync_in_place(buf: &[u8]) -> Parsed<RecordRef<'_>> {
+    parse_resync_with(buf, |rec, _| rec)
+}
+
+/// The record at `off` in `buf`, an offset [`parse_resync_with`] gave for this very `buf` (its checksum
+/// is not computed again). Panics where no record of a valid shape starts at `off`.
+pub(crate) fn record_at(buf: &[u8], off: usize) -> RecordRef<'_> {
+    decode(&buf[off..], false)
+        .expect("an offset the parser gave for these bytes")
+        .0
+}
+
+/// The key bytes of the record at `off` in `buf`, an offset [`parse_resync_with`] gave for this `buf`.
+pub(crate) fn key_bytes_at(buf: &[u8], off: usize) -> &[u8] {
+    let b = &buf[off..];
+    let head = if b[4] == 3 { FIXED + SEAL_LEN } else { FIXED };
+    &b[head..head + u16_at(b, 5) as usize]
+}
+
+/// The resynchronising parse (see the module docs), keeping of each valid record what `keep` makes of it
+/// and its offset: replay at open keeps a few fields and the offset, a sixth of a [`RecordRef`], and
+/// reads the rest at the offset ([`record_at`], [`key_bytes_at`]) where it needs it.
+pub(crate) fn parse_resync_with<'a, R>(
+    buf: &'a [u8],
+    keep: impl Fn(RecordRef<'a>, usize) -> R,
+) -> Parsed<R> {
     let mut out = Parsed {
         records: Vec::new(),
         damaged: Vec::new(),
@@ -191,7 +223,7 @@ pub fn parse_resync_in_place(buf: &[u8]) -> Parsed<RecordRef<'_>> {
     let mut off = 0;
     while off < buf.len() {
         if let Some((rec, n)) = parse_one(&buf[off..]) {
-            out.records.push(rec);
+            out.records.push(keep(rec, off));
             off += n;
             out.valid_end = off;
             continue;
@@ -229,6 +261,12 @@ pub const fn encoded_len(key_len: usize) -> usize {
 }
 
 fn parse_one(b: &[u8]) -> Option<(RecordRef<'_>, usize)> {
+    decode(b, true)
+}
+
+/// The record at the start of `b` and its length, if one of a valid shape starts there; with `check`,
+/// only if its checksum matches too.
+fn decode(b: &[u8], check: bool) -> Option<(RecordRef<'_>, usize)> {
     if b.len() < FIXED + 4 || u32_at(b, 0) != MAGIC {
         return None;
     }
@@ -242,7 +280,7 @@ fn parse_one(b: &[u8]) -> Option<(RecordRef<'_>, usize)> {
     if b.len() < total {
         return None;
     }
-    if crc32c::crc32c(&b[..head + key_len]) != u32_at(b, head + key_len) {
+    if check && crc32c::crc32c(&b[..head + key_len]) != u32_at(b, head + key_len) {
         return None;
     }
     let key = std::str::from_utf8(&b[head..head + key_len]).ok()?;
@@ -415,6 +453,14 @@ mod tests {
             let mut want = recs.clone();
             want.remove(hit);
             prop_assert_eq!(&p.records, &want);
+            // replay's reading: the same records at their offsets, the same damage and end
+            let o = parse_resync_with(&buf, |_, off| off);
+            let at: Vec<Record> = o.records.iter().map(|&off| record_at(&buf, off).to_record()).collect();
+            prop_assert_eq!((&at, &o.damaged, o.valid_end), (&p.records, &p.damaged, p.valid_end));
+            for (&off, r) in o.records.iter().zip(&p.records) {
+                let (Record::Put { key, .. } | Record::Del { key }) = r;
+                prop_assert_eq!(key_bytes_at(&buf, off), key.as_bytes());
+            }
             if hit + 1 < recs.len() {
                 prop_assert_eq!(p.damaged.clone(), vec![(starts[hit], end - starts[hit])]);
                 prop_assert_eq!(p.valid_end, buf.len());

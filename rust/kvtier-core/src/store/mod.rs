@@ -18,6 +18,7 @@ mod budget;
 mod capacity;
 mod commit;
 mod compact;
+mod fasthash;
 mod files;
 mod follow;
 pub mod format;
@@ -30,6 +31,7 @@ mod open;
 mod pages;
 mod read;
 mod recovery;
+mod replay_keys;
 mod seal_io;
 pub mod stats;
 mod stats_file;
@@ -289,7 +291,7 @@ impl Shared {
         ix.map
             .iter()
             .filter(|(_, e)| e.servable())
-            .map(|(k, _)| k.clone())
+            .map(|(k, _)| k.to_string())
             .collect()
     }
 

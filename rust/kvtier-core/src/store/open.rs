@@ -106,7 +106,7 @@ impl PageStore {
             .read_to_end(&mut bytes)
             .map_err(|e| io_err("reading journal.log", e))?;
         lap(&mut phases, "read", &mut t);
-        let parsed = journal::parse_resync_in_place(&bytes);
+        let parsed = journal::parse_resync_with(&bytes, recovery::Rec::of);
         lap(&mut phases, "parse", &mut t);
         let follow = (!writable)
             .then(|| {
@@ -136,6 +136,7 @@ impl PageStore {
         }
         let (mut index, forgotten) = recovery::replay(
             &dir,
+            &bytes,
             parsed.records,
             &mut report,
             if writable {

@@ -270,7 +270,12 @@ impl Shared {
     /// records).
     pub fn verify(&self, repair: bool) -> Result<VerifyReport> {
         self.refresh_for(None);
-        let keys: Vec<String> = self.lock_index().map.keys().cloned().collect();
+        let keys: Vec<String> = self
+            .lock_index()
+            .map
+            .keys()
+            .map(|k| k.to_string())
+            .collect();
         self.stats.verify_done.store(0, Ordering::Relaxed);
         self.stats
             .verify_total
@@ -283,7 +288,7 @@ impl Shared {
             // pinned while read, so its slot cannot be reused under the read (a live store)
             let e = {
                 let mut ix = self.lock_index();
-                let Some(e) = ix.map.get_mut(&k) else {
+                let Some(e) = ix.map.get_mut(k.as_str()) else {
                     continue;
                 };
                 e.pins += 1;

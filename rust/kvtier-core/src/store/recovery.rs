@@ -1,135 +1,218 @@
 //! Recovery at open: replaying the journal into an index (plausibility, slot conflicts resolved by
 //! order) and trimming the data files to what the index holds (docs/STORE.md, "open").
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::BTreeSet;
 use std::path::Path;
 
+use super::fasthash::FastMap;
 use super::files::punch;
 use super::index::{Entry, Index};
-use super::journal::RecordRef as Record;
+use super::journal::{key_bytes_at, record_at, RecordRef as Record};
+use super::replay_keys;
 use super::stats::OpenReport;
 use super::{io_err, ALIGN};
 use crate::error::Result;
 
-/// The index rebuilt from `records`, what replay found, and the keys whose latest record was dropped.
-/// The index's map is sized for at least `presize` keys (a writer's most objects, so that it does not
-/// rehash inside a batch).
+/// What replay keeps of a journal record (`journal::parse_resync_with(bytes, Rec::of)`): where it starts
+/// in the journal, and a put's class, slot and length (a del's are 0: no put has class 0). 24 bytes where
+/// a `RecordRef` takes 72; the rest is read at `off` where it is needed.
+#[derive(Clone, Copy)]
+pub(super) struct Rec {
+    off: usize,
+    class: u32,
+    slot: u32,
+    len: u64,
+}
+
+impl Rec {
+    pub(super) fn of(r: Record<'_>, off: usize) -> Self {
+        match r {
+            Record::Put { at, .. } => {
+                debug_assert!(at.class != 0, "the parser keeps no put of class 0");
+                Rec {
+                    off,
+                    class: at.class,
+                    slot: at.slot,
+                    len: at.len,
+                }
+            }
+            Record::Del { .. } => Rec {
+                off,
+                class: 0,
+                slot: 0,
+                len: 0,
+            },
+        }
+    }
+
+    fn is_put(&self) -> bool {
+        self.class != 0
+    }
+}
+
+/// The index rebuilt from the `records` of the journal's bytes `journal`, what replay found, and the
+/// keys whose latest record was dropped. The index's map is sized for at least `presize` keys (a
+/// writer's most objects, so that it does not rehash inside a batch).
 pub(super) fn replay(
     dir: &Path,
-    records: Vec<Record<'_>>,
+    journal: &[u8],
+    records: Vec<Rec>,
     report: &mut OpenReport,
     presize: usize,
 ) -> Result<(Index, Vec<String>)> {
-    // Each key is interned once, borrowed from the journal's bytes (no allocation per record: a key is
-    // copied only if it is live at the end): `ids` names it, `live[id]` is its entry and the order of its
-    // put record, `owner[class][slot]` is `id + 1` of the live key holding the slot (0: none).
-    let puts = records
-        .iter()
-        .filter(|r| matches!(r, Record::Put { .. }))
-        .count();
-    let mut ids: HashMap<&str, u32> = HashMap::with_capacity(puts);
-    let mut live: Vec<Option<(Entry, u64)>> = Vec::with_capacity(puts);
-    let mut owner: HashMap<u32, Vec<u32>> = HashMap::new();
-    let mut file_len: HashMap<u32, u64> = HashMap::new();
+    let key = |r: &Rec| record_at(journal, r.off).key();
+    // Each key is named by the place of its first record (`first`, see `replay_keys`: no allocation
+    // per record, and a key is copied only if it is live at the end); `live[id]` is where its live put
+    // record is (`Live::NONE`: not live). Per size class, `owner[slot]` is `id + 1` of the live key
+    // holding the slot (0: none); `class_ix` finds a class's state in `classes`, `last` remembers the
+    // previous record's.
+    let first = replay_keys::first_of_key(records.len(), |i| key_bytes_at(journal, records[i].off))
+        .ok_or_else(|| {
+            io_err(
+                "replaying journal.log",
+                std::io::Error::other(format!(
+                    "{} records: replay takes fewer than 2^32",
+                    records.len()
+                )),
+            )
+        })?;
+    let mut live: Vec<Live> = vec![Live::NONE; records.len()];
+    let mut classes: Vec<ClassReplay> = Vec::new();
+    let mut class_ix: FastMap<u32, u32> = FastMap::default();
+    let mut last: Option<(u32, u32)> = None;
     let mut missing: BTreeSet<u32> = BTreeSet::new();
     // keys whose latest record was dropped (a later put or delete of the key takes it out again)
     let mut dropped: BTreeSet<&str> = BTreeSet::new();
-    let mut order = 0u64;
-    let remove =
-        |live: &mut Vec<Option<(Entry, u64)>>, owner: &mut HashMap<u32, Vec<u32>>, id: u32| {
-            if let Some((e, _)) = live[id as usize].take() {
-                if let Some(o) = owner.get_mut(&e.class) {
-                    o[e.slot as usize] = 0;
-                }
+    let remove = |live: &mut [Live], classes: &mut [ClassReplay], id: u32| {
+        let l = std::mem::replace(&mut live[id as usize], Live::NONE);
+        if l.rec != Live::NONE.rec {
+            classes[l.class as usize].owner[l.slot as usize] = 0;
+        }
+    };
+    for (rec, r) in records.iter().enumerate() {
+        if !r.is_put() {
+            if !dropped.is_empty() {
+                dropped.remove(key(r));
             }
-        };
-    for r in records {
-        match r {
-            Record::Put { key, at } => {
-                let (class, slot, len) = (at.class, at.slot, at.len);
-                let flen = match file_len.get(&class) {
-                    Some(&n) => n,
+            remove(&mut live, &mut classes, first[rec]);
+            continue;
+        }
+        let (class, slot, len) = (r.class, r.slot, r.len);
+        let ci = match last {
+            Some((c, i)) if c == class => i,
+            _ => {
+                let i = match class_ix.get(&class) {
+                    Some(&i) => i,
                     None => {
                         let n = class_file_len(dir, class)?;
                         if n.is_none() {
                             missing.insert(class);
                         }
-                        let n = n.unwrap_or(0);
-                        file_len.insert(class, n);
-                        n
+                        let i = u32::try_from(classes.len()).expect("fewer than 2^32 classes");
+                        classes.push(ClassReplay {
+                            file_len: n.unwrap_or(0),
+                            owner: Vec::new(),
+                        });
+                        class_ix.insert(class, i);
+                        i
                     }
                 };
-                // A record can only name bytes the store once wrote: an object inside its class file, a
-                // length within its class. Anything else names no object and never sizes anything.
-                let plausible = super::index::put_shape_ok(class, len)
-                    && u64::from(slot) * u64::from(class) + len <= flen;
-                if !plausible {
-                    if let Some(&id) = ids.get(key) {
-                        remove(&mut live, &mut owner, id);
-                    }
-                    report.dropped_records += 1;
-                    dropped.insert(key);
-                    continue;
-                }
-                if !dropped.is_empty() {
-                    dropped.remove(key);
-                }
-                let id = match ids.get(key) {
-                    Some(&id) => id,
-                    None => {
-                        let id = u32::try_from(live.len()).expect("fewer than 2^32 keys");
-                        ids.insert(key, id);
-                        live.push(None);
-                        id
-                    }
-                };
-                // R3: a later put naming a slot that another live key holds overwrote that key's bytes
-                let o = owner.entry(class).or_default();
-                if o.len() <= slot as usize {
-                    o.resize(slot as usize + 1, 0);
-                }
-                let prev = o[slot as usize];
-                if prev != 0 && prev - 1 != id {
-                    remove(&mut live, &mut owner, prev - 1);
-                    report.superseded_by_slot += 1;
-                }
-                remove(&mut live, &mut owner, id);
-                order += 1;
-                owner.get_mut(&class).expect("created above")[slot as usize] = id + 1;
-                live[id as usize] = Some((Entry::from(at), order));
+                last = Some((class, i));
+                i
             }
-            Record::Del { key } => {
-                if !dropped.is_empty() {
-                    dropped.remove(key);
-                }
-                if let Some(&id) = ids.get(key) {
-                    remove(&mut live, &mut owner, id);
-                }
-            }
+        };
+        // A record can only name bytes the store once wrote: an object inside its class file, a
+        // length within its class. Anything else names no object and never sizes anything.
+        let plausible = super::index::put_shape_ok(class, len)
+            && u64::from(slot) * u64::from(class) + len <= classes[ci as usize].file_len;
+        let id = first[rec];
+        if !plausible {
+            remove(&mut live, &mut classes, id);
+            report.dropped_records += 1;
+            dropped.insert(key(r));
+            continue;
         }
+        if !dropped.is_empty() {
+            dropped.remove(key(r));
+        }
+        // R3: a later put naming a slot that another live key holds overwrote that key's bytes
+        let o = &mut classes[ci as usize].owner;
+        if o.len() <= slot as usize {
+            o.resize(slot as usize + 1, 0);
+        }
+        let prev = o[slot as usize];
+        if prev != 0 && prev - 1 != id {
+            remove(&mut live, &mut classes, prev - 1);
+            report.superseded_by_slot += 1;
+        }
+        remove(&mut live, &mut classes, id);
+        classes[ci as usize].owner[slot as usize] = id + 1;
+        live[id as usize] = Live {
+            rec: rec as u32,
+            class: ci,
+            slot,
+        };
     }
     report.missing_class_files = missing.into_iter().collect();
     let t = std::time::Instant::now();
-    let mut by_age: Vec<(String, Entry, u64)> = ids
-        .into_iter()
-        .filter_map(|(k, id)| live[id as usize].take().map(|(e, o)| (k.to_owned(), e, o)))
-        .collect();
-    drop(live);
-    drop(owner);
-    by_age.sort_unstable_by_key(|x| x.2);
-    let mut ix = Index::default();
-    ix.map.reserve(by_age.len().max(presize));
-    for (_, e, _) in &by_age {
-        let n = ix.next.entry(e.class).or_insert(0);
-        *n = (*n).max(e.slot + 1);
-        ix.used += u64::from(e.class);
-        ix.data_alloc += u64::from(e.class);
+    drop(first);
+    drop(classes);
+    // The live records, oldest first: a key's age is its put record's place in the journal, so marking
+    // them and walking the records in order gives the LRU order without a sort.
+    let mut is_live = vec![false; records.len()];
+    let mut n = 0;
+    for l in live.iter().filter(|l| l.rec != Live::NONE.rec) {
+        is_live[l.rec as usize] = true;
+        n += 1;
     }
-    ix.load(by_age.into_iter().map(|(k, e, _)| (k, e)));
+    drop(live);
+    let mut ix = Index::default();
+    ix.map.reserve(n.max(presize));
+    for r in records
+        .iter()
+        .zip(&is_live)
+        .filter_map(|(r, &l)| l.then_some(r))
+    {
+        let next = ix.next.entry(r.class).or_insert(0);
+        *next = (*next).max(r.slot + 1);
+        ix.used += u64::from(r.class);
+        ix.data_alloc += u64::from(r.class);
+    }
+    let by_age = records.iter().zip(is_live).filter_map(|(r, l)| {
+        match l.then(|| record_at(journal, r.off)) {
+            Some(Record::Put { key, at }) => Some((key, Entry::from(at))),
+            _ => None,
+        }
+    });
+    ix.load(n, by_age);
     report
         .open_phase_ns
         .push(("index_build", t.elapsed().as_nanos() as u64));
     Ok((ix, dropped.into_iter().map(str::to_owned).collect()))
+}
+
+/// Where replay found a key's live put record: its place in the journal's records, its class's place in
+/// replay's classes and its slot.
+#[derive(Clone, Copy)]
+struct Live {
+    rec: u32,
+    class: u32,
+    slot: u32,
+}
+
+impl Live {
+    /// Not live.
+    const NONE: Live = Live {
+        rec: u32::MAX,
+        class: 0,
+        slot: 0,
+    };
+}
+
+/// Replay's state of one size class: its data file's length and which live key holds each slot.
+struct ClassReplay {
+    file_len: u64,
+    owner: Vec<u32>,
 }
 
 /// The length of `class`'s data file; `None` when it does not exist (or is not a file). Any other error
@@ -168,7 +251,7 @@ fn class_files(dir: &Path) -> Vec<u32> {
 pub(super) fn trim_data_files(dir: &Path, ix: &mut Index, writable: bool) -> bool {
     let mut punch_ok = true;
     // per class, whether each slot below `next` is live
-    let mut used: HashMap<u32, Vec<bool>> = HashMap::new();
+    let mut used: FastMap<u32, Vec<bool>> = FastMap::default();
     for e in ix.map.values() {
         let next = ix.next.get(&e.class).copied().unwrap_or(0) as usize;
         let u = used.entry(e.class).or_insert_with(|| vec![false; next]);

@@ -131,10 +131,10 @@ fn compaction_steps_racing_every_change_with_a_crash_after_each() {
                 3 => {
                     // deleted and put again: the same slot (free slots are taken last in, first out)
                     let k = pick(next());
-                    let before = w.lock_index().map[&k].clone();
+                    let before = w.lock_index().map[k.as_str()].clone();
                     w.delete(&[k.as_str()]).unwrap();
                     put_keys(&w, std::slice::from_ref(&k));
-                    if let Some(e) = w.lock_index().map.get(&k) {
+                    if let Some(e) = w.lock_index().map.get(k.as_str()) {
                         reused_slots += usize::from(e.slot == before.slot && e.gen != before.gen);
                     }
                 }

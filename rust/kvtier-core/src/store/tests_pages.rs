@@ -412,7 +412,7 @@ fn full_store_edge_cases_from_review() {
     }
     // one corrupt key named many times in one get: one del record, the reserve still covers every delete
     let k = s.keys().pop().unwrap();
-    let e = s.lock_index().map.get(&k).cloned().unwrap();
+    let e = s.lock_index().map.get(k.as_str()).cloned().unwrap();
     let f = s.class(e.class).unwrap();
     std::os::unix::fs::FileExt::write_all_at(
         &f.buffered,
