@@ -138,7 +138,7 @@ class RestoreSteps:
     def _ensure_window(self, tokens: int) -> Any:
         raise NotImplementedError  # the cache's
 
-    def _load(self, win: Any, layer_idx: int, tokens: int) -> None:
+    def _load(self, win: Any, layer_idx: int, tokens: int, *, tail: bool = False) -> None:
         raise NotImplementedError  # the cache's
 
     def _truncate(self, tokens: int) -> None:
@@ -148,7 +148,7 @@ class RestoreSteps:
         raise NotImplementedError  # the cache's
 
     def _attach(self, starts: list[int], keys: list[str], chain: list[str], host: int, *, first: int = 0,
-                private: bool = False) -> None:
+                private: bool = False, tail: bool = False, load: bool = True) -> None:
         raise NotImplementedError  # the cache's
 
     def _restore(self, tokens: list[int]) -> None:

@@ -286,7 +286,11 @@ impl Shared {
                 format!("{first_layers} of {layers} layers (expected 0 < first_layers < layers)"),
             ));
         }
-        self.page_io(batch, true, Some((layers as u64, first_layers as u64, between)))
+        self.page_io(
+            batch,
+            true,
+            Some((layers as u64, first_layers as u64, between)),
+        )
     }
 
     /// One page batch: objects of pages proven inside the bound pool (distinct pages when `writes`), their
@@ -324,7 +328,13 @@ impl Shared {
             // (a layout this was not made for) the object in one pass
             let prefix: Vec<u64> = objs
                 .iter()
-                .map(|o| if o.2 % layers == 0 { o.2 / layers * first } else { 0 })
+                .map(|o| {
+                    if o.2 % layers == 0 {
+                        o.2 / layers * first
+                    } else {
+                        0
+                    }
+                })
                 .collect();
             // SAFETY: as for `get` below.
             unsafe { self.get_in_two(&objs, &prefix, between) }?

@@ -135,7 +135,10 @@ impl Shared {
                 // call; p <= len.
                 let buf = unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, p) };
                 let off = u64::from(e.slot) * u64::from(e.class);
-                if fault::check("data_read").and_then(|()| c.read(buf, off)).is_err() {
+                if fault::check("data_read")
+                    .and_then(|()| c.read(buf, off))
+                    .is_err()
+                {
                     results[j].store(IO_ERROR, Ordering::Relaxed);
                 }
             });
@@ -154,8 +157,13 @@ impl Shared {
             // SAFETY: the caller guarantees [ptr, ptr+len) is writable and exclusively ours for the call.
             let buf = unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, len as usize) };
             let off = u64::from(e.slot) * u64::from(e.class);
-            let skip = if split { prefix[i].min(len) as usize } else { 0 };
-            let rest = fault::check("data_read").and_then(|()| c.read(&mut buf[skip..], off + skip as u64));
+            let skip = if split {
+                prefix[i].min(len) as usize
+            } else {
+                0
+            };
+            let rest = fault::check("data_read")
+                .and_then(|()| c.read(&mut buf[skip..], off + skip as u64));
             let r = match rest {
                 Err(_) => IO_ERROR,
                 Ok(()) if crc32c::crc32c_append(crc32c::crc32c(buf), key.as_bytes()) != e.crc => {

@@ -14,7 +14,13 @@ const V: usize = 8192; // 4 layers of 2 KiB
 const LAYERS: usize = 4;
 
 /// A store with pages `p0`, `p1` put from pages 0 and 1 of `src`, and a pool `dst` bound for reading.
-fn stored(root: &std::path::Path) -> (PageStore, crate::buffer::HostRegion, crate::buffer::HostRegion) {
+fn stored(
+    root: &std::path::Path,
+) -> (
+    PageStore,
+    crate::buffer::HostRegion,
+    crate::buffer::HostRegion,
+) {
     let src = payload(16, 8192, 41); // 4 pages: K at 0.., V at 64 KiB..
     let dst = payload(16, 8192, 0);
     let s = PageStore::open(root, "ns", opts(1 << 30)).unwrap();
@@ -69,7 +75,10 @@ fn the_first_layers_are_in_memory_when_between_runs_and_the_rest_after() {
     })
     .unwrap();
     assert_eq!((ok, calls), (vec![true, true], 1));
-    assert!(seen_first && !seen_rest, "between ran before the first layers were in, or after the rest");
+    assert!(
+        seen_first && !seen_rest,
+        "between ran before the first layers were in, or after the rest"
+    );
     assert_eq!(bytes_at(&dst, 0, 2 * K), bytes_at(&src, 0, 2 * K));
     assert_eq!(bytes_at(&dst, 65536, 2 * V), bytes_at(&src, 65536, 2 * V));
     std::fs::remove_dir_all(root).unwrap();
