@@ -136,10 +136,8 @@ def _run(*, device: str, n_conv: int, turns: int, seed: int, store_dir: str | No
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("always")
-            # every layer resident (the GPU memory transformers' own cache takes, which the demo compares with):
-            # kvtier's setting for time to first token (a split's rest trails its head layer by layer)
-            tier = KVTier(model, model_id=f"kvtier-demo/random-llama-{device}-seed{seed}", page_size=ps,
-                          window=cfg.num_hidden_layers, host_tokens=max(s["host_pages"], max_pages + 1) * ps, store_dir=root,
+            tier = KVTier(model, model_id=f"kvtier-demo/random-llama-{device}-seed{seed}", page_size=ps, window=2,
+                          host_tokens=max(s["host_pages"], max_pages + 1) * ps, store_dir=root,
                           store_capacity_bytes=4 << 30, cluster=cluster, restore=restore)
     except BaseException:
         if store_dir is None:
