@@ -70,8 +70,10 @@ def test_bad_arguments_are_refused_and_still_open_the_gate(tmp_path):
         assert gate.is_open
         after = [page_bytes(hp, p) for p in range(10, 15)]
         assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(before, after))
-        # a layer count the pages are not a whole multiple of: one pass, still exact
-        assert st.batch_get_layers_first(keys, pages_idx(range(10, 15)), 7, 3, None) == [True] * 5
+        # a layer count other than the pool's: one pass (there is no layer boundary to open the gate at)
+        gate = _native.HostGate()
+        assert st.batch_get_layers_first(keys, pages_idx(range(10, 15)), 7, 3, gate) == [True] * 5
+        assert gate.is_open
 
 
 def test_a_sealed_store_reads_in_one_pass(tmp_path):
@@ -98,3 +100,22 @@ def test_read_into_with_first_layers_opens_the_gate_and_reads_exactly(tmp_path):
         gate = _native.HostGate()
         assert ctrl.read_into(["../bad"] * 5, starts, first_layers=2, gate=gate).result() == 0 and gate.is_open
         ctrl.free(starts)
+
+
+def test_a_pool_not_laid_out_by_layer_reads_in_one_pass(tmp_path):
+    """A ``page_first`` pool keeps a page's tokens first: half its bytes are half the tokens of every layer, not
+    the first layers, so it must not open the gate half-way (it reads in one pass, then opens it)."""
+    hp = make_pool("page_first", layers=LAYERS)
+    keys = [f"{i:064x}" for i in range(3)]
+    want = [page_bytes(hp, p) for p in range(3)]
+    with PageStore(tmp_path, capacity_bytes=1 << 30, model_name="layers-first-pf") as st:
+        st.register_mem_pool_host(hp)
+        assert st.batch_set_v1(keys, pages_idx(range(3))) == [True] * 3
+        seen = []
+        real = st._batch
+        st._batch = lambda *a: (seen.append(len(a)), real(*a))[1]  # (which path: 3 args one pass, 4 two)
+        gate = _native.HostGate()
+        assert st.batch_get_layers_first(keys, pages_idx(range(5, 8)), LAYERS, 2, gate) == [True] * 3
+        assert gate.is_open and seen == [3]
+        k, v = page_bytes(hp, 5)
+        assert torch.equal(k, want[0][0]) and torch.equal(v, want[0][1])

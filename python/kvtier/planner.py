@@ -285,6 +285,8 @@ def plan_restore(
     for name, v in (("prompt_tokens", prompt_tokens), ("page_tokens", page_tokens), ("page_bytes", page_bytes)):
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
             raise InvalidArgumentError(f"invalid argument `{name}`: must be a positive int, got {v!r}")
+    if not (isinstance(trail_margin, (int, float)) and trail_margin >= 0):
+        raise InvalidArgumentError(f"invalid argument `trail_margin`: must be a number >= 0, got {trail_margin!r}")
     if isinstance(host_pages, bool) or not isinstance(host_pages, int) or host_pages < 0:
         raise InvalidArgumentError(f"invalid argument `host_pages`: must be an int >= 0, got {host_pages!r}")
     segs = [(str(n), int(p)) for n, p in store_segments if int(p) > 0]

@@ -341,8 +341,14 @@ class PageStore:
         """:meth:`batch_get_v1` in two passes: the first ``first_layers`` of the pool's ``layers`` of each page,
         then ``gate`` (a ``kvtier._native.HostGate``; opened on every path) opens, then the rest; each page is
         checked whole. Whatever a caller makes from the first layers meanwhile goes with a page that comes back
-        False. A sealed store reads in one pass."""
+        False. A sealed store, or a pool not ``page_first_direct`` of ``layers`` layers, reads in one pass."""
+        pool = self._pool
         try:
+            if getattr(pool, "layout", None) != "page_first_direct" or getattr(pool, "layer_num", None) != layers:
+                if not (isinstance(layers, int) and isinstance(first_layers, int) and 0 < first_layers < layers):
+                    raise InvalidArgumentError(f"invalid argument `first_layers`: {first_layers!r} of {layers!r} layers "
+                                               "(expected 0 < first_layers < layers)")
+                return self._batch(False, keys, host_indices)
             return self._batch(False, keys, host_indices, (layers, first_layers, gate))
         finally:
             if gate is not None:

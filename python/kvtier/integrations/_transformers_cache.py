@@ -407,6 +407,7 @@ class KvtierCache(RestoreSteps, DynamicCache):
         if self._tail is not None:
             self._settled()
             tokens = min(tokens, self.get_seq_length())
+        st.after_tail()  # (rows cut here are written again by the next forward's loads and compute)
         keep = -(-tokens // ps)
         self.table.release(st, keep)
         j = tokens // ps

@@ -276,6 +276,7 @@ class RestoreSteps:
             return None
         self.table.reading = None
         good, st, ps = tail.good(), self._state, self._state.page_size
+        st.after_tail()  # (its pages go to the index, its slots' rows to whatever follows)
         if good:
             took = st.controller.adopt(tail.keys[:good], tail.starts[:good], stored=[True] * good)
             for i, (key, ok) in enumerate(zip(tail.keys, took), start=tail.first):

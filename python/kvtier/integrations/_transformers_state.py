@@ -203,12 +203,22 @@ class TierRuntime:
             sub.join()
 
     def drain(self) -> None:
-        """Wait until every transfer this tier issued has completed (a failed one raises its error)."""
-        self._joined()
-        if self.stream is not None:
-            self.stream.synchronize()
+        """Wait until every transfer this tier issued has completed (a failed one raises its error, once
+        both streams are idle: what is freed after it is never touched again)."""
+        try:
+            self._joined()
+        finally:
+            if self.stream is not None:
+                self.stream.synchronize()
+            if self._tail_stream is not None:
+                self._tail_stream.synchronize()
+
+    def after_tail(self) -> None:
+        """The compute stream and the transfer stream wait (on the device) for what the tail stream holds: a
+        tail settled or cut back, its slots and pages may be written or given back by work queued on them."""
         if self._tail_stream is not None:
-            self._tail_stream.synchronize()
+            torch.cuda.current_stream(self.device).wait_stream(self._tail_stream)
+            self.stream.wait_stream(self._tail_stream)
 
     def fence(self) -> Any:
         """A CUDA event after every transfer this tier has issued so far (None on the CPU); raises the error of

@@ -137,8 +137,8 @@ impl PyPageStore {
         first_layers: usize,
         gate: Option<PyRef<'_, crate::engine::PyHostGate>>,
     ) -> KvResult<Vec<bool>> {
-        let split =
-            (layers + first_layers > 0).then(|| (layers, first_layers, gate.map(|g| g.0.clone())));
+        let split = (layers != 0 || first_layers != 0)
+            .then(|| (layers, first_layers, gate.map(|g| g.0.clone())));
         self.pages(py, keys, host_indices, true, split)
     }
 

@@ -324,20 +324,27 @@ impl Shared {
         // V never share a byte (checked at bind), so no two destinations overlap; while the claim is held no
         // other batch of this store writes a range this one touches, or touches a range this one writes.
         let ok = if let Some((layers, first, between)) = split {
-            // an object's first layers: a whole number of layers (its length a multiple of the count), else
-            // (a layout this was not made for) the object in one pass
-            let prefix: Vec<u64> = objs
-                .iter()
-                .map(|o| {
-                    if o.2 % layers == 0 {
-                        o.2 / layers * first
-                    } else {
-                        0
-                    }
-                })
-                .collect();
-            // SAFETY: as for `get` below.
-            unsafe { self.get_in_two(&objs, &prefix, between) }?
+            if objs.iter().any(|o| o.2 % layers != 0) {
+                // not `layers` layers in order (a layout this was not made for): one pass, then `between`
+                // SAFETY: as for `get` below.
+                let got = unsafe { self.get(&objs) };
+                between();
+                got?
+            } else {
+                // each object's first layers, rounded up to whole 4 KiB blocks (O_DIRECT stays on; the
+                // rounding only reads a little of the next layer early)
+                let prefix: Vec<u64> = objs
+                    .iter()
+                    .map(|o| {
+                        (o.2 / layers * first)
+                            .div_ceil(4096)
+                            .saturating_mul(4096)
+                            .min(o.2)
+                    })
+                    .collect();
+                // SAFETY: as for `get` below.
+                unsafe { self.get_in_two(&objs, &prefix, between) }?
+            }
         } else if writes {
             // SAFETY: live, disjoint destinations in the bound pool, claimed for this batch (see above).
             unsafe { self.get(&objs) }?

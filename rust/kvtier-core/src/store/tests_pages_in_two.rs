@@ -169,3 +169,31 @@ fn bad_arguments_and_missing_pages_still_call_between_once() {
     assert_eq!(calls, 1, "an index out of the batch's pages");
     std::fs::remove_dir_all(root).unwrap();
 }
+
+#[test]
+fn objects_not_a_whole_number_of_layers_read_whole_before_between() {
+    let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let root = tmp();
+    let (s, src, dst) = stored(&root);
+    // 3 "layers" of 16 KiB K objects: no layer boundary to stop at, so the whole page is in before `between`
+    let keys: Vec<String> = vec!["p0".into(), "p1".into()];
+    let idx: Vec<i64> = (0..8).collect();
+    let mut whole = false;
+    let ok = s
+        .get_pages_in_two(
+            &PageBatch {
+                keys: &keys,
+                host_indices: &idx,
+            },
+            3,
+            1,
+            &mut || {
+                whole = bytes_at(&dst, 0, 2 * K) == bytes_at(&src, 0, 2 * K)
+                    && bytes_at(&dst, 65536, 2 * V) == bytes_at(&src, 65536, 2 * V);
+            },
+        )
+        .unwrap();
+    assert_eq!(ok, vec![true, true]);
+    assert!(whole, "between ran before the pages were read whole");
+    std::fs::remove_dir_all(root).unwrap();
+}
