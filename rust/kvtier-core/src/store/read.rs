@@ -131,8 +131,7 @@ impl Shared {
                     results[j].store(IO_ERROR, Ordering::Relaxed);
                     return;
                 };
-                // SAFETY: the caller guarantees [ptr, ptr+len) is writable and exclusively ours for the
-                // call; p <= len.
+                // SAFETY: the caller guarantees [ptr, ptr+len) is writable and exclusively ours; p <= len.
                 let buf = unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, p) };
                 let off = u64::from(e.slot) * u64::from(e.class);
                 if fault::check("data_read")
