@@ -31,6 +31,15 @@ impl GateState {
             open = self.opened.wait(open).unwrap_or_else(|p| p.into_inner());
         }
     }
+
+    fn wait_open_for(&self, limit: std::time::Duration) -> bool {
+        let open = self.open.lock().unwrap_or_else(|p| p.into_inner());
+        let (open, _) = self
+            .opened
+            .wait_timeout_while(open, limit, |o| !*o)
+            .unwrap_or_else(|p| p.into_inner());
+        *open
+    }
 }
 
 /// A gate, closed until [`HostGate::open`]. Dropping it opens it: no stream is ever left blocked by a gate
@@ -59,6 +68,11 @@ impl HostGate {
     /// Blocks this thread until the gate is open (what the host function does on the driver's thread).
     pub fn wait_open(&self) {
         self.state.wait_open();
+    }
+
+    /// Blocks this thread until the gate is open or `limit` has passed; true if open.
+    pub fn wait_open_for(&self, limit: std::time::Duration) -> bool {
+        self.state.wait_open_for(limit)
     }
 }
 

@@ -27,6 +27,18 @@ fn wait_done(state: Option<&State>) {
     }
 }
 
+/// A gate that could not be enqueued holds back what follows it on the host instead: the submissions
+/// after this one on its stream wait for it to finish submitting ([`wait_done`]), so it finishes only once
+/// the gate is open — or once no one else holds the gate, when no one can open it any more (its drop opens
+/// it). Without this, the copies queued behind a failed gate would run before the bytes they read are there.
+fn hold_until_open(gate: &Arc<crate::cuda::HostGate>) {
+    while !gate.wait_open_for(std::time::Duration::from_millis(20)) {
+        if Arc::strong_count(gate) == 1 {
+            return;
+        }
+    }
+}
+
 fn finish(state: &State, res: Result<()>) {
     let (m, cv) = &**state;
     let mut g = m.lock().unwrap_or_else(|p| p.into_inner());
@@ -156,7 +168,9 @@ pub fn submit_layers_background(
 /// Enqueues `gate` (see [`crate::cuda::HostGate`]) on CUDA `stream` of `device` from a native thread, in
 /// order after `previous` (the last background submission on that stream): what is submitted on `stream`
 /// after this submission finishes does not start on the device before the gate opens. The returned
-/// submission has no layers; [`Submission::join`] waits until the gate is enqueued.
+/// submission has no layers; [`Submission::join`] waits until the gate is enqueued. If it cannot be
+/// enqueued, the submission reports the error once the gate is open (or dropped by every other holder), so
+/// what follows it on `stream` is still not submitted before then.
 pub fn submit_gate_background(
     device: i32,
     stream: usize,
@@ -175,6 +189,9 @@ pub fn submit_gate_background(
                 // SAFETY: the caller passes a live stream of `device` (the binding's contract).
                 unsafe { cur.enqueue_gate(stream, &gate) }
             });
+            if res.is_err() {
+                hold_until_open(&gate);
+            }
             finish(&worker, res);
         })
         .map_err(|e| Error::Os {

@@ -228,3 +228,33 @@ fn a_detour_submission_refuses_bad_streams_and_events_before_any_cuda_call() {
         assert!(err.contains(arg), "{caller} {detour} {fork} {join}: {err}");
     }
 }
+
+#[test]
+fn a_gate_that_cannot_be_enqueued_holds_what_follows_until_it_opens() {
+    use crate::cuda::HostGate;
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+    let nowhere = i32::MAX; // no such device: no gate can be enqueued there
+    let first = Arc::new(HostGate::new());
+    let s1 = submit_gate_background(nowhere, 0, first.clone(), None).unwrap();
+    let open = Arc::new(HostGate::new());
+    open.open();
+    let s2 = submit_gate_background(nowhere, 0, open.clone(), Some(&s1)).unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(
+        !s1.finished() && !s2.finished(),
+        "a submission after a gate that was never enqueued went ahead before the gate opened"
+    );
+    first.open();
+    assert!(s1.join().is_err(), "the failed gate must report its error");
+    assert!(s2.join().is_err());
+    // a gate no one else holds can never be opened: its submission ends instead of waiting forever
+    let t = Instant::now();
+    let s3 = submit_gate_background(nowhere, 0, Arc::new(HostGate::new()), None).unwrap();
+    assert!(s3.join().is_err());
+    assert!(
+        t.elapsed() < Duration::from_secs(5),
+        "took {:?}",
+        t.elapsed()
+    );
+}
