@@ -28,7 +28,7 @@ const STEP_FACTOR: u64 = 4;
 /// The least a step writes, so small commits still move a compaction along.
 const STEP_MIN: u64 = 16 << 10;
 /// Entries encoded per hold of the index lock.
-const CHUNK: usize = 4096;
+const CHUNK: usize = 512;
 /// The longest record (a sealed put with a key of `journal::MAX_KEY` bytes).
 const MAX_RECORD: u64 = (journal::encoded_len(journal::MAX_KEY) + crate::seal::SEAL_LEN) as u64;
 
