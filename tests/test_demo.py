@@ -46,6 +46,18 @@ def test_the_workload_serves_a_real_architecture():
     assert all(r["kv_exact"] and r["output_exact"] for r in out["results"])
 
 
+def test_the_workload_with_every_layer_resident():
+    import pytest
+
+    pytest.importorskip("transformers")
+    from kvtier.demo.workload import run_workload
+
+    out = run_workload(device="cpu", quiet=True, n_conv=2, turns=2, window=0)
+    assert out["window"] == out["config"].num_hidden_layers and out["failures"] == []
+    assert {"host hit", "disk hit"} & {r["source"] for r in out["results"]}
+    assert all(r["kv_exact"] and r["output_exact"] for r in out["results"])
+
+
 def _over(out):
     """Requests whose TTFT with kvtier is above the bound: 5% over no tier's (the mean of its two runs, one
     just before and one just after kvtier's), plus twice the spread of those two runs (the machine's noise at

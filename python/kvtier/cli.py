@@ -181,6 +181,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
             raise KvtierError(f"--{name} must be in [1, {most}], got {value}")
     if not 0 <= args.seed < 2**63:
         raise KvtierError(f"--seed must be in [0, 2**63), got {args.seed}")
+    window = None
+    if args.window is not None:
+        if args.window == "all":
+            window = 0
+        elif args.window.isdigit() and 1 <= int(args.window) <= 1024:
+            window = int(args.window)
+        else:
+            raise KvtierError(f"--window must be 'all' or a number of layers in [1, 1024], got {args.window!r}")
     if args.store_dir is not None:
         if not args.store_dir.strip():
             raise KvtierError("--store-dir must name a directory, got an empty string")
@@ -200,7 +208,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from .demo.tour import run
 
     return run(layers=args.layers, pages=args.pages, seed=args.seed, conversations=args.conversations,
-               turns=args.turns, keep=args.keep, store_dir=args.store_dir)
+               turns=args.turns, keep=args.keep, store_dir=args.store_dir, window=window)
 
 
 def cmd_bench(args: argparse.Namespace, rest: list[str], bench_parser: argparse.ArgumentParser) -> int:
@@ -235,6 +243,9 @@ def _main(argv: list[str] | None) -> int:
                       "after the run). Default: temp directories under the working directory, removed unless --keep")
     demo.add_argument("--keep", action="store_true", help="keep the default store directory after the run")
     demo.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    demo.add_argument("--window", default=None,
+                      help="layers the served model's KVTier keeps on the device: a number, or 'all' (default: all on "
+                      "a GPU, 2 on the CPU; more than the model has means all)")
     demo.add_argument("--cluster", action="store_true",
                       help="two inference-node processes sharing prefixes through a local Mooncake cluster "
                       "(needs kvtier[mooncake]; README 'Cluster tier')")

@@ -49,7 +49,8 @@ def _calm(fallback: str) -> str:
 
 
 def run(layers: int = 8, pages: int = 32, page_size: int = 64, heads: int = 4, seed: int = 0, *,
-        conversations: int = 3, turns: int = 3, keep: bool = False, store_dir: str | None = None) -> int:
+        conversations: int = 3, turns: int = 3, keep: bool = False, store_dir: str | None = None,
+        window: int | None = None) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     print(f"kvtier {__version__} demo on {device} (torch {torch.__version__})")
 
@@ -105,7 +106,8 @@ def run(layers: int = 8, pages: int = 32, page_size: int = 64, heads: int = 4, s
             print(f"\nServing {conversations} conversations x {turns} turns with a tiny asymmetric transformer "
                   f"(K 48 / V 32 head dims; transformers is not installed) through TierController; device pool < "
                   f"working set, host pool < working set:")
-        out = run_workload(device=device, n_conv=conversations, turns=turns, seed=seed, keep=keep, store_dir=store_dir)
+        out = run_workload(device=device, n_conv=conversations, turns=turns, seed=seed, keep=keep, store_dir=store_dir,
+                           window=window)
         failures += len(out["failures"])
         if out["root"] and store_dir is None:
             print(f"store kept at {out['root']}")

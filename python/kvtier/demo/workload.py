@@ -116,12 +116,14 @@ def run_workload(
     quiet: bool = False,
     cluster: str | None = None,
     restore: str = "plan",
+    window: int | None = None,
 ) -> dict:
     """Serve the workload; verify every reused prefix bit for bit; return the measurements. ``model``:
     ``"llama"`` (transformers), ``"toy"`` or ``"auto"`` (llama where transformers is installed). With
     ``cluster`` (a Mooncake master's address) the store is the tier chain local disk → cluster (kvtier.tiers),
     and a prefix served by the cluster counts as a ``cluster hit``. ``restore``: the transformers tier's restore
-    mode (``"plan"``: decided with measurements; ``"all"``: every cached page loaded)."""
+    mode (``"plan"``: decided with measurements; ``"all"``: every cached page loaded); ``window``: its layers
+    kept on the device (None: the demo's default for ``device``; 0: every layer)."""
     if model not in ("auto", "llama", "toy"):
         raise InvalidArgumentError(f"invalid argument `model`: {model!r}; expected 'auto', 'llama' or 'toy'")
     if model == "auto":
@@ -130,7 +132,7 @@ def run_workload(
         from .workload_transformers import run
 
         return run(device=device, n_conv=n_conv, turns=turns, seed=seed, store_dir=store_dir, keep=keep, quiet=quiet,
-                   cluster=cluster, restore=restore)
+                   cluster=cluster, restore=restore, window=window)
     g = Geometry()
     reqs = conversations(n_conv, turns, g, seed)
     max_tokens = max(len(r) for r in reqs)

@@ -33,10 +33,18 @@ SIZES: dict[str, dict[str, Any]] = {
     "cpu": dict(config=dict(num_hidden_layers=4, hidden_size=512, intermediate_size=2816, num_attention_heads=8,
                             num_key_value_heads=2, vocab_size=4096, max_position_embeddings=8192),
                 page_size=32, system=12, start=4, turn=6, host_pages=60),
-    "cuda": dict(config=dict(num_hidden_layers=16, hidden_size=2048, intermediate_size=8192, num_attention_heads=16,
-                             num_key_value_heads=8, vocab_size=32000, max_position_embeddings=32768),
-                 page_size=64, system=48, start=16, turn=24, host_pages=400),
+    # Llama-3.1-8B's shape (vocabulary cut to 32K: only the last position's logits are computed). On a 1.2B
+    # model an H200 prefills 8K tokens in about 45 ms, and kvtier's per-layer host work was a visible part of
+    # that; at 8B the prefill is what a user's TTFT is made of. The host pool holds about one prompt, so the
+    # other conversations' pages come back from the disk.
+    "cuda": dict(config=dict(num_hidden_layers=32, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                             num_key_value_heads=8, vocab_size=32000, max_position_embeddings=32768, rope_theta=500000.0,
+                             rms_norm_eps=1e-5),
+                 page_size=64, system=48, start=16, turn=24, host_pages=160),
 }
+#: Layers kept on the device by the demo's KVTier (``None``: every layer). With every layer resident a split
+#: restore's rest trails its head layer by layer (README, "When a tier pays"); on the CPU a window of 2.
+WINDOW: dict[str, int | None] = {"cpu": 2, "cuda": None}
 #: logits of the same prompt computed in other chunks differ by rounding; more than this is a wrong output
 LOGIT_TOLERANCE = {"cpu": 1e-3, "cuda": 0.5}
 #: ... and so does KV: a page another node stored (no checksum of it here) is compared with no tier's KV
@@ -87,15 +95,17 @@ CUDNN_NOTE = ("attention: PyTorch's SDPA without its cuDNN backend, for kvtier a
 
 
 def run(*, device: str, n_conv: int, turns: int, seed: int, store_dir: str | None, keep: bool, quiet: bool,
-        cluster: str | None, restore: str = "plan") -> dict:
+        cluster: str | None, restore: str = "plan", window: int | None = None) -> dict:
     """Serves the workload (see the module docs) and returns its measurements; prints the report unless
-    ``quiet``. On CUDA, cuDNN's SDPA backend is off while it runs (:data:`CUDNN_NOTE`)."""
+    ``quiet``. ``window``: layers the KVTier keeps on the device (default :data:`WINDOW`'s for ``device``;
+    0 or more than the model's layers: every layer). On CUDA, cuDNN's SDPA backend is off while it runs
+    (:data:`CUDNN_NOTE`)."""
     cudnn = device == "cuda" and torch.backends.cuda.cudnn_sdp_enabled()
     if cudnn:
         torch.backends.cuda.enable_cudnn_sdp(False)
     try:
         out = _run(device=device, n_conv=n_conv, turns=turns, seed=seed, store_dir=store_dir, keep=keep, quiet=True,
-                   cluster=cluster, restore=restore)
+                   cluster=cluster, restore=restore, window=window)
     finally:
         if cudnn:
             torch.backends.cuda.enable_cudnn_sdp(True)
@@ -106,7 +116,7 @@ def run(*, device: str, n_conv: int, turns: int, seed: int, store_dir: str | Non
 
 
 def _run(*, device: str, n_conv: int, turns: int, seed: int, store_dir: str | None, keep: bool, quiet: bool,
-         cluster: str | None, restore: str = "plan") -> dict:
+         cluster: str | None, restore: str = "plan", window: int | None = None) -> dict:
     from transformers import DynamicCache, LlamaForCausalLM
 
     from ..integrations.transformers import KVTier
@@ -115,12 +125,18 @@ def _run(*, device: str, n_conv: int, turns: int, seed: int, store_dir: str | No
     s = SIZES["cuda" if device == "cuda" else "cpu"]
     ps = s["page_size"]
     reqs = conversations(n_conv, turns, device, cfg.vocab_size, seed)
+    if window is None:
+        window = WINDOW["cuda" if device == "cuda" else "cpu"]
+    window = cfg.num_hidden_layers if not window or window > cfg.num_hidden_layers else window
     torch.manual_seed(seed)
-    with torch.device(device):
-        model = LlamaForCausalLM(cfg)
+    old_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16 if device == "cuda" else torch.float32)  # made in its own dtype
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(old_dtype)
     model.train(False)  # inference mode (no dropout)
-    if device == "cuda":
-        model = model.to(torch.bfloat16)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     max_pages = max(len(r) for r in reqs) // ps + 1
     root = store_dir or tempfile.mkdtemp(prefix="kvtier-demo-", dir=os.getcwd())
@@ -136,7 +152,7 @@ def _run(*, device: str, n_conv: int, turns: int, seed: int, store_dir: str | No
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("always")
-            tier = KVTier(model, model_id=f"kvtier-demo/random-llama-{device}-seed{seed}", page_size=ps, window=2,
+            tier = KVTier(model, model_id=f"kvtier-demo/random-llama-{device}-seed{seed}", page_size=ps, window=window,
                           host_tokens=max(s["host_pages"], max_pages + 1) * ps, store_dir=root,
                           store_capacity_bytes=4 << 30, cluster=cluster, restore=restore)
     except BaseException:
@@ -224,7 +240,8 @@ def _run(*, device: str, n_conv: int, turns: int, seed: int, store_dir: str | No
             remove_tree(root)
     out = dict(results=results, failures=failures, stats=ctrl.stats, store=store_stats, root=root if keep else None,
                page_bytes=ctrl.page_bytes, page_size=ps, tiers=tier_stats, model="llama", transformers=stats,
-               config=cfg, planner=planner, measured=measured, prefill=prefill, device=device, restore=restore)
+               config=cfg, planner=planner, measured=measured, prefill=prefill, device=device, restore=restore,
+               window=window)
     if not quiet:
         report(out)
     return out
@@ -269,7 +286,9 @@ def report(out: dict) -> None:
     c = out["config"]
     print(f"\nEvery request timed twice: with kvtier (its prefix restored as planned, then the rest of the prompt) "
           f"and with no tier\n(the whole prompt in one forward, transformers' DynamicCache). Model: LlamaForCausalLM "
-          f"{c.num_hidden_layers} layers, hidden {c.hidden_size}, {c.num_key_value_heads} KV heads, random weights.")
+          f"{c.num_hidden_layers} layers, hidden {c.hidden_size}, {c.num_key_value_heads} KV heads, random weights; "
+          f"kvtier keeps {'every layer' if out['window'] >= c.num_hidden_layers else str(out['window']) + ' layers'} "
+          f"on the device.")
     if out.get("attention_note"):
         print(out["attention_note"])
     print(f"{'source':<12} {'requests':>8} {'prompt':>8} {'cached':>8} {'reused':>8} {'no tier':>10} {'kvtier':>10} "
