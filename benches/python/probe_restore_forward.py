@@ -1,13 +1,13 @@
 """Where the forward after a host restore spends its time: a prefix of ``--ctx`` tokens is on kvtier's host
-pool, the prompt's last 64 tokens are computed through kvtier's cache (its window streams every layer's
+pool, the prompt's last ``--suffix`` tokens (default 64) are computed through kvtier's cache (its window streams every layer's
 prefix to the GPU). Beside it, the same 64 tokens on a DynamicCache that already holds the prefix on the GPU
-(the floor), the raw per-layer loads of the prefix alone (GB/s), and the host time inside the cache's
+(the floor), the whole prompt in one forward with no cache (what recomputing costs), the raw per-layer loads of the prefix alone (GB/s), and the host time inside the cache's
 ``update`` calls. Variants: window sizes (``w2``: 2 layers), ``-kernel`` for the window's transfers as
 kernels instead of copy-engine copies; run each twice (``w2,w2``) to see the order's
 effect (the first variant after the floor ran 15-20 ms slower in two runs on the H200). With ``--profile DIR`` one
 forward of each variant is profiled (torch.profiler tables and a Chrome trace).
 
-    PYTHONPATH=python python benches/python/probe_restore_forward.py [--ctx 8192] [--out probe.json]
+    PYTHONPATH=python python benches/python/probe_restore_forward.py [--ctx 8192] [--suffix 64] [--out probe.json]
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from kvtier.integrations import _transformers_cache as tc
 from kvtier.integrations import _transformers_state as ts
 from kvtier.integrations.transformers import KVTier, cache_kwarg
 
-SUFFIX = 64
 # host time inside these (inclusive, summed over one forward): where the cache's update() spends it
 TIMED = [(tc.KvtierCache, "update"), (ts.TierRuntime, "transfer"), (ts.TierRuntime, "wait"),
          (HostKVPool, "prepare"), (HostKVPool, "_check_device_pool"), (TransferEngine, "copy"),
@@ -71,6 +70,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ctx", type=int, default=8192)
     ap.add_argument("--ps", type=int, default=64)
+    ap.add_argument("--suffix", type=int, default=64, help="tokens computed after the restored prefix")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--variants", default="w2,w4,w8")
@@ -82,12 +82,24 @@ def main() -> None:
     model = build(a.tiny, dev)
     cfg, kw = model.config, cache_kwarg(model)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    ps, ctx = a.ps, a.ctx
-    ids = torch.randint(0, cfg.vocab_size, (1, ctx + SUFFIX), generator=torch.Generator().manual_seed(3))
-    out: dict = {"ctx": ctx, "page_size": ps, "device": torch.cuda.get_device_name() if cuda else "cpu", "variants": {}}
+    ps, ctx, suffix = a.ps, a.ctx, a.suffix
+    if ctx % ps or ctx <= 0 or suffix <= 0:
+        raise SystemExit(f"--ctx must be a positive multiple of --ps ({ps}) and --suffix positive")
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, cfg.vocab_size, (1, ctx + suffix), generator=gen)
+    out: dict = {"ctx": ctx, "suffix": suffix, "page_size": ps, "device": torch.cuda.get_device_name() if cuda else "cpu", "variants": {}}
 
     with torch.no_grad():
-        # the floor: the prefix's KV already on the GPU, the last 64 tokens computed on it
+        whole = []
+        for _ in range(a.reps + 1):  # recomputing: the whole prompt in one forward (the first one untimed)
+            sync()
+            t0 = time.perf_counter()
+            model(input_ids=ids.to(dev), use_cache=True, logits_to_keep=1, **{kw: DynamicCache(config=cfg)})
+            sync()
+            whole.append(time.perf_counter() - t0)
+        out["recompute_s"] = statistics.median(whole[1:])
+        print(f"recompute (the whole prompt, no cache): {1e3 * out['recompute_s']:.1f} ms", flush=True)
+        # the floor: the prefix's KV already on the GPU, the last --suffix tokens computed on it
         kept = DynamicCache(config=cfg)
         model(input_ids=ids[:, :ctx].to(dev), use_cache=True, logits_to_keep=1, **{kw: kept})
         floor = []
@@ -109,9 +121,11 @@ def main() -> None:
             else:
                 os.environ.pop("KVTIER_DIRECT_KERNEL_BELOW_KB", None)
             tier = KVTier(model, model_id="probe/restore-forward", page_size=ps, window=window,
-                          host_tokens=2 * (ctx + SUFFIX) + 8 * ps, restore="all")
-            first = tier.cache(ids)
-            model(input_ids=ids.to(dev), use_cache=True, logits_to_keep=1, **{kw: first})
+                          host_tokens=2 * (ctx + suffix) + 8 * ps, restore="all")
+            # only the prefix is kept; each forward below computes a suffix of its own (no earlier forward stored
+            # its pages), so every rep restores exactly the prefix
+            first = tier.cache(ids[:, :ctx])
+            model(input_ids=ids[:, :ctx].to(dev), use_cache=True, logits_to_keep=1, **{kw: first})
             first.release()
             tier.controller.wait_idle()
             acc: dict = {}
@@ -119,6 +133,7 @@ def main() -> None:
             row: dict = {"cache_s": [], "forward_s": [], "decode_s": [], "host_s": []}
             try:
                 for rep in range(a.reps + 1):
+                    ids = torch.cat([ids[:, :ctx], torch.randint(0, cfg.vocab_size, (1, suffix), generator=gen)], 1)
                     sync()
                     t0 = time.perf_counter()
                     c = tier.cache(ids)
@@ -146,6 +161,7 @@ def main() -> None:
                         import cProfile
                         import pstats
 
+                        ids = torch.cat([ids[:, :ctx], torch.randint(0, cfg.vocab_size, (1, suffix), generator=gen)], 1)
                         c = tier.cache(ids)
                         pr = cProfile.Profile()
                         pr.enable()
@@ -159,6 +175,7 @@ def main() -> None:
                     if rep == a.reps and a.profile and cuda:
                         from torch.profiler import ProfilerActivity, profile
 
+                        ids = torch.cat([ids[:, :ctx], torch.randint(0, cfg.vocab_size, (1, suffix), generator=gen)], 1)
                         c = tier.cache(ids)
                         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                             model(input_ids=ids[:, c.get_seq_length():].to(dev), use_cache=True, logits_to_keep=1, **{kw: c})
@@ -172,7 +189,7 @@ def main() -> None:
                     tier.controller.wait_idle()
                 # the raw per-layer loads of the prefix into the window's slots, back to back
                 c = tier.cache(ids)
-                win = c._ensure_window(c.get_seq_length() + SUFFIX)
+                win = c._ensure_window(c.get_seq_length() + suffix)
                 loads = []
                 for _ in range(3):
                     sync()
