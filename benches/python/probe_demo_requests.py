@@ -4,7 +4,7 @@ restore: planning, taking host pages, a split's head forward and tail read), the
 time. The workload is `kvtier demo`'s (``kvtier.demo.workload_transformers``), run as the demo runs it (on CUDA
 without cuDNN's attention: the workload turns it off, see ``CUDNN_NOTE``).
 
-    PYTHONPATH=python python benches/python/probe_demo_requests.py [--out probe.json]
+    PYTHONPATH=python python benches/python/probe_demo_requests.py [--window N|all] [--out probe.json]
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="demo-requests.json")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--window", default=None, help="the KVTier's window: layers, or 'all' (default: the demo's)")
     a = ap.parse_args()
+    window = None if a.window is None else 0 if a.window == "all" else int(a.window)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     calls: list[dict] = []
@@ -55,7 +57,8 @@ def main() -> None:
 
     kt.KVTier.cache, tc.KvtierCache.update = cache, update
     try:
-        out = wt.run(device=device, n_conv=3, turns=3, seed=a.seed, store_dir=None, keep=False, quiet=True, cluster=None)
+        out = wt.run(device=device, n_conv=3, turns=3, seed=a.seed, store_dir=None, keep=False, quiet=True, cluster=None,
+                     window=window)
     finally:
         kt.KVTier.cache, tc.KvtierCache.update = real_cache, real_update
     # calls made by the workload's requests are the last len(results) of them (calibration made the others)
@@ -68,7 +71,7 @@ def main() -> None:
                          cache_ms=1e3 * c["cache_s"], update_host_ms=1e3 * c["update_s"], updates=c["updates"]))
         print({k: (round(v, 1) if isinstance(v, float) else v) for k, v in rows[-1].items()}, flush=True)
     with open(a.out, "w") as f:
-        json.dump(dict(device=device, rows=rows, prefill=out["prefill"], measured=out["measured"]), f, indent=1,
+        json.dump(dict(device=device, window=out["window"], rows=rows, prefill=out["prefill"], measured=out["measured"]), f, indent=1,
                   default=str)
 
 
