@@ -244,8 +244,8 @@ def _main(argv: list[str] | None) -> int:
     demo.add_argument("--keep", action="store_true", help="keep the default store directory after the run")
     demo.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     demo.add_argument("--window", default=None,
-                      help="layers the served model's KVTier keeps on the device: a number, or 'all' (default: all on "
-                      "a GPU, 2 on the CPU; more than the model has means all)")
+                      help="layers the served model's KVTier keeps on the device: a number, or 'all' (default 2; "
+                      "more than the model has means all)")
     demo.add_argument("--cluster", action="store_true",
                       help="two inference-node processes sharing prefixes through a local Mooncake cluster "
                       "(needs kvtier[mooncake]; README 'Cluster tier')")
