@@ -279,6 +279,7 @@ def test_a_bad_trace_is_a_one_line_error_from_the_command(tmp_path):
 
 def test_a_named_trace_is_found_by_name_and_checked_by_sha256(tmp_path, monkeypatch):
     monkeypatch.setattr(tr, "trace_dirs", lambda: [tmp_path])
+    monkeypatch.setenv("KVTIER_TRACE_OFFLINE", "1")  # (tests/test_replay_fetch.py: the download)
     with pytest.raises(KvtierError, match="conversation_trace.jsonl\\[.gz\\] is not in any of"):
         tr.resolve("conversation")
     (tmp_path / "synthetic_trace.jsonl.gz").write_bytes(gzip.compress(Path(SAMPLE).read_bytes()))

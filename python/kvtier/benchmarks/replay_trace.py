@@ -6,8 +6,9 @@ prefix block (the last block may be partial). Plain ``.jsonl`` or gzip-compresse
 
 The two traces the paper's figures come from are known by name (``conversation``, ``synthetic``) and by
 the sha256 of their uncompressed bytes; a named trace is looked for in ``$KVTIER_TRACE_DIR``, then
-``benches/traces/`` and ``shared/traces/`` of the source tree, and a file that matches neither checksum is
-refused. benches/traces/ATTRIBUTION.md says where they come from.
+``benches/traces/`` and ``shared/traces/`` of the source tree, then the download cache, and downloaded on
+first use where it is in none of them (:mod:`kvtier.benchmarks.replay_fetch`); a file that matches neither
+checksum is refused. benches/traces/ATTRIBUTION.md says where they come from.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .._errors import KvtierError
+from . import replay_fetch
 
 #: tokens per block of the trace format (``hash_ids`` are per 512-token block)
 BLOCK_TOKENS = 512
@@ -78,6 +80,7 @@ def trace_dirs() -> list[Path]:
         root / "shared" / "traces",
         root.parent / "shared" / "traces",  # a shared/ directory beside the checkout
         Path.cwd() / "benches" / "traces",
+        replay_fetch.cache_dir(),  # downloaded on first use
     ]
 
 
@@ -89,10 +92,12 @@ def resolve(spec: str) -> tuple[str, str | None]:
             for cand in (d / (base + ".gz"), d / base):
                 if cand.is_file():
                     return str(cand), spec
+        if not replay_fetch.offline():
+            return str(replay_fetch.fetch(spec, base, KNOWN[spec].sha256)), spec
         raise KvtierError(
             f"--trace {spec}: {base}[.gz] is not in any of "
-            f"{', '.join(str(d) for d in trace_dirs())} (benches/traces/ATTRIBUTION.md says where it "
-            "comes from; or set KVTIER_TRACE_DIR, or pass a path)"
+            f"{', '.join(str(d) for d in trace_dirs())} and KVTIER_TRACE_OFFLINE is set (benches/traces/"
+            "ATTRIBUTION.md says where it comes from; or set KVTIER_TRACE_DIR, or pass a path)"
         )
     if not os.path.exists(spec):
         raise KvtierError(f"--trace {spec}: no such file (give a path, or one of {sorted(KNOWN)})")
