@@ -76,7 +76,10 @@ def main() -> None:
     ap.add_argument("--variants", default="w2,w4,w8")
     ap.add_argument("--profile", default=None, help="a directory for one profiled forward per variant")
     ap.add_argument("--out", default="restore-forward.json")
+    ap.add_argument("--no-cudnn", action="store_true", help="SDPA without its cuDNN backend (as `kvtier demo` runs)")
     a = ap.parse_args()
+    if a.no_cudnn:
+        torch.backends.cuda.enable_cudnn_sdp(False)
     dev = "cuda" if torch.cuda.is_available() and not a.tiny else "cpu"
     cuda = dev == "cuda"
     model = build(a.tiny, dev)
@@ -87,7 +90,7 @@ def main() -> None:
         raise SystemExit(f"--ctx must be a positive multiple of --ps ({ps}) and --suffix positive")
     gen = torch.Generator().manual_seed(3)
     ids = torch.randint(0, cfg.vocab_size, (1, ctx + suffix), generator=gen)
-    out: dict = {"ctx": ctx, "suffix": suffix, "page_size": ps, "device": torch.cuda.get_device_name() if cuda else "cpu", "variants": {}}
+    out: dict = {"cudnn_sdp": not a.no_cudnn, "ctx": ctx, "suffix": suffix, "page_size": ps, "device": torch.cuda.get_device_name() if cuda else "cpu", "variants": {}}
 
     with torch.no_grad():
         whole = []
