@@ -21,6 +21,22 @@ fn stored(
     crate::buffer::HostRegion,
     crate::buffer::HostRegion,
 ) {
+    let (s, src, dst, ok) = stored_with(root, None);
+    assert_eq!(ok, vec![true, true]);
+    (s, src, dst)
+}
+
+/// As [`stored`], with `fault` at `data_write` (calls to let through, fault) while the pages are put; also
+/// returns what the put acknowledged.
+fn stored_with(
+    root: &std::path::Path,
+    fault_at_write: Option<(u64, Fault)>,
+) -> (
+    PageStore,
+    crate::buffer::HostRegion,
+    crate::buffer::HostRegion,
+    Vec<bool>,
+) {
     let src = payload(16, 8192, 41); // 4 pages: K at 0.., V at 64 KiB..
     let dst = payload(16, 8192, 0);
     let s = PageStore::open(root, "ns", opts(1 << 30)).unwrap();
@@ -38,16 +54,17 @@ fn stored(
     unsafe { s.bind_pages(layout(src.as_ptr() as usize)) }.unwrap();
     let keys: Vec<String> = vec!["p0".into(), "p1".into()];
     let idx: Vec<i64> = (0..8).collect();
-    let ok = s
-        .put_pages(&PageBatch {
-            keys: &keys,
-            host_indices: &idx,
-        })
-        .unwrap();
-    assert_eq!(ok, vec![true, true]);
+    if let Some((skip, f)) = fault_at_write {
+        fault::set("data_write", skip, 1, f);
+    }
+    let ok = s.put_pages(&PageBatch {
+        keys: &keys,
+        host_indices: &idx,
+    });
+    fault::clear();
     // SAFETY: as above, for `dst`.
     unsafe { s.bind_pages(layout(dst.as_ptr() as usize)) }.unwrap();
-    (s, src, dst)
+    (s, src, dst, ok.unwrap())
 }
 
 fn read(s: &PageStore, first: usize, between: &mut dyn FnMut()) -> Result<Vec<bool>> {
@@ -196,4 +213,93 @@ fn objects_not_a_whole_number_of_layers_read_whole_before_between() {
     assert_eq!(ok, vec![true, true]);
     assert!(whole, "between ran before the pages were read whole");
     std::fs::remove_dir_all(root).unwrap();
+}
+
+/// Whether page `i` of `dst` holds page `i` of `src` (K and V, every layer).
+fn page_same(src: &crate::buffer::HostRegion, dst: &crate::buffer::HostRegion, i: usize) -> bool {
+    bytes_at(dst, i * K, K) == bytes_at(src, i * K, K)
+        && bytes_at(dst, 65536 + i * V, V) == bytes_at(src, 65536 + i * V, V)
+}
+
+#[test]
+fn a_read_error_at_any_call_of_either_pass_never_serves_a_page_not_read_whole() {
+    let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    // 2 pages x (K, V) x 2 passes = 8 reads; each one failing, once and twice in a row, and every read slow
+    let mut cases: Vec<(u64, u64, Fault)> = (0..8)
+        .flat_map(|skip| {
+            [
+                (skip, 1, Fault::Error(libc::EIO)),
+                (skip, 2, Fault::Error(libc::EIO)),
+            ]
+        })
+        .collect();
+    cases.push((0, 8, Fault::Delay(std::time::Duration::from_millis(2))));
+    let root = tmp();
+    let (s, src, dst) = stored(&root);
+    for (skip, times, f) in cases {
+        for first in [1, 2, 3] {
+            // SAFETY: the region owns its `len()` bytes, and no read is in flight.
+            unsafe { std::ptr::write_bytes(dst.as_ptr(), 0, dst.len()) };
+            let mut calls = 0;
+            fault::set("data_read", skip, times, f);
+            let ok = read(&s, first, &mut || calls += 1).unwrap();
+            fault::clear();
+            assert_eq!(
+                calls, 1,
+                "between once ({skip}, {times}, {f:?}, first {first})"
+            );
+            for (i, served) in ok.iter().enumerate() {
+                assert!(
+                    !served || page_same(&src, &dst, i),
+                    "page {i} served with other bytes ({skip}, {times}, {f:?}, first {first})"
+                );
+            }
+            if matches!(f, Fault::Delay(_)) {
+                assert_eq!(ok, vec![true, true], "a slow read is no failure");
+            } else {
+                assert!(
+                    ok.contains(&false),
+                    "a failed read was not reported ({skip}, {times})"
+                );
+            }
+            // an IO error is no damage: nothing was dropped, and both pages read whole again
+            let mut again = 0;
+            assert_eq!(
+                read(&s, first, &mut || again += 1).unwrap(),
+                vec![true, true]
+            );
+        }
+    }
+    std::fs::remove_dir_all(root).unwrap();
+}
+
+#[test]
+fn a_torn_write_is_caught_by_the_two_pass_read_whichever_object_it_tore() {
+    let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    // the put writes 4 objects (2 pages x K, V); each one torn in turn (half written, zeros after, success
+    // reported): the tear lies in the object's second half, so in the second pass for first = 1 or 2, and
+    // in the first for first = 3 (K's third layer starts at 8 KiB, V's at 4 KiB)
+    for skip in 0..4 {
+        for first in [1, 2, 3] {
+            let root = tmp();
+            let (s, src, dst, acked) = stored_with(&root, Some((skip, Fault::Torn)));
+            assert_eq!(acked, vec![true, true], "a torn write reports success");
+            let mut calls = 0;
+            let ok = read(&s, first, &mut || calls += 1).unwrap();
+            assert_eq!(calls, 1);
+            assert_eq!(
+                ok.iter().filter(|b| !**b).count(),
+                1,
+                "torn object {skip}, first {first}: {ok:?}"
+            );
+            for (i, served) in ok.iter().enumerate() {
+                assert!(
+                    !served || page_same(&src, &dst, i),
+                    "page {i} served with other bytes"
+                );
+            }
+            assert!(s.stats.corrupt_reads.load(Ordering::Relaxed) >= 1);
+            std::fs::remove_dir_all(root).unwrap();
+        }
+    }
 }
