@@ -66,6 +66,24 @@ pub fn page_hashes(tokens: &[u32], page_size: usize, prior: Option<&str>) -> Res
     Ok(out)
 }
 
+/// The checksum that binds an object's bytes to its key: crc32c of the bytes followed by the key, as the
+/// page store keeps it in its journal and the cluster tier in its records. Built with
+/// `RUSTFLAGS="--cfg kvtier_bench_unverified"` (only `benches/integrity_ab.sh` does, in a target directory
+/// of its own) it is 0 without reading the bytes, so that run measures the tiers without verification;
+/// no feature or option of a normal build turns it off.
+#[inline]
+pub fn object_crc(bytes: &[u8], key: &str) -> u32 {
+    #[cfg(kvtier_bench_unverified)]
+    {
+        let _ = (bytes, key);
+        0
+    }
+    #[cfg(not(kvtier_bench_unverified))]
+    {
+        crc32c::crc32c_append(crc32c::crc32c(bytes), key.as_bytes())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

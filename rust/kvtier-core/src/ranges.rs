@@ -142,7 +142,7 @@ impl Ranges {
             // above); the caller orders writes to it against this call (as for a page store put).
             // SAFETY: live, readable memory of `o.2` bytes at `o.1`.
             let bytes = unsafe { std::slice::from_raw_parts(o.1 as *const u8, o.2 as usize) };
-            crc32c::crc32c_append(crc32c::crc32c(bytes), o.0.as_bytes())
+            crate::hash::object_crc(bytes, o.0)
         });
         drop(held);
         Ok(out)

@@ -165,9 +165,7 @@ impl Shared {
                 .and_then(|()| c.read(&mut buf[skip..], off + skip as u64));
             let r = match rest {
                 Err(_) => IO_ERROR,
-                Ok(()) if crc32c::crc32c_append(crc32c::crc32c(buf), key.as_bytes()) != e.crc => {
-                    CORRUPT
-                }
+                Ok(()) if crate::hash::object_crc(buf, key) != e.crc => CORRUPT,
                 // sealed: opened in place; a tag that does not verify is corrupt, a tenant without a key
                 // here now (erased, or its key file unreadable for a moment) a miss that keeps the object
                 Ok(()) => match (&keys, &e.seal) {
@@ -311,9 +309,7 @@ impl Shared {
             self.lock_index().unpin(&k, e.class, e.slot);
             match read {
                 Err(()) => rep.unreadable.push(k.clone()),
-                Ok(()) if crc32c::crc32c_append(crc32c::crc32c(&buf), k.as_bytes()) != e.crc => {
-                    rep.corrupt.push(k.clone())
-                }
+                Ok(()) if crate::hash::object_crc(&buf, &k) != e.crc => rep.corrupt.push(k.clone()),
                 Ok(()) => continue,
             }
             bad.push((k, e.gen));

@@ -401,7 +401,7 @@ impl Shared {
                     sealed_copy.insert(buf).as_slice()
                 }
             };
-            let crc = crc32c::crc32c_append(crc32c::crc32c(bytes), key.as_bytes());
+            let crc = crate::hash::object_crc(bytes, key);
             let off = u64::from(s.slot) * u64::from(s.class);
             let res = match fault::take("data_write") {
                 // partial writes exist only here; everything else is handled as at any other point

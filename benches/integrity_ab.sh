@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# What integrity costs the page store: benches/integrity.rs built twice — as always (every object checksummed
+# on put, verified on get) and with `--cfg kvtier_bench_unverified` (no checksum; its own target directory, so
+# no other build ever sees that flag) — and run alternated on one disk:
+#
+#   benches/integrity_ab.sh [ROUNDS] [DIR] [-- BENCH ARGS]
+#
+# ROUNDS (default 3) runs of each, in turn; DIR: where the stores go (default a temp dir; removed after each
+# run). Prints both builds' lines and, per case, the medians over the rounds and what verification costs
+# (1 - verified / unverified); writes benches/results/${KVTIER_MACHINE:-cpu}-integrity.json (one JSON line
+# per run, then the summary).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+rounds=${1:-3}
+dir=${2:-$(mktemp -d)}
+shift $(( $# < 2 ? $# : 2 ))
+[ "${1:-}" = "--" ] && shift
+build() { # $1: target dir; prints the bench binary (RUSTFLAGS as the caller sets them)
+  CARGO_TARGET_DIR="$1" cargo build -q --release -p kvtier-bench --bench integrity --message-format=json |
+    sed -n 's/.*"executable":"\([^"]*integrity[^"]*\)".*/\1/p' | tail -1
+}
+verified=$(build "${CARGO_TARGET_DIR:-$PWD/target}")
+unverified=$(RUSTFLAGS="--cfg kvtier_bench_unverified" build "${KVTIER_UNVERIFIED_TARGET:-$PWD/target-unverified}")
+out=benches/results/${KVTIER_MACHINE:-cpu}-integrity.json
+tmp=$(mktemp)
+trap 'rm -f "$tmp"' EXIT
+: > "$out"
+for i in $(seq "$rounds"); do
+  for bin in "$verified" "$unverified"; do
+    echo "== round $i: $([ "$bin" = "$verified" ] && echo verified || echo unverified)" >&2
+    "$bin" --dir "$dir/kvtier-integrity.$$" "$@" | tee "$tmp" >&2
+    printf '{"round":%d,"result":%s}\n' "$i" "$(tail -1 "$tmp")" >> "$out"
+  done
+done
+python3 - "$out" <<'PY'
+import json, statistics, sys
+runs = [json.loads(l) for l in open(sys.argv[1])]
+by = {}
+for r in runs:
+    for c in r["result"]["cases"]:
+        k = (c["object_bytes"], c["objects"], r["result"]["verified"])
+        by.setdefault(k, []).append(c)
+rows = []
+print(f"{'case':>14} {'put verified':>13} {'unverified':>11} {'cost':>6} {'get verified':>13} {'unverified':>11} {'cost':>6} {'crc32c/core':>12}")
+for size, n in sorted({(k[0], k[1]) for k in by}):
+    v, u = by[(size, n, True)], by[(size, n, False)]
+    med = lambda cs, f: statistics.median(c[f] for c in cs)
+    pv, pu, gv, gu = med(v, "put_gbps"), med(u, "put_gbps"), med(v, "get_gbps"), med(u, "get_gbps")
+    crc = med(v, "crc32c_gbps_one_core")
+    row = dict(object_bytes=size, objects=n, put_verified=pv, put_unverified=pu, put_cost=1 - pv / pu,
+               get_verified=gv, get_unverified=gu, get_cost=1 - gv / gu, crc32c_gbps_one_core=crc)
+    rows.append(row)
+    print(f"{size >> 10:>6} KiB x {n:<3} {pv:>9.2} GB/s {pu:>6.2} GB/s {100 * row['put_cost']:>5.1f}% "
+          f"{gv:>9.2} GB/s {gu:>6.2} GB/s {100 * row['get_cost']:>5.1f}% {crc:>7.1f} GB/s")
+with open(sys.argv[1], "a") as f:
+    f.write(json.dumps({"summary": rows, "rounds": len(runs) // 2}) + "\n")
+PY
+echo "results in $out" >&2
