@@ -85,3 +85,19 @@ def test_the_demo_is_never_slower_than_no_tier():
     res = out["results"]
     assert {"host hit", "disk hit"} <= {r["source"] for r in res}
     assert sum(r["no_tier_s"] for r in res) > 1.5 * sum(r["ttft_s"] for r in res)
+
+
+def test_the_gpu_demo_serves_a_model_the_gpu_can_hold():
+    import pytest
+
+    pytest.importorskip("transformers")
+    from kvtier.demo import workload_transformers as wt
+
+    assert wt.size_key("cpu") == "cpu"
+    assert wt.size_key("cuda", 141 << 30) == "cuda"  # an H200: Llama-3.1-8B's shape
+    assert wt.size_key("cuda", 24 << 30) == "cuda-small"  # a 24 GB card: the 1.2B model
+    assert wt.SIZES["cuda"]["config"]["num_hidden_layers"] == 32
+    assert wt.SIZES["cuda-small"]["config"]["hidden_size"] == 2048
+    for key in ("cuda", "cuda-small"):  # the same workload either way
+        assert {k: v for k, v in wt.SIZES[key].items() if k != "config"} == \
+            {k: v for k, v in wt.SIZES["cuda"].items() if k != "config"}

@@ -41,7 +41,24 @@ SIZES: dict[str, dict[str, Any]] = {
                              num_key_value_heads=8, vocab_size=32000, max_position_embeddings=32768, rope_theta=500000.0,
                              rms_norm_eps=1e-5),
                  page_size=64, system=48, start=16, turn=24, host_pages=160),
+    # a GPU with less than SMALL_GPU_BELOW of memory (the 8B model and its 8K-token prefill need about 20 GB):
+    # a 1.2B model of the same page and prompt sizes
+    "cuda-small": dict(config=dict(num_hidden_layers=16, hidden_size=2048, intermediate_size=8192,
+                                   num_attention_heads=16, num_key_value_heads=8, vocab_size=32000,
+                                   max_position_embeddings=32768),
+                       page_size=64, system=48, start=16, turn=24, host_pages=160),
 }
+#: total device memory below which the demo serves the 1.2B model (``"cuda-small"``)
+SMALL_GPU_BELOW = 40 << 30
+
+
+def size_key(device: str, total_memory: int | None = None) -> str:
+    """Which :data:`SIZES` entry serves on ``device`` (``total_memory``: the GPU's bytes; default: asked of torch)."""
+    if device != "cuda":
+        return "cpu"
+    if total_memory is None:
+        total_memory = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    return "cuda" if total_memory >= SMALL_GPU_BELOW else "cuda-small"
 #: Layers kept on the device by the demo's KVTier (``None``: every layer). A window of 2 on both: on the H200
 #: the 8B demo was 1.15x faster than no tier with it and 1.06x with every layer resident (one run each, same
 #: call, benches/results/h200-demo.log), whose window costs the restore and the rest of the prompt more here.
@@ -55,7 +72,7 @@ KV_TOLERANCE = {"cpu": 1e-4, "cuda": 0.05}
 def llama_config(device: str) -> Any:
     from transformers import LlamaConfig
 
-    cfg = LlamaConfig(**SIZES["cuda" if device == "cuda" else "cpu"]["config"])
+    cfg = LlamaConfig(**SIZES[size_key(device)]["config"])
     cfg._attn_implementation = "sdpa"
     return cfg
 
@@ -64,7 +81,7 @@ def conversations(n_conv: int, turns: int, device: str, vocab: int, seed: int) -
     """Requests (token lists): ``n_conv`` conversations sharing a system prompt, each turn extending its
     conversation (plus a few tokens of answer, so prompts do not end on page boundaries); interleaved across
     conversations, so the host pool cannot keep them all."""
-    s = SIZES["cuda" if device == "cuda" else "cpu"]
+    s = SIZES[size_key(device)]
     ps = s["page_size"]
     gen = torch.Generator().manual_seed(seed + 1)
 
@@ -123,7 +140,7 @@ def _run(*, device: str, n_conv: int, turns: int, seed: int, store_dir: str | No
     from ..integrations.transformers import KVTier
 
     cfg = llama_config(device)
-    s = SIZES["cuda" if device == "cuda" else "cpu"]
+    s = SIZES[size_key(device)]
     ps = s["page_size"]
     reqs = conversations(n_conv, turns, device, cfg.vocab_size, seed)
     if window is None:
