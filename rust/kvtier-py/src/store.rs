@@ -194,23 +194,12 @@ impl PyPageStore {
     /// `{"checked", "corrupt", "unreadable"}`; with repair=True corrupt and unreadable objects are deleted
     /// and the journal compacted.
     fn verify<'py>(&self, py: Python<'py>, repair: bool) -> KvResult<Bound<'py, PyDict>> {
-        let s = self.store()?;
-        let r = py.detach(|| s.verify(repair))?;
-        let d = PyDict::new(py);
-        d.set_item("checked", r.checked)?;
-        d.set_item("corrupt", r.corrupt)?;
-        d.set_item("unreadable", r.unreadable)?;
-        Ok(d)
+        crate::store_fns::verify(py, &self.store()?, repair)
     }
 
     /// `(checked, total)` objects of the running (or last) `verify`, for progress shown by another thread.
     fn verify_progress(&self) -> KvResult<(u64, u64)> {
-        use std::sync::atomic::Ordering::Relaxed;
-        let s = self.store()?;
-        Ok((
-            s.stats.verify_done.load(Relaxed),
-            s.stats.verify_total.load(Relaxed),
-        ))
+        Ok(crate::store_fns::verify_progress(&*self.store()?))
     }
 
     fn keys(&self) -> KvResult<Vec<String>> {

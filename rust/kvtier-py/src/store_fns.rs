@@ -11,6 +11,28 @@ use pyo3::types::PyDict;
 
 use crate::errors::KvResult;
 
+/// `PageStore.verify(repair)`: `{"checked", "corrupt", "unreadable"}`, the GIL released while it runs.
+pub fn verify<'py>(
+    py: Python<'py>,
+    s: &std::sync::Arc<PageStore>,
+    repair: bool,
+) -> KvResult<Bound<'py, PyDict>> {
+    let r = py.detach(|| s.verify(repair))?;
+    let d = PyDict::new(py);
+    d.set_item("checked", r.checked)?;
+    d.set_item("corrupt", r.corrupt)?;
+    d.set_item("unreadable", r.unreadable)?;
+    Ok(d)
+}
+
+/// `PageStore.verify_progress()`: `(checked, total)` of the running (or last) `verify`.
+pub fn verify_progress(s: &PageStore) -> (u64, u64) {
+    (
+        s.stats.verify_done.load(Ordering::Relaxed),
+        s.stats.verify_total.load(Ordering::Relaxed),
+    )
+}
+
 /// `PageStore.stats()`: counters, occupancy and what open found.
 pub fn stats<'py>(py: Python<'py>, s: &PageStore) -> KvResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
