@@ -5,28 +5,33 @@
 #
 #   benches/integrity_ab.sh [ROUNDS] [DIR] [-- BENCH ARGS]
 #
-# ROUNDS (default 3) runs of each, in turn; DIR: where the stores go (default a temp dir; removed after each
-# run). Prints both builds' lines and, per case, the medians over the rounds and what verification costs
-# (1 - verified / unverified); writes benches/results/${KVTIER_MACHINE:-cpu}-integrity.json (one JSON line
-# per run, then the summary).
+# ROUNDS (default 3) runs of each, in turn (which build goes first alternates); DIR: the disk to measure
+# (default ./benches; each run's stores go in a directory of their own under it, removed after the run).
+# Prints both builds' lines and, per case, the medians over the rounds and what verification costs (the
+# median over rounds of 1 - verified / unverified); writes benches/results/${KVTIER_MACHINE:-cpu}-integrity.json
+# (one JSON line per run, then the summary) once every run is done. RUSTFLAGS set by the caller go to both.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-rounds=${1:-3}
-dir=${2:-$(mktemp -d)}
-shift $(( $# < 2 ? $# : 2 ))
+pos=()
+while [ $# -gt 0 ] && [ "$1" != "--" ]; do pos+=("$1"); shift; done
 [ "${1:-}" = "--" ] && shift
+rounds=${pos[0]:-3}
+dir=${pos[1]:-$PWD/benches}
+case $rounds in ''|*[!0-9]*|0) echo "ROUNDS must be a positive number, got '$rounds'" >&2; exit 2;; esac
 build() { # $1: target dir; prints the bench binary (RUSTFLAGS as the caller sets them)
   CARGO_TARGET_DIR="$1" cargo build -q --release -p kvtier-bench --bench integrity --message-format=json |
     sed -n 's/.*"executable":"\([^"]*integrity[^"]*\)".*/\1/p' | tail -1
 }
 verified=$(build "${CARGO_TARGET_DIR:-$PWD/target}")
-unverified=$(RUSTFLAGS="--cfg kvtier_bench_unverified" build "${KVTIER_UNVERIFIED_TARGET:-$PWD/target-unverified}")
-out=benches/results/${KVTIER_MACHINE:-cpu}-integrity.json
+unverified=$(RUSTFLAGS="${RUSTFLAGS:-} --cfg kvtier_bench_unverified" build "${KVTIER_UNVERIFIED_TARGET:-$PWD/target-unverified}")
+final=benches/results/${KVTIER_MACHINE:-cpu}-integrity.json
 tmp=$(mktemp)
-trap 'rm -f "$tmp"' EXIT
-: > "$out"
+out=$(mktemp)
+trap 'rm -f "$tmp" "$out"; rm -rf "$dir/kvtier-integrity.$$"' EXIT
 for i in $(seq "$rounds"); do
-  for bin in "$verified" "$unverified"; do
+  order="$verified $unverified"
+  [ $((i % 2)) = 0 ] && order="$unverified $verified"
+  for bin in $order; do
     echo "== round $i: $([ "$bin" = "$verified" ] && echo verified || echo unverified)" >&2
     "$bin" --dir "$dir/kvtier-integrity.$$" "$@" | tee "$tmp" >&2
     printf '{"round":%d,"result":%s}\n' "$i" "$(tail -1 "$tmp")" >> "$out"
@@ -61,4 +66,5 @@ print("cost: the median over rounds of 1 - verified / unverified, each round's t
 with open(sys.argv[1], "a") as f:
     f.write(json.dumps({"summary": rows, "rounds": len(runs) // 2}) + "\n")
 PY
-echo "results in $out" >&2
+cp "$out" "$final"
+echo "results in $final" >&2

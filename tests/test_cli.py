@@ -78,7 +78,8 @@ def test_demo_arguments_are_checked_before_any_work(tmp_path):
     assert r.returncode == 1 and "not an existing directory" in r.stderr and not (tmp_path / "no").exists(), r.stderr
     for args, word in ((["--store-dir", ""], "--store-dir"), (["--seed", str(2**70)], "--seed"),
                        (["--layers", "100000"], "--layers"), (["--window", "0"], "--window"),
-                       (["--window", "two"], "--window"), (["--window", "-1"], "--window")):
+                       (["--window", "two"], "--window"), (["--window", "-1"], "--window"),
+                       (["--window", "²"], "--window"), (["--window", "2", "--cluster"], "--window")):
         r = kv("demo", *args, cwd=tmp_path)
         assert r.returncode == 1 and word in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     (tmp_path / "file").write_text("x")

@@ -96,6 +96,8 @@ def test_the_gpu_demo_serves_a_model_the_gpu_can_hold():
     assert wt.size_key("cpu") == "cpu"
     assert wt.size_key("cuda", 141 << 30) == "cuda"  # an H200: Llama-3.1-8B's shape
     assert wt.size_key("cuda", 24 << 30) == "cuda-small"  # a 24 GB card: the 1.2B model
+    assert wt.size_key("cuda", 32 << 30) == "cuda-small"
+    assert wt.size_key("cuda", int(39.4 * (1 << 30))) == "cuda"  # an A100 "40 GB"
     assert wt.SIZES["cuda"]["config"]["num_hidden_layers"] == 32
     assert wt.SIZES["cuda-small"]["config"]["hidden_size"] == 2048
     for key in ("cuda", "cuda-small"):  # the same workload either way

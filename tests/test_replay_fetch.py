@@ -50,6 +50,8 @@ def server(tmp_path, monkeypatch):
     monkeypatch.setenv("KVTIER_TRACE_URL", f"http://127.0.0.1:{srv.server_address[1]}/traces")
     monkeypatch.setenv("KVTIER_TRACE_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("KVTIER_TRACE_OFFLINE", raising=False)
+    for var in ("no_proxy", "NO_PROXY"):  # a proxy set for the machine must not carry the loopback requests
+        monkeypatch.setenv(var, "127.0.0.1,localhost")
     monkeypatch.delenv("KVTIER_TRACE_DIR", raising=False)
     monkeypatch.setattr(tr, "trace_dirs", lambda: [tmp_path / "nowhere", replay_fetch.cache_dir()])
     try:
@@ -70,6 +72,27 @@ def test_a_missing_named_trace_is_downloaded_once_checked_and_kept(server, tmp_p
     server.shutdown()  # the second use needs no network
     assert tr.resolve("sample")[0] == path and len(_Handler.hits) == 1
     assert os.listdir(tmp_path / "cache") == ["sample_trace.jsonl"]
+    assert os.stat(path).st_mode & 0o777 == 0o644, "others sharing the cache must read it"
+
+
+def test_the_download_cache_is_searched(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVTIER_TRACE_CACHE", str(tmp_path / "cache"))
+    assert tr.trace_dirs()[-1] == tmp_path / "cache"
+
+
+def test_a_damaged_downloaded_copy_is_fetched_again(server, tmp_path, capsys):
+    path, _ = tr.resolve("sample")
+    Path(path).write_bytes(SAMPLE.read_bytes()[:-10])  # the cached copy cut short later
+    trace = tr.load("sample")
+    assert trace.known == "sample" and Path(path).read_bytes() == SAMPLE.read_bytes()
+    assert "damaged" in capsys.readouterr().err and len(_Handler.hits) == 2
+
+
+def test_too_large_a_response_is_refused(server, tmp_path, monkeypatch):
+    monkeypatch.setattr(replay_fetch, "MAX_BYTES", 100)
+    with pytest.raises(KvtierError, match="more than any known trace"):
+        tr.resolve("sample")
+    assert os.listdir(tmp_path / "cache") == []
 
 
 @pytest.mark.parametrize("damage", ["other bytes", "cut short", "not found", "no server"])
@@ -115,8 +138,12 @@ def test_an_interrupted_download_leaves_nothing(server, tmp_path, monkeypatch):
     assert os.listdir(tmp_path / "cache") == []
 
 
-def test_an_unwritable_cache_is_a_clear_error(server, tmp_path, monkeypatch):
+@pytest.mark.parametrize("where", ["under a file", "a directory no file can be made in"])
+def test_an_unwritable_cache_is_a_clear_error(server, tmp_path, monkeypatch, where):
     (tmp_path / "file").write_text("x")
-    monkeypatch.setenv("KVTIER_TRACE_CACHE", str(tmp_path / "file" / "cache"))
-    with pytest.raises(KvtierError, match="cannot create the trace cache"):
+    # (as root, permission bits do not stop a write: /proc/self refuses new files to anyone)
+    cache = tmp_path / "file" / "cache" if where == "under a file" else Path("/proc/self")
+    monkeypatch.setenv("KVTIER_TRACE_CACHE", str(cache))
+    with pytest.raises(KvtierError, match="cannot write the trace cache"):
         tr.resolve("sample")
+    assert _Handler.hits == [], "nothing downloaded that could not be kept"

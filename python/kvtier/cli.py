@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import re
 import sys
 from typing import Any
 
@@ -185,7 +186,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if args.window is not None:
         if args.window == "all":
             window = 0
-        elif args.window.isdigit() and 1 <= int(args.window) <= 1024:
+        elif re.fullmatch(r"[0-9]{1,4}", args.window) and 1 <= int(args.window) <= 1024:
             window = int(args.window)
         else:
             raise KvtierError(f"--window must be 'all' or a number of layers in [1, 1024], got {args.window!r}")
@@ -201,6 +202,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         if not os.access(d if os.path.isdir(d) else os.path.dirname(d), os.W_OK):
             raise KvtierError(f"--store-dir {args.store_dir}: not writable")
     if args.cluster:
+        if window is not None:
+            raise KvtierError("--window applies to the one-node demo, not to --cluster")
         from .demo.cluster import run_cluster
 
         return run_cluster(conversations=args.conversations, turns=args.turns, seed=args.seed,

@@ -19,6 +19,7 @@ import json
 import math
 import os
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -134,7 +135,32 @@ def parse_line(line: str, where: str) -> Request:
 
 def load(spec: str, limit: int | None = None) -> Trace:
     """Reads and checks a trace (every line, even past ``limit``, so the checksum covers the file); a known
-    workload's name must find bytes with its checksum."""
+    workload's name must find bytes with its checksum. A downloaded copy whose bytes are no longer the known
+    ones (a damaged disk, a cut copy) is removed and downloaded again, once."""
+    try:
+        return _load(spec, limit)
+    except _DamagedCopy as damaged:
+        try:
+            os.unlink(damaged.path)
+        except OSError as e:
+            raise KvtierError(f"{damaged.path}: a damaged downloaded copy (sha256 {damaged.sha}) that cannot be "
+                              f"removed ({e.strerror or e}): delete it") from None
+        print(f"kvtier: {damaged.path}: the downloaded copy is damaged (sha256 {damaged.sha}); removed, "
+              "downloading it again", file=sys.stderr)
+    try:
+        return _load(spec, limit)
+    except _DamagedCopy as again:  # (the copy just downloaded was checked before it was kept: a disk at fault)
+        raise KvtierError(f"{again.path}: sha256 {again.sha} is not the known trace's, again after a fresh "
+                          "download (benches/traces/ATTRIBUTION.md)") from None
+
+
+class _DamagedCopy(Exception):
+    def __init__(self, path: str, sha: str) -> None:
+        super().__init__(path)
+        self.path, self.sha = path, sha
+
+
+def _load(spec: str, limit: int | None) -> Trace:
     path, name = resolve(spec)
     try:
         with open(path, "rb") as f:
@@ -145,6 +171,8 @@ def load(spec: str, limit: int | None = None) -> Trace:
         raise KvtierError(f"{path}: cannot read the trace ({exc})") from None
     sha = hashlib.sha256(raw).hexdigest()
     if name is not None and sha != KNOWN[name].sha256:
+        if Path(path).parent == replay_fetch.cache_dir() and not replay_fetch.offline():
+            raise _DamagedCopy(path, sha)
         raise KvtierError(
             f"{path}: sha256 {sha} is not the {name} trace's {KNOWN[name].sha256} (a damaged or "
             "different file; benches/traces/ATTRIBUTION.md)"

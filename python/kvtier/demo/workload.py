@@ -128,6 +128,9 @@ def run_workload(
         raise InvalidArgumentError(f"invalid argument `model`: {model!r}; expected 'auto', 'llama' or 'toy'")
     if model == "auto":
         model = "llama" if importlib.util.find_spec("transformers") is not None else "toy"
+    if model == "toy" and window is not None:
+        raise InvalidArgumentError("invalid argument `window`: the toy model streams no layers (install transformers "
+                                   "for the Llama workload)")
     if model == "llama":
         from .workload_transformers import run
 

@@ -41,15 +41,17 @@ SIZES: dict[str, dict[str, Any]] = {
                              num_key_value_heads=8, vocab_size=32000, max_position_embeddings=32768, rope_theta=500000.0,
                              rms_norm_eps=1e-5),
                  page_size=64, system=48, start=16, turn=24, host_pages=160),
-    # a GPU with less than SMALL_GPU_BELOW of memory (the 8B model and its 8K-token prefill need about 20 GB):
+    # a GPU with less than SMALL_GPU_BELOW of memory (the 8B model and its 8K-token prefill need about 20 GB, and
+    # a busy or shared GPU has less free):
     # a 1.2B model of the same page and prompt sizes
     "cuda-small": dict(config=dict(num_hidden_layers=16, hidden_size=2048, intermediate_size=8192,
                                    num_attention_heads=16, num_key_value_heads=8, vocab_size=32000,
                                    max_position_embeddings=32768),
                        page_size=64, system=48, start=16, turn=24, host_pages=160),
 }
-#: total device memory below which the demo serves the 1.2B model (``"cuda-small"``)
-SMALL_GPU_BELOW = 40 << 30
+#: total device memory below which the demo serves the 1.2B model (``"cuda-small"``): a 32 GB card and
+#: smaller (a "40 GB" A100 reports about 39.4 GiB and serves the 8B one)
+SMALL_GPU_BELOW = 36 << 30
 
 
 def size_key(device: str, total_memory: int | None = None) -> str:

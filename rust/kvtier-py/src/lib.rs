@@ -1,6 +1,10 @@
 //! `kvtier._native`: the pyo3 binding of `kvtier-core`. Registration only; conversions live in one file
 //! per core module, the public API in `python/kvtier`.
 
+// The integrity bench's flag (benches/integrity_ab.sh) turns the object checksum off; no module may carry it.
+#[cfg(kvtier_bench_unverified)]
+compile_error!("kvtier-py must not be built with --cfg kvtier_bench_unverified (a bench-only build without checksums)");
+
 mod buffer;
 mod dlpack;
 mod engine;
