@@ -52,12 +52,10 @@ fn main() {
         }
         let root = dir.join(format!("s{size}"));
         let _ = std::fs::remove_dir_all(&root);
+        // (the defaults: 64 GiB, no budget, O_DIRECT where it works, no keyring)
         let opts = StoreOptions {
-            capacity_bytes: 64 << 30,
-            budget_bytes: None,
             io_threads,
-            direct: None,
-            keyring: None,
+            ..StoreOptions::default()
         };
         let store = PageStore::open(&root, "bench", opts).expect("store");
         let (mut put, mut get, mut crc) = (Vec::new(), Vec::new(), Vec::new());

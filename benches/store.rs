@@ -28,11 +28,8 @@ fn store_bench(c: &mut Criterion) {
                 &dir,
                 "bench",
                 StoreOptions {
-                    capacity_bytes: 64 << 30,
-                    budget_bytes: None,
                     io_threads: qd,
-                    direct: None,
-                    keyring: None,
+                    ..StoreOptions::default()
                 },
             )
             .expect("store");
