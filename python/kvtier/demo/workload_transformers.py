@@ -41,8 +41,8 @@ SIZES: dict[str, dict[str, Any]] = {
                              num_key_value_heads=8, vocab_size=32000, max_position_embeddings=32768, rope_theta=500000.0,
                              rms_norm_eps=1e-5),
                  page_size=64, system=48, start=16, turn=24, host_pages=160),
-    # a GPU with less than SMALL_GPU_BELOW of memory (the 8B model and its 8K-token prefill need about 20 GB, and
-    # a busy or shared GPU has less free):
+    # a GPU with less than SMALL_GPU_BELOW of memory (the 8B model's bf16 weights alone are 14.5 GB, 7.24 billion
+    # parameters with this vocabulary; its 8K-token prefill needs more, and a busy or shared GPU has less free):
     # a 1.2B model of the same page and prompt sizes
     "cuda-small": dict(config=dict(num_hidden_layers=16, hidden_size=2048, intermediate_size=8192,
                                    num_attention_heads=16, num_key_value_heads=8, vocab_size=32000,
