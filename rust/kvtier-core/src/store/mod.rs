@@ -65,6 +65,8 @@ mod tests_pages;
 #[cfg(test)]
 mod tests_pages_in_two;
 #[cfg(test)]
+mod tests_pieces;
+#[cfg(test)]
 mod tests_seal;
 
 use std::collections::HashMap;

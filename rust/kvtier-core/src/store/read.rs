@@ -1,7 +1,7 @@
 //! `get`, lookups and `verify` (docs/STORE.md, "get").
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU8, Ordering};
 
 use super::index::Entry;
 use super::seal_io::{Opened, SealKeys};
@@ -143,43 +143,89 @@ impl Shared {
             });
             between();
         }
-        self.parallel(work.len(), |j| {
-            let (i, ref e) = work[j];
-            let (key, ptr, len) = objs[i];
-            if results[j].load(Ordering::Relaxed) != 0 {
-                return; // (its first pass failed)
-            }
-            let Some(c) = classes.get(&e.class) else {
+        // the rest of each object (all of it in one pass) in pieces of at most PIECE bytes, each read and
+        // summed by one worker, so sums run beside other reads; a two-pass object's prefix is summed, not read
+        let mut pieces: Vec<(usize, u64, u64, bool)> = Vec::new(); // (j, start, end, read)
+        for (j, (i, e)) in work.iter().enumerate() {
+            if !classes.contains_key(&e.class) {
                 results[j].store(IO_ERROR, Ordering::Relaxed);
-                return;
+            }
+            let len = objs[*i].2;
+            let skip = if split { prefix[*i].min(len) } else { 0 };
+            cut_pieces(&mut pieces, j, 0, skip, false);
+            cut_pieces(&mut pieces, j, skip, len, true);
+        }
+        let sums: Vec<AtomicU32> = (0..pieces.len()).map(|_| AtomicU32::new(0)).collect();
+        self.parallel(pieces.len(), |p| {
+            let (j, a, b, read) = pieces[p];
+            let (i, ref e) = work[j];
+            let ptr = objs[i].1;
+            if results[j].load(Ordering::Relaxed) != 0 {
+                return; // (a pass of it failed)
+            }
+            // SAFETY: the caller guarantees [ptr, ptr+len) is writable and exclusively ours for the call;
+            // a <= b <= len, and no other piece covers [a, b).
+            let buf = unsafe {
+                std::slice::from_raw_parts_mut((ptr + a as usize) as *mut u8, (b - a) as usize)
             };
-            // SAFETY: the caller guarantees [ptr, ptr+len) is writable and exclusively ours for the call.
-            let buf = unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, len as usize) };
-            let off = u64::from(e.slot) * u64::from(e.class);
-            let skip = if split {
-                prefix[i].min(len) as usize
-            } else {
-                0
-            };
-            let rest = fault::check("data_read")
-                .and_then(|()| c.read(&mut buf[skip..], off + skip as u64));
-            let r = match rest {
-                Err(_) => IO_ERROR,
-                Ok(()) if crate::hash::object_crc(buf, key) != e.crc => CORRUPT,
-                // sealed: opened in place; a tag that does not verify is corrupt, a tenant without a key
-                // here now (erased, or its key file unreadable for a moment) a miss that keeps the object
-                Ok(()) => match (&keys, &e.seal) {
-                    (Some(k), Some(seal)) => match k.open(key, buf, seal) {
-                        Opened::Ok => OK,
-                        Opened::NoKey => NO_KEY,
-                        Opened::Stale => STALE,
-                        Opened::Failed => CORRUPT,
-                    },
-                    _ => OK,
-                },
-            };
-            results[j].store(r, Ordering::Relaxed);
+            if read {
+                let off = u64::from(e.slot) * u64::from(e.class) + a;
+                let got = match classes.get(&e.class) {
+                    Some(c) => fault::check("data_read").and_then(|()| c.read(buf, off)),
+                    None => Err(std::io::Error::from_raw_os_error(libc::EIO)),
+                };
+                if got.is_err() {
+                    results[j].store(IO_ERROR, Ordering::Relaxed);
+                    return;
+                }
+            }
+            sums[p].store(crate::hash::piece_crc(buf), Ordering::Relaxed);
         });
+        // each object whole: its pieces' sums joined against the journal's; sealed: opened in place
+        let mut first = 0;
+        let mut whole = vec![false; work.len()];
+        for (j, (i, e)) in work.iter().enumerate() {
+            let n = pieces[first..].iter().take_while(|p| p.0 == j).count();
+            let of: Vec<(u32, usize)> = (first..first + n)
+                .map(|p| {
+                    (
+                        sums[p].load(Ordering::Relaxed),
+                        (pieces[p].2 - pieces[p].1) as usize,
+                    )
+                })
+                .collect();
+            first += n;
+            if results[j].load(Ordering::Relaxed) != 0 {
+                continue;
+            }
+            if crate::hash::object_crc_of_pieces(&of, objs[*i].0) != e.crc {
+                results[j].store(CORRUPT, Ordering::Relaxed);
+            } else if keys.is_none() {
+                results[j].store(OK, Ordering::Relaxed);
+            } else {
+                whole[j] = true;
+            }
+        }
+        if let (Some(k), true) = (&keys, whole.contains(&true)) {
+            self.parallel(work.len(), |j| {
+                let (i, ref e) = work[j];
+                let (key, ptr, len) = objs[i];
+                let Some(seal) = e.seal.as_ref().filter(|_| whole[j]) else {
+                    return;
+                };
+                // SAFETY: as above; the pieces' workers are done with it.
+                let buf = unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, len as usize) };
+                // a tag that does not verify is corrupt, a tenant without a key here now (erased, or its
+                // key file unreadable for a moment) a miss that keeps the object
+                let r = match k.open(key, buf, seal) {
+                    Opened::Ok => OK,
+                    Opened::NoKey => NO_KEY,
+                    Opened::Stale => STALE,
+                    Opened::Failed => CORRUPT,
+                };
+                results[j].store(r, Ordering::Relaxed);
+            });
+        }
         let mut ok = vec![false; objs.len()];
         let mut corrupt = Vec::new();
         let mut bytes = 0;
@@ -320,5 +366,22 @@ impl Shared {
             self.compact()?;
         }
         Ok(rep)
+    }
+}
+
+/// Appends the pieces of `[a, b)` of work item `j`: at most [`crate::hash::PIECE`] bytes each, the first
+/// ending on a multiple of it (so O_DIRECT reads stay aligned). An empty range to read is one empty piece
+/// (a read of nothing, as every object's last pass has been: fault tests count on one read per object and
+/// pass); an empty range to sum, none.
+fn cut_pieces(out: &mut Vec<(usize, u64, u64, bool)>, j: usize, a: u64, b: u64, read: bool) {
+    let piece = crate::hash::PIECE as u64;
+    if read && a == b {
+        out.push((j, a, b, read));
+    }
+    let mut at = a;
+    while at < b {
+        let end = ((at / piece + 1) * piece).min(b);
+        out.push((j, at, end, read));
+        at = end;
     }
 }
