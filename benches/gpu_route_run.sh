@@ -16,29 +16,8 @@ set -u
 cd "$(dirname "$0")/.."
 out=${1:?usage: gpu_route_run.sh OUTDIR}
 mkdir -p "$out" && out=$(cd "$out" && pwd) || exit 1
-t0=$(date +%s)
 budget=${GPU_ROUTE_BUDGET_S:-460}
-printf 'step\texit\tseconds\n' > "$out/steps.tsv"
-trap 'printf "script\tended\t%s\n" "$(( $(date +%s) - t0 ))" >> "$out/steps.tsv"' EXIT
-
-# step NAME LIMIT_S CMD...: CMD under min(LIMIT_S, what is left of the budget), output into OUTDIR/NAME.log
-step() {
-  local name=$1 limit=$2 start rc left
-  shift 2
-  start=$(date +%s)
-  left=$(( budget - (start - t0) ))
-  if [ "$left" -lt 15 ]; then
-    printf '%s\tskipped: %ss of the budget left\t0\n' "$name" "$left" >> "$out/steps.tsv"
-    echo "$name: skipped (${left}s of the budget left)"
-    return
-  fi
-  [ "$limit" -gt "$left" ] && limit=$left
-  timeout --kill-after=10 "$limit" "$@" > "$out/$name.log" 2>&1
-  rc=$?
-  printf '%s\t%s\t%s\n' "$name" "$rc" "$(( $(date +%s) - start ))" >> "$out/steps.tsv"
-  echo "$name: exit $rc after $(( $(date +%s) - start ))s (limit ${limit}s)"
-  tail -4 "$out/$name.log"
-}
+. benches/gpu_steps.sh
 
 # the wheels built by `make gpu-wheel` into a temporary target (gpu_env.sh exits when they do not install)
 printf 'install\tstarted\t0\n' >> "$out/steps.tsv"
