@@ -12,7 +12,10 @@ recorded by CUPTI whatever API launched it), per cell:
   join of the two lanes, event waits);
 - per stream, the median duration of one kernel or copy and how many ran (K runs on the caller's stream and V
   on the side lane when the kernel route spreads them over two lanes);
-- ``floor_us_per_layer``: the layer's bytes at the ceiling measured in the same run (a pinned 2 GiB copy).
+- ``floor_us_per_layer``: the layer's bytes at the ceiling measured in the same run (a pinned 2 GiB copy);
+- ``loader_host``: the host side of a LayerLoader load with the GPU held busy (a ``torch.cuda._sleep`` ahead
+  on the stream, so nothing waits on the device): its median µs, and cProfile's top functions by cumulative
+  and by own time over ``HOST_LOADS`` loads.
 
     PYTHONPATH=python python benches/python/probe_layer_timeline.py --out probe-layer-timeline.json
         [--geoms A,C] [--pages 16,64] [--backends direct,kernel]
@@ -36,6 +39,38 @@ from kvtier import LayerLoader
 from kvtier.benchmarks.transfer import GEOMS, PS, ceiling, check_exact, make_device_pool, page_idx, page_layer_bytes
 
 LAYOUTS = {"direct": "page_first_direct", "kernel": "page_first"}
+HOST_LOADS = 20
+BUSY_CYCLES = 200_000_000  # ~100 ms of GPU time ahead of the timed loads
+
+
+def loader_host(loader, h, d) -> dict:
+    """Host time of LayerLoader loads issued while the GPU is busy, plain (median µs) and under cProfile."""
+    import cProfile
+    import io
+    import pstats
+
+    loads, plain = [], []
+    torch.cuda._sleep(BUSY_CYCLES)
+    for _ in range(HOST_LOADS):
+        t = time.perf_counter_ns()
+        loads.append(loader.load(h, d))
+        plain.append((time.perf_counter_ns() - t) / 1e3)
+    busy = not torch.cuda.current_stream().query()
+    for ld in loads:
+        ld.synchronize()
+    pr = cProfile.Profile()
+    torch.cuda._sleep(BUSY_CYCLES)
+    pr.enable()
+    loads = [loader.load(h, d) for _ in range(HOST_LOADS)]
+    pr.disable()
+    for ld in loads:
+        ld.synchronize()
+    out = {"median_us_per_load": round(statistics.median(plain), 1), "gpu_busy_throughout": busy}
+    for order in ("cumulative", "tottime"):
+        buf = io.StringIO()
+        pstats.Stats(pr, stream=buf).sort_stats(order).print_stats(25)
+        out[f"profile_{order}"] = buf.getvalue()
+    return out
 
 
 def trace(fn) -> list[dict]:
@@ -95,11 +130,13 @@ def cell(g: dict, name: str, backend: str, pages: int, side, up: float) -> dict:
                                             for layer in range(L)]), L)
         whole = timeline(trace(lambda: loader.load(h, d).synchronize()), L)
         exact = check_exact(hp, dp, h, d)
+        host = loader_host(loader, h, d)
+        torch.cuda.synchronize()
     hp.close()
     nbytes = pages * page_layer_bytes(g)
     return {"geometry": name, "backend": backend, "pages": pages, "stream": "side", "indices": "cpu",
             "bytes_per_layer": nbytes, "floor_us_per_layer": round(nbytes / up / 1e3, 2), "bit_exact": bool(exact),
-            "per_layer_calls": per_layer, "layer_loader": whole}
+            "per_layer_calls": per_layer, "layer_loader": whole, "loader_host": host}
 
 
 def table(rows: list) -> str:
