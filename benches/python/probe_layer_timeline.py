@@ -15,7 +15,10 @@ recorded by CUPTI whatever API launched it), per cell:
 - ``floor_us_per_layer``: the layer's bytes at the ceiling measured in the same run (a pinned 2 GiB copy);
 - ``loader_host``: the host side of a LayerLoader load with the GPU held busy (a ``torch.cuda._sleep`` ahead
   on the stream, so nothing waits on the device): its median µs, and cProfile's top functions by cumulative
-  and by own time over ``HOST_LOADS`` loads.
+  and by own time over ``HOST_LOADS`` loads;
+- ``loader_us_per_layer`` (no profiler: events around each load, median of 5) as the pool is, and
+  ``loader_us_per_layer_versioned`` with the device pool declaring ``layers_version`` (the promise kvtier's own
+  layer windows make, which turns the check of every layer tensor before a load into one comparison).
 
     PYTHONPATH=python python benches/python/probe_layer_timeline.py --out probe-layer-timeline.json
         [--geoms A,C] [--pages 16,64] [--backends direct,kernel]
@@ -36,7 +39,8 @@ from torch.profiler import ProfilerActivity, profile
 
 import kvtier
 from kvtier import LayerLoader
-from kvtier.benchmarks.transfer import GEOMS, PS, ceiling, check_exact, make_device_pool, page_idx, page_layer_bytes
+from kvtier.benchmarks.transfer import (GEOMS, PS, ceiling, check_exact, event_time, make_device_pool, page_idx,
+                                       page_layer_bytes)
 
 LAYOUTS = {"direct": "page_first_direct", "kernel": "page_first"}
 HOST_LOADS = 20
@@ -132,11 +136,18 @@ def cell(g: dict, name: str, backend: str, pages: int, side, up: float) -> dict:
         exact = check_exact(hp, dp, h, d)
         host = loader_host(loader, h, d)
         torch.cuda.synchronize()
+        plain = event_time(lambda: loader.load(h, d).synchronize(), 5) / L
+        dp.layers_version = 1  # this probe's pool never changes its layer tensors
+        versioned = event_time(lambda: loader.load(h, d).synchronize(), 5) / L
+        host_versioned = loader_host(loader, h, d)["median_us_per_load"]
+        exact = exact and check_exact(hp, dp, h, d)
     hp.close()
     nbytes = pages * page_layer_bytes(g)
     return {"geometry": name, "backend": backend, "pages": pages, "stream": "side", "indices": "cpu",
             "bytes_per_layer": nbytes, "floor_us_per_layer": round(nbytes / up / 1e3, 2), "bit_exact": bool(exact),
-            "per_layer_calls": per_layer, "layer_loader": whole, "loader_host": host}
+            "per_layer_calls": per_layer, "layer_loader": whole, "loader_host": host,
+            "loader_us_per_layer": round(plain * 1e6, 2), "loader_us_per_layer_versioned": round(versioned * 1e6, 2),
+            "loader_host_us_per_load_versioned": host_versioned}
 
 
 def table(rows: list) -> str:
