@@ -163,12 +163,11 @@ impl Shared {
             if results[j].load(Ordering::Relaxed) != 0 {
                 return; // (a pass of it failed)
             }
-            // SAFETY: the caller guarantees [ptr, ptr+len) is writable and exclusively ours for the call;
-            // a <= b <= len, and no other piece covers [a, b).
-            let buf = unsafe {
-                std::slice::from_raw_parts_mut((ptr + a as usize) as *mut u8, (b - a) as usize)
-            };
+            let (at, n) = ((ptr + a as usize) as *mut u8, (b - a) as usize);
             if read {
+                // SAFETY: the caller guarantees [ptr, ptr+len) is writable and exclusively ours for the call;
+                // a <= b <= len, and no other piece covers [a, b).
+                let buf = unsafe { std::slice::from_raw_parts_mut(at, n) };
                 let off = u64::from(e.slot) * u64::from(e.class) + a;
                 let got = match classes.get(&e.class) {
                     Some(c) => fault::check("data_read").and_then(|()| c.read(buf, off)),
@@ -179,6 +178,9 @@ impl Shared {
                     return;
                 }
             }
+            // SAFETY: as above; a piece of the first pass (`read == false`) is only read here, and its bytes
+            // were written before this call's second pass began.
+            let buf = unsafe { std::slice::from_raw_parts(at.cast_const(), n) };
             sums[p].store(crate::hash::piece_crc(buf), Ordering::Relaxed);
         });
         // each object whole: its pieces' sums joined against the journal's; sealed: opened in place

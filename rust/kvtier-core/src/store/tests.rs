@@ -50,8 +50,14 @@ pub(super) fn payload(n: usize, len: usize, seed: u8) -> crate::buffer::HostRegi
             .unwrap();
     // SAFETY: the region owns its bytes.
     let s = unsafe { std::slice::from_raw_parts_mut(r.as_ptr(), r.len()) };
-    for (i, b) in s.iter_mut().enumerate() {
-        *b = (i as u8).wrapping_mul(31).wrapping_add(seed) ^ (i >> 12) as u8;
+    // xorshift64: no run of bytes repeats within a region, so a piece read to the wrong place or in the
+    // wrong order cannot compare equal
+    let mut x = 0x9E37_79B9_7F4A_7C15u64 ^ u64::from(seed);
+    for b in s.iter_mut() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        *b = x as u8;
     }
     r
 }
