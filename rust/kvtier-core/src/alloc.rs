@@ -70,7 +70,7 @@ impl PageAllocator {
 
     /// Allocates `n` token slots (whole pages). `Ok(None)` when fewer than `n` slots are free.
     pub fn alloc(&self, n: usize) -> Result<Option<Vec<i64>>> {
-        if n % self.page_size != 0 {
+        if !n.is_multiple_of(self.page_size) {
             return Err(Error::arg(
                 "need_size",
                 format!("{n} is not a multiple of page_size {}", self.page_size),
@@ -148,7 +148,7 @@ pub fn page_starts(
     name: &str,
 ) -> Result<Vec<usize>> {
     let ps = page_size;
-    if indices.len() % ps != 0 {
+    if !indices.len().is_multiple_of(ps) {
         return Err(Error::arg(
             name,
             format!(

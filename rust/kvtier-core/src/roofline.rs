@@ -19,7 +19,7 @@ pub fn odirect_roofline(
     count: usize,
     threads: usize,
 ) -> Result<(f64, f64, bool)> {
-    if size == 0 || size % 4096 != 0 {
+    if size == 0 || !size.is_multiple_of(4096) {
         return Err(Error::arg(
             "size",
             format!("must be a positive multiple of 4096, got {size}"),

@@ -304,7 +304,7 @@ fn brk() -> impl Strategy<Value = Break> {
 
 /// The shapes the store writes: a class that is a positive multiple of 4096, a length in (0, class].
 fn plausible_shape(class: u32, len: u64) -> bool {
-    class > 0 && class % 4096 == 0 && len > 0 && len <= u64::from(class)
+    class > 0 && class.is_multiple_of(4096) && len > 0 && len <= u64::from(class)
 }
 
 fn broken(rec: &Record, b: &Break) -> Vec<u8> {

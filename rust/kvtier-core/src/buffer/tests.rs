@@ -15,7 +15,7 @@ fn aligned_and_rounded() {
         for &n in &[1usize, 4095, 4096, 4097, 3 << 20] {
             let r = HostRegion::new(n, &opts(a, HugePages::Off)).unwrap();
             assert_eq!(r.as_ptr() as usize % a, 0, "alignment {a} size {n}");
-            assert!(r.len() >= n && r.len() % 4096 == 0);
+            assert!(r.len() >= n && r.len().is_multiple_of(4096));
             assert_eq!(r.page_kind(), PageKind::Base);
             // The whole range is writable and zeroed.
             // SAFETY: the region owns [ptr, ptr+len).

@@ -62,7 +62,7 @@ impl HostGeometry {
                 return Err(Error::arg(n, "must be positive, got 0"));
             }
         }
-        if slots % page_size != 0 {
+        if !slots.is_multiple_of(page_size) {
             return Err(Error::arg(
                 "size",
                 format!("{slots} is not a multiple of page_size {page_size}"),

@@ -67,7 +67,7 @@ pub fn validate(host: &[i64], device: &[i64], rules: &IndexRules) -> Result<()> 
         crate::alloc::page_starts(host, ps, rules.host_slots / ps, "host_indices")?;
     }
     if rules.device_runs {
-        if device.len() % ps != 0 {
+        if !device.len().is_multiple_of(ps) {
             return Err(Error::arg(
                 "device_indices",
                 format!(

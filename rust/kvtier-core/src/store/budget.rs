@@ -157,14 +157,14 @@ impl Table {
     }
 
     fn u64_at(&self, off: usize) -> &AtomicU64 {
-        debug_assert!(off % 8 == 0 && off + 8 <= LEN);
+        debug_assert!(off.is_multiple_of(8) && off + 8 <= LEN);
         // Every process accesses these words only atomically.
         // SAFETY: `off` is 8-aligned inside the page-aligned mapping, which lives as long as `self`.
         unsafe { &*self.map.add(off).cast::<AtomicU64>() }
     }
 
     fn u32_at(&self, off: usize) -> &AtomicU32 {
-        debug_assert!(off % 4 == 0 && off + 4 <= LEN);
+        debug_assert!(off.is_multiple_of(4) && off + 4 <= LEN);
         // SAFETY: as for `u64_at`, 4-aligned.
         unsafe { &*self.map.add(off).cast::<AtomicU32>() }
     }

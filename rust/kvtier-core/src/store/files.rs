@@ -120,7 +120,9 @@ impl ClassFile {
 }
 
 fn aligned(ptr: usize, len: usize, off: u64) -> bool {
-    ptr % ALIGN as usize == 0 && len % ALIGN as usize == 0 && off % ALIGN == 0
+    ptr.is_multiple_of(ALIGN as usize)
+        && len.is_multiple_of(ALIGN as usize)
+        && off.is_multiple_of(ALIGN)
 }
 
 /// `fallocate(mode, off, len)`; file systems without it extend the file instead (mode 0 only).

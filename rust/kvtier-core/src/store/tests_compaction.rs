@@ -125,12 +125,12 @@ fn compaction_steps_keep_what_changes_between_them() {
         if want.contains_key(&key(i)) {
             assert!(get1(&s, &key(i), dst.as_ptr() as usize, 4096));
         }
-        if round % 3 == 0 {
+        if round.is_multiple_of(3) {
             let k = key((round * 13) % 200);
             s.delete(&[k.as_str()]).unwrap();
             want.remove(&k);
         }
-        if round % 5 == 0 {
+        if round.is_multiple_of(5) {
             let j = (round * 13 + 26) % 200;
             let again = (key(j), j % 16); // keys name content: a key put again has its bytes
             let new = (key(1000 + round), round % 16);

@@ -114,7 +114,7 @@ fn workload(
         } else {
             format!("key-{k}")
         };
-        let len = if k % 3 == 0 { 8192 } else { 4096 };
+        let len = if k.is_multiple_of(3) { 8192 } else { 4096 };
         match (r >> 16) % 10 {
             0..=5 => {
                 // SAFETY: inside `src`.
@@ -184,7 +184,7 @@ fn workload(
     let dst = payload(1, 8192, 0);
     for k in &before {
         let i: u64 = k.rsplit("key-").next().unwrap().parse().unwrap();
-        let len = if i % 3 == 0 { 8192 } else { 4096 };
+        let len = if i.is_multiple_of(3) { 8192 } else { 4096 };
         assert!(get1(&s, k, dst.as_ptr() as usize, len), "{point}: {k} lost");
         // SAFETY: inside live regions.
         let same = unsafe {
