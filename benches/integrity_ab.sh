@@ -46,22 +46,23 @@ for r in runs:
         k = (c["object_bytes"], c["objects"], r["result"]["verified"])
         by.setdefault(k, []).append(c)
 rows = []
-print(f"{'case':>14} {'put verified':>13} {'unverified':>11} {'cost':>6} {'get verified':>13} {'unverified':>11} {'cost':>6} {'crc32c/core':>12}")
+print(f"{'case':>14} {'put verified':>13} {'unverified':>11} {'cost':>6} {'get verified':>13} {'unverified':>11} {'cost':>6} {'crc32c/core':>12} {'crate/core':>11}")
 for size, n in sorted({(k[0], k[1]) for k in by}):
     v, u = by[(size, n, True)], by[(size, n, False)]
     med = lambda cs, f: statistics.median(c[f] for c in cs)
     pv, pu, gv, gu = med(v, "put_gbps"), med(u, "put_gbps"), med(v, "get_gbps"), med(u, "get_gbps")
     crc = med(v, "crc32c_gbps_one_core")
+    crate = med(v, "crc32c_crate_gbps_one_core") if all("crc32c_crate_gbps_one_core" in c for c in v) else None
     # each round's pair (verified, then unverified, back to back) gives one cost; their median and range
     paired = {f: sorted(1 - a[f] / b[f] for a, b in zip(v, u)) for f in ("put_gbps", "get_gbps")}
     row = dict(object_bytes=size, objects=n, put_verified=pv, put_unverified=pu,
                put_cost=statistics.median(paired["put_gbps"]), put_cost_range=[paired["put_gbps"][0], paired["put_gbps"][-1]],
                get_verified=gv, get_unverified=gu,
                get_cost=statistics.median(paired["get_gbps"]), get_cost_range=[paired["get_gbps"][0], paired["get_gbps"][-1]],
-               crc32c_gbps_one_core=crc)
+               crc32c_gbps_one_core=crc, crc32c_crate_gbps_one_core=crate)
     rows.append(row)
     print(f"{size >> 10:>6} KiB x {n:<3} {pv:>9.2} GB/s {pu:>6.2} GB/s {100 * row['put_cost']:>5.1f}% "
-          f"{gv:>9.2} GB/s {gu:>6.2} GB/s {100 * row['get_cost']:>5.1f}% {crc:>7.1f} GB/s")
+          f"{gv:>9.2} GB/s {gu:>6.2} GB/s {100 * row['get_cost']:>5.1f}% {crc:>7.1f} GB/s {crate or 0:>6.1f} GB/s")
 print("cost: the median over rounds of 1 - verified / unverified, each round's two runs back to back")
 with open(sys.argv[1], "a") as f:
     f.write(json.dumps({"summary": rows, "rounds": len(runs) // 2}) + "\n")

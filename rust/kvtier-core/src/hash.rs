@@ -87,9 +87,9 @@ pub fn object_crc(bytes: &[u8], key: &str) -> u32 {
 /// crc32c of `bytes`, by `crc-fast` (folding with carry-less multiplies on the widest vectors the CPU has,
 /// chosen at run time: about 2x the `crc32c` crate's hardware-crc32 loop, `benches/RESULTS.md` §2). The
 /// same polynomial and result as `crc32c::crc32c`; journals and records written before read the same.
-#[cfg(not(kvtier_bench_unverified))]
+/// Public for `benches/integrity.rs`, which times it in both of its builds.
 #[inline]
-fn bulk_crc(bytes: &[u8]) -> u32 {
+pub fn bulk_crc(bytes: &[u8]) -> u32 {
     // CRC-32/ISCSI is crc32c; the 32-bit result is returned in a u64
     crc_fast::checksum(crc_fast::CrcAlgorithm::Crc32Iscsi, bytes) as u32
 }
