@@ -10,6 +10,7 @@
 # Prints both builds' lines and, per case, the medians over the rounds and what verification costs (the
 # median over rounds of 1 - verified / unverified); writes benches/results/${KVTIER_MACHINE:-cpu}-integrity.json
 # (one JSON line per run, then the summary) once every run is done. RUSTFLAGS set by the caller go to both.
+# INTEGRITY_BINS=DIR runs DIR/verified and DIR/unverified instead of building (copied from a machine with Rust).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 pos=()
@@ -22,8 +23,14 @@ build() { # $1: target dir; prints the bench binary (RUSTFLAGS as the caller set
   CARGO_TARGET_DIR="$1" cargo build -q --release -p kvtier-bench --bench integrity --message-format=json |
     sed -n 's/.*"executable":"\([^"]*integrity[^"]*\)".*/\1/p' | tail -1
 }
-verified=$(build "${CARGO_TARGET_DIR:-$PWD/target}")
-unverified=$(RUSTFLAGS="${RUSTFLAGS:-} --cfg kvtier_bench_unverified" build "${KVTIER_UNVERIFIED_TARGET:-$PWD/target-unverified}")
+if [ -n "${INTEGRITY_BINS:-}" ]; then
+  # a machine without Rust (the GPU machine): both builds made elsewhere, `$INTEGRITY_BINS/{verified,unverified}`
+  verified=$INTEGRITY_BINS/verified unverified=$INTEGRITY_BINS/unverified
+  [ -x "$verified" ] && [ -x "$unverified" ] || { echo "INTEGRITY_BINS: no verified and unverified in $INTEGRITY_BINS" >&2; exit 2; }
+else
+  verified=$(build "${CARGO_TARGET_DIR:-$PWD/target}")
+  unverified=$(RUSTFLAGS="${RUSTFLAGS:-} --cfg kvtier_bench_unverified" build "${KVTIER_UNVERIFIED_TARGET:-$PWD/target-unverified}")
+fi
 final=benches/results/${KVTIER_MACHINE:-cpu}-integrity.json
 tmp=$(mktemp)
 out=$(mktemp)
