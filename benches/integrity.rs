@@ -104,8 +104,14 @@ fn main() {
                 std::hint::black_box(acc);
                 t.elapsed().as_secs_f64()
             };
-            let t_crc = time_crc(&kvtier_core::hash::bulk_crc);
-            let t_crate = time_crc(&crc32c::crc32c);
+            // (which goes first alternates by rep: the first pulls the bytes into the cache for the second)
+            let (t_crc, t_crate) = if rep % 2 == 0 {
+                let a = time_crc(&kvtier_core::hash::bulk_crc);
+                (a, time_crc(&crc32c::crc32c))
+            } else {
+                let b = time_crc(&crc32c::crc32c);
+                (time_crc(&kvtier_core::hash::bulk_crc), b)
+            };
             if rep > 0 {
                 // (the first rep warms the files and the threads)
                 put.push(total / t_put / 1e9);
