@@ -269,6 +269,15 @@ mod tests {
                 assert_eq!(bulk_crc(b), crc32c::crc32c(b), "start {start}, len {len}");
             }
         }
+        // 3,000 more lengths to 40 KiB at any start (the vector loops' tails and their folds at every size)
+        for _ in 0..3000 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let (start, len) = ((x % 4096) as usize, (x >> 32) as usize % 40_960);
+            let b = &bytes[start..start + len];
+            assert_eq!(bulk_crc(b), crc32c::crc32c(b), "start {start}, len {len}");
+        }
         for len in [
             4095,
             4096,
