@@ -37,7 +37,7 @@ VLLM := vllm==0.33.0
 VLLM_IMPORT_DEPS := cbor2 oss-harmony openai cachetools cloudpickle uvloop py-cpuinfo "xgrammar==0.2.8" \
 	"fastapi>=0.133.0,<0.137.0" partial-json-parser "llguidance>=1.7.0,<1.8.0"
 
-.PHONY: engine-envs engine-env-sglang engine-env-vllm help syslibs install install-test test-wheel build build-profiling demo test test-rust test-python test-gpu bench-rust gpu-wheel lint clean sanitize sanitize-quick sanitize-tsan soak
+.PHONY: checksum-paths engine-envs engine-env-sglang engine-env-vllm help syslibs install install-test test-wheel build build-profiling demo test test-rust test-python test-gpu bench-rust gpu-wheel lint clean sanitize sanitize-quick sanitize-tsan soak
 
 help: ## Show this help
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-16s\033[0m %s\n", $$1, $$2}'
@@ -140,6 +140,9 @@ clean: ## Remove build outputs (keeps .venv)
 
 sanitize: ## ASan+LSan, TSan (nightly), Miri (if installed), valgrind over kvtier-core's tests; skips what is missing
 	scripts/sanitize.sh
+
+checksum-paths: ## The checksum's tests under qemu-user on other CPU models, x86_64 and aarch64 (skips what is not installed)
+	scripts/checksum_paths.sh
 
 sanitize-quick: ## ASan+LSan only over kvtier-core's unit tests (short CI variant; skips without nightly)
 	scripts/sanitize.sh asan-quick

@@ -46,7 +46,8 @@ impl Shared {
     /// only once opened), one pass, and `between()` after it. `between` is called exactly once.
     ///
     /// # Safety
-    /// As [`Shared::get`].
+    /// As [`Shared::get`], except that from `between()` on others may read (never write) the first
+    /// `prefix[i]` bytes of object i: the second pass only reads them too (to sum them).
     pub unsafe fn get_in_two(
         &self,
         objs: &[(&str, usize, u64)],
