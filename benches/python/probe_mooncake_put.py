@@ -23,9 +23,8 @@ import statistics
 import time
 from typing import Any
 
-from kvtier.benchmarks.mooncake import CASES, _idx, _pool
+from kvtier.benchmarks.mooncake import CASES, case
 from kvtier.tiers.local_cluster import LocalCluster
-from kvtier.tiers.mooncake import MooncakeTier
 
 
 class Timed:
@@ -53,16 +52,8 @@ STORE_CALLS = ("batch_is_exist", "batch_put_from", "batch_upsert_from", "batch_g
 
 
 def run_case(name: str, c: LocalCluster, reps: int) -> dict:
-    kind, g, n = CASES[name]
-    hp = _pool(kind, g, n)
-    ps = hp.page_size
-    tier = MooncakeTier(c.master_address, model_name=f"probe/{name}")
-    tier.register_mem_pool_host(hp)
-    raw, objs = tier.client, tier.page_objects
-    assert objs is not None
-    src, dst = _idx(ps, range(n)), _idx(ps, range(n, 2 * n))
-    names, ptrs, sizes = objs.objects([f"x{i}" for i in range(n)], src.view(-1, ps)[:, 0].numpy() // ps)
-    _, dptrs, _ = objs.objects([f"x{i}" for i in range(n)], dst.view(-1, ps)[:, 0].numpy() // ps)
+    tier, n, src, dst, names, ptrs, sizes, dptrs = case(name, c, f"probe/{name}")
+    raw = tier.client
     spent: dict[str, float] = {}
     tier._store = Timed(raw, STORE_CALLS, spent)
     tier._ranges = Timed(tier._ranges, ("crc32c",), spent)

@@ -23,7 +23,7 @@ import argparse
 import json
 import statistics
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -61,18 +61,40 @@ def _idx(ps: int, pages: range) -> torch.Tensor:
     return torch.tensor([p * ps + i for p in pages for i in range(ps)], dtype=torch.int64)
 
 
-def run_case(name: str, c: LocalCluster, reps: int, keyring: Any = None) -> dict:
-    """Raw Mooncake and the tier (sealed with ``keyring`` when given) on the same pages, in turn."""
+class Case(NamedTuple):
+    """One case's tier on a pool of ``2 n`` pages: the tier's puts read pages ``src`` (the first n), its gets
+    fill ``dst`` (the other n); ``names``, ``ptrs``, ``sizes``: raw Mooncake's objects of the same pages (as
+    the tier names and places them), ``dptrs`` where a raw get puts them."""
+
+    tier: MooncakeTier
+    n: int
+    src: torch.Tensor
+    dst: torch.Tensor
+    names: list[str]
+    ptrs: list[int]
+    sizes: list[int]
+    dptrs: list[int]
+
+
+def case(name: str, c: LocalCluster, model_name: str, keyring: Any = None) -> Case:
+    """The tier and the objects of case ``name`` on cluster ``c`` (``close()`` the tier after)."""
     kind, g, n = CASES[name]
     hp = _pool(kind, g, n)
     ps = hp.page_size
-    tier = MooncakeTier(c.master_address, model_name=f"bench/{name}", keyring=keyring)
+    tier = MooncakeTier(c.master_address, model_name=model_name, keyring=keyring)
     tier.register_mem_pool_host(hp)
-    raw, objs = tier.client, tier.page_objects
+    objs = tier.page_objects
     assert objs is not None
     src, dst = _idx(ps, range(n)), _idx(ps, range(n, 2 * n))
     names, ptrs, sizes = objs.objects([f"x{i}" for i in range(n)], src.view(-1, ps)[:, 0].numpy() // ps)
     _, dptrs, _ = objs.objects([f"x{i}" for i in range(n)], dst.view(-1, ps)[:, 0].numpy() // ps)
+    return Case(tier, n, src, dst, names, ptrs, sizes, dptrs)
+
+
+def run_case(name: str, c: LocalCluster, reps: int, keyring: Any = None) -> dict:
+    """Raw Mooncake and the tier (sealed with ``keyring`` when given) on the same pages, in turn."""
+    tier, n, src, dst, names, ptrs, sizes, dptrs = case(name, c, f"bench/{name}", keyring)
+    raw = tier.client
     total = sum(sizes)
     rec = record_size(len(names) // n, keyring is not None)  # one page's record
     recbuf = tier.registered_buffer(2 * n * rec, "bench record")

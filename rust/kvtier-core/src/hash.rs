@@ -204,19 +204,23 @@ mod tests {
         }
     }
 
-    /// Pieces of any lengths, full pieces among them, join to the object's checksum; a changed byte or
-    /// key, or pieces out of order, do not.
-    #[test]
-    fn pieces_join_to_the_object_crc() {
-        let mut x = 0x9E37_79B9_7F4A_7C15u64;
-        let bytes: Vec<u8> = (0..3 * PIECE + 12_345)
+    /// `len` bytes of xorshift64 from `seed` (no run of them repeats).
+    fn noise(mut x: u64, len: usize) -> Vec<u8> {
+        (0..len)
             .map(|_| {
                 x ^= x << 13;
                 x ^= x >> 7;
                 x ^= x << 17;
                 x as u8
             })
-            .collect();
+            .collect()
+    }
+
+    /// Pieces of any lengths, full pieces among them, join to the object's checksum; a changed byte or
+    /// key, or pieces out of order, do not.
+    #[test]
+    fn pieces_join_to_the_object_crc() {
+        let bytes = noise(0x9E37_79B9_7F4A_7C15, 3 * PIECE + 12_345);
         let cuts: &[&[usize]] = &[
             &[],
             &[PIECE, 2 * PIECE, 3 * PIECE],
@@ -260,15 +264,8 @@ mod tests {
     #[cfg(not(kvtier_bench_unverified))]
     #[test]
     fn the_fast_checksum_is_crc32c() {
+        let bytes = noise(0x2545_F491_4F6C_DD1D, 2 * PIECE + 4096);
         let mut x = 0x2545_F491_4F6C_DD1Du64;
-        let bytes: Vec<u8> = (0..2 * PIECE + 4096)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                x as u8
-            })
-            .collect();
         assert_eq!(bulk_crc(b"123456789"), 0xE306_9283);
         for start in 0..64 {
             for len in 0..600 {
