@@ -166,8 +166,8 @@ impl Shared {
             }
             let (at, n) = ((ptr + a as usize) as *mut u8, (b - a) as usize);
             if read {
-                // SAFETY: the caller guarantees [ptr, ptr+len) is writable and exclusively ours for the call;
-                // a <= b <= len, and no other piece covers [a, b).
+                // The caller guarantees [ptr, ptr+len) is writable and ours for the call, and a <= b <= len.
+                // SAFETY: no other piece covers [a, b), so this is the only reference to these bytes.
                 let buf = unsafe { std::slice::from_raw_parts_mut(at, n) };
                 let off = u64::from(e.slot) * u64::from(e.class) + a;
                 let got = match classes.get(&e.class) {
@@ -179,8 +179,8 @@ impl Shared {
                     return;
                 }
             }
-            // SAFETY: as above; a piece of the first pass (`read == false`) is only read here, and its bytes
-            // were written before this call's second pass began.
+            // A piece of the first pass (`read == false`) was written before this pass; others may read it.
+            // SAFETY: in range as above, and no &mut to these bytes is live (the read branch's has ended).
             let buf = unsafe { std::slice::from_raw_parts(at.cast_const(), n) };
             sums[p].store(crate::hash::piece_crc(buf), Ordering::Relaxed);
         });
