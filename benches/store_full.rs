@@ -209,6 +209,7 @@ fn main() {
         io_threads: 16,
         direct: None,
         keyring: None,
+        codec: None,
     };
     let per_batch = (a.batch * 2) as usize;
     let buf =

@@ -11,6 +11,7 @@
 //! - [`store`]: the durable, checksummed, capacity-bounded page store (O_DIRECT), with its [`journal`]
 //!   (design: docs/STORE.md).
 //! - [`ranges`]: registered host memory, range checks and checksums over it (remote tiers).
+//! - [`codec`]: lossless compression of KV page objects (exponent planes Huffman-coded), for the slow tiers.
 //! - [`hash`]: SGLang-compatible chained SHA-256 page keys.
 //! - [`seal`]: tenant-scoped keys and AES-256-GCM sealing of stored objects (encryption at rest).
 //! - [`fault`]: IO fault injection points for tests.
@@ -22,6 +23,7 @@
 
 pub mod alloc;
 pub mod buffer;
+pub mod codec;
 pub mod cuda;
 pub mod engine;
 pub mod error;

@@ -190,6 +190,7 @@ fn opts(capacity: u64, direct: bool) -> StoreOptions {
         io_threads: 2,
         direct: if direct { None } else { Some(false) },
         keyring: None,
+        codec: None,
     }
 }
 
@@ -244,7 +245,7 @@ fn record_with_slots(slot: impl Strategy<Value = u32>) -> impl Strategy<Value = 
         // (0, class]): any other shape is not a record (`Break::Shape`)
         3 => (key(), (1u32..=(u32::MAX / 4096)).prop_flat_map(|c| (Just(c * 4096), 1..=u64::from(c) * 4096)),
               slot, any::<u32>(), proptest::option::of(any::<[u8; 32]>()))
-            .prop_map(|(key, (class, len), slot, crc, seal)| Record::Put { key, at: Placement { class, slot, len, crc, seal }, }),
+            .prop_map(|(key, (class, len), slot, crc, seal)| Record::Put { key, at: Placement { class, slot, len, crc, seal, coded: None }, }),
         1 => key().prop_map(|key| Record::Del { key }),
     ]
 }
@@ -309,8 +310,8 @@ fn plausible_shape(class: u32, len: u64) -> bool {
 
 fn broken(rec: &Record, b: &Break) -> Vec<u8> {
     let mut e = encode_all(std::slice::from_ref(rec));
-    // the key follows the fixed fields, and the seal of a sealed put
-    let head = if e[4] == 3 { FIXED + 32 } else { FIXED };
+    // the key follows the fixed fields, a coded put's decoded length and a sealed put's seal
+    let head = FIXED + if e[4] == 4 || e[4] == 5 { 8 } else { 0 } + if e[4] == 3 || e[4] == 5 { 32 } else { 0 };
     let key_len = e.len() - head - 4;
     match b {
         Break::FlipBit(i, bit) => {
@@ -571,6 +572,7 @@ fn churn() -> &'static [u8] {
                     len: 1,
                     crc: 0,
                     seal: None,
+                    coded: None,
                 },
             });
             recs.push(Record::Del { key });
@@ -649,6 +651,7 @@ fn journal_replay_matches_model() {
                             len: *len,
                             crc,
                             seal: None,
+                            coded: None,
                         },
                     });
                     // a shape the store never writes is not a record: damaged bytes, or part of the tail
@@ -1574,6 +1577,7 @@ fn bug_replay_slot_u32_max_panics() {
             len: 1,
             crc: 0,
             seal: None,
+            coded: None,
         },
     }]);
     let r = std::panic::catch_unwind(|| {
@@ -1599,6 +1603,7 @@ fn bug_replay_large_slot_allocates_free_list() {
             len: 1,
             crc: 0,
             seal: None,
+            coded: None,
         },
     }]);
     let s = PageStore::open(&tmp.0, "bug", opts(1 << 30, false)).unwrap();
@@ -1621,6 +1626,7 @@ fn a_dropped_record_does_not_come_back_when_the_file_grows() {
             len: 4096,
             crc: 0,
             seal: None,
+            coded: None,
         },
     }]);
     let src = region(4096);
@@ -1652,6 +1658,7 @@ fn bug_verify_huge_len_panics() {
             len: u64::MAX,
             crc: 0,
             seal: None,
+            coded: None,
         },
     }]);
     let s = PageStore::open(&tmp.0, "bug", opts(1 << 30, false)).unwrap();

@@ -8,6 +8,7 @@
 use std::path::PathBuf;
 use std::sync::{Arc, RwLock};
 
+use kvtier_core::codec::Elem;
 use kvtier_core::store::{PageLayout, PageStore, StoreOptions};
 use kvtier_core::Error;
 use pyo3::prelude::*;
@@ -36,7 +37,7 @@ impl PyPageStore {
 #[pymethods]
 impl PyPageStore {
     #[new]
-    #[pyo3(signature = (root, namespace, capacity_bytes, io_threads=16, direct=None, read_only=false, budget_bytes=None, keyring=None))]
+    #[pyo3(signature = (root, namespace, capacity_bytes, io_threads=16, direct=None, read_only=false, budget_bytes=None, keyring=None, codec=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -48,14 +49,25 @@ impl PyPageStore {
         read_only: bool,
         budget_bytes: Option<u64>,
         keyring: Option<PyRef<'_, PyKeyring>>,
+        codec: Option<&str>,
     ) -> KvResult<Self> {
         let keyring = keyring.map(|k| k.inner.clone());
+        let codec = match codec {
+            None => None,
+            Some(name) => Some(Elem::parse(name).ok_or_else(|| {
+                Error::arg(
+                    "codec",
+                    format!("{name:?} is not a codec; expected \"bits16\", \"bits8\" or None"),
+                )
+            })?),
+        };
         let opts = StoreOptions {
             capacity_bytes,
             budget_bytes,
             io_threads,
             direct,
             keyring: keyring.clone(),
+            codec,
         };
         let s = py.detach(|| {
             if read_only {

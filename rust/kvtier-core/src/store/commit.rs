@@ -11,7 +11,6 @@ use std::sync::MutexGuard;
 use super::files::fallocate;
 use super::index::{Entry, JOURNAL_SLACK};
 use super::journal::{encoded_len, Placement, Record};
-use crate::seal::SEAL_LEN;
 
 /// A put to commit: `(key, class, slot, len, crc, seal)`.
 /// A put to commit: its key and where its bytes were written.
@@ -246,7 +245,9 @@ impl Shared {
         let new: u64 = items
             .iter()
             .map(|(key, at)| {
-                (2 * encoded_len(key.len()) + if at.seal.is_some() { SEAL_LEN } else { 0 }) as u64
+                (encoded_len(key.len())
+                    + super::journal::put_len(key.len(), at.seal.is_some(), at.coded.is_some()))
+                    as u64
             })
             .sum();
         self.ensure_reserve(&j, new)?;

@@ -9,7 +9,7 @@ use super::namespace::{open_rw, sync_dir};
 use crate::error::{Error, Result};
 
 /// The format this kvtier writes and reads (defined beside the journal's records, which change most often).
-pub use super::journal::FORMAT_VERSION;
+pub use super::journal::{FORMATS_READ, FORMAT_VERSION};
 /// The file's name, in the root and in each namespace directory.
 pub const FORMAT_FILE: &str = "FORMAT";
 const PREFIX: &str = "kvtier page store format ";
@@ -27,11 +27,19 @@ pub(super) fn check(dir: &Path, root: &Path, writable: bool) -> Result<()> {
     match std::fs::read(&p) {
         Ok(b) => match parse(&b) {
             Some(FORMAT_VERSION) => Ok(()),
+            // an older format this kvtier reads: a writable open moves it to this one (atomically) before
+            // it writes anything of the new format
+            Some(v) if FORMATS_READ.contains(&v) => {
+                if writable {
+                    write(dir).map_err(|e| io_err(format!("writing {}", p.display()), e))?;
+                }
+                Ok(())
+            }
             Some(v) => Err(Error::arg(
                 "path",
                 format!(
-                    "{} holds a kvtier store of on-disk format {v}; this kvtier ({}) reads format \
-                     {FORMAT_VERSION} only{}: use a kvtier that reads format {v}, or delete the store (`rm -rf {}` \
+                    "{} holds a kvtier store of on-disk format {v}; this kvtier ({}) reads formats \
+                     {FORMATS_READ:?} and {FORMAT_VERSION}{}: use a kvtier that reads format {v}, or delete the store (`rm -rf {}` \
                      with every process using it stopped) or point kvtier at another directory",
                     dir.display(),
                     env!("CARGO_PKG_VERSION"),

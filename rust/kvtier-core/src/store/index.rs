@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use super::fasthash::FastMap;
 use super::journal::{encoded_len, Placement};
-use crate::seal::{Seal, SEAL_LEN};
+use crate::seal::Seal;
 
 /// Bytes the journal keeps beyond the prepaid del records (R4).
 pub(super) const JOURNAL_SLACK: u64 = 4096;
@@ -16,8 +16,8 @@ pub(super) const JOURNAL_SLACK: u64 = 4096;
 /// plus a byte of rounding): 3.5 records (docs/STORE.md, "Capacity, exactly"). Evicting an object gives
 /// as much back while the journal is within its allowance, so a full store evicts one object per object
 /// it takes, however many batches it runs.
-pub(super) fn put_journal_cost(key_len: usize, sealed: bool) -> u64 {
-    let rec = encoded_len(key_len) + if sealed { SEAL_LEN } else { 0 };
+pub(super) fn put_journal_cost(key_len: usize, sealed: bool, coded: bool) -> u64 {
+    let rec = super::journal::put_len(key_len, sealed, coded);
     (7 * rec as u64).div_ceil(2) + 1
 }
 
@@ -54,12 +54,16 @@ pub(super) struct Entry {
     pub(super) bad: bool,
     /// Nonce and tag of an object sealed at rest (boxed: clear stores pay one pointer).
     pub(super) seal: Option<Box<Seal>>,
+    /// The length a coded object decodes to (`len` is then the stored length); `None`: stored as given.
+    pub(super) coded: Option<std::num::NonZeroU64>,
 }
 
 impl From<Placement> for Entry {
     /// A new entry where a put record says its object lives.
     fn from(at: Placement) -> Self {
-        Entry::new(at.class, at.slot, at.len, at.crc).sealed(at.seal)
+        let mut e = Entry::new(at.class, at.slot, at.len, at.crc).sealed(at.seal);
+        e.coded = at.coded.and_then(std::num::NonZeroU64::new);
+        e
     }
 }
 
@@ -75,6 +79,7 @@ impl Entry {
             gen: 0,
             bad: false,
             seal: None,
+            coded: None,
         }
     }
 
@@ -86,7 +91,13 @@ impl Entry {
             len: self.len,
             crc: self.crc,
             seal: self.seal.as_deref().copied(),
+            coded: self.coded.map(std::num::NonZeroU64::get),
         }
+    }
+
+    /// The length a reader gets: what a coded object decodes to, else the stored length.
+    pub(super) fn decoded_len(&self) -> u64 {
+        self.coded.map_or(self.len, std::num::NonZeroU64::get)
     }
 
     /// The entry with its seal (`None`: stored in clear).

@@ -3,13 +3,15 @@
 //! Record layout (little-endian):
 //!
 //! ```text
-//! magic u32 = 0x4b56544a ("KVTJ") | kind u8 (1 put, 2 del, 3 sealed put) | key_len u16 | class u32 |
-//! slot u32 | len u64 | crc u32 (crc32c of the object's bytes, then its key) | [seal [SEAL_LEN = 32], kind 3 only] |
-//! key [key_len] | record_crc u32
+//! magic u32 = 0x4b56544a ("KVTJ") | kind u8 (1 put, 2 del, 3 sealed put, 4 coded put, 5 coded sealed put) |
+//! key_len u16 | class u32 | slot u32 | len u64 | crc u32 (crc32c of the object's bytes, then its key) |
+//! [decoded_len u64, kinds 4 and 5] | [seal [SEAL_LEN = 32], kinds 3 and 5] | key [key_len] | record_crc u32
 //! ```
 //!
 //! A sealed put is the put of an object encrypted at rest (`crate::seal`): its seal is the nonce and
-//! authentication tag, and `crc` covers the stored (encrypted) bytes.
+//! authentication tag, and `crc` covers the stored (encrypted) bytes. A coded put is the put of an object
+//! stored compressed (`crate::codec`): `len` and `crc` are the stored bytes', `decoded_len` the length it
+//! decodes to (what a reader asks for); a coded sealed put was compressed, then sealed.
 //!
 //! `record_crc` covers every byte before it. [`parse`] reads records in order; where one fails its checks it
 //! resynchronises on the next offset where a whole record parses, reporting the bytes in between as a
@@ -23,7 +25,13 @@ use crate::seal::{Seal, SEAL_LEN};
 /// the root's `BUDGET` table described in docs/STORE.md. A change to a record's layout bumps it, so a kvtier
 /// that reads another format refuses the store by name at open (`format::check`) instead of reading its
 /// records as damage.
-pub const FORMAT_VERSION: u32 = 1;
+///
+/// Format 2 added the coded puts (kinds 4 and 5); a format-1 store opens and reads as it is, and its first
+/// writable open moves its `FORMAT` files to 2 (an older kvtier then refuses it by name instead of
+/// skipping the coded records as damage).
+pub const FORMAT_VERSION: u32 = 2;
+/// The older formats this kvtier reads (and moves to [`FORMAT_VERSION`] when it opens one writable).
+pub const FORMATS_READ: &[u32] = &[1];
 /// Record magic.
 pub const MAGIC: u32 = 0x4b56_544a;
 const FIXED: usize = 4 + 1 + 2 + 4 + 4 + 8 + 4;
@@ -44,6 +52,9 @@ pub struct Placement {
     pub crc: u32,
     /// Nonce and tag of an object sealed at rest; `None`: stored in clear.
     pub seal: Option<Seal>,
+    /// `Some(length it decodes to)` for an object stored compressed (`crate::codec`; `len` is then the
+    /// stored length); `None`: stored as given.
+    pub coded: Option<u64>,
 }
 
 /// A journal record.
@@ -82,14 +93,32 @@ impl Default for Placement {
             len: 0,
             crc: 0,
             seal: None,
+            coded: None,
         }
     }
 }
 
 /// Appends the encoded put record of `key` to `out` (as `Record::Put`'s `encode`, without a `Record`).
 pub fn encode_put(out: &mut Vec<u8>, key: &str, at: &Placement) {
-    let kind = if at.seal.is_some() { 3 } else { 1 };
+    let kind = match (at.seal.is_some(), at.coded.is_some()) {
+        (false, false) => 1,
+        (true, false) => 3,
+        (false, true) => 4,
+        (true, true) => 5,
+    };
     encode_raw(out, kind, key, at, at.seal.as_ref())
+}
+
+/// Bytes of the fixed fields, the decoded length and the seal of a record of `kind`: where its key starts.
+const fn head(kind: u8) -> usize {
+    FIXED
+        + if kind == 4 || kind == 5 { 8 } else { 0 }
+        + if kind == 3 || kind == 5 { SEAL_LEN } else { 0 }
+}
+
+/// Bytes of a put record of a `key_len`-byte key, sealed or not, coded or not, once encoded.
+pub const fn put_len(key_len: usize, sealed: bool, coded: bool) -> usize {
+    encoded_len(key_len) + if sealed { SEAL_LEN } else { 0 } + if coded { 8 } else { 0 }
 }
 
 fn encode_raw(out: &mut Vec<u8>, kind: u8, key: &str, at: &Placement, seal: Option<&Seal>) {
@@ -102,6 +131,9 @@ fn encode_raw(out: &mut Vec<u8>, kind: u8, key: &str, at: &Placement, seal: Opti
     out.extend_from_slice(&at.slot.to_le_bytes());
     out.extend_from_slice(&at.len.to_le_bytes());
     out.extend_from_slice(&at.crc.to_le_bytes());
+    if let (4 | 5, Some(c)) = (kind, at.coded) {
+        out.extend_from_slice(&c.to_le_bytes());
+    }
     if let Some(s) = seal {
         out.extend_from_slice(s);
     }
@@ -204,7 +236,7 @@ pub(crate) fn record_at(buf: &[u8], off: usize) -> RecordRef<'_> {
 /// The key bytes of the record at `off` in `buf`, an offset [`parse_resync_with`] gave for this `buf`.
 pub(crate) fn key_bytes_at(buf: &[u8], off: usize) -> &[u8] {
     let b = &buf[off..];
-    let head = if b[4] == 3 { FIXED + SEAL_LEN } else { FIXED };
+    let head = head(b[4]);
     &b[head..head + u16_at(b, 5) as usize]
 }
 
@@ -275,7 +307,7 @@ fn decode(b: &[u8], check: bool) -> Option<(RecordRef<'_>, usize)> {
     if key_len > MAX_KEY {
         return None;
     }
-    let head = if kind == 3 { FIXED + SEAL_LEN } else { FIXED };
+    let head = head(kind);
     let total = head + key_len + 4;
     if b.len() < total {
         return None;
@@ -286,16 +318,25 @@ fn decode(b: &[u8], check: bool) -> Option<(RecordRef<'_>, usize)> {
     let key = std::str::from_utf8(&b[head..head + key_len]).ok()?;
     let rec = match kind {
         // a put of a shape the store never writes is not a record either (see `no_record_is_found_inside_an_accepted_key`)
-        1 | 3 if super::index::put_shape_ok(u32_at(b, 7), u64_at(b, 15)) => RecordRef::Put {
-            key,
-            at: Placement {
-                class: u32_at(b, 7),
-                slot: u32_at(b, 11),
-                len: u64_at(b, 15),
-                crc: u32_at(b, 23),
-                seal: (kind == 3).then(|| b[FIXED..head].try_into().expect("SEAL_LEN bytes")),
-            },
-        },
+        1 | 3 | 4 | 5 if super::index::put_shape_ok(u32_at(b, 7), u64_at(b, 15)) => {
+            let coded = (kind == 4 || kind == 5).then(|| u64_at(b, FIXED));
+            // a coded object decodes to at least one byte, at most what the store takes
+            if coded.is_some_and(|c| c == 0 || c > super::MAX_OBJECT) {
+                return None;
+            }
+            RecordRef::Put {
+                key,
+                at: Placement {
+                    class: u32_at(b, 7),
+                    slot: u32_at(b, 11),
+                    len: u64_at(b, 15),
+                    crc: u32_at(b, 23),
+                    seal: (kind == 3 || kind == 5)
+                        .then(|| b[head - SEAL_LEN..head].try_into().expect("SEAL_LEN bytes")),
+                    coded,
+                },
+            }
+        }
         // a del's unused fields are zero (as `encode` writes them): one fewer way for bytes that are not a
         // record to pass for one
         2 if b[7..FIXED].iter().all(|&x| x == 0) => RecordRef::Del { key },
@@ -320,6 +361,7 @@ mod tests {
                     len: 5000,
                     crc: 77,
                     seal: None,
+                    coded: None,
                 },
             },
             Record::Del { key: "b".into() },
@@ -331,6 +373,29 @@ mod tests {
                     len: 8192,
                     crc: 78,
                     seal: Some(std::array::from_fn(|i| i as u8 + 1)),
+                    coded: None,
+                },
+            },
+            Record::Put {
+                key: "coded.k".into(),
+                at: Placement {
+                    class: 4096,
+                    slot: 5,
+                    len: 3000,
+                    crc: 79,
+                    seal: None,
+                    coded: Some(4 << 20),
+                },
+            },
+            Record::Put {
+                key: "coded sealed.v".into(),
+                at: Placement {
+                    class: 8192,
+                    slot: 6,
+                    len: 5000,
+                    crc: 80,
+                    seal: Some(std::array::from_fn(|i| i as u8 + 7)),
+                    coded: Some(9000),
                 },
             },
             Record::Put {
@@ -341,6 +406,7 @@ mod tests {
                     len: 1,
                     crc: 1,
                     seal: None,
+                    coded: None,
                 },
             },
         ];
@@ -397,7 +463,7 @@ mod tests {
             let recs: Vec<Record> = keys.iter().enumerate().map(|(i, parts)| {
                 let key: String = parts.concat();
                 if puts[i] {
-                    Record::Put { key, at: Placement { class: 4096 * (i as u32 + 1), slot: i as u32, len: 4096, crc: crcs[i], seal: None }, }
+                    Record::Put { key, at: Placement { class: 4096 * (i as u32 + 1), slot: i as u32, len: 4096, crc: crcs[i], seal: None, coded: None }, }
                 } else {
                     Record::Del { key }
                 }
@@ -424,7 +490,7 @@ mod tests {
         fn mutated_journal_yields_a_prefix(seed_keys in proptest::collection::vec("[a-f0-9]{1,70}", 1..6),
                                            flip in any::<usize>()) {
             let recs: Vec<Record> = seed_keys.iter().enumerate().map(|(i, k)| Record::Put {
-                key: k.clone(), at: Placement { class: 4096, slot: i as u32, len: 10, crc: i as u32, seal: None }, }).collect();
+                key: k.clone(), at: Placement { class: 4096, slot: i as u32, len: 10, crc: i as u32, seal: None, coded: None }, }).collect();
             let mut buf = Vec::new();
             for r in &recs { r.encode(&mut buf); }
             let i = flip % buf.len();
@@ -440,7 +506,7 @@ mod tests {
                                                    flip in any::<usize>(), width in 1usize..6) {
             let recs: Vec<Record> = seed_keys.iter().enumerate().map(|(i, k)| if i % 3 == 2 {
                 Record::Del { key: k.clone() } } else { Record::Put {
-                key: k.clone(), at: Placement { class: 4096, slot: i as u32, len: 10, crc: i as u32, seal: None }, } }).collect();
+                key: k.clone(), at: Placement { class: 4096, slot: i as u32, len: 10, crc: i as u32, seal: None, coded: None }, } }).collect();
             let mut buf = Vec::new();
             let mut starts = Vec::new();
             for r in &recs { starts.push(buf.len()); r.encode(&mut buf); }

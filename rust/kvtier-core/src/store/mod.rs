@@ -47,6 +47,8 @@ mod tests_background_steps;
 #[cfg(test)]
 mod tests_budget;
 #[cfg(test)]
+mod tests_coded;
+#[cfg(test)]
 mod tests_compaction;
 #[cfg(test)]
 mod tests_compaction_races;
@@ -106,6 +108,10 @@ pub struct StoreOptions {
     /// Seal every object at rest with its tenant's key from this keyring (`crate::seal`); `None`: clear.
     /// A sealed store serves only sealed objects and a clear one only clear objects.
     pub keyring: Option<Arc<Keyring>>,
+    /// Store objects compressed with this codec when that saves at least a block (`crate::codec`;
+    /// docs/STORE.md, "Compressed objects"); `None`: as given. Whatever it is, coded objects already
+    /// stored are read (a store reads both).
+    pub codec: Option<crate::codec::Elem>,
 }
 
 impl Default for StoreOptions {
@@ -116,6 +122,7 @@ impl Default for StoreOptions {
             io_threads: 16,
             direct: None,
             keyring: None,
+            codec: None,
         }
     }
 }
@@ -210,6 +217,7 @@ impl PageStore {
             io_threads: 4,
             direct: Some(false),
             keyring,
+            codec: None,
         };
         Self::open_impl(root, namespace, opts, false)
     }

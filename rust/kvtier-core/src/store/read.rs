@@ -95,7 +95,7 @@ impl Shared {
             for (i, (k, _, len)) in objs.iter().enumerate() {
                 match ix.get(k).cloned() {
                     // (a clear object never answers a sealed store, nor the reverse)
-                    Some(e) if e.len == *len && e.seal.is_some() == sealed => {
+                    Some(e) if e.decoded_len() == *len && e.seal.is_some() == sealed => {
                         ix.touch(k);
                         ix.map.get_mut(*k).expect("present").pins += 1;
                         work.push((i, e));
@@ -121,8 +121,12 @@ impl Shared {
             false,
         );
         let results: Vec<AtomicU8> = (0..work.len()).map(|_| AtomicU8::new(0)).collect();
-        // the first pass (two passes only for a clear store): each object's prefix, unchecked
-        let split = !prefix.is_empty() && !sealed;
+        // the first pass (two passes only for a clear store without coded objects: a coded object's bytes
+        // are usable only once decoded): each object's prefix, unchecked
+        let coded: Vec<usize> = (0..work.len())
+            .filter(|&j| work[j].1.coded.is_some())
+            .collect();
+        let split = !prefix.is_empty() && !sealed && coded.is_empty();
         if split {
             self.parallel(work.len(), |j| {
                 let (i, ref e) = work[j];
@@ -151,13 +155,26 @@ impl Shared {
             if !classes.contains_key(&e.class) {
                 results[j].store(IO_ERROR, Ordering::Relaxed);
             }
+            if e.coded.is_some() {
+                continue; // read, checked and decoded by a task of its own (below)
+            }
             let len = objs[*i].2;
             let skip = if split { prefix[*i].min(len) } else { 0 };
             cut_pieces(&mut pieces, j, 0, skip, false);
             cut_pieces(&mut pieces, j, skip, len, true);
         }
         let sums: Vec<AtomicU32> = (0..pieces.len()).map(|_| AtomicU32::new(0)).collect();
-        self.parallel(pieces.len(), |p| {
+        // the pieces, then the coded objects, each one task (reads beside other tasks' decoding)
+        self.parallel(pieces.len() + coded.len(), |p| {
+            if p >= pieces.len() {
+                let j = coded[p - pieces.len()];
+                let (i, ref e) = work[j];
+                if results[j].load(Ordering::Relaxed) == 0 {
+                    let r = self.read_coded(e, objs[i], classes.get(&e.class), keys.as_ref());
+                    results[j].store(r, Ordering::Relaxed);
+                }
+                return;
+            }
             let (j, a, b, read) = pieces[p];
             let (i, ref e) = work[j];
             let ptr = objs[i].1;
@@ -240,7 +257,7 @@ impl Shared {
                 match results[j].load(Ordering::Relaxed) {
                     OK => {
                         ok[*i] = true;
-                        bytes += e.len;
+                        bytes += e.decoded_len();
                     }
                     CORRUPT => {
                         corrupt.push((key.to_owned(), e.gen));
@@ -316,7 +333,77 @@ impl Shared {
     /// Length of the stored object `key`, if any.
     pub fn len_of(&self, key: &str) -> Option<u64> {
         self.refresh_for(Some(&[key]));
-        self.lock_index().get(key).map(|e| e.len)
+        self.lock_index().get(key).map(Entry::decoded_len)
+    }
+
+    /// Reads the coded object of entry `e` into a buffer of its own, in pieces, each summed as read; checks
+    /// the stored bytes, opens them if sealed, and decodes them into `dst` (each chunk checked against
+    /// the crc of its decoded bytes): [`OK`], or why not. A decode that fails after the stored bytes
+    /// verified is a corrupt read (a bug or a damaged chunk the stored checksum missed): never served.
+    fn read_coded(
+        &self,
+        e: &Entry,
+        (key, ptr, len): (&str, usize, u64),
+        class: Option<&std::sync::Arc<super::files::ClassFile>>,
+        keys: Option<&SealKeys>,
+    ) -> u8 {
+        let Some(c) = class else {
+            return IO_ERROR;
+        };
+        let stored = e.len as usize;
+        // whole blocks of the slot (its padding is zeros), so the reads stay O_DIRECT
+        let whole = stored.div_ceil(super::ALIGN as usize) * super::ALIGN as usize;
+        let Some(mut buf) = self.scratch.take(whole) else {
+            return IO_ERROR;
+        };
+        let r = (|| {
+            let b = buf.as_mut_slice();
+            let base = u64::from(e.slot) * u64::from(e.class);
+            let mut sums = Vec::with_capacity(whole.div_ceil(crate::hash::PIECE));
+            for a in (0..whole).step_by(crate::hash::PIECE) {
+                let end = (a + crate::hash::PIECE).min(whole);
+                if fault::check("data_read")
+                    .and_then(|()| c.read(&mut b[a..end], base + a as u64))
+                    .is_err()
+                {
+                    return IO_ERROR;
+                }
+                if a < stored {
+                    let s = end.min(stored);
+                    sums.push((crate::hash::piece_crc(&b[a..s]), s - a));
+                }
+            }
+            if crate::hash::object_crc_of_pieces(&sums, key) != e.crc {
+                return CORRUPT;
+            }
+            let b = &mut b[..stored];
+            if let (Some(k), Some(seal)) = (keys, e.seal.as_ref()) {
+                match k.open(key, b, seal) {
+                    Opened::Ok => {}
+                    Opened::NoKey => return NO_KEY,
+                    Opened::Stale => return STALE,
+                    Opened::Failed => return CORRUPT,
+                }
+            }
+            let t = std::time::Instant::now();
+            // SAFETY: the caller of `get` guarantees [ptr, ptr+len) is writable and exclusively ours for
+            // the call; no other task of the batch touches this object's destination.
+            let dst = unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, len as usize) };
+            let decoded = crate::codec::decode(b, dst);
+            self.stats
+                .decode_ns
+                .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            if decoded.is_err() {
+                return CORRUPT;
+            }
+            self.stats.decoded_bytes.fetch_add(len, Ordering::Relaxed);
+            self.stats
+                .decoded_coded_bytes
+                .fetch_add(stored as u64, Ordering::Relaxed);
+            OK
+        })();
+        self.scratch.give(buf);
+        r
     }
 
     /// Re-reads every object and checks its checksum. With `repair` (writable stores only), corrupt and
@@ -356,9 +443,20 @@ impl Shared {
                     .map_err(|_| ())
             });
             self.lock_index().unpin(&k, e.class, e.slot);
+            // a coded object in clear decodes too (every chunk against its crc); a sealed one cannot be
+            // opened here, so its stored bytes are what is checked
+            let decodes = |buf: &[u8]| match e.coded {
+                Some(n) if e.seal.is_none() => {
+                    let mut out = vec![0u8; n.get() as usize];
+                    crate::codec::decode(buf, &mut out).is_ok()
+                }
+                _ => true,
+            };
             match read {
                 Err(()) => rep.unreadable.push(k.clone()),
-                Ok(()) if crate::hash::object_crc(&buf, &k) != e.crc => rep.corrupt.push(k.clone()),
+                Ok(()) if crate::hash::object_crc(&buf, &k) != e.crc || !decodes(&buf) => {
+                    rep.corrupt.push(k.clone())
+                }
                 Ok(()) => continue,
             }
             bad.push((k, e.gen));

@@ -1,5 +1,5 @@
-//! The store's side of sealing (`crate::seal`): the tenant keys of one batch, and the aligned copies that
-//! sealed objects are written from (so they keep O_DIRECT).
+//! The store's side of sealing (`crate::seal`): the tenant keys of one batch, and the aligned buffers that
+//! sealed and coded objects are written from and read into (so they keep O_DIRECT).
 
 use std::alloc::Layout;
 use std::collections::HashMap;
@@ -9,8 +9,7 @@ use std::sync::{Arc, Mutex};
 use super::ALIGN;
 use crate::seal::{tenant_of, Keyring, Seal, SealKey};
 
-/// Heap bytes aligned to the store's block size, freed on drop. Only the first `len` bytes are ever read, and
-/// only after [`fill_from`](Self::fill_from) wrote them.
+/// Heap bytes aligned to the store's block size, zeroed when allocated, freed on drop; `len` of them in use.
 pub(super) struct Aligned {
     ptr: NonNull<u8>,
     len: usize,
@@ -21,12 +20,12 @@ pub(super) struct Aligned {
 unsafe impl Send for Aligned {}
 
 impl Aligned {
-    /// Room for `cap` bytes (rounded up to whole blocks), none of them readable yet; None without memory.
+    /// Room for `cap` bytes (rounded up to whole blocks), all zero; None without memory.
     fn with_capacity(cap: usize) -> Option<Self> {
         let size = cap.div_ceil(ALIGN as usize).max(1) * ALIGN as usize;
         let layout = Layout::from_size_align(size, ALIGN as usize).ok()?;
-        // SAFETY: `layout` has a non-zero size. The bytes stay unread until `fill_from` writes them.
-        let ptr = NonNull::new(unsafe { std::alloc::alloc(layout) })?;
+        // SAFETY: `layout` has a non-zero size; the allocation is zeroed, so every byte of it is initialized.
+        let ptr = NonNull::new(unsafe { std::alloc::alloc_zeroed(layout) })?;
         Some(Self {
             ptr,
             len: 0,
@@ -47,11 +46,12 @@ impl Aligned {
     }
 
     pub(super) fn as_slice(&self) -> &[u8] {
-        // SAFETY: the first `len` bytes of the live allocation were written by `fill_from`.
+        // SAFETY: `len` <= the capacity (`fill_from` and `ScratchPool::take` check), and every byte of the
+        // live allocation is initialized (zeroed at allocation).
         unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
     }
 
-    fn as_mut_slice(&mut self) -> &mut [u8] {
+    pub(super) fn as_mut_slice(&mut self) -> &mut [u8] {
         // SAFETY: as in `as_slice`, and `&mut self` makes this the only reference.
         unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
     }
@@ -75,17 +75,26 @@ pub(super) struct ScratchPool {
 
 impl ScratchPool {
     /// A buffer holding a copy of `src`; None without memory.
-    fn copy_of(&self, src: &[u8]) -> Option<Aligned> {
+    pub(super) fn copy_of(&self, src: &[u8]) -> Option<Aligned> {
+        let mut b = self.take(src.len())?;
+        b.fill_from(src);
+        Some(b)
+    }
+
+    /// A buffer of `len` bytes in use (what they hold is unspecified: zeros or an earlier use's bytes);
+    /// None without memory.
+    pub(super) fn take(&self, len: usize) -> Option<Aligned> {
         let reused = {
             let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
-            let i = free.iter().position(|b| b.capacity() >= src.len());
+            let i = free.iter().position(|b| b.capacity() >= len);
             i.map(|i| free.swap_remove(i))
         };
         let mut b = match reused {
             Some(b) => b,
-            None => Aligned::with_capacity(src.len())?,
+            None => Aligned::with_capacity(len)?,
         };
-        b.fill_from(src);
+        assert!(len <= b.capacity());
+        b.len = len;
         Some(b)
     }
 

@@ -7,8 +7,25 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 pub struct Stats {
     /// Objects written (acknowledged).
     pub puts: AtomicU64,
-    /// Bytes written (acknowledged objects).
+    /// Bytes written (acknowledged objects, as stored: coded objects' coded bytes).
     pub bytes_written: AtomicU64,
+    /// What the acknowledged objects written hold (coded objects' decoded length): with `bytes_written`,
+    /// the ratio the codec achieved on the writes.
+    pub raw_bytes_written: AtomicU64,
+    /// Bytes of objects handed to the codec (those not stored already).
+    pub encode_input_bytes: AtomicU64,
+    /// Of those, the bytes of the objects stored coded, and their coded bytes.
+    pub encoded_raw_bytes: AtomicU64,
+    /// Coded bytes of the objects stored coded.
+    pub encoded_bytes: AtomicU64,
+    /// Nanoseconds put batches spent coding (wall, the batch's threads together).
+    pub encode_ns: AtomicU64,
+    /// Coded objects read, decoded and verified: their decoded bytes ...
+    pub decoded_bytes: AtomicU64,
+    /// ... their coded bytes ...
+    pub decoded_coded_bytes: AtomicU64,
+    /// ... and the nanoseconds their decoding took, summed over the threads that did it.
+    pub decode_ns: AtomicU64,
     /// Nanoseconds spent in put batches (wall).
     pub put_ns: AtomicU64,
     /// Objects read and verified.
@@ -49,7 +66,7 @@ pub struct Stats {
 }
 
 /// The phases of a put batch (docs/STORE.md, "put"), as `put_phase_ns` counts them.
-pub const PUT_PHASES: [&str; 20] = [
+pub const PUT_PHASES: [&str; 21] = [
     "validate",
     "keep_to_limit",
     "reserve",
@@ -70,6 +87,7 @@ pub const PUT_PHASES: [&str; 20] = [
     "dir_sync",
     "evict_append",
     "journal_close",
+    "encode",
 ];
 
 /// Phase indices into `put_phase_ns`.
@@ -101,6 +119,8 @@ pub(crate) mod phase {
     pub const EVICT_APPEND: usize = 18;
     /// Background: closing a replaced journal (its blocks given back a piece at a time, each synced).
     pub const JOURNAL_CLOSE: usize = 19;
+    /// Coding the batch's objects (a store with a codec).
+    pub const ENCODE: usize = 20;
 }
 
 impl Stats {
@@ -109,6 +129,14 @@ impl Stats {
         [
             ("puts", &self.puts),
             ("bytes_written", &self.bytes_written),
+            ("raw_bytes_written", &self.raw_bytes_written),
+            ("encode_input_bytes", &self.encode_input_bytes),
+            ("encoded_raw_bytes", &self.encoded_raw_bytes),
+            ("encoded_bytes", &self.encoded_bytes),
+            ("encode_ns", &self.encode_ns),
+            ("decoded_bytes", &self.decoded_bytes),
+            ("decoded_coded_bytes", &self.decoded_coded_bytes),
+            ("decode_ns", &self.decode_ns),
             ("put_ns", &self.put_ns),
             ("hits", &self.hits),
             ("misses", &self.misses),

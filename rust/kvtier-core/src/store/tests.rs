@@ -40,6 +40,7 @@ pub(super) fn opts(cap: u64) -> StoreOptions {
         io_threads: 4,
         direct: None,
         keyring: None,
+        codec: None,
     }
 }
 

@@ -321,6 +321,7 @@ fn a_key_that_could_hold_a_journal_record_is_refused() {
             len: 4096,
             crc: 0,
             seal: None,
+            coded: None,
         },
     }
     .encode(&mut rec);

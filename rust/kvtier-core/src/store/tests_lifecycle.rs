@@ -1,7 +1,7 @@
 //! The format version, the budget table's damage, namespace removal (against live and racing writers) and
 //! the counters the writer leaves on disk.
 
-use super::format::{format_text, FORMAT_FILE};
+use super::format::{format_text, FORMAT_FILE, FORMAT_VERSION};
 use super::lifecycle::{namespaces, remove_namespace};
 use super::tests::{get1, opts, payload, put1, tmp, SERIAL};
 use super::tests_budget::{claims, held, with_budget, OBJ};
@@ -18,7 +18,7 @@ fn format_files_are_written_checked_and_a_future_or_foreign_one_is_refused() {
     );
     {
         let s = PageStore::open(&root, "m", opts(1 << 30)).unwrap();
-        let text = format_text(1);
+        let text = format_text(FORMAT_VERSION);
         assert_eq!(
             std::fs::read_to_string(root.join(FORMAT_FILE)).unwrap(),
             text
@@ -38,22 +38,39 @@ fn format_files_are_written_checked_and_a_future_or_foreign_one_is_refused() {
     );
     drop(PageStore::open(&root, "m", opts(1 << 30)).unwrap());
     assert!(root.join(FORMAT_FILE).exists() && ns_dir.join(FORMAT_FILE).exists());
+    // an older format this kvtier reads (format 1: before coded records): a read-only open reads it as it
+    // is, a writable open moves both files to this format
+    for at in [root.clone(), ns_dir.clone()] {
+        std::fs::write(at.join(FORMAT_FILE), format_text(1)).unwrap();
+    }
+    drop(PageStore::open_read_only(&root, "m").unwrap());
+    assert_eq!(
+        std::fs::read_to_string(root.join(FORMAT_FILE)).unwrap(),
+        format_text(1)
+    );
+    drop(PageStore::open(&root, "m", opts(1 << 30)).unwrap());
+    for at in [root.clone(), ns_dir.clone()] {
+        assert_eq!(
+            std::fs::read_to_string(at.join(FORMAT_FILE)).unwrap(),
+            format_text(FORMAT_VERSION)
+        );
+    }
     // a future format, at the root or in one namespace: refused, naming both versions and what to do
     for at in [root.clone(), ns_dir.clone()] {
-        std::fs::write(at.join(FORMAT_FILE), "kvtier page store format 2\n").unwrap();
+        std::fs::write(at.join(FORMAT_FILE), "kvtier page store format 7\n").unwrap();
         for e in [
             PageStore::open(&root, "m", opts(1 << 30)).err().unwrap(),
             PageStore::open_read_only(&root, "m").err().unwrap(),
         ] {
             let msg = e.to_string();
             assert!(
-                msg.contains("format 2")
-                    && msg.contains("reads format 1")
+                msg.contains("format 7")
+                    && msg.contains(&format!("reads formats [1] and {FORMAT_VERSION}"))
                     && msg.contains("rm -rf"),
                 "{msg}"
             );
         }
-        std::fs::write(at.join(FORMAT_FILE), format_text(1)).unwrap();
+        std::fs::write(at.join(FORMAT_FILE), format_text(FORMAT_VERSION)).unwrap();
     }
     // a new namespace is not created in a root of a future format
     std::fs::write(root.join(FORMAT_FILE), "kvtier page store format 3\n").unwrap();
