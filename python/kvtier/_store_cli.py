@@ -184,7 +184,7 @@ def cmd_budget(args: argparse.Namespace) -> int:
 #: counters the writer leaves in STATS that `kvtier stats` shows
 WRITER_COUNTERS = ("hits", "misses", "bytes_read", "bytes_written", "puts", "evictions", "corrupt_reads",
                    "write_failures", "read_failures", "journal_failures", "compactions", "capacity_bytes",
-                   "budget_bytes", "claimed_bytes")
+                   "budget_bytes", "claimed_bytes", "raw_bytes_written", "decoded_bytes")
 
 
 def writer_counters(ns_dir: str, live: bool, holder_pid: int | None) -> dict[str, Any]:
@@ -199,6 +199,10 @@ def writer_counters(ns_dir: str, live: bool, holder_pid: int | None) -> dict[str
     except (OSError, ValueError, AssertionError) as exc:
         return {"counters": f"unreadable STATS file ({exc})"}
     out = {k: st[k] for k in WRITER_COUNTERS if k in st}
+    if st.get("decode_ns"):  # the writer's decoding, GB/s of decoded bytes per thread
+        out["decode_GBps_per_thread"] = round(st.get("decoded_bytes", 0) / st["decode_ns"], 3)
+    if st.get("encode_ns"):  # its put batches' coding, GB/s of bytes handed to the codec
+        out["encode_GBps_batch"] = round(st.get("encode_input_bytes", 0) / st["encode_ns"], 3)
     written = st.get("written_unix_ms", 0) / 1000
     out["counters_age_s"] = round(max(0.0, time.time() - written), 1)
     out["counters_since"] = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(st.get("opened_unix_ms", 0) / 1000))

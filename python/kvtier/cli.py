@@ -84,6 +84,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             per = 1 if "|mla=" in ns else 2  # an MLA page is one object
             print(f"  objects {st['objects']} ({st['objects'] // per} pages), {st['bytes_used'] / 1e6:.1f} MB in slots"
                   + ("  [open in a running process: a snapshot]" if st["live_writer"] else ""))
+            if st["coded_objects"]:
+                print(f"  compressed: {st['coded_objects']} objects; {st['content_bytes'] / 1e6:.1f} MB of KV in "
+                      f"{st['stored_bytes'] / 1e6:.1f} MB ({st['content_bytes'] / st['stored_bytes']:.3f}x)")
             for what in _damage(st):
                 print(f"  damage: {what}")
             for f, n in files.items():
@@ -96,7 +99,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 #: what `kvtier stats` shows of the store on disk (the opening process's own traffic counters are nothing)
 _DISK_STATS = ("objects", "bytes_used", "data_bytes_held", "journal_bytes_held", "journal_damaged_spans",
                "journal_damaged_bytes", "dropped_records", "missing_class_files", "recovered_tail_bytes",
-               "superseded_by_slot", "live_writer", "dir")
+               "superseded_by_slot", "live_writer", "dir", "coded_objects", "stored_bytes", "content_bytes")
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
@@ -122,6 +125,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
             s.close()
         st = {k: st[k] for k in _DISK_STATS if k in st}
         st["pages"] = st["objects"] // (1 if "|mla=" in ns else 2)
+        st["compression_ratio"] = round(st["content_bytes"] / st["stored_bytes"], 4) if st.get("stored_bytes") else 1.0
         st["namespace"] = ns
         st["store_budget_bytes"] = budget
         st.update(writer_counters(d, bool(st["live_writer"]), holders.get(os.path.basename(d))))

@@ -75,6 +75,9 @@ _STORE_COUNTERS = (
     ("evictions", "evictions", "objects evicted to stay within capacity_bytes"),
     ("journal_failures", "journal_failures", "journal appends that failed (the batch's pages reported False)"),
     ("compactions", "journal_compactions", "journal compactions"),
+    ("raw_bytes_written", "written_content_bytes", "what the objects written hold (coded objects: their decoded "
+     "bytes); over written_bytes, the ratio the codec achieved"),
+    ("decoded_bytes", "decoded_bytes", "bytes decoded from coded objects on read"),
 )
 #: PageStore values exported as gauges
 _STORE_GAUGES = (
@@ -86,6 +89,10 @@ _STORE_GAUGES = (
     ("dropped_records", "dropped_records", "journal records dropped at open (naming bytes the data files lack)"),
     ("journal_damaged_spans", "journal_damaged_spans", "damaged journal spans skipped at open"),
     ("poisoned", "poisoned", "1 while a failed journal cut-back keeps the store from writing (until reopened)"),
+    ("compression_ratio", "compression_ratio", "bytes the stored objects hold per byte they take (1 with nothing "
+     "compressed)"),
+    ("decode_GBps_per_thread", "decode_gbps_per_thread", "decoding of coded objects on read, GB/s of decoded bytes per "
+     "thread (0 before any)"),
 )
 _CONTROLLER_PAGES = (
     ("backed_up_pages", "backup"), ("loaded_pages", "load"), ("store_writes", "store_write"),

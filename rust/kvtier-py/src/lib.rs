@@ -6,6 +6,7 @@
 compile_error!("kvtier-py must not be built with --cfg kvtier_bench_unverified (a bench-only build without checksums)");
 
 mod buffer;
+mod codec;
 mod dlpack;
 mod engine;
 mod errors;
@@ -39,6 +40,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(store_fns::set_store_budget, m)?)?;
     m.add_function(wrap_pyfunction!(store_fns::store_format_version, m)?)?;
     m.add_function(wrap_pyfunction!(store_fns::page_hashes, m)?)?;
+    m.add_function(wrap_pyfunction!(codec::codec_encode, m)?)?;
+    m.add_function(wrap_pyfunction!(codec::codec_decode, m)?)?;
     m.add_function(wrap_pyfunction!(store_fns::disk_roofline, m)?)?;
     m.add_function(wrap_pyfunction!(store_fns::fault_set, m)?)?;
     m.add_function(wrap_pyfunction!(store_fns::fault_clear, m)?)?;

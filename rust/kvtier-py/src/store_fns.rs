@@ -41,9 +41,21 @@ pub fn stats<'py>(py: Python<'py>, s: &PageStore) -> KvResult<Bound<'py, PyDict>
     let (objects, used) = s.usage();
     let (data, journal) = s.occupancy();
     let rep = s.open_report();
+    let (coded_objects, stored_bytes, content_bytes) = s.content();
     for (k, v) in [
         ("puts", ld(&st.puts)),
         ("bytes_written", ld(&st.bytes_written)),
+        ("raw_bytes_written", ld(&st.raw_bytes_written)),
+        ("encode_input_bytes", ld(&st.encode_input_bytes)),
+        ("encoded_raw_bytes", ld(&st.encoded_raw_bytes)),
+        ("encoded_bytes", ld(&st.encoded_bytes)),
+        ("encode_ns", ld(&st.encode_ns)),
+        ("decoded_bytes", ld(&st.decoded_bytes)),
+        ("decoded_coded_bytes", ld(&st.decoded_coded_bytes)),
+        ("decode_ns", ld(&st.decode_ns)),
+        ("coded_objects", coded_objects as u64),
+        ("stored_bytes", stored_bytes),
+        ("content_bytes", content_bytes),
         ("put_ns", ld(&st.put_ns)),
         ("hits", ld(&st.hits)),
         ("misses", ld(&st.misses)),
@@ -83,6 +95,7 @@ pub fn stats<'py>(py: Python<'py>, s: &PageStore) -> KvResult<Bound<'py, PyDict>
     d.set_item("o_direct_note", s.direct_note())?;
     d.set_item("dir", s.dir().to_string_lossy().to_string())?;
     d.set_item("namespace", s.namespace())?;
+    d.set_item("codec", s.codec().map(|c| c.name()))?;
     Ok(d)
 }
 

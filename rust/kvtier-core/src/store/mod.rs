@@ -241,6 +241,10 @@ impl Shared {
     pub fn dir(&self) -> &Path {
         &self.dir
     }
+    /// The codec new objects are stored with (`StoreOptions::codec`).
+    pub fn codec(&self) -> Option<crate::codec::Elem> {
+        self.opts.codec
+    }
     /// The namespace string.
     pub fn namespace(&self) -> &str {
         &self.namespace
@@ -278,6 +282,18 @@ impl Shared {
     pub fn usage(&self) -> (usize, u64) {
         let ix = self.lock_index();
         (ix.servable_count(), ix.used)
+    }
+    /// What the servable objects hold and take: `(objects stored coded, bytes stored, bytes they decode
+    /// to)` (an object stored as given counts its length in both); the ratio of the last two is what the
+    /// codec gives the store's budget.
+    pub fn content(&self) -> (usize, u64, u64) {
+        let ix = self.lock_index();
+        ix.map
+            .values()
+            .filter(|e| e.servable())
+            .fold((0, 0, 0), |(n, s, d), e| {
+                (n + usize::from(e.coded.is_some()), s + e.len, d + e.decoded_len())
+            })
     }
     /// `(data bytes held, journal bytes held)`: the occupancy the capacity limit applies to.
     pub fn occupancy(&self) -> (u64, u64) {
