@@ -137,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-ttft", action="store_true")
     ap.add_argument("--window", default="2", help="the TTFT rows' KVTier window: layers resident on the GPU, or "
                     "'all' (every layer: a split's head stays on the GPU; the default cache's memory)")
+    ap.add_argument("--compression", default="auto", choices=("auto", "off"),
+                    help="the store's compression (PageStore's compression=; default auto: lossless for bf16)")
     ap.add_argument("--slow-gbps", type=float, default=0.3, help="the throttled disk of the planned_slow row (GB/s)")
     a = ap.parse_args(argv)
     device = "cpu" if a.tiny or a.small or not torch.cuda.is_available() else "cuda"
@@ -166,7 +168,9 @@ def main(argv: list[str] | None = None) -> int:
         window = cfg.num_hidden_layers if a.window == "all" else int(a.window)
         results["ttft_window"] = window
         tier = KVTier(model, model_id=MODEL_ID, page_size=a.page_size, window=window,
-                      host_tokens=host_tokens, store_dir=root, store_capacity_bytes=1 << 40)
+                      host_tokens=host_tokens, store_dir=root, store_capacity_bytes=1 << 40,
+                      store_compression=a.compression)
+        results["compression"] = a.compression
         tier2 = None
         try:
             # ---------------------------------------------------------------- (a) decode at the top context
@@ -226,12 +230,16 @@ def main(argv: list[str] | None = None) -> int:
                 results["ttft"] = ttft_rows.run(model, tier, contexts, vocab, device, a.page_size, cache_kwarg(model),
                                                 a.slow_gbps)
                 st = tier.page_store.get_stats() if tier.page_store is not None else {}
-                results["store"] = {k: st.get(k) for k in ("o_direct", "o_direct_note", "read_GBps", "write_GBps", "pages")}
+                results["store"] = {k: st.get(k) for k in ("o_direct", "o_direct_note", "read_GBps", "write_GBps", "pages",
+                                                           "compression_ratio", "decode_GBps_per_thread",
+                                                           "encode_GBps_batch", "coded_objects")}
                 errs = sorted(abs(r[f"{k}_predicted_s"] / r[f"{k}_s"] - 1) for r in results["ttft"].values()
                               for k in ("planned_host", "planned_disk", "planned_slow", "planned_mixed")
                               if r.get(f"{k}_predicted_s"))
                 results["prediction_error_median"] = errs[len(errs) // 2] if errs else None
-                print(f"  store: O_DIRECT {st.get('o_direct')}, read {st.get('read_GBps', 0):.2f} GB/s; planner's "
+                print(f"  store: O_DIRECT {st.get('o_direct')}, read {st.get('read_GBps', 0):.2f} GB/s of decoded pages, "
+                      f"compression {a.compression} (ratio {st.get('compression_ratio', 1.0):.3f}, decode "
+                      f"{st.get('decode_GBps_per_thread', 0.0):.2f} GB/s a thread); planner's "
                       f"predicted TTFT against the measured: median error "
                       + (f"{100 * errs[len(errs) // 2]:.1f}% over {len(errs)} planned rows" if errs else "n/a"),
                       flush=True)

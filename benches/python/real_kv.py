@@ -17,7 +17,8 @@ The input is deterministic text that ships with Python itself: for ``"prose"``, 
 ``~/.cache/kvtier/real_kv``) under a key that holds every argument and a hash of the text and the model file.
 
 Run ``python benches/python/real_kv.py [n_tokens]`` for the shapes, the next-token accuracy and the order-0 entropy
-bounds of the bf16 and fp8_e4m3 pages.
+bounds of the bf16 and fp8_e4m3 pages; ``python benches/python/real_kv.py --dump DIR [n_tokens]`` writes their raw
+bytes for the codec bench.
 """
 
 from __future__ import annotations
@@ -292,7 +293,28 @@ def entropy_bounds(bits: np.ndarray) -> dict[str, float]:
     raise TypeError(f"expected uint16 or uint8 bits, not {bits.dtype}")
 
 
+def dump(out_dir: str, n_tokens: int = 2048, text: Text = "prose") -> list[str]:
+    """Writes the raw bytes of the bf16 and fp8_e4m3 K and V pages (page after page, each a page_first_direct
+    object) to ``out_dir/{dtype}-{k|v}.bin`` for the codec bench (``benches/codec.rs``: KVTIER_CODEC_INPUT, with
+    KVTIER_CODEC_OBJECT = one object's bytes, printed here); returns the paths."""
+    os.makedirs(out_dir, exist_ok=True)
+    paths = []
+    for dtype in ("bf16", "fp8_e4m3"):
+        got = real_kv(n_tokens, text=text, dtype=dtype)  # type: ignore[arg-type]
+        for name in ("k", "v"):
+            arr = np.ascontiguousarray(got[name])
+            path = os.path.join(out_dir, f"{dtype}-{name}.bin")
+            arr.tofile(path)
+            obj = arr[0].nbytes
+            print(f"{path}: {arr.shape[0]} objects of {obj} bytes (KVTIER_CODEC_OBJECT={obj})")
+            paths.append(path)
+    return paths
+
+
 def main(argv: list[str]) -> None:
+    if len(argv) > 2 and argv[1] == "--dump":
+        dump(argv[2], int(argv[3]) if len(argv) > 3 else 2048)
+        return
     n_tokens = int(argv[1]) if len(argv) > 1 else 2048
     texts: tuple[Text, ...] = ("prose", "code")
     dtypes: tuple[Dtype, ...] = ("bf16", "fp8_e4m3")

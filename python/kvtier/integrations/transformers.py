@@ -139,13 +139,16 @@ class KVTier:
             default: learned from this tier's own forwards (seeded by a calibration at construction).
         calibrate: with a learned prefill model, time a few forwards of random tokens at construction (up
             to 4K tokens) so the first request is planned with a model.
+        keyring: seal the store's pages at rest (:class:`kvtier.PageStore`'s ``keyring``).
+        store_compression: the store's ``compression`` (:class:`kvtier.PageStore`): ``"auto"`` (default) stores
+            bf16, fp16 and fp8 pages losslessly compressed, ``"off"`` as they are.
     """
 
     def __init__(self, model: Any, *, model_id: str | None = None, page_size: int = 16, window: int = 2,
                  host_tokens: int = 65536, store_dir: str | os.PathLike[str] | None = None,
                  store_capacity_bytes: int | str = DEFAULT_CAPACITY, cluster: str | None = None, pin_memory: bool = True,
                  restore: str = "plan", prefill: PrefillModel | float | None = None, calibrate: bool = True,
-                 keyring: Any = None) -> None:
+                 keyring: Any = None, store_compression: str = "auto") -> None:
         config = getattr(model, "config", None)
         if config is None or not callable(model) or not hasattr(config, "get_text_config"):
             raise InvalidArgumentError(f"invalid argument `model`: expected a transformers model, got {type(model).__name__}")
@@ -242,7 +245,7 @@ class KVTier:
             if store_dir is not None:
                 self.page_store = PageStore(store_dir, capacity_bytes=store_capacity_bytes,
                                             budget_bytes=store_capacity_bytes, model_name=self.model_name,
-                                            keyring=keyring)
+                                            keyring=keyring, compression=store_compression)
                 self.page_store.register_mem_pool_host(self.host)
                 self.store = self.page_store
                 if cluster is not None:
