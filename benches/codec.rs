@@ -66,8 +66,14 @@ fn main() {
         .map(|e| Elem::parse(&e).expect("KVTIER_CODEC_ELEM: bits16 or bits8"))
         .unwrap_or(Elem::Bits16);
     let (label, data) = match std::env::var("KVTIER_CODEC_INPUT") {
-        Ok(p) => (p.clone(), std::fs::read(&p).expect("KVTIER_CODEC_INPUT: a file of raw KV bytes")),
-        Err(_) => ("synthetic KV-shaped bf16 (not real KV)".to_owned(), synthetic(64 << 20)),
+        Ok(p) => (
+            p.clone(),
+            std::fs::read(&p).expect("KVTIER_CODEC_INPUT: a file of raw KV bytes"),
+        ),
+        Err(_) => (
+            "synthetic KV-shaped bf16 (not real KV)".to_owned(),
+            synthetic(64 << 20),
+        ),
     };
     let obj = std::env::var("KVTIER_CODEC_OBJECT")
         .ok()
@@ -94,17 +100,21 @@ fn main() {
     }
     let stored: usize = coded.iter().map(Vec::len).sum();
     let ratio = (objects.len() * obj) as f64 / stored as f64;
-    let dir = std::env::var("KVTIER_BENCH_DIR").unwrap_or_else(|_| std::env::temp_dir().display().to_string());
+    let dir = std::env::var("KVTIER_BENCH_DIR")
+        .unwrap_or_else(|_| std::env::temp_dir().display().to_string());
     let size = obj.div_ceil(4096) * 4096;
     let count = ((512usize << 20) / size).max(16);
     let (mut dw, mut dr) = (Vec::new(), Vec::new());
     let mut row = String::new();
     let mut enc = vec![Vec::new(); 3];
     let mut dec = vec![Vec::new(); 3];
-    let outs: Vec<std::sync::Mutex<Vec<u8>>> = (0..16).map(|_| std::sync::Mutex::new(vec![0u8; obj])).collect();
+    let outs: Vec<std::sync::Mutex<Vec<u8>>> = (0..16)
+        .map(|_| std::sync::Mutex::new(vec![0u8; obj]))
+        .collect();
     for _ in 0..5 {
-        let (w, r, _) = kvtier_core::roofline::odirect_roofline(std::path::Path::new(&dir), size, count, 16)
-            .expect("disk ceiling");
+        let (w, r, _) =
+            kvtier_core::roofline::odirect_roofline(std::path::Path::new(&dir), size, count, 16)
+                .expect("disk ceiling");
         dw.push(w);
         dr.push(r);
         for (k, threads) in [1usize, 2, 4].into_iter().enumerate() {
@@ -120,7 +130,10 @@ fn main() {
         }
     }
     let (dw, dr) = (median(dw), median(dr));
-    println!("input: {label} ({} objects of {obj} bytes, {elem:?})", objects.len());
+    println!(
+        "input: {label} ({} objects of {obj} bytes, {elem:?})",
+        objects.len()
+    );
     println!("ratio {ratio:.3} ({:.2} bits a 16-bit value)", 16.0 / ratio);
     println!("disk (same run, {dir}): write {dw:.2} GB/s, read {dr:.2} GB/s");
     for (k, threads) in [1usize, 2, 4].into_iter().enumerate() {

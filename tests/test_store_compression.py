@@ -202,7 +202,7 @@ def test_kill_9_during_compressed_writes_loses_no_acknowledged_page(tmp_path):
     with PageStore(root, model_name="m", probe_bytes=0) as st:
         st.register_mem_pool_host(hp)
         assert st.get_stats()["coded_objects"] >= 2 * len(acked)
-        for n, k in enumerate(acked):
+        for k in acked:
             hp.k_buffer.zero_()
             assert st.batch_get_v1([k], pages_idx([8])) == [True], k
             # key i + j was written from page j

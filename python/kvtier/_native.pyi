@@ -7,7 +7,7 @@ from typing import Any, final
 
 __all__ = [
     "HostRegion", "Progress", "PageAllocator", "TransferPlan", "PageStore", "HostRanges", "Keyring", "namespace_dir",
-    "tenant_tag", "tenant_keys", "tenant_of",
+    "tenant_tag", "tenant_keys", "tenant_of", "codec_encode", "codec_decode",
     "store_namespaces", "remove_namespace", "store_budget", "set_store_budget", "store_format_version", "page_hashes", "disk_roofline",
     "fault_set", "fault_clear", "fault_points", "fault_hits", "cuda_host_registered", "cuda_driver_available",
     "validate_transfer", "plan_sides", "copy_cpu", "page_numbers", "host_layout", "page_extents", "cuda_batch_supported", "cuda_batch_flags", "cuda_set_batch_limit",
@@ -88,10 +88,10 @@ class Keyring:
         self, memory: HostRanges, objects: list[tuple[str, int, int, str | None]], seals: bytes
     ) -> list[bool]: ...
 
-@final
 def codec_encode(data: bytes, codec: str) -> bytes: ...
 def codec_decode(data: bytes) -> bytes: ...
 
+@final
 class PageStore:
     def __new__(
         cls,

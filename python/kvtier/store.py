@@ -23,32 +23,19 @@ from collections.abc import Sequence
 import torch
 
 from . import _native
-from .buffer import HostBuffer
 from .metrics import LatencyHistogram
 from .hashes import page_hashes  # noqa: F401 - kvtier.store.page_hashes stays importable
 from .planner import TierEstimate, TierMeter
 from ._errors import ClosedError, InvalidArgumentError, KvtierError
 from .config import parse_size
 from .tenants import erase_tag, open_keyring, scope_keys, tenant_of
+from .compression import COMPRESSION, codec_for, compression_stats, effective_read_GBps  # noqa: F401 - re-exported
+from .page_layout import PAGE_LAYOUTS, heads_of as _heads, host_buffers, logical_dtype, page_layout as _page_layout  # noqa: F401
 
 #: Default hard limit of one namespace's data (bytes).
 DEFAULT_CAPACITY = 64 << 30
 #: Bytes the probe at open writes (twice) and reads back, in a file of its own beside the namespaces.
 DEFAULT_PROBE_BYTES = 16 << 20
-#: What ``compression=`` takes.
-COMPRESSION = ("auto", "lossless", "off")
-
-
-def codec_for(dtype: str) -> str | None:
-    """The page codec for a KV dtype as torch names it (``"bits16"`` for bfloat16 and float16, ``"bits8"`` for
-    the fp8 variants), or None for a dtype it does not compress."""
-    d = str(dtype).removeprefix("torch.")
-    if d in ("bfloat16", "float16"):
-        return "bits16"
-    if d.startswith("float8"):
-        return "bits8"
-    return None
-PAGE_LAYOUTS = ("page_first", "page_first_direct")
 
 
 class PageStore:
@@ -461,35 +448,6 @@ class PageStore:
         self.close()
 
 
-def effective_read_GBps(disk_GBps: float, st: dict[str, Any], io_threads: int) -> float:
-    """The rate a restore reads decoded pages at: ``disk_GBps`` × the stored pages' ratio (content bytes per
-    stored byte, from the store's counters ``st``), at most the decode rate measured on this store's reads
-    (per thread, on ``io_threads`` threads or the machine's cores if fewer)."""
-    stored, content = int(st.get("stored_bytes", 0)), int(st.get("content_bytes", 0))
-    rate = disk_GBps * (content / stored if stored > 0 and content > stored else 1.0)
-    dec_bytes, dec_ns = int(st.get("decoded_bytes", 0)), int(st.get("decode_ns", 0))
-    if dec_bytes > 0 and dec_ns > 0:
-        rate = min(rate, dec_bytes / dec_ns * min(io_threads, os.cpu_count() or 1))
-    return rate
-
-
-def logical_dtype(pool: Any, kv_cache_dtype: str | None = None) -> str:
-    """A KV cache's logical dtype: ``kv_cache_dtype`` if given, else what the pool (kvtier's:
-    ``logical_dtype``) or its device pool says, else the dtype its bytes are stored as."""
-    dtype = (kv_cache_dtype or getattr(pool, "logical_dtype", None)
-             or getattr(getattr(pool, "device_pool", None), "dtype", None) or pool.dtype)
-    return str(dtype).removeprefix("torch.")
-
-
-def host_buffers(pool: Any) -> tuple[HostBuffer, ...]:
-    """The host buffers of a kvtier host pool; ``()`` for an engine's own pool (SGLang's keeps CPU tensors), whose
-    attributes, whatever they are named, are never kvtier buffers."""
-    buffers = getattr(pool, "buffers", None)
-    if not isinstance(buffers, tuple) or not all(isinstance(b, HostBuffer) for b in buffers):
-        return ()
-    return buffers
-
-
 def _keys(keys: Sequence[str]) -> list[str]:
     if isinstance(keys, str):
         raise InvalidArgumentError("invalid argument `keys`: expected a sequence of str, got one str")
@@ -498,62 +456,3 @@ def _keys(keys: Sequence[str]) -> list[str]:
         if not isinstance(k, str) or not k:
             raise InvalidArgumentError(f"invalid argument `keys`: every key must be a non-empty str, got {k!r}")
     return out
-
-
-def _page_layout(pool: Any, page_num: int) -> tuple[int, int, int, int, int, int]:
-    """``(k_base, k_stride, k_len, v_base, v_stride, v_len)`` of a page-first host pool, read from its
-    ``get_page_buffer_meta`` at the first, second and last page and checked to be affine (as page-first
-    layouts are); the Rust core then computes every page's addresses and checks them against the
-    registered buffers."""
-    ps = pool.page_size
-    probe = sorted({0, min(1, page_num - 1), page_num - 1})
-    idx = torch.cat([torch.arange(p * ps, (p + 1) * ps, dtype=torch.int64) for p in probe])
-    ptrs, sizes = pool.get_page_buffer_meta(idx)
-    ptrs, sizes = [int(x) for x in ptrs], [int(x) for x in sizes]
-    if len(ptrs) not in (len(probe), 2 * len(probe)):
-        raise InvalidArgumentError(
-            f"invalid argument `pool`: get_page_buffer_meta returned {len(ptrs)} objects for {len(probe)} pages "
-            "(expected one K and one V object per page, or one object per page for MLA)"
-        )
-    if len(ptrs) == len(probe):  # one object per page (an MLA pool's latent KV)
-        k, ks = ptrs, sizes
-        k_stride = k[1] - k[0] if len(probe) > 1 else ks[0]
-        for p, kp, kn in zip(probe, k, ks):
-            if kp != k[0] + p * k_stride or kn != ks[0]:
-                raise InvalidArgumentError(
-                    "invalid argument `pool`: its pages are not evenly spaced (get_page_buffer_meta is not affine "
-                    "in the page number), so the store cannot address them"
-                )
-        return k[0], k_stride, ks[0], 0, 0, 0
-    k, v = ptrs[0::2], ptrs[1::2]
-    ks, vs = sizes[0::2], sizes[1::2]
-    k_stride = k[1] - k[0] if len(probe) > 1 else ks[0]
-    v_stride = v[1] - v[0] if len(probe) > 1 else vs[0]
-    for p, kp, vp, kn, vn in zip(probe, k, v, ks, vs):
-        if kp != k[0] + p * k_stride or vp != v[0] + p * v_stride or kn != ks[0] or vn != vs[0]:
-            raise InvalidArgumentError(
-                "invalid argument `pool`: its pages are not evenly spaced (get_page_buffer_meta is not affine "
-                "in the page number), so the store cannot address them"
-            )
-    return k[0], k_stride, ks[0], v[0], v_stride, vs[0]
-
-
-def _heads(pool: Any) -> str:
-    """The per-token geometry part of a namespace: heads and K/V dims, or an MLA pool's latent + rope dims."""
-    if getattr(pool, "kv_lora_rank", None) is not None:
-        return f"mla={pool.kv_lora_rank}+{pool.qk_rope_head_dim}"
-    return f"heads={pool.head_num}|k={pool.head_dim}|v={getattr(pool, 'v_head_dim', None) or pool.head_dim}"
-
-
-def compression_stats(st: dict[str, Any]) -> dict[str, Any]:
-    """What the codec gives, from a store's counters: the ratio of what its objects hold to the bytes they take
-    (``compression_ratio``, 1.0 with nothing coded), the ratio of its writes, and the decode and encode rates per
-    thread (GB/s of decoded bytes; 0 before any)."""
-    stored, content = int(st.get("stored_bytes", 0)), int(st.get("content_bytes", 0))
-    written, raw = int(st.get("bytes_written", 0)), int(st.get("raw_bytes_written", 0))
-    dec, dec_ns = int(st.get("decoded_bytes", 0)), int(st.get("decode_ns", 0))
-    enc, enc_ns = int(st.get("encode_input_bytes", 0)), int(st.get("encode_ns", 0))
-    return {"compression_ratio": round(content / stored, 4) if stored else 1.0,
-            "write_compression_ratio": round(raw / written, 4) if written else 1.0,
-            "decode_GBps_per_thread": round(dec / dec_ns, 3) if dec_ns else 0.0,
-            "encode_GBps_batch": round(enc / enc_ns, 3) if enc_ns else 0.0}

@@ -14,7 +14,7 @@ import torch
 
 from .._errors import InvalidArgumentError, KvtierError
 from ..buffer import HostBuffer
-from ..store import _heads, logical_dtype
+from ..page_layout import heads_of as _heads, logical_dtype
 from ._records import SEAL, SLOT, record_bytes, record_size
 
 

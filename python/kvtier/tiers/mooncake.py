@@ -33,7 +33,8 @@ from .. import _native
 from .._errors import ClosedError, InvalidArgumentError, KvtierError
 from ..buffer import HostBuffer
 from ..planner import TierEstimate, TierMeter
-from ..store import PAGE_LAYOUTS, _keys, _page_layout, host_buffers
+from ..page_layout import PAGE_LAYOUTS, host_buffers, page_layout as _page_layout
+from ..store import _keys
 from ._mooncake_env import connect
 from ._mooncake_pages import PageObjects, RegisteredScratch
 from ..tenants import erase_tag, open_keyring, scope_keys, tenant_of

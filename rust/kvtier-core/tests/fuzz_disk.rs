@@ -311,7 +311,9 @@ fn plausible_shape(class: u32, len: u64) -> bool {
 fn broken(rec: &Record, b: &Break) -> Vec<u8> {
     let mut e = encode_all(std::slice::from_ref(rec));
     // the key follows the fixed fields, a coded put's decoded length and a sealed put's seal
-    let head = FIXED + if e[4] == 4 || e[4] == 5 { 8 } else { 0 } + if e[4] == 3 || e[4] == 5 { 32 } else { 0 };
+    let head = FIXED
+        + if e[4] == 4 || e[4] == 5 { 8 } else { 0 }
+        + if e[4] == 3 || e[4] == 5 { 32 } else { 0 };
     let key_len = e.len() - head - 4;
     match b {
         Break::FlipBit(i, bit) => {

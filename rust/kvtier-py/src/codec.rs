@@ -20,7 +20,11 @@ fn elem(name: &str) -> KvResult<Elem> {
 /// The coded form of `data` (what the page store writes for an object of these bytes; it stores the
 /// object as given instead when that saves no 4 KiB block).
 #[pyfunction]
-pub fn codec_encode<'py>(py: Python<'py>, data: &[u8], codec: &str) -> KvResult<Bound<'py, PyBytes>> {
+pub fn codec_encode<'py>(
+    py: Python<'py>,
+    data: &[u8],
+    codec: &str,
+) -> KvResult<Bound<'py, PyBytes>> {
     let e = elem(codec)?;
     let out = py.detach(|| {
         let mut v = Vec::with_capacity(codec::max_encoded_len(data.len()));

@@ -200,8 +200,12 @@ fn split16(raw: &[u8], syms: &mut [u8], rest: &mut [u8]) {
     let blocks = n / 16;
     for b in 0..blocks {
         let r: &[u8; 32] = raw[32 * b..32 * b + 32].try_into().expect("32 bytes");
-        let s: &mut [u8; 16] = (&mut syms[16 * b..16 * b + 16]).try_into().expect("16 bytes");
-        let t: &mut [u8; 16] = (&mut rest[16 * b..16 * b + 16]).try_into().expect("16 bytes");
+        let s: &mut [u8; 16] = (&mut syms[16 * b..16 * b + 16])
+            .try_into()
+            .expect("16 bytes");
+        let t: &mut [u8; 16] = (&mut rest[16 * b..16 * b + 16])
+            .try_into()
+            .expect("16 bytes");
         for i in 0..16 {
             let (lo, hi) = (r[2 * i], r[2 * i + 1]);
             s[i] = (hi << 1) | (lo >> 7);
@@ -223,7 +227,9 @@ fn merge16(syms: &[u8], rest: &[u8], out: &mut [u8]) {
     for b in 0..blocks {
         let s: &[u8; 16] = syms[16 * b..16 * b + 16].try_into().expect("16 bytes");
         let t: &[u8; 16] = rest[16 * b..16 * b + 16].try_into().expect("16 bytes");
-        let o: &mut [u8; 32] = (&mut out[32 * b..32 * b + 32]).try_into().expect("32 bytes");
+        let o: &mut [u8; 32] = (&mut out[32 * b..32 * b + 32])
+            .try_into()
+            .expect("32 bytes");
         for i in 0..16 {
             o[2 * i] = (s[i] << 7) | (t[i] & 0x7f);
             o[2 * i + 1] = (t[i] & 0x80) | (s[i] >> 1);
@@ -282,8 +288,10 @@ impl Header {
         let chunk = u32::from_le_bytes(b[16..20].try_into().expect("4 bytes")) as usize;
         let chunks = u32::from_le_bytes(b[20..24].try_into().expect("4 bytes")) as usize;
         let raw_len = usize::try_from(raw_len).map_err(|_| DecodeError("raw length"))?;
-        if chunk == 0 || chunk % 2 != 0 || chunks != raw_len.div_ceil(chunk) {
-            return Err(DecodeError("chunk size and count do not match the raw length"));
+        if chunk == 0 || !chunk.is_multiple_of(2) || chunks != raw_len.div_ceil(chunk) {
+            return Err(DecodeError(
+                "chunk size and count do not match the raw length",
+            ));
         }
         let data = HEADER
             .checked_add(chunks.checked_mul(8).ok_or(DecodeError("chunk count"))?)

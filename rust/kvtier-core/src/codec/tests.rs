@@ -49,10 +49,18 @@ fn round_trip(raw: &[u8], elem: Elem) -> usize {
     let mut coded = Vec::new();
     let n = encode(raw, elem, &mut coded);
     assert_eq!(n, coded.len());
-    assert!(n <= max_encoded_len(raw.len()), "{n} > bound for {}", raw.len());
+    assert!(
+        n <= max_encoded_len(raw.len()),
+        "{n} > bound for {}",
+        raw.len()
+    );
     let mut out = vec![0xa5u8; raw.len()];
     decode(&coded, &mut out).expect("decodes");
-    assert!(out == raw, "round trip of {} bytes ({elem:?}) differs", raw.len());
+    assert!(
+        out == raw,
+        "round trip of {} bytes ({elem:?}) differs",
+        raw.len()
+    );
     n
 }
 
@@ -212,4 +220,3 @@ proptest! {
         round_trip(&b, elem);
     }
 }
-

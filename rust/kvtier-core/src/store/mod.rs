@@ -18,6 +18,7 @@ mod budget;
 mod capacity;
 mod commit;
 mod compact;
+mod encode;
 mod fasthash;
 mod files;
 mod follow;
@@ -292,7 +293,11 @@ impl Shared {
             .values()
             .filter(|e| e.servable())
             .fold((0, 0, 0), |(n, s, d), e| {
-                (n + usize::from(e.coded.is_some()), s + e.len, d + e.decoded_len())
+                (
+                    n + usize::from(e.coded.is_some()),
+                    s + e.len,
+                    d + e.decoded_len(),
+                )
             })
     }
     /// `(data bytes held, journal bytes held)`: the occupancy the capacity limit applies to.

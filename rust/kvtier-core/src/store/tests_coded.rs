@@ -52,13 +52,33 @@ fn zero(r: &crate::buffer::HostRegion) {
     unsafe { std::ptr::write_bytes(r.as_ptr(), 0, r.len()) };
 }
 
-fn get_all(s: &PageStore, keys: &[String], dst: &crate::buffer::HostRegion, len: usize) -> Vec<bool> {
+fn put_all(
+    s: &PageStore,
+    keys: &[String],
+    src: &crate::buffer::HostRegion,
+    len: usize,
+) -> Vec<bool> {
+    // SAFETY: the sources lie in `src`, live and unchanged during the call.
+    unsafe { s.put(&objs(keys, src, len)) }.unwrap()
+}
+
+fn get_all(
+    s: &PageStore,
+    keys: &[String],
+    dst: &crate::buffer::HostRegion,
+    len: usize,
+) -> Vec<bool> {
     zero(dst);
     // SAFETY: the destinations lie in `dst`, live and only ours during the call.
     unsafe { s.get(&objs(keys, dst, len)) }.unwrap()
 }
 
-fn same(a: &crate::buffer::HostRegion, b: &crate::buffer::HostRegion, n: usize, len: usize) -> bool {
+fn same(
+    a: &crate::buffer::HostRegion,
+    b: &crate::buffer::HostRegion,
+    n: usize,
+    len: usize,
+) -> bool {
     (0..n).all(|i| obj(a, i, len) == obj(b, i, len))
 }
 
@@ -76,8 +96,7 @@ fn coded_objects_take_fewer_blocks_and_read_back_exact_everywhere() {
         let dst = kv_objects(n, len, 77);
         {
             let s = PageStore::open(&root, "ns", coded_opts()).unwrap();
-            // SAFETY: the sources lie in `src`, live and unchanged during the call.
-            let ok = unsafe { s.put(&objs(&keys, &src, len)) }.unwrap();
+            let ok = put_all(&s, &keys, &src, len);
             assert_eq!(ok, vec![true; n]);
             let st = &s.stats;
             let (raw, coded) = (
@@ -137,8 +156,7 @@ fn incompressible_objects_are_stored_as_given() {
     let dst = super::tests::payload(2, len, 6);
     let keys: Vec<String> = vec!["a".into(), "b".into()];
     let s = PageStore::open(&root, "ns", coded_opts()).unwrap();
-    // SAFETY: as above.
-    assert_eq!(unsafe { s.put(&objs(&keys, &src, len)) }.unwrap(), vec![true; 2]);
+    assert_eq!(put_all(&s, &keys, &src, len), vec![true; 2]);
     assert_eq!(s.stats.encoded_bytes.load(Ordering::Relaxed), 0);
     assert_eq!(
         s.stats.bytes_written.load(Ordering::Relaxed),
@@ -187,11 +205,14 @@ fn damage_anywhere_in_a_coded_object_is_a_counted_miss() {
     for at in [2u64, 30, 60, 300, 40_000, 150_000, u64::MAX] {
         let root = tmp();
         let s = PageStore::open(&root, "ns", coded_opts()).unwrap();
-        // SAFETY: as above.
-        assert_eq!(unsafe { s.put(&objs(&keys, &src, len)) }.unwrap(), vec![true]);
+        assert_eq!(put_all(&s, &keys, &src, len), vec![true]);
         let (file, off, stored) = place(&root, "p.k");
         let at = at.min(stored - 1);
-        let f = std::fs::OpenOptions::new().read(true).write(true).open(&file).unwrap();
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&file)
+            .unwrap();
         let mut b = [0u8];
         f.read_exact_at(&mut b, off + at).unwrap();
         f.write_all_at(&[b[0] ^ 0x10], off + at).unwrap();
@@ -202,8 +223,7 @@ fn damage_anywhere_in_a_coded_object_is_a_counted_miss() {
         assert_eq!(s.stats.corrupt_reads.load(Ordering::Relaxed), 1, "{at}");
         // dropped: a miss from now on, and a put stores it again
         assert_eq!(s.exists(&["p.k"]), vec![false]);
-        // SAFETY: as above.
-        assert_eq!(unsafe { s.put(&objs(&keys, &src, len)) }.unwrap(), vec![true]);
+        assert_eq!(put_all(&s, &keys, &src, len), vec![true]);
         assert_eq!(get_all(&s, &keys, &dst, len), vec![true]);
         assert!(same(&src, &dst, 1, len));
         drop(s);
@@ -224,11 +244,14 @@ fn a_decode_that_fails_after_the_stored_checksum_passed_is_never_served() {
     let root = tmp();
     {
         let s = PageStore::open(&root, "ns", coded_opts()).unwrap();
-        // SAFETY: as above.
-        assert_eq!(unsafe { s.put(&objs(&keys, &src, len)) }.unwrap(), vec![true]);
+        assert_eq!(put_all(&s, &keys, &src, len), vec![true]);
     }
     let (file, off, stored) = place(&root, "p.v");
-    let f = std::fs::OpenOptions::new().read(true).write(true).open(&file).unwrap();
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&file)
+        .unwrap();
     let mut b = vec![0u8; stored as usize];
     f.read_exact_at(&mut b, off).unwrap();
     // a byte of the first chunk's rest plane (its last bytes): decodes, to other values
@@ -275,8 +298,7 @@ fn sealed_coded_objects_are_compressed_then_sealed() {
     };
     {
         let s = PageStore::open(&root, "ns", o()).unwrap();
-        // SAFETY: as above.
-        assert_eq!(unsafe { s.put(&objs(&keys, &src, len)) }.unwrap(), vec![true; n]);
+        assert_eq!(put_all(&s, &keys, &src, len), vec![true; n]);
         assert!(s.stats.bytes_written.load(Ordering::Relaxed) < (n * len) as u64 * 3 / 4);
         assert_eq!(get_all(&s, &keys, &dst, len), vec![true; n]);
         assert!(same(&src, &dst, n, len));
@@ -284,7 +306,10 @@ fn sealed_coded_objects_are_compressed_then_sealed() {
     // what is on disk is sealed: not the codec's header, not the coded bytes
     let (file, off, stored) = place(&root, "t-0.k");
     let mut b = vec![0u8; stored as usize];
-    std::fs::File::open(&file).unwrap().read_exact_at(&mut b, off).unwrap();
+    std::fs::File::open(&file)
+        .unwrap()
+        .read_exact_at(&mut b, off)
+        .unwrap();
     assert!(!crate::codec::is_coded(&b));
     let s = PageStore::open(&root, "ns", o()).unwrap();
     assert_eq!(get_all(&s, &keys, &dst, len), vec![true; n]);

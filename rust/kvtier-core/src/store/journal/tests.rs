@@ -1,0 +1,191 @@
+//! The journal's records: round trips of every kind, torn tails, resynchronisation.
+
+use super::*;
+use proptest::prelude::*;
+
+#[test]
+fn round_trip_and_torn_tail() {
+    let recs = vec![
+        Record::Put {
+            key: "a".repeat(64),
+            at: Placement {
+                class: 8192,
+                slot: 3,
+                len: 5000,
+                crc: 77,
+                seal: None,
+                coded: None,
+            },
+        },
+        Record::Del { key: "b".into() },
+        Record::Put {
+            key: "t0123456789abcdef.x.k".into(),
+            at: Placement {
+                class: 8192,
+                slot: 4,
+                len: 8192,
+                crc: 78,
+                seal: Some(std::array::from_fn(|i| i as u8 + 1)),
+                coded: None,
+            },
+        },
+        Record::Put {
+            key: "coded.k".into(),
+            at: Placement {
+                class: 4096,
+                slot: 5,
+                len: 3000,
+                crc: 79,
+                seal: None,
+                coded: Some(4 << 20),
+            },
+        },
+        Record::Put {
+            key: "coded sealed.v".into(),
+            at: Placement {
+                class: 8192,
+                slot: 6,
+                len: 5000,
+                crc: 80,
+                seal: Some(std::array::from_fn(|i| i as u8 + 7)),
+                coded: Some(9000),
+            },
+        },
+        Record::Put {
+            key: "../../etc/x".into(),
+            at: Placement {
+                class: 4096,
+                slot: 0,
+                len: 1,
+                crc: 1,
+                seal: None,
+                coded: None,
+            },
+        },
+    ];
+    let mut buf = Vec::new();
+    for r in &recs {
+        r.encode(&mut buf);
+    }
+    let (got, n) = parse(&buf);
+    assert_eq!(got, recs);
+    assert_eq!(n, buf.len());
+    for cut in 0..buf.len() {
+        let (got, n) = parse(&buf[..cut]);
+        assert!(n <= cut);
+        assert_eq!(got[..], recs[..got.len()]);
+    }
+    let mut bad = buf.clone();
+    let last = bad.len() - 6;
+    bad[last] ^= 0xff;
+    assert_eq!(parse(&bad).0.len(), recs.len() - 1);
+}
+
+/// Whether `got` is `all` with some records left out (none added, none changed, order kept).
+fn subsequence(got: &[Record], all: &[Record]) -> bool {
+    let mut it = all.iter();
+    got.iter().all(|g| it.any(|a| a == g))
+}
+
+#[test]
+fn a_del_with_nonzero_unused_fields_is_not_a_record() {
+    let mut buf = Vec::new();
+    Record::Del { key: "k".into() }.encode(&mut buf);
+    assert_eq!(parse(&buf).0.len(), 1);
+    buf[9] = 1; // a class byte
+    let n = buf.len() - 4;
+    let rc = crc32c::crc32c(&buf[..n]);
+    buf[n..].copy_from_slice(&rc.to_le_bytes());
+    assert!(parse(&buf).0.is_empty());
+}
+
+proptest! {
+    /// Keys the store accepts (no control characters) may hold the magic, any printable text and any
+    /// other UTF-8, and objects' checksums are arbitrary: whatever a crash or damage leaves of such a
+    /// journal — cut at any byte, a run of bytes zeroed (a lost sector) or flipped — the parser finds
+    /// only records that were written, never one made of the bytes inside another (a record's kind
+    /// byte is 1 or 2, a control character).
+    #[test]
+    fn no_record_is_found_inside_an_accepted_key(
+        keys in proptest::collection::vec(proptest::collection::vec(prop_oneof![
+            Just("JTVK".to_string()), Just("KVTJ".to_string()), "[ -~]{1,12}", Just("\u{e9}".to_string()),
+            Just("\u{4e2d}".to_string()), Just("\u{7ff}".to_string())], 1..24), 1..7),
+        puts in proptest::collection::vec(any::<bool>(), 7),
+        crcs in proptest::collection::vec(any::<u32>(), 7),
+        cut in any::<usize>(), at in any::<usize>(), width in 1usize..700, zero in any::<bool>()) {
+        let recs: Vec<Record> = keys.iter().enumerate().map(|(i, parts)| {
+            let key: String = parts.concat();
+            if puts[i] {
+                Record::Put { key, at: Placement { class: 4096 * (i as u32 + 1), slot: i as u32, len: 4096, crc: crcs[i], seal: None, coded: None }, }
+            } else {
+                Record::Del { key }
+            }
+        }).collect();
+        let mut buf = Vec::new();
+        for r in &recs { r.encode(&mut buf); }
+        let (i, n) = (at % buf.len(), buf.len());
+        for b in &mut buf[i..(i + width).min(n)] { *b = if zero { 0 } else { *b ^ 0x5a }; }
+        let p = parse_resync(&buf);
+        prop_assert!(subsequence(&p.records, &recs), "{:?} from {:?}", p.records, recs);
+        let torn = &buf[..cut % (buf.len() + 1)];
+        let p = parse_resync(torn);
+        prop_assert!(subsequence(&p.records, &recs), "{:?} from {:?}", p.records, recs);
+    }
+
+    #[test]
+    fn parser_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
+        let (recs, n) = parse(&bytes);
+        prop_assert!(n <= bytes.len());
+        prop_assert!(recs.len() <= bytes.len() / (FIXED + 4) + 1);
+    }
+
+    #[test]
+    fn mutated_journal_yields_a_prefix(seed_keys in proptest::collection::vec("[a-f0-9]{1,70}", 1..6),
+                                       flip in any::<usize>()) {
+        let recs: Vec<Record> = seed_keys.iter().enumerate().map(|(i, k)| Record::Put {
+            key: k.clone(), at: Placement { class: 4096, slot: i as u32, len: 10, crc: i as u32, seal: None, coded: None }, }).collect();
+        let mut buf = Vec::new();
+        for r in &recs { r.encode(&mut buf); }
+        let i = flip % buf.len();
+        buf[i] ^= 0x5a;
+        let (got, _) = parse(&buf);
+        // a flipped byte can only shorten the valid prefix, never change a record
+        prop_assert!(got.len() < recs.len());
+        prop_assert_eq!(&got[..], &recs[..got.len()]);
+    }
+
+    #[test]
+    fn resync_loses_exactly_the_damaged_record(seed_keys in proptest::collection::vec("[a-f0-9]{1,70}", 1..8),
+                                               flip in any::<usize>(), width in 1usize..6) {
+        let recs: Vec<Record> = seed_keys.iter().enumerate().map(|(i, k)| if i % 3 == 2 {
+            Record::Del { key: k.clone() } } else { Record::Put {
+            key: k.clone(), at: Placement { class: 4096, slot: i as u32, len: 10, crc: i as u32, seal: None, coded: None }, } }).collect();
+        let mut buf = Vec::new();
+        let mut starts = Vec::new();
+        for r in &recs { starts.push(buf.len()); r.encode(&mut buf); }
+        // damage `width` bytes inside one record (hex keys cannot hold a magic, so no false record)
+        let i = flip % buf.len();
+        let hit = starts.iter().rposition(|&s| s <= i).unwrap();
+        let end = if hit + 1 < starts.len() { starts[hit + 1] } else { buf.len() };
+        for b in &mut buf[i..(i + width).min(end)] { *b ^= 0xa5; }
+        let p = parse_resync(&buf);
+        let mut want = recs.clone();
+        want.remove(hit);
+        prop_assert_eq!(&p.records, &want);
+        // replay's reading: the same records at their offsets, the same damage and end
+        let o = parse_resync_with(&buf, |_, off| off);
+        let at: Vec<Record> = o.records.iter().map(|&off| record_at(&buf, off).to_record()).collect();
+        prop_assert_eq!((&at, &o.damaged, o.valid_end), (&p.records, &p.damaged, p.valid_end));
+        for (&off, r) in o.records.iter().zip(&p.records) {
+            let (Record::Put { key, .. } | Record::Del { key }) = r;
+            prop_assert_eq!(key_bytes_at(&buf, off), key.as_bytes());
+        }
+        if hit + 1 < recs.len() {
+            prop_assert_eq!(p.damaged.clone(), vec![(starts[hit], end - starts[hit])]);
+            prop_assert_eq!(p.valid_end, buf.len());
+        } else {
+            prop_assert!(p.damaged.is_empty());
+            prop_assert_eq!(p.valid_end, starts[hit]); // the last record damaged: a torn tail
+        }
+    }
+}
