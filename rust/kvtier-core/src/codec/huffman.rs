@@ -263,38 +263,68 @@ pub fn decode4(b: &[u8], table: &[u64], syms: &mut [u8]) -> Result<usize, Damage
     let mut done = [0usize; 4]; // symbols decoded, per stream
     let t: &[u64; 1 << MAX_LEN] = table.try_into().map_err(|_| Damaged)?;
     let mask = (1u64 << MAX_LEN) - 1;
-    // The interleaved loop: four look-ups (up to 16 symbols, 44 bits) in each stream per round, while
-    // every stream has 8 bytes to load and 16 symbols to go (so the 4-byte stores stay inside its part).
-    while (0..4).all(|k| done[k] + 16 <= counts[k] && (pos[k] >> 3) + 8 <= streams[k].len()) {
-        let [o0, o1, o2, o3] = &mut outs;
-        let mut w = [
-            load(streams[0], pos[0]),
-            load(streams[1], pos[1]),
-            load(streams[2], pos[2]),
-            load(streams[3], pos[3]),
-        ];
-        let mut used = [0u64; 4];
-        // the four streams in lockstep: four independent chains of look-ups
-        for _ in 0..4 {
-            let e = [
-                t[(w[0] & mask) as usize],
-                t[(w[1] & mask) as usize],
-                t[(w[2] & mask) as usize],
-                t[(w[3] & mask) as usize],
-            ];
-            put4(o0, done[0], e[0]);
-            put4(o1, done[1], e[1]);
-            put4(o2, done[2], e[2]);
-            put4(o3, done[3], e[3]);
-            for k in 0..4 {
-                done[k] += ((e[k] >> 32) & 0xff) as usize;
-                let l = (e[k] >> 40) & 0xff;
-                w[k] >>= l;
-                used[k] += l;
-            }
-        }
+    // The interleaved loop: four look-ups (up to 16 symbols, 44 bits) in each stream per round, the four
+    // streams in lockstep (four independent chains of look-ups). Rounds are run in runs that need no
+    // bounds check: a round takes at most 16 symbols and 44 bits of each stream, so a run of `rounds`
+    // rounds stays inside every stream's output part (16 · rounds symbols to go) and every 8-byte load
+    // inside its stream (6 · rounds + 9 bytes to go).
+    loop {
+        let mut rounds = usize::MAX;
         for k in 0..4 {
-            pos[k] += used[k] as usize;
+            let syms_left = (counts[k] - done[k]) / 16;
+            let bytes_left = streams[k].len().saturating_sub((pos[k] >> 3) + 9) / 6;
+            rounds = rounds.min(syms_left).min(bytes_left);
+        }
+        if rounds == 0 {
+            break;
+        }
+        let out: [*mut u8; 4] = [
+            outs[0].as_mut_ptr(),
+            outs[1].as_mut_ptr(),
+            outs[2].as_mut_ptr(),
+            outs[3].as_mut_ptr(),
+        ];
+        let src: [*const u8; 4] = [
+            streams[0].as_ptr(),
+            streams[1].as_ptr(),
+            streams[2].as_ptr(),
+            streams[3].as_ptr(),
+        ];
+        for _ in 0..rounds {
+            let mut w = [0u64; 4];
+            for k in 0..4 {
+                // SAFETY: (pos[k] >> 3) + 8 <= streams[k].len() for every round of the run (the bound
+                // above: each round advances pos[k] by at most 44 bits); an unaligned read of 8 bytes.
+                w[k] = unsafe { src[k].add(pos[k] >> 3).cast::<u64>().read_unaligned() }.to_le()
+                    >> (pos[k] & 7);
+            }
+            let mut used = [0u64; 4];
+            for _ in 0..4 {
+                let e = [
+                    t[(w[0] & mask) as usize],
+                    t[(w[1] & mask) as usize],
+                    t[(w[2] & mask) as usize],
+                    t[(w[3] & mask) as usize],
+                ];
+                for k in 0..4 {
+                    // SAFETY: done[k] + 4 <= counts[k] = outs[k].len() for every look-up of the run (the
+                    // bound above: a round adds at most 16 to done[k]); an unaligned write of 4 bytes
+                    // into this stream's own part of `syms`.
+                    unsafe {
+                        out[k]
+                            .add(done[k])
+                            .cast::<[u8; 4]>()
+                            .write_unaligned((e[k] as u32).to_le_bytes())
+                    };
+                    done[k] += ((e[k] >> 32) & 0xff) as usize;
+                    let l = (e[k] >> 40) & 0xff;
+                    w[k] >>= l;
+                    used[k] += l;
+                }
+            }
+            for k in 0..4 {
+                pos[k] += used[k] as usize;
+            }
         }
     }
     // the rest of each stream, one look-up's first symbol at a time, loading zeros past the end
@@ -313,12 +343,6 @@ pub fn decode4(b: &[u8], table: &[u64], syms: &mut [u8]) -> Result<usize, Damage
     Ok(total)
 }
 
-/// Stores the (up to) four symbols of entry `e` at `out[d..]` (the loop keeps 16 bytes of room past `d`).
-#[inline(always)]
-fn put4(out: &mut [u8], d: usize, e: u64) {
-    out[d..d + 4].copy_from_slice(&(e as u32).to_le_bytes());
-}
-
 fn split4(syms: &mut [u8], c: [usize; 4]) -> [&mut [u8]; 4] {
     let (a, rest) = syms.split_at_mut(c[0]);
     let (b, rest) = rest.split_at_mut(c[1]);
@@ -326,14 +350,7 @@ fn split4(syms: &mut [u8], c: [usize; 4]) -> [&mut [u8]; 4] {
     [a, b, cc, d]
 }
 
-/// The 64 bits at bit `pos` of `s`, whose 8 bytes from `pos / 8` exist (at least 57 of them valid).
-#[inline(always)]
-fn load(s: &[u8], pos: usize) -> u64 {
-    let p = pos >> 3;
-    u64::from_le_bytes(s[p..p + 8].try_into().expect("8 bytes")) >> (pos & 7)
-}
-
-/// As [`load`], with zeros past the end of `s`.
+/// The 64 bits at bit `pos` of `s` (at least 57 of them valid), with zeros past the end of `s`.
 fn load_tail(s: &[u8], pos: usize) -> u64 {
     let p = pos >> 3;
     let mut w = [0u8; 8];

@@ -7,7 +7,8 @@
 //! - [`Elem::Bits16`] (bf16, fp16): each value's bits 14..7 (bf16: the exponent) form a symbol plane,
 //!   coded with a Huffman code of the chunk's own; the sign and the low 7 bits form a second plane, stored
 //!   as they are. bf16 KV of a real model takes about 10.9 bits a value.
-//! - [`Elem::Bits8`] (fp8): each byte is a symbol, Huffman-coded.
+//! - [`Elem::Bits8`] (fp8): each byte's bits 6..3 (e4m3: the exponent) form the symbol plane, Huffman-coded;
+//!   the sign and bits 2..0 form a plane of nibbles, two a byte, stored as they are.
 //!
 //! A chunk that does not shrink is stored raw; a chunk of one repeated symbol stores it once. Layout
 //! (little-endian):
@@ -17,8 +18,9 @@
 //! chunks u32 | chunks × (end u32, crc u32) | chunk data ...
 //! chunk data: mode u8 (0 raw | 1 coded | 2 one symbol) then
 //!   raw:   the chunk's bytes
-//!   coded: table [128] | 4 × stream length u32 | streams | [Bits16: rest plane, one byte a value] | tail
-//!   one:   the symbol u8 | [Bits16: rest plane] | tail
+//!   coded: table [128] | 4 × stream length u32 | streams | rest plane | tail
+//!   one:   the symbol u8 | rest plane | tail
+//! rest plane: Bits16 one byte a value; Bits8 a nibble a value, two a byte (the first in the low nibble)
 //! ```
 //!
 //! `end` is where each chunk's data ends in the object; `crc` is the crc32c of the chunk's decoded bytes,
@@ -46,7 +48,7 @@ const ONE: u8 = 2;
 pub enum Elem {
     /// 16-bit floats (bf16, fp16): bits 14..7 coded, the sign and bits 6..0 stored.
     Bits16,
-    /// 8-bit values (fp8 e4m3 and e5m2): every byte coded.
+    /// 8-bit values (fp8 e4m3 and e5m2): bits 6..3 coded, the sign and bits 2..0 stored.
     Bits8,
 }
 
@@ -163,11 +165,17 @@ fn encode_chunk(raw: &[u8], elem: Elem, p: &mut Planes, out: &mut Vec<u8>) {
             split16(&raw[..2 * n], &mut p.syms, &mut p.rest);
             (&p.syms, &p.rest, &raw[2 * n..])
         }
-        Elem::Bits8 => (raw, &[], &[]),
+        Elem::Bits8 => {
+            let n = raw.len();
+            p.syms.resize(n, 0);
+            p.rest.resize(n.div_ceil(2), 0);
+            split8(raw, &mut p.syms, &mut p.rest);
+            (&p.syms, &p.rest, &[])
+        }
     };
     let counts = histogram(syms);
     if let Some(s) = counts.iter().position(|&c| c as usize == syms.len()) {
-        if !syms.is_empty() {
+        if !syms.is_empty() && 2 + rest.len() + tail.len() < raw.len() {
             out.push(ONE);
             out.push(s as u8);
             out.extend_from_slice(rest);
@@ -238,6 +246,44 @@ fn merge16(syms: &[u8], rest: &[u8], out: &mut [u8]) {
     for i in 16 * blocks..n {
         out[2 * i] = (syms[i] << 7) | (rest[i] & 0x7f);
         out[2 * i + 1] = (rest[i] & 0x80) | (syms[i] >> 1);
+    }
+}
+
+/// The symbol plane (bits 6..3) and the rest (the sign and bits 2..0, a nibble a value, two a byte) of bytes.
+fn split8(raw: &[u8], syms: &mut [u8], rest: &mut [u8]) {
+    let n = raw.len().min(syms.len()).min(2 * rest.len());
+    let nib = |b: u8| ((b & 0x80) >> 4) | (b & 0x07);
+    let pairs = n / 2;
+    for ((r, s), t) in raw[..2 * pairs]
+        .chunks_exact(2)
+        .zip(syms[..2 * pairs].chunks_exact_mut(2))
+        .zip(rest[..pairs].iter_mut())
+    {
+        s[0] = (r[0] >> 3) & 0x0f;
+        s[1] = (r[1] >> 3) & 0x0f;
+        *t = nib(r[0]) | (nib(r[1]) << 4);
+    }
+    if n % 2 == 1 {
+        syms[n - 1] = (raw[n - 1] >> 3) & 0x0f;
+        rest[pairs] = nib(raw[n - 1]);
+    }
+}
+
+/// The inverse of [`split8`].
+fn merge8(syms: &[u8], rest: &[u8], out: &mut [u8]) {
+    let n = out.len().min(syms.len()).min(2 * rest.len());
+    let byte = |s: u8, r: u8| ((r & 0x08) << 4) | ((s & 0x0f) << 3) | (r & 0x07);
+    let pairs = n / 2;
+    for ((o, s), &t) in out[..2 * pairs]
+        .chunks_exact_mut(2)
+        .zip(syms[..2 * pairs].chunks_exact(2))
+        .zip(rest[..pairs].iter())
+    {
+        o[0] = byte(s[0], t);
+        o[1] = byte(s[1], t >> 4);
+    }
+    if n % 2 == 1 {
+        out[n - 1] = byte(syms[n - 1], rest[pairs]);
     }
 }
 
@@ -365,7 +411,7 @@ fn decode_chunk(d: &[u8], elem: Elem, p: &mut Planes, out: &mut [u8]) -> Result<
     };
     let rest_len = match elem {
         Elem::Bits16 => n + out.len() % 2,
-        Elem::Bits8 => 0,
+        Elem::Bits8 => n.div_ceil(2),
     };
     let planes = match mode {
         RAW => {
@@ -403,7 +449,7 @@ fn decode_chunk(d: &[u8], elem: Elem, p: &mut Planes, out: &mut [u8]) -> Result<
             merge16(&p.syms, &planes[..n], &mut out[..2 * n]);
             out[2 * n..].copy_from_slice(&planes[n..]);
         }
-        Elem::Bits8 => out.copy_from_slice(&p.syms),
+        Elem::Bits8 => merge8(&p.syms, planes, out),
     }
     Ok(())
 }

@@ -108,7 +108,8 @@ fn zero_pages_shrink_to_a_plane() {
     let n = round_trip(&vec![0u8; 4 * CHUNK], Elem::Bits16);
     // the rest plane (half the bytes) is stored; the symbol plane is one byte a chunk
     assert!(n < 2 * CHUNK + 128, "{n}");
-    assert!(round_trip(&vec![0u8; 4 * CHUNK], Elem::Bits8) <= 72);
+    // (fp8: the nibble plane, half the bytes, is stored too)
+    assert!(round_trip(&vec![0u8; 4 * CHUNK], Elem::Bits8) < 2 * CHUNK + 128);
 }
 
 #[test]
@@ -157,7 +158,7 @@ fn incomplete_or_overlong_tables_are_refused() {
 
 #[test]
 fn a_damaged_object_never_decodes_to_wrong_bytes() {
-    let raw = kv_like_bf16(3 * CHUNK / 2 + 17, 64, 11);
+    let raw = kv_like_bf16(CHUNK / 2 + 17, 64, 11); // two chunks, the second short
     let mut coded = Vec::new();
     encode(&raw, Elem::Bits16, &mut coded);
     let mut r = Rng(123);
@@ -165,7 +166,7 @@ fn a_damaged_object_never_decodes_to_wrong_bytes() {
     let mut refused = 0;
     // every byte of the header and chunk table, then positions across the data
     let positions: Vec<usize> = (0..HEADER + 16)
-        .chain((0..3000).map(|_| (r.next() as usize) % coded.len()))
+        .chain((0..1500).map(|_| (r.next() as usize) % coded.len()))
         .collect();
     for p in positions {
         let mut bad = coded.clone();
@@ -175,9 +176,9 @@ fn a_damaged_object_never_decodes_to_wrong_bytes() {
             Err(_) => refused += 1,
         }
     }
-    assert!(refused > 2900, "{refused}");
+    assert!(refused > 1450, "{refused}");
     // cut anywhere
-    for cut in (0..coded.len()).step_by(997) {
+    for cut in (0..coded.len()).step_by(331) {
         assert!(decode(&coded[..cut], &mut out).is_err());
     }
 }
