@@ -374,6 +374,11 @@ impl Header {
         a..(a + self.chunk).min(self.raw_len)
     }
 
+    /// How many chunks, from the first, cover the first `prefix` raw bytes.
+    pub fn chunks_covering(&self, prefix: usize) -> usize {
+        prefix.div_ceil(self.chunk).min(self.spans.len())
+    }
+
     /// The bytes of the coded object that hold chunks `..c`'s data (a prefix read of the object that
     /// covers them decodes them).
     pub fn coded_end(&self, c: usize) -> usize {

@@ -31,6 +31,7 @@ mod namespace;
 mod open;
 mod pages;
 mod read;
+mod read_coded;
 mod recovery;
 mod replay_keys;
 mod seal_io;

@@ -2,18 +2,20 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, AtomicU8, Ordering};
+use std::sync::Mutex;
 
 use super::index::Entry;
+use super::read_coded::CodedRead;
 use super::seal_io::{Opened, SealKeys};
 use super::Shared;
 use crate::error::Result;
 use crate::fault;
 
-const OK: u8 = 1;
-const CORRUPT: u8 = 2;
-const IO_ERROR: u8 = 3;
-const NO_KEY: u8 = 4;
-const STALE: u8 = 5;
+pub(super) const OK: u8 = 1;
+pub(super) const CORRUPT: u8 = 2;
+pub(super) const IO_ERROR: u8 = 3;
+pub(super) const NO_KEY: u8 = 4;
+pub(super) const STALE: u8 = 5;
 
 /// What [`PageStore::verify`] found.
 #[derive(Clone, Debug, Default)]
@@ -121,12 +123,14 @@ impl Shared {
             false,
         );
         let results: Vec<AtomicU8> = (0..work.len()).map(|_| AtomicU8::new(0)).collect();
-        // the first pass (two passes only for a clear store without coded objects: a coded object's bytes
-        // are usable only once decoded): each object's prefix, unchecked
+        // the first pass (two passes only for a clear store): each object's prefix, unchecked (a coded
+        // object's: the chunks that cover it, read and decoded, each against its decoded crc)
         let coded: Vec<usize> = (0..work.len())
             .filter(|&j| work[j].1.coded.is_some())
             .collect();
-        let split = !prefix.is_empty() && !sealed && coded.is_empty();
+        let split = !prefix.is_empty() && !sealed;
+        let coded_reads: Vec<Mutex<Option<CodedRead>>> =
+            (0..work.len()).map(|_| Mutex::new(None)).collect();
         if split {
             self.parallel(work.len(), |j| {
                 let (i, ref e) = work[j];
@@ -136,6 +140,15 @@ impl Shared {
                     results[j].store(IO_ERROR, Ordering::Relaxed);
                     return;
                 };
+                if e.coded.is_some() {
+                    match self.read_coded_prefix(e, objs[i], c, p) {
+                        Ok(st) => {
+                            *coded_reads[j].lock().unwrap_or_else(|p| p.into_inner()) = Some(st)
+                        }
+                        Err(r) => results[j].store(r, Ordering::Relaxed),
+                    }
+                    return;
+                }
                 // SAFETY: the caller guarantees [ptr, ptr+len) is writable and exclusively ours; p <= len.
                 let buf = unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, p) };
                 let off = u64::from(e.slot) * u64::from(e.class);
@@ -170,7 +183,14 @@ impl Shared {
                 let j = coded[p - pieces.len()];
                 let (i, ref e) = work[j];
                 if results[j].load(Ordering::Relaxed) == 0 {
-                    let r = self.read_coded(e, objs[i], classes.get(&e.class), keys.as_ref());
+                    let first = coded_reads[j]
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .take();
+                    let r = match classes.get(&e.class) {
+                        None => IO_ERROR,
+                        Some(c) => self.read_coded(e, objs[i], c, keys.as_ref(), first),
+                    };
                     results[j].store(r, Ordering::Relaxed);
                 }
                 return;
@@ -334,76 +354,6 @@ impl Shared {
     pub fn len_of(&self, key: &str) -> Option<u64> {
         self.refresh_for(Some(&[key]));
         self.lock_index().get(key).map(Entry::decoded_len)
-    }
-
-    /// Reads the coded object of entry `e` into a buffer of its own, in pieces, each summed as read; checks
-    /// the stored bytes, opens them if sealed, and decodes them into `dst` (each chunk checked against
-    /// the crc of its decoded bytes): [`OK`], or why not. A decode that fails after the stored bytes
-    /// verified is a corrupt read (a bug or a damaged chunk the stored checksum missed): never served.
-    fn read_coded(
-        &self,
-        e: &Entry,
-        (key, ptr, len): (&str, usize, u64),
-        class: Option<&std::sync::Arc<super::files::ClassFile>>,
-        keys: Option<&SealKeys>,
-    ) -> u8 {
-        let Some(c) = class else {
-            return IO_ERROR;
-        };
-        let stored = e.len as usize;
-        // whole blocks of the slot (its padding is zeros), so the reads stay O_DIRECT
-        let whole = stored.div_ceil(super::ALIGN as usize) * super::ALIGN as usize;
-        let Some(mut buf) = self.scratch.take(whole) else {
-            return IO_ERROR;
-        };
-        let r = (|| {
-            let b = buf.as_mut_slice();
-            let base = u64::from(e.slot) * u64::from(e.class);
-            let mut sums = Vec::with_capacity(whole.div_ceil(crate::hash::PIECE));
-            for a in (0..whole).step_by(crate::hash::PIECE) {
-                let end = (a + crate::hash::PIECE).min(whole);
-                if fault::check("data_read")
-                    .and_then(|()| c.read(&mut b[a..end], base + a as u64))
-                    .is_err()
-                {
-                    return IO_ERROR;
-                }
-                if a < stored {
-                    let s = end.min(stored);
-                    sums.push((crate::hash::piece_crc(&b[a..s]), s - a));
-                }
-            }
-            if crate::hash::object_crc_of_pieces(&sums, key) != e.crc {
-                return CORRUPT;
-            }
-            let b = &mut b[..stored];
-            if let (Some(k), Some(seal)) = (keys, e.seal.as_ref()) {
-                match k.open(key, b, seal) {
-                    Opened::Ok => {}
-                    Opened::NoKey => return NO_KEY,
-                    Opened::Stale => return STALE,
-                    Opened::Failed => return CORRUPT,
-                }
-            }
-            let t = std::time::Instant::now();
-            // SAFETY: the caller of `get` guarantees [ptr, ptr+len) is writable and exclusively ours for
-            // the call; no other task of the batch touches this object's destination.
-            let dst = unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, len as usize) };
-            let decoded = crate::codec::decode(b, dst);
-            self.stats
-                .decode_ns
-                .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
-            if decoded.is_err() {
-                return CORRUPT;
-            }
-            self.stats.decoded_bytes.fetch_add(len, Ordering::Relaxed);
-            self.stats
-                .decoded_coded_bytes
-                .fetch_add(stored as u64, Ordering::Relaxed);
-            OK
-        })();
-        self.scratch.give(buf);
-        r
     }
 
     /// Re-reads every object and checks its checksum. With `repair` (writable stores only), corrupt and

@@ -114,15 +114,34 @@ fn coded_objects_take_fewer_blocks_and_read_back_exact_everywhere() {
             assert_eq!(get_all(&s, &keys, &dst, len), vec![true; n]);
             assert!(same(&src, &dst, n, len), "{len}: one pass");
             assert_eq!(st.decoded_bytes.load(Ordering::Relaxed), (n * len) as u64);
-            // two passes asked: coded objects are read in one, `between` called once, after them
-            let mut calls = 0;
-            zero(&dst);
-            let prefix = vec![4096u64; n];
-            // SAFETY: as above.
-            let ok = unsafe { s.get_in_two(&objs(&keys, &dst, len), &prefix, &mut || calls += 1) }
-                .unwrap();
-            assert_eq!((ok, calls), (vec![true; n], 1));
-            assert!(same(&src, &dst, n, len), "{len}: two passes");
+            // two passes: before `between`, every object's first `first` bytes are decoded (the chunks that
+            // cover them) and nothing past those chunks; after it, everything
+            for first in [4096usize, len / 2, len] {
+                let mut calls = 0;
+                zero(&dst);
+                let prefix = vec![first as u64; n];
+                let covered = first.div_ceil(crate::codec::CHUNK) * crate::codec::CHUNK;
+                let mut check = || {
+                    calls += 1;
+                    for i in 0..n {
+                        assert!(
+                            obj(&dst, i, len)[..first] == obj(&src, i, len)[..first],
+                            "{len} {first}"
+                        );
+                        if covered < len {
+                            assert!(
+                                obj(&dst, i, len)[covered..].iter().all(|&b| b == 0),
+                                "{len} {first}"
+                            );
+                        }
+                    }
+                };
+                // SAFETY: as above.
+                let ok =
+                    unsafe { s.get_in_two(&objs(&keys, &dst, len), &prefix, &mut check) }.unwrap();
+                assert_eq!((ok, calls), (vec![true; n], 1));
+                assert!(same(&src, &dst, n, len), "{len}: two passes, {first}");
+            }
             // the wrong length is a miss, as for any object
             let wrong = [(keys[0].as_str(), dst.as_ptr() as usize, len as u64 - 2)];
             // SAFETY: as above.
@@ -314,6 +333,44 @@ fn sealed_coded_objects_are_compressed_then_sealed() {
     let s = PageStore::open(&root, "ns", o()).unwrap();
     assert_eq!(get_all(&s, &keys, &dst, len), vec![true; n]);
     assert!(same(&src, &dst, n, len), "reopened");
+    drop(s);
+    std::fs::remove_dir_all(root).unwrap();
+}
+
+#[test]
+fn a_two_pass_read_of_a_coded_object_damaged_past_its_prefix_fails_whole() {
+    let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let len = 4 * crate::codec::CHUNK;
+    let src = kv_objects(1, len, 21);
+    let dst = kv_objects(1, len, 22);
+    let keys = vec!["p.k".to_owned()];
+    let root = tmp();
+    let s = PageStore::open(&root, "ns", coded_opts()).unwrap();
+    assert_eq!(put_all(&s, &keys, &src, len), vec![true]);
+    let (file, off, stored) = place(&root, "p.k");
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&file)
+        .unwrap();
+    // the last byte of the stored object: in the last chunk, read by the second pass only
+    let mut b = [0u8];
+    f.read_exact_at(&mut b, off + stored - 1).unwrap();
+    f.write_all_at(&[b[0] ^ 1], off + stored - 1).unwrap();
+    f.sync_all().unwrap();
+    zero(&dst);
+    let mut prefix_ok = false;
+    let first = crate::codec::CHUNK;
+    // SAFETY: as above.
+    let ok = unsafe {
+        s.get_in_two(&objs(&keys, &dst, len), &[first as u64], &mut || {
+            prefix_ok = obj(&dst, 0, len)[..first] == obj(&src, 0, len)[..first];
+        })
+    }
+    .unwrap();
+    assert!(prefix_ok, "the first chunk was decoded before `between`");
+    assert_eq!(ok, vec![false], "the whole object fails its check");
+    assert_eq!(s.stats.corrupt_reads.load(Ordering::Relaxed), 1);
     drop(s);
     std::fs::remove_dir_all(root).unwrap();
 }
