@@ -136,9 +136,9 @@ fn coded_objects_take_fewer_blocks_and_read_back_exact_everywhere() {
                         }
                     }
                 };
+                let batch = objs(&keys, &dst, len);
                 // SAFETY: as above.
-                let ok =
-                    unsafe { s.get_in_two(&objs(&keys, &dst, len), &prefix, &mut check) }.unwrap();
+                let ok = unsafe { s.get_in_two(&batch, &prefix, &mut check) }.unwrap();
                 assert_eq!((ok, calls), (vec![true; n], 1));
                 assert!(same(&src, &dst, n, len), "{len}: two passes, {first}");
             }
