@@ -36,6 +36,21 @@ def test_codec_by_dtype():
     assert codec_for("bfloat16") == codec_for("torch.float16") == "bits16"
     assert codec_for("float8_e4m3fn") == codec_for("float8_e5m2") == "bits8"
     assert codec_for("float32") is None and codec_for("uint8") is None
+    # the engines' spellings (SGLang's --kv-cache-dtype, given as kv_cache_dtype for its uint8 fp8 pools)
+    assert codec_for("fp8_e4m3") == codec_for("fp8_e5m2") == "bits8"
+    assert codec_for("bf16") == codec_for("fp16") == codec_for("half") == "bits16"
+
+
+def test_an_fp8_pool_kept_as_uint8_compresses_under_its_kv_cache_dtype(tmp_path):
+    hp = kv_like_pool(dtype=torch.float8_e4m3fn, dk=256, dv=256, layers=32)
+    raw = kv_like_pool(dtype=torch.uint8, dk=256, dv=256, layers=32)  # SGLang keeps fp8 pools as uint8
+    raw.k_buffer.copy_(hp.k_buffer.view(torch.uint8))
+    raw.v_buffer.copy_(hp.v_buffer.view(torch.uint8))
+    with PageStore(tmp_path, probe_bytes=0, kv_cache_dtype="fp8_e4m3", compression="lossless") as st:
+        st.register_mem_pool_host(raw)
+        assert st.codec == "bits8"
+        assert st.batch_set_v1(["a" * 64], pages_idx([0])) == [True]
+        assert st.get_stats()["coded_objects"] == 2
 
 
 @pytest.mark.parametrize("layout", ["page_first", "page_first_direct"])

@@ -12,12 +12,13 @@ COMPRESSION = ("auto", "lossless", "off")
 
 
 def codec_for(dtype: str) -> str | None:
-    """The page codec for a KV dtype as torch names it (``"bits16"`` for bfloat16 and float16, ``"bits8"`` for
-    the fp8 variants), or None for a dtype it does not compress."""
-    d = str(dtype).removeprefix("torch.")
-    if d in ("bfloat16", "float16"):
+    """The page codec for a KV dtype (``"bits16"`` for bfloat16 and float16, ``"bits8"`` for the fp8 variants),
+    or None for a dtype it does not compress. Takes torch's names (``torch.bfloat16``, ``float8_e4m3fn``) and the
+    engines' (SGLang's ``--kv-cache-dtype`` ``bf16``, ``fp8_e4m3``, ``fp8_e5m2``; ``fp16``, ``half``)."""
+    d = str(dtype).removeprefix("torch.").lower()
+    if d in ("bfloat16", "bf16", "float16", "fp16", "half"):
         return "bits16"
-    if d.startswith("float8"):
+    if d.startswith(("float8", "fp8")):
         return "bits8"
     return None
 

@@ -38,6 +38,15 @@ pub fn codec_encode<'py>(
 #[pyfunction]
 pub fn codec_decode<'py>(py: Python<'py>, data: &[u8]) -> KvResult<Bound<'py, PyBytes>> {
     let h = codec::Header::parse(data).map_err(|e| Error::arg("data", e.to_string()))?;
+    // a header may claim up to 2^32 chunks of CHUNK bytes: refuse what the store never writes (MAX_OBJECT)
+    // before allocating it
+    if h.raw_len as u64 > kvtier_core::store::MAX_OBJECT {
+        return Err(Error::arg(
+            "data",
+            format!("decodes to {} bytes, more than an object holds", h.raw_len),
+        )
+        .into());
+    }
     let out = py.detach(|| {
         let mut v = vec![0u8; h.raw_len];
         codec::decode(data, &mut v).map(|()| v)

@@ -334,7 +334,8 @@ impl Header {
         let chunk = u32::from_le_bytes(b[16..20].try_into().expect("4 bytes")) as usize;
         let chunks = u32::from_le_bytes(b[20..24].try_into().expect("4 bytes")) as usize;
         let raw_len = usize::try_from(raw_len).map_err(|_| DecodeError("raw length"))?;
-        if chunk == 0 || !chunk.is_multiple_of(2) || chunks != raw_len.div_ceil(chunk) {
+        // (the one chunk size `encode` writes: a crafted header cannot make a chunk's planes huge)
+        if chunk != CHUNK || chunks != raw_len.div_ceil(chunk) {
             return Err(DecodeError(
                 "chunk size and count do not match the raw length",
             ));

@@ -142,6 +142,19 @@ fn two_symbols_and_skewed_counts_make_complete_limited_codes() {
 }
 
 #[test]
+fn a_header_of_another_chunk_size_is_refused() {
+    // a crafted header could otherwise claim 2^32 chunks of 4 GiB each
+    let mut coded = Vec::new();
+    encode(&kv_like_bf16(1000, 8, 1), Elem::Bits16, &mut coded);
+    assert!(Header::parse(&coded).is_ok());
+    for chunk in [2u32, CHUNK as u32 * 2, u32::MAX - 1] {
+        let mut bad = coded.clone();
+        bad[16..20].copy_from_slice(&chunk.to_le_bytes());
+        assert!(Header::parse(&bad).is_err(), "{chunk}");
+    }
+}
+
+#[test]
 fn incomplete_or_overlong_tables_are_refused() {
     let mut lens = [0u8; 256];
     lens[0] = 1;

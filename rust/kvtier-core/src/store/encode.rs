@@ -4,7 +4,7 @@
 use std::sync::atomic::Ordering;
 use std::sync::Mutex;
 
-use super::seal_io::Aligned;
+use super::seal_io::{Aligned, SealKeys};
 use super::{Shared, ALIGN};
 
 /// The objects of a put batch as stored ([`Shared::encode_batch`]).
@@ -20,16 +20,22 @@ pub(super) struct Encoded<'a> {
 /// Objects up to this size keep their thread's encode buffer between batches.
 const MAX_KEPT_ENCODE: usize = 16 << 20;
 
-thread_local! {
-    static ENCODE_BUF: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
-}
+/// Idle encode buffers, shared by every store of the process: a batch's IO threads are new threads, so
+/// buffers of their own would be allocated (and page-faulted) again by every batch.
+static ENCODE_BUFS: Mutex<Vec<Vec<u8>>> = Mutex::new(Vec::new());
+/// Most idle encode buffers kept.
+const MAX_IDLE_ENCODE: usize = 16;
 
 impl Shared {
     /// The objects as the batch stores them: with a codec, each object that shrinks by at least one block
     /// replaced by its coded copy (`coded[i]`: the length it decodes to), the others as given. Objects
-    /// already stored are not coded (they are acknowledged without IO), nor is anything when no memory is
-    /// left for a copy (stored as given).
-    pub(super) fn encode_batch<'a>(&self, objs: &[(&'a str, usize, u64)]) -> Encoded<'a> {
+    /// already stored (as the put will find them: `keys`' current key in a sealed store) are not coded (they
+    /// are acknowledged without IO), nor is anything when no memory is left for a copy (stored as given).
+    pub(super) fn encode_batch<'a>(
+        &self,
+        objs: &[(&'a str, usize, u64)],
+        keys: Option<&SealKeys>,
+    ) -> Encoded<'a> {
         let n = objs.len();
         let mut enc = Encoded {
             objs: objs.to_vec(),
@@ -39,9 +45,17 @@ impl Shared {
         let Some(elem) = self.opts.codec else {
             return enc;
         };
+        // (stored as the put would find it: in a sealed store, under its tenant's current key)
         let stored: Vec<bool> = {
             let ix = self.lock_index();
-            objs.iter().map(|(k, _, _)| ix.get(k).is_some()).collect()
+            objs.iter()
+                .map(|(k, _, _)| {
+                    ix.get(k).is_some_and(|e| match keys {
+                        Some(keys) => keys.current(k, e.seal.as_deref()),
+                        None => e.seal.is_none(),
+                    })
+                })
+                .collect()
         };
         let t0 = std::time::Instant::now();
         let out: Vec<Mutex<Option<Aligned>>> = (0..n).map(|_| Mutex::new(None)).collect();
@@ -52,17 +66,23 @@ impl Shared {
             }
             // SAFETY: the caller guarantees [ptr, ptr+len) is readable for the whole call.
             let raw = unsafe { std::slice::from_raw_parts(ptr as *const u8, len as usize) };
-            ENCODE_BUF.with(|v| {
-                let mut v = v.borrow_mut();
-                v.clear();
-                let coded = crate::codec::encode(raw, elem, &mut v);
-                if (coded as u64).div_ceil(ALIGN) < len.div_ceil(ALIGN) {
-                    *out[i].lock().unwrap_or_else(|p| p.into_inner()) = self.scratch.copy_of(&v);
+            let mut v = ENCODE_BUFS
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .pop()
+                .unwrap_or_default();
+            v.clear();
+            let coded = crate::codec::encode(raw, elem, &mut v);
+            if (coded as u64).div_ceil(ALIGN) < len.div_ceil(ALIGN) {
+                *out[i].lock().unwrap_or_else(|p| p.into_inner()) = self.scratch.copy_of(&v);
+            }
+            // (one huge object does not keep its buffer for the process's life)
+            if v.capacity() <= 2 * crate::codec::max_encoded_len(MAX_KEPT_ENCODE) {
+                let mut idle = ENCODE_BUFS.lock().unwrap_or_else(|p| p.into_inner());
+                if idle.len() < MAX_IDLE_ENCODE {
+                    idle.push(v);
                 }
-                if v.capacity() > 2 * crate::codec::max_encoded_len(MAX_KEPT_ENCODE) {
-                    *v = Vec::new(); // (one huge object does not keep its buffer for the thread's life)
-                }
-            });
+            }
         });
         let (mut raw_bytes, mut coded_bytes) = (0u64, 0u64);
         for (i, slot) in out.into_iter().enumerate() {

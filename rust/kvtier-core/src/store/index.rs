@@ -5,8 +5,7 @@ use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
 
 use super::fasthash::FastMap;
-use super::journal::{encoded_len, Placement};
-use crate::seal::Seal;
+use super::journal::encoded_len;
 
 /// Bytes the journal keeps beyond the prepaid del records (R4).
 pub(super) const JOURNAL_SLACK: u64 = 4096;
@@ -38,79 +37,7 @@ pub(super) fn put_shape_ok(class: u32, len: u64) -> bool {
     class > 0 && u64::from(class) % 4096 == 0 && len > 0 && len <= u64::from(class)
 }
 
-/// One stored object.
-#[derive(Clone, Debug)]
-pub(super) struct Entry {
-    pub(super) class: u32,
-    pub(super) slot: u32,
-    pub(super) len: u64,
-    pub(super) crc: u32,
-    pub(super) tick: u64,
-    pub(super) pins: u32,
-    /// Unique per insert: a key re-put into the same slot is another object (set by [`Index::insert`]).
-    pub(super) gen: u64,
-    /// Failed its checksum and could not be dropped durably: never served, slot never reused; a put of
-    /// the key writes a new slot that supersedes it.
-    pub(super) bad: bool,
-    /// Nonce and tag of an object sealed at rest (boxed: clear stores pay one pointer).
-    pub(super) seal: Option<Box<Seal>>,
-    /// The length a coded object decodes to (`len` is then the stored length); `None`: stored as given.
-    pub(super) coded: Option<std::num::NonZeroU64>,
-}
-
-impl From<Placement> for Entry {
-    /// A new entry where a put record says its object lives.
-    fn from(at: Placement) -> Self {
-        let mut e = Entry::new(at.class, at.slot, at.len, at.crc).sealed(at.seal);
-        e.coded = at.coded.and_then(std::num::NonZeroU64::new);
-        e
-    }
-}
-
-impl Entry {
-    pub(super) fn new(class: u32, slot: u32, len: u64, crc: u32) -> Self {
-        Self {
-            class,
-            slot,
-            len,
-            crc,
-            tick: 0,
-            pins: 0,
-            gen: 0,
-            bad: false,
-            seal: None,
-            coded: None,
-        }
-    }
-
-    /// What a put record of this entry carries (compaction writes it again).
-    pub(super) fn placement(&self) -> Placement {
-        Placement {
-            class: self.class,
-            slot: self.slot,
-            len: self.len,
-            crc: self.crc,
-            seal: self.seal.as_deref().copied(),
-            coded: self.coded.map(std::num::NonZeroU64::get),
-        }
-    }
-
-    /// The length a reader gets: what a coded object decodes to, else the stored length.
-    pub(super) fn decoded_len(&self) -> u64 {
-        self.coded.map_or(self.len, std::num::NonZeroU64::get)
-    }
-
-    /// The entry with its seal (`None`: stored in clear).
-    pub(super) fn sealed(mut self, seal: Option<Seal>) -> Self {
-        self.seal = seal.map(Box::new);
-        self
-    }
-
-    /// Whether this entry may be served (and counts as stored).
-    pub(super) fn servable(&self) -> bool {
-        !self.bad
-    }
-}
+pub(super) use super::entry::Entry;
 
 #[derive(Default)]
 pub(super) struct Index {
@@ -121,6 +48,9 @@ pub(super) struct Index {
     gens: u64,
     /// Bytes of live and reserved slots.
     pub(super) used: u64,
+    /// Over the servable entries: how many are coded, their stored lengths and what they decode to (kept as
+    /// entries come and go: `stats()` asks after batches, and a walk held the lock 41 ns an entry).
+    pub(super) content: (usize, u64, u64),
     /// Bytes of class-file blocks held: live, reserved, zombie and free-with-blocks slots.
     pub(super) data_alloc: u64,
     /// Free slots that still have their blocks, per class.
@@ -228,6 +158,8 @@ impl Index {
             if e.gen == gen && !e.bad {
                 e.bad = true;
                 self.bad_entries += 1;
+                let e = e.clone();
+                self.account(&e, false);
             }
         }
     }
@@ -245,6 +177,7 @@ impl Index {
             e.tick = self.tick;
             e.gen = self.gens;
             self.del_bytes += encoded_len(key.len()) as u64;
+            self.account(&e, true);
             let key: Arc<str> = Arc::from(key);
             order.push((e.tick, key.clone()));
             let old = self.map.insert(key, e);
@@ -268,11 +201,15 @@ impl Index {
             None => Arc::from(key),
         };
         self.lru.insert(e.tick, key.clone());
+        self.account(&e, true);
         let old = self.map.insert(key, e);
         match &old {
             Some(o) => {
                 self.lru.remove(&o.tick);
                 self.bad_entries -= usize::from(o.bad);
+                if !o.bad {
+                    self.account(o, false);
+                }
                 self.release(o);
             }
             None => self.del_bytes += dl,
@@ -286,8 +223,22 @@ impl Index {
         self.lru.remove(&e.tick);
         self.del_bytes -= encoded_len(key.len()) as u64;
         self.bad_entries -= usize::from(e.bad);
+        if !e.bad {
+            self.account(&e, false);
+        }
         self.release(&e);
         Some(e)
+    }
+
+    /// Adds (`add`) or takes away a servable entry's part of [`Index::content`].
+    fn account(&mut self, e: &Entry, add: bool) {
+        let (n, s, d) = (usize::from(e.coded.is_some()), e.len, e.decoded_len());
+        let c = &mut self.content;
+        if add {
+            *c = (c.0 + n, c.1 + s, c.2 + d);
+        } else {
+            *c = (c.0 - n, c.1 - s, c.2 - d);
+        }
     }
 
     fn release(&mut self, e: &Entry) {

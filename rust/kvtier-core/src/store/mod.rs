@@ -19,6 +19,7 @@ mod capacity;
 mod commit;
 mod compact;
 mod encode;
+mod entry;
 mod fasthash;
 mod files;
 mod follow;
@@ -290,16 +291,20 @@ impl Shared {
     /// codec gives the store's budget.
     pub fn content(&self) -> (usize, u64, u64) {
         let ix = self.lock_index();
-        ix.map
-            .values()
-            .filter(|e| e.servable())
-            .fold((0, 0, 0), |(n, s, d), e| {
-                (
-                    n + usize::from(e.coded.is_some()),
-                    s + e.len,
-                    d + e.decoded_len(),
-                )
-            })
+        debug_assert_eq!(
+            ix.content,
+            ix.map
+                .values()
+                .filter(|e| e.servable())
+                .fold((0, 0, 0), |(n, s, d), e| {
+                    (
+                        n + usize::from(e.coded.is_some()),
+                        s + e.len,
+                        d + e.decoded_len(),
+                    )
+                })
+        );
+        ix.content
     }
     /// `(data bytes held, journal bytes held)`: the occupancy the capacity limit applies to.
     pub fn occupancy(&self) -> (u64, u64) {

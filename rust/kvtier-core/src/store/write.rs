@@ -56,14 +56,6 @@ impl Shared {
             return Ok(ok);
         }
         self.stats.lap(phase::VALIDATE, &mut t);
-        // with a codec: each object that shrinks by a block or more is stored coded (docs/STORE.md,
-        // "Compressed objects"); the coded copies live until the batch ends
-        let enc = self.encode_batch(objs);
-        let objs = &enc.objs[..];
-        self.stats.lap(phase::ENCODE, &mut t);
-        self.keep_to_limit();
-        self.stats.lap(phase::KEEP, &mut t);
-        let mut dups = Vec::new();
         // the tenants' keys, once per batch: an object already stored under a key since replaced is written again
         let keys = SealKeys::for_batch(
             self.opts.keyring.as_deref(),
@@ -71,6 +63,14 @@ impl Shared {
             objs.iter().map(|o| o.0),
             true,
         );
+        // with a codec: each object that shrinks by a block or more is stored coded (docs/STORE.md,
+        // "Compressed objects"); the coded copies live until the batch ends
+        let enc = self.encode_batch(objs, keys.as_ref());
+        let objs = &enc.objs[..];
+        self.stats.lap(phase::ENCODE, &mut t);
+        self.keep_to_limit();
+        self.stats.lap(phase::KEEP, &mut t);
+        let mut dups = Vec::new();
         let plan = self.reserve(objs, &enc.coded, keys.as_ref(), &mut ok, &mut dups);
         self.stats.lap(phase::RESERVE, &mut t);
         // A running compaction's step goes to the background thread now, to overlap this batch's IO
