@@ -209,8 +209,8 @@ def test_kvtier_stats_shows_the_writers_hits_misses_bytes_and_capacity(tmp_path)
 
 
 def test_root_files_do_not_change_the_store_of_a_refused_open(tmp_path):
-    (tmp_path / "FORMAT").write_text("kvtier page store format 2\n")
-    with pytest.raises(InvalidArgumentError, match="format 2"):
+    (tmp_path / "FORMAT").write_text("kvtier page store format 9\n")
+    with pytest.raises(InvalidArgumentError, match="format 9"):
         st = PageStore(tmp_path, capacity_bytes=1 << 30, model_name="m")
         from kvtier import DeviceKVPool, host_pool_for
         import torch

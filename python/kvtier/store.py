@@ -13,6 +13,7 @@ with every crash point, is docs/STORE.md.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -153,7 +154,6 @@ class PageStore:
         #: the page codec new pages are stored with (None: as given) once a pool is registered, and why
         self.codec: str | None = None
         self.compression_note = ""
-        self._probe_read = 0.0  # the disk's read GB/s as the probe at open measured it
         self.read_only = bool(read_only)
         self._pending: Any = None  # what opening needs (kept for a reader whose writer is not there yet)
         self._next_try = 0.0
@@ -250,15 +250,16 @@ class PageStore:
             write, read, _ = _native.disk_roofline(self.path, size, count, min(self.io_threads, count))
         except (OSError, KvtierError, ValueError):
             return
-        self._probe_read = read
         self.meter.seed(read_GBps=read, write_GBps=write)
 
     def measured(self) -> dict[str, TierEstimate]:
         """What this tier measured about itself (``{"disk": TierEstimate}``): read and write GB/s and the
         fixed cost of a batch over its recent batches (writes: the bytes the store wrote and the time it
         spent writing since the last reading, so pages already stored, acknowledged without IO, do not count),
-        the recent hit rate of lookups; the probe at open until batches have been timed."""
+        the recent hit rate of lookups; the probe at open until batches have been timed, its read rate times
+        what the stored pages decode to per stored byte (compressed pages) until reads have been timed."""
         native = self._native
+        st: dict[str, Any] | None = None
         if native is not None and not self._closed:
             try:
                 st = native.stats()
@@ -271,11 +272,13 @@ class PageStore:
                 self.meter.observe("write", written - last_written, (ns - last_ns) / 1e9)
             if written >= 0:
                 self._writes_seen = (written, ns)
-            if st is not None and self._probe_read > 0:
-                # until reads are timed, the disk's probed rate times what the stored pages decode to per
-                # byte, bounded by the decoding measured so far on the threads a batch reads with
-                self.meter.seed(read_GBps=effective_read_GBps(self._probe_read, st, self.io_threads))
-        return {self.name: self.meter.estimate()}
+        est = self.meter.estimate()
+        if st is not None and est.samples == 0 and est.read_GBps > 0:
+            # until reads are timed, the read rate stands for the disk's (the probe's, or what an operator
+            # seeded): what the stored pages decode to per byte multiplies it, bounded by the decoding
+            # measured so far on the threads a batch reads with
+            est = dataclasses.replace(est, read_GBps=effective_read_GBps(est.read_GBps, st, self.io_threads))
+        return {self.name: est}
 
     def locate(self, keys: Sequence[str]) -> list[tuple[str, int]]:
         """The leading run of ``keys`` this tier holds, as ``[(tier, pages)]`` (empty on a miss)."""

@@ -125,6 +125,16 @@ pub fn max_encoded_len(raw_len: usize) -> usize {
 /// is stored raw, chunk by chunk (the caller compares the length with `raw.len()` to decide whether
 /// coding paid).
 pub fn encode(raw: &[u8], elem: Elem, out: &mut Vec<u8>) -> usize {
+    encode_with(raw, elem, out, false).expect("never given up")
+}
+
+/// As [`encode`], but gives up (`None`, `out` as it was) as soon as the first chunk does not shrink: bytes
+/// that are not values of this kind (random, encrypted, another dtype) cost one chunk's look, not a coding.
+pub fn encode_shrinking(raw: &[u8], elem: Elem, out: &mut Vec<u8>) -> Option<usize> {
+    encode_with(raw, elem, out, true)
+}
+
+fn encode_with(raw: &[u8], elem: Elem, out: &mut Vec<u8>, give_up: bool) -> Option<usize> {
     let start = out.len();
     let chunks = raw.len().div_ceil(CHUNK);
     out.extend_from_slice(&MAGIC);
@@ -138,14 +148,19 @@ pub fn encode(raw: &[u8], elem: Elem, out: &mut Vec<u8>) -> usize {
     out.resize(table + 8 * chunks, 0);
     let mut scratch = Planes::default();
     for (c, piece) in raw.chunks(CHUNK).enumerate() {
+        let at_chunk = out.len();
         encode_chunk(piece, elem, &mut scratch, out);
+        if give_up && c == 0 && out[at_chunk] == RAW {
+            out.truncate(start);
+            return None;
+        }
         let end = (out.len() - start) as u32;
         let crc = crate::hash::bulk_crc(piece);
         let at = table + 8 * c;
         out[at..at + 4].copy_from_slice(&end.to_le_bytes());
         out[at + 4..at + 8].copy_from_slice(&crc.to_le_bytes());
     }
-    out.len() - start
+    Some(out.len() - start)
 }
 
 /// Reusable planes of one chunk.

@@ -104,6 +104,20 @@ fn what_does_not_shrink_is_stored_raw_and_costs_only_the_header() {
 }
 
 #[test]
+fn encode_shrinking_gives_up_on_bytes_that_are_not_values() {
+    let mut r = Rng(17);
+    let noise: Vec<u8> = (0..3 * CHUNK).map(|_| r.next() as u8).collect();
+    let mut out = vec![7u8; 3];
+    assert_eq!(encode_shrinking(&noise, Elem::Bits16, &mut out), None);
+    assert_eq!(out, vec![7u8; 3], "left as it was");
+    let kv = kv_like_bf16(CHUNK, 64, 3);
+    let n = encode_shrinking(&kv, Elem::Bits16, &mut out).expect("KV shrinks");
+    let mut back = vec![0u8; kv.len()];
+    decode(&out[3..3 + n], &mut back).unwrap();
+    assert!(back == kv);
+}
+
+#[test]
 fn zero_pages_shrink_to_a_plane() {
     let n = round_trip(&vec![0u8; 4 * CHUNK], Elem::Bits16);
     // the rest plane (half the bytes) is stored; the symbol plane is one byte a chunk

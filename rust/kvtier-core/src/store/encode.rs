@@ -72,8 +72,8 @@ impl Shared {
                 .pop()
                 .unwrap_or_default();
             v.clear();
-            let coded = crate::codec::encode(raw, elem, &mut v);
-            if (coded as u64).div_ceil(ALIGN) < len.div_ceil(ALIGN) {
+            let coded = crate::codec::encode_shrinking(raw, elem, &mut v);
+            if coded.is_some_and(|n| (n as u64).div_ceil(ALIGN) < len.div_ceil(ALIGN)) {
                 *out[i].lock().unwrap_or_else(|p| p.into_inner()) = self.scratch.copy_of(&v);
             }
             // (one huge object does not keep its buffer for the process's life)
