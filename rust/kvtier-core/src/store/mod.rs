@@ -386,7 +386,7 @@ impl Shared {
 
     /// [`PageStore::check_key`] for a key about to be written into the journal (put, delete). A key is
     /// written as it is: without control characters no key can hold a whole journal record (every
-    /// record's kind byte is 1 or 2), so the parser's resynchronisation after a torn or damaged record can
+    /// record's kind byte is 1 to 5), so the parser's resynchronisation after a torn or damaged record can
     /// never find one inside a key and replay it (docs/STORE.md, "No record inside a key"). Reads take any
     /// key (one an older version stored stays readable).
     fn check_journal_key(key: &str) -> Result<()> {
