@@ -293,8 +293,8 @@ pub fn decode4(b: &[u8], table: &[u64], syms: &mut [u8]) -> Result<usize, Damage
         for _ in 0..rounds {
             let mut w = [0u64; 4];
             for k in 0..4 {
-                // SAFETY: (pos[k] >> 3) + 8 <= streams[k].len() for every round of the run (the bound
-                // above: each round advances pos[k] by at most 44 bits); an unaligned read of 8 bytes.
+                // The run's bound above: each round advances pos[k] by at most 44 bits.
+                // SAFETY: (pos[k] >> 3) + 8 <= streams[k].len() in every round; an unaligned 8-byte read.
                 w[k] = unsafe { src[k].add(pos[k] >> 3).cast::<u64>().read_unaligned() }.to_le()
                     >> (pos[k] & 7);
             }
@@ -307,9 +307,9 @@ pub fn decode4(b: &[u8], table: &[u64], syms: &mut [u8]) -> Result<usize, Damage
                     t[(w[3] & mask) as usize],
                 ];
                 for k in 0..4 {
-                    // SAFETY: done[k] + 4 <= counts[k] = outs[k].len() for every look-up of the run (the
-                    // bound above: a round adds at most 16 to done[k]); an unaligned write of 4 bytes
-                    // into this stream's own part of `syms`.
+                    // The run's bound above: a round adds at most 16 to done[k]; the 4 bytes land in
+                    // this stream's own part of `syms`.
+                    // SAFETY: done[k] + 4 <= counts[k] = outs[k].len() at every look-up; unaligned write.
                     unsafe {
                         out[k]
                             .add(done[k])

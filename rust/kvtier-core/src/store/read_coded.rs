@@ -86,9 +86,9 @@ impl Shared {
         let mut r = Ok(());
         while st.decoded < upto {
             let range = h.raw_range(st.decoded);
-            // SAFETY: the caller of `get` guarantees [ptr, ptr+len) is writable and exclusively ours for the
-            // call; `range` lies inside it (the header's raw length is `len`, checked by `read_coded_*`), and
-            // no other task of the batch touches this object's destination.
+            // `range` lies inside [ptr, ptr+len): the header's raw length is `len` (checked by `read_coded_*`),
+            // and no other task of the batch touches this object's destination.
+            // SAFETY: the caller of `get` guarantees [ptr, ptr+len) is writable and ours for the call.
             let dst = unsafe {
                 std::slice::from_raw_parts_mut((ptr + range.start) as *mut u8, range.len())
             };

@@ -46,8 +46,8 @@ impl Aligned {
     }
 
     pub(super) fn as_slice(&self) -> &[u8] {
-        // SAFETY: `len` <= the capacity (`fill_from` and `ScratchPool::take` check), and every byte of the
-        // live allocation is initialized (zeroed at allocation).
+        // `len` <= the capacity: `fill_from` and `ScratchPool::take` check it.
+        // SAFETY: every byte of the live allocation is initialized (zeroed at allocation), `len` within it.
         unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
     }
 
