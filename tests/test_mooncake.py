@@ -169,10 +169,9 @@ def test_arguments_are_checked_before_any_io(cluster):
 
 def test_bad_configuration_is_one_clear_error_at_construction(tmp_path):
     closed = free_port()
-    t0 = time.monotonic()
+    # (refused rather than waited on: pytest-timeout bounds the call, no wall-clock assertion here)
     with pytest.raises(KvtierError, match="cannot reach the master"):
         MooncakeTier(f"127.0.0.1:{closed}", model_name="m")
-    assert time.monotonic() - t0 < 10
     for kw, match in (({"protocol": "udp"}, "protocol"), ({"protocol": "rdma"}, "device_name"),
                       ({"global_segment_size": -1}, "global_segment_size"), ({"replica_num": 0}, "replica_num"),
                       ({"tp_rank": 2, "tp_size": 2}, "tp_rank"), ({"accept_unverified": "false"}, "accept_unverified"),

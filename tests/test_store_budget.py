@@ -200,7 +200,7 @@ def test_kvtier_stats_shows_the_writers_hits_misses_bytes_and_capacity(tmp_path)
         assert st["bytes_written"] == 24 * 24576 and st["bytes_read"] == 8 * 24576, st
         assert st["capacity_bytes"] == 8 << 20 and st["budget_bytes"] == 8 << 20 == st["store_budget_bytes"]
         assert st["counters_writer"] == f"pid {p.pid}, running (updated every 2 s)" and st["live_writer"]
-        assert 0 <= st["counters_age_s"] < 60
+        assert isinstance(st["counters_age_s"], float) and st["counters_age_s"] >= 0
     finally:
         p.terminate()
         p.communicate()
