@@ -218,6 +218,22 @@ fn place(root: &Path, key: &str) -> (PathBuf, u64, u64) {
     )
 }
 
+/// Flips the bits `mask` of the byte at `at(stored length)` of the stored object `key` (synced); returns `at`.
+fn flip_stored(root: &Path, key: &str, mask: u8, at: impl FnOnce(u64) -> u64) -> u64 {
+    let (file, off, stored) = place(root, key);
+    let at = at(stored);
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&file)
+        .unwrap();
+    let mut b = [0u8];
+    f.read_exact_at(&mut b, off + at).unwrap();
+    f.write_all_at(&[b[0] ^ mask], off + at).unwrap();
+    f.sync_all().unwrap();
+    at
+}
+
 #[test]
 fn damage_anywhere_in_a_coded_object_is_a_counted_miss() {
     let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
@@ -230,17 +246,7 @@ fn damage_anywhere_in_a_coded_object_is_a_counted_miss() {
         let root = tmp();
         let s = PageStore::open(&root, "ns", coded_opts()).unwrap();
         assert_eq!(put_all(&s, &keys, &src, len), vec![true]);
-        let (file, off, stored) = place(&root, "p.k");
-        let at = at.min(stored - 1);
-        let f = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(&file)
-            .unwrap();
-        let mut b = [0u8];
-        f.read_exact_at(&mut b, off + at).unwrap();
-        f.write_all_at(&[b[0] ^ 0x10], off + at).unwrap();
-        f.sync_all().unwrap();
+        let at = flip_stored(&root, "p.k", 0x10, |stored| at.min(stored - 1));
         let rep = s.verify(false).unwrap();
         assert_eq!(rep.corrupt, keys, "verify, damage at {at}");
         assert_eq!(get_all(&s, &keys, &dst, len), vec![false], "damage at {at}");
@@ -353,17 +359,8 @@ fn a_two_pass_read_of_a_coded_object_damaged_past_its_prefix_fails_whole() {
     let root = tmp();
     let s = PageStore::open(&root, "ns", coded_opts()).unwrap();
     assert_eq!(put_all(&s, &keys, &src, len), vec![true]);
-    let (file, off, stored) = place(&root, "p.k");
-    let f = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(&file)
-        .unwrap();
     // the last byte of the stored object: in the last chunk, read by the second pass only
-    let mut b = [0u8];
-    f.read_exact_at(&mut b, off + stored - 1).unwrap();
-    f.write_all_at(&[b[0] ^ 1], off + stored - 1).unwrap();
-    f.sync_all().unwrap();
+    flip_stored(&root, "p.k", 1, |stored| stored - 1);
     zero(&dst);
     let mut prefix_ok = false;
     let first = crate::codec::CHUNK;
