@@ -29,7 +29,7 @@ from .hashes import page_hashes  # noqa: F401 - kvtier.store.page_hashes stays i
 from .planner import TierEstimate, TierMeter
 from ._errors import ClosedError, InvalidArgumentError, KvtierError
 from .config import parse_size
-from .tenants import erase_tag, open_keyring, scope_keys, tenant_of
+from .tenants import erase_tag, open_keyring, scope_keys
 from .compression import COMPRESSION, codec_for, compression_stats, effective_read_GBps  # noqa: F401 - re-exported
 from .page_layout import PAGE_LAYOUTS, heads_of as _heads, host_buffers, logical_dtype, page_layout as _page_layout  # noqa: F401
 
@@ -404,16 +404,21 @@ class PageStore:
         return int(self.native_store().delete_pages(_keys(keys) if self.tenant is None else scope_keys(self.tenant, _keys(keys))))
 
     def erase_tenant(self, salt: str | None = None, *, tag: str | None = None) -> int:
-        """Delete every page of one tenant (named by ``salt`` or by ``tag``) from this namespace; returns the
-        pages deleted (0 for a read-only store: its writer erases). With a keyring, :meth:`kvtier.Keyring.erase`
-        also destroys the tenant's key, which makes whatever a crash or a copy kept unreadable (``kvtier erase``
-        does both, for every namespace)."""
+        """Erase one tenant (named by ``salt`` or by ``tag``) from this namespace: its pages' bytes are
+        overwritten with zeros, their records deleted and compacted out of the journal, and from then on this
+        store refuses the tenant's puts (pages the engine still holds are not written back) until
+        :meth:`allow_tenant`. Returns the pages erased (0 for a read-only store: its writer erases). With a
+        keyring, :meth:`kvtier.Keyring.erase` also destroys the tenant's key and keeps it erased in every
+        process sharing the keyring (``kvtier erase`` does both, for every namespace)."""
         t = erase_tag(salt, tag)
         if self.read_only:
             return 0  # a reader erases nothing: the namespace's writer does
-        store = self.native_store()
-        pages = sorted({k.rsplit(".", 1)[0] for k in store.keys() if tenant_of(k) == t})
-        return int(store.delete_pages(pages)) if pages else 0
+        objects = int(self.native_store().erase_tenant(t))
+        return -(-objects // self.page_kinds)
+
+    def allow_tenant(self, salt: str | None = None, *, tag: str | None = None) -> bool:
+        """Let a tenant erased through this store put pages again; whether it was erased here."""
+        return bool(self.native_store().allow_tenant(erase_tag(salt, tag)))
 
     def clear(self) -> None:
         """Delete every page of this namespace."""

@@ -1,11 +1,17 @@
 """Tenants: keys that never match across tenants, and the keyring that seals their pages at rest.
 
 A tenant is named by a **salt**: the engine's per-request ``cache_salt`` where it has one, or a per-deployment
-salt set in kvtier's configuration. :func:`tenant_keys` turns an engine's page keys into the tenant's:
-``t<tag>.<mac>``, where ``tag`` (16 hex digits, :func:`tenant_tag`) names the tenant for erasure and ``mac``
-is an HMAC-SHA256 of the engine's key under a key derived from the salt — two tenants never share a key,
-and the names on disk or in the cluster do not reveal the engine's token hashes. A key already carrying a
-tenant tag is left as it is (:func:`scope_keys`), so a per-request salt wins over a deployment's.
+salt set in kvtier's configuration (taken in Unicode NFC: two spellings of one name are one tenant).
+:func:`tenant_keys` turns an engine's page keys into the tenant's: ``t<tag>.<mac>``, where ``tag`` (32 hex
+digits, :func:`tenant_tag`) names the tenant for erasure and ``mac`` is an HMAC-SHA256 of the engine's key
+under a key derived from the salt, so two tenants never share a key. Both are functions of the salt alone:
+whoever guesses a salt computes them. With a :class:`Keyring`, the disk and cluster tiers store every object
+under a name keyed by the master key instead (:meth:`Keyring.stored_names`), so their names show no engine
+key and no tenant to anyone without the keyring.
+
+A deployment's tenant (:func:`scope_keys`) scopes every key that does not already carry that same tenant:
+a key carrying another tenant's tag (a request's own salt) is scoped again, inside the deployment, so no key
+escapes its deployment by looking scoped.
 
 A :class:`Keyring` seals every object of the disk and cluster tiers with AES-256-GCM under a key per tenant
 (docs/SECURITY.md). No torch needed.
@@ -34,7 +40,7 @@ def _key_list(keys: Sequence[str]) -> list[str]:
 
 
 def tenant_tag(salt: str) -> str:
-    """The 16-hex-digit tag that names tenant ``salt`` in its keys, key file and erasure."""
+    """The 32-hex-digit tag that names tenant ``salt`` (in Unicode NFC) in its keys and erasure."""
     return _native.tenant_tag(_salt(salt))
 
 
@@ -49,12 +55,14 @@ def tenant_of(key: str) -> str | None:
 
 
 def scope_keys(salt: str | None, keys: Sequence[str]) -> list[str]:
-    """``keys`` scoped to tenant ``salt``: keys that already carry a tenant tag stay as they are; with
-    ``salt=None`` every key stays as it is."""
+    """``keys`` scoped to the deployment tenant ``salt``: keys that already carry this tenant's tag stay as
+    they are, every other key (one of no tenant, or of another tenant, such as a request's own salt) becomes
+    this tenant's; with ``salt=None`` every key stays as it is."""
     keys = _key_list(keys)
     if salt is None:
         return keys
-    bare = [i for i, k in enumerate(keys) if _native.tenant_of(k) is None]
+    mine = tenant_tag(salt)
+    bare = [i for i, k in enumerate(keys) if _native.tenant_of(k) != mine]
     if bare:
         mapped = _native.tenant_keys(_salt(salt), [keys[i] for i in bare])
         for i, m in zip(bare, mapped):
@@ -93,13 +101,42 @@ class Keyring:
         return self._native.id
 
     def tenants(self) -> list[str]:
-        """Tags of the tenants that have a key."""
+        """Stored tags of the tenants that have a key (keyed by the master key: they do not show which
+        tenant they belong to; :meth:`stored_tag` maps a tenant's tag to its stored one)."""
         return list(self._native.tenants())
 
+    def erased_tenants(self) -> list[str]:
+        """Stored tags of the erased tenants (see :meth:`erase`)."""
+        return list(self._native.erased_tenants())
+
+    def stored_tag(self, salt: str | None = None, *, tag: str | None = None) -> str:
+        """The tag a tenant (by ``salt`` or ``tag``) has in stored names and in this keyring's files."""
+        return str(self._native.stored_tag(_tag(salt, tag)))
+
+    def stored_names(self, keys: Sequence[str]) -> list[str]:
+        """The name each of ``keys`` is stored under in a sealed store or cluster tier: keyed by the master
+        key, so no engine key and no tenant tag shows."""
+        return list(self._native.stored_names(_key_list(keys)))
+
     def erase(self, salt: str | None = None, *, tag: str | None = None) -> bool:
-        """Destroy a tenant's key (by ``salt`` or by ``tag``): nothing sealed under it can be opened again,
-        by this process or any other. Returns whether there was a key."""
+        """Erase a tenant (by ``salt`` or by ``tag``): it is marked erased, so that no process sharing this
+        keyring gives it a key again (its writes fail, its reads miss) until :meth:`allow`; then its key is
+        destroyed, so nothing sealed under it opens with this keyring again. Returns whether there was a
+        key."""
         return bool(self._native.erase_tenant(_tag(salt, tag)))
+
+    def erased(self, salt: str | None = None, *, tag: str | None = None) -> bool:
+        """Whether the tenant is erased here (see :meth:`erase`)."""
+        return bool(self._native.erased(_tag(salt, tag)))
+
+    def has_key(self, salt: str | None = None, *, tag: str | None = None) -> bool:
+        """Whether the tenant has a key file here."""
+        return bool(self._native.has_key(_tag(salt, tag)))
+
+    def allow(self, salt: str | None = None, *, tag: str | None = None) -> bool:
+        """Let an erased tenant have a key again: its next write makes a new one (nothing sealed before the
+        erasure opens with it). Returns whether it was erased."""
+        return bool(self._native.allow_tenant(_tag(salt, tag)))
 
     def __repr__(self) -> str:
         return f"Keyring({self.path!r}, id={self.id})"
@@ -109,8 +146,8 @@ def _tag(salt: str | None, tag: str | None) -> str:
     if (salt is None) == (tag is None):
         raise InvalidArgumentError("invalid argument `salt`: give the tenant's salt or its tag, not both or neither")
     if tag is not None:
-        if not isinstance(tag, str) or len(tag) != 16 or any(c not in "0123456789abcdef" for c in tag):
-            raise InvalidArgumentError(f"invalid argument `tag`: 16 lowercase hex digits, got {tag!r}")
+        if not isinstance(tag, str) or len(tag) != 32 or any(c not in "0123456789abcdef" for c in tag):
+            raise InvalidArgumentError(f"invalid argument `tag`: 32 lowercase hex digits, got {tag!r}")
         return tag
     return tenant_tag(salt)  # type: ignore[arg-type]
 

@@ -47,8 +47,42 @@ impl PyKeyring {
         Ok(py.detach(|| self.inner.erase_tenant(&tag))?)
     }
 
+    /// Lets erased tenant `tag` have a key again; whether it was erased.
+    fn allow_tenant(&self, py: Python<'_>, tag: String) -> KvResult<bool> {
+        Ok(py.detach(|| self.inner.allow_tenant(&tag))?)
+    }
+
+    /// Whether tenant `tag` is erased in this keyring.
+    fn erased(&self, tag: &str) -> KvResult<bool> {
+        Ok(self.inner.erased(tag)?)
+    }
+
+    /// Whether tenant `tag` has a key file here.
+    fn has_key(&self, tag: &str) -> KvResult<bool> {
+        Ok(self.inner.has_key(tag)?)
+    }
+
+    /// Stored (keyed) tags of the tenants with a key.
     fn tenants(&self) -> Vec<String> {
         self.inner.tenants()
+    }
+
+    /// Stored (keyed) tags of the erased tenants.
+    fn erased_tenants(&self) -> Vec<String> {
+        self.inner.erased_tenants()
+    }
+
+    /// The tag tenant `tag` carries in stored names and this keyring's files.
+    fn stored_tag(&self, tag: &str) -> KvResult<String> {
+        if !seal::valid_tag(tag) {
+            return Err(Error::arg("tag", format!("{tag:?} is not a tenant tag")).into());
+        }
+        Ok(self.inner.stored_tag(tag))
+    }
+
+    /// The name each of `keys` is stored under in a sealed store or cluster tier.
+    fn stored_names(&self, keys: Vec<String>) -> Vec<String> {
+        keys.iter().map(|k| self.inner.stored_name(k)).collect()
     }
 
     /// The current key id (8 hex digits) of each tenant tag (None: the default tenant); None where the

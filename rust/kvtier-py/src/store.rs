@@ -198,6 +198,18 @@ impl PyPageStore {
         Ok(py.detach(|| s.delete(&refs))?)
     }
 
+    /// Erases tenant `tag` from this namespace (bytes overwritten, records deleted and compacted away) and
+    /// refuses its puts from then on; how many objects it had.
+    fn erase_tenant(&self, py: Python<'_>, tag: String) -> KvResult<usize> {
+        let s = self.store()?;
+        Ok(py.detach(|| s.erase_tenant(&tag))?)
+    }
+
+    /// Lets tenant `tag`, erased through this store, put objects again; whether it was erased here.
+    fn allow_tenant(&self, tag: String) -> KvResult<bool> {
+        Ok(self.store()?.allow_tenant(&tag)?)
+    }
+
     fn clear(&self, py: Python<'_>) -> KvResult<usize> {
         let s = self.store()?;
         Ok(py.detach(|| s.clear())?)

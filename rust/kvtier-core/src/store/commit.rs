@@ -310,6 +310,16 @@ impl Shared {
         for k in keys {
             Self::check_journal_key(k)?;
         }
+        match self.stored_names(keys.iter().copied(), true)? {
+            Some(names) => {
+                self.delete_stored(&names.iter().map(String::as_str).collect::<Vec<_>>())
+            }
+            None => self.delete_stored(keys),
+        }
+    }
+
+    /// [`Shared::delete`] of names as the store keeps them (checked by the caller).
+    pub(super) fn delete_stored(&self, keys: &[&str]) -> Result<usize> {
         let mut j = self.lock_journal();
         let present: Vec<String> = {
             let ix = self.lock_index();
@@ -334,7 +344,8 @@ impl Shared {
     pub fn clear(&self) -> Result<usize> {
         let keys = self.keys();
         let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-        self.delete(&refs)
+        self.writable()?;
+        self.delete_stored(&refs)
     }
 
     /// Appends del records for keys that are not in the index (replay's dropped keys); best effort.

@@ -20,6 +20,7 @@ mod commit;
 mod compact;
 mod encode;
 mod entry;
+mod erase;
 mod fasthash;
 mod files;
 mod follow;
@@ -57,6 +58,8 @@ mod tests_compaction;
 mod tests_compaction_races;
 #[cfg(test)]
 mod tests_disk;
+#[cfg(test)]
+mod tests_erase;
 #[cfg(test)]
 mod tests_faults;
 #[cfg(test)]
@@ -177,6 +180,8 @@ pub struct Shared {
     stats_file: stats_file::StatsFile,
     /// Work taken off the put path: closing replaced journals, rewriting `STATS` (see `worker`).
     worker: worker::Worker,
+    /// Tenants erased through this store (stored tags): their puts fail until allowed again (see `erase`).
+    erased: erase::Erased,
     /// Counters.
     pub stats: Stats,
 }

@@ -189,6 +189,7 @@ impl PageStore {
             share,
             stats_file: Default::default(),
             worker: Default::default(),
+            erased: Default::default(),
             stats: Stats::default(),
         };
         store

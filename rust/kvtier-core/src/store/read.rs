@@ -6,6 +6,7 @@ use std::sync::Mutex;
 
 use super::index::Entry;
 use super::read_coded::CodedRead;
+use super::seal_io::renamed;
 use super::seal_io::{Opened, SealKeys};
 use super::Shared;
 use crate::error::Result;
@@ -69,7 +70,16 @@ impl Shared {
                 format!("{} prefixes for {} objects", prefix.len(), objs.len()),
             ));
         }
-        // SAFETY: the caller's guarantee, passed on.
+        let stored = match self.stored_names(objs.iter().map(|o| o.0), false) {
+            Ok(s) => s,
+            Err(e) => {
+                call_between();
+                return Err(e);
+            }
+        };
+        let renamed = stored.as_deref().map(|n| renamed(objs, n));
+        let objs = renamed.as_deref().unwrap_or(objs);
+        // SAFETY: the caller's guarantee, passed on (renaming keeps every range).
         let got = unsafe { self.get_passes(objs, prefix, &mut call_between) };
         call_between();
         got
@@ -331,6 +341,17 @@ impl Shared {
     /// Whether each key is stored and servable: a clear object does not count in a sealed store, nor the
     /// reverse, nor an object sealed under a tenant key that is not there now (erased, or replaced).
     pub fn exists(&self, keys: &[&str]) -> Vec<bool> {
+        match self.stored_names(keys.iter().copied(), false) {
+            Ok(Some(names)) => {
+                self.exists_stored(&names.iter().map(String::as_str).collect::<Vec<_>>())
+            }
+            Ok(None) => self.exists_stored(keys),
+            Err(_) => vec![false; keys.len()], // a key no object can have
+        }
+    }
+
+    /// [`Shared::exists`] of names as the store keeps them.
+    fn exists_stored(&self, keys: &[&str]) -> Vec<bool> {
         self.refresh_for(Some(keys));
         // sealed: only objects its tenant's current key can open count (a lookup promises what a read serves)
         let seal = SealKeys::for_batch(
@@ -352,6 +373,8 @@ impl Shared {
 
     /// Length of the stored object `key`, if any.
     pub fn len_of(&self, key: &str) -> Option<u64> {
+        let stored = self.stored_names(std::iter::once(key), false).ok()?;
+        let key = stored.as_ref().map_or(key, |n| n[0].as_str());
         self.refresh_for(Some(&[key]));
         self.lock_index().get(key).map(Entry::decoded_len)
     }

@@ -6,7 +6,8 @@ use std::collections::HashMap;
 use std::ptr::NonNull;
 use std::sync::{Arc, Mutex};
 
-use super::ALIGN;
+use super::{Shared, ALIGN};
+use crate::error::Result;
 use crate::seal::{tenant_of, Keyring, Seal, SealKey};
 
 /// Heap bytes aligned to the store's block size, zeroed when allocated, freed on drop; `len` of them in use.
@@ -104,6 +105,43 @@ impl ScratchPool {
         if free.iter().map(Aligned::capacity).sum::<usize>() + b.capacity() <= KEEP_BYTES {
             free.push(b);
         }
+    }
+}
+
+/// `objs` under the names `names` (one per object, in order).
+pub(super) fn renamed<'a>(
+    objs: &[(&str, usize, u64)],
+    names: &'a [String],
+) -> Vec<(&'a str, usize, u64)> {
+    objs.iter()
+        .zip(names)
+        .map(|(o, n)| (n.as_str(), o.1, o.2))
+        .collect()
+}
+
+impl Shared {
+    /// With a keyring, the name each of `names` is stored under ([`Keyring::stored_name`]): the journal, the
+    /// index and the data files then hold no engine key and no tenant tag. In clear, `None` (the names as
+    /// given). Each name is checked first as a key of this store (`journal`: one about to be written there).
+    pub(super) fn stored_names<'a>(
+        &self,
+        names: impl Iterator<Item = &'a str>,
+        journal: bool,
+    ) -> Result<Option<Vec<String>>> {
+        let Some(ring) = self.opts.keyring.as_deref() else {
+            return Ok(None);
+        };
+        names
+            .map(|n| {
+                if journal {
+                    Self::check_journal_key(n)?;
+                } else {
+                    Self::check_key(n)?;
+                }
+                Ok(ring.stored_name(n))
+            })
+            .collect::<Result<Vec<_>>>()
+            .map(Some)
     }
 }
 

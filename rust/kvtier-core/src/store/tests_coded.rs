@@ -335,7 +335,7 @@ fn sealed_coded_objects_are_compressed_then_sealed() {
         assert!(same(&src, &dst, n, len));
     }
     // what is on disk is sealed: not the codec's header, not the coded bytes
-    let (file, off, stored) = place(&root, "t-0.k");
+    let (file, off, stored) = place(&root, &kr.stored_name("t-0.k"));
     let mut b = vec![0u8; stored as usize];
     std::fs::File::open(&file)
         .unwrap()

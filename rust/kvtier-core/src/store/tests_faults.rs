@@ -99,6 +99,25 @@ fn workload(
     // key -> offset in src of its bytes (keys name content: a key always has the same bytes)
     let content = |k: u64| (k % 32) as usize * 2 * unit as usize;
     let mut acked: HashMap<String, usize> = HashMap::new();
+    // what `keys()` lists, as the workload's keys (a sealed store lists keyed names)
+    let workload_keys = |s: &PageStore| -> Vec<String> {
+        let Some(ring) = sealed else {
+            return s.keys();
+        };
+        let by_name: HashMap<String, String> = (0..400u64)
+            .flat_map(|k| {
+                [
+                    format!("key-{k}"),
+                    format!("t0123456789abcdef0123456789abcdef.key-{k}"),
+                ]
+            })
+            .map(|k| (ring.stored_name(&k), k))
+            .collect();
+        s.keys()
+            .into_iter()
+            .map(|n| by_name.get(&n).cloned().unwrap_or(n))
+            .collect()
+    };
     for step in 0..1500u64 {
         if step % 50 == 10 || step % 50 == 40 {
             *seen_faults.entry(point).or_insert(0) += fault::hits(point);
@@ -123,7 +142,7 @@ fn workload(
         let k = r % 400;
         // (sealed: odd keys are a tenant's, sealed under its own key)
         let key = if sealed.is_some() && k % 2 == 1 {
-            format!("t0123456789abcdef.key-{k}")
+            format!("t0123456789abcdef0123456789abcdef.key-{k}")
         } else {
             format!("key-{k}")
         };
@@ -159,7 +178,7 @@ fn workload(
     }
     *seen_faults.entry(point).or_insert(0) += fault::hits(point);
     fault::clear();
-    let mut before = s.keys();
+    let mut before = workload_keys(&s);
     before.sort();
     let evicted =
         s.stats.evictions.load(Ordering::Relaxed) + s.stats.corrupt_reads.load(Ordering::Relaxed);
@@ -175,7 +194,7 @@ fn workload(
     let poisoned = s.poisoned();
     drop(s);
     let s = PageStore::open(&root, "ns", o.clone()).unwrap();
-    let mut after = s.keys();
+    let mut after = workload_keys(&s);
     after.sort();
     if !poisoned {
         let only_before: Vec<_> = before.iter().filter(|k| !after.contains(k)).collect();

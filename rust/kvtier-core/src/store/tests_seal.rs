@@ -151,7 +151,8 @@ fn a_wrong_key_a_clear_store_or_an_erased_tenant_is_a_miss_never_plaintext() {
     // the right key, and a flipped byte with its crc made to match: the tag alone refuses it
     {
         let s = PageStore::open(&root, "ns", sealed(&kr)).unwrap();
-        let e = s.lock_index().get(&alice[0]).cloned().unwrap();
+        let name0 = kr.stored_name(&alice[0]);
+        let e = s.lock_index().get(&name0).cloned().unwrap();
         let f = std::fs::OpenOptions::new()
             .read(true)
             .write(true)
@@ -162,8 +163,8 @@ fn a_wrong_key_a_clear_store_or_an_erased_tenant_is_a_miss_never_plaintext() {
         std::os::unix::fs::FileExt::read_exact_at(&f, &mut bytes, off).unwrap();
         bytes[100] ^= 1;
         std::os::unix::fs::FileExt::write_all_at(&f, &bytes, off).unwrap();
-        let crc = crc32c::crc32c_append(crc32c::crc32c(&bytes), alice[0].as_bytes());
-        s.lock_index().map.get_mut(alice[0].as_str()).unwrap().crc = crc;
+        let crc = crc32c::crc32c_append(crc32c::crc32c(&bytes), name0.as_bytes());
+        s.lock_index().map.get_mut(name0.as_str()).unwrap().crc = crc;
         let d = payload(1, len, 0);
         assert!(!get1(&s, &alice[0], d.as_ptr() as usize, len as u64));
         assert_eq!(
@@ -187,7 +188,15 @@ fn a_wrong_key_a_clear_store_or_an_erased_tenant_is_a_miss_never_plaintext() {
         .unwrap());
     assert!(!get1(&s, &alice[1], d.as_ptr() as usize, len as u64));
     assert!(!s.exists(&[alice[1].as_str()])[0]);
-    // a new write of the tenant makes a new key; what it writes is served again
+    // the tenant stays erased: a writer still holding its pages cannot store them again, in this process
+    // or any other sharing the keyring, until an operator allows the tenant again
+    assert!(!put1(&s, &alice[1], base + len, len as u64));
+    assert!(!s.exists(&[alice[1].as_str()])[0]);
+    assert!(Keyring::open(&root.join("keys"))
+        .unwrap()
+        .allow_tenant(&tag)
+        .unwrap());
+    // then its next write makes a new key; what it writes is served again
     assert!(put1(&s, &alice[1], base + len, len as u64));
     assert!(get1(&s, &alice[1], d.as_ptr() as usize, len as u64));
     drop(s);

@@ -9,6 +9,7 @@ use super::commit::PutItem;
 use super::files::ClassFile;
 use super::index::put_journal_cost;
 use super::journal::Placement;
+use super::seal_io::renamed;
 use super::seal_io::{Aligned, SealKeys};
 use super::stats::phase;
 use super::{Shared, ALIGN, MAX_OBJECT};
@@ -39,6 +40,34 @@ impl Shared {
     /// # Safety
     /// Each `[ptr, ptr+len)` must be readable memory that stays alive and unmodified during the call.
     pub unsafe fn put(&self, objs: &[(&str, usize, u64)]) -> Result<Vec<bool>> {
+        let stored = self.stored_names(objs.iter().map(|o| o.0), true)?;
+        let renamed = stored.as_deref().map(|n| renamed(objs, n));
+        let objs = renamed.as_deref().unwrap_or(objs);
+        let Some(refused) = self.erased.refused(objs) else {
+            // SAFETY: the caller's guarantee, passed on (renaming keeps every range).
+            return unsafe { self.put_stored(objs) };
+        };
+        // an erased tenant's objects are refused (failed, never written); the others go through
+        let kept: Vec<(&str, usize, u64)> = objs
+            .iter()
+            .zip(&refused)
+            .filter(|(_, r)| !**r)
+            .map(|(o, _)| *o)
+            .collect();
+        self.fail(objs.len() - kept.len());
+        // SAFETY: the caller's guarantee, passed on (a subset of the caller's ranges).
+        let mut done = unsafe { self.put_stored(&kept) }?.into_iter();
+        Ok(refused
+            .iter()
+            .map(|r| !r && done.next().unwrap_or(false))
+            .collect())
+    }
+
+    /// [`Shared::put`] of objects named as the store keeps them.
+    ///
+    /// # Safety
+    /// As [`Shared::put`].
+    unsafe fn put_stored(&self, objs: &[(&str, usize, u64)]) -> Result<Vec<bool>> {
         let t0 = std::time::Instant::now();
         let mut t = t0;
         for (k, _, len) in objs {
