@@ -26,6 +26,11 @@ def _same(a, b):
     return all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+def _key_file(ring_dir, salt):
+    """Where tenant ``salt``'s key file lives: named by its keyed tag."""
+    return ring_dir / "tenants" / f"{Keyring(ring_dir).stored_tag(salt)}.key"
+
+
 def _kvtier(*args):
     return subprocess.run([sys.executable, "-m", "kvtier", *map(str, args)], capture_output=True, text=True,
                           timeout=120)
@@ -66,7 +71,7 @@ def test_an_erased_key_stops_working_in_a_running_server_even_if_the_file_is_rec
     Keyring.init(ring_dir)
     hp = make_pool(seed=5)
     alice = page_hashes(TOKENS[: 4 * PS], PS, salt="alice")
-    kf = str(ring_dir / "tenants" / f"{tenant_tag('alice')}.key")
+    kf = str(_key_file(ring_dir, "alice"))
     with PageStore(tmp_path / "s", capacity_bytes=1 << 30, keyring=Keyring(ring_dir)) as server:
         server.register_mem_pool_host(hp)
         assert server.batch_set_v1(alice[:2], pages_idx([0, 1])) == [True, True]  # before the erasure
@@ -81,14 +86,16 @@ def test_an_erased_key_stops_working_in_a_running_server_even_if_the_file_is_rec
         assert got == [False, False], "pages sealed under the destroyed key were served after its erasure"
 
 
-def test_pages_written_after_an_erasure_open_in_another_process(tmp_path):
-    """The other face of the same bug: the server seals new pages with the destroyed key while the key file
-    holds another, so every other reader (another node, this server after a restart) finds them corrupt."""
+def test_a_writer_running_across_an_erasure_cannot_store_the_tenants_pages_again(tmp_path):
+    """SECURITY.md: 'an erased tenant stays erased until an operator allows it again, in every process that
+    shares the keyring'. A server still holding the tenant's pages after `kvtier erase --keyring` writes them
+    back; even with a key file planted on the freed inode, nothing it writes is stored, and a fresh process
+    reads nothing of the tenant."""
     ring_dir = tmp_path / "keys"
     Keyring.init(ring_dir)
     hp = make_pool(seed=6)
     alice = page_hashes(TOKENS[: 4 * PS], PS, salt="alice")
-    kf = str(ring_dir / "tenants" / f"{tenant_tag('alice')}.key")
+    kf = str(_key_file(ring_dir, "alice"))
     want = page_bytes(hp, 2)
     with PageStore(tmp_path / "s", capacity_bytes=1 << 30, keyring=Keyring(ring_dir)) as server:
         server.register_mem_pool_host(hp)
@@ -97,11 +104,20 @@ def test_pages_written_after_an_erasure_open_in_another_process(tmp_path):
         assert Keyring(ring_dir).erase("alice")
         if not _recreate_with_same_inode(kf, ino):
             pytest.skip("this file system did not reuse the inode")
-        assert server.batch_set_v1(alice[2:3], pages_idx([2])) == [True]  # acknowledged
+        assert server.batch_set_v1(alice[:3], pages_idx([0, 1, 2])) == [False] * 3  # refused, not stored
     hp2 = make_pool(seed=99)
     with PageStore(tmp_path / "s", capacity_bytes=1 << 30, keyring=Keyring(ring_dir)) as fresh:
         fresh.register_mem_pool_host(hp2)
-        assert fresh.batch_get_v1(alice[2:3], pages_idx([5])) == [True], "an acknowledged page does not open"
+        assert fresh.batch_get_v1(alice[:3], pages_idx([4, 5, 6])) == [False] * 3
+        assert fresh.batch_set_v1(alice[2:3], pages_idx([2])) == [False]
+    # the operator allows the tenant again: new pages are stored and open under a new key
+    assert Keyring(ring_dir).allow("alice")
+    with PageStore(tmp_path / "s", capacity_bytes=1 << 30, keyring=Keyring(ring_dir)) as fresh:
+        fresh.register_mem_pool_host(hp2)
+        hp2.k_buffer[:] = hp.k_buffer
+        hp2.v_buffer[:] = hp.v_buffer
+        assert fresh.batch_set_v1(alice[2:3], pages_idx([2])) == [True]
+        assert fresh.batch_get_v1(alice[2:3], pages_idx([5])) == [True]
         assert _same(page_bytes(hp2, 5), want)
 
 
@@ -134,17 +150,19 @@ def test_erase_never_reports_success_while_a_namespace_of_the_directory_still_ho
 # --- 3. `kvtier keys init` on an existing directory changes its mode ----------------------------------------
 
 
-def test_keys_init_refusing_an_existing_keyring_changes_nothing(tmp_path):
-    """'never overwritten': init refuses an existing keyring, but first chmods the directory (and creates
-    tenants/) — `kvtier keys init` on an existing directory (a shared one, /tmp, $HOME) makes it 0700."""
+def test_keys_init_refuses_a_directory_others_can_write_and_changes_nothing(tmp_path):
+    """A keyring in a directory others can write (a shared one, like /tmp) could have its keys planted or
+    swapped: `kvtier keys init` refuses it, and leaves its mode and contents as they were."""
     d = tmp_path / "shared"
     d.mkdir()
     os.chmod(d, 0o1777)  # like /tmp
-    Keyring.init(d)  # (creating one in an existing dir is allowed; but a second init must change nothing)
-    os.chmod(d, 0o1777)
     r = _kvtier("keys", "init", d)
-    assert r.returncode != 0  # refused: a keyring is never overwritten
+    assert r.returncode != 0 and "writable by group or others" in r.stderr, r.stderr
     assert stat.S_IMODE(os.stat(d).st_mode) == 0o1777, oct(stat.S_IMODE(os.stat(d).st_mode))
+    assert os.listdir(d) == []
+    # a keyring in its own directory below it is fine (the sticky bit keeps others from replacing it)
+    assert _kvtier("keys", "init", d / "keys").returncode == 0
+    assert _kvtier("keys", "init", d / "keys").returncode != 0  # and is never overwritten
 
 
 def test_keys_init_on_an_existing_non_empty_directory_keeps_its_mode(tmp_path):
@@ -168,8 +186,8 @@ def test_a_truncated_tenant_key_file_does_not_silently_fail_every_write_forever(
     the tenant as having a key."""
     ring_dir = tmp_path / "keys"
     Keyring.init(ring_dir)
-    (ring_dir / "tenants" / f"{tenant_tag('alice')}.key").write_bytes(b"")  # the crash's leftover
-    os.chmod(ring_dir / "tenants" / f"{tenant_tag('alice')}.key", 0o600)
+    (_key_file(ring_dir, "alice")).write_bytes(b"")  # the crash's leftover
+    os.chmod(_key_file(ring_dir, "alice"), 0o600)
     hp = make_pool()
     alice = page_hashes(TOKENS[: 2 * PS], PS, salt="alice")
     with PageStore(tmp_path / "s", capacity_bytes=1 << 30, keyring=Keyring(ring_dir)) as st:
@@ -190,7 +208,7 @@ def test_a_key_file_missing_for_a_moment_does_not_delete_the_tenants_pages(tmp_p
     with PageStore(tmp_path / "s", capacity_bytes=1 << 30, keyring=Keyring(ring_dir)) as st:
         st.register_mem_pool_host(hp)
         assert all(st.batch_set_v1(alice, pages_idx([0, 1])))
-    kf = ring_dir / "tenants" / f"{tenant_tag('alice')}.key"
+    kf = _key_file(ring_dir, "alice")
     with PageStore(tmp_path / "s", capacity_bytes=1 << 30, keyring=Keyring(ring_dir)) as st:
         st.register_mem_pool_host(hp)
         os.rename(kf, str(kf) + ".away")
@@ -236,8 +254,8 @@ def test_sealed_cluster_put_with_one_bad_tenant_key_fails_only_that_tenants_page
     from kvtier.tiers.mooncake import MooncakeTier
 
     kr = Keyring.init(tmp_path / "keys")
-    (tmp_path / "keys" / "tenants" / f"{tenant_tag('alice')}.key").mkdir()
-    empty = tmp_path / "keys" / "tenants" / f"{tenant_tag('carol')}.key"
+    _key_file(tmp_path / "keys", "alice").mkdir()
+    empty = _key_file(tmp_path / "keys", "carol")
     empty.write_bytes(b"")
     os.chmod(empty, 0o600)
     src, dst = make_pool(seed=33), make_pool(seed=34)

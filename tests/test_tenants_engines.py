@@ -50,8 +50,9 @@ def test_sglang_deployment_tenants_are_kept_apart_sealed_and_erased(tmp_path):
     a = KvtierStorage(config(tmp_path / "s", tenant="acme", keyring=str(tmp_path / "keys")))
     a.register_mem_pool_host(pool)
     assert a.batch_set_v1(keys, idx(range(4))) == [True] * 4
-    stored = {k.rsplit(".", 1)[0] for k in a.store.native_store().keys()}
-    assert stored == set(tenant_keys("acme", keys))  # the engine's keys, scoped to the deployment's tenant
+    stored = set(a.store.native_store().keys())
+    scoped = tenant_keys("acme", keys)  # the engine's keys, scoped to the deployment's tenant, keyed on disk
+    assert stored == set(kr.stored_names([f"{k}.{side}" for k in scoped for side in "kv"]))
     a.close()
     b = KvtierStorage(config(tmp_path / "s", tenant="globex", keyring=str(tmp_path / "keys")))
     b.register_mem_pool_host(pool)

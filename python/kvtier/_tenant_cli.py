@@ -1,32 +1,68 @@
 """``kvtier keys`` (a keyring for encryption at rest) and ``kvtier erase`` (one tenant's pages out of every
-namespace of a store directory, out of the cluster, and its key destroyed). See docs/SECURITY.md."""
+namespace of a store directory, out of the cluster, and the tenant kept erased in its keyring). See
+docs/SECURITY.md.
+
+An erase checks everything it needs before it changes anything (the store directory, every namespace it
+must open, the keyring, the cluster's master), then does all of it, and says what it did at each step."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 from typing import Any
 
 from ._errors import KvtierError
 
 
 def add_parsers(sub: Any) -> None:
-    keys = sub.add_parser("keys", help="create or list a keyring for encryption at rest (docs/SECURITY.md)")
-    keys.add_argument("action", choices=["init", "list"], help="init: a new keyring with a random master key "
-                      "(never overwrites one); list: its id and the tenants that have a key")
+    keys = sub.add_parser("keys", help="create, list or re-allow tenants in a keyring for encryption at rest "
+                          "(docs/SECURITY.md)")
+    keys.add_argument("action", choices=["init", "list", "allow"], help="init: a new keyring with a random master "
+                      "key (never overwrites one); list: its id, the tenants with a key and the erased ones "
+                      "(by their keyed tags); allow: let an erased tenant (--tenant-file, --tenant or --tag) "
+                      "have a key again")
     keys.add_argument("keyring", metavar="KEYRING-DIR")
+    _who(keys, required=False)
     er = sub.add_parser("erase", help="remove one tenant's pages from a store directory (every namespace), the "
-                        "cluster tier and its key; says what it would do unless --yes")
+                        "cluster tier, and keep it erased in its keyring; says what it would do unless --yes")
     er.add_argument("path", nargs="?", help="a store directory (every namespace in it); optional with --cluster "
                     "or --keyring")
-    who = er.add_mutually_exclusive_group(required=True)
-    who.add_argument("--tenant", metavar="SALT", help="the tenant's salt (cache_salt, or the deployment's tenant)")
-    who.add_argument("--tag", help="the tenant's 16-hex-digit tag (what kvtier shows in keys and key files)")
-    er.add_argument("--keyring", metavar="DIR", help="also destroy the tenant's key in this keyring: what any copy "
-                    "or crash kept of its sealed pages becomes unreadable")
+    _who(er, required=True)
+    er.add_argument("--keyring", metavar="DIR", help="the tenant is erased in this keyring: its key destroyed, "
+                    "and no process sharing the keyring gives it a key again until `kvtier keys allow`. "
+                    "Required when the directory holds sealed namespaces")
     er.add_argument("--cluster", metavar="MASTER", help="also remove its objects from this Mooncake cluster "
                     "(host:port of the master)")
     er.add_argument("--yes", action="store_true", help="erase (without it, only say what would be erased)")
+
+
+def _who(p: Any, required: bool) -> None:
+    who = p.add_mutually_exclusive_group(required=required)
+    who.add_argument("--tenant-file", metavar="FILE", help="read the tenant's salt from FILE ('-': standard "
+                     "input), so that it never shows on a command line")
+    who.add_argument("--tenant", metavar="SALT", help="the tenant's salt (shows in the process list: prefer "
+                     "--tenant-file)")
+    who.add_argument("--tag", help="the tenant's 32-hex-digit tag (kvtier.tenant_tag(salt))")
+
+
+def _tag_of(args: argparse.Namespace) -> str:
+    from .tenants import erase_tag
+
+    if args.tenant_file is not None:
+        try:
+            if args.tenant_file == "-":
+                salt = sys.stdin.readline()
+            else:
+                with open(args.tenant_file, encoding="utf-8") as f:
+                    salt = f.readline()
+        except OSError as exc:
+            raise KvtierError(f"--tenant-file: {exc}") from exc
+        salt = salt.rstrip("\r\n")
+        if not salt:
+            raise KvtierError("--tenant-file: the first line is empty: it must hold the tenant's salt")
+        return erase_tag(salt, None)
+    return erase_tag(args.tenant, args.tag)
 
 
 def cmd_keys(args: argparse.Namespace) -> int:
@@ -34,93 +70,159 @@ def cmd_keys(args: argparse.Namespace) -> int:
 
     if args.action == "init":
         kr = Keyring.init(args.keyring)
-        print(f"created keyring {os.path.abspath(kr.path)} (id {kr.id}); keep master.key secret and backed up: "
-              "without it nothing sealed with it can be read")
+        print(f"created keyring {os.path.abspath(kr.path)} (id {kr.id}); keep master.key secret. Back up "
+              "master.key alone if you back anything up: a backup of tenants/ would let an erased tenant's "
+              "pages open again (docs/SECURITY.md)")
         return 0
     kr = Keyring(args.keyring)
-    tenants = kr.tenants()
-    print(f"keyring {os.path.abspath(kr.path)}: id {kr.id}, {len(tenants)} tenant key(s)")
+    if args.action == "allow":
+        if args.tenant is None and args.tag is None and args.tenant_file is None:
+            raise KvtierError("kvtier keys allow: name the tenant (--tenant-file, --tenant or --tag)")
+        tag = _tag_of(args)
+        was = kr.allow(tag=tag)
+        print(f"tenant {tag}: " + ("allowed again: its next write makes a new key (nothing sealed before its "
+                                   "erasure opens)" if was else "was not erased here (nothing changed)"))
+        return 0
+    tenants, erased = kr.tenants(), kr.erased_tenants()
+    print(f"keyring {os.path.abspath(kr.path)}: id {kr.id}, {len(tenants)} tenant key(s), {len(erased)} erased "
+          "tenant(s) (keyed tags: `kvtier.Keyring(...).stored_tag(salt)` names one)")
     for t in tenants:
         print(f"  {t}")
+    for t in erased:
+        print(f"  {t} (erased)")
     return 0
 
 
-def _erase_disk(path: str, tag: str, yes: bool) -> tuple[int, int]:
-    """(objects erased or found, namespaces refused)."""
-    from . import _native
-    from ._store_cli import list_namespaces
-    from .tenants import tenant_of
+def _sealed_id(ns: str | None) -> str | None:
+    """The keyring id a namespace string is sealed with, or None for a clear one."""
+    if not ns or "|sealed=" not in ns:
+        return None
+    return ns.rsplit("|sealed=", 1)[1].split("|", 1)[0]
 
-    found = refused = 0
+
+def _plan_disk(path: str, kr: Any) -> tuple[list[dict[str, Any]], list[str]]:
+    """The namespaces to erase from (each with its tenant's object count) and the reasons others are kept."""
+    from ._store_cli import list_namespaces
+
     info = list_namespaces(path)
     listed = {e["dir"] for e in info["namespaces"]}
+    todo: list[dict[str, Any]] = []
+    kept: list[str] = []
     for d in sorted(os.listdir(path)):
         full = os.path.join(path, d)
         if d not in listed and os.path.isdir(full) and any(
                 os.path.exists(os.path.join(full, f)) for f in ("journal.log", "NAMESPACE")):
-            refused += 1  # a copy or a move inside the store directory: its pages are out of any namespace's reach
-            print(f"kept {d}: a store namespace's files under a name kvtier does not open; it may hold the "
-                  f"tenant's pages: remove it (rm -r {full})")
+            kept.append(f"{d}: a store namespace's files under a name kvtier does not open; it may hold the tenant's "
+                        f"pages: remove it (rm -r {full})")
     for e in info["namespaces"]:
         ns = e["namespace"]
         if ns is None or e["problem"]:
-            # a namespace that cannot be opened by its name may still hold the tenant: never pass it by silently
-            refused += 1
-            print(f"kept {e['dir']}: {e['problem'] or 'no readable NAMESPACE file'}; it may hold the tenant's pages: "
-                  f"remove it (`kvtier remove {path} {e['dir']} --yes`)")
+            kept.append(f"{e['dir']}: {e['problem'] or 'no readable NAMESPACE file'}; it may hold the tenant's "
+                        f"pages: remove it (`kvtier remove {path} {e['dir']} --yes`)")
             continue
         if e["live"]:
-            refused += 1
             who = f"pid {e['pid']}" if e["pid"] else "a running process"
-            print(f"kept {e['dir']}: open by {who}; erase through it (PageStore.erase_tenant / "
-                  "TierController.erase_tenant), or stop it and run this again")
+            kept.append(f"{e['dir']}: open by {who}; erase through it (PageStore.erase_tenant / "
+                        "TierController.erase_tenant), or stop it and run this again")
             continue
-        try:
-            s = _native.PageStore(path, ns, 1 << 62, 4, None, not yes)
-        except OSError as exc:  # taken by a writer since it was listed
-            refused += 1
-            print(f"kept {e['dir']}: {exc}")
+        sid = _sealed_id(ns)
+        if sid is not None and kr is None:
+            kept.append(f"{e['dir']}: sealed (keyring id {sid}); give its keyring with --keyring, which erases "
+                        "the tenant there too")
             continue
-        try:
-            mine = [k for k in s.keys() if tenant_of(k) == tag]
-            if mine and yes:
-                s.delete(mine)
-        finally:
-            s.close()
-        found += len(mine)
-        if mine:
-            print(f"{'erased' if yes else 'would erase'} {len(mine)} object(s) in {e['dir']} ({ns})")
-    return found, refused
+        if sid is not None and sid != kr.id:
+            kept.append(f"{e['dir']}: sealed with another keyring (id {sid}, not {kr.id}); erase with that "
+                        f"keyring, or remove the namespace (`kvtier remove {path} {e['dir']} --yes`)")
+            continue
+        todo.append({"dir": e["dir"], "namespace": ns, "sealed": sid is not None})
+    return todo, kept
+
+
+def _count(path: str, ns: str, kr: Any, tag: str) -> int:
+    from . import _native
+    from .tenants import tenant_of
+
+    s = _native.PageStore(path, ns, 1 << 62, 4, None, True, None, kr.native if kr is not None else None)
+    try:
+        mine = kr.stored_tag(tag=tag) if kr is not None else tag
+        return sum(1 for k in s.keys() if tenant_of(k) == mine)
+    finally:
+        s.close()
+
+
+def _erase_namespace(path: str, ns: str, kr: Any, tag: str) -> int:
+    from . import _native
+
+    s = _native.PageStore(path, ns, 1 << 62, 4, None, False, None, kr.native if kr is not None else None)
+    try:
+        return int(s.erase_tenant(tag))
+    finally:
+        s.close()
+
+
+def _open_cluster(master: str, kr: Any) -> Any:
+    try:
+        from .tiers.mooncake import MooncakeTier
+    except ImportError as exc:
+        raise KvtierError(f"--cluster needs the cluster tier's packages (torch and mooncake-transfer-engine: "
+                          f"`pip install kvtier[mooncake]`): {exc}") from exc
+    try:
+        return MooncakeTier(master, model_name="kvtier-erase", keyring=kr)
+    except Exception as exc:  # noqa: BLE001 - any failure to reach the master stops the erase before it starts
+        raise KvtierError(f"--cluster {master}: the cluster's master cannot be reached ({exc}); nothing was "
+                          "erased") from exc
 
 
 def cmd_erase(args: argparse.Namespace) -> int:
-    from .tenants import Keyring, erase_tag
+    from .tenants import Keyring
 
     if not (args.path or args.cluster or args.keyring):
         raise KvtierError("kvtier erase: name a store directory, --cluster MASTER or --keyring DIR")
-    tag = erase_tag(args.tenant, args.tag)
+    tag = _tag_of(args)
+    # everything this erase needs, checked before anything changes
+    if args.path and not os.path.isdir(args.path):
+        raise KvtierError(f"{args.path}: no such store directory; nothing was erased")
+    kr = Keyring(args.keyring) if args.keyring else None
+    todo, kept = _plan_disk(args.path, kr) if args.path else ([], [])
+    counts = {t["dir"]: _count(args.path, t["namespace"], kr if t["sealed"] else None, tag) for t in todo}
+    cluster = _open_cluster(args.cluster, kr) if args.cluster else None
     print(f"tenant {tag}")
-    refused = 0
-    if args.path:
-        if not os.path.isdir(args.path):
-            raise KvtierError(f"{args.path}: no such store directory")
-        found, refused = _erase_disk(args.path, tag, args.yes)
-        print(f"{args.path}: {found} object(s) of the tenant {'erased' if args.yes else 'found'}")
-    if args.cluster:
-        if args.yes:
-            from .tiers.mooncake import MooncakeTier
-
-            with MooncakeTier(args.cluster, model_name="kvtier-erase") as t:
-                print(f"cluster {args.cluster}: {t.erase_tenant(tag=tag)} object(s) removed")
-        else:
-            print(f"would remove every object of the tenant from the cluster at {args.cluster}")
-    if args.keyring:
-        kr = Keyring(args.keyring)
-        if args.yes:
-            print(f"keyring {kr.path}: the tenant's key {'destroyed' if kr.erase(tag=tag) else 'was not there'}")
-        else:
-            print(f"would destroy the tenant's key in {kr.path}"
-                  + ("" if tag in kr.tenants() else " (it has none)"))
-    if not args.yes:
-        print("(nothing erased: add --yes to erase)")
-    return 1 if refused else 0
+    for why in kept:
+        print(f"kept {why}")
+    try:
+        if not args.yes:
+            for t in todo:
+                if counts[t["dir"]]:
+                    print(f"would erase {counts[t['dir']]} object(s) in {t['dir']} ({t['namespace']})")
+            if args.path:
+                print(f"{args.path}: {sum(counts.values())} object(s) of the tenant found")
+            if cluster is not None:
+                print(f"would remove every object of the tenant from the cluster at {args.cluster} (its master "
+                      "answers)")
+            if kr is not None:
+                state = "erased already" if kr.erased(tag=tag) else (
+                    "has a key" if kr.has_key(tag=tag) else "has no key")
+                print(f"would erase the tenant in keyring {kr.path} ({state}): its key destroyed, no new one "
+                      "until `kvtier keys allow`")
+            print("(nothing erased: add --yes to erase)")
+            return 1 if kept else 0
+        # the keyring first: from here on no process sharing it seals or opens the tenant's pages
+        if kr is not None:
+            had = kr.erase(tag=tag)
+            print(f"keyring {kr.path}: tenant erased (its key {'destroyed' if had else 'was not there'}; no new "
+                  "one until `kvtier keys allow`)")
+        total = 0
+        for t in todo:
+            n = _erase_namespace(args.path, t["namespace"], kr if t["sealed"] else None, tag)
+            total += n
+            if n:
+                print(f"erased {n} object(s) in {t['dir']} ({t['namespace']}): bytes overwritten, names "
+                      "compacted out of the journal")
+        if args.path:
+            print(f"{args.path}: {total} object(s) of the tenant erased")
+        if cluster is not None:
+            print(f"cluster {args.cluster}: {cluster.erase_tenant(tag=tag)} object(s) removed")
+    finally:
+        if cluster is not None:
+            cluster.close()
+    return 1 if kept else 0
