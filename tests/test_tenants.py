@@ -332,8 +332,14 @@ def test_an_erased_tenants_page_in_use_is_never_spilled_back_to_the_store(tmp_pa
     c.wait_idle()
     held = c.acquire(alice[:1])  # the engine holds alice's first page
     assert len(held) == 1
+    freed_pages = [c.pages[k].start // 4 for k in alice[1:]]
+    kept_page = c.pages[alice[0]].start // 4
     got = c.erase_tenant("alice")
     assert got["host"] == 2 and got["host_in_use"] == 1
+    # the freed host pages keep none of alice's KV; the one the engine holds is untouched
+    for p in freed_pages:
+        assert not hp.k_buffer[p].any() and not hp.v_buffer[p].any()
+    assert hp.k_buffer[kept_page].any()
     c.release(alice[:1])
     c.backup(rows([4, 5, 6]), other)
     c.wait_idle()
@@ -392,3 +398,21 @@ def test_a_damaged_record_in_the_middle_of_a_sealed_journal_costs_only_its_page(
         for p, ok in enumerate(got):
             if ok:
                 assert _same([page_bytes(hp, p)], [want[p]])
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
+@pytest.mark.parametrize("dims", [(192, 128), (64, 64)])
+def test_wiping_host_pages_zeroes_exactly_their_kv(layout, dims):
+    if layout == "layer_first" and dims[0] != dims[1]:
+        pytest.skip("layer_first pools have one head dim")
+    hp = make_pool(layout=layout, dk=dims[0], dv=dims[1], pages=6, seed=3)
+    before = [page_bytes(hp, p) for p in range(6)]
+    hp.wipe(pages_idx([1, 4]))
+    for p in range(6):
+        got = page_bytes(hp, p)
+        if p in (1, 4):
+            assert not got[0].any() and not got[1].any(), p
+        else:
+            assert _same(got, before[p]), p
+    with pytest.raises(ValueError):
+        hp.wipe(torch.tensor([1, 2], dtype=torch.int64))  # not whole pages

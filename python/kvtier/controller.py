@@ -469,7 +469,11 @@ class TierController(RestorePlanning):
                     pg.in_store = True  # never spilled to the store after this erase (write_back)
                     continue
                 del self.pages[k]
-                self.host.free(self._slots([pg.start]))
+                slots = self._slots([pg.start])
+                wipe = getattr(self.host, "wipe", None)
+                if wipe is not None:
+                    wipe(slots)  # the freed slots keep none of the tenant's KV
+                self.host.free(slots)
                 freed += 1
         erase = getattr(self.store, "erase_tenant", None)
         stored = int(erase(tag=t)) if erase is not None else 0

@@ -180,6 +180,32 @@ class HostKVPool:
         """Marks every slot free (data is left in place)."""
         self._alloc.clear()
 
+    def wipe(self, indices: torch.Tensor) -> None:
+        """Overwrites the KV of whole pages (every layer, K and V) with zeros: what erasure frees keeps none
+        of its tenant's KV. The pages must be whole (as :meth:`free` takes them)."""
+        self._check_open()
+        pages = _native.page_numbers(index_array("indices", indices), self.page_size, self.page_num)
+        if not len(pages):
+            return
+        ps = self.page_size
+        pg = torch.as_tensor(list(pages), dtype=torch.int64)
+        slots = (pg[:, None] * ps + torch.arange(ps)[None, :]).reshape(-1)
+        data = self.kv_buffer
+        if isinstance(data, tuple):
+            tensors = list(data)  # asymmetric: K and V of their own shapes
+        elif data.dim() == len(self._shape(1)) + 1:
+            tensors = [data[0], data[1]]  # MHA: K and V stacked
+        else:
+            tensors = [data]  # MLA: one latent buffer
+        with self._lock:
+            for t in tensors:
+                if self.layout == "layer_first":
+                    t[:, slots] = 0
+                elif self.layout == "page_first":
+                    t[slots] = 0
+                else:  # page_first_direct: pages are the outer dimension
+                    t[pg] = 0
+
     # ---------------------------------------------------------------- zero-copy page access
     def get_page_buffer_meta(self, indices: torch.Tensor) -> tuple[list[int], list[int]]:
         """Addresses and sizes of whole pages for zero-copy storage backends: ``[k0, v0, k1, v1, …]`` with
