@@ -326,3 +326,21 @@ def test_erase_dry_run_changes_nothing(tmp_path):
     r = _kvtier("erase", tmp_path / "s", "--tenant", "alice", "--keyring", tmp_path / "keys")
     assert r.returncode == 0 and "nothing erased" in r.stdout, r.stdout + r.stderr
     assert _tree_digest(tmp_path) == before
+
+
+def test_a_key_shaped_like_another_tenants_never_escapes_a_deployment_tenant(tmp_path):
+    """A caller of a deployment scoped to tenant acme hands in a key that already looks scoped, `t<bob's tag>.…`
+    (bob's real page key, learnt or guessed): it is scoped again inside acme, so it never reaches bob's page."""
+    hp = make_pool(seed=12)
+    plain = page_hashes(TOKENS[: 2 * PS], PS)
+    with PageStore(tmp_path / "s", capacity_bytes=1 << 30, tenant="bob") as bob:
+        bob.register_mem_pool_host(hp)
+        assert all(bob.batch_set_v1(plain, pages_idx([0, 1])))
+    bobs_keys = page_hashes(TOKENS[: 2 * PS], PS, salt="bob")
+    with PageStore(tmp_path / "s", capacity_bytes=1 << 30, tenant="acme") as acme:
+        acme.register_mem_pool_host(hp)
+        assert acme.batch_exists(bobs_keys) == 0
+        assert acme.batch_get_v1(bobs_keys, pages_idx([4, 5])) == [False, False]
+    with PageStore(tmp_path / "s", capacity_bytes=1 << 30) as unscoped:
+        unscoped.register_mem_pool_host(hp)
+        assert unscoped.batch_exists(bobs_keys) == 2  # they are bob's keys: only a deployment scope stops them
