@@ -47,7 +47,7 @@ def seal_rate(reps: int = 5, mib: int = 4, count: int = 16) -> dict[str, float]:
         buf.as_tensor(torch.uint8, (buf.nbytes,)).random_(0, 256)
         ranges = _native.HostRanges()
         ranges.register_region(buf.region)
-        names = [f"t0123456789abcdef.obj{i}" for i in range(count)]
+        names = [f"t0123456789abcdef0123456789abcdef.obj{i}" for i in range(count)]
         src = [buf.ptr + i * n for i in range(count)]
         dst = [buf.ptr + (count + i) * n for i in range(count)]
         tenants = ["0123456789abcdef"] * count
