@@ -50,7 +50,7 @@ def seal_rate(reps: int = 5, mib: int = 4, count: int = 16) -> dict[str, float]:
         names = [f"t0123456789abcdef0123456789abcdef.obj{i}" for i in range(count)]
         src = [buf.ptr + i * n for i in range(count)]
         dst = [buf.ptr + (count + i) * n for i in range(count)]
-        tenants = ["0123456789abcdef"] * count
+        tenants = [kr.stored_tag(tag="0123456789abcdef0123456789abcdef")] * count
         out: dict[str, list[float]] = {"seal": [], "open": [], "crc32c": []}
         for _ in range(reps):
             t0 = time.perf_counter()
