@@ -5,7 +5,7 @@
 use std::fs;
 use std::io::{self, Read, Write};
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
-use std::path::Path;
+use std::path::{Component, Path, PathBuf};
 
 use ring::rand::{SecureRandom, SystemRandom};
 use zeroize::Zeroizing;
@@ -27,6 +27,26 @@ fn trusted_owner(uid: u32) -> bool {
 
 /// Why the keyring directory (or its `tenants/`) at `p` cannot be trusted, if it cannot: a symbolic link,
 /// not a directory, owned by another user, or writable by group or others.
+/// The keyring directory `p` names, made absolute (a later `chdir` does not move it) and without trailing
+/// `/` or `.` (`link/` and `link/.` would make `lstat` follow the link): its parent resolved, its own name
+/// kept, so a symbolic link there is seen and refused.
+pub(super) fn locate(p: &Path) -> io::Result<PathBuf> {
+    let abs = std::path::absolute(p)?;
+    let clean: PathBuf = abs.components().collect();
+    match (clean.parent(), clean.components().next_back()) {
+        (Some(parent), Some(Component::Normal(name))) => {
+            let parent = if parent.as_os_str().is_empty() {
+                PathBuf::from("/")
+            } else {
+                parent.to_path_buf()
+            };
+            Ok(fs::canonicalize(&parent).unwrap_or(parent).join(name))
+        }
+        // `/` or a path ending in `..`: the directory it resolves to
+        _ => fs::canonicalize(&clean),
+    }
+}
+
 pub(super) fn check_dir(p: &Path) -> std::result::Result<(), String> {
     let m = fs::symlink_metadata(p).map_err(|e| format!("{}: {e}", p.display()))?;
     if m.file_type().is_symlink() {

@@ -18,7 +18,7 @@ use ring::{hkdf, hmac};
 use sha2::{Digest, Sha256};
 use zeroize::Zeroizing;
 
-use super::files::{self, check_dir, check_parent, create_secret, read_secret, Unread};
+use super::files::{self, check_dir, check_parent, create_secret, locate, read_secret, Unread};
 use super::key::SealKey;
 use super::{hex, tenant_of, unhex32, valid_tag, TAG_HEX};
 use crate::error::{Error, Result};
@@ -77,6 +77,7 @@ impl Keyring {
     /// Creates a keyring directory with a new random master key. Refuses (changing nothing) a directory that
     /// exists and is not empty, and any directory it could not trust afterwards (a link, another user's).
     pub fn init(dir: &Path) -> Result<()> {
+        let dir = &locate(dir).map_err(|e| io(format!("keyring {}", dir.display()), e))?;
         check_parent(dir).map_err(untrusted)?;
         match fs::symlink_metadata(dir) {
             Ok(_) => {
@@ -126,6 +127,7 @@ impl Keyring {
     /// Opens the keyring at `dir`: the directory and its `tenants/` must be this user's (or root's) and
     /// writable by nobody else, `master.key` a regular file of 64 hex digits that only its owner can access.
     pub fn open(dir: &Path) -> Result<Self> {
+        let dir = &locate(dir).map_err(|e| io(format!("keyring {}", dir.display()), e))?;
         check_parent(dir).map_err(untrusted)?;
         check_dir(dir).map_err(untrusted)?;
         check_dir(&dir.join("tenants")).map_err(untrusted)?;
@@ -161,14 +163,37 @@ impl Keyring {
             .expand(&[b"kvtier names v1"], hkdf::HKDF_SHA256)
             .and_then(|okm| okm.fill(&mut nk[..]))
             .expect("32 bytes of HKDF-SHA256 output are within HKDF's limit");
-        Ok(Self {
+        let ring = Self {
             dir: dir.to_path_buf(),
             default: Arc::new(SealKey::derive(&master, None)),
             names: hmac::Key::new(hmac::HMAC_SHA256, &nk[..]),
             master,
             id,
             tenants: Mutex::new(HashMap::new()),
-        })
+        };
+        // a key an erasure renamed away and then could not destroy (it crashed, or the disk failed): best
+        // effort here, and again at every erasure and allowance, which report a failure
+        let _ = ring.destroy_renamed_keys();
+        Ok(ring)
+    }
+
+    /// Destroys the key files an erasure renamed away and did not get to destroy (`.erased-*`).
+    fn destroy_renamed_keys(&self) -> Result<()> {
+        let dir = self.tenants_dir();
+        let entries =
+            fs::read_dir(&dir).map_err(|e| io(format!("reading {}", dir.display()), e))?;
+        for e in entries.flatten() {
+            if e.file_name().to_string_lossy().starts_with(".erased-") {
+                let p = e.path();
+                match files::wipe_and_remove(&p) {
+                    Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                        return Err(io(format!("destroying {}", p.display()), e))
+                    }
+                    _ => {}
+                }
+            }
+        }
+        Ok(())
     }
 
     /// 16 hex digits identifying the master key (not secret: it names the namespaces sealed with it).
@@ -317,6 +342,7 @@ impl Keyring {
     /// Returns whether there was a key.
     pub fn erase_tenant(&self, tag: &str) -> Result<bool> {
         Self::check_tag(tag)?;
+        self.destroy_renamed_keys()?;
         let stag = self.stored_tag(tag);
         let tomb = self.tombstone_path(&stag);
         if !self.is_erased(&stag) {
@@ -344,7 +370,11 @@ impl Keyring {
         fs::File::open(self.tenants_dir())
             .and_then(|d| d.sync_all())
             .map_err(|e| io("syncing the keyring's tenants directory", e))?;
-        wiped.map_err(|e| io(format!("destroying {}", gone.display()), e))?;
+        match wiped {
+            // another process's sweep (`destroy_renamed_keys`) destroyed it first
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            w => w.map_err(|e| io(format!("destroying {}", gone.display()), e))?,
+        }
         Ok(true)
     }
 
@@ -352,6 +382,7 @@ impl Keyring {
     /// erasure opens). Returns whether it was erased.
     pub fn allow_tenant(&self, tag: &str) -> Result<bool> {
         Self::check_tag(tag)?;
+        self.destroy_renamed_keys()?;
         let stag = self.stored_tag(tag);
         if !self.is_erased(&stag) {
             return Ok(false);

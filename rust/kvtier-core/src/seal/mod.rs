@@ -110,3 +110,5 @@ pub fn valid_tag(tag: &str) -> bool {
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_paths;

@@ -76,6 +76,14 @@ pub(super) struct Compaction {
     seen_end: u64,
 }
 
+impl Compaction {
+    /// Whether the walk over the live entries is done (the tail is being copied).
+    #[cfg(test)]
+    pub(super) fn walked(&self) -> bool {
+        self.copied.is_some()
+    }
+}
+
 fn round_up(n: u64) -> u64 {
     n.div_ceil(4096) * 4096
 }

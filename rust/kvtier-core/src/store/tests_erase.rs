@@ -129,3 +129,135 @@ fn erasing_a_tenant_of_a_sealed_store_finds_it_by_its_keyed_tag() {
     drop(s);
     std::fs::remove_dir_all(root).unwrap();
 }
+
+#[test]
+fn a_put_in_flight_when_its_tenant_is_erased_is_erased_with_it() {
+    let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let root = tmp();
+    let len = 8192usize;
+    let marker = b"ALICE-KV-PLAINTEXT".repeat(len / 18 + 1);
+    let alice = tenant_keys("alice", &["a".repeat(64)]).unwrap();
+    let tag = tenant_tag("alice").unwrap();
+    let s = PageStore::open(&root, "ns", opts(1 << 30)).unwrap();
+    let dir = root.join(namespace_dir("ns"));
+    // the put passes its refusal check, then stalls in its data write while the erasure runs
+    crate::fault::set(
+        "data_write",
+        0,
+        1,
+        crate::fault::Fault::Delay(std::time::Duration::from_millis(300)),
+    );
+    let stored = std::thread::scope(|sc| {
+        let h = sc.spawn(|| put1(&s, &alice[0], marker.as_ptr() as usize, len as u64));
+        let t0 = std::time::Instant::now();
+        while crate::fault::hits("data_write") == 0 && t0.elapsed().as_secs() < 30 {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        assert_eq!(crate::fault::hits("data_write"), 1, "the put never wrote");
+        s.erase_tenant(&tag).unwrap();
+        h.join().unwrap()
+    });
+    crate::fault::clear();
+    // whatever the put reported, after the erasure returned nothing of alice's is stored or on disk
+    let _ = stored;
+    assert!(
+        !s.exists(&[alice[0].as_str()])[0],
+        "the in-flight put survived the erasure"
+    );
+    assert!(!found_in(&dir, &marker[..64]));
+    assert!(!found_in(&dir, alice[0].as_bytes()));
+    drop(s);
+    let s = PageStore::open(&root, "ns", opts(1 << 30)).unwrap();
+    assert!(!s.exists(&[alice[0].as_str()])[0]);
+    drop(s);
+    std::fs::remove_dir_all(root).unwrap();
+}
+
+#[test]
+fn erasing_a_tenant_clears_the_slots_and_records_of_its_objects_deleted_before() {
+    let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let root = tmp();
+    let len = 8192usize;
+    let marker = b"ALICE-KV-PLAINTEXT".repeat(len / 18 + 1);
+    let bob_bytes = b"BOB-KV-PLAINTEXT!!".repeat(len / 18 + 1);
+    let alice = tenant_keys("alice", &["a".repeat(64), "b".repeat(64)]).unwrap();
+    let bob = tenant_keys("bob", &["c".repeat(64)]).unwrap();
+    let s = PageStore::open(&root, "ns", opts(1 << 30)).unwrap();
+    let dir = root.join(namespace_dir("ns"));
+    for k in &alice {
+        assert!(put1(&s, k, marker.as_ptr() as usize, len as u64));
+    }
+    let names: Vec<&str> = alice.iter().map(String::as_str).collect();
+    assert_eq!(s.delete(&names).unwrap(), 2);
+    assert!(put1(&s, &bob[0], bob_bytes.as_ptr() as usize, len as u64));
+    // deleted, yet still in a free slot and in the journal's records
+    assert!(found_in(&dir, &marker[..64]) && found_in(&dir, alice[0].as_bytes()));
+    // nothing of hers is live: the erasure still clears what her deleted objects left
+    assert_eq!(s.erase_tenant(&tenant_tag("alice").unwrap()).unwrap(), 0);
+    assert!(
+        !found_in(&dir, &marker[..64]),
+        "a freed slot keeps alice's KV"
+    );
+    for k in &alice {
+        assert!(!found_in(&dir, k.as_bytes()), "the journal keeps {k}");
+    }
+    let d = payload(1, len, 0);
+    assert!(get1(&s, &bob[0], d.as_ptr() as usize, len as u64));
+    // the scrubbed slots are reused
+    assert!(put1(
+        &s,
+        &bob[0][..bob[0].len() - 1],
+        bob_bytes.as_ptr() as usize,
+        len as u64
+    ));
+    drop(s);
+    std::fs::remove_dir_all(root).unwrap();
+}
+
+#[test]
+fn erasing_a_tenant_while_a_compaction_runs_leaves_no_name_in_the_journal() {
+    let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let root = tmp();
+    let len = 8192usize;
+    let src = payload(1, len, 3);
+    let alice = tenant_keys("alice", &["a".repeat(64), "b".repeat(64)]).unwrap();
+    let bob = tenant_keys("bob", &["c".repeat(64)]).unwrap();
+    let s = PageStore::open(&root, "ns", opts(1 << 30)).unwrap();
+    let dir = root.join(namespace_dir("ns"));
+    for k in alice.iter().chain(&bob) {
+        assert!(put1(&s, k, src.as_ptr() as usize, len as u64));
+    }
+    // a compaction begun now walks alice's records into its new journal, and is left running with a
+    // tail to copy
+    let mut c = s.inner.compaction_begin().unwrap();
+    assert!(put1(&s, &bob[0][..63], src.as_ptr() as usize, len as u64));
+    while !c.walked() {
+        c = s
+            .inner
+            .compaction_work(c, 1)
+            .unwrap()
+            .expect("still running");
+    }
+    // and a step of it is under way (another thread holds it) while the erasure deletes her records
+    let held = std::sync::Barrier::new(2);
+    std::thread::scope(|sc| {
+        sc.spawn(|| {
+            let mut running = s.inner.compaction.lock().unwrap();
+            *running = Some(c);
+            held.wait();
+            std::thread::sleep(std::time::Duration::from_millis(300));
+        });
+        held.wait();
+        assert_eq!(s.erase_tenant(&tenant_tag("alice").unwrap()).unwrap(), 2);
+    });
+    for k in &alice {
+        assert!(!found_in(&dir, k.as_bytes()), "the journal keeps {k}");
+    }
+    drop(s);
+    let s = PageStore::open(&root, "ns", opts(1 << 30)).unwrap();
+    let mut keys = s.keys();
+    keys.sort();
+    assert_eq!(keys, vec![bob[0][..63].to_owned(), bob[0].clone()]);
+    drop(s);
+    std::fs::remove_dir_all(root).unwrap();
+}

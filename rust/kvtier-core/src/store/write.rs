@@ -43,24 +43,9 @@ impl Shared {
         let stored = self.stored_names(objs.iter().map(|o| o.0), true)?;
         let renamed = stored.as_deref().map(|n| renamed(objs, n));
         let objs = renamed.as_deref().unwrap_or(objs);
-        let Some(refused) = self.erased.refused(objs) else {
-            // SAFETY: the caller's guarantee, passed on (renaming keeps every range).
-            return unsafe { self.put_stored(objs) };
-        };
-        // an erased tenant's objects are refused (failed, never written); the others go through
-        let kept: Vec<(&str, usize, u64)> = objs
-            .iter()
-            .zip(&refused)
-            .filter(|(_, r)| !**r)
-            .map(|(o, _)| *o)
-            .collect();
-        self.fail(objs.len() - kept.len());
-        // SAFETY: the caller's guarantee, passed on (a subset of the caller's ranges).
-        let mut done = unsafe { self.put_stored(&kept) }?.into_iter();
-        Ok(refused
-            .iter()
-            .map(|r| !r && done.next().unwrap_or(false))
-            .collect())
+        // SAFETY: the caller's guarantee, passed on (renaming keeps every range; the admitted objects are a
+        // subset of the caller's ranges).
+        self.admitted(objs, |kept| unsafe { self.put_stored(kept) })
     }
 
     /// [`Shared::put`] of objects named as the store keeps them.
@@ -184,7 +169,7 @@ impl Shared {
             .fetch_add(raw, Ordering::Relaxed);
     }
 
-    fn fail(&self, n: usize) {
+    pub(super) fn fail(&self, n: usize) {
         self.stats
             .write_failures
             .fetch_add(n as u64, Ordering::Relaxed);
