@@ -331,6 +331,7 @@ fn tenant_key_files_that_are_no_key_are_never_read_or_followed() {
     let f = std::fs::OpenOptions::new()
         .write(true)
         .create(true)
+        .truncate(true)
         .mode(0o600)
         .open(&kp)
         .unwrap();
