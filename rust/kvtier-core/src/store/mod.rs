@@ -69,6 +69,8 @@ mod tests_journal;
 #[cfg(test)]
 mod tests_lifecycle;
 #[cfg(test)]
+mod tests_maintenance;
+#[cfg(test)]
 mod tests_pages;
 #[cfg(test)]
 mod tests_pages_in_two;
@@ -203,7 +205,16 @@ fn io_err(what: impl Into<String>, e: std::io::Error) -> Error {
 impl PageStore {
     /// Opens (creating if needed) `namespace` under `root` for reading and writing, replaying its journal.
     pub fn open(root: &Path, namespace: &str, opts: StoreOptions) -> Result<Self> {
-        Self::open_impl(root, namespace, opts, true)
+        Self::open_impl(root, namespace, opts, open::Mode::Writable)
+    }
+
+    /// [`open`](Self::open) for a maintenance command (an erase, a repair) rather than the namespace's
+    /// engine: the counters and the capacity the engine left in `STATS` are loaded and kept, this store's
+    /// own counters added to them (what it really changed: objects removed, compactions), and
+    /// `maintained_unix_ms` records when (docs/STORE.md, "Counters on disk"). `opts.capacity_bytes` limits
+    /// this open only.
+    pub fn open_maintenance(root: &Path, namespace: &str, opts: StoreOptions) -> Result<Self> {
+        Self::open_impl(root, namespace, opts, open::Mode::Maintenance)
     }
 
     /// Opens an existing namespace without writing: nothing is created, locked, written or truncated, so it
@@ -227,7 +238,7 @@ impl PageStore {
             keyring,
             codec: None,
         };
-        Self::open_impl(root, namespace, opts, false)
+        Self::open_impl(root, namespace, opts, open::Mode::ReadOnly)
     }
 
     /// What opening the store found on disk.

@@ -10,17 +10,30 @@ use std::sync::Mutex;
 use super::commit::JournalFile;
 use super::{
     budget, files, follow, format, index, io_err, journal, namespace, namespace_dir, recovery,
-    seal_io, OpenReport, PageStore, Shared, Stats, StoreOptions, ALIGN,
+    seal_io, stats_file, OpenReport, PageStore, Shared, Stats, StoreOptions, ALIGN,
 };
 use crate::error::{Error, Result};
+
+/// How [`PageStore::open_impl`] opens a namespace.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Mode {
+    /// Without writing anything ([`PageStore::open_read_only`]).
+    ReadOnly,
+    /// For reading and writing, by the namespace's engine ([`PageStore::open`]).
+    Writable,
+    /// For reading and writing by a maintenance command ([`PageStore::open_maintenance`]): the counters
+    /// and the capacity in `STATS` are kept.
+    Maintenance,
+}
 
 impl PageStore {
     pub(super) fn open_impl(
         root: &Path,
         namespace: &str,
         mut opts: StoreOptions,
-        writable: bool,
+        mode: Mode,
     ) -> Result<Self> {
+        let writable = mode != Mode::ReadOnly;
         if namespace.is_empty() {
             return Err(Error::arg("namespace", "must not be empty"));
         }
@@ -49,6 +62,8 @@ impl PageStore {
             (d, None, live)
         };
         format::check(&dir, root, writable)?;
+        // read under the LOCK: no writer rewrites it from here on
+        let saved = (mode == Mode::Maintenance).then(|| stats_file::load(&dir));
         let share = if writable {
             let name = namespace_dir(namespace);
             Some(budget::Share::open(root, &name, opts.budget_bytes)?)
@@ -187,7 +202,7 @@ impl PageStore {
             memory: Default::default(),
             follow,
             share,
-            stats_file: Default::default(),
+            stats_file: stats_file::StatsFile::new(saved),
             worker: Default::default(),
             erased: Default::default(),
             stats: Stats::default(),
