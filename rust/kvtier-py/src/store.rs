@@ -18,7 +18,8 @@ use crate::buffer::PyHostRegion;
 use crate::errors::KvResult;
 use crate::seal::PyKeyring;
 
-/// A page store namespace (see kvtier.PageStore for the public API).
+/// A page store namespace (see kvtier.PageStore for the public API). `maintenance=True` opens it for a
+/// maintenance command (an erase, a repair): the counters and capacity its engine left in `STATS` are kept.
 #[pyclass(name = "PageStore", module = "kvtier._native", frozen)]
 pub struct PyPageStore {
     inner: RwLock<Option<Arc<PageStore>>>,
@@ -37,7 +38,7 @@ impl PyPageStore {
 #[pymethods]
 impl PyPageStore {
     #[new]
-    #[pyo3(signature = (root, namespace, capacity_bytes, io_threads=16, direct=None, read_only=false, budget_bytes=None, keyring=None, codec=None))]
+    #[pyo3(signature = (root, namespace, capacity_bytes, io_threads=16, direct=None, read_only=false, budget_bytes=None, keyring=None, codec=None, maintenance=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -50,7 +51,15 @@ impl PyPageStore {
         budget_bytes: Option<u64>,
         keyring: Option<PyRef<'_, PyKeyring>>,
         codec: Option<&str>,
+        maintenance: bool,
     ) -> KvResult<Self> {
+        if read_only && maintenance {
+            return Err(Error::arg(
+                "maintenance",
+                "a maintenance open writes: it cannot be read_only",
+            )
+            .into());
+        }
         let keyring = keyring.map(|k| k.inner.clone());
         let codec = match codec {
             None => None,
@@ -72,6 +81,8 @@ impl PyPageStore {
         let s = py.detach(|| {
             if read_only {
                 PageStore::open_read_only_sealed(&root, &namespace, keyring)
+            } else if maintenance {
+                PageStore::open_maintenance(&root, &namespace, opts)
             } else {
                 PageStore::open(&root, &namespace, opts)
             }
