@@ -3,9 +3,12 @@ changes (a mistyped keyring, an unreachable or uninstalled cluster tier, a seale
 keyring), the salt kept off the command line, Unicode spellings of one salt, and an erased tenant allowed
 again only by `kvtier keys allow` (docs/SECURITY.md, "Erasure by tenant")."""
 
+import json
 import os
 import subprocess
 import sys
+
+import pytest
 
 from kvtier import PageStore, page_hashes
 from kvtier.tenants import Keyring
@@ -130,3 +133,38 @@ def test_a_dry_run_changes_nothing_and_says_so(tmp_path):
     assert r.returncode == 0 and "nothing erased" in r.stdout and "would erase 4 object(s)" in r.stdout, r.stdout
     assert sorted(os.listdir(tmp_path / "keys" / "tenants")) == before
     assert _stored(tmp_path / "s", hp, keys, kr) == 2 and not kr.erased("alice")
+
+
+
+@pytest.mark.parametrize("command", ["erase", "verify --repair"])
+def test_erase_and_repair_that_change_nothing_keep_the_engines_counters(tmp_path, command):
+    """`kvtier erase --yes` and `kvtier verify --repair` open a namespace for maintenance: the counters and the
+    capacity its engine left in STATS are what `kvtier stats` still shows (docs/STORE.md, "Counters on disk")."""
+    hp, keys = _fill(tmp_path / "s", "alice")
+    with PageStore(tmp_path / "s", capacity_bytes=1 << 30) as st:
+        st.register_mem_pool_host(hp)
+        assert st.batch_get_v1(keys, pages_idx([2, 3])) == [True, True]
+        assert st.batch_get_v1(page_hashes(TOKENS[: 2 * PS], PS, salt="bob"), pages_idx([2, 3])) == [False, False]
+
+    def stats():
+        r = _kvtier("stats", "--json", tmp_path / "s")
+        assert r.returncode == 0, r.stdout + r.stderr
+        (st,) = json.loads(r.stdout).values()
+        return st
+
+    kept = ("hits", "misses", "bytes_read", "puts", "bytes_written", "evictions", "capacity_bytes", "objects",
+            "bytes_used", "counters_since", "counters_writer")
+    before = stats()
+    assert before["hits"] == 4 and before["misses"] > 0 and before["capacity_bytes"] == 1 << 30, before
+    if command == "erase":
+        (tmp_path / "salt").write_text("nobody\n")  # a tenant with nothing stored
+        r = _kvtier("erase", tmp_path / "s", "--tenant-file", tmp_path / "salt", "--yes")
+        assert r.returncode == 0 and "0 object(s) of the tenant erased" in r.stdout, r.stdout + r.stderr
+    else:
+        r = _kvtier("verify", "--repair", tmp_path / "s")
+        assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
+    after = stats()
+    assert {k: after.get(k) for k in kept} == {k: before[k] for k in kept}, (before, after)
+    with open(tmp_path / "s" / after["dir"].rsplit("/", 1)[1] / "STATS", encoding="utf-8") as f:
+        assert json.load(f)["maintained_unix_ms"] > 0
+    assert _stored(tmp_path / "s", hp, keys) == 2

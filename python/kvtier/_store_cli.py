@@ -206,6 +206,9 @@ def writer_counters(ns_dir: str, live: bool, holder_pid: int | None) -> dict[str
     written = st.get("written_unix_ms", 0) / 1000
     out["counters_age_s"] = round(max(0.0, time.time() - written), 1)
     out["counters_since"] = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(st.get("opened_unix_ms", 0) / 1000))
+    if st.get("maintained_unix_ms"):  # an erase or a repair since, which kept these counters
+        out["counters_maintained"] = time.strftime("%Y-%m-%d %H:%M:%S",
+                                                   time.localtime(st["maintained_unix_ms"] / 1000))
     pid = st.get("pid")
     alive = bool(live and holder_pid == pid)
     out["counters_writer"] = f"pid {pid}, " + ("running (updated every 2 s)" if alive else "ended")

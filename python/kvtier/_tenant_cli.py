@@ -153,7 +153,9 @@ def _count(path: str, ns: str, kr: Any, tag: str) -> int:
 def _erase_namespace(path: str, ns: str, kr: Any, tag: str) -> int:
     from . import _native
 
-    s = _native.PageStore(path, ns, 1 << 62, 4, None, False, None, kr.native if kr is not None else None)
+    # opened for maintenance: the counters and capacity the engine left in STATS are kept
+    s = _native.PageStore(path, ns, 1 << 62, 4, None, False, None, kr.native if kr is not None else None,
+                          maintenance=True)
     try:
         return int(s.erase_tenant(tag))
     finally:

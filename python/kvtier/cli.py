@@ -43,11 +43,14 @@ def _namespaces(path: str) -> list[tuple[str, str, str | None]]:
 
 
 def _open(path: str, ns: str, writable: bool = False) -> Any:
-    """A namespace opened read-only (nothing on disk changes), or writable for a repair."""
+    """A namespace opened read-only (nothing on disk changes), or writable for a repair: opened for
+    maintenance, which keeps the counters and capacity its engine left in STATS."""
     from . import _native
 
     try:
-        return _native.PageStore(path, ns, 1 << 62, 4, None, not writable)
+        if writable:
+            return _native.PageStore(path, ns, 1 << 62, 4, None, maintenance=True)
+        return _native.PageStore(path, ns, 1 << 62, 4, None, True)
     except OSError as exc:
         if "already open" in str(exc):
             raise KvtierError(f"{path}: namespace is in use by a running process (its LOCK is held); "
