@@ -149,9 +149,11 @@ impl Ranges {
     }
 
     /// Seals objects `(name, address, length)` with their tenants' keys from `ring` (`tenants[i]`: object
-    /// i's tenant tag, None for the default tenant; a tenant without a key gets one): object i is copied to `dsts[i]` (its own address: sealed in place) and sealed there. Per
-    /// object its seal, or None if it could not be sealed. Every range is checked (sources inside registered
-    /// memory; destinations inside it and disjoint, and apart from every other source) before any byte moves.
+    /// i's stored tenant tag, [`Keyring::stored_tag`], None for the default tenant; a tenant without a key
+    /// gets one, an erased tenant none): object i is copied to `dsts[i]` (its own address: sealed in place)
+    /// and sealed there, `name` authenticated with it. Per object its seal, or None if it could not be
+    /// sealed. Every range is checked (sources inside registered memory; destinations inside it and
+    /// disjoint, and apart from every other source) before any byte moves.
     pub fn seal_into(
         &self,
         ring: &Keyring,

@@ -85,8 +85,9 @@ impl PyKeyring {
         keys.iter().map(|k| self.inner.stored_name(k)).collect()
     }
 
-    /// The current key id (8 hex digits) of each tenant tag (None: the default tenant); None where the
-    /// tenant has no key (with `create`, a tenant without one gets one).
+    /// The current key id (8 hex digits) of each stored tenant tag (`stored_tag`; None: the default
+    /// tenant); None where the tenant has no key (with `create`, a tenant without one gets one) or is
+    /// erased (named by its stored tag or by its own tag alike).
     fn key_ids(
         &self,
         py: Python<'_>,
@@ -100,9 +101,10 @@ impl PyKeyring {
             .collect()
     }
 
-    /// Seals objects of registered host memory: object i, `(name, address, size, tenant tag or None)`, is
-    /// copied to `dsts[i]` and sealed there; returns the seals (28 bytes each, concatenated; zeros where not
-    /// sealed) and per object whether it was sealed. Every range is checked before any byte moves.
+    /// Seals objects of registered host memory: object i, `(aad, address, size, stored tenant tag or
+    /// None)`, is copied to `dsts[i]` and sealed there, `aad` authenticated with it; returns the seals
+    /// (`SEAL_LEN` bytes each, concatenated; zeros where not sealed) and per object whether it was sealed
+    /// (never for an erased tenant). Every range is checked before any byte moves.
     fn seal_into<'py>(
         &self,
         py: Python<'py>,
@@ -153,7 +155,7 @@ impl PyKeyring {
     }
 }
 
-/// `(name, address, size, tenant tag)` of one object.
+/// `(aad, address, size, stored tenant tag)` of one object.
 type Object = (String, usize, u64, Option<String>);
 
 /// Objects as the core takes them (`(name, address, size)`), and their tenants.
@@ -166,7 +168,7 @@ fn split(objects: &[Object]) -> Split<'_> {
         .unzip()
 }
 
-/// The tenant tag of `salt` (16 hex digits).
+/// The tenant tag of `salt` (32 hex digits).
 #[pyfunction]
 pub fn tenant_tag(salt: &str) -> KvResult<String> {
     Ok(seal::tenant_tag(salt)?)

@@ -241,6 +241,13 @@ impl Keyring {
         !matches!(fs::symlink_metadata(self.tombstone_path(stag)), Err(e) if e.kind() == std::io::ErrorKind::NotFound)
     }
 
+    /// Whether `t`, given where a stored tag is expected, names an erased tenant: as a stored tag, or as the
+    /// tenant's own tag (whose stored tag is tombstoned). Both spellings of a tenant are refused alike, so a
+    /// caller that passes a tenant's tag unmapped gets no key for an erased tenant either.
+    fn refused(&self, t: &str) -> bool {
+        self.is_erased(t) || self.is_erased(&self.stored_tag(t))
+    }
+
     fn read_tenant(&self, stag: &str) -> TenantFile {
         match read_secret(&self.key_path(stag)) {
             Ok(t) => match std::str::from_utf8(&t).ok().and_then(unhex32) {
@@ -255,8 +262,8 @@ impl Keyring {
 
     /// The sealing key of each stored tenant tag (`None`: the default tenant). With `create`, a tenant
     /// without a key file gets one, unless it was erased; without it, such a tenant maps to `None` (its
-    /// objects cannot be read). An erased tenant, and a key file that cannot be read or created, map to
-    /// `None`.
+    /// objects cannot be read). An erased tenant (given by its stored tag or by its own tag), and a key file
+    /// that cannot be read or created, map to `None`.
     pub fn keys_for(
         &self,
         tags: &[Option<&str>],
@@ -289,7 +296,7 @@ impl Keyring {
         stag: &str,
         create: bool,
     ) -> Option<Arc<SealKey>> {
-        if !valid_tag(stag) || self.is_erased(stag) {
+        if !valid_tag(stag) || self.refused(stag) {
             return None;
         }
         let random = match self.read_tenant(stag) {
@@ -306,7 +313,7 @@ impl Keyring {
                 let r = random32().ok()?;
                 let text = Zeroizing::new(format!("{}\n", hex(&r[..])));
                 create_secret(&self.key_path(stag), text.as_bytes()).ok()?;
-                if self.is_erased(stag) {
+                if self.refused(stag) {
                     return None; // erased while the key was being made: the tombstone wins
                 }
                 match self.read_tenant(stag) {
@@ -338,7 +345,8 @@ impl Keyring {
 
     /// Erases tenant `tag` (a [`super::tenant_tag`]): first its tombstone is made, so that no process
     /// sharing this keyring gives the tenant a key again (its writes fail, its reads miss) until
-    /// [`Keyring::allow_tenant`]; then its key file is renamed away, overwritten, synced and removed.
+    /// [`Keyring::allow_tenant`]; then its key file is renamed away, overwritten, synced and removed (and so is
+    /// a key file named by the tenant's own tag, which a caller that passed the tag unmapped made).
     /// Returns whether there was a key.
     pub fn erase_tenant(&self, tag: &str) -> Result<bool> {
         Self::check_tag(tag)?;
@@ -349,18 +357,26 @@ impl Keyring {
             create_secret(&tomb, b"erased\n")
                 .map_err(|e| io(format!("writing {}", tomb.display()), e))?;
         }
-        self.tenants
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(&stag);
-        let p = self.key_path(&stag);
+        {
+            let mut cache = self.tenants.lock().unwrap_or_else(|p| p.into_inner());
+            cache.remove(&stag);
+            cache.remove(tag);
+        }
+        let mut had = false;
+        for t in [stag.as_str(), tag] {
+            had |= self.destroy_key(t)?;
+        }
+        Ok(had)
+    }
+
+    /// Renames the key file of `t` away, overwrites, syncs and removes it; whether there was one.
+    fn destroy_key(&self, t: &str) -> Result<bool> {
+        let p = self.key_path(t);
         let mut r = [0u8; 8];
         SystemRandom::new()
             .fill(&mut r)
             .map_err(|_| Error::arg("keyring", "the system random source failed"))?;
-        let gone = self
-            .tenants_dir()
-            .join(format!(".erased-{stag}-{}", hex(&r)));
+        let gone = self.tenants_dir().join(format!(".erased-{t}-{}", hex(&r)));
         match fs::rename(&p, &gone) {
             Ok(()) => {}
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(false),
@@ -388,10 +404,11 @@ impl Keyring {
             return Ok(false);
         }
         // a key a writer made while the tenant was being erased must not come back with it
-        let key = self.key_path(&stag);
-        if fs::symlink_metadata(&key).is_ok() {
-            files::wipe_and_remove(&key)
-                .map_err(|e| io(format!("removing {}", key.display()), e))?;
+        for key in [self.key_path(&stag), self.key_path(tag)] {
+            if fs::symlink_metadata(&key).is_ok() {
+                files::wipe_and_remove(&key)
+                    .map_err(|e| io(format!("removing {}", key.display()), e))?;
+            }
         }
         let tomb = self.tombstone_path(&stag);
         fs::remove_file(&tomb).map_err(|e| io(format!("removing {}", tomb.display()), e))?;
@@ -407,10 +424,13 @@ impl Keyring {
         Ok(self.is_erased(&self.stored_tag(tag)))
     }
 
-    /// Whether tenant `tag` (a [`super::tenant_tag`]) has a key file here.
+    /// Whether tenant `tag` (a [`super::tenant_tag`]) has a key file here (named by its stored tag, or by
+    /// its own tag: see [`Keyring::erase_tenant`]).
     pub fn has_key(&self, tag: &str) -> Result<bool> {
         Self::check_tag(tag)?;
-        Ok(fs::symlink_metadata(self.key_path(&self.stored_tag(tag))).is_ok())
+        Ok([self.key_path(&self.stored_tag(tag)), self.key_path(tag)]
+            .iter()
+            .any(|p| fs::symlink_metadata(p).is_ok()))
     }
 
     fn listed(&self, suffix: &str) -> Vec<String> {

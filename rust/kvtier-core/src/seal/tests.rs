@@ -1,5 +1,6 @@
 use super::*;
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::sync::Arc;
 
 const T1: &str = "0123456789abcdef0123456789abcdef";
 const T2: &str = "000000000000000000000000000000aa";
@@ -351,4 +352,53 @@ fn tenant_key_files_that_are_no_key_are_never_read_or_followed() {
     assert_eq!(std::fs::read(&victim).unwrap(), b"precious");
     assert!(std::fs::symlink_metadata(&kp).is_err());
     std::fs::remove_file(&victim).unwrap();
+}
+
+#[test]
+fn an_erased_tenant_gets_no_key_by_its_stored_tag_nor_by_its_own() {
+    let (d, ring) = ring_dir();
+    let st = ring.stored_tag(T1);
+    let tenants = d.path().join("tenants");
+    let key_file = |t: &str| tenants.join(format!("{t}.key"));
+    // a key under the stored tag, and one under the tenant's own tag (a caller that passed it unmapped)
+    for t in [st.as_str(), T1] {
+        assert!(ring.keys_for(&[Some(t)], true)[&Some(t.to_owned())].is_some());
+        assert!(key_file(t).exists());
+    }
+    assert!(ring.erase_tenant(T1).unwrap());
+    assert!(
+        !key_file(&st).exists() && !key_file(T1).exists(),
+        "both key files destroyed"
+    );
+    assert!(!ring.has_key(T1).unwrap());
+    // every holder, every spelling, reading or writing: no key, and no key file made
+    let other = Keyring::open(d.path()).unwrap();
+    for r in [&ring, &other] {
+        for t in [st.as_str(), T1] {
+            for create in [false, true] {
+                let k = r.keys_for(&[Some(t)], create);
+                assert!(k[&Some(t.to_owned())].is_none(), "{t} create={create}");
+            }
+        }
+    }
+    assert!(!key_file(&st).exists() && !key_file(T1).exists());
+    // the batch paths (the cluster tier's): seal_into seals nothing, open_in_place opens nothing
+    let ranges = crate::ranges::Ranges::default();
+    let region = Arc::new(crate::buffer::HostRegion::new(8192, &Default::default()).unwrap());
+    ranges.register_region(region.clone());
+    let (src, dst) = (region.as_ptr() as usize, region.as_ptr() as usize + 4096);
+    let objs = [("x", src, 4096u64)];
+    for t in [st.as_str(), T1] {
+        let sealed = ranges.seal_into(&ring, &objs, &[Some(t)], &[dst]).unwrap();
+        assert!(sealed[0].is_none(), "{t}");
+        let opened = ranges
+            .open_in_place(&ring, &objs, &[Some(t)], &[[0u8; SEAL_LEN]])
+            .unwrap();
+        assert!(!opened[0], "{t}");
+    }
+    // the default tenant still seals
+    assert!(ranges.seal_into(&ring, &objs, &[None], &[dst]).unwrap()[0].is_some());
+    // allowed again: a key under either spelling is fresh (the one made before the erasure is gone)
+    assert!(ring.allow_tenant(T1).unwrap());
+    assert!(ring.keys_for(&[Some(T1)], true)[&Some(T1.to_owned())].is_some());
 }
