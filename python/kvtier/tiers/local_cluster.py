@@ -173,6 +173,19 @@ class LocalCluster:
                     continue
         return out
 
+    def object_names(self) -> list[str]:
+        """The name of every object the cluster holds, sorted (the master's ``/get_all_keys`` on its metrics
+        port): what an operator of the cluster sees, whoever wrote the objects."""
+        if self.master is None or self.master.poll() is not None:
+            raise KvtierError("the master is not running")
+        url = f"http://127.0.0.1:{self.metrics_port}/get_all_keys"
+        try:
+            with urllib.request.urlopen(url, timeout=5) as r:
+                text = r.read().decode()
+        except OSError as exc:
+            raise KvtierError(f"cannot list the cluster's objects at {url}: {exc}") from None
+        return sorted(n for n in text.split("\n") if n)
+
     def stop_master(self) -> None:
         if self.master is not None:
             _end(self.master)
