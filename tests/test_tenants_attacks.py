@@ -239,7 +239,7 @@ def test_sealed_cluster_tier_never_serves_ciphertext_without_a_record(cluster, t
         t.register_mem_pool_host(src)
         assert t.batch_set_v1(keys, pages_idx([0, 1])) == [True, True]
         time.sleep(0.5)
-        for rec in t._record_keys(keys, create=False):
+        for rec in t._records(t._stored(keys), create=False):
             assert t._store.remove(rec) == 0
     with MooncakeTier(cluster.master_address, model_name="m", keyring=kr) as t:
         t.register_mem_pool_host(dst)

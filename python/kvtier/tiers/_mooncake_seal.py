@@ -1,7 +1,11 @@
 """The cluster tier's encryption at rest (docs/SECURITY.md): a page's data objects are copied into registered
 scratch memory and sealed there (AES-256-GCM, the tenant's key, the object's full key as associated data)
 before Mooncake sends them; their seals travel in the page's integrity record; a read lands in the host pool
-and is opened in place once its record and checksums match. The host pool itself stays in clear."""
+and is opened in place once its record and checksums match. The host pool itself stays in clear.
+
+Every object is named by the keyring's keyed name of its page key (:meth:`kvtier.Keyring.stored_names`), and
+sealed under its tenant's stored tag, so the cluster's object names show no engine key and no tenant tag to
+whoever holds the cluster but not the keyring."""
 
 from __future__ import annotations
 
@@ -10,16 +14,31 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..buffer import HostBuffer
-from ._records import SEAL
+from ..tenants import tenant_of
+from ._records import NO_KEY, SEAL
 
 
 class SealedCopies:
-    """Per-thread scratch a sealed :class:`~kvtier.tiers.mooncake.MooncakeTier` seals its puts into."""
+    """Per-thread scratch a sealed :class:`~kvtier.tiers.mooncake.MooncakeTier` seals its puts into, and the
+    names its objects are stored under."""
 
     def __init__(self, tier: Any, keyring: Any) -> None:
         self._tier = tier
         self.keyring = keyring
         self._local = threading.local()
+
+    def stored(self, keys: Sequence[str]) -> list[str]:
+        """The keyed name each page key is stored under (a tenant's carries the tenant's stored tag)."""
+        return self.keyring.stored_names(keys)
+
+    def record_names(self, base: Any, skeys: Sequence[str], create: bool) -> list[str]:
+        """The record name of each stored page key: ``..._kvtier-<key id>``, the id of the tenant's current key,
+        so a page sealed under a key since destroyed has no record (a miss, rewritten by the next put); a
+        tenant without a key (never made, or erased) gets a name ending in ``NO_KEY`` that is never written."""
+        tags = [tenant_of(x) for x in skeys]
+        ids = dict(zip(set(tags), self.keyring.native.key_ids(list(set(tags)), create)))
+        return [f"{base(x)}_kvtier-{ids[t]}" if ids[t] is not None else f"{base(x)}{NO_KEY}"
+                for x, t in zip(skeys, tags)]
 
     def _buffer(self, need: int) -> HostBuffer:
         buf = getattr(self._local, "buf", None)
@@ -30,8 +49,9 @@ class SealedCopies:
 
     def seal(self, names: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int],
              tenants: Sequence[str | None]) -> tuple[list[int], bytes, list[bool]]:
-        """Sealed copies of the objects (``tenants``: each one's tenant tag, or None): their addresses in this
-        thread's scratch, their seals (``SEAL`` bytes each, concatenated) and per object whether it was sealed."""
+        """Sealed copies of the objects (``tenants``: each one's stored tenant tag, or None): their addresses in
+        this thread's scratch, their seals (``SEAL`` bytes each, concatenated) and per object whether it was
+        sealed."""
         buf = self._buffer(sum(sizes))
         dst, off = [], buf.ptr
         for n in sizes:

@@ -3,7 +3,8 @@ on top (``pip install 'kvtier[mooncake]'``; design and fault table: docs/CLUSTER
 
 Data objects are SGLang's: one K and one V object per page (one object for MLA) under SGLang's Mooncake keys
 ``{prefix}_{page hash}_{rank suffix}_k`` / ``_v``, byte for byte the pool's page, so a page written by a stock
-SGLang node (``--hicache-storage-backend mooncake``) and one written by kvtier are the same objects.
+SGLang node (``--hicache-storage-backend mooncake``) and one written by kvtier are the same objects. A sealed tier
+(``keyring``) names them by the keyring's keyed names of the page keys (:mod:`._mooncake_seal`).
 
 Integrity: beside each page kvtier writes a small **integrity record** ``{...}_{rank suffix}_kvtier`` *after* the
 data: the geometry fingerprint (model, dtype, layout, page size, layers, heads and dims, object sizes) and a
@@ -60,7 +61,8 @@ class MooncakeTier:
             on their size alone. Default False: they are misses.
         keyring: seal every data object (AES-256-GCM, a key per tenant; docs/SECURITY.md) with this
             :class:`kvtier.Keyring` or keyring directory. Sealed pages live under their own key prefix
-            (``kvtier-sealed-<keyring id>_...``), never SGLang's clear objects. ``None``: in clear.
+            (``kvtier-sealed-<keyring id>_...``), never SGLang's clear objects, and under the keyring's keyed
+            names of their page keys (no engine key, no tenant tag in the cluster). ``None``: in clear.
         tenant: a per-deployment tenant salt, as :class:`kvtier.PageStore`'s.
         kv_cache_dtype: as :class:`kvtier.PageStore` (fp8 caches held as ``uint8``).
         setup_timeout_s: how long construction may wait for the master.
@@ -199,32 +201,30 @@ class MooncakeTier:
             raise KvtierError("MooncakeTier: call register_mem_pool_host(pool) first")
         return self._objs
 
+    def _stored(self, keys: list[str]) -> list[str]:
+        """The name each page key is stored under: itself in clear, the keyring's keyed name sealed."""
+        return keys if self._seal is None else self._seal.stored(keys)
+
     def data_keys(self, key: str) -> list[str]:
-        """The Mooncake keys of one page's data objects (SGLang's names)."""
-        return self._map().data_keys(key)
+        """The Mooncake keys of one page's data objects (SGLang's names; sealed: of its keyed name)."""
+        return self._map().data_keys(self._stored([key])[0])
 
     def record_key(self, key: str) -> str:
         """The integrity record's key of a page in clear (a sealed page's also names its tenant key's id)."""
-        return f"{self._map().base(key)}_kvtier"
+        return f"{self._map().base(self._stored([key])[0])}_kvtier"
 
-    def _record_keys(self, keys: list[str], create: bool) -> list[str]:
-        """The record key of each page. Sealed: ``..._kvtier-<key id>``, the id of the tenant's current key,
-        so a page sealed under a key since destroyed has no record (a miss, rewritten by the next put); a
-        tenant without a key gets a name ending in ``NO_KEY`` that is never written."""
+    def _records(self, skeys: list[str], create: bool) -> list[str]:
+        """The record key of each stored page key (sealed: see ``SealedCopies.record_names``)."""
         if self._seal is None:
-            return [self.record_key(x) for x in keys]
-        tags = [tenant_of(x) for x in keys]
-        ids = dict(zip(set(tags), self._seal.keyring.native.key_ids(list(set(tags)), create)))
-        base = self._map().base
-        return [f"{base(x)}_kvtier-{ids[t]}" if ids[t] is not None else f"{base(x)}{NO_KEY}"
-                for x, t in zip(keys, tags)]
+            return [f"{self._map().base(x)}_kvtier" for x in skeys]
+        return self._seal.record_names(self._map().base, skeys, create)
 
     def _pages(self, keys: Sequence[str], host_indices: Any) -> tuple[PageObjects, list[str], np.ndarray]:
-        """The registered pages, and the checked page numbers of ``host_indices`` (whole, aligned, in-range
-        pages), before any IO."""
+        """The registered pages, their stored keys, and the checked page numbers of ``host_indices`` (whole,
+        aligned, in-range pages), before any IO."""
         if self._objs is None:
             raise KvtierError("MooncakeTier: call register_mem_pool_host(pool) first")
-        keys = scope_keys(self.tenant, _keys(keys))
+        keys = self._stored(scope_keys(self.tenant, _keys(keys)))
         return self._objs, keys, self._objs.pages(keys, host_indices)
 
     def _count(self, **kw: float) -> None:
@@ -252,7 +252,7 @@ class MooncakeTier:
         self._ranges.check(ptrs, sizes, False, "host_indices")
         k = len(m.sides)
         t0 = time.perf_counter()
-        recs = self._record_keys(keys, create=True)
+        recs = self._records(keys, create=True)
         exist = self._store.batch_is_exist(recs + names)
         nk = len(keys)
         ok = [False] * nk
@@ -376,7 +376,7 @@ class MooncakeTier:
         k, n_pages = len(m.sides), len(keys)
         t0 = time.perf_counter()
         rptr, rview = self._scratch.records(n_pages * m.slot)
-        rk = self._record_keys(keys, create=False)
+        rk = self._records(keys, create=False)
         rp, rs = [rptr + n * m.slot for n in range(n_pages)], [m.rec_bytes] * n_pages
         # records and data in one call (measured: splitting a batch to overlap checksums with the transfer
         # costs Mooncake more than it saves)
@@ -411,13 +411,13 @@ class MooncakeTier:
             return self._exists(keys)
 
     def _exists(self, keys: Sequence[str]) -> int:
-        keys = scope_keys(self.tenant, _keys(keys))
         m = self._map()
+        keys = self._stored(scope_keys(self.tenant, _keys(keys)))
         if not keys:
             return 0
         k = len(m.sides)
-        names = [n for x in keys for n in self.data_keys(x)]
-        exist = self._store.batch_is_exist(self._record_keys(keys, create=False) + names)
+        names = [n for x in keys for n in m.data_keys(x)]
+        exist = self._store.batch_is_exist(self._records(keys, create=False) + names)
         n = 0
         for i in range(len(keys)):
             data = all(e == 1 for e in exist[len(keys) + i * k: len(keys) + (i + 1) * k])
@@ -443,23 +443,27 @@ class MooncakeTier:
         """Remove pages (the record first, so a page stops counting before its data goes); returns how many
         pages had a record. Objects read in the last lease period cannot be removed yet (Mooncake's lease)."""
         with self._busy():
-            n = 0
-            keys = scope_keys(self.tenant, _keys(keys))
-            for key, rec in zip(keys, self._record_keys(keys, create=False)):
+            n, m = 0, self._map()
+            keys = self._stored(scope_keys(self.tenant, _keys(keys)))
+            for key, rec in zip(keys, self._records(keys, create=False)):
                 if self._store.remove(rec) == 0:
                     n += 1
-                for d in self.data_keys(key):
+                for d in m.data_keys(key):
                     self._store.remove(d)
             return n
 
     def erase_tenant(self, salt: str | None = None, *, tag: str | None = None) -> int:
         """Remove every object of one tenant (named by ``salt`` or ``tag``) from the whole cluster — every
-        model's and every node's, leased or not; returns the objects removed (Mooncake's count)."""
-        t = erase_tag(salt, tag)
+        model's and every node's, leased or not: its clear objects (named by its tag) and, with a keyring,
+        the objects sealed with that keyring (named by its stored tag); returns the objects removed
+        (Mooncake's count)."""
+        t, n = erase_tag(salt, tag), 0
         with self._busy():
-            n = int(self._store.remove_by_regex(f"_t{t}\\.", True))
-        if n < 0:
-            raise KvtierError(f"MooncakeTier: removing tenant {t}'s objects failed (Mooncake code {n})")
+            for name in [t] + ([self.keyring.stored_tag(tag=t)] if self.keyring is not None else []):
+                got = int(self._store.remove_by_regex(f"_t{name}\\.", True))
+                if got < 0:
+                    raise KvtierError(f"MooncakeTier: removing tenant {t}'s objects failed (Mooncake code {got})")
+                n += got
         return n
 
     def clear(self) -> None:
