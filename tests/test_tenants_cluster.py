@@ -1,8 +1,9 @@
 """Tenants in the Mooncake cluster tier (a real master and storage processes on 127.0.0.1): no hit across
 tenants and hits within one, sealed objects that hold no plaintext under names that show no engine key and no
-tenant, a damaged seal or a destroyed tenant key that is a counted miss never wrong bytes, another master key
-that finds nothing, an erased tenant that cannot write again until it is allowed, and erasure of one tenant's
-objects from the whole cluster. Loopback only; the cluster is stopped at the end."""
+tenant, a damaged seal, a destroyed tenant key or a record forged for another geometry that is a counted miss
+never wrong bytes, another master key that finds nothing, an erased tenant that cannot write again until it is
+allowed, and erasure of one tenant's objects from the whole cluster. Loopback only; the cluster is stopped at
+the end."""
 
 import struct
 import time
@@ -140,6 +141,38 @@ def test_a_sealed_cluster_shows_no_engine_key_and_no_tenant_and_erases_by_stored
         assert b.batch_exists(hana) == 0 and b.batch_exists(plain) == 2
         assert b.batch_get_v1(plain, pages_idx(range(2))) == [True] * 2
         assert all(same(src, 4 + i, dst, i) for i in range(2))
+
+
+def test_a_sealed_object_never_opens_under_a_record_forged_for_another_geometry(cluster, keyring):
+    """A record is only checksummed: whoever holds the cluster can write one naming any geometry. The seal
+    binds the geometry, so an object sealed for bfloat16 pages paired with a record forged for float16 pages
+    (the same object sizes and names) is a counted miss for a float16 reader, never bytes of another layout."""
+    keys = page_hashes(list(range(95000, 95000 + 2 * PS)), PS, salt="ines")
+    src, same_fp = make_pool(seed=71), make_pool(seed=72)
+    other = make_pool(seed=73, dtype=torch.float16)
+    with tier(cluster, src, keyring=keyring) as a, tier(cluster, same_fp, keyring=keyring) as a2, \
+            tier(cluster, other, keyring=keyring) as b:
+        assert a2.page_objects.fp == a.page_objects.fp
+        assert a.data_keys(keys[0]) == b.data_keys(keys[0])  # one object name for both geometries
+        assert a.page_objects.fp != b.page_objects.fp
+        assert a.batch_set_v1(keys, pages_idx(range(2))) == [True, True]
+        assert b.batch_get_v1(keys, pages_idx(range(2))) == [False, False]  # the record names A's geometry
+        assert b.get_stats()["stale"] == 2
+        rk = a._records(a._stored(keys), create=False)
+        s = a._store
+        for r in rk:  # forged: B's fingerprint, the record's own checksum fixed
+            raw = bytearray(s.get(r))
+            raw[HEAD.size - 8: HEAD.size] = b.page_objects.fp
+            raw[-4:] = struct.pack("<I", zlib.crc32(bytes(raw[:-4])) & 0xFFFFFFFF)
+            assert s.upsert(r, bytes(raw)) == 0
+        other.k_buffer.view(torch.uint8).fill_(0x5A)
+        assert b.batch_get_v1(keys, pages_idx(range(2))) == [False, False]
+        assert b.get_stats()["corrupt"] == 2
+        # the geometry the objects were sealed for opens them (rewritten with genuine records)
+        time.sleep(0.3)  # past the lease of B's reads
+        assert a.batch_set_v1(keys, pages_idx(range(2))) == [True, True]
+        assert a2.batch_get_v1(keys, pages_idx(range(4, 6))) == [True, True]
+        assert all(same(src, i, same_fp, 4 + i) for i in range(2))
 
 
 def test_the_erase_command_removes_a_tenant_from_the_cluster(cluster, keyring, tmp_path):

@@ -47,8 +47,12 @@ class PageObjects:
             f"|start_layer={getattr(pool, 'start_layer', 0)}|dtype={logical_dtype(pool, kv_cache_dtype)}"
             f"|layout={pool.layout}|page={pool.page_size}|layers={pool.layer_num}|{_heads(pool)}"
             f"|objects={layout[2]},{layout[5]}" + (f"|sealed={sealed}" if sealed is not None else ""))
+        digest = hashlib.sha256(self.fingerprint_text.encode())
         #: the first 8 bytes of the fingerprint's sha256: what every record of this geometry carries
-        self.fp = hashlib.sha256(self.fingerprint_text.encode()).digest()[:8]
+        self.fp = digest.digest()[:8]
+        #: what a sealed tier's seals authenticate before each object's name: the whole fingerprint's sha256
+        #: (a record is only checksummed, so a forged one could name any geometry; a seal cannot be forged)
+        self.aad = f"kvtier-mooncake-seal-v1:{digest.hexdigest()}"
 
     def base(self, key: str) -> str:
         """The name every object of the page ``key`` starts with."""

@@ -1,7 +1,8 @@
 """The cluster tier's encryption at rest (docs/SECURITY.md): a page's data objects are copied into registered
-scratch memory and sealed there (AES-256-GCM, the tenant's key, the object's full key as associated data)
-before Mooncake sends them; their seals travel in the page's integrity record; a read lands in the host pool
-and is opened in place once its record and checksums match. The host pool itself stays in clear.
+scratch memory and sealed there (AES-256-GCM, the tenant's key; associated data: the page geometry's
+fingerprint and the object's full name) before Mooncake sends them; their seals travel in the page's integrity
+record; a read lands in the host pool and is opened in place once its record and checksums match. The host pool
+itself stays in clear.
 
 Every object is named by the keyring's keyed name of its page key (:meth:`kvtier.Keyring.stored_names`), and
 sealed under its tenant's stored tag, so the cluster's object names show no engine key and no tenant tag to
@@ -40,6 +41,12 @@ class SealedCopies:
         return [f"{base(x)}_kvtier-{ids[t]}" if ids[t] is not None else f"{base(x)}{NO_KEY}"
                 for x, t in zip(skeys, tags)]
 
+    def _aad(self, names: Sequence[str]) -> list[str]:
+        """What each object's seal authenticates: the fingerprint of the page geometry, then its name (an
+        object sealed under one geometry never opens under another, whatever record is paired with it)."""
+        fp = self._tier.page_objects.aad
+        return [f"{fp}\0{n}" for n in names]
+
     def _buffer(self, need: int) -> HostBuffer:
         buf = getattr(self._local, "buf", None)
         if buf is None or buf.nbytes < need:
@@ -57,12 +64,13 @@ class SealedCopies:
         for n in sizes:
             dst.append(off)
             off += n
-        seals, ok = self.keyring.native.seal_into(self._tier.ranges, list(zip(names, ptrs, sizes, tenants)), dst)
+        seals, ok = self.keyring.native.seal_into(self._tier.ranges, list(zip(self._aad(names), ptrs, sizes, tenants)),
+                                                  dst)
         return dst, bytes(seals), list(ok)
 
     def open(self, names: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int], tenants: Sequence[str | None],
              seals: bytes) -> list[bool]:
         """Opens objects read into the host pool, in place; per object whether its tag verified."""
         assert len(seals) == SEAL * len(names)
-        return list(self.keyring.native.open_in_place(self._tier.ranges, list(zip(names, ptrs, sizes, tenants)),
-                                                       seals))
+        return list(self.keyring.native.open_in_place(self._tier.ranges,
+                                                       list(zip(self._aad(names), ptrs, sizes, tenants)), seals))
