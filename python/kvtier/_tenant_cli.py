@@ -58,7 +58,7 @@ def _tag_of(args: argparse.Namespace) -> str:
                     salt = f.readline()
         except OSError as exc:
             raise KvtierError(f"--tenant-file: {exc}") from exc
-        salt = salt.rstrip("\r\n")
+        salt = salt.removeprefix("\ufeff").rstrip("\r\n")  # an editor's byte-order mark is not the salt
         if not salt:
             raise KvtierError("--tenant-file: the first line is empty: it must hold the tenant's salt")
         return erase_tag(salt, None)
@@ -188,7 +188,8 @@ def cmd_erase(args: argparse.Namespace) -> int:
     todo, kept = _plan_disk(args.path, kr) if args.path else ([], [])
     counts = {t["dir"]: _count(args.path, t["namespace"], kr if t["sealed"] else None, tag) for t in todo}
     cluster = _open_cluster(args.cluster, kr) if args.cluster else None
-    print(f"tenant {tag}")
+    # with a keyring, its keyed tag: the plain tag is a function of the salt, worth nothing in a log
+    print(f"tenant {kr.stored_tag(tag=tag)} (keyed tag)" if kr is not None else f"tenant {tag}")
     for why in kept:
         print(f"kept {why}")
     try:
@@ -209,21 +210,30 @@ def cmd_erase(args: argparse.Namespace) -> int:
             print("(nothing erased: add --yes to erase)")
             return 1 if kept else 0
         # the keyring first: from here on no process sharing it seals or opens the tenant's pages
-        if kr is not None:
-            had = kr.erase(tag=tag)
-            print(f"keyring {kr.path}: tenant erased (its key {'destroyed' if had else 'was not there'}; no new "
-                  "one until `kvtier keys allow`)")
-        total = 0
-        for t in todo:
-            n = _erase_namespace(args.path, t["namespace"], kr if t["sealed"] else None, tag)
-            total += n
-            if n:
-                print(f"erased {n} object(s) in {t['dir']} ({t['namespace']}): bytes overwritten, names "
-                      "compacted out of the journal")
-        if args.path:
-            print(f"{args.path}: {total} object(s) of the tenant erased")
-        if cluster is not None:
-            print(f"cluster {args.cluster}: {cluster.erase_tenant(tag=tag)} object(s) removed")
+        left = [f"namespace {t['dir']}" for t in todo] + ([f"the cluster at {args.cluster}"] if cluster else [])
+        try:
+            if kr is not None:
+                had = kr.erase(tag=tag)
+                print(f"keyring {kr.path}: tenant erased (its key {'destroyed' if had else 'was not there'}; no "
+                      "new one until `kvtier keys allow`)")
+            total = 0
+            for t in todo:
+                n = _erase_namespace(args.path, t["namespace"], kr if t["sealed"] else None, tag)
+                left.remove(f"namespace {t['dir']}")
+                total += n
+                if n:
+                    print(f"erased {n} object(s) in {t['dir']} ({t['namespace']}): bytes overwritten, names "
+                          "compacted out of the journal")
+            if args.path:
+                print(f"{args.path}: {total} object(s) of the tenant erased")
+            if cluster is not None:
+                print(f"cluster {args.cluster}: {cluster.erase_tenant(tag=tag)} object(s) removed")
+                left.pop()
+        except BaseException:
+            if left:  # say exactly what this erase did not reach; running it again finishes it
+                print("not erased (stopped before): " + "; ".join(left) + ". Run the same command again to "
+                      "finish", file=sys.stderr)
+            raise
     finally:
         if cluster is not None:
             cluster.close()

@@ -46,12 +46,13 @@ class _HostPage:
     event: Any = None  # CUDA event of the backup, until it is seen complete
     hits: int = 0
     in_store: bool = False
+    erased: bool = False  # its tenant was erased while the page was held: never a hit again, wiped when freed
 
     @property
     def usable(self) -> bool:
         """Its bytes are there, or on their way on a stream a load can follow (a backup in flight); not a
-        page whose store read is in flight, or whose backup is not issued yet."""
-        return self.ready or self.event is not None
+        page whose store read is in flight, whose backup is not issued yet, or whose tenant was erased."""
+        return not self.erased and (self.ready or self.event is not None)
 
 
 @dataclass
@@ -117,15 +118,12 @@ class TierController(RestorePlanning):
         if store is not None:
             bound = getattr(store, "pool", None)
             if bound is None:
-                raise InvalidArgumentError(
-                    "invalid argument `store`: it has no host pool; call store.register_mem_pool_host(host_pool) "
-                    "before building the TierController"
-                )
+                raise InvalidArgumentError("invalid argument `store`: it has no host pool; call store."
+                                           "register_mem_pool_host(host_pool) before building the TierController")
             if bound is not host_pool:
-                raise InvalidArgumentError(
-                    "invalid argument `store`: it is registered with another host pool than `host_pool`; its "
-                    "batches would read and write that pool's memory at this pool's indices"
-                )
+                raise InvalidArgumentError("invalid argument `store`: it is registered with another host pool than "
+                                           "`host_pool`; its batches would read and write that pool's memory at "
+                                           "this pool's indices")
         self.device_pool, self.host, self.store = device_pool, host_pool, store
         self.io_backend, self.write_policy, self.hit_threshold = io_backend, write_policy, hit_threshold
         self.ps = host_pool.page_size
@@ -173,6 +171,8 @@ class TierController(RestorePlanning):
             self.stats.spills += sum(ok)
         # out of the index only now: a Ctrl-C during the spill leaves the page indexed and its memory held
         del self.pages[key]
+        if pg.erased and (wipe := getattr(self.host, "wipe", None)) is not None:
+            wipe(self._slots([pg.start]))  # an erased tenant's page keeps none of its KV once freed
         self.host.free(self._slots([pg.start]))
         self.stats.host_evictions += 1
 
@@ -324,10 +324,8 @@ class TierController(RestorePlanning):
             self._poll_locked()
             missing = [k for k in keys if k not in self.pages or not self.pages[k].usable]
             if missing:
-                raise InvalidArgumentError(
-                    f"invalid argument `page_keys`: {len(missing)} page(s) are not on the host (or still being "
-                    "read from the store: wait for the prefetch)"
-                )
+                raise InvalidArgumentError(f"invalid argument `page_keys`: {len(missing)} page(s) are not on the host "
+                                           "(or still being read from the store: wait for the prefetch)")
             events = [self.pages[k].event for k in keys if self.pages[k].event is not None]
             for k in keys:
                 pg = self.pages[k]
@@ -435,7 +433,7 @@ class TierController(RestorePlanning):
             starts = []
             for k in page_keys:
                 pg = self.pages.get(k)
-                if pg is None or not (pg.ready or pg.event is not None):  # absent, or a store read in flight
+                if pg is None or not pg.usable:  # absent, a store read in flight, or its tenant erased
                     break
                 pg.refs += 1
                 pg.hits += 1
@@ -450,13 +448,15 @@ class TierController(RestorePlanning):
                 pg = self.pages.get(k)
                 if pg is not None and pg.refs > 0:
                     pg.refs -= 1
+                    if pg.erased and pg.refs == 0 and pg.ready:
+                        self._evict_locked(k)  # the last hold of an erased tenant's page: wiped and freed now
 
     def erase_tenant(self, salt: str | None = None, *, tag: str | None = None) -> dict[str, int]:
         """Remove one tenant's pages (keys from :func:`kvtier.page_hashes` with ``salt``; named by ``salt``
         or ``tag``) from the host tier (after the writes in flight; never spilled) and from the store (its
-        ``erase_tenant``). Returns ``{"host": pages freed, "host_in_use": pages the engine still holds
-        (acquired: never written to the store again, freed by their eviction or a later erase), "store": pages (or
-        objects) the store removed}``."""
+        ``erase_tenant``). Returns ``{"host": pages freed, "host_in_use": pages the engine still holds (acquired:
+        never a hit or a store write again; wiped and freed at their last release), "store": pages (or objects)
+        the store removed}``."""
         t = erase_tag(salt, tag)
         self.wait_idle()
         freed = in_use = 0
@@ -466,7 +466,7 @@ class TierController(RestorePlanning):
                 pg = self.pages[k]
                 if pg.refs or not pg.ready:
                     in_use += 1
-                    pg.in_store = True  # never spilled to the store after this erase (write_back)
+                    pg.in_store = pg.erased = True  # never spilled (write_back), never a hit, wiped when freed
                     continue
                 del self.pages[k]
                 slots = self._slots([pg.start])

@@ -159,6 +159,7 @@ class PageStore:
         self._next_try = 0.0
         self._closed = False
         self._lock = threading.Lock()
+        self._erased_tags: set[str] = set()  # tenants erased through this store: refused again after a reopen
         #: batch latency histograms ("write": until durable, "read": until verified), for kvtier.metrics
         self.latency = {"write": LatencyHistogram(), "read": LatencyHistogram()}
         self.probe_bytes = probe_bytes
@@ -304,6 +305,8 @@ class PageStore:
             for t in tensors:
                 native.register_tensor(t)
             native.bind_pages(*bind)
+            for t in sorted(self._erased_tags):  # a tenant erased through this store stays refused here
+                native.erase_tenant(t)
         except BaseException:
             native.close()
             raise
@@ -410,15 +413,22 @@ class PageStore:
         :meth:`allow_tenant`. Returns the pages erased (0 for a read-only store: its writer erases). With a
         keyring, :meth:`kvtier.Keyring.erase` also destroys the tenant's key and keeps it erased in every
         process sharing the keyring (``kvtier erase`` does both, for every namespace)."""
+        store = self._reader_store()  # registration first, then the arguments
         t = erase_tag(salt, tag)
-        if self.read_only:
+        if self.read_only or store is None:
             return 0  # a reader erases nothing: the namespace's writer does
-        objects = int(self.native_store().erase_tenant(t))
+        objects = int(store.erase_tenant(t))
+        with self._lock:
+            self._erased_tags.add(t)
         return -(-objects // self.page_kinds)
 
     def allow_tenant(self, salt: str | None = None, *, tag: str | None = None) -> bool:
         """Let a tenant erased through this store put pages again; whether it was erased here."""
-        return bool(self.native_store().allow_tenant(erase_tag(salt, tag)))
+        store = self.native_store()
+        t = erase_tag(salt, tag)
+        with self._lock:
+            self._erased_tags.discard(t)
+        return bool(store.allow_tenant(t))
 
     def clear(self) -> None:
         """Delete every page of this namespace."""

@@ -30,13 +30,24 @@ from ._errors import InvalidArgumentError
 def _salt(salt: Any) -> str:
     if not isinstance(salt, str) or not salt:
         raise InvalidArgumentError(f"invalid argument `salt`: a non-empty string, got {salt!r}")
+    try:
+        salt.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidArgumentError("invalid argument `salt`: not valid Unicode text (a lone surrogate); a salt "
+                                   "is text, read from a file as UTF-8") from None
     return salt
 
 
-def _key_list(keys: Sequence[str]) -> list[str]:
-    if isinstance(keys, str) or not all(isinstance(k, str) for k in keys):
-        raise InvalidArgumentError("invalid argument `keys`: a sequence of str")
+def _key_list(keys: Any) -> list[str]:
+    if isinstance(keys, (str, bytes)) or not isinstance(keys, Sequence) or not all(isinstance(k, str) for k in keys):
+        raise InvalidArgumentError(f"invalid argument `keys`: a sequence of str, got {type(keys).__name__}")
     return list(keys)
+
+
+def _dir(path: Any) -> str:
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+        raise InvalidArgumentError(f"invalid argument `keyring`: a keyring directory, got {path!r}")
+    return os.fspath(path)
 
 
 def tenant_tag(salt: str) -> str:
@@ -51,6 +62,8 @@ def tenant_keys(salt: str, keys: Sequence[str]) -> list[str]:
 
 def tenant_of(key: str) -> str | None:
     """The tenant tag ``key`` carries, or None (a key of no tenant)."""
+    if not isinstance(key, str):
+        raise InvalidArgumentError(f"invalid argument `key`: a str, got {type(key).__name__}")
     return _native.tenant_of(key)
 
 
@@ -79,15 +92,13 @@ class Keyring:
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
-        if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
-            raise InvalidArgumentError(f"invalid argument `keyring`: a keyring directory, got {path!r}")
-        self.path = os.fspath(path)
+        self.path = _dir(path)
         self._native = _native.Keyring(self.path)
 
     @classmethod
     def init(cls, path: str | os.PathLike[str]) -> Keyring:
         """Create a keyring directory with a new random master key (never overwrites one) and open it."""
-        _native.Keyring.init(os.fspath(path))
+        _native.Keyring.init(_dir(path))
         return cls(path)
 
     @property
