@@ -261,7 +261,10 @@ def plan_restore(
             kvtier did before planning) and predicts nothing.
         can_split: the engine can recompute the head of the prefix while its tail loads (two forwards).
         margin: a plan that reuses stored pages must be predicted at least this fraction faster than the
-            best plan without them, so a close call never makes time to first token worse.
+            best plan without them, so a close call never makes time to first token worse. Each kind of plan is
+            scored by its predicted time over ``1 - margin`` (``1 - split_margin`` for a split, 1 for the
+            others) and the lowest score wins; any leading part of the cached pages may be used, so one more
+            cached page never raises the winning score.
         split_margin: a split (a second forward, IO beside compute) must be predicted at least this fraction
             faster than the best plan without one (on the H200 a split ran 3-21% over its prediction while
             every other kind stayed within 10%).
@@ -289,6 +292,12 @@ def plan_restore(
         raise InvalidArgumentError(f"invalid argument `trail_margin`: must be a number >= 0, got {trail_margin!r}")
     if isinstance(host_pages, bool) or not isinstance(host_pages, int) or host_pages < 0:
         raise InvalidArgumentError(f"invalid argument `host_pages`: must be an int >= 0, got {host_pages!r}")
+    for name, est in dict(tiers or {}).items():  # a rate or a latency that is no figure is refused, never planned
+        rate, lat = getattr(est, "read_GBps", None), getattr(est, "read_latency_s", None)
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+                   for v in (rate, lat)):
+            raise InvalidArgumentError(f"invalid argument `tiers`: tier {name!r} has read_GBps {rate!r} and "
+                                       f"read_latency_s {lat!r}; each must be a finite number >= 0 (0 GB/s: unknown)")
     segs = [(str(n), int(p)) for n, p in store_segments if int(p) > 0]
     if any(p < 0 for _, p in store_segments):
         raise InvalidArgumentError(f"invalid argument `store_segments`: negative page counts in {store_segments!r}")
@@ -314,15 +323,20 @@ def plan_restore(
 
     recompute = float(P(N, 0.0))
     seen = {"recompute": recompute}
-    best = full("recompute", 0, 0, 0, recompute, recompute)
-    if h:
-        t = seen["host"] = float(P(N - h * ps, h * ps))
-        if t < recompute:
-            best = full("host", h, h, h, t, recompute)
-    m = cached - h
-    if m <= 0:
+    # each kind's best plan, and its score: the predicted time, over (1 - margin) for the kinds that need one
+    plans, score = {"recompute": full("recompute", 0, 0, 0, recompute, recompute)}, {"recompute": recompute}
+
+    def chosen() -> RestorePlan:
+        best = plans[min(score, key=lambda kind: score[kind])]
         best.candidates = seen
         return best
+
+    if h:
+        t = seen["host"] = score["host"] = float(P(N - h * ps, h * ps))
+        plans["host"] = full("host", h, h, h, t, recompute)
+    m = cached - h
+    if m <= 0:
+        return chosen()
     # pages h .. cached-1 by tier: per tier, how many of the first p pages it holds (p = 0 .. m)
     owner = np.concatenate([np.full(n, ti) for ti, (_, n) in enumerate(segs)])
     cum, fixed, per_page = [], [], []
@@ -341,7 +355,6 @@ def plan_restore(
             total = total + np.where(cnt > 0, lat, 0.0) + cnt * pp
         return total
 
-    floor = best.predicted_s  # the best plan without the store
     # load [h, h + p) and compute the rest (p < m: stop before a slow tier late in the run)
     p = np.arange(1, m + 1)
     # loading more of the prefix never makes the rest of the forward slower (a fitted model of noisy timings can
@@ -360,26 +373,31 @@ def plan_restore(
     t = np.maximum(read(0, p), host) + rest - host
     best_t = float(np.min(t))
     i = int(np.nonzero(t <= best_t + max(0.01 * best_t, 1e-9))[0][-1])
-    seen["load"] = float(t[i])
-    if t[i] < floor * (1.0 - margin):  # type: ignore[operator]
-        best = full("load", h, h, h + int(p[i]), float(t[i]), recompute)
-    if can_split and m > max(1, split_step):  # recompute the head [h, h + p) while the tail [h + p, cached) loads
-        floor = best.predicted_s
-        p = np.arange(max(1, split_step), m, max(1, split_step))
-        rest_t = float(P(N - cached * ps, cached * ps))
-        host_t = float(hidden(rest_t))
-        head_t, read_t = P(p * ps, h * ps), read(p, m)
-        if trail and overlap and host_t > 0:  # the rest trails the head: after a head that ends last it is free
-            t = np.maximum(np.maximum(head_t, read_t + rest_t - host_t), 2 * host_t)
-            i = int(np.argmin(np.maximum(np.maximum(head_t, read_t * (1.0 + trail_margin) + rest_t - host_t), 2 * host_t)))
+    seen["load"], score["load"] = best_t, best_t / (1.0 - margin)
+    plans["load"] = full("load", h, h, h + int(p[i]), float(t[i]), recompute)
+    step = max(1, split_step)
+    if can_split and m > step:  # recompute the head [h, h + p) while the tail [h + p, h + k) loads
+        # the tail may end at any page after the head's end (so one more cached page never makes the best plan
+        # worse: every plan of fewer pages is still a candidate)
+        p, k = np.arange(step, m, step)[:, None], np.arange(step + 1, m + 1)[None, :]
+        rest_t = np.minimum.accumulate(np.broadcast_to(P(N - (h + k) * ps, (h + k) * ps), k.shape), axis=1)
+        host_t = hidden(rest_t)
+        head_t, read_t = P(p * ps, h * ps), read(p, np.maximum(k, p))
+        never = np.where(k > p, 0.0, np.inf)  # a tail of no page is no split
+        if trail and overlap and a > 0:  # the rest trails the head: after a head that ends last it is free
+            t = np.maximum(np.maximum(head_t, read_t + rest_t - host_t), 2 * host_t) + never
+            pick = np.maximum(np.maximum(head_t, read_t * (1.0 + trail_margin) + rest_t - host_t), 2 * host_t) + never
+            pick = np.where(host_t > 0, pick, np.maximum(np.maximum(head_t, read_t), 2 * host_t) + rest_t - host_t + never)
+            t = np.where(host_t > 0, t, pick)
         else:
-            t = np.maximum(np.maximum(head_t, read_t), 2 * host_t) + rest_t - host_t
-            i = int(np.argmin(t))
-        seen["split"] = float(t[i])
-        if t[i] < floor * (1.0 - split_margin):  # type: ignore[operator]
-            best = full("split", h, h + int(p[i]), cached, float(t[i]), recompute)
-    best.candidates = seen
-    return best
+            t = pick = np.maximum(np.maximum(head_t, read_t), 2 * host_t) + rest_t - host_t + never
+        # among equal picks, the least recomputed (the longest tail), then the tail ending latest
+        tied = pick <= float(np.min(pick)) * (1 + 1e-9) + 1e-12
+        i, j = np.unravel_index(int(np.argmax(np.where(tied, (k - p) * (m + 1) + k, -1))), pick.shape)
+        seen["split"] = float(t[i, j])
+        score["split"] = float(t[i, j]) / (1.0 - split_margin)
+        plans["split"] = full("split", h, h + int(p[i, 0]), h + int(k[0, j]), float(t[i, j]), recompute)
+    return chosen()
 
 
 class PlannerStats:
