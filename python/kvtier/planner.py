@@ -292,8 +292,8 @@ def plan_restore(
         raise InvalidArgumentError(f"invalid argument `trail_margin`: must be a number >= 0, got {trail_margin!r}")
     if isinstance(host_pages, bool) or not isinstance(host_pages, int) or host_pages < 0:
         raise InvalidArgumentError(f"invalid argument `host_pages`: must be an int >= 0, got {host_pages!r}")
-    for name, est in dict(tiers or {}).items():  # a rate or a latency that is no figure is refused, never planned
-        rate, lat = getattr(est, "read_GBps", None), getattr(est, "read_latency_s", None)
+    for name, figure in dict(tiers or {}).items():  # a rate or a latency that is no figure is refused, never planned
+        rate, lat = getattr(figure, "read_GBps", None), getattr(figure, "read_latency_s", None)
         if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
                    for v in (rate, lat)):
             raise InvalidArgumentError(f"invalid argument `tiers`: tier {name!r} has read_GBps {rate!r} and "
@@ -393,10 +393,10 @@ def plan_restore(
             t = pick = np.maximum(np.maximum(head_t, read_t), 2 * host_t) + rest_t - host_t + never
         # among equal picks, the least recomputed (the longest tail), then the tail ending latest
         tied = pick <= float(np.min(pick)) * (1 + 1e-9) + 1e-12
-        i, j = np.unravel_index(int(np.argmax(np.where(tied, (k - p) * (m + 1) + k, -1))), pick.shape)
-        seen["split"] = float(t[i, j])
-        score["split"] = float(t[i, j]) / (1.0 - split_margin)
-        plans["split"] = full("split", h, h + int(p[i, 0]), h + int(k[0, j]), float(t[i, j]), recompute)
+        hi, ki = (int(x) for x in np.unravel_index(int(np.argmax(np.where(tied, (k - p) * (m + 1) + k, -1))), pick.shape))
+        seen["split"] = float(t[hi, ki])
+        score["split"] = float(t[hi, ki]) / (1.0 - split_margin)
+        plans["split"] = full("split", h, h + int(p[hi, 0]), h + int(k[0, ki]), float(t[hi, ki]), recompute)
     return chosen()
 
 
