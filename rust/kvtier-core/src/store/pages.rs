@@ -4,6 +4,8 @@
 
 use std::sync::{Condvar, Mutex, RwLock};
 
+use super::index::{Entry, Index};
+use super::seal_io::SealKeys;
 use super::Shared;
 use crate::error::{Error, Result};
 
@@ -255,8 +257,8 @@ impl Shared {
 
     /// Stores whole pages from the bound pool; per key, whether its K and V objects are both durably
     /// stored. IO errors are results, never raised. A page that got only one of its objects keeps it: it
-    /// is a miss until a later put of the page supplies the other (deleting it here could delete the half
-    /// another thread's concurrent put of the same page relies on), and eviction takes both together.
+    /// is a miss until a later put writes the page again, whole (both objects, in one commit: never a new
+    /// K beside an old V), and eviction takes both together.
     pub fn put_pages(&self, batch: &PageBatch<'_>) -> Result<Vec<bool>> {
         self.page_io(batch, false, None)
     }
@@ -350,7 +352,7 @@ impl Shared {
             unsafe { self.get(&objs) }?
         } else {
             // SAFETY: live sources in the bound pool that no batch of this store writes meanwhile.
-            unsafe { self.put(&objs) }?
+            unsafe { self.put_whole(&objs, per) }?
         };
         Ok(ok.chunks_exact(per).map(|p| p.iter().all(|&x| x)).collect())
     }
@@ -387,4 +389,32 @@ impl Shared {
         self.delete(&refs)?;
         Ok(had)
     }
+}
+
+/// Per object of `objs` (pages of `per` consecutive objects), whether it is stored and servable as it is:
+/// only when every object of its page is (a page is its objects written together: one that holds only some
+/// of them is written whole, never a new K beside an old V). An object stored in clear never stands for a
+/// sealed one, nor the reverse, nor one sealed under a tenant key since destroyed for one under its current
+/// key.
+pub(super) fn stored_pages(
+    ix: &Index,
+    objs: &[(&str, usize, u64)],
+    per: usize,
+    keys: Option<&SealKeys>,
+) -> Vec<bool> {
+    let current = |k: &str, e: &Entry| match keys {
+        Some(keys) => keys.current(k, e.seal.as_deref()),
+        None => e.seal.is_none(),
+    };
+    let mut have: Vec<bool> = objs
+        .iter()
+        .map(|o| ix.get(o.0).is_some_and(|e| current(o.0, e)))
+        .collect();
+    if per > 1 && objs.len().is_multiple_of(per) {
+        for page in have.chunks_exact_mut(per) {
+            let whole = page.iter().all(|&x| x);
+            page.fill(whole);
+        }
+    }
+    have
 }

@@ -434,3 +434,68 @@ fn full_store_edge_cases_from_review() {
     drop(ix);
     std::fs::remove_dir_all(root).unwrap();
 }
+
+/// A page is its K and V written together: a page that lost one half (dropped as corrupt, deleted, a put
+/// that failed half way) and is then put again from other bytes (KV of the same tokens computed again) reads
+/// back as the new K and the new V, never the new K beside the old V.
+#[test]
+fn a_page_put_again_after_losing_one_half_is_written_whole() {
+    let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let root = tmp();
+    let pool = payload(16, 8192, 41); // 8 pages: K 8 KiB at 0.., V 4 KiB at 64 KiB..
+    let base = pool.as_ptr() as usize;
+    let s = PageStore::open(&root, "ns", opts(1 << 30)).unwrap();
+    let layout = PageLayout {
+        k_base: base,
+        k_stride: 8192,
+        k_len: 8192,
+        v_base: base + 65536,
+        v_stride: 4096,
+        v_len: 4096,
+        page_tokens: 4,
+        pages: 8,
+    };
+    // SAFETY: every page's K (8 KiB) and V (4 KiB) lie inside `pool` (128 KiB), alive for the test.
+    unsafe { s.bind_pages(layout) }.unwrap();
+    let keys: Vec<String> = vec!["x".into()];
+    let at = |page: i64| -> Vec<i64> { (4 * page..4 * page + 4).collect() };
+    let (first, again, back) = (at(1), at(2), at(3)); // page 1 first, page 2 "recomputed", read into page 3
+    let put = |idx: &[i64]| {
+        s.put_pages(&PageBatch {
+            keys: &keys,
+            host_indices: idx,
+        })
+        .unwrap()
+    };
+    let get = |idx: &[i64]| {
+        s.get_pages(&PageBatch {
+            keys: &keys,
+            host_indices: idx,
+        })
+        .unwrap()
+    };
+    for lost in ["x.k", "x.v"] {
+        assert_eq!(put(&first), vec![true]);
+        assert_eq!(s.delete(&[lost]).unwrap(), 1);
+        assert_eq!(get(&back), vec![false], "half a page is a miss");
+        assert_eq!(put(&again), vec![true]);
+        assert_eq!(get(&back), vec![true]);
+        assert_eq!(
+            bytes_at(&pool, 3 * 8192, 8192),
+            bytes_at(&pool, 2 * 8192, 8192),
+            "K of the second put ({lost} lost)"
+        );
+        assert_eq!(
+            bytes_at(&pool, 65536 + 3 * 4096, 4096),
+            bytes_at(&pool, 65536 + 2 * 4096, 4096),
+            "V of the second put ({lost} lost): never the first put's beside the second's K"
+        );
+        assert_eq!(s.delete(&["x.k", "x.v"]).unwrap(), 2);
+    }
+    // a whole page stored stays as it is (keys name content): a put of other bytes is acknowledged, not written
+    assert_eq!(put(&first), vec![true]);
+    let written = s.stats.bytes_written.load(Ordering::Relaxed);
+    assert_eq!(put(&again), vec![true]);
+    assert_eq!(s.stats.bytes_written.load(Ordering::Relaxed), written);
+    std::fs::remove_dir_all(root).unwrap();
+}

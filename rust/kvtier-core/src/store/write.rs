@@ -9,6 +9,7 @@ use super::commit::PutItem;
 use super::files::ClassFile;
 use super::index::put_journal_cost;
 use super::journal::Placement;
+use super::pages::stored_pages;
 use super::seal_io::renamed;
 use super::seal_io::{Aligned, SealKeys};
 use super::stats::phase;
@@ -40,19 +41,33 @@ impl Shared {
     /// # Safety
     /// Each `[ptr, ptr+len)` must be readable memory that stays alive and unmodified during the call.
     pub unsafe fn put(&self, objs: &[(&str, usize, u64)]) -> Result<Vec<bool>> {
+        // SAFETY: the caller's guarantee, passed on.
+        unsafe { self.put_whole(objs, 1) }
+    }
+
+    /// [`Shared::put`] of pages of `per` consecutive objects each, every page written whole (see `reserve`).
+    ///
+    /// # Safety
+    /// As [`Shared::put`].
+    pub(super) unsafe fn put_whole(
+        &self,
+        objs: &[(&str, usize, u64)],
+        per: usize,
+    ) -> Result<Vec<bool>> {
         let stored = self.stored_names(objs.iter().map(|o| o.0), true)?;
         let renamed = stored.as_deref().map(|n| renamed(objs, n));
         let objs = renamed.as_deref().unwrap_or(objs);
         // SAFETY: the caller's guarantee, passed on (renaming keeps every range; the admitted objects are a
         // subset of the caller's ranges).
-        self.admitted(objs, |kept| unsafe { self.put_stored(kept) })
+        // (an erased tenant's refused objects are whole pages: a page's objects carry one tenant)
+        self.admitted(objs, |kept| unsafe { self.put_stored(kept, per) })
     }
 
     /// [`Shared::put`] of objects named as the store keeps them.
     ///
     /// # Safety
     /// As [`Shared::put`].
-    unsafe fn put_stored(&self, objs: &[(&str, usize, u64)]) -> Result<Vec<bool>> {
+    unsafe fn put_stored(&self, objs: &[(&str, usize, u64)], per: usize) -> Result<Vec<bool>> {
         let t0 = std::time::Instant::now();
         let mut t = t0;
         for (k, _, len) in objs {
@@ -85,7 +100,7 @@ impl Shared {
         self.keep_to_limit();
         self.stats.lap(phase::KEEP, &mut t);
         let mut dups = Vec::new();
-        let plan = self.reserve(objs, &enc.coded, keys.as_ref(), &mut ok, &mut dups);
+        let plan = self.reserve(objs, per, &enc.coded, keys.as_ref(), &mut ok, &mut dups);
         self.stats.lap(phase::RESERVE, &mut t);
         // A running compaction's step goes to the background thread now, to overlap this batch's IO
         // (docs/STORE.md, "put", step 8); the batch never waits for it (joined at the batch's end, it made
@@ -176,10 +191,12 @@ impl Shared {
     }
 
     /// Step 2–3: a slot for every object that is not already stored, making room as needed. Objects that
-    /// cannot get one are counted as failures (their `ok` stays false).
+    /// cannot get one are counted as failures (their `ok` stays false). A page of `per` objects holding
+    /// only some of them is written whole ([`stored_pages`]: KV of the same tokens can differ between runs).
     fn reserve(
         &self,
         objs: &[(&str, usize, u64)],
+        per: usize,
         coded: &[Option<u64>],
         keys: Option<&SealKeys>,
         ok: &mut [bool],
@@ -189,6 +206,7 @@ impl Shared {
         let sealed = keys.is_some();
         {
             let mut ix = self.lock_index();
+            let have = stored_pages(&ix, objs, per, keys);
             let mut first: HashMap<&str, usize> = HashMap::new();
             for (i, (k, _, len)) in objs.iter().enumerate() {
                 if let Some(&f) = first.get(k) {
@@ -198,13 +216,7 @@ impl Shared {
                     continue;
                 }
                 first.insert(k, i);
-                // (an object stored in clear never stands for a sealed one, nor the reverse, nor one sealed
-                // under a tenant key since destroyed for one under its current key)
-                let current = |e: &super::index::Entry| match keys {
-                    Some(keys) => keys.current(k, e.seal.as_deref()),
-                    None => e.seal.is_none(),
-                };
-                if ix.get(k).is_some_and(current) {
+                if have[i] {
                     ix.touch(k);
                     ok[i] = true;
                     continue;
