@@ -14,6 +14,7 @@
 //! - `open`: opening a namespace (options, the O_DIRECT probe, the journal read and its torn tail);
 //! - `recovery`: replay at open; [`stats`]: counters and the open report.
 
+mod allocate;
 mod budget;
 mod capacity;
 mod commit;

@@ -418,3 +418,25 @@ pub(super) fn stored_pages(
     }
     have
 }
+
+/// Indices of objects written (`written`) whose page (`per` consecutive objects) is not written whole: some
+/// other object of it was to be written (not already stored: `stored` false) and was not. Empty for pages of
+/// one object.
+pub(super) fn torn_pages(
+    written: impl Iterator<Item = usize>,
+    stored: &[bool],
+    per: usize,
+) -> std::collections::HashSet<usize> {
+    let written: std::collections::HashSet<usize> = written.collect();
+    if per <= 1 || !stored.len().is_multiple_of(per) {
+        return Default::default();
+    }
+    let mut torn = std::collections::HashSet::new();
+    for page in (0..stored.len()).step_by(per) {
+        let objs = page..page + per;
+        if objs.clone().any(|i| !stored[i] && !written.contains(&i)) {
+            torn.extend(objs.filter(|i| written.contains(i)));
+        }
+    }
+    torn
+}

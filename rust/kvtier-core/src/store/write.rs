@@ -9,7 +9,7 @@ use super::commit::PutItem;
 use super::files::ClassFile;
 use super::index::put_journal_cost;
 use super::journal::Placement;
-use super::pages::stored_pages;
+use super::pages::{stored_pages, torn_pages};
 use super::seal_io::renamed;
 use super::seal_io::{Aligned, SealKeys};
 use super::stats::phase;
@@ -25,12 +25,12 @@ const MAX_ROUNDS: usize = 256;
 /// A planned object: index into the batch, size class, slot, whether its blocks must be allocated, and
 /// the journal bytes it has pending.
 #[derive(Clone, Copy)]
-struct Slot {
-    i: usize,
-    class: u32,
-    slot: u32,
-    grow: bool,
-    journal: u64,
+pub(super) struct Slot {
+    pub(super) i: usize,
+    pub(super) class: u32,
+    pub(super) slot: u32,
+    pub(super) grow: bool,
+    pub(super) journal: u64,
 }
 
 impl Shared {
@@ -106,7 +106,7 @@ impl Shared {
         // (docs/STORE.md, "put", step 8); the batch never waits for it (joined at the batch's end, it made
         // batches wait 221-344 ms at load: the walk's CPU).
         self.step_in_background();
-        self.put_rest(objs, &enc.coded, keys.as_ref(), plan, &mut ok, &mut t);
+        self.put_rest(objs, per, &enc.coded, keys.as_ref(), plan, &mut ok, &mut t);
         for (d, f) in dups {
             ok[d] = ok[f];
         }
@@ -130,9 +130,11 @@ impl Shared {
     }
 
     /// Steps 4-6: blocks, the objects' bytes, their records; `ok` set for the objects committed.
+    #[allow(clippy::too_many_arguments)]
     fn put_rest(
         &self,
         objs: &[(&str, usize, u64)],
+        per: usize,
         coded: &[Option<u64>],
         keys: Option<&SealKeys>,
         plan: Vec<Slot>,
@@ -142,6 +144,21 @@ impl Shared {
         let plan = self.allocate(plan);
         self.stats.lap(phase::ALLOCATE, t);
         let mut done = self.write_all(objs, keys, plan);
+        // a page is committed whole or not at all: the objects written of a page whose other object (one that
+        // was to replace a stored half) failed or found no room are given back, never paired with that half
+        let torn = torn_pages(done.iter().map(|d| d.0.i), ok, per);
+        if !torn.is_empty() {
+            let (gone, kept): (Vec<_>, Vec<_>) =
+                done.into_iter().partition(|d| torn.contains(&d.0.i));
+            let mut ix = self.lock_index();
+            for (s, _, _) in &gone {
+                ix.unreserve(s.class, s.slot); // written and synced, never committed: a free slot again
+                ix.j_pending -= s.journal;
+            }
+            drop(ix);
+            self.fail(gone.len());
+            done = kept;
+        }
         done.sort_unstable_by_key(|(s, _, _)| s.i); // records and LRU order follow the batch's order
         let pending: u64 = done.iter().map(|(s, _, _)| s.journal).sum();
         let items: Vec<PutItem> = done
@@ -334,88 +351,6 @@ impl Shared {
         }
         self.fail(want.len());
         plan
-    }
-
-    /// Step 4: blocks for the slots that need them, one `fallocate` per contiguous run. A run that cannot
-    /// be allocated is retried once after giving back other classes' free blocks; then its objects fail.
-    fn allocate(&self, plan: Vec<Slot>) -> Vec<(Slot, Arc<ClassFile>)> {
-        let mut out = Vec::with_capacity(plan.len());
-        let mut by_class: HashMap<u32, Vec<Slot>> = HashMap::new();
-        for s in plan {
-            by_class.entry(s.class).or_default().push(s);
-        }
-        for (class, mut slots) in by_class {
-            let c = match self.class(class) {
-                Ok(c) => c,
-                Err(_) => {
-                    self.drop_slots(&slots);
-                    continue;
-                }
-            };
-            slots.sort_by_key(|s| s.slot);
-            let mut k = 0;
-            while k < slots.len() {
-                if !slots[k].grow {
-                    out.push((slots[k], c.clone()));
-                    k += 1;
-                    continue;
-                }
-                let mut e = k + 1;
-                while e < slots.len() && slots[e].grow && slots[e].slot == slots[e - 1].slot + 1 {
-                    e += 1;
-                }
-                let off = u64::from(slots[k].slot) * u64::from(class);
-                let len = (e - k) as u64 * u64::from(class);
-                let mut r = self.allocate_run(&c, off, len);
-                if matches!(&r, Err(err) if err.raw_os_error() == Some(libc::ENOSPC))
-                    && self.punch_ok.load(Ordering::Relaxed)
-                {
-                    let punch = self.lock_index().take_punchable(&[]);
-                    if !punch.is_empty() {
-                        self.punch_slots(&punch);
-                        r = self.allocate_run(&c, off, len);
-                    }
-                }
-                match r {
-                    Ok(()) => out.extend(slots[k..e].iter().map(|s| (*s, c.clone()))),
-                    // the run failed: each slot on its own, so only the objects that cannot get blocks fail
-                    Err(_) if e - k > 1 => {
-                        for s in &slots[k..e] {
-                            let off = u64::from(s.slot) * u64::from(class);
-                            match self.allocate_run(&c, off, u64::from(class)) {
-                                Ok(()) => out.push((*s, c.clone())),
-                                Err(_) => self.drop_slots(std::slice::from_ref(s)),
-                            }
-                        }
-                    }
-                    Err(_) => self.drop_slots(&slots[k..e]),
-                }
-                k = e;
-            }
-        }
-        out
-    }
-
-    fn allocate_run(&self, c: &ClassFile, off: u64, len: u64) -> std::io::Result<()> {
-        let _g = self.alloc_lock.lock().unwrap_or_else(|p| p.into_inner());
-        let before = c.buffered.metadata()?.len();
-        c.allocate(off, len, before)
-    }
-
-    /// Reserved slots whose objects fail before any write: new ones (that never got blocks) back to the
-    /// holes, reused ones (that have blocks) back to the free slots.
-    fn drop_slots(&self, slots: &[Slot]) {
-        let mut ix = self.lock_index();
-        for s in slots {
-            if s.grow {
-                ix.unreserve_unallocated(s.class, s.slot);
-            } else {
-                ix.unreserve(s.class, s.slot);
-            }
-            ix.j_pending -= s.journal;
-        }
-        drop(ix);
-        self.fail(slots.len());
     }
 
     /// Step 5: write every object in parallel (sealing it first in a sealed store), then sync each class
