@@ -183,7 +183,10 @@ impl Keyring {
         let entries =
             fs::read_dir(&dir).map_err(|e| io(format!("reading {}", dir.display()), e))?;
         for e in entries.flatten() {
-            if e.file_name().to_string_lossy().starts_with(".erased-") {
+            // (a directory of that name is no key an erase left: not ours to remove, and no reason to fail)
+            if e.file_name().to_string_lossy().starts_with(".erased-")
+                && !e.file_type().is_ok_and(|t| t.is_dir())
+            {
                 let p = e.path();
                 match files::wipe_and_remove(&p) {
                     Err(e) if e.kind() != std::io::ErrorKind::NotFound => {

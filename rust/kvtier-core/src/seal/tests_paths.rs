@@ -84,3 +84,37 @@ fn a_key_an_erasure_renamed_away_and_never_destroyed_is_destroyed_later() {
 }
 
 const T_OTHER: &str = "000000000000000000000000000000cc";
+
+/// A tenant key file that is a hard link to another file: erasing the tenant removes the name and leaves
+/// the other file's bytes as they were (the overwrite never lands in a file the key shares its bytes with).
+#[test]
+fn erasing_a_key_that_is_a_hard_link_leaves_the_linked_file_alone() {
+    let s = Scratch::new("hardlink");
+    let dir = s.0.join("keys");
+    Keyring::init(&dir).unwrap();
+    let kr = Keyring::open(&dir).unwrap();
+    let tag = tenant_tag("alice").unwrap();
+    let stag = kr.stored_tag(&tag);
+    let victim = s.0.join("victim");
+    std::fs::write(&victim, b"precious bytes").unwrap();
+    let key = dir.join("tenants").join(format!("{stag}.key"));
+    std::fs::hard_link(&victim, &key).unwrap();
+    kr.erase_tenant(&tag).unwrap();
+    assert!(!key.exists());
+    assert_eq!(std::fs::read(&victim).unwrap(), b"precious bytes");
+}
+
+/// A directory named like a key an erasure renamed away is no such key: erasures and allowances go on.
+#[test]
+fn a_directory_named_like_a_renamed_key_blocks_nothing() {
+    let s = Scratch::new("erased-dir");
+    let dir = s.0.join("keys");
+    Keyring::init(&dir).unwrap();
+    let odd = dir.join("tenants").join(".erased-x");
+    std::fs::create_dir(&odd).unwrap();
+    let kr = Keyring::open(&dir).unwrap();
+    kr.erase_tenant(T_OTHER).unwrap();
+    assert!(kr.erased(T_OTHER).unwrap());
+    kr.allow_tenant(T_OTHER).unwrap();
+    assert!(!kr.erased(T_OTHER).unwrap() && odd.is_dir());
+}
