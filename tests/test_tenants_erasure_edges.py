@@ -108,3 +108,141 @@ def test_the_tenant_api_checks_its_arguments_by_name(tmp_path):
         with pytest.raises(KvtierError, match="register_mem_pool_host"):
             call(1)
     st.close()
+
+
+def test_a_page_whose_last_hold_is_a_load_is_wiped_when_the_load_ends(tmp_path):
+    """The engine's hold ends through a load (not release): the erased tenant's page is wiped and freed then."""
+    import threading
+
+    from controller_pools import rows, setup
+
+    dp, hp, st, c = setup(tmp_path, host_pages=6)
+    alice = page_hashes(list(range(700, 700 + 4)), 4, salt="alice")
+    c.backup(rows([1]), alice)
+    c.wait_idle()
+    start = c.pages[alice[0]].start // 4
+    started, go, real = threading.Event(), threading.Event(), c.loader.load
+
+    def slow(*args, **kwargs):
+        started.set()
+        assert go.wait(30)
+        return real(*args, **kwargs)
+
+    c.loader.load = slow
+    loading = threading.Thread(target=lambda: c.load(alice, rows([9])))
+    loading.start()
+    assert started.wait(30)
+    assert c.erase_tenant("alice")["host_in_use"] == 1
+    go.set()
+    loading.join(30)
+    assert alice[0] not in c.pages, "the erased tenant's page stayed indexed after the load that held it"
+    assert not hp.k_buffer[start].any() and not hp.v_buffer[start].any()
+    c.close()
+    st.close()
+
+
+def test_a_prefetch_racing_an_erase_leaves_no_page_of_the_tenant(tmp_path):
+    """A prefetch of the tenant's pages whose store read finished before the erase and whose page lands in the
+    host after it: never a hit, wiped and freed when the prefetch lets go of it."""
+    import threading
+
+    from controller_pools import rows, setup
+
+    dp, hp, st, c = setup(tmp_path, host_pages=6)
+    alice = page_hashes(list(range(600, 600 + 2 * 4)), 4, salt="alice")
+    c.backup(rows([1, 2]), alice)
+    c.wait_idle()
+    assert c.evict_unreferenced() == 2 and st.batch_exists(alice) == 2
+    read, go, real_get = threading.Event(), threading.Event(), st.batch_get_v1
+
+    def get_then_wait(*args, **kwargs):
+        got = real_get(*args, **kwargs)  # the tenant's bytes are in host memory now
+        read.set()
+        assert go.wait(30)
+        return got
+
+    st.batch_get_v1 = get_then_wait
+    real_idle = c.wait_idle
+
+    def idle_then_prefetch():
+        real_idle()
+        c.wait_idle = real_idle
+        c._pending.clear()  # (the erase does not wait for this one: it runs beside the erase)
+        threading.Thread(target=lambda: c.prefetch(alice)).start()
+        assert read.wait(30)
+
+    c.wait_idle = idle_then_prefetch
+    got = c.erase_tenant("alice")
+    assert got["host_in_use"] == 2 and got["store"] == 2
+    assert c.match(alice) == (0, 0)
+    slots = [c.pages[k].start // 4 for k in alice]
+    go.set()
+    c.wait_idle()
+    c.match(alice)  # any later call settles what finished meanwhile
+    assert not any(k in c.pages for k in alice), "a prefetched page of an erased tenant stayed on the host"
+    for p in slots:
+        assert not hp.k_buffer[p].any() and not hp.v_buffer[p].any()
+    c.close()
+    st.close()
+
+
+def test_erasing_the_stores_deployment_tenant_erases_the_host_pages_too(tmp_path):
+    from controller_pools import rows, setup
+
+    import kvtier
+
+    dp, hp, _, _ = setup(tmp_path / "unused", store=False)
+    st = PageStore(tmp_path / "s", capacity_bytes=1 << 26, tenant="dep")
+    st.register_mem_pool_host(hp)
+    c = kvtier.TierController(dp, hp, st)
+    keys = page_hashes(list(range(300, 300 + 3 * 4)), 4)  # the engine's keys: the store scopes them to "dep"
+    c.backup(rows([1, 2, 3]), keys)
+    c.wait_idle()
+    starts = [c.pages[k].start // 4 for k in keys]
+    assert c.erase_tenant("dep") == {"host": 3, "host_in_use": 0, "store": 3}
+    assert c.match(keys) == (0, 0) and not c.pages
+    for p in starts:
+        assert not hp.k_buffer[p].any()
+    c.close()
+    st.close()
+
+
+def _kvtier(*args, stdin=None):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "kvtier", *map(str, args)], capture_output=True, text=True,
+                          timeout=60, input=stdin)
+
+
+def test_a_salt_file_that_is_no_file_of_one_line_is_refused_without_waiting(tmp_path):
+    import os
+
+    (tmp_path / "s").mkdir()
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)  # nobody writes it: opening it to read would wait for ever
+    binary, endless = tmp_path / "binary", tmp_path / "endless"
+    binary.write_bytes(b"\xff\xfe\x00salt\n")
+    endless.write_bytes(b"a" * 10_000)
+    for bad, why in ((fifo, "not a regular file"), ("/dev/zero", "not a regular file"), (tmp_path, "not a regular"),
+                     (binary, "not UTF-8"), (endless, "no line end")):
+        r = _kvtier("erase", tmp_path / "s", "--tenant-file", bad)
+        assert r.returncode == 1 and "--tenant-file" in r.stderr and why in r.stderr, (bad, r.stderr)
+    kr = Keyring.init(tmp_path / "k")
+    r = _kvtier("keys", "allow", tmp_path / "k", "--tenant-file", fifo)
+    assert r.returncode == 1 and "not a regular file" in r.stderr, r.stderr
+    # the salt from standard input, as a pipe gives it; keys allow prints the keyed tag, never the plain one
+    r = _kvtier("keys", "allow", tmp_path / "k", "--tenant-file", "-", stdin="alice\n")
+    assert r.returncode == 0 and kr.stored_tag("alice") in r.stdout and tenant_tag("alice") not in r.stdout, r.stdout
+
+
+def test_odd_keyring_paths_and_empty_keys_are_refused_by_name(tmp_path):
+    with pytest.raises(InvalidArgumentError, match="`keyring`"):
+        Keyring.init(str(tmp_path / "a\0b"))
+    from kvtier.tenants import scope_keys, tenant_keys
+
+    with pytest.raises(InvalidArgumentError, match="`keys`.*empty"):
+        tenant_keys("alice", ["k1", ""])
+    with pytest.raises(InvalidArgumentError, match="`keys`.*empty"):
+        scope_keys("alice", [""])
+    assert not any(tmp_path.iterdir())

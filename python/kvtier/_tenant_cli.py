@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import stat
 import sys
 from typing import Any
 
@@ -46,19 +47,39 @@ def _who(p: Any, required: bool) -> None:
     who.add_argument("--tag", help="the tenant's 32-hex-digit tag (kvtier.tenant_tag(salt))")
 
 
+_SALT_FILE_MAX = 4096  # bytes of a salt file read at most: a salt is one short line
+
+
+def _read_salt_file(path: str) -> bytes:
+    """The first bytes of a regular file, opened without blocking: a FIFO, a device or a directory named as
+    the salt file is refused, never waited on or read without end."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path}: not a regular file (a salt file is a file holding one line)")
+        return os.read(fd, _SALT_FILE_MAX + 1)
+    finally:
+        os.close(fd)
+
+
 def _tag_of(args: argparse.Namespace) -> str:
     from .tenants import erase_tag
 
     if args.tenant_file is not None:
         try:
             if args.tenant_file == "-":
-                salt = sys.stdin.readline()
+                raw = sys.stdin.buffer.readline(_SALT_FILE_MAX + 1)
             else:
-                with open(args.tenant_file, encoding="utf-8") as f:
-                    salt = f.readline()
+                raw = _read_salt_file(args.tenant_file)
+            if len(raw) > _SALT_FILE_MAX and b"\n" not in raw:
+                raise KvtierError(f"--tenant-file: no line end in its first {_SALT_FILE_MAX} bytes: a salt is "
+                                  "one short line")
+            salt = raw.split(b"\n", 1)[0].rstrip(b"\r").decode("utf-8")
         except OSError as exc:
             raise KvtierError(f"--tenant-file: {exc}") from exc
-        salt = salt.removeprefix("\ufeff").rstrip("\r\n")  # an editor's byte-order mark is not the salt
+        except UnicodeDecodeError:
+            raise KvtierError("--tenant-file: the first line is not UTF-8 text (a salt is text)") from None
+        salt = salt.removeprefix("\ufeff")  # an editor's byte-order mark is not the salt
         if not salt:
             raise KvtierError("--tenant-file: the first line is empty: it must hold the tenant's salt")
         return erase_tag(salt, None)
@@ -80,7 +101,7 @@ def cmd_keys(args: argparse.Namespace) -> int:
             raise KvtierError("kvtier keys allow: name the tenant (--tenant-file, --tenant or --tag)")
         tag = _tag_of(args)
         was = kr.allow(tag=tag)
-        print(f"tenant {tag}: " + ("allowed again: its next write makes a new key (nothing sealed before its "
+        print(f"tenant {kr.stored_tag(tag=tag)} (keyed tag): " + ("allowed again: its next write makes a new key (nothing sealed before its "
                                    "erasure opens)" if was else "was not erased here (nothing changed)"))
         return 0
     tenants, erased = kr.tenants(), kr.erased_tenants()

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import torch
 
 from ._errors import InvalidArgumentError
-from .tenants import erase_tag, tenant_of
+from .tenants import erase_tag, tenant_of, tenant_tag
 from .overlap import LayerLoad, LayerLoader, backup_async
 from ._restore_planning import RestorePlanning
 from .planner import PlannerStats, PrefillModel, TierMeter
@@ -147,12 +147,16 @@ class TierController(RestorePlanning):
     def _slots(self, starts: Sequence[int]) -> torch.Tensor:
         return (torch.tensor(starts, dtype=torch.int64)[:, None] + torch.arange(self.ps)[None]).reshape(-1)
 
-    def _poll_locked(self) -> None:
-        for pg in self.pages.values():
+    def _poll_locked(self) -> None:  # backups seen complete; erased pages nothing holds wiped and freed
+        doomed = []
+        for k, pg in self.pages.items():
             if pg.event is not None and pg.event.query():
-                pg.event = None
-                pg.ready = True
+                pg.event, pg.ready = None, True
                 pg.refs -= 1
+            if pg.erased and pg.refs == 0 and pg.ready:
+                doomed.append(k)
+        for k in doomed:
+            self._evict_locked(k)
 
     def _alloc_pages(self, n: int) -> list[int] | None:
         """Host page starts for ``n`` pages, evicting LRU unreferenced pages as needed (lock held)."""
@@ -174,7 +178,7 @@ class TierController(RestorePlanning):
         if pg.erased and (wipe := getattr(self.host, "wipe", None)) is not None:
             wipe(self._slots([pg.start]))  # an erased tenant's page keeps none of its KV once freed
         self.host.free(self._slots([pg.start]))
-        self.stats.host_evictions += 1
+        self.stats.host_evictions += not pg.erased  # (an erased tenant's page is erased, not evicted)
 
     def _store_write(self, keys: list[str], starts: list[int]) -> list[bool]:
         try:
@@ -196,7 +200,6 @@ class TierController(RestorePlanning):
                 live = [(k, self.pages[k].start) for k in keys if k in self.pages]
             ok = self._store_write([k for k, _ in live], [s for _, s in live]) if live else []
             with self.lock:
-                self._poll_locked()
                 for (k, _), good in zip(live, ok):
                     pg = self.pages.get(k)
                     if pg is not None:
@@ -204,6 +207,7 @@ class TierController(RestorePlanning):
                 for k in keys:
                     if k in self.pages:
                         self.pages[k].refs -= 1
+                self._poll_locked()
 
         self._pending.append(self._io.submit(work))
 
@@ -215,9 +219,8 @@ class TierController(RestorePlanning):
         on the host are only touched. Pages that find no host room are skipped (a later miss)."""
         keys = list(page_keys)
         if len(device_indices) != len(keys) * self.ps:
-            raise InvalidArgumentError(
-                f"invalid argument `device_indices`: {len(device_indices)} slots for {len(keys)} pages of {self.ps}"
-            )
+            raise InvalidArgumentError(f"invalid argument `device_indices`: {len(device_indices)} slots for "
+                                       f"{len(keys)} pages of {self.ps}")
         with self.lock:
             self._poll_locked()
             new = [i for i, k in enumerate(keys) if k not in self.pages]
@@ -309,6 +312,7 @@ class TierController(RestorePlanning):
                     else:  # a miss: never leave unverified bytes reachable
                         del self.pages[k]
                         self.host.free(self._slots([pg.start]))
+                self._poll_locked()  # (a page read for a tenant erased meanwhile: wiped and freed)
                 self._count_reads(ok)
                 return sum(1 for k in keys if k in self.pages)
 
@@ -359,6 +363,7 @@ class TierController(RestorePlanning):
                 for k in keys:
                     if k in self.pages:
                         self.pages[k].refs -= 1
+                self._poll_locked()
 
         if device_of(self.device_pool).type == "cuda":
             self._pending.append(self._io.submit(release))
@@ -452,31 +457,27 @@ class TierController(RestorePlanning):
                         self._evict_locked(k)  # the last hold of an erased tenant's page: wiped and freed now
 
     def erase_tenant(self, salt: str | None = None, *, tag: str | None = None) -> dict[str, int]:
-        """Remove one tenant's pages (keys from :func:`kvtier.page_hashes` with ``salt``; named by ``salt``
-        or ``tag``) from the host tier (after the writes in flight; never spilled) and from the store (its
-        ``erase_tenant``). Returns ``{"host": pages freed, "host_in_use": pages the engine still holds (acquired:
-        never a hit or a store write again; wiped and freed at their last release), "store": pages (or objects)
-        the store removed}``."""
+        """Remove one tenant (named by ``salt`` or ``tag``; the store's deployment tenant is every page) from the
+        store (its ``erase_tenant``, after the writes in flight), then from the host tier: ``{"host": pages wiped
+        and freed, "host_in_use": pages held (never a hit or a store write again; wiped and freed when the last
+        hold ends), "store": pages (or objects) the store removed}``."""
         t = erase_tag(salt, tag)
+        dep = getattr(self.store, "tenant", None)  # a store's deployment tenant: every page here is that tenant's
+        everyone = isinstance(dep, str) and tenant_tag(dep) == t
         self.wait_idle()
+        erase = getattr(self.store, "erase_tenant", None)  # the store first: from then on it refuses the tenant
+        stored = int(erase(tag=t)) if erase is not None else 0
         freed = in_use = 0
         with self.lock:
             self._poll_locked()
-            for k in [k for k in self.pages if tenant_of(k) == t]:
+            for k in [k for k in self.pages if everyone or tenant_of(k) == t]:
                 pg = self.pages[k]
+                pg.in_store = pg.erased = True  # never spilled (write_back), never a hit, wiped when freed
                 if pg.refs or not pg.ready:
                     in_use += 1
-                    pg.in_store = pg.erased = True  # never spilled (write_back), never a hit, wiped when freed
                     continue
-                del self.pages[k]
-                slots = self._slots([pg.start])
-                wipe = getattr(self.host, "wipe", None)
-                if wipe is not None:
-                    wipe(slots)  # the freed slots keep none of the tenant's KV
-                self.host.free(slots)
+                self._evict_locked(k)
                 freed += 1
-        erase = getattr(self.store, "erase_tenant", None)
-        stored = int(erase(tag=t)) if erase is not None else 0
         return {"host": freed, "host_in_use": in_use, "store": stored}
 
     def evict_unreferenced(self) -> int:

@@ -41,11 +41,13 @@ def _salt(salt: Any) -> str:
 def _key_list(keys: Any) -> list[str]:
     if isinstance(keys, (str, bytes)) or not isinstance(keys, Sequence) or not all(isinstance(k, str) for k in keys):
         raise InvalidArgumentError(f"invalid argument `keys`: a sequence of str, got {type(keys).__name__}")
+    if not all(keys):
+        raise InvalidArgumentError("invalid argument `keys`: an empty key names no page")
     return list(keys)
 
 
 def _dir(path: Any) -> str:
-    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path) or "\0" in str(os.fspath(path)):
         raise InvalidArgumentError(f"invalid argument `keyring`: a keyring directory, got {path!r}")
     return os.fspath(path)
 
@@ -130,7 +132,7 @@ class Keyring:
         return list(self._native.stored_names(_key_list(keys)))
 
     def erase(self, salt: str | None = None, *, tag: str | None = None) -> bool:
-        """Erase a tenant (by ``salt`` or by ``tag``): it is marked erased, so that no process sharing this
+        """Erase a tenant (by ``salt``, or by ``tag=``: a positional string is always a salt): it is marked erased, so that no process sharing this
         keyring gives it a key again (its writes fail, its reads miss) until :meth:`allow`; then its key is
         destroyed, so nothing sealed under it opens with this keyring again. Returns whether there was a
         key."""
