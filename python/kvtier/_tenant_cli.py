@@ -68,6 +68,8 @@ def _tag_of(args: argparse.Namespace) -> str:
     if args.tenant_file is not None:
         try:
             if args.tenant_file == "-":
+                if sys.stdin is None:
+                    raise OSError("standard input is closed")
                 raw = sys.stdin.buffer.readline(_SALT_FILE_MAX + 1)
             else:
                 raw = _read_salt_file(args.tenant_file)

@@ -264,8 +264,7 @@ class TierController(RestorePlanning):
         return ev
 
     def _drain(self) -> None:
-        """Waits for everything enqueued on the device pool's device (a call interrupted part-way may have
-        enqueued copies on side streams that were not joined back yet)."""
+        """Waits for everything enqueued on the device (an interrupted call may have left copies on side streams)."""
         dev = device_of(self.device_pool)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
@@ -355,6 +354,7 @@ class TierController(RestorePlanning):
                 for k in keys:
                     if k in self.pages:
                         self.pages[k].refs -= 1
+                self._poll_locked()
             raise
 
         def release() -> None:

@@ -47,7 +47,8 @@ def _key_list(keys: Any) -> list[str]:
 
 
 def _dir(path: Any) -> str:
-    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path) or "\0" in str(os.fspath(path)):
+    if not isinstance(path, (str, os.PathLike)) or not isinstance(os.fspath(path), str) or not os.fspath(path) \
+            or "\0" in os.fspath(path):
         raise InvalidArgumentError(f"invalid argument `keyring`: a keyring directory, got {path!r}")
     return os.fspath(path)
 
