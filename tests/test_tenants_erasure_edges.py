@@ -246,3 +246,34 @@ def test_odd_keyring_paths_and_empty_keys_are_refused_by_name(tmp_path):
     with pytest.raises(InvalidArgumentError, match="`keys`.*empty"):
         scope_keys("alice", [""])
     assert not any(tmp_path.iterdir())
+
+
+def test_a_page_whose_last_hold_is_a_failed_load_is_wiped_when_the_load_fails(tmp_path):
+    import threading
+
+    from controller_pools import rows, setup
+
+    dp, hp, st, c = setup(tmp_path, host_pages=6)
+    alice = page_hashes(list(range(500, 500 + 4)), 4, salt="alice")
+    c.backup(rows([1]), alice)
+    c.wait_idle()
+    start = c.pages[alice[0]].start // 4
+    started, go = threading.Event(), threading.Event()
+
+    def failing(*args, **kwargs):
+        started.set()
+        assert go.wait(30)
+        raise OSError(5, "the copy failed")
+
+    c.loader.load = failing
+    errors = []
+    loading = threading.Thread(target=lambda: errors.append(pytest.raises(OSError, c.load, alice, rows([9]))))
+    loading.start()
+    assert started.wait(30)
+    assert c.erase_tenant("alice")["host_in_use"] == 1
+    go.set()
+    loading.join(30)
+    assert errors and alice[0] not in c.pages  # no other call in between: the failed load's own exit wiped it
+    assert not hp.k_buffer[start].any() and not hp.v_buffer[start].any()
+    c.close()
+    st.close()
