@@ -56,6 +56,12 @@ def test_controller_and_store_metrics(tmp_path):
     assert value(s, "kvtier_controller_pages_total", path="backup") == 3
     assert value(s, "kvtier_controller_bytes_total", path="host_to_disk") == 3 * c.page_bytes
     assert value(s, "kvtier_store_objects", store=store) == 6  # K and V
+    from kvtier.planner import PrefillModel, plan_restore
+
+    slow = plan_restore(prompt_tokens=8 * PS, page_tokens=PS, page_bytes=c.page_bytes, host_pages=3,
+                        prefill=PrefillModel.fixed(1e4))
+    c.observe_ttft(slow, slow.predicted_s * 2)  # twice its prediction: a slow plan
+    assert value(scrape(col), "kvtier_restore_slow_plans_total", planner="controller", kind=slow.kind) == 1
     assert value(s, "kvtier_store_written_bytes_total", store=store) == 3 * c.page_bytes
     assert value(s, "kvtier_store_batch_seconds_count", store=store, op="write") == 1
     assert value(s, "kvtier_store_batch_seconds_bucket", store=store, op="write", le="+Inf") == 1

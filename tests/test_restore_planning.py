@@ -187,6 +187,29 @@ def test_planner_stats_count_every_decision():
     assert stats.median_error() == pytest.approx(abs(1 / 1.1 - 1), rel=1e-6)
 
 
+def test_a_plan_slower_than_predicted_is_counted_kept_and_logged(caplog):
+    """A plan whose time to first token came out more than 10 % over its prediction: counted by kind, kept
+    with its plan among the recent ones, logged; one within the margin is none of these."""
+    stats = PlannerStats()
+    split, recompute = plan(1.8), plan(0.05)
+    with caplog.at_level("WARNING", logger="kvtier.planner"):
+        stats.observe(split, split.predicted_s * 1.09)  # within the margin
+        stats.observe(recompute, recompute.predicted_s * 0.8)  # faster
+        assert stats.as_dict()["slow_plans"] == {} and not caplog.records
+        stats.observe(split, split.predicted_s * 1.5)
+    d = stats.as_dict()
+    assert d["slow_plans"] == {"split": 1} and d["observed"] == 3
+    (kept,) = d["recent_slow_plans"]
+    assert kept["kind"] == "split" and kept["observed_s"] == pytest.approx(split.predicted_s * 1.5)
+    assert kept["load_to"] == split.load_to
+    (rec,) = caplog.records
+    assert "split restore" in rec.getMessage() and "50% over" in rec.getMessage()
+    for _ in range(200):  # logged: the first 10, then every 100th; counted and kept: all (the last 16)
+        stats.observe(split, split.predicted_s * 2)
+    assert stats.as_dict()["slow_plans"] == {"split": 201} and len(stats.as_dict()["recent_slow_plans"]) == 16
+    assert len(caplog.records) == 10 + 2
+
+
 def test_a_rest_queued_before_the_read_ends_hides_its_host_time():
     """With overlap (the engine queues the rest's forward while the head computes or the read runs), a split
     or load whose rest is bound by its host time (the fixed per-forward term) is predicted that term sooner —

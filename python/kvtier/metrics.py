@@ -188,6 +188,8 @@ class KvtierCollector:
                                           "KV came from (a tier, or recomputed)", labels=["planner", "source"])
         timing = core.CounterMetricFamily(f"{p}_restore_ttft_seconds", "time to first token of the planned restores "
                                           "the engine timed, summed: predicted and observed", labels=["planner", "which"])
+        slow = core.CounterMetricFamily(f"{p}_restore_slow_plans", "planned restores whose time to first token came "
+                                        "out more than 10% over the prediction, by kind", labels=["planner", "kind"])
         rates = core.GaugeMetricFamily(f"{p}_tier_measured_gbps", "each tier's moving estimate of itself (GB/s)",
                                        labels=["planner", "tier", "direction"])
         # (one label value per planner: the controller's, and each SGLang backend's by its position in `stores`)
@@ -209,6 +211,8 @@ class KvtierCollector:
             tokens.add_metric([who, "recomputed"], float(d["tokens_recomputed"]))
             timing.add_metric([who, "predicted"], float(d["predicted_s"]))
             timing.add_metric([who, "observed"], float(d["observed_s"]))
+            for kind, n in d["slow_plans"].items():
+                slow.add_metric([who, kind], float(n))
             try:
                 estimates = measured() if measured is not None else {}
             except Exception:  # noqa: BLE001 - a closed store must not fail the scrape
@@ -216,7 +220,7 @@ class KvtierCollector:
             for name, est in estimates.items():
                 rates.add_metric([who, name, "read"], float(est.read_GBps))
                 rates.add_metric([who, name, "write"], float(est.write_GBps))
-        yield from (plans, tokens, timing, rates)
+        yield from (plans, tokens, timing, slow, rates)
 
     def describe(self) -> list[Any]:
         return []  # unchecked collector: metric families depend on what is attached at scrape time

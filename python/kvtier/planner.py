@@ -29,6 +29,7 @@ Everything here is plain arithmetic on numbers kvtier measured; nothing touches 
 from __future__ import annotations
 
 import collections
+import logging
 import math
 import threading
 from collections.abc import Mapping, Sequence
@@ -401,10 +402,17 @@ def plan_restore(
     return chosen()
 
 
+#: A plan whose time to first token came out more than this fraction over its prediction is a *slow plan*:
+#: counted by kind, kept among the recent ones with its plan, and logged (``kvtier.planner``).
+SLOW_MARGIN = 0.10
+_log = logging.getLogger("kvtier.planner")
+
+
 class PlannerStats:
     """Every restore decision, counted (thread-safe): plans by kind, tokens taken from each tier (``host``
     and the store's tiers by name) and tokens recomputed, and — for the plans whose time to first token
-    the engine reported — predicted against observed."""
+    the engine reported — predicted against observed, with the slow plans (:data:`SLOW_MARGIN`) counted,
+    the last 16 kept with their plans and logged (the first 10, then every 100th)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -416,6 +424,8 @@ class PlannerStats:
         self.predicted_s = 0.0  # sums over the observed plans
         self.observed_s = 0.0
         self._ratios: collections.deque[float] = collections.deque(maxlen=WINDOW)
+        self.slow_plans: collections.Counter[str] = collections.Counter()  # by kind
+        self.recent_slow: collections.deque[dict[str, object]] = collections.deque(maxlen=16)
 
     def record(self, plan: RestorePlan) -> None:
         with self._lock:
@@ -436,6 +446,15 @@ class PlannerStats:
             self.predicted_s += plan.predicted_s
             self.observed_s += seconds
             self._ratios.append(plan.predicted_s / seconds)
+            if seconds <= plan.predicted_s * (1.0 + SLOW_MARGIN):
+                return
+            self.slow_plans[plan.kind] += 1
+            n = sum(self.slow_plans.values())
+            self.recent_slow.append(dict(plan.as_dict(), observed_s=seconds))
+        if n <= 10 or n % 100 == 0:
+            _log.warning("kvtier: a %s restore took %.1f ms, %.0f%% over its prediction of %.1f ms (slow plan %d; "
+                         "%s)", plan.kind, seconds * 1e3, (seconds / plan.predicted_s - 1) * 100,
+                         plan.predicted_s * 1e3, n, plan.as_dict())
 
     def median_error(self) -> float | None:
         """Median of ``|predicted / observed - 1|`` over the last :data:`WINDOW` observed plans."""
@@ -449,4 +468,5 @@ class PlannerStats:
             return dict(plans=dict(self.plans), tokens_loaded=dict(self.tokens_loaded),
                         tokens_recomputed=self.tokens_recomputed, cached_tokens=self.cached_tokens,
                         observed=self.observed, predicted_s=self.predicted_s, observed_s=self.observed_s,
-                        median_prediction_error=err)
+                        median_prediction_error=err, slow_plans=dict(self.slow_plans),
+                        recent_slow_plans=list(self.recent_slow))
