@@ -50,8 +50,8 @@ class _HostPage:
 
     @property
     def usable(self) -> bool:
-        """Its bytes are there, or on their way on a stream a load can follow (a backup in flight); not a
-        page whose store read is in flight, whose backup is not issued yet, or whose tenant was erased."""
+        """Its bytes are there or on their way on a stream a load can follow (a backup in flight); not in
+        flight from the store, nor a backup not issued yet, nor of an erased tenant."""
         return not self.erased and (self.ready or self.event is not None)
 
 
@@ -143,7 +143,6 @@ class TierController(RestorePlanning):
         if probe:
             self._probe_host()
 
-    # ------------------------------------------------------------------ helpers
     def _slots(self, starts: Sequence[int]) -> torch.Tensor:
         return (torch.tensor(starts, dtype=torch.int64)[:, None] + torch.arange(self.ps)[None]).reshape(-1)
 
@@ -308,6 +307,8 @@ class TierController(RestorePlanning):
                     pg.refs -= 1  # the read's own reference (nothing else can hold one: it was not usable)
                     if good:
                         pg.ready, pg.in_store = True, True
+                    elif pg.erased:  # a failed read of a tenant erased meanwhile: what it wrote is wiped too
+                        self._evict_locked(k)
                     else:  # a miss: never leave unverified bytes reachable
                         del self.pages[k]
                         self.host.free(self._slots([pg.start]))
@@ -389,8 +390,7 @@ class TierController(RestorePlanning):
             self._poll_locked()
             return self._alloc_pages(n) if n else []
 
-    def free(self, starts: Sequence[int]) -> None:
-        """Free private pages from :meth:`allocate` that were not adopted."""
+    def free(self, starts: Sequence[int]) -> None:  # private pages from allocate that were not adopted
         if starts:
             with self.lock:
                 self.host.free(self._slots(list(starts)))
