@@ -42,7 +42,7 @@ def same(hp_a, a, hp_b, b):
     return all(torch.equal(x, y) for x, y in zip(page_bytes(hp_a, a), page_bytes(hp_b, b)))
 
 
-def remove_when_unleased(store, key, timeout=5.0):
+def remove_when_unleased(store, key, timeout=30.0):
     """Mooncake refuses to remove an object read within its lease: retry until it goes."""
     deadline = time.monotonic() + timeout
     while store.remove(key) != 0:

@@ -110,8 +110,10 @@ def test_the_tenant_api_checks_its_arguments_by_name(tmp_path):
     st.close()
 
 
-def test_a_page_whose_last_hold_is_a_load_is_wiped_when_the_load_ends(tmp_path):
-    """The engine's hold ends through a load (not release): the erased tenant's page is wiped and freed then."""
+@pytest.mark.parametrize("fails", [False, True])
+def test_a_page_whose_last_hold_is_a_load_is_wiped_when_the_load_ends(tmp_path, fails):
+    """The engine's hold ends through a load (not release), one that completes or one that fails: the erased
+    tenant's page is wiped and freed as the load ends, with no other call in between."""
     import threading
 
     from controller_pools import rows, setup
@@ -123,18 +125,29 @@ def test_a_page_whose_last_hold_is_a_load_is_wiped_when_the_load_ends(tmp_path):
     start = c.pages[alice[0]].start // 4
     started, go, real = threading.Event(), threading.Event(), c.loader.load
 
-    def slow(*args, **kwargs):
+    def stalled(*args, **kwargs):
         started.set()
         assert go.wait(30)
+        if fails:
+            raise OSError(5, "the copy failed")
         return real(*args, **kwargs)
 
-    c.loader.load = slow
-    loading = threading.Thread(target=lambda: c.load(alice, rows([9])))
+    c.loader.load = stalled
+    raised = []
+
+    def load():
+        try:
+            c.load(alice, rows([9]))
+        except OSError:
+            raised.append(True)
+
+    loading = threading.Thread(target=load)
     loading.start()
     assert started.wait(30)
     assert c.erase_tenant("alice")["host_in_use"] == 1
     go.set()
     loading.join(30)
+    assert raised == ([True] if fails else [])
     assert alice[0] not in c.pages, "the erased tenant's page stayed indexed after the load that held it"
     assert not hp.k_buffer[start].any() and not hp.v_buffer[start].any()
     c.close()
@@ -248,34 +261,3 @@ def test_odd_keyring_paths_and_empty_keys_are_refused_by_name(tmp_path):
     with pytest.raises(InvalidArgumentError, match="`keys`.*empty"):
         scope_keys("alice", [""])
     assert not any(tmp_path.iterdir())
-
-
-def test_a_page_whose_last_hold_is_a_failed_load_is_wiped_when_the_load_fails(tmp_path):
-    import threading
-
-    from controller_pools import rows, setup
-
-    dp, hp, st, c = setup(tmp_path, host_pages=6)
-    alice = page_hashes(list(range(500, 500 + 4)), 4, salt="alice")
-    c.backup(rows([1]), alice)
-    c.wait_idle()
-    start = c.pages[alice[0]].start // 4
-    started, go = threading.Event(), threading.Event()
-
-    def failing(*args, **kwargs):
-        started.set()
-        assert go.wait(30)
-        raise OSError(5, "the copy failed")
-
-    c.loader.load = failing
-    errors = []
-    loading = threading.Thread(target=lambda: errors.append(pytest.raises(OSError, c.load, alice, rows([9]))))
-    loading.start()
-    assert started.wait(30)
-    assert c.erase_tenant("alice")["host_in_use"] == 1
-    go.set()
-    loading.join(30)
-    assert errors and alice[0] not in c.pages  # no other call in between: the failed load's own exit wiped it
-    assert not hp.k_buffer[start].any() and not hp.v_buffer[start].any()
-    c.close()
-    st.close()

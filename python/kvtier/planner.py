@@ -376,29 +376,23 @@ def plan_restore(
     i = int(np.nonzero(t <= best_t + max(0.01 * best_t, 1e-9))[0][-1])
     seen["load"], score["load"] = best_t, best_t / (1.0 - margin)
     plans["load"] = full("load", h, h, h + int(p[i]), float(t[i]), recompute)
-    step = max(1, split_step)
-    if can_split and m > step:  # recompute the head [h, h + p) while the tail [h + p, h + k) loads
-        # the tail ends at the last cached page: a tail ending earlier leaves cached pages to the rest's forward,
-        # which the H200 ran slower than predicted (22 % over at 8K), so one more cached page can still turn a
-        # split into a slower kind of plan (the kinds' own candidates never get worse)
-        p, k = np.arange(step, m, step)[:, None], np.array([[m]])
-        rest_t = np.minimum.accumulate(np.broadcast_to(P(N - (h + k) * ps, (h + k) * ps), k.shape), axis=1)
-        host_t = hidden(rest_t)
-        head_t, read_t = P(p * ps, h * ps), read(p, np.maximum(k, p))
-        never = np.where(k > p, 0.0, np.inf)  # a tail of no page is no split
-        if trail and overlap and a > 0:  # the rest trails the head: after a head that ends last it is free
-            t = np.maximum(np.maximum(head_t, read_t + rest_t - host_t), 2 * host_t) + never
-            pick = np.maximum(np.maximum(head_t, read_t * (1.0 + trail_margin) + rest_t - host_t), 2 * host_t) + never
-            pick = np.where(host_t > 0, pick, np.maximum(np.maximum(head_t, read_t), 2 * host_t) + rest_t - host_t + never)
-            t = np.where(host_t > 0, t, pick)
+    if can_split and m > max(1, split_step):  # recompute the head [h, h + p) while the tail [h + p, cached) loads
+        # (the tail reads through the last cached page: a tail ending earlier left cached pages to the rest's
+        # forward, which the H200 ran 22 % over its prediction, so one more cached page can still turn a split
+        # into a slower kind of plan; each kind's own candidate never gets worse)
+        p = np.arange(max(1, split_step), m, max(1, split_step))
+        rest_t = float(P(N - cached * ps, cached * ps))
+        host_t = float(hidden(rest_t))
+        head_t, read_t = P(p * ps, h * ps), read(p, m)
+        if trail and overlap and host_t > 0:  # the rest trails the head: after a head that ends last it is free
+            t = np.maximum(np.maximum(head_t, read_t + rest_t - host_t), 2 * host_t)
+            i = int(np.argmin(np.maximum(np.maximum(head_t, read_t * (1.0 + trail_margin) + rest_t - host_t), 2 * host_t)))
         else:
-            t = pick = np.maximum(np.maximum(head_t, read_t), 2 * host_t) + rest_t - host_t + never
-        # among equal picks, the least recomputed (the longest tail), then the tail ending latest
-        tied = pick <= float(np.min(pick)) * (1 + 1e-9) + 1e-12
-        hi, ki = (int(x) for x in np.unravel_index(int(np.argmax(np.where(tied, (k - p) * (m + 1) + k, -1))), pick.shape))
-        seen["split"] = float(t[hi, ki])
-        score["split"] = float(t[hi, ki]) / (1.0 - split_margin)
-        plans["split"] = full("split", h, h + int(p[hi, 0]), h + int(k[0, ki]), float(t[hi, ki]), recompute)
+            t = np.maximum(np.maximum(head_t, read_t), 2 * host_t) + rest_t - host_t
+            i = int(np.argmin(t))
+        seen["split"] = float(t[i])
+        score["split"] = float(t[i]) / (1.0 - split_margin)
+        plans["split"] = full("split", h, h + int(p[i]), cached, float(t[i]), recompute)
     return chosen()
 
 

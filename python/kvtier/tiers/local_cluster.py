@@ -155,14 +155,7 @@ class LocalCluster:
     def metrics(self) -> dict[str, float]:
         """The master's counters (its Prometheus text on the metrics port), by name: ``master_key_count``,
         ``master_allocated_bytes``, ``master_evicted_key_count``, ... (labelled series are left out)."""
-        if self.master is None or self.master.poll() is not None:
-            raise KvtierError("the master is not running")
-        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
-        try:
-            with urllib.request.urlopen(url, timeout=5) as r:
-                text = r.read().decode()
-        except OSError as exc:
-            raise KvtierError(f"cannot read the master's metrics at {url}: {exc}") from None
+        text = self._master_http("metrics", "read the master's metrics")
         out = {}
         for line in text.splitlines():
             parts = line.split()
@@ -176,15 +169,19 @@ class LocalCluster:
     def object_names(self) -> list[str]:
         """The name of every object the cluster holds, sorted (the master's ``/get_all_keys`` on its metrics
         port): what an operator of the cluster sees, whoever wrote the objects."""
+        text = self._master_http("get_all_keys", "list the cluster's objects")
+        return sorted(n for n in text.split("\n") if n)
+
+    def _master_http(self, path: str, what: str) -> str:
+        """The text the running master serves at ``path`` on its metrics port (``what``: for the error)."""
         if self.master is None or self.master.poll() is not None:
             raise KvtierError("the master is not running")
-        url = f"http://127.0.0.1:{self.metrics_port}/get_all_keys"
+        url = f"http://127.0.0.1:{self.metrics_port}/{path}"
         try:
             with urllib.request.urlopen(url, timeout=5) as r:
-                text = r.read().decode()
+                return str(r.read().decode())
         except OSError as exc:
-            raise KvtierError(f"cannot list the cluster's objects at {url}: {exc}") from None
-        return sorted(n for n in text.split("\n") if n)
+            raise KvtierError(f"cannot {what} at {url}: {exc}") from None
 
     def stop_master(self) -> None:
         if self.master is not None:

@@ -17,6 +17,21 @@ fn found_in(dir: &Path, needle: &[u8]) -> bool {
     })
 }
 
+/// Bytes of one test object.
+const LEN: usize = 8192;
+
+/// `LEN` bytes of recognisable plaintext: `word` repeated, so a leftover is found by searching the files.
+fn plaintext(word: &[u8; 18]) -> Vec<u8> {
+    word.repeat(LEN / 18 + 1)
+}
+
+/// Alice's keys for two engine keys (`a…`, `b…`) and Bob's for one (`bob` repeated: the same engine key as
+/// one of Alice's, or another).
+fn tenants(bob: &str) -> (Vec<String>, Vec<String>) {
+    let alice = tenant_keys("alice", &["a".repeat(64), "b".repeat(64)]).unwrap();
+    (alice, tenant_keys("bob", &[bob.repeat(64)]).unwrap())
+}
+
 #[test]
 fn a_sealed_stores_files_name_no_engine_key_and_no_tenant() {
     let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
@@ -67,12 +82,12 @@ fn a_sealed_stores_files_name_no_engine_key_and_no_tenant() {
 fn erasing_a_tenant_in_clear_leaves_neither_its_bytes_nor_its_names_and_refuses_its_puts() {
     let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     let root = tmp();
-    let len = 8192usize;
-    // recognisable plaintext: each object's bytes are a marker repeated
-    let marker = b"ALICE-KV-PLAINTEXT".repeat(len / 18 + 1);
-    let bob_bytes = b"BOB-KV-PLAINTEXT!!".repeat(len / 18 + 1);
-    let alice = tenant_keys("alice", &["a".repeat(64), "b".repeat(64)]).unwrap();
-    let bob = tenant_keys("bob", &["a".repeat(64)]).unwrap();
+    let len = LEN;
+    let (marker, bob_bytes) = (
+        plaintext(b"ALICE-KV-PLAINTEXT"),
+        plaintext(b"BOB-KV-PLAINTEXT!!"),
+    );
+    let (alice, bob) = tenants("a");
     let tag = tenant_tag("alice").unwrap();
     let s = PageStore::open(&root, "ns", opts(1 << 30)).unwrap();
     for k in &alice {
@@ -115,8 +130,7 @@ fn erasing_a_tenant_of_a_sealed_store_finds_it_by_its_keyed_tag() {
     };
     let len = 8192usize;
     let src = payload(1, len, 6);
-    let alice = tenant_keys("alice", &["a".repeat(64), "b".repeat(64)]).unwrap();
-    let bob = tenant_keys("bob", &["a".repeat(64)]).unwrap();
+    let (alice, bob) = tenants("a");
     let s = PageStore::open(&root, "ns", o).unwrap();
     for k in alice.iter().chain(&bob) {
         assert!(put1(&s, k, src.as_ptr() as usize, len as u64));
@@ -134,8 +148,8 @@ fn erasing_a_tenant_of_a_sealed_store_finds_it_by_its_keyed_tag() {
 fn a_put_in_flight_when_its_tenant_is_erased_is_erased_with_it() {
     let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     let root = tmp();
-    let len = 8192usize;
-    let marker = b"ALICE-KV-PLAINTEXT".repeat(len / 18 + 1);
+    let len = LEN;
+    let marker = plaintext(b"ALICE-KV-PLAINTEXT");
     let alice = tenant_keys("alice", &["a".repeat(64)]).unwrap();
     let tag = tenant_tag("alice").unwrap();
     let s = PageStore::open(&root, "ns", opts(1 << 30)).unwrap();
@@ -177,11 +191,12 @@ fn a_put_in_flight_when_its_tenant_is_erased_is_erased_with_it() {
 fn erasing_a_tenant_clears_the_slots_and_records_of_its_objects_deleted_before() {
     let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     let root = tmp();
-    let len = 8192usize;
-    let marker = b"ALICE-KV-PLAINTEXT".repeat(len / 18 + 1);
-    let bob_bytes = b"BOB-KV-PLAINTEXT!!".repeat(len / 18 + 1);
-    let alice = tenant_keys("alice", &["a".repeat(64), "b".repeat(64)]).unwrap();
-    let bob = tenant_keys("bob", &["c".repeat(64)]).unwrap();
+    let len = LEN;
+    let (marker, bob_bytes) = (
+        plaintext(b"ALICE-KV-PLAINTEXT"),
+        plaintext(b"BOB-KV-PLAINTEXT!!"),
+    );
+    let (alice, bob) = tenants("c");
     let s = PageStore::open(&root, "ns", opts(1 << 30)).unwrap();
     let dir = root.join(namespace_dir("ns"));
     for k in &alice {
@@ -220,8 +235,7 @@ fn erasing_a_tenant_while_a_compaction_runs_leaves_no_name_in_the_journal() {
     let root = tmp();
     let len = 8192usize;
     let src = payload(1, len, 3);
-    let alice = tenant_keys("alice", &["a".repeat(64), "b".repeat(64)]).unwrap();
-    let bob = tenant_keys("bob", &["c".repeat(64)]).unwrap();
+    let (alice, bob) = tenants("c");
     let s = PageStore::open(&root, "ns", opts(1 << 30)).unwrap();
     let dir = root.join(namespace_dir("ns"));
     for k in alice.iter().chain(&bob) {

@@ -7,6 +7,20 @@ use super::*;
 use crate::fault::{self, Fault};
 use std::sync::atomic::Ordering;
 
+/// 8 pages of 4 tokens in a pool from `payload(16, 8192, _)` at `base`: K 8 KiB each at 0.., V 4 KiB at 64 KiB...
+fn eight_pages(base: usize) -> PageLayout {
+    PageLayout {
+        k_base: base,
+        k_stride: 8192,
+        k_len: 8192,
+        v_base: base + 65536,
+        v_stride: 4096,
+        v_len: 4096,
+        page_tokens: 4,
+        pages: 8,
+    }
+}
+
 /// Page batches: K and V paired, a half-stored page a miss until completed, indices proven in range before any IO, one
 /// layout per store.
 #[test]
@@ -23,16 +37,7 @@ fn page_batches_pair_k_and_v_and_check_every_index() {
         host_indices: &idx,
     };
     assert!(s.put_pages(&batch).is_err(), "no layout bound");
-    let layout = PageLayout {
-        k_base: base,
-        k_stride: 8192,
-        k_len: 8192,
-        v_base: base + 65536,
-        v_stride: 4096,
-        v_len: 4096,
-        page_tokens: 4,
-        pages: 8,
-    };
+    let layout = eight_pages(base);
     // SAFETY: every page's K (8 KiB) and V (4 KiB) lie inside `pool` (128 KiB), alive for the test.
     unsafe { s.bind_pages(layout) }.unwrap();
     // SAFETY: as above; K and V overlap here, which must be refused.
@@ -446,16 +451,7 @@ fn a_page_put_again_after_losing_one_half_is_written_whole() {
     let pool = payload(16, 8192, 41); // 8 pages: K 8 KiB at 0.., V 4 KiB at 64 KiB..
     let base = pool.as_ptr() as usize;
     let s = PageStore::open(&root, "ns", opts(1 << 30)).unwrap();
-    let layout = PageLayout {
-        k_base: base,
-        k_stride: 8192,
-        k_len: 8192,
-        v_base: base + 65536,
-        v_stride: 4096,
-        v_len: 4096,
-        page_tokens: 4,
-        pages: 8,
-    };
+    let layout = eight_pages(base);
     // SAFETY: every page's K (8 KiB) and V (4 KiB) lie inside `pool` (128 KiB), alive for the test.
     unsafe { s.bind_pages(layout) }.unwrap();
     let keys: Vec<String> = vec!["x".into()];

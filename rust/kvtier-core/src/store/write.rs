@@ -57,9 +57,9 @@ impl Shared {
         let stored = self.stored_names(objs.iter().map(|o| o.0), true)?;
         let renamed = stored.as_deref().map(|n| renamed(objs, n));
         let objs = renamed.as_deref().unwrap_or(objs);
-        // SAFETY: the caller's guarantee, passed on (renaming keeps every range; the admitted objects are a
-        // subset of the caller's ranges).
-        // (an erased tenant's refused objects are whole pages: a page's objects carry one tenant)
+        // Renaming keeps every range, and the admitted objects are a subset of the caller's ranges (an erased
+        // tenant's refused objects are whole pages: a page's objects carry one tenant).
+        // SAFETY: the caller's guarantee, passed on (see above).
         self.admitted(objs, |kept| unsafe { self.put_stored(kept, per) })
     }
 
