@@ -12,8 +12,13 @@ from typing import Any
 import torch
 
 from ._errors import InvalidArgumentError
+from .deadlines import TierIO, check_deadline
 from .planner import PlannerStats, PrefillModel, RestorePlan, TierEstimate, TierMeter, plan_restore
 from .pools import device_of
+
+#: ``restore_deadline="auto"``: this many times the prefill model's time to recompute the pages, plus
+#: AUTO_SLACK_S, at least AUTO_FLOOR_S; AUTO_UNKNOWN_S while the model has no fit
+AUTO_FACTOR, AUTO_SLACK_S, AUTO_FLOOR_S, AUTO_UNKNOWN_S = 1.5, 0.05, 0.5, 2.0
 
 
 class RestorePlanning:
@@ -32,14 +37,19 @@ class RestorePlanning:
     lock: Any
     pages: Any
     stats: Any
-    _io: concurrent.futures.ThreadPoolExecutor
     _pending: list[concurrent.futures.Future[Any]]
+    tier_io: TierIO
+    _fenced: set[int]
+    _free_after: set[int]
+    lookup_deadline_s: float | None
+    restore_deadline: float | str | None
 
     def _slots(self, starts: Sequence[int]) -> torch.Tensor:
         raise NotImplementedError  # TierController's
 
     def _poll_locked(self) -> None:
         raise NotImplementedError  # TierController's
+
 
     def _host_run(self, keys: list[str]) -> int:
         with self.lock:
@@ -80,6 +90,31 @@ class RestorePlanning:
             self.host_meter.seed(read_GBps=src.numel() / dt / 1e9)
 
     # ------------------------------------------------------------------ restore planning
+    def _lookup(self, fn: Any, missing: Any) -> Any:
+        """A store lookup within ``lookup_deadline_s``: its answer, or ``missing`` (past the deadline, failed,
+        or the store out of use)."""
+        out = self.tier_io.run("lookup", fn, deadline_s=self.lookup_deadline_s, pages=0,
+                               on_done=lambda r, late: missing if late or isinstance(r, BaseException) else r,
+                               on_give_up=lambda started: missing)
+        return out.result()
+
+    def restore_deadline_s(self, tokens: int, *, plan: Any = None) -> float | None:
+        """The deadline of a store read of ``tokens`` tokens' pages (see ``restore_deadline``); with ``plan`` (a
+        :class:`kvtier.planner.RestorePlan`), from its time to recompute the whole prompt."""
+        if not isinstance(self.restore_deadline, str):  # seconds, or None (no deadline)
+            return self.restore_deadline
+        s = plan.recompute_s if plan is not None else self.prefill.seconds(int(tokens), 0)
+        if s is None:
+            return AUTO_UNKNOWN_S
+        return max(AUTO_FLOOR_S, AUTO_FACTOR * float(s) + AUTO_SLACK_S)
+
+    def deadline_stats(self) -> dict[str, Any]:
+        """The store's calls by kind, deadline misses, calls skipped while it was out of use, fenced pages and the
+        breaker's state (:class:`kvtier.deadlines.DeadlineStats`)."""
+        b = self.tier_io.breaker
+        return {**self.tier_io.stats.as_dict(), "breaker": b.state, "breaker_trips": b.trips,
+                "breaker_recoveries": b.recoveries}
+
     def measured(self) -> dict[str, TierEstimate]:
         """What every tier measured about itself: ``host`` (host → device copies) and the store's tiers
         (``disk``, ``mooncake``, ...), each a :class:`kvtier.planner.TierEstimate`."""
@@ -122,9 +157,9 @@ class RestorePlanning:
         if self.store is not None and n < len(keys):
             locate = getattr(self.store, "locate", None)
             if locate is not None:
-                segments = list(locate(keys[n:]))
+                segments = list(self._lookup(lambda: list(locate(keys[n:])), []))
             else:
-                m = int(self.store.batch_exists(keys[n:]))
+                m = int(self._lookup(lambda: self.store.batch_exists(keys[n:]), 0))
                 segments = [("store", m)] if m else []
         self._count_lookup(keys, n, sum(p for _, p in segments))
         # one prefetch brings in at most the budget: pages past it are not loadable by this restore
@@ -136,7 +171,7 @@ class RestorePlanning:
         return plan
 
     def read_into(self, page_keys: Sequence[str], starts: Sequence[int], *, first_layers: int = 0,
-                  gate: Any = None) -> concurrent.futures.Future[int]:
+                  gate: Any = None, deadline: float | None = None) -> concurrent.futures.Future[int]:
         """Read the pages of ``page_keys`` from the store into the caller's private host pages ``starts`` (from
         :meth:`allocate`), in the background, in one batch: a split restore's tail, loaded while its head is
         computed. The future's result is how many leading pages were read and verified; the bytes of any page
@@ -147,31 +182,52 @@ class RestorePlanning:
         ``first_layers`` (with ``gate``, a ``kvtier._native.HostGate``): a store that can
         (:meth:`kvtier.PageStore.batch_get_layers_first`) reads those layers of every page first and opens the
         gate then, while it reads the rest; the gate opens by the end of the read whatever happens (every page
-        is checked whole before the future's result counts it)."""
+        is checked whole before the future's result counts it).
+
+        ``deadline``: seconds (default: :meth:`restore_deadline_s` of these pages); past it the future answers 0
+        (no page verified) and the gate opens, while the read, still running, keeps ``starts`` fenced: given
+        back with :meth:`free` meanwhile, they are freed only once it returns; :meth:`adopt` refuses them."""
         keys, starts = list(page_keys), [int(s) for s in starts]
         split = getattr(self.store, "batch_get_layers_first", None) if first_layers else None
         if len(keys) != len(starts):
             raise InvalidArgumentError(f"invalid argument `starts`: {len(starts)} pages for {len(keys)} keys")
         if self.store is None and keys:
             raise InvalidArgumentError("invalid argument `page_keys`: this controller has no store to read from")
+        deadline = check_deadline("deadline", deadline)
+        if deadline is None:
+            deadline = self.restore_deadline_s(len(keys) * self.ps)
 
-        def work() -> int:
-            ok: list[bool] = []
-            if keys:
-                try:
-                    if split is not None:
-                        ok = list(split(keys, self._slots(starts), self.host.layer_num, first_layers, gate))
-                    else:
-                        ok = list(self.store.batch_get_v1(keys, self._slots(starts)))
-                except Exception:  # an IO failure is a miss, never an engine crash
-                    ok = [False] * len(keys)
+        def work() -> list[bool]:
+            if not keys:
+                return []
+            if split is not None:
+                return list(split(keys, self._slots(starts), self.host.layer_num, first_layers, gate))
+            return list(self.store.batch_get_v1(keys, self._slots(starts)))
+
+        def give_up(started: bool) -> int:
+            if started:
+                with self.lock:
+                    self._fenced.update(starts)
+            if gate is not None:
+                gate.open()
+            return 0
+
+        def done(result: Any, late: bool) -> int:
+            # an IO failure is a miss, never an engine crash
+            ok = [False] * len(keys) if isinstance(result, BaseException) else [bool(g) for g in result]
             if gate is not None:
                 gate.open()
             with self.lock:
                 self._count_reads(ok)
+                if late:  # the pages are the caller's again; those it gave back meanwhile are freed now
+                    self._fenced.difference_update(starts)
+                    back = [s for s in starts if s in self._free_after]
+                    self._free_after.difference_update(back)
+                    if back:
+                        self.host.free(self._slots(back))
             return next((i for i, g in enumerate(ok) if not g), len(ok))
 
-        fut = self._io.submit(work)
+        fut = self.tier_io.run("read", work, deadline_s=deadline, pages=len(keys), on_done=done, on_give_up=give_up)
         self._pending.append(fut)
         return fut
 

@@ -11,8 +11,14 @@ read failed is not in the host index, and a page whose store read is still in fl
 not issued yet) is in it but not usable, so neither is ever reported as loadable. A Ctrl-C in the middle
 of a call leaves the index as it was before the call (what was enqueued is waited for first).
 
-Threading: public methods may be called from any thread (one lock guards the state); store IO runs on one
-background thread (:meth:`wait_idle` waits for it).
+Deadlines: every store call has one (:mod:`kvtier.deadlines`). A read past its deadline answers as a miss
+(the engine recomputes) while the pages it reads into stay fenced until it returns; a write past its deadline
+keeps its pages referenced until it returns, and one not yet started never starts; a lookup past its deadline
+finds nothing. A store that keeps missing deadlines is out of use until it answers a probe in time.
+
+Threading: public methods may be called from any thread (one lock guards the state); store IO runs on the
+store's threads (:class:`kvtier.deadlines.TierIO`; :meth:`wait_idle` waits for what was sent, or for its
+deadline).
 """
 
 from __future__ import annotations
@@ -21,16 +27,18 @@ import collections
 import concurrent.futures
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 from collections.abc import Sequence
 
 import torch
 
 from ._errors import InvalidArgumentError
+from .deadlines import Breaker, TierIO, check_deadline
+from .host_pages import Stats, _HostPage
 from .tenants import erase_tag, tenant_of, tenant_tag
 from .overlap import LayerLoad, LayerLoader, backup_async
 from ._restore_planning import RestorePlanning
+from ._store_writes import StoreWrites
 from .planner import PlannerStats, PrefillModel, TierMeter
 from .pools import device_of
 from .tier import Tier
@@ -38,45 +46,7 @@ from .tier import Tier
 POLICIES = ("write_through", "write_back", "write_through_selective")
 
 
-@dataclass
-class _HostPage:
-    start: int  # first host token slot
-    refs: int = 0  # transfers or writes in flight that use this page
-    ready: bool = False  # backup (or store read) finished
-    event: Any = None  # CUDA event of the backup, until it is seen complete
-    hits: int = 0
-    in_store: bool = False
-    erased: bool = False  # its tenant was erased while the page was held: never a hit again, wiped when freed
-
-    @property
-    def usable(self) -> bool:
-        """Its bytes are there or on their way on a stream a load can follow (a backup in flight); not in
-        flight from the store, nor a backup not issued yet, nor of an erased tenant."""
-        return not self.erased and (self.ready or self.event is not None)
-
-
-@dataclass
-class Stats:
-    """Counters a demo or an engine can report."""
-
-    backed_up_pages: int = 0
-    loaded_pages: int = 0
-    store_writes: int = 0
-    store_write_failures: int = 0
-    prefetched_pages: int = 0
-    prefetch_misses: int = 0
-    host_evictions: int = 0
-    spills: int = 0
-    bytes_device_to_host: int = 0
-    bytes_host_to_device: int = 0
-    bytes_to_store: int = 0
-    bytes_from_store: int = 0
-    host_hit_pages: int = 0  # match(): pages found on the host ...
-    store_hit_pages: int = 0  # ... then in the store ...
-    miss_pages: int = 0  # ... and the rest (to be recomputed)
-
-
-class TierController(RestorePlanning):
+class TierController(RestorePlanning, StoreWrites):
     """See the module docs.
 
     Args:
@@ -92,6 +62,15 @@ class TierController(RestorePlanning):
             (fixed by the caller, or learned from :meth:`observe_prefill`; default: learned), or a number:
             the engine's prefill tokens/s.
         probe: measure host → device copies once at construction (the host tier's seed figure).
+        restore_deadline: how long a store read may take before the request gives up on it and recomputes:
+            ``"auto"`` (default: 1.5× the prefill model's time to recompute the pages + 50 ms, at least 0.5 s;
+            2 s until the model has a fit), seconds, or None (wait as long as the IO takes).
+        write_deadline_s: how long a store write may hold its host pages before it is given up on (default 2;
+            None: no limit). A write-back spill, which runs on the caller's thread, gets ``lookup_deadline_s``.
+        lookup_deadline_s: how long a store lookup (``batch_exists``, ``locate``) may take before it finds
+            nothing (default 1; None: no limit).
+        breaker: when the store is taken out of use after missed deadlines (default:
+            :class:`kvtier.deadlines.Breaker`: 2 misses in a row, back after 2 s if a probe answers in time).
     """
 
     def __init__(
@@ -106,6 +85,10 @@ class TierController(RestorePlanning):
         prefetch_budget_pages: int | None = None,
         prefill: PrefillModel | float | None = None,
         probe: bool = True,
+        restore_deadline: float | str | None = "auto",
+        write_deadline_s: float | None = 2.0,
+        lookup_deadline_s: float | None = 1.0,
+        breaker: Breaker | None = None,
     ) -> None:
         if device_pool is None or host_pool is None:
             raise InvalidArgumentError("invalid argument `device_pool`/`host_pool`: both are required (got None)")
@@ -113,6 +96,11 @@ class TierController(RestorePlanning):
             prefill = PrefillModel.fixed(prefill, name="prefill")
         elif prefill is not None and not isinstance(prefill, PrefillModel):
             raise InvalidArgumentError(f"invalid argument `prefill`: a PrefillModel or tokens/s, got {prefill!r}")
+        self.restore_deadline = check_deadline("restore_deadline", restore_deadline, auto=True)
+        self.write_deadline_s = check_deadline("write_deadline_s", write_deadline_s)
+        self.lookup_deadline_s = check_deadline("lookup_deadline_s", lookup_deadline_s)
+        if breaker is not None and not isinstance(breaker, Breaker):
+            raise InvalidArgumentError(f"invalid argument `breaker`: a kvtier.deadlines.Breaker, got {breaker!r}")
         if write_policy not in POLICIES:
             raise InvalidArgumentError(f"invalid argument `write_policy`: {write_policy!r}; expected one of {POLICIES}")
         if store is not None:
@@ -132,8 +120,12 @@ class TierController(RestorePlanning):
         self.lock = threading.RLock()
         self.stats = Stats()
         self.loader = LayerLoader(host_pool, device_pool, io_backend)
-        self._io = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-store")
+        self._io = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-release")
         self._pending: list[concurrent.futures.Future[Any]] = []
+        #: the store's calls, with their deadlines and breaker
+        self.tier_io = TierIO(breaker=breaker, name="store")
+        self._fenced: set[int] = set()  # private page starts a read past its deadline may still write
+        self._free_after: set[int] = set()  # fenced starts given back meanwhile: freed when their read returns
         self.page_bytes = host_pool.get_size_per_token() * self.ps
         #: the engine's prefill cost (learned from observe_prefill unless given) and every decision counted
         self.prefill = prefill if prefill is not None else PrefillModel()
@@ -167,48 +159,23 @@ class TierController(RestorePlanning):
         got = self.host.alloc(n * self.ps)
         return None if got is None else got[:: self.ps].tolist()
 
-    def _evict_locked(self, key: str) -> None:
+    def _evict_locked(self, key: str) -> bool:
+        """Evicts ``key`` (False: a spill past its deadline still reads it; it stays, held, until that returns)."""
         pg = self.pages[key]
         if self.write_policy == "write_back" and self.store is not None and not pg.in_store:
-            ok = self._store_write([key], [pg.start])  # spill before the memory is reused
+            ok = self._spill(key, pg.start)  # before the memory is reused
+            if ok is None:
+                pg.refs += 1  # the spill's: given back when it returns
+                return False
             self.stats.spills += sum(ok)
+            self.stats.spills_given_up += 1 - sum(ok)
         # out of the index only now: a Ctrl-C during the spill leaves the page indexed and its memory held
         del self.pages[key]
         if pg.erased and (wipe := getattr(self.host, "wipe", None)) is not None:
             wipe(self._slots([pg.start]))  # an erased tenant's page keeps none of its KV once freed
         self.host.free(self._slots([pg.start]))
         self.stats.host_evictions += not pg.erased  # (an erased tenant's page is erased, not evicted)
-
-    def _store_write(self, keys: list[str], starts: list[int]) -> list[bool]:
-        try:
-            ok: list[bool] = self.store.batch_set_v1(keys, self._slots(starts))
-        except Exception:  # an IO failure is a miss later, never an engine crash
-            ok = [False] * len(keys)
-        self.stats.store_writes += sum(ok)
-        self.stats.store_write_failures += len(ok) - sum(ok)
-        self.stats.bytes_to_store += sum(ok) * self.page_bytes
-        return ok
-
-    def _write_async(self, keys: list[str], events: list[Any]) -> None:
-        """Background: wait for the backups, write the pages, release their references."""
-
-        def work() -> Any:
-            for ev in {id(e): e for e in events if e is not None}.values():
-                ev.synchronize()
-            with self.lock:
-                live = [(k, self.pages[k].start) for k in keys if k in self.pages]
-            ok = self._store_write([k for k, _ in live], [s for _, s in live]) if live else []
-            with self.lock:
-                for (k, _), good in zip(live, ok):
-                    pg = self.pages.get(k)
-                    if pg is not None:
-                        pg.in_store = pg.in_store or good
-                for k in keys:
-                    if k in self.pages:
-                        self.pages[k].refs -= 1
-                self._poll_locked()
-
-        self._pending.append(self._io.submit(work))
+        return True
 
     # ------------------------------------------------------------------ the workflow
     def backup(self, device_indices: torch.Tensor, page_keys: Sequence[str], *, after: Any = None) -> Any:
@@ -274,33 +241,47 @@ class TierController(RestorePlanning):
         the prefix)."""
         keys = list(page_keys)
         n = self._host_run(keys)
-        m = self.store.batch_exists(keys[n:]) if self.store is not None and n < len(keys) else 0
+        m = 0
+        if self.store is not None and n < len(keys):
+            m = int(self._lookup(lambda: self.store.batch_exists(keys[n:]), 0))
         self._count_lookup(keys, n, m)
         return n, m
 
-    def prefetch(self, page_keys: Sequence[str]) -> concurrent.futures.Future[int]:
+    def prefetch(self, page_keys: Sequence[str], *, deadline: float | None = None) -> concurrent.futures.Future[int]:
         """Bring the pages of ``page_keys`` that are not on the host in from the store, in the background
         (at most the prefetch budget of pages per call); the pages already on the host are touched so making
-        room never evicts them. The future's result is the number of ``page_keys`` now on the host."""
+        room never evicts them. The future's result is the number of ``page_keys`` now on the host, usable.
+        ``deadline``: seconds (default: :meth:`restore_deadline_s`); past it the future answers with what is
+        usable then, and the pages still being read stay unusable (fenced) until the read returns: then those
+        it verified are kept."""
         keys = list(page_keys)
+        deadline = check_deadline("deadline", deadline)
+        if deadline is None:
+            deadline = self.restore_deadline_s(len(keys) * self.ps)
+        want: list[str] = []
+        starts: list[int] = []
+
+        def usable() -> int:
+            with self.lock:
+                return sum(1 for k in keys if k in self.pages and self.pages[k].usable)
 
         def work() -> Any:
             with self.lock:
                 for k in keys:  # the part already on the host must not be evicted to make room for the rest
                     if k in self.pages:
                         self.pages.move_to_end(k)
-                want = [k for k in keys if k not in self.pages][: self.prefetch_budget]
-                starts = self._alloc_pages(len(want)) if want else []
-                if starts is None:
-                    return 0
+                asked = [k for k in keys if k not in self.pages][: self.prefetch_budget]
+                got = self._alloc_pages(len(asked)) if asked else []
+                if got is None:
+                    return []
+                want.extend(asked)
+                starts.extend(got)
                 for k, s in zip(want, starts):
                     self.pages[k] = _HostPage(start=s, refs=1)
-            ok = []
-            if want:
-                try:
-                    ok = self.store.batch_get_v1(want, self._slots(starts))
-                except Exception:
-                    ok = [False] * len(want)
+            return self.store.batch_get_v1(want, self._slots(starts)) if want else []
+
+        def done(result: Any, late: bool) -> int:
+            ok = [False] * len(want) if isinstance(result, BaseException) else [bool(g) for g in result]
             with self.lock:
                 for k, good in zip(want, ok):
                     pg = self.pages[k]
@@ -314,9 +295,10 @@ class TierController(RestorePlanning):
                         self.host.free(self._slots([pg.start]))
                 self._poll_locked()  # (a page read for a tenant erased meanwhile: wiped and freed)
                 self._count_reads(ok)
-                return sum(1 for k in keys if k in self.pages)
+            return usable()
 
-        fut = self._io.submit(work)
+        fut = self.tier_io.run("read", work, deadline_s=deadline, pages=lambda: len(want), on_done=done,
+                               on_give_up=lambda started: usable())
         self._pending.append(fut)
         return fut
 
@@ -390,10 +372,16 @@ class TierController(RestorePlanning):
             self._poll_locked()
             return self._alloc_pages(n) if n else []
 
-    def free(self, starts: Sequence[int]) -> None:  # private pages from allocate that were not adopted
+    def free(self, starts: Sequence[int]) -> None:
+        """Give back private pages from :meth:`allocate` that were not adopted (one a read past its deadline may
+        still write is freed when that read returns)."""
         if starts:
             with self.lock:
-                self.host.free(self._slots(list(starts)))
+                late = {int(s) for s in starts} & self._fenced
+                self._free_after |= late
+                now = [int(s) for s in starts if int(s) not in late]
+                if now:
+                    self.host.free(self._slots(now))
 
     def adopt(self, page_keys: Sequence[str], starts: Sequence[int], *, event: Any = None,
               stored: Sequence[bool] | None = None) -> list[bool]:
@@ -410,6 +398,9 @@ class TierController(RestorePlanning):
             raise InvalidArgumentError(f"invalid argument `stored`: {len(stored)} flags for {len(keys)} keys")
         held = {k for k, s in zip(keys, stored) if s} if stored is not None else set()
         with self.lock:
+            if fenced := {int(s) for s in starts} & self._fenced:
+                raise InvalidArgumentError(f"invalid argument `starts`: page(s) {sorted(fenced)} are still being "
+                                           "written by a store read past its deadline")
             self._poll_locked()
             done = []
             for k, s in zip(keys, starts):
@@ -491,10 +482,12 @@ class TierController(RestorePlanning):
         return len(victims)
 
     def wait_idle(self) -> None:
-        """Wait for every background store write, prefetch and reference release."""
+        """Wait for every background store write, prefetch and reference release (a store call past its
+        deadline counts as done: :meth:`deadline_stats` counts what it still holds)."""
         while self._pending:
             self._pending.pop(0).result()
 
     def close(self) -> None:
         self.wait_idle()
         self._io.shutdown(wait=True)
+        self.tier_io.close()

@@ -6,6 +6,8 @@ fault is armed an IO point costs one atomic load (while one is, each IO point ta
 
 - ``"error"``: the call fails with ``errno`` (``errno.ENOSPC`` for a full disk, ``errno.EIO``, ...);
 - ``"delay"``: the call sleeps ``delay_ms`` first (a slow disk);
+- ``"stall"``: the call blocks until :func:`clear_faults` (or at most ``delay_ms``; 0: ten minutes), then runs
+  normally (a hung disk: a dead NFS server, a dying SSD, a throttle to zero);
 - ``"short"`` (``data_write`` only): half the object is written, then the call fails with ``errno``;
 - ``"torn"`` (``data_write`` only): half the object is written, followed by zeros, and the call reports
   success — the disk lied; only the checksum verified on every read can catch it.
@@ -27,7 +29,7 @@ from . import _native
 from ._errors import InvalidArgumentError
 
 POINTS = tuple(_native.fault_points())
-KINDS = ("error", "delay", "short", "torn")
+KINDS = ("error", "delay", "stall", "short", "torn")
 
 
 def inject_fault(point: str, kind: str = "error", *, errno: int = _errno.EIO, skip: int = 0,
@@ -41,7 +43,7 @@ def inject_fault(point: str, kind: str = "error", *, errno: int = _errno.EIO, sk
 
 
 def clear_faults() -> None:
-    """Remove every injected fault."""
+    """Remove every injected fault and release every IO call stalled by a ``"stall"``."""
     _native.fault_clear()
 
 

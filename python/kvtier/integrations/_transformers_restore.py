@@ -186,7 +186,8 @@ class RestoreSteps:
         if starts is not None:
             self._ensure_window(len(tokens))  # (never reallocated, so never drained, while the read runs)
             first_gate = _native.HostGate() if half else None
-            read = ctrl.read_into(keys[j:k], starts, first_layers=half, gate=first_gate)
+            read = ctrl.read_into(keys[j:k], starts, first_layers=half, gate=first_gate,
+                                  deadline=ctrl.restore_deadline_s((k - j) * ps, plan=plan))
             pending = PendingTail(read, j, list(keys[j:k]), list(starts), first_gate=first_gate)
             self.table.reading = pending.future
         # (no room for the tail in the host pool: the next forward computes it)

@@ -52,6 +52,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 from .._errors import InvalidArgumentError
 from ..config import parse_size
 from ..controller import TierController
+from ..deadlines import check_deadline
 from ..planner import PrefillModel
 from ..pools import host_pool_for
 from ..store import DEFAULT_CAPACITY, PageStore
@@ -142,13 +143,17 @@ class KVTier:
         keyring: seal the store's pages at rest (:class:`kvtier.PageStore`'s ``keyring``).
         store_compression: the store's ``compression`` (:class:`kvtier.PageStore`): ``"auto"`` (default) stores
             bf16, fp16 and fp8 pages losslessly compressed, ``"off"`` as they are.
+        restore_deadline: how long a restore waits for the store before it recomputes what has not arrived
+            (:class:`kvtier.TierController`'s): ``"auto"`` (default, from the model's prefill time), seconds, or
+            None (as long as the IO takes).
     """
 
     def __init__(self, model: Any, *, model_id: str | None = None, page_size: int = 16, window: int = 2,
                  host_tokens: int = 65536, store_dir: str | os.PathLike[str] | None = None,
                  store_capacity_bytes: int | str = DEFAULT_CAPACITY, cluster: str | None = None, pin_memory: bool = True,
                  restore: str = "plan", prefill: PrefillModel | float | None = None, calibrate: bool = True,
-                 keyring: Any = None, store_compression: str = "auto") -> None:
+                 keyring: Any = None, store_compression: str = "auto",
+                 restore_deadline: float | str | None = "auto") -> None:
         config = getattr(model, "config", None)
         if config is None or not callable(model) or not hasattr(config, "get_text_config"):
             raise InvalidArgumentError(f"invalid argument `model`: expected a transformers model, got {type(model).__name__}")
@@ -162,6 +167,7 @@ class KVTier:
         store_capacity_bytes = parse_size("store_capacity_bytes", store_capacity_bytes, 4096)
         if not isinstance(pin_memory, bool):
             raise InvalidArgumentError(f"invalid argument `pin_memory`: must be a bool, got {pin_memory!r}")
+        restore_deadline = check_deadline("restore_deadline", restore_deadline, auto=True)
         if restore not in RESTORE_MODES:
             raise InvalidArgumentError(f"invalid argument `restore`: {restore!r}; expected one of {RESTORE_MODES}")
         if isinstance(prefill, (int, float)) and not isinstance(prefill, bool):
@@ -259,7 +265,8 @@ class KVTier:
                     remote.register_mem_pool_host(self.host)
                     self.store = TieredStore([("disk", self.page_store), ("mooncake", remote)])
             self.controller = TierController(self._template, self.host, self.store, write_policy="write_through",
-                                             prefill=prefill, probe=restore == "plan")
+                                             prefill=prefill, probe=restore == "plan",
+                                             restore_deadline=restore_deadline)
         except BaseException:
             if self.store is not None:
                 self.store.close()

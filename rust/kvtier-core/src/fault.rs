@@ -19,6 +19,9 @@ pub enum Fault {
     Error(i32),
     /// Sleep this long, then do the IO normally (a slow disk).
     Delay(Duration),
+    /// Block until the faults are cleared ([`clear`]), or at most this long, then do the IO normally (a hung
+    /// disk: a dead NFS server, a dying SSD, a throttle to zero).
+    Stall(Duration),
     /// `data_write` only: write the first half of the object, then fail with this errno.
     Short(i32),
     /// `data_write` only: write the first half of the object followed by zeros and report success.
@@ -45,7 +48,7 @@ pub const POINTS: [&str; 12] = [
 mod imp {
     use super::Fault;
     use std::collections::HashMap;
-    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
     use std::sync::Mutex;
 
     /// A point's schedule: calls to let through before faulting, faults left, what to do.
@@ -57,6 +60,12 @@ mod imp {
     }
 
     static ACTIVE: AtomicBool = AtomicBool::new(false);
+    /// Bumped by every `clear`: a stalled IO point waits for it to move.
+    static EPOCH: AtomicU64 = AtomicU64::new(0);
+
+    pub fn epoch() -> u64 {
+        EPOCH.load(Ordering::Acquire)
+    }
     static POINTS: Mutex<Option<HashMap<String, Point>>> = Mutex::new(None);
 
     pub fn set(point: &str, skip: u64, times: u64, fault: Fault) {
@@ -77,6 +86,7 @@ mod imp {
         let mut g = POINTS.lock().unwrap_or_else(|p| p.into_inner());
         *g = None;
         ACTIVE.store(false, Ordering::Release);
+        EPOCH.fetch_add(1, Ordering::AcqRel);
     }
 
     pub fn hits(point: &str) -> u64 {
@@ -115,7 +125,7 @@ pub fn set(point: &str, skip: u64, times: u64, fault: Fault) {
     imp::set(point, skip, times, fault)
 }
 
-/// Removes every injected fault.
+/// Removes every injected fault and releases every IO point stalled by [`Fault::Stall`].
 #[cfg(any(test, feature = "failpoints"))]
 pub fn clear() {
     imp::clear()
@@ -158,6 +168,23 @@ pub fn apply(fault: Option<Fault>) -> io::Result<()> {
             std::thread::sleep(d);
             Ok(())
         }
+        Some(Fault::Stall(cap)) => {
+            stall(cap);
+            Ok(())
+        }
         Some(Fault::Error(e)) | Some(Fault::Short(e)) => Err(io::Error::from_raw_os_error(e)),
     }
+}
+
+/// Blocks until the faults are cleared or `cap` has passed.
+fn stall(cap: Duration) {
+    #[cfg(any(test, feature = "failpoints"))]
+    {
+        let (seen, t0) = (imp::epoch(), std::time::Instant::now());
+        while imp::epoch() == seen && t0.elapsed() < cap {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+    #[cfg(not(any(test, feature = "failpoints")))]
+    let _ = cap;
 }

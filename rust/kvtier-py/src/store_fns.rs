@@ -154,6 +154,12 @@ pub fn fault_set(
     let fault = match kind {
         "error" => Fault::Error(errno),
         "delay" => Fault::Delay(std::time::Duration::from_millis(delay_ms)),
+        // a hung disk: blocked until the faults are cleared (at most delay_ms; 0: ten minutes)
+        "stall" => Fault::Stall(std::time::Duration::from_millis(if delay_ms == 0 {
+            600_000
+        } else {
+            delay_ms
+        })),
         "short" if point == "data_write" || point == "journal_write" => Fault::Short(errno),
         "torn" if point == "data_write" => Fault::Torn,
         "short" | "torn" => {
@@ -166,7 +172,7 @@ pub fn fault_set(
         _ => {
             return Err(Error::arg(
                 "kind",
-                format!("must be \"error\", \"delay\", \"short\" or \"torn\", got {kind:?}"),
+                format!("must be \"error\", \"delay\", \"stall\", \"short\" or \"torn\", got {kind:?}"),
             )
             .into())
         }

@@ -1,0 +1,289 @@
+"""A stalled tier never stalls the engine: store calls with deadlines, fenced pages, the breaker.
+
+Each stall is a real hang (the ``"stall"`` fault blocks the store's IO until the faults are cleared, or a tier
+whose call blocks on an event): on code without deadlines every call below waits for the stall to end, so the
+hang guard (``returns_while_stalled``: a thread joined for 60 s while the stall holds) fails. The guard is a
+hang check, not a timing: every deadline here is a fraction of a second."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from kvtier import InvalidArgumentError, TierController, page_hashes
+from kvtier.deadlines import Breaker, TierIO, check_deadline
+from kvtier.testing import clear_faults, inject_fault
+
+from controller_pools import PS, rows, setup
+
+HANG_GUARD_S = 60
+
+
+def keys_for(n, seed=0):
+    return page_hashes(list(range(seed, seed + n * PS)), PS)
+
+
+def returns_while_stalled(fn):
+    """``fn()``'s value, asserting it returned while the stall still holds (a hang fails here)."""
+    box = {}
+
+    def run():
+        try:
+            box["v"] = fn()
+        except BaseException as e:  # noqa: BLE001
+            box["e"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(HANG_GUARD_S)
+    assert not t.is_alive(), "the call hung behind a stalled tier"
+    if "e" in box:
+        raise box["e"]
+    return box.get("v")
+
+
+def until(cond, what):
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < HANG_GUARD_S, what
+        time.sleep(0.01)
+
+
+@pytest.fixture(autouse=True)
+def _no_faults_left():
+    yield
+    clear_faults()
+
+
+# ------------------------------------------------------------------ the parts
+def test_breaker_opens_after_misses_and_closes_after_a_probe_in_time():
+    b = Breaker(threshold=2, cooldown_s=0.05)
+    assert b.allow() and b.state == "closed"
+    b.missed()
+    assert b.state == "closed"
+    b.answered()
+    b.missed()
+    assert b.state == "closed"  # misses must be in a row
+    b.missed()
+    assert b.state == "open" and not b.allow() and b.trips == 1
+    until(lambda: b.state == "half_open", "cool-down")
+    assert b.allow() and not b.allow()  # one probe only
+    b.missed()  # the probe missed: out again, for twice as long
+    assert b.state == "open" and b._cooldown == pytest.approx(0.1)
+    until(lambda: b.state == "half_open", "cool-down")
+    assert b.allow()
+    b.answered()
+    assert b.state == "closed" and b.recoveries == 1 and b.allow()
+
+
+@pytest.mark.parametrize("kw", [dict(threshold=0), dict(threshold=True), dict(cooldown_s=0),
+                                dict(cooldown_s=float("nan")), dict(max_cooldown_s=float("inf"))])
+def test_breaker_refuses_bad_arguments_by_name(kw):
+    with pytest.raises(InvalidArgumentError, match=next(iter(kw))):
+        Breaker(**kw)
+
+
+@pytest.mark.parametrize("v", [0, -1, float("nan"), float("inf"), True, "soon", "auto"])
+def test_deadlines_refuse_what_is_not_seconds(v):
+    with pytest.raises(InvalidArgumentError, match="`deadline`"):
+        check_deadline("deadline", v)
+
+
+def test_tier_io_answers_at_the_deadline_fences_and_reclaims():
+    io = TierIO(breaker=Breaker(threshold=1, cooldown_s=60))
+    release, seen = threading.Event(), []
+    fut = io.run("read", lambda: release.wait(HANG_GUARD_S) and "late bytes", deadline_s=0.05, pages=3,
+                 on_done=lambda r, late: seen.append((r, late)) or "done", on_give_up=lambda started: ("gave up", started))
+    assert fut.result(HANG_GUARD_S) == ("gave up", True)
+    assert io.stats.fenced_pages == 3 and io.stats.stuck_calls == 1 and io.stats.deadline_misses["read"] == 1
+    assert io.breaker.state == "open"
+    # out of use: the next call never reaches the tier
+    ran = []
+    assert io.run("read", lambda: ran.append(1), deadline_s=1, pages=1, on_done=lambda r, late: "done",
+                  on_give_up=lambda started: started).result(HANG_GUARD_S) is False
+    assert not ran and io.stats.skipped["read"] == 1
+    release.set()
+    until(lambda: io.stats.stuck_calls == 0, "the late call to return")
+    assert seen == [("late bytes", True)]
+    assert io.stats.fenced_pages == 0 and io.stats.reclaimed_pages_total == 3 and io.stats.fenced_pages_total == 3
+    io.close()
+
+
+def test_a_call_whose_deadline_passes_in_the_queue_never_runs():
+    io = TierIO()
+    release, ran = threading.Event(), []
+    first = io.run("write", lambda: release.wait(HANG_GUARD_S), deadline_s=0.05, pages=1,
+                   on_done=lambda r, late: "done", on_give_up=lambda started: started)
+    second = io.run("write", lambda: ran.append(1), deadline_s=0.05, pages=1,
+                    on_done=lambda r, late: "done", on_give_up=lambda started: started)
+    assert first.result(HANG_GUARD_S) is True  # running when it was given up: fenced
+    assert second.result(HANG_GUARD_S) is False  # queued: never runs
+    release.set()
+    until(lambda: io.stats.stuck_calls == 0, "the stalled write to return")
+    time.sleep(0.05)
+    assert not ran
+    io.close()
+
+
+def test_a_caller_may_give_up_at_a_deadline_of_its_own():
+    io = TierIO()
+    release = threading.Event()
+    fut = io.run("write", lambda: release.wait(HANG_GUARD_S), deadline_s=None, pages=1,
+                 on_done=lambda r, late: "done", on_give_up=lambda started: "abandoned")
+    with pytest.raises(TimeoutError):
+        fut.result(timeout=0.05)
+    io.abandon(fut)
+    assert fut.result() == "abandoned"
+    io.abandon(fut)  # (twice: nothing)
+    release.set()
+    until(lambda: io.stats.stuck_calls == 0, "the call to return")
+    io.close()
+
+
+# ------------------------------------------------------------------ the controller over a stalled disk
+def test_a_prefetch_from_a_stalled_disk_answers_at_its_deadline_and_keeps_what_verified(tmp_path):
+    dp, hp, st, c = setup(tmp_path, host_pages=8, restore_deadline=0.2)
+    ref = [t.clone() for t in dp.k_buffer + dp.v_buffer]
+    keys = keys_for(3)
+    c.backup(rows([1, 2, 3]), keys)
+    c.wait_idle()
+    c.evict_unreferenced()
+    assert c.match(keys) == (0, 3)
+    inject_fault("data_read", "stall", times=None)
+    got = returns_while_stalled(lambda: c.prefetch(keys).result())
+    assert got == 0  # nothing usable: the engine recomputes
+    assert c.match(keys)[0] == 0  # the pages being read are not loadable ...
+    assert c.evict_unreferenced() == 0  # ... nor evictable
+    ds = c.deadline_stats()
+    assert ds["fenced_pages"] == 3 and ds["deadline_misses"]["read"] == 1 and ds["stuck_calls"] == 1
+    with pytest.raises(InvalidArgumentError, match="page_keys"):
+        c.load(keys, rows([5, 6, 7]))
+    clear_faults()  # the disk answers again: the read returns and what it verified is kept
+    until(lambda: c.deadline_stats()["fenced_pages"] == 0, "the fenced pages to be reclaimed")
+    assert c.match(keys)[0] == 3
+    c.load(keys, rows([5, 6, 7])).synchronize()
+    for a, b in zip(dp.k_buffer + dp.v_buffer, ref):
+        assert torch.equal(a[rows([5, 6, 7])], b[rows([1, 2, 3])])
+    c.close()
+
+
+def test_a_private_read_past_its_deadline_keeps_its_pages_fenced_until_it_returns(tmp_path):
+    dp, hp, st, c = setup(tmp_path, host_pages=8, restore_deadline=0.2)
+    keys = keys_for(2)
+    c.backup(rows([1, 2]), keys)
+    c.wait_idle()
+    c.evict_unreferenced()
+    starts = c.allocate(2)
+    free_before = hp.available_size()
+    inject_fault("data_read", "stall", times=None)
+    assert returns_while_stalled(lambda: c.read_into(keys, starts).result()) == 0
+    with pytest.raises(InvalidArgumentError, match="starts"):
+        c.adopt(keys, starts)
+    c.free(starts)  # given back while the read may still write them: not freed yet
+    assert hp.available_size() == free_before
+    assert c.allocate(8 - 2) is not None and c.allocate(1) is None  # nobody else gets them
+    clear_faults()
+    until(lambda: c.deadline_stats()["fenced_pages"] == 0, "the read to return")
+    assert hp.available_size() == 2 * PS  # freed once the read returned
+    c.close()
+
+
+def test_stalled_writes_never_block_backups_and_the_breaker_skips_the_store(tmp_path):
+    dp, hp, st, c = setup(tmp_path, host_pages=6, write_deadline_s=0.2,
+                          breaker=Breaker(threshold=2, cooldown_s=60))
+    inject_fault("data_write", "stall", times=None)
+
+    def serve():
+        for i in range(6):  # more pages than the host pool holds, a backup per request
+            c.backup(rows([i % 8, (i + 1) % 8]), keys_for(2, 1000 * i))
+            c.wait_idle()  # (until its write is done or given up)
+        return c.deadline_stats()
+
+    ds = returns_while_stalled(serve)
+    assert ds["breaker"] == "open" and ds["deadline_misses"]["write"] >= 2
+    assert ds["fenced_pages"] <= 2  # only the write that was running holds pages
+    assert c.stats.backed_up_pages == 12  # the host pool kept serving every request
+    assert c.stats.store_writes_given_up > 0 and ds["skipped"]["write"] > 0
+    assert c.match(keys_for(2, 0))[1] == 0  # the store is out of use: no store hits planned
+    clear_faults()
+    until(lambda: c.deadline_stats()["fenced_pages"] == 0, "the stalled write to return")
+    c.close()
+
+
+def test_a_write_back_spill_to_a_stalled_disk_does_not_block_the_backup(tmp_path):
+    dp, hp, st, c = setup(tmp_path, policy="write_back", host_pages=4, lookup_deadline_s=0.2)
+    c.backup(rows([1, 2, 3]), keys_for(3, 0))
+    inject_fault("data_write", "stall", times=None)
+    returns_while_stalled(lambda: c.backup(rows([4, 5, 6]), keys_for(3, 1000)))
+    assert c.deadline_stats()["deadline_misses"]["write"] >= 1
+    assert c.stats.spills_given_up >= 1  # evicted unstored (or kept while its spill runs), counted
+    clear_faults()
+    until(lambda: c.deadline_stats()["fenced_pages"] == 0, "the spill to return")
+    c.close()
+
+
+class _HungLookups:
+    """A tier whose lookups block until released (a cluster master stopped mid-call)."""
+
+    def __init__(self, store):
+        self._store, self.release = store, threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+    def batch_exists(self, keys, extra_info=None):
+        self.release.wait(HANG_GUARD_S)
+        return self._store.batch_exists(keys)
+
+    def locate(self, keys):
+        self.release.wait(HANG_GUARD_S)
+        return self._store.locate(keys)
+
+
+def test_a_hung_lookup_finds_nothing_and_the_plan_recomputes(tmp_path):
+    dp, hp, st, c0 = setup(tmp_path, host_pages=8)
+    keys = keys_for(3)
+    c0.backup(rows([1, 2, 3]), keys)
+    c0.close()
+    hung = _HungLookups(st)
+    c = TierController(dp, hp, hung, lookup_deadline_s=0.2, prefill=1e5)
+    assert returns_while_stalled(lambda: c.match(keys)) == (0, 0)
+    plan = returns_while_stalled(lambda: c.plan_restore(keys, 4 * PS))
+    assert plan.kind == "recompute" and plan.load_to == 0
+    hung.release.set()
+    c.close()
+
+
+def test_without_a_stall_deadlines_change_nothing(tmp_path):
+    dp, hp, st, c = setup(tmp_path, host_pages=8)
+    keys = keys_for(3)
+    c.backup(rows([1, 2, 3]), keys)
+    c.wait_idle()
+    c.evict_unreferenced()
+    assert c.prefetch(keys).result() == 3
+    ds = c.deadline_stats()
+    assert ds["breaker"] == "closed" and sum(ds["deadline_misses"].values()) == 0 and ds["fenced_pages"] == 0
+    assert ds["calls"]["read"] == 1 and ds["calls"]["write"] == 1
+    c.close()
+
+
+@pytest.mark.parametrize("name,value", [("restore_deadline", 0), ("restore_deadline", "later"),
+                                        ("write_deadline_s", -1), ("lookup_deadline_s", float("nan")),
+                                        ("breaker", 3)])
+def test_the_controller_refuses_bad_deadlines_by_name(tmp_path, name, value):
+    with pytest.raises(InvalidArgumentError, match=name):
+        setup(tmp_path, **{name: value})
+
+
+def test_the_auto_deadline_follows_the_prefill_model(tmp_path):
+    from kvtier._restore_planning import AUTO_FLOOR_S, AUTO_UNKNOWN_S
+    dp, hp, st, c = setup(tmp_path)
+    assert c.restore_deadline_s(1000) == AUTO_UNKNOWN_S  # nothing learned yet
+    c.close()
+    dp, hp, st, c = setup(tmp_path / "fixed", prefill=100.0)  # 100 tokens/s
+    assert c.restore_deadline_s(1000) == pytest.approx(1.5 * 10 + 0.05)
+    assert c.restore_deadline_s(1) == AUTO_FLOOR_S
+    c.close()
