@@ -287,3 +287,27 @@ def test_the_auto_deadline_follows_the_prefill_model(tmp_path):
     assert c.restore_deadline_s(1000) == pytest.approx(1.5 * 10 + 0.05)
     assert c.restore_deadline_s(1) == AUTO_FLOOR_S
     c.close()
+
+
+def test_deadline_metrics_are_scraped(tmp_path):
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from kvtier.metrics import KvtierCollector
+
+    dp, hp, st, c = setup(tmp_path, host_pages=8, restore_deadline=0.2, breaker=Breaker(threshold=1, cooldown_s=60))
+    keys = keys_for(2)
+    c.backup(rows([1, 2]), keys)
+    c.wait_idle()
+    c.evict_unreferenced()
+    reg = CollectorRegistry()
+    reg.register(KvtierCollector(controller=c))
+    inject_fault("data_read", "stall", times=None)
+    c.prefetch(keys).result(HANG_GUARD_S)
+    text = generate_latest(reg).decode()
+    assert 'kvtier_store_deadline_misses_total{kind="read"} 1.0' in text
+    assert "kvtier_store_fenced_pages 2.0" in text and "kvtier_store_breaker_open 1.0" in text
+    assert "kvtier_store_breaker_trips_total 1.0" in text
+    clear_faults()
+    until(lambda: c.deadline_stats()["fenced_pages"] == 0, "the read to return")
+    assert "kvtier_store_fenced_pages 0.0" in generate_latest(reg).decode()
+    c.close()

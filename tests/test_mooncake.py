@@ -579,3 +579,72 @@ def test_unverified_pages_stay_unvouched_past_the_exact_memory(tmp_path, cluster
         assert loose.served_unverified(keys) == set(keys)
         assert c.batch_set_v1(keys, pages_idx(range(6))) == [False] * 6  # the engine's write-back: refused
         assert disk.batch_exists(keys) == 0
+
+
+def _returns(fn, guard_s=120):
+    """``fn()``'s value, asserting it came back while the cluster process is stopped (a hang fails here)."""
+    import threading
+
+    box = {}
+    t = threading.Thread(target=lambda: box.update(v=fn()), daemon=True)
+    t.start()
+    t.join(guard_s)
+    assert not t.is_alive(), "the call hung behind a stopped cluster process"
+    return box["v"]
+
+
+@pytest.mark.parametrize("stopped", ["storage", "master"])
+def test_a_stopped_cluster_process_costs_a_recompute_not_a_hang(tmp_path, stopped):
+    """A Mooncake storage process or master stopped with SIGSTOP (alive, never answering): the controller's
+    lookups and reads come back at their deadlines, the pages being read stay fenced, and once the process is
+    continued everything is reclaimed and the tier serves again."""
+    import signal
+
+    from kvtier import DeviceKVPool
+    from kvtier.deadlines import Breaker
+
+    with LocalCluster(storage_nodes=1, segment_bytes=64 << 20, client_ttl_s=10, lease_ttl_ms=200,
+                      log_dir=tmp_path / "logs") as c:
+        dev = DeviceKVPool(16 * 4, 4, 3, 2, 192, 128, torch.bfloat16, "cpu")
+        hp = host_pool_for(dev, layout="page_first_direct", host_to_device_ratio=1.0)
+        src = make_pool(seed=21)
+        keys = [f"stop-{stopped}-{i}" for i in range(4)]
+        with chain(tmp_path, c, src, "writer") as w:
+            assert w.batch_set_v1(keys, pages_idx(range(4))) == [True] * 4
+        store = chain(tmp_path, c, hp, "reader")  # its own disk is empty: the pages are in the cluster only
+        ctl = TierController(dev, hp, store, restore_deadline=0.5, lookup_deadline_s=0.5,
+                             breaker=Breaker(threshold=1, cooldown_s=0.5))
+        proc = c.master if stopped == "master" else c.nodes[0]
+        try:
+            assert ctl.match(keys) == (0, 4)
+            os.kill(proc.pid, signal.SIGSTOP)
+            try:
+                if stopped == "master":
+                    assert _returns(lambda: ctl.match(keys)) == (0, 0)  # the lookup finds nothing: recompute
+                else:
+                    assert _returns(lambda: ctl.prefetch(keys).result()) == 0
+                    assert ctl.match(keys)[0] == 0  # fenced: not loadable
+                ds = ctl.deadline_stats()
+                assert sum(ds["deadline_misses"].values()) >= 1 and ds["breaker"] != "closed"
+            finally:
+                os.kill(proc.pid, signal.SIGCONT)
+            t0 = time.monotonic()
+            while ctl.deadline_stats()["stuck_calls"]:
+                assert time.monotonic() - t0 < 120, "a call to the continued process never returned"
+                time.sleep(0.05)
+            time.sleep(0.6)  # past the cool-down: the next call probes
+            ctl.prefetch(keys).result(120)
+            t0 = time.monotonic()
+            while ctl.match(keys)[0] < 4:  # served again, bit-exact
+                assert time.monotonic() - t0 < 60, ctl.deadline_stats()
+                ctl.prefetch(keys).result(120)
+                time.sleep(0.6)
+            ld = ctl.load(keys, torch.arange(16, dtype=torch.int64))
+            ld.synchronize()
+            for i in range(4):
+                got = torch.cat([dev.k_buffer[layer][i * 4:(i + 1) * 4].reshape(-1).view(torch.uint8)
+                                 for layer in range(3)])
+                assert torch.equal(got, page_bytes(src, i)[0]), i
+        finally:
+            ctl.close()
+            store.close()

@@ -148,3 +148,45 @@ def test_kill_9_loses_no_acknowledged_page(tmp_path, after_s):
         nxt = prompt(41, acked[-1] + 1)  # the prompt in flight at the kill: whatever was kept is exact
         assert exact(m, nxt, tier.cache(nxt))
     shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+@pytest.mark.parametrize("restore", ["all", "plan"])
+def test_a_stalled_disk_costs_a_recompute_not_a_hang(tmp_path, restore):
+    """The disk stops answering mid-service (every read blocks until the stall is cleared): requests whose
+    pages are on the disk come back within the restore deadline, recomputed, exact; once the disk answers, the
+    reads that were fenced return and later requests are served from the disk again."""
+    import threading
+
+    from kvtier.testing import clear_faults, inject_fault
+
+    m = llama()
+    ids = [prompt(41, s) for s in range(3)]
+    # a slow prefill (so the plan loads from the disk) and a short deadline (so the stall is seen at once)
+    with _KVTier(m, model_id="t", page_size=PS, host_tokens=160, store_dir=tmp_path, restore=restore,
+                 prefill=50.0, calibrate=False, restore_deadline=0.3) as tier:
+        for x in ids:
+            gen(m, x, tier.cache(x))
+        tier.controller.wait_idle()
+        tier.drop_host_copies()
+        inject_fault("data_read", "stall", times=None)
+        try:
+            box = {}
+            t = threading.Thread(target=lambda: box.update(ok=[exact(m, x, tier.cache(x)) for x in ids[:2]]),
+                                 daemon=True)
+            t.start()
+            t.join(60)
+            assert not t.is_alive(), "a request hung behind the stalled disk"
+            assert box["ok"] == [True, True]
+            ds = tier.controller.deadline_stats()
+            assert ds["deadline_misses"]["read"] >= 1
+        finally:
+            clear_faults()
+        t0 = time.monotonic()
+        while tier.controller.deadline_stats()["fenced_pages"]:
+            assert time.monotonic() - t0 < 60, "fenced pages never reclaimed"
+            time.sleep(0.01)
+        tier.drop_host_copies()
+        time.sleep(tier.controller.tier_io.breaker.base_cooldown_s)  # the breaker lets a probe through
+        c = tier.cache(ids[2])
+        assert exact(m, ids[2], c)
+        assert c.restored_tokens > 0 and tier.controller.tier_io.breaker.state == "closed"

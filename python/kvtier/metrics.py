@@ -272,10 +272,37 @@ class KvtierCollector:
         yield nbytes
         for attr, doc in (("store_write_failures", "pages whose write to the store failed (they stay on the host)"),
                           ("prefetch_misses", "pages a prefetch did not find or could not read (recomputed)"),
-                          ("host_evictions", "host pages evicted to make room")):
+                          ("host_evictions", "host pages evicted to make room"),
+                          ("store_writes_given_up", "pages whose store write was given up before it started "
+                           "(its deadline passed, or the store was out of use)"),
+                          ("spills_given_up", "write-back evictions whose spill was skipped or missed its deadline")):
             fam = core.CounterMetricFamily(f"{p}_controller_{attr}", doc)
             fam.add_metric([], float(getattr(s, attr)))
             yield fam
+        yield from _deadline_families(core, p, c.deadline_stats())
+
+
+def _deadline_families(core: Any, p: str, d: dict[str, Any]) -> Iterator[Any]:
+    """The store's calls against their deadlines (:meth:`kvtier.TierController.deadline_stats`)."""
+    for name, doc in (("calls", "store calls sent or skipped, by kind"),
+                      ("deadline_misses", "store calls answered at their deadline instead of by the store, by kind"),
+                      ("skipped", "store calls not sent because the store was out of use (breaker open), by kind")):
+        fam = core.CounterMetricFamily(f"{p}_store_{name}", doc, labels=["kind"])
+        for kind, n in d[name].items():
+            fam.add_metric([kind], float(n))
+        yield fam
+    for name, doc in (("fenced_pages", "host pages held by store calls past their deadline that have not returned"),
+                      ("stuck_calls", "store calls past their deadline that have not returned")):
+        g = core.GaugeMetricFamily(f"{p}_store_{name}", doc)
+        g.add_metric([], float(d[name]))
+        yield g
+    up = core.GaugeMetricFamily(f"{p}_store_breaker_open", "1 while the store is out of use after missed deadlines "
+                                "(0.5 while a probing call is let through)")
+    up.add_metric([], {"closed": 0.0, "half_open": 0.5, "open": 1.0}[d["breaker"]])
+    yield up
+    trips = core.CounterMetricFamily(f"{p}_store_breaker_trips", "times the store was taken out of use")
+    trips.add_metric([], float(d["breaker_trips"]))
+    yield trips
 
 
 def _store_stats(store: Any) -> dict[str, Any] | None:
