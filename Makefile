@@ -41,7 +41,7 @@ VLLM := vllm==0.33.0
 VLLM_IMPORT_DEPS := cbor2 oss-harmony openai cachetools cloudpickle uvloop py-cpuinfo "xgrammar==0.2.8" \
 	"fastapi>=0.133.0,<0.137.0" partial-json-parser "llguidance>=1.7.0,<1.8.0"
 
-.PHONY: checksum-paths engine-envs engine-env-sglang engine-env-vllm help syslibs install install-test test-wheel build build-profiling demo test test-rust test-python test-gpu bench-rust gpu-wheel lint clean sanitize sanitize-quick sanitize-tsan soak
+.PHONY: checksum-paths engine-envs engine-env-sglang engine-env-vllm help syslibs install install-test test-wheel build build-profiling demo test test-rust test-python test-gpu bench-rust gpu-wheel lint clean sanitize sanitize-quick sanitize-tsan soak soak-stalls
 
 help: ## Show this help
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-16s\033[0m %s\n", $$1, $$2}'
@@ -159,3 +159,6 @@ sanitize-tsan: ## TSan with an instrumented std over every kvtier-core test (par
 
 soak: build $(TEST_STAMP) ## Soak: 2 processes x 4 threads against the real components for SOAK_SECONDS (default 120); SOAK_DISK_FULL=1 adds disk-full episodes (root); JSON in target/soak.json
 	$(VPY) tests/soak/soak.py --seconds $${SOAK_SECONDS:-120} --procs 2 --threads 4 $${SOAK_DISK_FULL:+--disk-full} --out target/soak.json
+
+soak-stalls: build $(TEST_STAMP) ## Chaos soak of the deadlines: stalled, failing, full and slow disk episodes under 4 request threads for SOAK_SECONDS (default 1800); JSON in target/stalls.json
+	$(VPY) tests/soak/stalls.py --seconds $${SOAK_SECONDS:-1800} --out target/stalls.json

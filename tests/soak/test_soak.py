@@ -53,3 +53,18 @@ def test_soak_catches_lost_pages(tmp_path):
     r, res = run(tmp_path, "--torn-writes")
     assert r.returncode == 1
     assert any("lost" in f for f in res["failures"]), res["failures"][:5]
+
+
+def test_short_stall_soak_has_no_divergence_no_stuck_request_and_no_fence_left(tmp_path):
+    """The chaos soak of the deadlines (tests/soak/stalls.py) for a few seconds: stall, EIO, disk-full and slow
+    episodes, every loaded page checked; the long run is `make soak-stalls` (docs/RELIABILITY.md)."""
+    out = tmp_path / "stalls.json"
+    r = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "stalls.py"), "--seconds",
+                        os.environ.get("KVTIER_STALL_SOAK_CI_SECONDS", "15"), "--seed", "3", "--out", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["requests"] > 100 and res["divergences"] == 0 and res["stuck"] == 0
+    assert res["fenced_at_end"] == 0 and res["stuck_calls_at_end"] == 0
+    assert sum(res["episodes"].values()) >= 2, res["episodes"]  # the chaos really ran
+    assert res["pages_from_host"] > 0 and res["deadline"]["calls"]["read"] > 0  # the disk really served
