@@ -648,3 +648,31 @@ def test_a_stopped_cluster_process_costs_a_recompute_not_a_hang(tmp_path, stoppe
         finally:
             ctl.close()
             store.close()
+
+
+@pytest.mark.parametrize("sealed", [False, True])
+@pytest.mark.parametrize("lost", [0, 1])  # which half Mooncake dropped: K (0) or V (1)
+def test_a_page_put_again_from_another_computation_never_mixes_halves(tmp_path, cluster, sealed, lost):
+    """A page's K or V object is gone (evicted, or lost with a node) and the page is put again from another
+    computation (KV of the same tokens can differ between two runs on a GPU): a read serves one write's K and V
+    together, or misses; never the new half beside the old one."""
+    from kvtier.tenants import Keyring
+
+    kr = Keyring.init(tmp_path / "ring") if sealed else None
+    a, b, dst = make_pool(seed=31), make_pool(seed=32), make_pool(seed=33)
+    keys = [f"mix-{int(sealed)}-{lost}-{i}" for i in range(3)]
+    with tier(cluster, a, keyring=kr) as wa, tier(cluster, b, keyring=kr) as wb, tier(cluster, dst, keyring=kr) as r:
+        assert wa.batch_set_v1(keys, pages_idx(range(3))) == [True] * 3
+        for key in keys[:2]:
+            remove_when_unleased(wa._store, wa.data_keys(key)[lost])
+        stored = wb.batch_set_v1(keys[:2], pages_idx(range(2)))
+        dst.k_buffer.fill_(0x11)
+        dst.v_buffer.fill_(0x22)
+        got = r.batch_get_v1(keys, pages_idx(range(3)))
+        assert got[2] and same(a, 2, dst, 2)  # untouched: the first write's
+        for i in range(2):
+            if got[i]:  # served: the second computation's page whole (never a's other half beside b's)
+                assert same(b, i, dst, i), (i, stored)
+                assert stored[i]
+            else:
+                assert not same(b, i, dst, i) and not same(a, i, dst, i)
