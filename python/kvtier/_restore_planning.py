@@ -50,6 +50,9 @@ class RestorePlanning:
     def _poll_locked(self) -> None:
         raise NotImplementedError  # TierController's
 
+    def _track(self, fut: concurrent.futures.Future[Any]) -> None:
+        raise NotImplementedError  # TierController's
+
 
     def _host_run(self, keys: list[str]) -> int:
         with self.lock:
@@ -228,7 +231,7 @@ class RestorePlanning:
             return next((i for i, g in enumerate(ok) if not g), len(ok))
 
         fut = self.tier_io.run("read", work, deadline_s=deadline, pages=len(keys), on_done=done, on_give_up=give_up)
-        self._pending.append(fut)
+        self._track(fut)
         return fut
 
     def _count_reads(self, ok: Sequence[bool]) -> None:

@@ -31,6 +31,9 @@ class StoreWrites:
     def _poll_locked(self) -> None:
         raise NotImplementedError  # TierController's
 
+    def _track(self, fut: concurrent.futures.Future[Any]) -> None:
+        raise NotImplementedError  # TierController's
+
     def _spill(self, key: str, start: int) -> list[bool] | None:
         """A write-back spill on the caller's thread (lock held), given ``lookup_deadline_s``: what it wrote, or
         None when it is past its deadline and still running."""
@@ -89,7 +92,7 @@ class StoreWrites:
                         pg.in_store = pg.in_store or good
                 self._release_locked(keys)
 
-        self._pending.append(self.tier_io.run("write", work, deadline_s=self.write_deadline_s, pages=len(keys),
+        self._track(self.tier_io.run("write", work, deadline_s=self.write_deadline_s, pages=len(keys),
                                               on_done=done, on_give_up=give_up))
 
     def _release_locked(self, keys: Sequence[str]) -> None:

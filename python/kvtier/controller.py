@@ -11,10 +11,8 @@ read failed is not in the host index, and a page whose store read is still in fl
 not issued yet) is in it but not usable, so neither is ever reported as loadable. A Ctrl-C in the middle
 of a call leaves the index as it was before the call (what was enqueued is waited for first).
 
-Deadlines: every store call has one (:mod:`kvtier.deadlines`). A read past its deadline answers as a miss
-(the engine recomputes) while the pages it reads into stay fenced until it returns; a write past its deadline
-keeps its pages referenced until it returns, and one not yet started never starts; a lookup past its deadline
-finds nothing. A store that keeps missing deadlines is out of use until it answers a probe in time.
+Deadlines: every store call has one (:mod:`kvtier.deadlines`; a read past it is a miss, its pages fenced until
+it returns; a write not started by it never starts; a lookup past it finds nothing).
 
 Threading: public methods may be called from any thread (one lock guards the state); store IO runs on the
 store's threads (:class:`kvtier.deadlines.TierIO`; :meth:`wait_idle` waits for what was sent, or for its
@@ -299,7 +297,7 @@ class TierController(RestorePlanning, StoreWrites):
 
         fut = self.tier_io.run("read", work, deadline_s=deadline, pages=lambda: len(want), on_done=done,
                                on_give_up=lambda started: usable())
-        self._pending.append(fut)
+        self._track(fut)
         return fut
 
     def load(self, page_keys: Sequence[str], device_indices: torch.Tensor) -> LayerLoad:
@@ -349,7 +347,7 @@ class TierController(RestorePlanning, StoreWrites):
                 self._poll_locked()
 
         if device_of(self.device_pool).type == "cuda":
-            self._pending.append(self._io.submit(release))
+            self._track(self._io.submit(release))
         else:
             release()
         with self.lock:
@@ -484,8 +482,17 @@ class TierController(RestorePlanning, StoreWrites):
     def wait_idle(self) -> None:
         """Wait for every background store write, prefetch and reference release (a store call past its
         deadline counts as done: :meth:`deadline_stats` counts what it still holds)."""
-        while self._pending:
-            self._pending.pop(0).result()
+        while True:
+            try:
+                fut = self._pending.pop(0)
+            except IndexError:  # (another thread took the last one)
+                return
+            fut.result()
+
+    def _track(self, fut: concurrent.futures.Future[Any]) -> None:  # (answered ones let go of as more come)
+        self._pending.append(fut)
+        if len(self._pending) > 256:
+            self._pending[:] = [f for f in self._pending if not f.done()]
 
     def close(self) -> None:
         self.wait_idle()
