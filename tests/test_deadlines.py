@@ -228,6 +228,8 @@ def test_a_write_back_spill_to_a_stalled_disk_does_not_block_the_backup(tmp_path
 class _HungLookups:
     """A tier whose lookups block until released (a cluster master stopped mid-call)."""
 
+    lookups_may_block = True  # (the store it wraps says False: its lookups are in memory)
+
     def __init__(self, store):
         self._store, self.release = store, threading.Event()
 

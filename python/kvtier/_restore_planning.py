@@ -95,7 +95,9 @@ class RestorePlanning:
     # ------------------------------------------------------------------ restore planning
     def _lookup(self, fn: Any, missing: Any) -> Any:
         """A store lookup within ``lookup_deadline_s``: its answer, or ``missing`` (past the deadline, failed,
-        or the store out of use)."""
+        or the store out of use); on this thread when the store's lookups never wait on IO."""
+        if not getattr(self.store, "lookups_may_block", True):
+            return self.tier_io.run_inline("lookup", fn, missing)
         out = self.tier_io.run("lookup", fn, deadline_s=self.lookup_deadline_s, pages=0,
                                on_done=lambda r, late: missing if late or isinstance(r, BaseException) else r,
                                on_give_up=lambda started: missing)

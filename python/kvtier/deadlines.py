@@ -52,7 +52,8 @@ class Timers:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="kvtier-deadlines", daemon=True)
                 self._thread.start()
-            self._cv.notify()
+            if self._heap[0][1] == h:  # (a later deadline than the next one does not wake the thread)
+                self._cv.notify()
             return h
 
     def cancel(self, handle: int) -> None:
@@ -197,6 +198,22 @@ class TierIO:
             expire = self._expire.get(id(answer))
         if expire is not None:
             expire()
+
+    def run_inline(self, kind: str, fn: Callable[[], Any], missing: Any) -> Any:
+        """``fn()`` on this thread, for a call that never waits on IO (a lookup in memory): no deadline, but the
+        breaker is honoured (``missing`` while the tier is out of use, or when ``fn`` raises)."""
+        with self._lock:
+            self.stats.calls[kind] += 1
+        if self._closed or not self.breaker.allow():
+            with self._lock:
+                self.stats.skipped[kind] += 1
+            return missing
+        try:
+            out = fn()
+        except Exception:  # noqa: BLE001 - a tier's failure is the caller's miss
+            out = missing
+        self.breaker.answered()
+        return out
 
     def run(self, kind: str, fn: Callable[[], Any], *, deadline_s: float | None, pages: int | Callable[[], int],
             on_done: Callable[[Any, bool], Any], on_give_up: Callable[[bool], Any]) -> concurrent.futures.Future[Any]:

@@ -314,6 +314,11 @@ class PageStore:
         return native
 
     @property
+    def lookups_may_block(self) -> bool:
+        """A writer's lookups read its index in memory; a reader's may read the writer's journal first."""
+        return self.read_only
+
+    @property
     def pool(self) -> Any:
         """The host pool this store reads and writes (``None`` before ``register_mem_pool_host``)."""
         return self._pool

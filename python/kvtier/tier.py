@@ -6,7 +6,11 @@ only through these methods, so a new tier (an object store, another cluster) is 
 Pages are named by keys (``str``, e.g. :func:`kvtier.page_hashes`) and move to and from a registered host pool
 through its token indices (``host_indices``: whole pages, ``page_size`` tokens each), as in SGLang's HiCache
 storage interface. A batch call answers per key; a failure of one page is a ``False`` (a miss on read), never an
-exception, and never a wrong byte: a tier that cannot prove a page's bytes reports it missing."""
+exception, and never a wrong byte: a tier that cannot prove a page's bytes reports it missing.
+
+Optional: ``lookups_may_block`` (a bool attribute; taken as True when absent). False says ``batch_exists`` and
+``locate`` never wait on IO, so :class:`~kvtier.TierController` calls them on the caller's thread instead of
+under a deadline on a thread of their own."""
 
 from __future__ import annotations
 

@@ -102,6 +102,11 @@ class TieredStore:
     def first(self) -> Any:
         return self.tiers[0][1]
 
+    @property
+    def lookups_may_block(self) -> bool:
+        """Whether a lookup may wait on IO (any tier's may; a tier that does not say is taken to)."""
+        return any(getattr(t, "lookups_may_block", True) for _, t in self.tiers)
+
     def register_mem_pool_host(self, pool: Any) -> None:
         for _, s in self.tiers:
             s.register_mem_pool_host(pool)
