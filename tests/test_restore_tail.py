@@ -243,3 +243,43 @@ def test_a_load_plan_on_a_damaged_disk_recomputes(tmp_path):
         assert c.plan.kind == "load"
         assert torch.equal(greedy(model, ids, c), want)
         assert c.restored_tokens == 0 and tier.controller.stats.prefetch_misses >= 1
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("window", [2, 3])
+def test_a_tail_read_from_a_stalled_disk_gives_recomputings_tokens(tmp_path, device, window):
+    """The disk stops answering once the split was planned: the tail's read misses its deadline, the forward
+    queued behind it (on CUDA, behind gates on the device) goes on and is computed again from the tail, the
+    tokens are recomputing's; the tail's private pages stay fenced until the read returns, then nothing leaks."""
+    import threading
+    import time
+
+    from kvtier.testing import clear_faults, inject_fault
+
+    model, ids, tier, want = _stored_split(tmp_path, device, f"tail-stall-{window}", window)
+    with tier:
+        ctrl = tier.controller
+        ctrl.restore_deadline = 0.3
+        inject_fault("data_read", "stall", times=None)
+        box = {}
+        try:
+            def run():
+                c = tier.cache(ids)
+                box["plan"], box["got"] = c.plan, greedy(model, ids, c)
+                c.release()
+
+            t = threading.Thread(target=run, daemon=True)
+            t.start()
+            t.join(120)
+            assert not t.is_alive(), "the request hung behind the stalled disk"
+            assert box["plan"].kind == "split", box["plan"]
+            assert torch.equal(box["got"], want)
+            assert ctrl.deadline_stats()["deadline_misses"]["read"] >= 1
+        finally:
+            clear_faults()
+        t0 = time.monotonic()
+        while ctrl.deadline_stats()["stuck_calls"]:
+            assert time.monotonic() - t0 < 60, "the stalled read never returned"
+            time.sleep(0.01)
+        assert ctrl.deadline_stats()["fenced_pages"] == 0 and not ctrl._fenced and not ctrl._free_after
+        assert _nothing_leaked(tier), "a tail page leaked from the host pool"
