@@ -15,7 +15,7 @@ import torch
 
 from kvtier import InvalidArgumentError, TierController, page_hashes
 from kvtier.deadlines import Breaker, TierIO, check_deadline
-from kvtier.testing import clear_faults, inject_fault
+from kvtier.testing import clear_faults, fault_hits, inject_fault
 
 from controller_pools import PS, rows, setup
 
@@ -61,22 +61,34 @@ def _no_faults_left():
 # ------------------------------------------------------------------ the parts
 def test_breaker_opens_after_misses_and_closes_after_a_probe_in_time():
     b = Breaker(threshold=2, cooldown_s=0.05)
-    assert b.allow() and b.state == "closed"
-    b.missed()
-    assert b.state == "closed"
-    b.answered()
-    b.missed()
+    assert b.allow("read") == "call" and b.state == "closed"
+    b.missed("read")
+    b.answered("read")
+    b.missed("read")
     assert b.state == "closed"  # misses must be in a row
-    b.missed()
-    assert b.state == "open" and not b.allow() and b.trips == 1
+    b.missed("read")
+    assert b.state == "open" and b.allow("read") is None and b.allow("lookup") is None and b.trips == 1
     until(lambda: b.state == "half_open", "cool-down")
-    assert b.allow() and not b.allow()  # one probe only
-    b.missed()  # the probe missed: out again, for twice as long
+    assert b.allow("lookup") == "call"  # half-open: other kinds go through; the probe is a call of the kind that missed
+    assert b.allow("read") == "probe" and b.allow("read") is None  # one probe only
+    b.missed("read")  # an older call's miss is not the probe's
+    assert b.state == "half_open"
+    b.missed("read", probe=True)  # the probe missed: out again, for twice as long
     assert b.state == "open" and b._cooldown == pytest.approx(0.1)
     until(lambda: b.state == "half_open", "cool-down")
-    assert b.allow()
-    b.answered()
-    assert b.state == "closed" and b.recoveries == 1 and b.allow()
+    assert b.allow("read") == "probe"
+    b.unused()  # it had nothing to read: the next read probes
+    assert b.allow("read") == "probe"
+    b.answered("read", probe=True)
+    assert b.state == "closed" and b.recoveries == 1 and b.allow("lookup") == "call"
+
+
+def test_lookups_that_answer_do_not_hide_reads_that_miss():
+    b = Breaker(threshold=2, cooldown_s=60)
+    for _ in range(2):
+        b.answered("lookup")
+        b.missed("read")
+    assert b.state == "open"
 
 
 @pytest.mark.parametrize("kw", [dict(threshold=0), dict(threshold=True), dict(cooldown_s=0),
@@ -141,6 +153,36 @@ def test_a_caller_may_give_up_at_a_deadline_of_its_own():
     release.set()
     until(lambda: io.stats.stuck_calls == 0, "the call to return")
     io.close()
+
+
+def test_a_tier_whose_callbacks_wait_on_a_lock_delays_only_its_own_deadlines():
+    held, release = threading.Lock(), threading.Event()
+    a, b = TierIO(), TierIO()
+    held.acquire()  # a's give-up waits on it (a controller's lock held by a long spill)
+    a.run("read", lambda: release.wait(HANG_GUARD_S), deadline_s=0.05, pages=1, on_done=lambda r, late: None,
+          on_give_up=lambda started: held.acquire() or held.release())
+    got = returns_while_stalled(lambda: b.run("read", lambda: release.wait(HANG_GUARD_S), deadline_s=0.1, pages=1,
+                                              on_done=lambda r, late: "done",
+                                              on_give_up=lambda started: "b's deadline").result())
+    assert got == "b's deadline"
+    held.release()
+    release.set()
+    until(lambda: a.stats.stuck_calls == 0 and b.stats.stuck_calls == 0, "the calls to return")
+
+
+def test_a_process_whose_tier_is_stuck_can_still_exit(tmp_path):
+    import subprocess
+    import sys
+
+    code = (
+        "import threading\n"
+        "from kvtier.deadlines import TierIO\n"
+        "io = TierIO()\n"
+        "print(io.run('read', threading.Event().wait, deadline_s=0.05, pages=1, on_done=lambda r, late: 0,"
+        " on_give_up=lambda started: 'gave up').result())\n"
+        "io.close()\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_GUARD_S)
+    assert r.returncode == 0 and r.stdout.strip() == "gave up", r.stderr
 
 
 # ------------------------------------------------------------------ the controller over a stalled disk
@@ -213,6 +255,98 @@ def test_stalled_writes_never_block_backups_and_the_breaker_skips_the_store(tmp_
     c.close()
 
 
+def test_a_read_stall_trips_the_breaker_even_though_every_request_looks_up_first(tmp_path):
+    dp, hp, st, c = setup(tmp_path, host_pages=12, restore_deadline=0.1, breaker=Breaker(threshold=2, cooldown_s=60))
+    prompts = [keys_for(2, 1000 * i) for i in range(4)]
+    for i, keys in enumerate(prompts):
+        c.backup(rows([2 * i, 2 * i + 1]), keys)
+    c.wait_idle()
+    c.evict_unreferenced()
+    inject_fault("data_read", "stall", times=None)
+
+    def requests():
+        for keys in prompts:  # each request's lookup answers in time, its read does not
+            host, disk = c.match(keys)
+            if disk:
+                c.prefetch(keys[: host + disk]).result()
+        return c.deadline_stats()
+
+    ds = returns_while_stalled(requests)
+    assert ds["breaker"] == "open" and ds["deadline_misses"]["read"] == 2 and ds["skipped"]["lookup"] >= 1
+    clear_faults()
+    until(lambda: c.deadline_stats()["stuck_calls"] == 0, "the stalled reads to return")
+    c.close()
+
+
+def test_a_prefetch_with_nothing_to_read_is_not_a_probe(tmp_path):
+    dp, hp, st, c = setup(tmp_path, host_pages=8, restore_deadline=0.1,
+                          breaker=Breaker(threshold=1, cooldown_s=0.05))
+    keys = keys_for(3)
+    c.backup(rows([1, 2, 3]), keys)
+    c.wait_idle()
+    c.evict_unreferenced()
+    inject_fault("data_read", "stall", times=None)
+    c.prefetch(keys).result(HANG_GUARD_S)
+    assert c.deadline_stats()["breaker"] != "closed"
+    time.sleep(0.1)
+    # every key is already in the index (being read): nothing to read, the store is not reached
+    c.prefetch(keys).result(HANG_GUARD_S)
+    assert c.deadline_stats()["breaker"] == "half_open"
+    clear_faults()
+    until(lambda: c.deadline_stats()["stuck_calls"] == 0, "the stalled read to return")
+    c.close()
+
+
+def test_a_fenced_prefetch_counts_its_pages(tmp_path):
+    dp, hp, st, c = setup(tmp_path, host_pages=8, restore_deadline=0.1)
+    keys = keys_for(3)
+    c.backup(rows([1, 2, 3]), keys)
+    c.wait_idle()
+    c.evict_unreferenced()
+    inject_fault("data_read", "stall", times=None)
+    with c.lock:  # the read cannot take its pages before its deadline: it never does, and never reads
+        c.prefetch(keys)
+        time.sleep(0.3)
+    until(lambda: c.deadline_stats()["deadline_misses"]["read"] == 1, "the deadline")
+    time.sleep(0.1)
+    assert fault_hits("data_read") == 0 and not any(k in c.pages for k in keys)
+    clear_faults()
+    until(lambda: c.deadline_stats()["stuck_calls"] == 0, "the read to return")
+    assert c.deadline_stats()["fenced_pages"] == 0
+    # once it took them, the fence counts them
+    inject_fault("data_read", "stall", times=None)
+    c.prefetch(keys).result(HANG_GUARD_S)
+    assert c.deadline_stats()["fenced_pages"] == 3
+    clear_faults()
+    until(lambda: c.deadline_stats()["stuck_calls"] == 0, "the read to return")
+    c.close()
+
+
+def test_ctrl_c_during_a_write_back_spill_never_lets_a_page_be_reused_under_it(tmp_path):
+    import _thread
+
+    dp, hp, st, c = setup(tmp_path, policy="write_back", host_pages=4, lookup_deadline_s=1.0)
+    a = keys_for(3, 0)
+    c.backup(rows([1, 2, 3]), a)
+    ref = [t[rows([2])].clone() for t in dp.k_buffer + dp.v_buffer]
+    inject_fault("data_write", "stall", times=None)
+    threading.Timer(1.5, _thread.interrupt_main).start()  # while the second spill waits behind the first
+    with pytest.raises(KeyboardInterrupt):
+        c.backup(rows([4, 8]), keys_for(2, 1000))
+        time.sleep(5)  # (the interrupt lands here if the backup returned first)
+    c.evict_unreferenced()
+    c.backup(rows([5, 6]), keys_for(2, 5000))  # new pages: the freed memory is reused
+    clear_faults()
+    until(lambda: c.deadline_stats()["stuck_calls"] == 0, "the stalled spill to return")
+    time.sleep(0.3)
+    c.evict_unreferenced()
+    if c.prefetch([a[1]], deadline=5).result() == 1:  # what the store holds under a[1] is a[1]'s page, or nothing
+        c.load([a[1]], rows([9])).synchronize()
+        for x, y in zip([t[rows([9])] for t in dp.k_buffer + dp.v_buffer], ref):
+            assert torch.equal(x, y)
+    c.close()
+
+
 def test_a_write_back_spill_to_a_stalled_disk_does_not_block_the_backup(tmp_path):
     dp, hp, st, c = setup(tmp_path, policy="write_back", host_pages=4, lookup_deadline_s=0.2)
     c.backup(rows([1, 2, 3]), keys_for(3, 0))
@@ -281,13 +415,14 @@ def test_the_controller_refuses_bad_deadlines_by_name(tmp_path, name, value):
 
 
 def test_the_auto_deadline_follows_the_prefill_model(tmp_path):
-    from kvtier._restore_planning import AUTO_FLOOR_S, AUTO_UNKNOWN_S
+    from kvtier._restore_planning import AUTO_CAP_S, AUTO_FLOOR_S, AUTO_UNKNOWN_S
     dp, hp, st, c = setup(tmp_path)
     assert c.restore_deadline_s(1000) == AUTO_UNKNOWN_S  # nothing learned yet
     c.close()
     dp, hp, st, c = setup(tmp_path / "fixed", prefill=100.0)  # 100 tokens/s
-    assert c.restore_deadline_s(1000) == pytest.approx(1.5 * 10 + 0.05)
+    assert c.restore_deadline_s(200) == pytest.approx(1.5 * 2 + 0.05)
     assert c.restore_deadline_s(1) == AUTO_FLOOR_S
+    assert c.restore_deadline_s(10**6) == AUTO_CAP_S
     c.close()
 
 

@@ -17,8 +17,9 @@ from .planner import PlannerStats, PrefillModel, RestorePlan, TierEstimate, Tier
 from .pools import device_of
 
 #: ``restore_deadline="auto"``: this many times the prefill model's time to recompute the pages, plus
-#: AUTO_SLACK_S, at least AUTO_FLOOR_S; AUTO_UNKNOWN_S while the model has no fit
+#: AUTO_SLACK_S, within [AUTO_FLOOR_S, AUTO_CAP_S]; AUTO_UNKNOWN_S while the model has no fit
 AUTO_FACTOR, AUTO_SLACK_S, AUTO_FLOOR_S, AUTO_UNKNOWN_S = 1.5, 0.05, 0.5, 2.0
+AUTO_CAP_S = 10.0  # and at most this
 
 
 class RestorePlanning:
@@ -111,7 +112,7 @@ class RestorePlanning:
         s = plan.recompute_s if plan is not None else self.prefill.seconds(int(tokens), 0)
         if s is None:
             return AUTO_UNKNOWN_S
-        return max(AUTO_FLOOR_S, AUTO_FACTOR * float(s) + AUTO_SLACK_S)
+        return min(AUTO_CAP_S, max(AUTO_FLOOR_S, AUTO_FACTOR * float(s) + AUTO_SLACK_S))
 
     def deadline_stats(self) -> dict[str, Any]:
         """The store's calls by kind, deadline misses, calls skipped while it was out of use, fenced pages and the
@@ -232,7 +233,8 @@ class RestorePlanning:
                         self.host.free(self._slots(back))
             return next((i for i, g in enumerate(ok) if not g), len(ok))
 
-        fut = self.tier_io.run("read", work, deadline_s=deadline, pages=len(keys), on_done=done, on_give_up=give_up)
+        fut = self.tier_io.run("read", work, deadline_s=deadline, pages=len(keys), on_done=done, on_give_up=give_up,
+                               reached=bool)
         self._track(fut)
         return fut
 

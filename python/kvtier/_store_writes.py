@@ -45,6 +45,7 @@ class StoreWrites:
                 pg = self.pages.get(key)
                 if pg is not None and pg.start == start:
                     pg.refs -= 1
+                self._poll_locked()
             return None
 
         out = self.tier_io.run("write", lambda: self._store_write([key], [start]), deadline_s=None, pages=1,
@@ -54,6 +55,11 @@ class StoreWrites:
         except concurrent.futures.TimeoutError:
             self.tier_io.abandon(out)
             return out.result()
+        except BaseException:  # a Ctrl-C: a queued spill never runs, a running one keeps its page until it returns
+            self.tier_io.abandon(out)
+            if out.result() is None:
+                self.pages[key].refs += 1
+            raise
 
     def _store_write(self, keys: list[str], starts: list[int]) -> list[bool]:
         try:
@@ -93,10 +99,15 @@ class StoreWrites:
                 self._release_locked(keys)
 
         self._track(self.tier_io.run("write", work, deadline_s=self.write_deadline_s, pages=len(keys),
-                                              on_done=done, on_give_up=give_up))
+                                     on_done=done, on_give_up=give_up, reached=_reached))
 
     def _release_locked(self, keys: Sequence[str]) -> None:
         for k in keys:
             if k in self.pages:
                 self.pages[k].refs -= 1
         self._poll_locked()
+
+
+def _reached(result: Any) -> bool:
+    """Whether a batch call reached the tier: it raised, or it had pages to move."""
+    return not isinstance(result, list) or len(result) > 0

@@ -15,8 +15,7 @@ Deadlines: every store call has one (:mod:`kvtier.deadlines`; a read past it is 
 it returns; a write not started by it never starts; a lookup past it finds nothing).
 
 Threading: public methods may be called from any thread (one lock guards the state); store IO runs on the
-store's threads (:class:`kvtier.deadlines.TierIO`; :meth:`wait_idle` waits for what was sent, or for its
-deadline).
+store's threads (:class:`kvtier.deadlines.TierIO`; :meth:`wait_idle` waits for each call or its deadline).
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ from .host_pages import Stats, _HostPage
 from .tenants import erase_tag, tenant_of, tenant_tag
 from .overlap import LayerLoad, LayerLoader, backup_async
 from ._restore_planning import RestorePlanning
-from ._store_writes import StoreWrites
+from ._store_writes import StoreWrites, _reached
 from .planner import PlannerStats, PrefillModel, TierMeter
 from .pools import device_of
 from .tier import Tier
@@ -61,8 +60,8 @@ class TierController(RestorePlanning, StoreWrites):
             the engine's prefill tokens/s.
         probe: measure host → device copies once at construction (the host tier's seed figure).
         restore_deadline: how long a store read may take before the request gives up on it and recomputes:
-            ``"auto"`` (default: 1.5× the prefill model's time to recompute the pages + 50 ms, at least 0.5 s;
-            2 s until the model has a fit), seconds, or None (wait as long as the IO takes).
+            ``"auto"`` (default: 1.5× the prefill model's time to recompute the pages + 50 ms, 0.5-10 s; 2 s
+            until the model has a fit), seconds, or None (wait as long as the IO takes).
         write_deadline_s: how long a store write may hold its host pages before it is given up on (default 2;
             None: no limit). A write-back spill, which runs on the caller's thread, gets ``lookup_deadline_s``.
         lookup_deadline_s: how long a store lookup (``batch_exists``, ``locate``) may take before it finds
@@ -258,8 +257,9 @@ class TierController(RestorePlanning, StoreWrites):
             deadline = self.restore_deadline_s(len(keys) * self.ps)
         want: list[str] = []
         starts: list[int] = []
+        gave_up = threading.Event()  # (a read that has not taken its pages by then never does)
 
-        def usable() -> int:
+        def usable(started: bool = False) -> int:
             with self.lock:
                 return sum(1 for k in keys if k in self.pages and self.pages[k].usable)
 
@@ -268,6 +268,8 @@ class TierController(RestorePlanning, StoreWrites):
                 for k in keys:  # the part already on the host must not be evicted to make room for the rest
                     if k in self.pages:
                         self.pages.move_to_end(k)
+                if gave_up.is_set():
+                    return []
                 asked = [k for k in keys if k not in self.pages][: self.prefetch_budget]
                 got = self._alloc_pages(len(asked)) if asked else []
                 if got is None:
@@ -293,10 +295,10 @@ class TierController(RestorePlanning, StoreWrites):
                         self.host.free(self._slots([pg.start]))
                 self._poll_locked()  # (a page read for a tenant erased meanwhile: wiped and freed)
                 self._count_reads(ok)
-            return usable()
+                return sum(1 for k in keys if k in self.pages and self.pages[k].usable)
 
         fut = self.tier_io.run("read", work, deadline_s=deadline, pages=lambda: len(want), on_done=done,
-                               on_give_up=lambda started: usable())
+                               on_give_up=usable, reached=_reached, cancel=gave_up)
         self._track(fut)
         return fut
 
@@ -475,19 +477,16 @@ class TierController(RestorePlanning, StoreWrites):
         with self.lock:
             self._poll_locked()
             victims = [k for k, p in self.pages.items() if p.refs == 0 and p.ready]
-            for k in victims:
-                self._evict_locked(k)
-        return len(victims)
+            return sum(self._evict_locked(k) for k in victims)
 
     def wait_idle(self) -> None:
-        """Wait for every background store write, prefetch and reference release (a store call past its
-        deadline counts as done: :meth:`deadline_stats` counts what it still holds)."""
-        while True:
-            try:
-                fut = self._pending.pop(0)
-            except IndexError:  # (another thread took the last one)
-                return
-            fut.result()
+        """Wait for every background store write, prefetch and release (one past its deadline: answered)."""
+        while waiting := [f for f in list(self._pending) if not f.done()]:
+            concurrent.futures.wait(waiting)  # (two threads may wait for the same ones)
+        done = [f for f in list(self._pending) if f.done()]
+        self._pending[:] = [f for f in self._pending if not f.done()]
+        for f in done:
+            f.result()
 
     def _track(self, fut: concurrent.futures.Future[Any]) -> None:  # (answered ones let go of as more come)
         self._pending.append(fut)

@@ -12,9 +12,11 @@ A tier that keeps missing deadlines is taken out of use by a :class:`Breaker` (n
 sent to it: its pages are misses, the engine recomputes) and let back after a cool-down once one probing call
 answers in time.
 
-Thread model: one timer thread for the whole process (:class:`Timers`) resolves callers at their deadlines;
-each :class:`TierIO` has one thread for lookups, ``read_workers`` for reads and one for writes (writes keep
-their order), so a read is never queued behind a stalled write nor a lookup behind a stalled read.
+Thread model: one timer thread for the whole process (:class:`Timers`) hands each expiry to the thread of
+the :class:`TierIO` it belongs to, which answers the caller (a tier whose callbacks wait on a lock delays only
+its own deadlines); each :class:`TierIO` has one thread for lookups, ``read_workers`` for reads and one for
+writes (writes keep their order), so a read is never queued behind a stalled write nor a lookup behind a stalled
+read. Every one of these threads is a daemon: a process whose tier is stuck in a system call can still exit.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import concurrent.futures
 import heapq
 import itertools
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -39,7 +42,7 @@ class Timers:
 
     def __init__(self) -> None:
         self._heap: list[tuple[float, int, Callable[[], None]]] = []
-        self._cancelled: set[int] = set()
+        self._live: set[int] = set()  # armed and not run nor cancelled
         self._cv = threading.Condition()
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
@@ -49,6 +52,7 @@ class Timers:
         with self._cv:
             h = next(self._ids)
             heapq.heappush(self._heap, (when, h, fn))
+            self._live.add(h)
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="kvtier-deadlines", daemon=True)
                 self._thread.start()
@@ -58,7 +62,7 @@ class Timers:
 
     def cancel(self, handle: int) -> None:
         with self._cv:
-            self._cancelled.add(handle)
+            self._live.discard(handle)
 
     def _run(self) -> None:
         while True:
@@ -66,9 +70,9 @@ class Timers:
                 while not self._heap or self._heap[0][0] > time.monotonic():
                     self._cv.wait(None if not self._heap else max(0.0, self._heap[0][0] - time.monotonic()))
                 _, h, fn = heapq.heappop(self._heap)
-                if h in self._cancelled:
-                    self._cancelled.discard(h)
-                    continue
+                if h not in self._live:
+                    continue  # cancelled
+                self._live.discard(h)
             try:
                 fn()
             except Exception:  # noqa: BLE001 - one callback's failure never stops the others' deadlines
@@ -78,10 +82,40 @@ class Timers:
 TIMERS = Timers()
 
 
+class _Workers:
+    """``n`` daemon threads running submitted functions in order (a thread pool whose threads never hold the
+    interpreter's exit: a function stuck in a system call is left behind)."""
+
+    def __init__(self, n: int, name: str) -> None:
+        self._q: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._closed = False
+        for i in range(n):
+            threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True).start()
+
+    def submit(self, fn: Callable[[], None]) -> None:
+        if self._closed:
+            raise RuntimeError("closed")
+        self._q.put(fn)
+
+    def _run(self) -> None:
+        while (fn := self._q.get()) is not None:
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - one call's failure never stops the others
+                pass
+
+    def close(self, n: int) -> None:
+        """No more work; the ``n`` threads end once what is queued has run."""
+        self._closed = True
+        for _ in range(n):
+            self._q.put(None)
+
+
 class Breaker:
-    """Takes a tier out of use after ``threshold`` deadline misses in a row, for ``cooldown_s``; then lets one
-    probing call through: answered in time, the tier is back (closed); missed, it is out again for twice as
-    long (at most ``max_cooldown_s``). Thread-safe."""
+    """Takes a tier out of use after ``threshold`` deadline misses in a row of one kind of call (a lookup that
+    answers does not hide reads that miss), for ``cooldown_s``; then lets one probing call of that kind through:
+    answered in time (and having reached the tier), the tier is back (closed); missed, it is out again for
+    twice as long (at most ``max_cooldown_s``). Meanwhile calls of other kinds go through. Thread-safe."""
 
     def __init__(self, threshold: int = 2, cooldown_s: float = 2.0, max_cooldown_s: float = 60.0) -> None:
         if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 1:
@@ -91,8 +125,9 @@ class Breaker:
                 raise InvalidArgumentError(f"invalid argument `{name}`: must be a positive finite number, got {v!r}")
         self.threshold, self.base_cooldown_s, self.max_cooldown_s = threshold, float(cooldown_s), float(max_cooldown_s)
         self._lock = threading.Lock()
-        self._misses = 0
+        self._misses = dict.fromkeys(KINDS, 0)
         self._open_until: float | None = None  # None: closed
+        self._tripped = ""  # the kind whose misses opened it: its calls probe
         self._cooldown = self.base_cooldown_s
         self._probing = False
         self.trips = 0  # times it opened
@@ -105,36 +140,48 @@ class Breaker:
                 return "closed"
             return "half_open" if self._probing or time.monotonic() >= self._open_until else "open"
 
-    def allow(self) -> bool:
-        """Whether a call may go to the tier now (when half-open, the one probe is this call)."""
+    def allow(self, kind: str = "read") -> str | None:
+        """Whether a call of ``kind`` may go to the tier now: ``"call"``, ``"probe"`` (the one probing call,
+        when half-open: report it with ``probe=True``), or None. Half-open, calls of other kinds than the one
+        that missed go through (the lookups that find the pages a probing read needs)."""
         with self._lock:
             if self._open_until is None:
-                return True
-            if self._probing or time.monotonic() < self._open_until:
-                return False
+                return "call"
+            if time.monotonic() < self._open_until:
+                return None
+            if kind != self._tripped:
+                return "call"
+            if self._probing:
+                return None
             self._probing = True
-            return True
+            return "probe"
 
-    def answered(self) -> None:
+    def answered(self, kind: str = "read", *, probe: bool = False) -> None:
         """A call finished within its deadline."""
         with self._lock:
-            self._misses = 0
-            if self._open_until is not None and self._probing:
+            self._misses[kind] = 0
+            if probe and self._open_until is not None:
                 self._open_until, self._probing, self._cooldown = None, False, self.base_cooldown_s
+                self._misses = dict.fromkeys(KINDS, 0)
                 self.recoveries += 1
 
-    def missed(self) -> None:
+    def unused(self) -> None:
+        """The probe never reached the tier (it had nothing to do): the next call of its kind probes."""
+        with self._lock:
+            self._probing = False
+
+    def missed(self, kind: str = "read", *, probe: bool = False) -> None:
         """A call missed its deadline."""
         with self._lock:
-            self._misses += 1
+            self._misses[kind] += 1
             if self._open_until is not None:
-                if self._probing:  # the probe missed: out again, for longer
+                if probe:  # the probe missed: out again, for longer
                     self._probing = False
                     self._cooldown = min(self._cooldown * 2, self.max_cooldown_s)
                     self._open_until = time.monotonic() + self._cooldown
                 return
-            if self._misses >= self.threshold:
-                self._open_until = time.monotonic() + self._cooldown
+            if self._misses[kind] >= self.threshold:
+                self._open_until, self._tripped = time.monotonic() + self._cooldown, kind
                 self.trips += 1
 
 
@@ -183,17 +230,14 @@ class TierIO:
         self.breaker = breaker if breaker is not None else Breaker()
         self.stats = DeadlineStats()
         self._lock = threading.Lock()
-        self._pools = {
-            "lookup": concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"kvtier-{name}-lookup"),
-            "read": concurrent.futures.ThreadPoolExecutor(read_workers, thread_name_prefix=f"kvtier-{name}-read"),
-            "write": concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"kvtier-{name}-write"),
-        }
+        self._sizes = {"lookup": 1, "read": read_workers, "write": 1, "expiry": 1}
+        self._pools = {k: _Workers(n, f"kvtier-{name}-{k}") for k, n in self._sizes.items()}
         self._closed = False
         self._expire: dict[int, Callable[[], None]] = {}  # id(answer) -> its expiry, while the call is undecided
 
     def abandon(self, answer: concurrent.futures.Future[Any]) -> None:
         """The call that ``answer`` is for misses its deadline now, on this thread (a caller that waited for it
-        with a timeout of its own); nothing when it is already answered."""
+        with a timeout of its own, or was interrupted); nothing when it is already answered."""
         with self._lock:
             expire = self._expire.get(id(answer))
         if expire is not None:
@@ -204,7 +248,8 @@ class TierIO:
         breaker is honoured (``missing`` while the tier is out of use, or when ``fn`` raises)."""
         with self._lock:
             self.stats.calls[kind] += 1
-        if self._closed or not self.breaker.allow():
+        admit = None if self._closed else self.breaker.allow(kind)
+        if admit is None:
             with self._lock:
                 self.stats.skipped[kind] += 1
             return missing
@@ -212,34 +257,40 @@ class TierIO:
             out = fn()
         except Exception:  # noqa: BLE001 - a tier's failure is the caller's miss
             out = missing
-        self.breaker.answered()
+        self.breaker.answered(kind, probe=admit == "probe")
         return out
 
     def run(self, kind: str, fn: Callable[[], Any], *, deadline_s: float | None, pages: int | Callable[[], int],
-            on_done: Callable[[Any, bool], Any], on_give_up: Callable[[bool], Any]) -> concurrent.futures.Future[Any]:
+            on_done: Callable[[Any, bool], Any], on_give_up: Callable[[bool], Any],
+            reached: Callable[[Any], bool] | None = None,
+            cancel: threading.Event | None = None) -> concurrent.futures.Future[Any]:
         """Runs ``fn()`` (the tier call) on ``kind``'s threads; the returned future is answered by whichever
         comes first:
 
         - the call returns within ``deadline_s`` (seconds from now; None: no deadline): ``on_done(result,
           False)`` runs on the call's thread and its value is the answer (``result`` is what ``fn`` returned, or
           the exception it raised);
-        - the deadline passes first, or the breaker has the tier out of use: ``on_give_up(started)`` runs (on
-          the timer thread, or here) and its value is the answer. ``started`` False: ``fn`` never ran and never
-          will. True: it is running; ``pages`` pages (a number, or a function asked then) are counted fenced
-          until it returns, and then
+        - the deadline passes first (or :meth:`abandon`), or the breaker has the tier out of use:
+          ``on_give_up(started)`` runs (on this tier's expiry thread, or here) and its value is the answer.
+          ``started`` False: ``fn`` never ran and never will. True: it is running; ``pages`` pages (a number, or
+          a function asked once ``on_give_up`` has returned) are counted fenced until it returns, and then
           ``on_done(result, True)`` runs on its thread (always after ``on_give_up`` has returned).
 
-        ``on_give_up`` must not wait for anything a caller holds while it waits for the answer."""
+        ``reached(result)``: whether the call reached the tier (default: always); a probing call that did not
+        (nothing to read) leaves the breaker half-open for the next one. ``cancel``: set as the deadline passes,
+        before ``on_give_up`` runs (a call that has not begun its IO yet looks at it and never does)."""
         if kind not in KINDS:
             raise InvalidArgumentError(f"invalid argument `kind`: one of {KINDS}, got {kind!r}")
         out: concurrent.futures.Future[Any] = concurrent.futures.Future()
         with self._lock:
             self.stats.calls[kind] += 1
-        if self._closed or not self.breaker.allow():
+        admit = None if self._closed else self.breaker.allow(kind)
+        if admit is None:
             with self._lock:
                 self.stats.skipped[kind] += 1
             _answer(out, on_give_up, False)
             return out
+        probe = admit == "probe"
         state: dict[str, Any] = {"phase": "queued", "fenced": 0}  # queued -> running -> done, or -> given_up
         given_up = threading.Event()
         t_submit = time.monotonic()
@@ -253,19 +304,26 @@ class TierIO:
                 self._expire.pop(id(out), None)
                 self.stats.deadline_misses[kind] += 1
                 if phase == "running":
-                    n = state["fenced"] = pages() if callable(pages) else pages
-                    self.stats.fenced_pages += n
-                    self.stats.fenced_pages_total += n
                     self.stats.stuck_calls += 1
-            self.breaker.missed()
+            if cancel is not None:
+                cancel.set()
+            self.breaker.missed(kind, probe=probe)
             try:
                 _answer(out, on_give_up, phase == "running")
             finally:
+                if phase == "running":  # (counted once the caller's side has settled what the call holds)
+                    n = pages() if callable(pages) else pages
+                    with self._lock:
+                        state["fenced"] = n
+                        self.stats.fenced_pages += n
+                        self.stats.fenced_pages_total += n
                 given_up.set()
 
         with self._lock:
             self._expire[id(out)] = expire
-        timer = TIMERS.call_at(t_submit + deadline_s, expire) if deadline_s is not None else None
+        expiry = self._pools["expiry"]
+        timer = (TIMERS.call_at(t_submit + deadline_s, lambda: _submit(expiry, expire))
+                 if deadline_s is not None else None)
 
         def call() -> None:
             with self._lock:
@@ -284,7 +342,10 @@ class TierIO:
             if timer is not None and not late:
                 TIMERS.cancel(timer)
             if not late:
-                self.breaker.answered()
+                if reached is None or reached(result):
+                    self.breaker.answered(kind, probe=probe)
+                elif probe:
+                    self.breaker.unused()
                 _answer(out, lambda: on_done(result, False))
                 return
             given_up.wait()  # (on_give_up has run: what it fenced is there to reclaim)
@@ -299,24 +360,31 @@ class TierIO:
 
         try:
             self._pools[kind].submit(call)
-        except RuntimeError:  # shut down meanwhile: never sent
+        except RuntimeError:  # closed meanwhile: never sent
             if timer is not None:
                 TIMERS.cancel(timer)
             with self._lock:
                 state["phase"] = "given_up"
                 self._expire.pop(id(out), None)
                 self.stats.skipped[kind] += 1
+            if probe:
+                self.breaker.unused()
             _answer(out, on_give_up, False)
         return out
 
     def close(self) -> None:
-        """No more calls; waits for the running ones unless a stalled one is past its deadline (its thread is
-        left to end when its IO does)."""
+        """No more calls. Queued calls still run (their callers wait for them or their deadlines); threads held
+        by a stalled call end when its IO does (they are daemons: they never hold the process's exit)."""
         self._closed = True
-        with self._lock:
-            stuck = self.stats.stuck_calls
-        for pool in self._pools.values():
-            pool.shutdown(wait=not stuck, cancel_futures=True)
+        for k, pool in self._pools.items():
+            pool.close(self._sizes[k])
+
+
+def _submit(workers: _Workers, fn: Callable[[], None]) -> None:
+    try:
+        workers.submit(fn)
+    except RuntimeError:  # (closed: the expiry runs here)
+        fn()
 
 
 def _answer(out: concurrent.futures.Future[Any], fn: Callable[..., Any], *args: Any) -> None:
