@@ -245,6 +245,9 @@ def test_a_load_plan_on_a_damaged_disk_recomputes(tmp_path):
         assert c.restored_tokens == 0 and tier.controller.stats.prefetch_misses >= 1
 
 
+# one of 12 runs on the H200 hung here (window 2, CUDA) and is not understood yet: a hang fails, with every
+# thread's stack, instead of holding the run
+@pytest.mark.timeout(300, method="thread")
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("window", [2, 3])
 def test_a_tail_read_from_a_stalled_disk_gives_recomputings_tokens(tmp_path, device, window):
