@@ -42,11 +42,10 @@ def same(hp_a, a, hp_b, b):
     return all(torch.equal(x, y) for x, y in zip(page_bytes(hp_a, a), page_bytes(hp_b, b)))
 
 
-def remove_when_unleased(store, key, timeout=30.0):
-    """Mooncake refuses to remove an object read within its lease: retry until it goes."""
-    deadline = time.monotonic() + timeout
+def remove_when_unleased(store, key):
+    """Mooncake refuses to remove an object read within its lease: retry until it goes (the module's timeout
+    mark is the hang guard)."""
     while store.remove(key) != 0:
-        assert time.monotonic() < deadline, f"could not remove {key}"
         time.sleep(0.1)
 
 
@@ -276,10 +275,8 @@ def test_master_restart(tmp_path):
             assert a.batch_get_v1(keys, pages_idx(range(8, 12))) == [True] * 4
             c.start_master()  # same port, empty: the old objects are gone
             c.add_node()
-            deadline = time.monotonic() + 30
             tier_ = a.tiers[1][1]
-            while tier_.batch_set_v1(keys, pages_idx(range(4))) != [True] * 4:
-                assert time.monotonic() < deadline, "the client never came back after the master restarted"
+            while tier_.batch_set_v1(keys, pages_idx(range(4))) != [True] * 4:  # until the client is back
                 time.sleep(0.5)
             assert tier_.batch_exists(keys) == 4
 
@@ -628,15 +625,11 @@ def test_a_stopped_cluster_process_costs_a_recompute_not_a_hang(tmp_path, stoppe
                 assert sum(ds["deadline_misses"].values()) >= 1 and ds["breaker"] != "closed"
             finally:
                 os.kill(proc.pid, signal.SIGCONT)
-            t0 = time.monotonic()
-            while ctl.deadline_stats()["stuck_calls"]:
-                assert time.monotonic() - t0 < 120, "a call to the continued process never returned"
+            while ctl.deadline_stats()["stuck_calls"]:  # until the continued process answers
                 time.sleep(0.05)
             time.sleep(0.6)  # past the cool-down: the next call probes
             ctl.prefetch(keys).result(120)
-            t0 = time.monotonic()
-            while ctl.match(keys)[0] < 4:  # served again, bit-exact
-                assert time.monotonic() - t0 < 60, ctl.deadline_stats()
+            while ctl.match(keys)[0] < 4:  # until it serves again (then bit-exact, below)
                 ctl.prefetch(keys).result(120)
                 time.sleep(0.6)
             ld = ctl.load(keys, torch.arange(16, dtype=torch.int64))

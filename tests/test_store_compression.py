@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 import torch
@@ -195,14 +194,14 @@ CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.timeout(300)  # a hang guard: no timing is judged
 def test_kill_9_during_compressed_writes_loses_no_acknowledged_page(tmp_path):
     root = tmp_path / "store"
     code = CHILD.format(tests=os.path.dirname(__file__), root=str(root))
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     acked: list[str] = []
-    deadline = time.monotonic() + 180  # (a hang guard, far above what a loaded machine needs: no timing judged)
     assert p.stdout is not None
-    while len(acked) < 40 and time.monotonic() < deadline:
+    while len(acked) < 40:  # (the test's timeout mark is the hang guard)
         line = p.stdout.readline()
         if not line:
             break
@@ -211,7 +210,7 @@ def test_kill_9_during_compressed_writes_loses_no_acknowledged_page(tmp_path):
     p.send_signal(signal.SIGKILL)
     p.wait()
     p.stdout.close()
-    assert len(acked) >= 40, "the writer acknowledged too little before the deadline"
+    assert len(acked) >= 40, "the writer stopped before it acknowledged 40 pages"
     hp = kv_like_pool(pages=16, layers=8, dk=256, dv=256)
     want = [page_bytes(hp, p) for p in range(4)]
     with PageStore(root, model_name="m", probe_bytes=0) as st:

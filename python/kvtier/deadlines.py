@@ -243,15 +243,19 @@ class TierIO:
         if expire is not None:
             expire()
 
+    def _admit(self, kind: str) -> str | None:
+        """A call of ``kind`` counted, and the breaker's answer (None: skipped, counted so)."""
+        admit = None if self._closed else self.breaker.allow(kind)
+        with self._lock:
+            self.stats.calls[kind] += 1
+            self.stats.skipped[kind] += admit is None
+        return admit
+
     def run_inline(self, kind: str, fn: Callable[[], Any], missing: Any) -> Any:
         """``fn()`` on this thread, for a call that never waits on IO (a lookup in memory): no deadline, but the
         breaker is honoured (``missing`` while the tier is out of use, or when ``fn`` raises)."""
-        with self._lock:
-            self.stats.calls[kind] += 1
-        admit = None if self._closed else self.breaker.allow(kind)
+        admit = self._admit(kind)
         if admit is None:
-            with self._lock:
-                self.stats.skipped[kind] += 1
             return missing
         try:
             out = fn()
@@ -282,12 +286,8 @@ class TierIO:
         if kind not in KINDS:
             raise InvalidArgumentError(f"invalid argument `kind`: one of {KINDS}, got {kind!r}")
         out: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        with self._lock:
-            self.stats.calls[kind] += 1
-        admit = None if self._closed else self.breaker.allow(kind)
+        admit = self._admit(kind)
         if admit is None:
-            with self._lock:
-                self.stats.skipped[kind] += 1
             _answer(out, on_give_up, False)
             return out
         probe = admit == "probe"

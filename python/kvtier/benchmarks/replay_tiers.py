@@ -165,8 +165,10 @@ class KvtierNode:
                 store_dir, capacity_bytes=store_capacity_bytes(store_pages, page_bytes, key_len), model_name="replay"
             )
             store.register_mem_pool_host(self.hp)
+        # no deadlines: the replay counts what the tiers hold, never how fast a loaded machine answers
         self.ctl = TierController(
-            self.dp, self.hp, store, prefetch_budget_pages=host_pages, prefill=PrefillModel.fixed(prefill_tokens_per_s)
+            self.dp, self.hp, store, prefetch_budget_pages=host_pages, prefill=PrefillModel.fixed(prefill_tokens_per_s),
+            restore_deadline=None, write_deadline_s=None, lookup_deadline_s=None,
         )
         self.tags = _tags(self.hp)
         self.wrong_pages = 0  # pages read back from a store with another block's bytes
