@@ -29,7 +29,8 @@ from .hashes import page_hashes  # noqa: F401 - kvtier.store.page_hashes stays i
 from .planner import TierEstimate, TierMeter
 from ._errors import ClosedError, InvalidArgumentError, KvtierError
 from .config import parse_size
-from .tenants import erase_tag, open_keyring, scope_keys
+from .tenants import check_keys as _keys, erase_tag, open_keyring, scope_keys
+from .staging import StagingPages
 from .compression import COMPRESSION, codec_for, compression_stats, effective_read_GBps  # noqa: F401 - re-exported
 from .page_layout import PAGE_LAYOUTS, heads_of as _heads, host_buffers, logical_dtype, page_layout as _page_layout  # noqa: F401
 
@@ -156,6 +157,8 @@ class PageStore:
         self.compression_note = ""
         self.read_only = bool(read_only)
         self._pending: Any = None  # what opening needs (kept for a reader whose writer is not there yet)
+        self._staging: StagingPages | None = None  # bound at every open (:meth:`stage`)
+        self._staged_sets = 0
         self._next_try = 0.0
         self._closed = False
         self._lock = threading.Lock()
@@ -222,7 +225,7 @@ class PageStore:
         with self._lock:
             if self._native is not None:
                 self._native.close()
-            self._native, self._pool = None, pool
+            self._native, self._pool, self._staging = None, pool, None  # (staging of the old geometry: gone)
             self.page_bytes = layout[2] + layout[5]  # K and V object bytes of one page
             self.page_kinds = 1 if layout[5] == 0 else 2
             self._pending = (self.namespace_for(pool), regions, tensors, (*layout, pool.page_size, page_num))
@@ -307,11 +310,35 @@ class PageStore:
             native.bind_pages(*bind)
             for t in sorted(self._erased_tags):  # a tenant erased through this store stays refused here
                 native.erase_tenant(t)
+            if self._staging is not None:
+                self._staging.bind(native)
         except BaseException:
             native.close()
             raise
         self._native = native
         return native
+
+    def stage(self, staging_bytes: int) -> tuple[int, int]:
+        """Staging pages of the store's own, of the registered pool's page geometry (about ``staging_bytes``;
+        :mod:`kvtier.staging`), that :meth:`_batch` moves with ``staged`` and :meth:`copy_staged` copies to and
+        from the pool; ``(pages, generation)``: registering a pool again makes new ones."""
+        with self._lock:
+            if self._pending is None or self._closed:
+                raise KvtierError("PageStore: call register_mem_pool_host(pool) first")
+            if self._staging is None:
+                self._staging = StagingPages(self._pending[3], staging_bytes, self._staged_sets + 1)
+                self._staged_sets += 1
+                if self._native is not None:
+                    self._staging.bind(self._native)
+            return self._staging.pages, self._staging.generation
+
+    def batch_staged(self, write: bool, keys: Sequence[str], staging_indices: torch.Tensor) -> list[bool]:
+        """:meth:`batch_set_v1` (``write``) or :meth:`batch_get_v1` of the staging pages at ``staging_indices``."""
+        return self._batch(write, keys, staging_indices, staged=True)
+
+    def copy_staged(self, to_pool: bool, host_indices: torch.Tensor, staging_indices: torch.Tensor) -> None:
+        """Copies whole pages from staging pages into the pool (``to_pool``) or back (token slots, whole pages)."""
+        self.native_store().copy_pages(to_pool, host_indices.numpy(), staging_indices.numpy())
 
     @property
     def lookups_may_block(self) -> bool:
@@ -346,7 +373,7 @@ class PageStore:
 
     # ------------------------------------------------------------------ zero-copy v1
     def _batch(self, write: bool, keys: Sequence[str], host_indices: torch.Tensor,
-               split: tuple[int, int, Any] | None = None) -> list[bool]:
+               split: tuple[int, int, Any] | None = None, staged: bool = False) -> list[bool]:
         """One page batch (``batch_set_v1`` / ``batch_get_v1``): the store's state, then the arguments, are
         checked (as every store call orders them), then one native call."""
         native = self._native  # read once: close() clears it
@@ -360,7 +387,8 @@ class PageStore:
         if not keys and not idx.size:
             return []
         t0 = time.perf_counter()
-        ok: list[bool] = store.put_pages(keys, idx) if write else store.get_pages(keys, idx, *(split or ()))
+        ok: list[bool] = (store.put_pages(keys, idx, staged=staged) if write else
+                          store.get_pages(keys, idx, *(split or (0, 0, None)), staged=staged))
         dt = time.perf_counter() - t0
         self.latency["write" if write else "read"].observe(dt)
         if not write:  # (writes are timed from the store's own counters: a page already stored costs no IO)
@@ -469,13 +497,3 @@ class PageStore:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-def _keys(keys: Sequence[str]) -> list[str]:
-    if isinstance(keys, str):
-        raise InvalidArgumentError("invalid argument `keys`: expected a sequence of str, got one str")
-    out = list(keys)
-    for k in out:
-        if not isinstance(k, str) or not k:
-            raise InvalidArgumentError(f"invalid argument `keys`: every key must be a non-empty str, got {k!r}")
-    return out

@@ -176,3 +176,14 @@ def open_keyring(keyring: Keyring | str | os.PathLike[str] | None) -> Keyring | 
     if keyring is None or isinstance(keyring, Keyring):
         return keyring
     return Keyring(keyring)
+
+
+def check_keys(keys: Sequence[str]) -> list[str]:
+    """``keys`` as a list, each a non-empty str (else an error naming `keys`)."""
+    if isinstance(keys, str):
+        raise InvalidArgumentError("invalid argument `keys`: expected a sequence of str, got one str")
+    out = list(keys)
+    for k in out:
+        if not isinstance(k, str) or not k:
+            raise InvalidArgumentError(f"invalid argument `keys`: every key must be a non-empty str, got {k!r}")
+    return out

@@ -26,6 +26,8 @@ from .._errors import InvalidArgumentError
 from .._paths import default_store_dir, volatile_warning
 from ..buffer import HostBuffer
 from ..config import parse_size
+from ..deadlines import check_deadline
+from ..staging import DEFAULT_STAGING_BYTES, StagedIO, auto_read_deadline_s
 from ..store import DEFAULT_CAPACITY, PageStore
 from ..tenants import erase_tag, open_keyring
 from ._engine_planner import EnginePlanner
@@ -57,6 +59,13 @@ OPTIONS: dict[str, Any] = {
     "tenant": None,
     # a keyring directory (`kvtier keys init DIR`): seal every page at rest on the disk and in the cluster
     "keyring": None,
+    # deadlines (docs/OPERATIONS.md, "When a tier stalls"): a read batch answers by then with the pages that
+    # arrived ("auto": SGLang's own prefetch timeout rule for the batch's tokens; null: none, zero copy), a
+    # written piece that makes no progress for write_deadline_s is False; pages move through staging_bytes of
+    # kvtier's memory, so IO past its deadline never lands in a page SGLang has given to someone else
+    "read_deadline_s": "auto",
+    "write_deadline_s": 2.0,
+    "staging_bytes": DEFAULT_STAGING_BYTES,
 }
 #: Options of the ``"mooncake"`` object (see :class:`kvtier.tiers.mooncake.MooncakeTier`).
 MOONCAKE_OPTIONS = {"master_server_address", "protocol", "device_name", "local_hostname", "metadata_server",
@@ -107,6 +116,9 @@ class KvtierStorage(HiCacheStorage):
         if note is not None:
             warnings.warn(note, RuntimeWarning, stacklevel=2)
         budget = parse_size("capacity_bytes", opts["capacity_bytes"], 4096)
+        read_deadline = check_deadline("read_deadline_s", opts["read_deadline_s"], auto=True)
+        write_deadline = check_deadline("write_deadline_s", opts["write_deadline_s"])
+        staging = parse_size("staging_bytes", opts["staging_bytes"], 4096)
         self.keyring = open_keyring(opts["keyring"])
         self.store = PageStore(
             path,
@@ -130,6 +142,9 @@ class KvtierStorage(HiCacheStorage):
             keyring=self.keyring,
             tenant=opts["tenant"],
         )
+        # the v1 batches of the disk alone, with deadlines (the cluster chain's wait for their IO)
+        self.staged = StagedIO(self.store, read_deadline_s=read_deadline, write_deadline_s=write_deadline,
+                               staging_bytes=staging, name="sglang")
         self.tiers: Any = None  # the disk store and the cluster tier in order, once the KV pool is registered
         self._v1: Any = self.store  # what the v1 batches go to: the page store, or that chain
         # One scratch buffer per calling thread (a shared one let a concurrent set store another page's
@@ -276,7 +291,16 @@ class KvtierStorage(HiCacheStorage):
     # -- zero-copy v1 ---------------------------------------------------------------------------------
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
         t0 = time.perf_counter()
-        ok = self._v1.batch_get_v1(keys, host_indices)
+        if self.tiers is None:
+            deadline = self.staged.read_deadline_s
+            if deadline == "auto":
+                o = self.storage_config.extra_config or {}
+                deadline = auto_read_deadline_s(len(keys), self.store.pool.page_size if self.store.pool else 1,
+                                                float(o.get("prefetch_timeout_base", 2.0)),
+                                                float(o.get("prefetch_timeout_per_ki_token", 0.1)))
+            ok = self.staged.get(keys, host_indices, deadline)
+        else:
+            ok = self._v1.batch_get_v1(keys, host_indices)
         self._record("prefetch", ok, time.perf_counter() - t0)
         return ok
 
@@ -284,7 +308,7 @@ class KvtierStorage(HiCacheStorage):
         if not self.is_writer:
             return [True] * len(keys)  # another rank writes the replicated pages
         t0 = time.perf_counter()
-        ok = self._v1.batch_set_v1(keys, host_indices)
+        ok = self.staged.set(keys, host_indices) if self.tiers is None else self._v1.batch_set_v1(keys, host_indices)
         self._record("backup", ok, time.perf_counter() - t0)
         return ok
 
@@ -305,6 +329,8 @@ class KvtierStorage(HiCacheStorage):
         return self._worth_loading(self._v1, keys, extra_info)
 
     def _worth_loading(self, tiers: Any, keys: list[str], extra_info: Any) -> int:
+        if self.tiers is None and self.staged.breaker.state == "open":
+            return 0  # the disk keeps missing its deadlines: nothing is promised until it answers again
         if not self.planner.enabled:
             return int(tiers.batch_exists(keys))
         prefix = getattr(extra_info, "prefix_keys", None) or []
@@ -385,6 +411,7 @@ class KvtierStorage(HiCacheStorage):
         tier's own counters under ``"store"``)."""
         st = self.tiers.get_stats() if self.tiers is not None else self.store.get_stats()
         st["restore_planner"] = self.planner.stats.as_dict()
+        st["deadlines"] = self.staged.stats()
         return st
 
     @property
@@ -399,6 +426,7 @@ class KvtierStorage(HiCacheStorage):
     def close(self) -> None:
         if self.tiers is not None:
             self.tiers.tiers[1][1].close()
+        self.staged.close()
         self.store.close()
         for pool in self._pools.values():
             pool.close()

@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import os
 import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import numpy as np
@@ -34,7 +33,6 @@ import torch
 import vllm
 from vllm.logger import init_logger
 from vllm.v1.kv_offload.base import (
-    Locality,
     LookupResult,
     Medium,
     OffloadKey,
@@ -47,37 +45,20 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 
 from .._errors import ClosedError, InvalidArgumentError
 from .._paths import volatile_warning
-from ..config import parse_size
-from ..store import DEFAULT_CAPACITY, PageStore
-from ._engine_planner import EnginePlanner, check_options
+from ..staging import StagedIO, auto_read_deadline_s
+from ..store import PageStore
+from ._engine_planner import EnginePlanner
+from ._vllm_options import (  # noqa: F401 - OPTIONS, VLLM_KEYS: documented here
+    OPTIONS,
+    SECURE_HASH_BYTES,
+    VLLM_KEYS,
+    VLLM_VERSION,
+    check_view,
+    offloading_config,
+    parse_options,
+)
 
 logger = init_logger(__name__)
-
-#: The vLLM release this tier is built and tested against.
-VLLM_VERSION = "0.33.0"
-#: Options read from the tier's entry in ``secondary_tiers`` (``None`` for ``path``: required).
-OPTIONS: dict[str, Any] = {
-    "path": None,  # the store's root directory (one owner-only namespace per model/layout/parallel config)
-    # the disk budget of the whole `path` directory (every namespace in it: DP replicas, other models), LRU-evicted
-    "capacity_bytes": DEFAULT_CAPACITY,
-    "io_threads": 16,  # IO requests in flight per batch
-    "direct": None,  # None: O_DIRECT if the file system allows it (warns otherwise); False: buffered
-    "namespace_tag": None,  # a string of the user's in the namespace (weights revision, attention backend)
-    "locality": None,  # vLLM's tier locality ("LOCAL" or "REMOTE"), for its KV events and tier filters
-    # lookup answers HIT only for rows worth loading (kvtier.integrations._engine_planner): vLLM recomputes a
-    # row rather than wait on a tier measured slower than its prefill
-    "restore_planner": True,
-    "prefill_tokens_per_s": None,  # the engine's prefill throughput for this model (default: a fast engine)
-    # a per-deployment tenant salt: every row key of this server becomes that tenant's (vLLM already mixes a
-    # request's cache_salt into its block hashes, but the tier never sees the salt itself)
-    "tenant": None,
-    "keyring": None,  # a keyring directory (`kvtier keys init DIR`): rows sealed at rest (docs/SECURITY.md)
-}
-#: Keys vLLM's tier factory reads itself (and removes before constructing the tier).
-VLLM_KEYS = ("type", "module_path", "backpressure")
-#: Bytes of a collision-resistant block hash (vLLM's ``sha256`` / ``sha256_cbor``); shorter hashes
-#: (``xxhash``: 16 bytes) are refused — see :meth:`KvtierTier.lookup`.
-SECURE_HASH_BYTES = 32
 
 
 def _digest(parts: Iterable[str]) -> str:
@@ -153,86 +134,6 @@ class _RowStore(PageStore):
         self._pending = None
 
 
-def _options(config: Mapping[str, Any]) -> dict[str, Any]:
-    unknown = sorted(set(config) - set(OPTIONS))
-    if unknown:
-        raise InvalidArgumentError(
-            f"invalid argument `secondary_tiers` (kvtier tier): unknown key(s) {unknown}; the kvtier tier "
-            f"accepts {sorted(OPTIONS)} besides vLLM's own {list(VLLM_KEYS)}"
-        )
-    opts = {k: config.get(k, v) for k, v in OPTIONS.items()}
-    path = opts["path"]
-    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
-        raise InvalidArgumentError(
-            f"invalid argument `path` (kvtier tier): the store's root directory is required (a non-empty "
-            f"string), got {path!r}"
-        )
-    opts["path"] = os.path.expanduser(os.fspath(path))
-    opts["capacity_bytes"] = parse_size("capacity_bytes", opts["capacity_bytes"], 4096)
-    for key, low in (("capacity_bytes", 4096), ("io_threads", 1)):
-        v = opts[key]
-        if isinstance(v, bool) or not isinstance(v, int) or v < low:
-            raise InvalidArgumentError(f"invalid argument `{key}` (kvtier tier): must be an int >= {low}, got {v!r}")
-    if opts["direct"] is not None and not isinstance(opts["direct"], bool):
-        raise InvalidArgumentError(
-            f"invalid argument `direct` (kvtier tier): must be null, true or false, got {opts['direct']!r}"
-        )
-    tag = opts["namespace_tag"]
-    if tag is not None and (not isinstance(tag, str) or not tag or "|" in tag):
-        raise InvalidArgumentError(
-            f"invalid argument `namespace_tag` (kvtier tier): must be a non-empty string without '|', got {tag!r}"
-        )
-    check_options(opts["restore_planner"], opts["prefill_tokens_per_s"])
-    loc = opts["locality"]
-    if loc is not None:
-        try:
-            opts["locality"] = Locality(loc)
-        except ValueError:
-            raise InvalidArgumentError(
-                f"invalid argument `locality` (kvtier tier): must be one of {[x.value for x in Locality]}, got {loc!r}"
-            ) from None
-    return opts
-
-
-def _check_view(view: Any) -> tuple[int, int]:
-    """``(rows, row bytes)`` of the primary tier's view, after checking its shape (nothing is exported from it
-    yet: a failed construction must leave vLLM free to release it)."""
-    if not isinstance(view, memoryview):
-        raise InvalidArgumentError(
-            f"invalid argument `primary_kv_view`: expected a memoryview, got {type(view).__name__}"
-        )
-    if (
-        view.ndim != 2
-        or view.itemsize != 1
-        or view.readonly
-        or not view.c_contiguous
-        or view.shape is None
-        or view.shape[0] < 1
-        or view.shape[1] < 1
-    ):
-        raise InvalidArgumentError(
-            "invalid argument `primary_kv_view`: expected a writable, C-contiguous 2-D byte view "
-            f"(rows x row bytes) of vLLM's CPU tier, got ndim={view.ndim}, itemsize={view.itemsize}, "
-            f"shape={view.shape}, readonly={view.readonly}"
-        )
-    return int(view.shape[0]), int(view.shape[1])
-
-
-def _offloading_config(spec: Any) -> OffloadingConfig:
-    cfg = getattr(spec, "config", None)
-    if not isinstance(cfg, OffloadingConfig):
-        raise InvalidArgumentError(
-            "invalid argument `offloading_spec`: expected vLLM's OffloadingSpec, whose `config` is an "
-            f"OffloadingConfig (it names the namespace), got config={type(cfg).__name__}"
-        )
-    if not cfg.model.name or not cfg.groups or cfg.worker_kv_bytes_per_block <= 0:
-        raise InvalidArgumentError(
-            "invalid argument `offloading_spec`: its OffloadingConfig has no model name, no KV cache groups or "
-            "no bytes per block, so the layout that names the namespace is unknown"
-        )
-    return cfg
-
-
 class KvtierTier(SecondaryTierManager):
     """vLLM secondary tier over :class:`kvtier.PageStore`; built by vLLM's ``SecondaryTierFactory`` from a
     ``secondary_tiers`` entry ``{"type": "KvtierTier", "module_path": "kvtier.integrations.vllm", "path":
@@ -252,9 +153,9 @@ class KvtierTier(SecondaryTierManager):
         backpressure_detector: Any = None,
         **config: Any,
     ) -> None:
-        opts = _options(config)
-        self.num_rows, self.row_bytes = _check_view(primary_kv_view)
-        cfg = _offloading_config(offloading_spec)
+        opts = parse_options(config)
+        self.num_rows, self.row_bytes = check_view(primary_kv_view)
+        cfg = offloading_config(offloading_spec)
         if opts["capacity_bytes"] < 2 * self.row_bytes:
             raise InvalidArgumentError(
                 f"invalid argument `capacity_bytes` (kvtier tier): {opts['capacity_bytes']} cannot hold two rows of "
@@ -295,6 +196,8 @@ class KvtierTier(SecondaryTierManager):
             traceback.clear_frames(e.__traceback__)
             raise
         self._store: _RowStore | None = store
+        self.staged = StagedIO(store, read_deadline_s=opts["read_deadline_s"], write_deadline_s=opts["write_deadline_s"],
+                               staging_bytes=opts["staging_bytes"], name="vllm")
         self._cv = threading.Condition()
         self._failed_loads: set[str] = set()  # rows whose load failed: MISS until stored again
         # queued jobs with the keys and rows checked at submit (private copies: the job's own lists may change)
@@ -347,7 +250,7 @@ class KvtierTier(SecondaryTierManager):
         if name is None or name in self._failed_loads:  # a row that failed to load is recomputed, not retried
             return LookupResult.MISS
         store = self._store_open()
-        if not store.exists(name):
+        if self.staged.breaker.state == "open" or not store.exists(name):  # (a disk missing deadlines: none)
             return LookupResult.MISS
         return LookupResult.HIT if self._worth_loading(store, key, req_context) else LookupResult.MISS
 
@@ -425,10 +328,16 @@ class KvtierTier(SecondaryTierManager):
         ok = [False] * len(keys)
         t0 = time.perf_counter()
         if usable:
-            store = self._store_open()
+            self._store_open()
             idx = torch.from_numpy(rows[usable])
             names_ok = [n for n in names if n is not None]
-            res = store.batch_get_v1(names_ok, idx) if kind == "load" else store.batch_set_v1(names_ok, idx)
+            if kind == "load":
+                deadline = self.staged.read_deadline_s
+                if deadline == "auto":
+                    deadline = auto_read_deadline_s(len(names_ok), self.tokens_per_row)
+                res = self.staged.get(names_ok, idx, deadline)
+            else:
+                res = self.staged.set(names_ok, idx)
             for i, r in zip(usable, res):
                 ok[i] = bool(r)
             # a row that failed to load (an IO error leaves it indexed) is a MISS until stored again: a HIT
@@ -484,6 +393,7 @@ class KvtierTier(SecondaryTierManager):
         for t in self._threads:
             t.join()
         store, self._store = self._store, None
+        self.staged.close()
         if store is not None:
             store.release()
 
@@ -497,4 +407,5 @@ class KvtierTier(SecondaryTierManager):
         """The store's counters (``PageStore.get_stats``) and the tier's: keys refused for a short block hash,
         failed store and load jobs, jobs that raised, rows not loaded because recomputing them was predicted
         faster (``planned_misses``; the planner's own counters under ``restore_planner``)."""
-        return {**self._store_open().get_stats(), **self.counters, "restore_planner": self.planner.stats.as_dict()}
+        return {**self._store_open().get_stats(), **self.counters, "restore_planner": self.planner.stats.as_dict(),
+                "deadlines": self.staged.stats()}

@@ -36,7 +36,7 @@ from .._errors import ClosedError, InvalidArgumentError
 from ..tenants import erase_tag
 from ..transfer.indices import index_array
 from ..planner import TierEstimate
-from ..store import _keys
+from ..tenants import check_keys as _keys
 from ..tier import Tier
 
 #: Keys a chain remembers as deleted (oldest forgotten first), see the module docs.

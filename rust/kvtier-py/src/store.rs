@@ -137,20 +137,66 @@ impl PyPageStore {
         Ok(self.store()?.bind_registered(layout)?)
     }
 
-    /// Stores whole pages of the bound pool at `host_indices` (token slots); per key, whether K and V are
-    /// both durably stored.
+    /// Binds the store's staging pages (of the pool's object sizes and page tokens, inside registered
+    /// memory, sharing no byte with the pool): what `get_pages`/`put_pages` move with `staged=True`.
+    #[allow(clippy::too_many_arguments)]
+    fn bind_staging(
+        &self,
+        k_base: usize,
+        k_stride: usize,
+        k_len: u64,
+        v_base: usize,
+        v_stride: usize,
+        v_len: u64,
+        page_tokens: usize,
+        pages: usize,
+    ) -> KvResult<()> {
+        let layout = PageLayout {
+            k_base,
+            k_stride,
+            k_len,
+            v_base,
+            v_stride,
+            v_len,
+            page_tokens,
+            pages,
+        };
+        Ok(self.store()?.bind_staging_registered(layout)?)
+    }
+
+    /// Copies whole pages from the staging pages at `staging_indices` into the pool at `host_indices`
+    /// (`to_pool`), or the other way; token slots, whole pages in order.
+    fn copy_pages(
+        &self,
+        py: Python<'_>,
+        to_pool: bool,
+        host_indices: &Bound<'_, PyAny>,
+        staging_indices: &Bound<'_, PyAny>,
+    ) -> KvResult<()> {
+        let s = self.store()?;
+        let host = crate::transfer::indices(py, "host_indices", host_indices)?;
+        let staging = crate::transfer::indices(py, "staging_indices", staging_indices)?;
+        Ok(py.detach(|| s.copy_pages(to_pool, &host, &staging))?)
+    }
+
+    /// Stores whole pages of the bound pool at `host_indices` (token slots; of the staging pages with
+    /// `staged`); per key, whether K and V are both durably stored.
+    #[pyo3(signature = (keys, host_indices, staged=false))]
     fn put_pages(
         &self,
         py: Python<'_>,
         keys: Vec<String>,
         host_indices: &Bound<'_, PyAny>,
+        staged: bool,
     ) -> KvResult<Vec<bool>> {
-        self.pages(py, keys, host_indices, false, None)
+        self.pages(py, keys, host_indices, false, None, staged)
     }
 
     /// Reads whole pages into the bound pool; per key, whether K and V were found and verified. With
     /// `first_layers` (of the pool's `layers`): those layers of every page first, then `gate` opens.
-    #[pyo3(signature = (keys, host_indices, layers=0, first_layers=0, gate=None))]
+    /// `staged`: into the staging pages at `host_indices` (one pass).
+    #[pyo3(signature = (keys, host_indices, layers=0, first_layers=0, gate=None, staged=false))]
+    #[allow(clippy::too_many_arguments)]
     fn get_pages(
         &self,
         py: Python<'_>,
@@ -159,10 +205,14 @@ impl PyPageStore {
         layers: usize,
         first_layers: usize,
         gate: Option<PyRef<'_, crate::engine::PyHostGate>>,
+        staged: bool,
     ) -> KvResult<Vec<bool>> {
         let split = (layers != 0 || first_layers != 0)
             .then(|| (layers, first_layers, gate.map(|g| g.0.clone())));
-        self.pages(py, keys, host_indices, true, split)
+        if staged && split.is_some() {
+            return Err(Error::arg("staged", "a staged read is one pass (no first_layers)").into());
+        }
+        self.pages(py, keys, host_indices, true, split, staged)
     }
 
     /// The leading run of keys whose page (every object) is stored.

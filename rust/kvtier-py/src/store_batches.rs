@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use kvtier_core::cuda::HostGate;
-use kvtier_core::store::PageBatch;
+use kvtier_core::store::{PageBatch, Pages};
 use kvtier_core::Error;
 use pyo3::prelude::*;
 
@@ -56,6 +56,7 @@ impl PyPageStore {
         host_indices: &Bound<'_, PyAny>,
         writes: bool,
         split: Option<(usize, usize, Option<Arc<HostGate>>)>,
+        staged: bool,
     ) -> KvResult<Vec<bool>> {
         // the bound layout lies inside memory the store keeps registered while it lives (this call holds it)
         let s = self.store()?;
@@ -71,10 +72,9 @@ impl PyPageStore {
                         g.open();
                     }
                 })
-            } else if writes {
-                s.get_pages(&batch)
             } else {
-                s.put_pages(&batch)
+                let which = if staged { Pages::Staging } else { Pages::Pool };
+                s.page_batch(&batch, writes, which)
             }
         })?)
     }

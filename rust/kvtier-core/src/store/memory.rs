@@ -68,6 +68,22 @@ impl Shared {
     /// objects lie inside one registered range (pages are affine in the page number: the first and the last
     /// page of each side inside one range puts every page there).
     pub fn bind_registered(&self, layout: PageLayout) -> Result<()> {
+        self.check_registered(&layout, "pool")?;
+        // every page's objects lie inside registered memory (checked above), which the store keeps alive
+        // until it is dropped (registrations are never removed).
+        // SAFETY: bind_pages' contract: every page inside memory that outlives the binding.
+        unsafe { self.bind_pages(layout) }
+    }
+
+    /// Binds the store's staging pages (see `staging.rs`) after the same check as [`Shared::bind_registered`].
+    pub fn bind_staging_registered(&self, layout: PageLayout) -> Result<()> {
+        self.check_registered(&layout, "staging")?;
+        // SAFETY: bind_staging's contract, as for bind_registered above: registered memory outlives the store.
+        unsafe { self.bind_staging(layout) }
+    }
+
+    /// Whether every page of `layout` lies inside one registered range per side (`what` names it in errors).
+    fn check_registered(&self, layout: &PageLayout, what: &str) -> Result<()> {
         let held = self.memory.snapshot();
         let last = layout.pages.saturating_sub(1);
         let sides = [
@@ -79,20 +95,17 @@ impl Shared {
                 .checked_mul(stride)
                 .and_then(|x| x.checked_add(base))
                 .ok_or_else(|| {
-                    Error::arg("pool", format!("{side} pages overflow the address space"))
+                    Error::arg(what, format!("{side} pages overflow the address space"))
                 })?;
             // one range must hold the whole span of pages (first page's start to the last page's end)
             if !held.holds(base, (end - base) as u64 + len) {
                 return Err(Error::arg(
-                    "pool",
+                    what,
                     format!("the {side} objects of pages 0..{} are not inside one registered host buffer", layout.pages),
                 ));
             }
         }
-        // every page's objects lie inside registered memory (checked above), which the store keeps alive
-        // until it is dropped (registrations are never removed).
-        // SAFETY: bind_pages' contract: every page inside memory that outlives the binding.
-        unsafe { self.bind_pages(layout) }
+        Ok(())
     }
 }
 

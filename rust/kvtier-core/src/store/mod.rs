@@ -38,6 +38,7 @@ mod read_coded;
 mod recovery;
 mod replay_keys;
 mod seal_io;
+mod staging;
 pub mod stats;
 mod stats_file;
 mod worker;
@@ -79,6 +80,8 @@ mod tests_pages_in_two;
 mod tests_pieces;
 #[cfg(test)]
 mod tests_seal;
+#[cfg(test)]
+mod tests_staging;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -92,7 +95,7 @@ use files::ClassFile;
 use index::Index;
 
 pub use namespace::namespace_dir;
-pub use pages::{PageBatch, PageLayout};
+pub use pages::{PageBatch, PageLayout, Pages};
 pub use read::VerifyReport;
 pub use stats::{OpenReport, Stats};
 

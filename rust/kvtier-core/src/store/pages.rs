@@ -43,7 +43,7 @@ impl PageLayout {
     }
 
     /// `(address, length)` of page `p`'s objects (K then V, or the one object). `p < pages`.
-    fn objects(&self, p: usize) -> impl Iterator<Item = (usize, u64)> + '_ {
+    pub(super) fn objects(&self, p: usize) -> impl Iterator<Item = (usize, u64)> + '_ {
         [
             (self.k_base + p * self.k_stride, self.k_len),
             (self.v_base + p * self.v_stride, self.v_len),
@@ -63,7 +63,7 @@ impl PageLayout {
     }
 
     /// Checks the layout's own arithmetic: non-empty objects that fit their stride, no overflow.
-    fn check(&self) -> Result<()> {
+    pub(super) fn check(&self) -> Result<()> {
         let bad = |why: String| Err(Error::arg("pool", why));
         if self.pages == 0 || self.page_tokens == 0 {
             return bad(format!("a pool needs pages and page tokens, got {self:?}"));
@@ -111,6 +111,8 @@ impl PageLayout {
 #[derive(Default)]
 pub(super) struct Bound {
     layout: RwLock<Option<PageLayout>>,
+    /// The store's own staging pages (see `staging.rs`), of the pool's page geometry.
+    pub(super) staging: RwLock<Option<PageLayout>>,
     busy: Mutex<Busy>,
     idle: Condvar,
 }
@@ -158,6 +160,15 @@ impl Drop for Claim<'_> {
     }
 }
 
+/// Which pages a batch's token slots name: the bound host pool's, or the store's staging pages.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Pages {
+    /// The host pool bound with `bind_pages`.
+    Pool,
+    /// The staging pages bound with `bind_staging`.
+    Staging,
+}
+
 /// What a page batch names: keys and the host-pool token slots (`page_tokens` per key) of their pages.
 pub struct PageBatch<'a> {
     /// Page keys; the store's objects are `<key>.k` and `<key>.v`.
@@ -171,24 +182,40 @@ impl Shared {
     /// readers only with writers), then claims them. Each batch claims all its ranges at once, so claims
     /// cannot deadlock; call it without holding locks another batch needs to finish.
     pub fn claim(&self, objs: &[(&str, usize, u64)], writes: bool) -> Claim<'_> {
-        let mut ranges: Ranges = objs
-            .iter()
-            .map(|&(_, p, n)| (p, usize::try_from(n).unwrap_or(usize::MAX)))
-            .collect();
-        ranges.sort_unstable();
+        let ranges = objs.iter().map(|&(_, p, n)| (p, n)).collect();
+        let [claim] = self.claim_sides([(ranges, writes)]);
+        claim
+    }
+
+    /// Claims several sides at once (`(ranges, writes)` each: a copy's sources and its destinations), as
+    /// [`Shared::claim`] claims one: all of them in one step, so claims cannot deadlock.
+    pub(super) fn claim_sides<const N: usize>(
+        &self,
+        sides: [(Vec<(usize, u64)>, bool); N],
+    ) -> [Claim<'_>; N] {
+        let sides = sides.map(|(objs, writes)| {
+            let mut ranges: Ranges = objs
+                .into_iter()
+                .map(|(p, n)| (p, usize::try_from(n).unwrap_or(usize::MAX)))
+                .collect();
+            ranges.sort_unstable();
+            (ranges, writes)
+        });
         let bound = &self.pages;
         let mut b = bound.busy.lock().unwrap_or_else(|p| p.into_inner());
-        while b
-            .batches
-            .iter()
-            .any(|(_, w, rs)| (*w || writes) && overlap(rs, &ranges))
-        {
+        while sides.iter().any(|(ranges, writes)| {
+            b.batches
+                .iter()
+                .any(|(_, w, rs)| (*w || *writes) && overlap(rs, ranges))
+        }) {
             b = bound.idle.wait(b).unwrap_or_else(|p| p.into_inner());
         }
-        let id = b.next;
-        b.next += 1;
-        b.batches.push((id, writes, ranges));
-        Claim { bound, id }
+        sides.map(|(ranges, writes)| {
+            let id = b.next;
+            b.next += 1;
+            b.batches.push((id, writes, ranges));
+            Claim { bound, id }
+        })
     }
 
     /// Binds the host pool whose pages [`PageStore::put_pages`] and [`PageStore::get_pages`] read and
@@ -210,14 +237,24 @@ impl Shared {
         *self.pages.layout.read().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Objects of a page batch, every page proven inside the bound pool (and distinct when `writes`).
-    fn page_objects(&self, batch: &PageBatch<'_>, writes: bool) -> Result<Objects> {
-        let l = self.page_layout().ok_or_else(|| {
-            Error::arg(
-                "pool",
+    /// The bound layout of `which` pages, or an error naming what is missing.
+    pub(super) fn layout_of(&self, which: Pages) -> Result<PageLayout> {
+        let (l, what) = match which {
+            Pages::Pool => (
+                self.page_layout(),
                 "no host pool is bound to this store (register_mem_pool_host first)",
-            )
-        })?;
+            ),
+            Pages::Staging => (
+                *self.pages.staging.read().unwrap_or_else(|p| p.into_inner()),
+                "no staging pages are bound to this store (bind_staging first)",
+            ),
+        };
+        l.ok_or_else(|| Error::arg("pool", what))
+    }
+
+    /// Objects of a page batch, every page proven inside the bound pool (and distinct when `writes`).
+    fn page_objects(&self, batch: &PageBatch<'_>, writes: bool, which: Pages) -> Result<Objects> {
+        let l = self.layout_of(which)?;
         let pages =
             crate::alloc::page_starts(batch.host_indices, l.page_tokens, l.pages, "host_indices")?;
         if pages.len() != batch.keys.len() {
@@ -260,13 +297,24 @@ impl Shared {
     /// is a miss until a later put writes the page again, whole (both objects, in one commit: never a new
     /// K beside an old V), and eviction takes both together.
     pub fn put_pages(&self, batch: &PageBatch<'_>) -> Result<Vec<bool>> {
-        self.page_io(batch, false, None)
+        self.page_io(batch, false, None, Pages::Pool)
+    }
+
+    /// [`Shared::put_pages`] or [`Shared::get_pages`] (`reads`) of `which` pages: the batch's token slots
+    /// name staging pages with [`Pages::Staging`].
+    pub fn page_batch(
+        &self,
+        batch: &PageBatch<'_>,
+        reads: bool,
+        which: Pages,
+    ) -> Result<Vec<bool>> {
+        self.page_io(batch, reads, None, which)
     }
 
     /// Reads whole pages into the bound pool; per key, whether K and V were both found with the pool's
     /// sizes and verified (a False page's host bytes are unspecified).
     pub fn get_pages(&self, batch: &PageBatch<'_>) -> Result<Vec<bool>> {
-        self.page_io(batch, true, None)
+        self.page_io(batch, true, None, Pages::Pool)
     }
 
     /// As [`Shared::get_pages`], the first `first_layers` of the pool's `layers` of every page before the
@@ -292,6 +340,7 @@ impl Shared {
             batch,
             true,
             Some((layers as u64, first_layers as u64, between)),
+            Pages::Pool,
         )
     }
 
@@ -303,9 +352,10 @@ impl Shared {
         batch: &PageBatch<'_>,
         writes: bool,
         split: Option<(u64, u64, &mut dyn FnMut())>,
+        which: Pages,
     ) -> Result<Vec<bool>> {
         let mut split = split;
-        let found = self.page_objects(batch, writes);
+        let found = self.page_objects(batch, writes, which);
         let (names, ranges, per) = match found {
             Ok(x) => x,
             Err(e) => {

@@ -1,0 +1,290 @@
+"""Deadlines for an engine's own host pool: page batches moved through staging pages of kvtier's memory.
+
+kvtier's own controller reads into host pages it owns, so a read it stops waiting for can be fenced (see
+:mod:`kvtier.deadlines`). SGLang's and vLLM's backends read into the *engine's* host pool, and an engine
+hands a page whose read failed to another request at once: a read answered False at its deadline and landing
+later would write into memory that is no longer its page. So with a deadline these batches move through
+staging pages of the store's own (:class:`StagingPages`):
+
+- a read goes into staging pages on a tier thread; each piece that returns in time is copied into the pool
+  by the caller's thread, before the call returns, and never after; a piece past the deadline is False and
+  its staging pages stay fenced (never reused) until its IO returns;
+- a write's pages are copied out of the pool first, on the caller's thread, then written from staging on
+  the tier's write thread; a piece that makes no progress for the write deadline is False (the engine keeps
+  the page and may write it again) and its staging pages are fenced until its IO returns; what a late write
+  stores is the bytes it was given, whole.
+
+Batches are cut into pieces of a quarter of the staging pages (at least one page) so reads, copies and
+writes overlap. A tier that keeps missing deadlines is taken out of use by the :class:`kvtier.deadlines.Breaker`
+(its pages are misses, the engine recomputes) and let back after a probe answers in time. With no deadline
+(``None``) the batches go to the engine's pool directly, zero copy, as before.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+from typing import Any
+
+import torch
+
+from ._errors import InvalidArgumentError
+from .buffer import HostBuffer
+from .deadlines import Breaker, TierIO, check_deadline
+from .tenants import check_keys
+
+#: Staging memory by default: a quarter of it per piece of a batch.
+DEFAULT_STAGING_BYTES = 256 << 20
+#: SGLang's default prefetch timeout (``PrefetchTimeoutConfig``): the read deadline "auto" of a batch.
+AUTO_READ_BASE_S = 2.0
+AUTO_READ_PER_KI_TOKEN_S = 0.1
+AUTO_READ_MAX_S = 30.0
+
+
+class StagingPages:
+    """Staging memory of one geometry: ``pages`` pages, each its K object then its V object, each starting
+    on a 4 KiB boundary (O_DIRECT straight into them). ``bind`` registers it with a native store."""
+
+    def __init__(self, geometry: tuple, staging_bytes: int, generation: int) -> None:
+        k_len, v_len, page_tokens = int(geometry[2]), int(geometry[5]), int(geometry[6])
+        k_room = -(-k_len // 4096) * 4096
+        stride = k_room + -(-v_len // 4096) * 4096
+        self.pages = max(1, int(staging_bytes) // stride)
+        self.generation = generation
+        self.buffer = HostBuffer(self.pages * stride, pin=False, huge_pages="off", prefault_threads=0)
+        p = self.buffer.ptr
+        self.layout = (p, stride, k_len, p + k_room if v_len else p, stride, v_len, page_tokens, self.pages)
+
+    def bind(self, native: Any) -> None:
+        native.register_region(self.buffer.region)
+        native.bind_staging(*self.layout)
+
+
+def auto_read_deadline_s(pages: int, page_tokens: int, base_s: float = AUTO_READ_BASE_S,
+                         per_ki_token_s: float = AUTO_READ_PER_KI_TOKEN_S) -> float:
+    """The read deadline "auto" of a batch of ``pages`` pages: SGLang's prefetch timeout rule (``base_s`` + ``per_ki_token_s``
+    per 1024 tokens, at most 30 s): no engine waits longer for these pages, so no read need run longer."""
+    return min(AUTO_READ_MAX_S, base_s + per_ki_token_s * pages * page_tokens / 1024)
+
+
+class StagedIO:
+    """A :class:`kvtier.PageStore`'s batches for an engine's host pool, with deadlines (see the module docs).
+
+    ``read_deadline_s``: seconds for a whole read batch, ``"auto"`` (:func:`auto_read_deadline_s`, or the
+    ``read_deadline`` a caller passes) or None (no deadline: zero copy, no staging); ``write_deadline_s``:
+    seconds a written piece may take from its start (progress, not the batch: a slow disk is not a stalled
+    one), or None. ``staging_bytes``: the staging memory (allocated on first use)."""
+
+    def __init__(self, store: Any, *, read_deadline_s: Any = "auto", write_deadline_s: Any = 2.0,
+                 staging_bytes: int = DEFAULT_STAGING_BYTES, breaker: Breaker | None = None,
+                 name: str = "engine") -> None:
+        self.read_deadline_s = check_deadline("read_deadline_s", read_deadline_s, auto=True)
+        self.write_deadline_s = check_deadline("write_deadline_s", write_deadline_s)
+        if isinstance(staging_bytes, bool) or not isinstance(staging_bytes, int) or staging_bytes < 4096:
+            raise InvalidArgumentError(f"invalid argument `staging_bytes`: an int >= 4096, got {staging_bytes!r}")
+        self.store = store
+        self.staging_bytes = staging_bytes
+        self.io = TierIO(breaker=breaker, name=name)
+        self._cv = threading.Condition()
+        self._free: list[int] = []  # staging pages free, of generation `_gen`
+        self._gen = 0
+        self._total = 0  # staging pages of generation `_gen`
+        #: pieces not sent because no staging page was free before the deadline
+        self.staging_waits_given_up = 0
+
+    @property
+    def breaker(self) -> Breaker:
+        return self.io.breaker
+
+    def stats(self) -> dict[str, Any]:
+        """The deadline counters (:class:`kvtier.deadlines.DeadlineStats`), the breaker's state and trips, and
+        the staging pages (total, free)."""
+        with self._cv:
+            free, total = len(self._free), self._total
+        return {**self.io.stats.as_dict(), "breaker": self.breaker.state, "breaker_trips": self.breaker.trips,
+                "breaker_recoveries": self.breaker.recoveries, "staging_pages": total, "staging_free": free,
+                "staging_waits_given_up": self.staging_waits_given_up}
+
+    # ------------------------------------------------------------------ staging pages
+    def _slots(self) -> int:
+        """The staging generation in use (made or renewed for the store's current pool)."""
+        pages, gen = self.store.stage(self.staging_bytes)
+        with self._cv:
+            if gen != self._gen:  # a pool registered again: new staging pages (late IO keeps the old ones)
+                self._gen, self._free, self._total = gen, list(range(pages)), pages
+            return gen
+
+    def _take(self, n: int, gen: int) -> list[int] | None:
+        with self._cv:
+            if gen != self._gen or len(self._free) < n:
+                return None
+            out, self._free = self._free[:n], self._free[n:]
+            return out
+
+    def _give(self, slots: list[int], gen: int) -> None:
+        with self._cv:
+            if gen == self._gen:
+                self._free.extend(slots)
+                self._cv.notify_all()
+
+    def _wait_free(self, n: int, gen: int, until: float) -> bool:
+        with self._cv:
+            return self._cv.wait_for(lambda: gen != self._gen or len(self._free) >= n,
+                                     timeout=max(0.0, until - time.monotonic())) and gen == self._gen
+
+    # ------------------------------------------------------------------ batches
+    def _check(self, keys: list[str], host_indices: Any) -> torch.Tensor:
+        """``host_indices`` as whole pages of the pool, one per key, checked before anything moves."""
+        pool = self.store.pool
+        ps, pages = int(pool.page_size), int(getattr(pool, "page_num", None) or pool.size // pool.page_size)
+        if not isinstance(host_indices, torch.Tensor) or host_indices.dtype != torch.int64 or host_indices.dim() != 1:
+            raise InvalidArgumentError("invalid argument `host_indices`: expected a 1-D torch.int64 tensor")
+        idx = host_indices.detach().cpu()
+        if idx.numel() != len(keys) * ps:
+            raise InvalidArgumentError(f"invalid argument `host_indices`: {idx.numel()} slots for {len(keys)} keys of "
+                                       f"{ps}-token pages")
+        starts = idx[::ps] if ps else idx
+        if idx.numel() and (int(starts.min()) < 0 or int(starts.max()) >= pages * ps or bool((starts % ps).any())):
+            raise InvalidArgumentError(f"invalid argument `host_indices`: pages must start at multiples of {ps} in "
+                                       f"[0, {pages * ps})")
+        return idx
+
+    @staticmethod
+    def _slot_tensor(slots: list[int], ps: int) -> torch.Tensor:
+        return (torch.tensor(slots, dtype=torch.int64)[:, None] * ps + torch.arange(ps, dtype=torch.int64)).reshape(-1)
+
+    def get(self, keys: list[str], host_indices: Any, deadline_s: Any = "auto") -> list[bool]:
+        """Reads pages into the engine's pool at ``host_indices``; per key, whether it arrived verified in
+        time (the engine keeps a leading run). ``deadline_s`` overrides the store's read deadline."""
+        deadline = self.read_deadline_s if deadline_s == "auto" else deadline_s
+        if deadline is None or self.store.pool is None or not keys:
+            return self.store.batch_get_v1(keys, host_indices)
+        keys = check_keys(keys)
+        idx = self._check(keys, host_indices)
+        ps = int(self.store.pool.page_size)
+        if deadline == "auto":
+            deadline = auto_read_deadline_s(len(keys), ps)
+        until = time.monotonic() + float(deadline)
+        return self._run("read", keys, idx, ps, until, None)
+
+    def set(self, keys: list[str], host_indices: Any) -> list[bool]:
+        """Writes the pool's pages at ``host_indices``; per key, whether it is durably stored (False: not
+        stored in time; it may still be stored later, whole)."""
+        if self.write_deadline_s is None or self.store.pool is None or not keys:
+            return self.store.batch_set_v1(keys, host_indices)
+        keys = check_keys(keys)
+        idx = self._check(keys, host_indices)
+        ps = int(self.store.pool.page_size)
+        return self._run("write", keys, idx, ps, None, self.write_deadline_s)
+
+    def _run(self, kind: str, keys: list[str], idx: torch.Tensor, ps: int, until: float | None,
+             piece_s: float | None) -> list[bool]:
+        """Pieces of the batch through staging pages: reads until ``until`` (the batch's deadline), writes
+        each within ``piece_s`` of its start."""
+        gen = self._slots()
+        with self._cv:
+            per = max(1, min(len(keys), self._total // 4))
+        out = [False] * len(keys)
+        todo = list(range(0, len(keys), per))
+        running: dict[concurrent.futures.Future[Any], tuple[int, list[int]]] = {}
+        failed = False
+        try:
+            while (todo and not failed) or running:
+                while todo and not failed:  # send what staging pages are free for
+                    lo = todo[0]
+                    n = min(per, len(keys) - lo)
+                    slots = self._take(n, gen)
+                    if slots is None:
+                        if running:
+                            break
+                        limit = until if until is not None else time.monotonic() + float(piece_s or 0)
+                        if self._wait_free(n, gen, limit):
+                            continue
+                        self.staging_waits_given_up += 1
+                        failed = True
+                        break
+                    todo.pop(0)
+                    fut = self._send(kind, keys[lo:lo + n], idx[lo * ps:(lo + n) * ps], slots, gen, ps, until, piece_s)
+                    running[fut] = (lo, slots)
+                if not running:
+                    break
+                timeout = None if until is None else max(0.0, until - time.monotonic())
+                done, _ = concurrent.futures.wait(running, timeout=timeout,
+                                                  return_when=concurrent.futures.FIRST_COMPLETED)
+                if not done:  # the batch's deadline: what is still out is given up now
+                    for fut in list(running):
+                        self.io.abandon(fut)
+                    continue
+                for fut in done:
+                    lo, slots = running.pop(fut)
+                    ok = fut.result()
+                    if ok is None:  # given up (deadline, breaker): nothing more is sent
+                        failed = True
+                        continue
+                    if kind == "read":
+                        self._land(keys, idx, lo, slots, ok, out, ps, gen)
+                    else:
+                        out[lo:lo + len(ok)] = ok
+                if failed:
+                    for fut in list(running):  # a piece given up: the rest would wait on the same tier
+                        self.io.abandon(fut)
+        except BaseException:
+            for fut, (_, slots) in running.items():  # (Ctrl-C) nothing is copied into the pool after this returns
+                self.io.abandon(fut)
+                if kind == "read" and not fut.cancelled() and fut.exception() is None and fut.result() is not None:
+                    self._give(slots, gen)  # answered in time, not copied: its pages are free again
+            raise
+        return out
+
+    def _land(self, keys: list[str], idx: torch.Tensor, lo: int, slots: list[int], ok: list[bool], out: list[bool],
+              ps: int, gen: int) -> None:
+        """Copies the verified pages of a read piece from staging into the pool (this thread), then frees them."""
+        try:
+            good = [i for i, o in enumerate(ok) if o]
+            if good:
+                host = torch.cat([idx[(lo + i) * ps:(lo + i + 1) * ps] for i in good])
+                self.store.copy_staged(True, host, self._slot_tensor([slots[i] for i in good], ps))
+                for i in good:
+                    out[lo + i] = True
+        finally:
+            self._give(slots, gen)
+
+    def _send(self, kind: str, keys: list[str], idx: torch.Tensor, slots: list[int], gen: int, ps: int,
+              until: float | None, piece_s: float | None) -> concurrent.futures.Future[Any]:
+        """One piece on the tier's threads. Answers: a read's results (its staging pages are the caller's to
+        copy and free), a write's results (pages freed), or None (given up: pages freed, or fenced until the
+        IO returns)."""
+        staged = self._slot_tensor(slots, ps)
+        write = kind == "write"
+        if write:
+            try:
+                self.store.copy_staged(False, idx, staged)
+            except BaseException:
+                self._give(slots, gen)
+                raise
+
+        def call() -> list[bool]:
+            return self.store.batch_staged(write, keys, staged)
+
+        def on_done(result: Any, late: bool) -> Any:
+            if late or write or isinstance(result, BaseException):
+                self._give(slots, gen)
+            if late:
+                return None
+            if isinstance(result, BaseException):
+                if isinstance(result, InvalidArgumentError):
+                    raise result
+                return [False] * len(keys)
+            return result
+
+        def on_give_up(started: bool) -> None:
+            if not started:
+                self._give(slots, gen)
+            return None
+
+        deadline = piece_s if until is None else max(0.0, until - time.monotonic())
+        return self.io.run(kind, call, deadline_s=deadline, pages=len(slots), on_done=on_done, on_give_up=on_give_up)
+
+    def close(self) -> None:
+        self.io.close()

@@ -1,0 +1,241 @@
+"""A stalled disk never stalls SGLang's or vLLM's threads, and IO past its deadline never lands in the engine's
+host pool: the backends' batches go through kvtier's staging pages (kvtier.staging).
+
+Each stall is a real hang (the ``"stall"`` fault blocks the store's IO until the faults are cleared): on a
+backend without deadlines every call below waits for the stall to end, so the hang guard fails. Every
+deadline here is a fraction of a second; the tests assert results, bytes and counters, never times."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from vllm.v1.kv_offload.base import LookupResult, ReqContext
+from vllm.v1.kv_offload.tiering.base import TransferJob
+
+import kvtier
+from kvtier.integrations.sglang import KvtierStorage
+from kvtier.testing import clear_faults, inject_fault
+from sglang_pools import PS, config, idx, page_bytes, sglang_pool
+from vllm_tier import keys as vkeys, offloading_config, random_rows, rows
+
+HANG_GUARD_S = 60
+
+
+def returns_while_stalled(fn):
+    """``fn()``'s value, asserting it returned while the stall still holds (a hang fails here)."""
+    box = {}
+
+    def run():
+        try:
+            box["v"] = fn()
+        except BaseException as e:  # noqa: BLE001
+            box["e"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(HANG_GUARD_S)
+    assert not t.is_alive(), "the call hung behind a stalled disk"
+    if "e" in box:
+        raise box["e"]
+    return box.get("v")
+
+
+def until(cond, what):
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < HANG_GUARD_S, what
+        time.sleep(0.01)
+
+
+@pytest.fixture(autouse=True)
+def _no_faults_left():
+    yield
+    clear_faults()
+
+
+def pool_tensors(pool):
+    return (pool.k_buffer, pool.v_buffer) if isinstance(pool.kv_buffer, tuple) else (pool.kv_buffer,)
+
+
+KEYS = [f"{i:064x}" for i in range(4)]
+
+
+def backend(tmp_path, layout="page_first_direct", dims=(192, 128), **extra):
+    pool = sglang_pool(layout, *dims)
+    be = KvtierStorage(config(tmp_path, layout=layout, **extra))
+    be.register_mem_pool_host(pool)
+    return be, pool
+
+
+# ------------------------------------------------------------------ SGLang
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout", ["page_first_direct", "page_first"])
+def test_sglang_a_stalled_read_answers_by_its_deadline_and_never_lands_in_the_pool(tmp_path, layout):
+    # the deadline "auto" follows SGLang's own prefetch timeout options from the same extra config
+    be, pool = backend(tmp_path, layout, prefetch_timeout_base=0.3, prefetch_timeout_per_ki_token=0.0)
+    want = [page_bytes(pool, p) for p in range(4)]
+    assert be.batch_set_v1(KEYS, idx(range(4))) == [True] * 4
+    for t in pool_tensors(pool):
+        t.zero_()
+    inject_fault("data_read", "stall")
+    assert returns_while_stalled(lambda: be.batch_get_v1(KEYS, idx([4, 5, 6, 7]))) == [False] * 4
+    st = be.kvtier_stats()["deadlines"]
+    assert st["deadline_misses"]["read"] == 1 and st["stuck_calls"] == 1 and st["fenced_pages"] == 4
+    clear_faults()
+    until(lambda: be.kvtier_stats()["deadlines"]["fenced_pages"] == 0, "the late read returned")
+    # the late read verified the pages into staging; SGLang's pages (given to another request by now) stayed
+    # as they were
+    for t in pool_tensors(pool):
+        assert not t.view(torch.uint8).any()
+    st = be.kvtier_stats()["deadlines"]
+    assert st["reclaimed_pages_total"] == 4 and st["staging_free"] == st["staging_pages"]
+    assert be.batch_get_v1(KEYS, idx([4, 5, 6, 7])) == [True] * 4  # the disk answers again: bit-exact
+    for i in range(4):
+        got = page_bytes(pool, 4 + i)
+        assert torch.equal(got[0], want[i][0]) and torch.equal(got[1], want[i][1])
+    be.close()
+
+
+@pytest.mark.timeout(300)
+def test_sglang_a_stalled_write_is_false_and_later_stores_the_bytes_it_was_given(tmp_path):
+    be, pool = backend(tmp_path, write_deadline_s=0.3)
+    want = [page_bytes(pool, p) for p in range(4)]
+    inject_fault("data_write", "stall")
+    assert returns_while_stalled(lambda: be.batch_set_v1(KEYS, idx(range(4)))) == [False] * 4
+    assert be.kvtier_stats()["deadlines"]["deadline_misses"]["write"] == 1
+    for t in pool_tensors(pool):  # SGLang gives the host pages to other requests
+        t.fill_(0x5A)
+    clear_faults()
+    until(lambda: be.kvtier_stats()["deadlines"]["fenced_pages"] == 0, "the late write returned")
+    # the late write stored what it was given when it was asked, whole: never the bytes written over it since
+    assert be.batch_exists(KEYS) == 4
+    assert be.batch_get_v1(KEYS, idx([4, 5, 6, 7])) == [True] * 4
+    for i in range(4):
+        got = page_bytes(pool, 4 + i)
+        assert torch.equal(got[0], want[i][0]) and torch.equal(got[1], want[i][1])
+    be.close()
+
+
+@pytest.mark.timeout(300)
+def test_sglang_a_disk_that_keeps_missing_is_taken_out_and_let_back(tmp_path):
+    be, pool = backend(tmp_path, read_deadline_s=0.2)
+    assert be.batch_set_v1(KEYS, idx(range(4))) == [True] * 4
+    inject_fault("data_read", "stall", times=None)
+    for _ in range(2):
+        assert returns_while_stalled(lambda: be.batch_get_v1(KEYS[:1], idx([4]))) == [False]
+    st = be.kvtier_stats()["deadlines"]
+    assert st["breaker"] == "open" and st["breaker_trips"] == 1
+    assert be.batch_exists(KEYS) == 0  # nothing promised while it is out
+    assert be.batch_get_v1(KEYS[:1], idx([5])) == [False]  # not sent: skipped
+    assert be.kvtier_stats()["deadlines"]["skipped"]["read"] == 1
+    clear_faults()
+    until(lambda: be.kvtier_stats()["deadlines"]["breaker"] == "half_open", "the cool-down")
+    assert be.batch_exists(KEYS) == 4
+    assert be.batch_get_v1(KEYS, idx([4, 5, 6, 7])) == [True] * 4  # the probe answers in time
+    st = be.kvtier_stats()["deadlines"]
+    assert st["breaker"] == "closed" and st["breaker_recoveries"] == 1
+    be.close()
+
+
+def test_sglang_bad_indices_are_refused_before_anything_moves(tmp_path):
+    be, pool = backend(tmp_path)
+    assert be.batch_set_v1(KEYS, idx(range(4))) == [True] * 4
+    before = [t.clone() for t in pool_tensors(pool)]
+    for bad in (idx([4, 5]), idx([4, 5, 6, 99]), idx([4, 5, 6, 7])[1:].contiguous(), idx([4, 5, 6, 7]).int()):
+        with pytest.raises(kvtier.InvalidArgumentError, match="`host_indices`"):
+            be.batch_get_v1(KEYS, bad)
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(before, pool_tensors(pool)))
+    assert be.kvtier_stats()["deadlines"]["calls"]["read"] == 0
+    be.close()
+
+
+def test_sglang_pages_round_trip_through_staging_in_pieces(tmp_path):
+    """A batch larger than a quarter of the staging pages goes in pieces, every page bit-exact; without a
+    deadline nothing is staged (zero copy)."""
+    sizes = sglang_pool("page_first_direct").get_page_buffer_meta(torch.arange(PS))[1]
+    page = sum(-(-int(n) // 4096) * 4096 for n in sizes)  # (each object of a staging page starts a 4 KiB block)
+    be, pool = backend(tmp_path, staging_bytes=4 * page)  # 4 staging pages: pieces of 1
+    keys = [f"{i:064x}" for i in range(8)]
+    half = list(range(4))
+    want = [page_bytes(pool, p) for p in half]
+    assert be.batch_set_v1(keys[:4], idx(half)) == [True] * 4
+    assert be.batch_get_v1(keys[:4], idx([7, 6, 5, 4])) == [True] * 4
+    for i, p in enumerate([7, 6, 5, 4]):
+        got = page_bytes(pool, p)
+        assert torch.equal(got[0], want[i][0]) and torch.equal(got[1], want[i][1])
+    st = be.kvtier_stats()["deadlines"]
+    assert st["staging_pages"] == 4 and st["calls"] == {"lookup": 0, "read": 4, "write": 4}
+    # a miss in the middle: the pages before it arrive, the rest of the batch is False
+    assert be.batch_get_v1([keys[0], "e" * 64, keys[1]], idx([4, 5, 6])) == [True, False, True]
+    be.close()
+    be, pool = backend(tmp_path / "direct", read_deadline_s=None, write_deadline_s=None)
+    assert be.batch_set_v1(keys[:2], idx([0, 1])) == [True] * 2 and be.batch_get_v1(keys[:2], idx([2, 3])) == [True] * 2
+    assert be.kvtier_stats()["deadlines"]["staging_pages"] == 0
+    be.close()
+
+
+@pytest.mark.parametrize("key,value", [("read_deadline_s", 0), ("read_deadline_s", "soon"),
+                                       ("write_deadline_s", "auto"), ("write_deadline_s", -1.0),
+                                       ("staging_bytes", 100), ("staging_bytes", "lots")])
+def test_sglang_bad_deadline_options_name_themselves(tmp_path, key, value):
+    with pytest.raises(kvtier.InvalidArgumentError, match=f"`{key}`"):
+        KvtierStorage(config(tmp_path, **{key: value}))
+    assert not any(tmp_path.iterdir())  # nothing opened
+
+
+# ------------------------------------------------------------------ vLLM
+@pytest.mark.timeout(300)
+def test_vllm_a_stalled_load_fails_by_its_deadline_and_never_lands_in_vllms_rows(tmp_path, managers):
+    m = managers(offloading_config(tmp_path, rows=4, read_deadline_s=0.3))
+    tier, ctx = m.secondary_tiers[0], ReqContext("x")
+    view = rows(m)
+    view[:] = random_rows(m, 4, seed=5)
+    want = view[[0, 1]].copy()
+    ks = vkeys(2, start=700)
+    tier.submit_store(TransferJob(job_id=1, keys=ks, chunk_ids=np.array([0, 1]), is_promotion=False, req_context=ctx))
+    tier.drain_jobs()
+    assert [r.success for r in tier.get_finished_jobs()] == [True]
+    view[2:] = 0
+    inject_fault("data_read", "stall")
+    tier.submit_load(TransferJob(job_id=2, keys=ks, chunk_ids=np.array([2, 3]), is_promotion=True, req_context=ctx))
+    returns_while_stalled(tier.drain_jobs)
+    assert [r.success for r in tier.get_finished_jobs()] == [False]
+    clear_faults()
+    until(lambda: tier.kvtier_stats()["deadlines"]["fenced_pages"] == 0, "the late load returned")
+    assert not view[2:].any()  # vLLM's rows (freed when the job failed) never got the late bytes
+    st = tier.kvtier_stats()
+    assert st["deadlines"]["deadline_misses"]["read"] == 1 and st["failed_load_jobs"] == 1
+    # the rows are stored again (vLLM recomputed them), and load
+    tier.submit_store(TransferJob(job_id=3, keys=ks, chunk_ids=np.array([0, 1]), is_promotion=False, req_context=ctx))
+    tier.drain_jobs()
+    tier.get_finished_jobs()
+    assert tier.lookup(ks[0], ctx) is LookupResult.HIT
+    tier.submit_load(TransferJob(job_id=4, keys=ks, chunk_ids=np.array([3, 2]), is_promotion=True, req_context=ctx))
+    tier.drain_jobs()
+    assert [r.success for r in tier.get_finished_jobs()] == [True]
+    assert np.array_equal(view[3], want[0]) and np.array_equal(view[2], want[1])
+
+
+@pytest.mark.timeout(300)
+def test_vllm_a_stalled_store_fails_and_keeps_the_rows_it_was_given(tmp_path, managers):
+    m = managers(offloading_config(tmp_path, rows=4, write_deadline_s=0.3))
+    tier, ctx = m.secondary_tiers[0], ReqContext("x")
+    view = rows(m)
+    view[:] = random_rows(m, 4, seed=6)
+    want = view[[0, 1]].copy()
+    ks = vkeys(2, start=800)
+    inject_fault("data_write", "stall")
+    tier.submit_store(TransferJob(job_id=1, keys=ks, chunk_ids=np.array([0, 1]), is_promotion=False, req_context=ctx))
+    returns_while_stalled(tier.drain_jobs)
+    assert [r.success for r in tier.get_finished_jobs()] == [False]
+    view[:2] = 0  # vLLM reuses the rows
+    clear_faults()
+    until(lambda: tier.kvtier_stats()["deadlines"]["fenced_pages"] == 0, "the late store returned")
+    tier.submit_load(TransferJob(job_id=2, keys=ks, chunk_ids=np.array([2, 3]), is_promotion=True, req_context=ctx))
+    tier.drain_jobs()
+    assert [r.success for r in tier.get_finished_jobs()] == [True]
+    assert np.array_equal(view[2], want[0]) and np.array_equal(view[3], want[1])
