@@ -448,3 +448,32 @@ def test_deadline_metrics_are_scraped(tmp_path):
     until(lambda: c.deadline_stats()["fenced_pages"] == 0, "the read to return")
     assert "kvtier_store_fenced_pages 0.0" in generate_latest(reg).decode()
     c.close()
+
+
+# ------------------------------------------------------------------ every write point of the store
+WRITE_POINTS = ["data_write", "fallocate", "data_sync", "journal_write", "journal_sync"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("point", WRITE_POINTS)
+def test_a_write_stalled_at_any_point_of_the_store_is_given_up_and_lands_later(tmp_path, point):
+    """A backup whose write stalls wherever the store can block (space allocation, the data, its sync, the
+    journal record, its sync) is answered at the write deadline; the host pool keeps serving; once the stall
+    ends the write returns, its pages are reclaimed and what it stored reads back bit-exact."""
+    dp, hp, st, c = setup(tmp_path, host_pages=6, write_deadline_s=0.2, breaker=Breaker(threshold=2, cooldown_s=60))
+    inject_fault(point, "stall", times=None)
+    keys = keys_for(2, 0)
+
+    def backup():
+        c.backup(rows([0, 1]), keys)
+        c.wait_idle()
+        return c.deadline_stats()
+
+    ds = returns_while_stalled(backup)
+    assert fault_hits(point) >= 1, f"the store never reached {point}"
+    assert ds["deadline_misses"]["write"] == 1 and c.stats.backed_up_pages == 2
+    assert ds["stuck_calls"] == 1 and ds["fenced_pages"] == 2
+    clear_faults()
+    until(lambda: c.deadline_stats()["fenced_pages"] == 0, "the stalled write to return")
+    assert st.batch_exists(keys) == 2  # the late write completed, whole
+    c.close()

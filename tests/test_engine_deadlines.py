@@ -18,7 +18,7 @@ from vllm.v1.kv_offload.tiering.base import TransferJob
 
 import kvtier
 from kvtier.integrations.sglang import KvtierStorage
-from kvtier.testing import clear_faults, inject_fault
+from kvtier.testing import clear_faults, fault_hits, inject_fault
 from sglang_pools import PS, config, idx, page_bytes, sglang_pool
 from vllm_tier import keys as vkeys, offloading_config, random_rows, rows
 
@@ -101,11 +101,13 @@ def test_sglang_a_stalled_read_answers_by_its_deadline_and_never_lands_in_the_po
 
 
 @pytest.mark.timeout(300)
-def test_sglang_a_stalled_write_is_false_and_later_stores_the_bytes_it_was_given(tmp_path):
+@pytest.mark.parametrize("point", ["data_write", "fallocate", "data_sync", "journal_write", "journal_sync"])
+def test_sglang_a_stalled_write_is_false_and_later_stores_the_bytes_it_was_given(tmp_path, point):
     be, pool = backend(tmp_path, write_deadline_s=0.3)
     want = [page_bytes(pool, p) for p in range(4)]
-    inject_fault("data_write", "stall")
+    inject_fault(point, "stall")
     assert returns_while_stalled(lambda: be.batch_set_v1(KEYS, idx(range(4)))) == [False] * 4
+    assert fault_hits(point) == 1
     assert be.kvtier_stats()["deadlines"]["deadline_misses"]["write"] == 1
     for t in pool_tensors(pool):  # SGLang gives the host pages to other requests
         t.fill_(0x5A)
@@ -239,3 +241,27 @@ def test_vllm_a_stalled_store_fails_and_keeps_the_rows_it_was_given(tmp_path, ma
     tier.drain_jobs()
     assert [r.success for r in tier.get_finished_jobs()] == [True]
     assert np.array_equal(view[2], want[0]) and np.array_equal(view[3], want[1])
+
+
+@pytest.mark.timeout(300)
+def test_sglang_v2_extra_pools_are_not_read_once_the_kv_batch_missed_its_deadline(tmp_path):
+    from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+    from sglang_pools import mamba_pool
+
+    be, pool = backend(tmp_path, read_deadline_s=0.2)
+    mp = mamba_pool()
+    be.register_mem_host_pool_v2(mp, PoolName.MAMBA)
+    kv = PoolTransfer(name=PoolName.KV, host_indices=idx(range(2)), keys=KEYS[:2])
+    extra = PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([0, 1]), keys=KEYS[:2])
+    out = be.batch_set_v2([kv, extra])
+    assert out[PoolName.KV] == [True, True] and out[PoolName.MAMBA] == [True, True]
+    inject_fault("data_read", "stall", times=None)
+    get = [PoolTransfer(name=PoolName.KV, host_indices=idx([4, 5]), keys=KEYS[:2]),
+           PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([2, 3]), keys=KEYS[:2])]
+    out = returns_while_stalled(lambda: be.batch_get_v2(get))
+    assert out[PoolName.KV] == [False, False] and out[PoolName.MAMBA] == [False, False]
+    clear_faults()
+    until(lambda: be.kvtier_stats()["deadlines"]["fenced_pages"] == 0, "the late read returned")
+    out = be.batch_get_v2(get)
+    assert out[PoolName.KV] == [True, True] and out[PoolName.MAMBA] == [True, True]
+    be.close()

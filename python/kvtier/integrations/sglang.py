@@ -272,8 +272,13 @@ class KvtierStorage(HiCacheStorage):
                     extra.check(keys, t.host_indices)
                 checked.append((1, t, keys, extra))
         out: dict = {}
+        misses = self.staged.io.stats.deadline_misses
+        before = sum(misses.values())
         for _, t, keys, pool in sorted(checked, key=lambda c: c[0]):
-            if t.host_indices is None:
+            # the extra pools' pages wait on the disk (only the KV pool's batches are staged): none are sent
+            # while the disk is out of use or once this call's KV batch missed its deadline
+            stalled = self.tiers is None and (self.staged.breaker.state == "open" or sum(misses.values()) > before)
+            if t.host_indices is None or (pool is not None and stalled):
                 out[t.name] = [False] * len(keys)
             elif pool is None:
                 out[t.name] = (self.batch_set_v1 if setting else self.batch_get_v1)(keys, t.host_indices)
