@@ -14,8 +14,8 @@ staging pages of the store's own (:class:`StagingPages`):
   the page and may write it again) and its staging pages are fenced until its IO returns; what a late write
   stores is the bytes it was given, whole.
 
-Batches are cut into pieces of a quarter of the staging pages (at least one page) so reads, copies and
-writes overlap. A tier that keeps missing deadlines is taken out of use by the :class:`kvtier.deadlines.Breaker`
+Batches are cut into pieces of at most a quarter of the staging pages (at least one page), so reads, copies
+and writes overlap: a read into four pieces at least, a write into two (each written piece ends in a sync). A tier that keeps missing deadlines is taken out of use by the :class:`kvtier.deadlines.Breaker`
 (its pages are misses, the engine recomputes) and let back after a probe answers in time. With no deadline
 (``None``) the batches go to the engine's pool directly, zero copy, as before.
 """
@@ -52,7 +52,7 @@ class StagingPages:
         stride = k_room + -(-v_len // 4096) * 4096
         self.pages = max(1, int(staging_bytes) // stride)
         self.generation = generation
-        self.buffer = HostBuffer(self.pages * stride, pin=False, huge_pages="off", prefault_threads=0)
+        self.buffer = HostBuffer(self.pages * stride, pin=False)
         p = self.buffer.ptr
         self.layout = (p, stride, k_len, p + k_room if v_len else p, stride, v_len, page_tokens, self.pages)
 
@@ -107,6 +107,12 @@ class StagedIO:
                 "staging_waits_given_up": self.staging_waits_given_up}
 
     # ------------------------------------------------------------------ staging pages
+    def prepare(self) -> None:
+        """Allocates the staging pages for the store's registered pool now (else the first batch does), when a
+        deadline is on."""
+        if self.read_deadline_s is not None or self.write_deadline_s is not None:
+            self._slots()
+
     def _slots(self) -> int:
         """The staging generation in use (made or renewed for the store's current pool)."""
         pages, gen = self.store.stage(self.staging_bytes)
@@ -184,7 +190,8 @@ class StagedIO:
         each within ``piece_s`` of its start."""
         gen = self._slots()
         with self._cv:
-            per = max(1, min(len(keys), self._total // 4))
+            # reads in 4 pieces at least (their IO and copies overlap), writes in 2 (each piece ends in a sync)
+            per = max(1, min(-(-len(keys) // (4 if kind == "read" else 2)), self._total // 4))
         out = [False] * len(keys)
         todo = list(range(0, len(keys), per))
         running: dict[concurrent.futures.Future[Any], tuple[int, list[int]]] = {}

@@ -172,6 +172,8 @@ class KvtierStorage(HiCacheStorage):
         self.store.register_mem_pool_host(mem_pool_host)
         if self._remote_opts is not None:
             self._attach_cluster_tier(mem_pool_host)
+        else:
+            self.staged.prepare()
 
     def _attach_cluster_tier(self, pool: Any) -> None:
         """host -> local disk (durable) -> Mooncake: the chain the v1 batches go through."""

@@ -198,6 +198,7 @@ class KvtierTier(SecondaryTierManager):
         self._store: _RowStore | None = store
         self.staged = StagedIO(store, read_deadline_s=opts["read_deadline_s"], write_deadline_s=opts["write_deadline_s"],
                                staging_bytes=opts["staging_bytes"], name="vllm")
+        self.staged.prepare()
         self._cv = threading.Condition()
         self._failed_loads: set[str] = set()  # rows whose load failed: MISS until stored again
         # queued jobs with the keys and rows checked at submit (private copies: the job's own lists may change)
