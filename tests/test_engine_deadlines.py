@@ -81,10 +81,12 @@ def test_sglang_a_stalled_read_answers_by_its_deadline_and_never_lands_in_the_po
     assert be.batch_set_v1(KEYS, idx(range(4))) == [True] * 4
     for t in pool_tensors(pool):
         t.zero_()
-    inject_fault("data_read", "stall")
+    inject_fault("data_read", "stall", times=None)
     assert returns_while_stalled(lambda: be.batch_get_v1(KEYS, idx([4, 5, 6, 7]))) == [False] * 4
     st = be.kvtier_stats()["deadlines"]
-    assert st["deadline_misses"]["read"] == 1 and st["stuck_calls"] == 1 and st["fenced_pages"] == 4
+    # four pieces of one page: two were reading (one per read thread) and stay fenced, two never started
+    assert st["deadline_misses"]["read"] == 4 and st["stuck_calls"] == 2 and st["fenced_pages"] == 2
+    assert st["breaker"] == "closed"  # one batch is one miss
     clear_faults()
     until(lambda: be.kvtier_stats()["deadlines"]["fenced_pages"] == 0, "the late read returned")
     # the late read verified the pages into staging; SGLang's pages (given to another request by now) stayed
@@ -92,7 +94,7 @@ def test_sglang_a_stalled_read_answers_by_its_deadline_and_never_lands_in_the_po
     for t in pool_tensors(pool):
         assert not t.view(torch.uint8).any()
     st = be.kvtier_stats()["deadlines"]
-    assert st["reclaimed_pages_total"] == 4 and st["staging_free"] == st["staging_pages"]
+    assert st["reclaimed_pages_total"] == 2 and st["staging_free"] == st["staging_pages"]
     assert be.batch_get_v1(KEYS, idx([4, 5, 6, 7])) == [True] * 4  # the disk answers again: bit-exact
     for i in range(4):
         got = page_bytes(pool, 4 + i)
@@ -108,15 +110,16 @@ def test_sglang_a_stalled_write_is_false_and_later_stores_the_bytes_it_was_given
     inject_fault(point, "stall")
     assert returns_while_stalled(lambda: be.batch_set_v1(KEYS, idx(range(4)))) == [False] * 4
     assert fault_hits(point) == 1
-    assert be.kvtier_stats()["deadlines"]["deadline_misses"]["write"] == 1
+    # two pieces of two pages, written in order: the first stalled, the second was never sent
+    assert be.kvtier_stats()["deadlines"]["deadline_misses"]["write"] == 2
     for t in pool_tensors(pool):  # SGLang gives the host pages to other requests
         t.fill_(0x5A)
     clear_faults()
     until(lambda: be.kvtier_stats()["deadlines"]["fenced_pages"] == 0, "the late write returned")
     # the late write stored what it was given when it was asked, whole: never the bytes written over it since
-    assert be.batch_exists(KEYS) == 4
-    assert be.batch_get_v1(KEYS, idx([4, 5, 6, 7])) == [True] * 4
-    for i in range(4):
+    assert be.batch_exists(KEYS) == 2
+    assert be.batch_get_v1(KEYS[:2], idx([4, 5])) == [True] * 2
+    for i in range(2):
         got = page_bytes(pool, 4 + i)
         assert torch.equal(got[0], want[i][0]) and torch.equal(got[1], want[i][1])
     be.close()
@@ -202,7 +205,7 @@ def test_vllm_a_stalled_load_fails_by_its_deadline_and_never_lands_in_vllms_rows
     tier.drain_jobs()
     assert [r.success for r in tier.get_finished_jobs()] == [True]
     view[2:] = 0
-    inject_fault("data_read", "stall")
+    inject_fault("data_read", "stall", times=None)
     tier.submit_load(TransferJob(job_id=2, keys=ks, chunk_ids=np.array([2, 3]), is_promotion=True, req_context=ctx))
     returns_while_stalled(tier.drain_jobs)
     assert [r.success for r in tier.get_finished_jobs()] == [False]
@@ -210,7 +213,7 @@ def test_vllm_a_stalled_load_fails_by_its_deadline_and_never_lands_in_vllms_rows
     until(lambda: tier.kvtier_stats()["deadlines"]["fenced_pages"] == 0, "the late load returned")
     assert not view[2:].any()  # vLLM's rows (freed when the job failed) never got the late bytes
     st = tier.kvtier_stats()
-    assert st["deadlines"]["deadline_misses"]["read"] == 1 and st["failed_load_jobs"] == 1
+    assert st["deadlines"]["deadline_misses"]["read"] == 2 and st["failed_load_jobs"] == 1
     # the rows are stored again (vLLM recomputed them), and load
     tier.submit_store(TransferJob(job_id=3, keys=ks, chunk_ids=np.array([0, 1]), is_promotion=False, req_context=ctx))
     tier.drain_jobs()
@@ -237,10 +240,12 @@ def test_vllm_a_stalled_store_fails_and_keeps_the_rows_it_was_given(tmp_path, ma
     view[:2] = 0  # vLLM reuses the rows
     clear_faults()
     until(lambda: tier.kvtier_stats()["deadlines"]["fenced_pages"] == 0, "the late store returned")
-    tier.submit_load(TransferJob(job_id=2, keys=ks, chunk_ids=np.array([2, 3]), is_promotion=True, req_context=ctx))
+    # the first row's piece landed late, whole; the second was never sent
+    assert [tier.lookup(k, ctx) for k in ks] == [LookupResult.HIT, LookupResult.MISS]
+    tier.submit_load(TransferJob(job_id=2, keys=ks[:1], chunk_ids=np.array([2]), is_promotion=True, req_context=ctx))
     tier.drain_jobs()
     assert [r.success for r in tier.get_finished_jobs()] == [True]
-    assert np.array_equal(view[2], want[0]) and np.array_equal(view[3], want[1])
+    assert np.array_equal(view[2], want[0])
 
 
 @pytest.mark.timeout(300)

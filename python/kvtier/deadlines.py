@@ -234,6 +234,7 @@ class TierIO:
         self._pools = {k: _Workers(n, f"kvtier-{name}-{k}") for k, n in self._sizes.items()}
         self._closed = False
         self._expire: dict[int, Callable[[], None]] = {}  # id(answer) -> its expiry, while the call is undecided
+        self._missed_groups: list[object] = []  # the last groups a miss was counted for
 
     def abandon(self, answer: concurrent.futures.Future[Any]) -> None:
         """The call that ``answer`` is for misses its deadline now, on this thread (a caller that waited for it
@@ -267,7 +268,7 @@ class TierIO:
     def run(self, kind: str, fn: Callable[[], Any], *, deadline_s: float | None, pages: int | Callable[[], int],
             on_done: Callable[[Any, bool], Any], on_give_up: Callable[[bool], Any],
             reached: Callable[[Any], bool] | None = None,
-            cancel: threading.Event | None = None) -> concurrent.futures.Future[Any]:
+            cancel: threading.Event | None = None, group: object = None) -> concurrent.futures.Future[Any]:
         """Runs ``fn()`` (the tier call) on ``kind``'s threads; the returned future is answered by whichever
         comes first:
 
@@ -282,7 +283,8 @@ class TierIO:
 
         ``reached(result)``: whether the call reached the tier (default: always); a probing call that did not
         (nothing to read) leaves the breaker half-open for the next one. ``cancel``: set as the deadline passes,
-        before ``on_give_up`` runs (a call that has not begun its IO yet looks at it and never does)."""
+        before ``on_give_up`` runs (a call that has not begun its IO yet looks at it and never does). ``group``:
+        the calls of one batch cut in pieces (any object they share): the breaker counts their misses as one."""
         if kind not in KINDS:
             raise InvalidArgumentError(f"invalid argument `kind`: one of {KINDS}, got {kind!r}")
         out: concurrent.futures.Future[Any] = concurrent.futures.Future()
@@ -307,7 +309,13 @@ class TierIO:
                     self.stats.stuck_calls += 1
             if cancel is not None:
                 cancel.set()
-            self.breaker.missed(kind, probe=probe)
+            with self._lock:
+                counted = group is not None and any(g is group for g in self._missed_groups)
+                if group is not None and not counted:
+                    self._missed_groups.append(group)
+                    del self._missed_groups[:-8]
+            if not counted or probe:
+                self.breaker.missed(kind, probe=probe)
             try:
                 _answer(out, on_give_up, phase == "running")
             finally:

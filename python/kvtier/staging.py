@@ -195,10 +195,13 @@ class StagedIO:
         out = [False] * len(keys)
         todo = list(range(0, len(keys), per))
         running: dict[concurrent.futures.Future[Any], tuple[int, list[int]]] = {}
+        batch = object()  # its pieces' misses count once
         failed = False
         try:
             while (todo and not failed) or running:
                 while todo and not failed:  # send what staging pages are free for
+                    if running and self.breaker.state != "closed":
+                        break  # half-open: the piece out is the probe; the rest follow once it answers
                     lo = todo[0]
                     n = min(per, len(keys) - lo)
                     slots = self._take(n, gen)
@@ -212,7 +215,8 @@ class StagedIO:
                         failed = True
                         break
                     todo.pop(0)
-                    fut = self._send(kind, keys[lo:lo + n], idx[lo * ps:(lo + n) * ps], slots, gen, ps, until, piece_s)
+                    fut = self._send(kind, keys[lo:lo + n], idx[lo * ps:(lo + n) * ps], slots, gen, ps, until, piece_s,
+                                     batch)
                     running[fut] = (lo, slots)
                 if not running:
                     break
@@ -258,7 +262,7 @@ class StagedIO:
             self._give(slots, gen)
 
     def _send(self, kind: str, keys: list[str], idx: torch.Tensor, slots: list[int], gen: int, ps: int,
-              until: float | None, piece_s: float | None) -> concurrent.futures.Future[Any]:
+              until: float | None, piece_s: float | None, batch: object) -> concurrent.futures.Future[Any]:
         """One piece on the tier's threads. Answers: a read's results (its staging pages are the caller's to
         copy and free), a write's results (pages freed), or None (given up: pages freed, or fenced until the
         IO returns)."""
@@ -291,7 +295,8 @@ class StagedIO:
             return None
 
         deadline = piece_s if until is None else max(0.0, until - time.monotonic())
-        return self.io.run(kind, call, deadline_s=deadline, pages=len(slots), on_done=on_done, on_give_up=on_give_up)
+        return self.io.run(kind, call, deadline_s=deadline, pages=len(slots), on_done=on_done, on_give_up=on_give_up,
+                           group=batch)
 
     def close(self) -> None:
         self.io.close()
