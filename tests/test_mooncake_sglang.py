@@ -133,3 +133,49 @@ def test_bad_tier_configuration_is_refused_before_anything_opens(tmp_path, extra
     with pytest.raises(InvalidArgumentError, match=match):
         KvtierStorage(config(tmp_path, **extra))
     assert not any(tmp_path.iterdir())  # nothing created on disk
+
+
+def test_a_stopped_storage_process_never_stalls_sglangs_prefetch_nor_lands_in_its_pool(tmp_path):
+    """SGLang over the disk and the cluster: a Mooncake storage process stopped with SIGSTOP (alive, never
+    answering) while SGLang reads pages only the cluster holds. The batch answers by its deadline; the late
+    read, once the process is continued, lands in kvtier's staging pages, never in SGLang's pool."""
+    import os
+    import signal
+    import threading
+    import time
+
+    with LocalCluster(storage_nodes=1, segment_bytes=64 << 20, client_ttl_s=10, lease_ttl_ms=200,
+                      log_dir=tmp_path / "logs") as c:
+        keys = [f"stop-sglang-{i}" for i in range(4)]
+        src = sglang_pool("page_first_direct", seed=3)
+        w = kvtier_store(tmp_path / "writer", c, src)
+        assert w.batch_set_v1(keys, idx(range(4))) == [True] * 4
+        w.close()
+        dst = sglang_pool("page_first_direct", seed=4)
+        for t in (dst.k_buffer, dst.v_buffer):
+            t.zero_()
+        be = KvtierStorage(config(tmp_path / "reader", layout="page_first_direct", tiers=["disk", "mooncake"],
+                                  read_deadline_s=0.5,
+                                  mooncake={"master_server_address": c.master_address}))
+        be.register_mem_pool_host(dst)
+        assert be.batch_exists(keys) == 4  # in the cluster only: the reader's disk is empty
+        os.kill(c.nodes[0].pid, signal.SIGSTOP)
+        try:
+            box = {}
+            t = threading.Thread(target=lambda: box.setdefault("v", be.batch_get_v1(keys, idx([4, 5, 6, 7]))),
+                                 daemon=True)
+            t.start()
+            t.join(120)
+            assert not t.is_alive(), "SGLang's prefetch thread hung behind a stopped storage process"
+            assert box["v"] == [False] * 4
+        finally:
+            os.kill(c.nodes[0].pid, signal.SIGCONT)
+        while be.kvtier_stats()["deadlines"]["fenced_pages"]:  # until the continued process answers
+            time.sleep(0.05)
+        assert not dst.k_buffer.view(torch.uint8).any() and not dst.v_buffer.view(torch.uint8).any()
+        deadline = time.monotonic() + 120
+        while be.batch_get_v1(keys, idx([4, 5, 6, 7])) != [True] * 4:  # (past the breaker's cool-down, if tripped)
+            assert time.monotonic() < deadline, "the cluster never served again"
+            time.sleep(0.5)
+        assert all(same_pages(src, i, dst, 4 + i) for i in range(4))
+        be.close()

@@ -61,6 +61,54 @@ class StagingPages:
         native.bind_staging(*self.layout)
 
 
+class StagingPool:
+    """An engine's host pool seen through staging pages: the pool's geometry (layout, page size, dtype, heads,
+    layers: what names a page's objects and checks them), the staging pages' memory. A tier registered with it
+    (the cluster tier under :class:`StagedIO`) reads into and writes from staging pages, never the engine's."""
+
+    def __init__(self, pool: Any, staging: StagingPages) -> None:
+        self._engine, self.staging = pool, staging
+        self.buffers = (staging.buffer,)
+        self.page_size = int(pool.page_size)
+        self.page_num = staging.pages
+        self.size = staging.pages * self.page_size
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("kv_buffer", "k_buffer", "v_buffer"):  # (memory is the staging pages', never the engine's)
+            raise AttributeError(name)
+        return getattr(self._engine, name)
+
+    def get_page_buffer_meta(self, indices: Any) -> tuple[list[int], list[int]]:
+        k_base, stride, k_len, v_base, _, v_len = self.staging.layout[:6]
+        ptrs: list[int] = []
+        sizes: list[int] = []
+        for start in torch.as_tensor(indices)[:: self.page_size].tolist():
+            p = int(start) // self.page_size
+            ptrs.append(k_base + p * stride)
+            sizes.append(k_len)
+            if v_len:
+                ptrs.append(v_base + p * stride)
+                sizes.append(v_len)
+        return ptrs, sizes
+
+
+class StagedDisk:
+    """A :class:`kvtier.PageStore` whose v1 batches name its staging pages (the first tier of a chain whose other
+    tiers are registered with the same :class:`StagingPool`); everything else is the store's."""
+
+    def __init__(self, store: Any, pool: StagingPool) -> None:
+        self.store, self.pool = store, pool
+
+    def batch_get_v1(self, keys: Any, host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
+        return self.store.batch_staged(False, keys, host_indices)
+
+    def batch_set_v1(self, keys: Any, host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
+        return self.store.batch_staged(True, keys, host_indices)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+
 def auto_read_deadline_s(pages: int, page_tokens: int, base_s: float = AUTO_READ_BASE_S,
                          per_ki_token_s: float = AUTO_READ_PER_KI_TOKEN_S) -> float:
     """The read deadline "auto" of a batch of ``pages`` pages: SGLang's prefetch timeout rule (``base_s`` + ``per_ki_token_s``
@@ -86,6 +134,10 @@ class StagedIO:
         self.store = store
         self.staging_bytes = staging_bytes
         self.io = TierIO(breaker=breaker, name=name)
+        #: what moves a piece between staging pages and the tiers (``batch_get_v1``/``batch_set_v1`` on staging
+        #: indices): None for the store alone; a chain over :class:`StagedDisk` and tiers registered with
+        #: :meth:`staging_pool`
+        self.staged_tier: Any = None
         self._cv = threading.Condition()
         self._free: list[int] = []  # staging pages free, of generation `_gen`
         self._gen = 0
@@ -113,9 +165,14 @@ class StagedIO:
         if self.read_deadline_s is not None or self.write_deadline_s is not None:
             self._slots()
 
+    def staging_pool(self) -> StagingPool:
+        """The registered pool seen through the staging pages (for the tiers behind the store)."""
+        return StagingPool(self.store.pool, self.store.stage(self.staging_bytes))
+
     def _slots(self) -> int:
         """The staging generation in use (made or renewed for the store's current pool)."""
-        pages, gen = self.store.stage(self.staging_bytes)
+        staging = self.store.stage(self.staging_bytes)
+        pages, gen = staging.pages, staging.generation
         with self._cv:
             if gen != self._gen:  # a pool registered again: new staging pages (late IO keeps the old ones)
                 self._gen, self._free, self._total = gen, list(range(pages)), pages
@@ -276,7 +333,10 @@ class StagedIO:
                 raise
 
         def call() -> list[bool]:
-            return self.store.batch_staged(write, keys, staged)
+            tier = self.staged_tier
+            if tier is None:
+                return self.store.batch_staged(write, keys, staged)
+            return tier.batch_set_v1(keys, staged) if write else tier.batch_get_v1(keys, staged)
 
         def on_done(result: Any, late: bool) -> Any:
             if late or write or isinstance(result, BaseException):

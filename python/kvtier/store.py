@@ -318,10 +318,10 @@ class PageStore:
         self._native = native
         return native
 
-    def stage(self, staging_bytes: int) -> tuple[int, int]:
+    def stage(self, staging_bytes: int) -> StagingPages:
         """Staging pages of the store's own, of the registered pool's page geometry (about ``staging_bytes``;
         :mod:`kvtier.staging`), that :meth:`_batch` moves with ``staged`` and :meth:`copy_staged` copies to and
-        from the pool; ``(pages, generation)``: registering a pool again makes new ones."""
+        from the pool; registering a pool again makes new ones (another ``generation``)."""
         with self._lock:
             if self._pending is None or self._closed:
                 raise KvtierError("PageStore: call register_mem_pool_host(pool) first")
@@ -330,7 +330,7 @@ class PageStore:
                 self._staged_sets += 1
                 if self._native is not None:
                     self._staging.bind(self._native)
-            return self._staging.pages, self._staging.generation
+            return self._staging
 
     def batch_staged(self, write: bool, keys: Sequence[str], staging_indices: torch.Tensor) -> list[bool]:
         """:meth:`batch_set_v1` (``write``) or :meth:`batch_get_v1` of the staging pages at ``staging_indices``."""

@@ -27,7 +27,7 @@ from .._paths import default_store_dir, volatile_warning
 from ..buffer import HostBuffer
 from ..config import parse_size
 from ..deadlines import check_deadline
-from ..staging import DEFAULT_STAGING_BYTES, StagedIO, auto_read_deadline_s
+from ..staging import DEFAULT_STAGING_BYTES, StagedDisk, StagedIO, auto_read_deadline_s
 from ..store import DEFAULT_CAPACITY, PageStore
 from ..tenants import erase_tag, open_keyring
 from ._engine_planner import EnginePlanner
@@ -142,7 +142,7 @@ class KvtierStorage(HiCacheStorage):
             keyring=self.keyring,
             tenant=opts["tenant"],
         )
-        # the v1 batches of the disk alone, with deadlines (the cluster chain's wait for their IO)
+        # the v1 batches with deadlines, through staging pages (kvtier.staging)
         self.staged = StagedIO(self.store, read_deadline_s=read_deadline, write_deadline_s=write_deadline,
                                staging_bytes=staging, name="sglang")
         self.tiers: Any = None  # the disk store and the cluster tier in order, once the KV pool is registered
@@ -170,10 +170,9 @@ class KvtierStorage(HiCacheStorage):
             return
         super().register_mem_pool_host(mem_pool_host)
         self.store.register_mem_pool_host(mem_pool_host)
+        self.staged.prepare()
         if self._remote_opts is not None:
             self._attach_cluster_tier(mem_pool_host)
-        else:
-            self.staged.prepare()
 
     def _attach_cluster_tier(self, pool: Any) -> None:
         """host -> local disk (durable) -> Mooncake: the chain the v1 batches go through."""
@@ -190,13 +189,18 @@ class KvtierStorage(HiCacheStorage):
                               cp_size=getattr(cfg, "attn_cp_size", 1) or 1, dcp_size=getattr(cfg, "dcp_size", 1) or 1,
                               kv_cache_dtype=self._opts["kv_cache_dtype"], keyring=self.keyring,
                               tenant=self._opts["tenant"], **self._remote_opts)
+        staged = self.staged.read_deadline_s is not None or self.staged.write_deadline_s is not None
+        # with deadlines the cluster tier reads into and writes from the staging pages (see kvtier.staging)
+        staging = self.staged.staging_pool() if staged else None
         try:
-            remote.register_mem_pool_host(pool)
+            remote.register_mem_pool_host(staging if staging is not None else pool)
         except BaseException:
             remote.close()
             raise
         # ranks that do not write replicated (MLA) pages read the writer's disk namespace: nothing to fill
-        self.tiers = TieredStore([("disk", self.store), ("mooncake", remote)], fill=self.is_writer)
+        first = StagedDisk(self.store, staging) if staging is not None else self.store
+        self.tiers = TieredStore([("disk", first), ("mooncake", remote)], fill=self.is_writer)
+        self.staged.staged_tier = self.tiers if staging is not None else None
         self._v1 = self.tiers
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
@@ -279,7 +283,7 @@ class KvtierStorage(HiCacheStorage):
         for _, t, keys, pool in sorted(checked, key=lambda c: c[0]):
             # the extra pools' pages wait on the disk (only the KV pool's batches are staged): none are sent
             # while the disk is out of use or once this call's KV batch missed its deadline
-            stalled = self.tiers is None and (self.staged.breaker.state == "open" or sum(misses.values()) > before)
+            stalled = self.staged.breaker.state == "open" or sum(misses.values()) > before
             if t.host_indices is None or (pool is not None and stalled):
                 out[t.name] = [False] * len(keys)
             elif pool is None:
@@ -298,7 +302,7 @@ class KvtierStorage(HiCacheStorage):
     # -- zero-copy v1 ---------------------------------------------------------------------------------
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
         t0 = time.perf_counter()
-        if self.tiers is None:
+        if self.tiers is None or self.staged.staged_tier is not None:
             deadline = self.staged.read_deadline_s
             if deadline == "auto":
                 o = self.storage_config.extra_config or {}
@@ -315,7 +319,8 @@ class KvtierStorage(HiCacheStorage):
         if not self.is_writer:
             return [True] * len(keys)  # another rank writes the replicated pages
         t0 = time.perf_counter()
-        ok = self.staged.set(keys, host_indices) if self.tiers is None else self._v1.batch_set_v1(keys, host_indices)
+        staged = self.tiers is None or self.staged.staged_tier is not None
+        ok = self.staged.set(keys, host_indices) if staged else self._v1.batch_set_v1(keys, host_indices)
         self._record("backup", ok, time.perf_counter() - t0)
         return ok
 
@@ -336,7 +341,7 @@ class KvtierStorage(HiCacheStorage):
         return self._worth_loading(self._v1, keys, extra_info)
 
     def _worth_loading(self, tiers: Any, keys: list[str], extra_info: Any) -> int:
-        if self.tiers is None and self.staged.breaker.state == "open":
+        if self.staged.breaker.state == "open":
             return 0  # the disk keeps missing its deadlines: nothing is promised until it answers again
         if not self.planner.enabled:
             return int(tiers.batch_exists(keys))
