@@ -1,13 +1,13 @@
-"""What the engine deadlines cost when nothing stalls: SGLang's backend (``KvtierStorage`` over SGLang's own
-host pool, ``page_first_direct``) writing and reading batches through kvtier's staging pages (the default,
-deadlines on) against the same batches zero-copy (``read_deadline_s``/``write_deadline_s`` null), alternated,
-medians. The ceilings are measured in the same run: the disk's own write and read rate with the store's IO
+"""What the engine deadlines cost when nothing stalls: an engine's host pool (SGLang's ``page_first_direct`` MHA
+shape, page-aligned as its pinned pools are) written and read in batches through kvtier's staging pages
+(:class:`kvtier.staging.StagedIO`, what SGLang's and vLLM's backends do by default) against the same batches
+zero-copy (deadlines off), alternated, medians. The ceilings are measured in the same run: the disk's own write and read rate with the store's IO
 (``disk_roofline``: O_DIRECT objects of the page-object size, the store's threads) and one host memory copy
 of a batch (what staging adds).
 
     python benches/python/bench_staged_batches.py [--path DIR] [--pages 128] [--rounds 5]
 
-Needs SGLang importable (``make install-test``). Reads go to the disk (O_DIRECT where the file system
+Reads go to the disk (O_DIRECT where the file system
 allows it; buffered reads would come from the page cache and say nothing about the disk)."""
 
 from __future__ import annotations
@@ -40,37 +40,57 @@ def main() -> int:
     ap.add_argument("--page-tokens", type=int, default=16)
     a = ap.parse_args()
     import torch
-    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
-    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
-    from kvtier import _native
+    from kvtier import PageStore, _native
     from kvtier.buffer import HostBuffer
-    from kvtier.integrations.sglang import KvtierStorage
+    from kvtier.staging import StagedIO
 
     root = a.path or tempfile.mkdtemp(prefix="kvtier-staged-bench-")
     ps, layers, heads, dim, pages = a.page_tokens, a.layers, 8, 128, 2 * a.pages
-    pool = MHATokenToKVPoolHost.__new__(MHATokenToKVPoolHost)
-    pool.page_size, pool.layer_num, pool.head_num, pool.head_dim, pool.v_head_dim = ps, layers, heads, dim, dim
-    pool.dtype, pool.layout, pool.page_num, pool.size = torch.bfloat16, "page_first_direct", pages, pages * ps
-    # page-aligned, as SGLang's pinned host pools are (cudaHostAlloc): O_DIRECT straight into its pages
-    shape = (2, pages, layers, ps, heads, dim)
-    mem = HostBuffer(2 * pages * layers * ps * heads * dim * 2, pin=False)
-    pool.kv_buffer = mem.as_tensor(torch.bfloat16, shape)
-    pool.kv_buffer.view(torch.int16).copy_(torch.randint(-30000, 30000, shape, dtype=torch.int16))
     obj = layers * ps * heads * dim * 2
     batch_bytes = 2 * obj * a.pages
 
-    def backend(sub: str, deadlines: bool) -> KvtierStorage:
-        extra = {"backend_name": "kvtier", "path": os.path.join(root, sub), "restore_planner": False,
-                 "capacity_bytes": 8 * batch_bytes}
-        if not deadlines:
-            extra.update(read_deadline_s=None, write_deadline_s=None)
-        cfg = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
-                                   is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=False,
-                                   model_name="bench", extra_config=extra)
-        be = KvtierStorage(cfg)
-        be.register_mem_pool_host(pool)
-        return be
+    class Pool:  # SGLang's MHATokenToKVPoolHost, page_first_direct: kv_buffer (2, pages, layers, page, heads, dim)
+        layout, page_size, page_num, size, dtype = "page_first_direct", ps, pages, pages * ps, torch.bfloat16
+        layer_num, head_num, head_dim, v_head_dim = layers, heads, dim, dim
+
+        def __init__(self) -> None:
+            shape = (2, pages, layers, ps, heads, dim)
+            self.mem = HostBuffer(2 * pages * obj, pin=False)  # page-aligned, as pinned pools are
+            self.kv_buffer = self.mem.as_tensor(torch.bfloat16, shape)
+            self.kv_buffer.view(torch.int16).copy_(torch.randint(-30000, 30000, shape, dtype=torch.int16))
+
+        def get_page_buffer_meta(self, indices: torch.Tensor) -> tuple[list[int], list[int]]:
+            base, ptrs = self.kv_buffer.data_ptr(), []
+            for p in (indices[::ps] // ps).tolist():
+                ptrs += [base + p * obj, base + (pages + p) * obj]
+            return ptrs, [obj] * len(ptrs)
+
+    pool = Pool()
+
+    class Backend:  # a store and its staged batches, as the engine backends hold them
+        def __init__(self, sub: str, deadlines: bool) -> None:
+            self.store = PageStore(os.path.join(root, sub), capacity_bytes=8 * batch_bytes, probe_bytes=0)
+            self.store.register_mem_pool_host(pool)
+            self.io = StagedIO(self.store, read_deadline_s=30.0 if deadlines else None,
+                               write_deadline_s=30.0 if deadlines else None)
+            self.io.prepare()
+
+        def batch_set_v1(self, keys: list[str], idx: torch.Tensor) -> list[bool]:
+            return self.io.set(keys, idx)
+
+        def batch_get_v1(self, keys: list[str], idx: torch.Tensor) -> list[bool]:
+            return self.io.get(keys, idx)
+
+        def clear(self) -> None:
+            self.store.clear()
+
+        def close(self) -> None:
+            self.io.close()
+            self.store.close()
+
+    def backend(sub: str, deadlines: bool) -> Backend:
+        return Backend(sub, deadlines)
 
     src = torch.arange(a.pages * ps, dtype=torch.int64)
     dst = torch.arange(a.pages * ps, 2 * a.pages * ps, dtype=torch.int64)
