@@ -150,11 +150,74 @@ def test_sglang_bad_indices_are_refused_before_anything_moves(tmp_path):
     be, pool = backend(tmp_path)
     assert be.batch_set_v1(KEYS, idx(range(4))) == [True] * 4
     before = [t.clone() for t in pool_tensors(pool)]
-    for bad in (idx([4, 5]), idx([4, 5, 6, 99]), idx([4, 5, 6, 7])[1:].contiguous(), idx([4, 5, 6, 7]).int()):
+    swapped = idx([4, 5, 6, 7])
+    swapped[-2:] = swapped[-2:].flip(0)  # the last page's slots out of order
+    for bad in (idx([4, 5]), idx([4, 5, 6, 99]), idx([4, 5, 6, 7])[1:].contiguous(), idx([4, 5, 6, 7]).int(),
+                swapped, idx([4, 5, 6, 4])):  # ... and one page read into twice
         with pytest.raises(kvtier.InvalidArgumentError, match="`host_indices`"):
             be.batch_get_v1(KEYS, bad)
+    with pytest.raises(kvtier.InvalidArgumentError, match="consecutive"):
+        be.batch_set_v1(KEYS, swapped)
+    # one page written under two keys is fine (a write reads its pages)
+    assert be.batch_set_v1(["f" * 64, "e" * 64], idx([1, 1])) == [True, True]
     assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(before, pool_tensors(pool)))
     assert be.kvtier_stats()["deadlines"]["calls"]["read"] == 0
+    be.close()
+
+
+@pytest.mark.timeout(300)
+def test_sglang_a_pool_registered_again_while_a_read_is_out_gets_none_of_its_bytes(tmp_path):
+    """The read of the old registration returns into the old staging pages after the pool was registered
+    again: it is answered False and copies nothing into the new pool (its staging slot numbers are the new
+    staging pages' too)."""
+    be, pool = backend(tmp_path)
+    assert be.batch_set_v1(KEYS, idx(range(4))) == [True] * 4
+    staged = be.staged
+    gen = staged._slots()
+    entered, release = threading.Event(), threading.Event()
+    real = be.store.batch_staged
+
+    def slow(write, keys, staging_indices, generation=None):
+        entered.set()
+        release.wait(HANG_GUARD_S)
+        return real(write, keys, staging_indices, generation)
+
+    be.store.batch_staged = slow
+    box = {}
+    t = threading.Thread(target=lambda: box.setdefault("v", staged.get(KEYS[:1], idx([4]), deadline_s=HANG_GUARD_S)))
+    t.start()
+    assert entered.wait(HANG_GUARD_S)
+    fresh = sglang_pool("page_first_direct", 192, 128, seed=7)
+    be.store.register_mem_pool_host(fresh)  # (what a pool registered again does to the store)
+    before = [x.clone() for x in pool_tensors(fresh)]
+    assert staged._slots() != gen
+    release.set()
+    t.join(HANG_GUARD_S)
+    assert box["v"] == [False]
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(before, pool_tensors(fresh)))
+    be.store.batch_staged = real
+    assert staged.get(KEYS[:1], idx([4])) == [True]  # the new registration reads (into the new pool)
+    got, want = page_bytes(fresh, 4), page_bytes(pool, 0)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    be.close()
+
+
+@pytest.mark.timeout(300)
+def test_sglang_pieces_still_queued_at_the_batch_deadline_are_never_sent(tmp_path):
+    """A read batch in pieces whose first pieces take the whole deadline: the pieces not yet sent when it
+    passes are False without reaching the disk (no read sent with no time left)."""
+    sizes = sglang_pool("page_first_direct").get_page_buffer_meta(torch.arange(PS))[1]
+    page = sum(-(-int(n) // 4096) * 4096 for n in sizes)
+    be, pool = backend(tmp_path, staging_bytes=4 * page, read_deadline_s=0.5)  # pieces of 1 page
+    keys = [f"{i:064x}" for i in range(8)]
+    assert be.batch_set_v1(keys, idx(range(8))) == [True] * 8
+    inject_fault("data_read", "stall", times=None)
+    assert returns_while_stalled(lambda: be.batch_get_v1(keys, idx(range(8)))) == [False] * 8
+    st = be.kvtier_stats()["deadlines"]
+    # 4 staging pages: 4 pieces sent (2 reading on the 2 read threads, 2 queued behind), 4 never sent
+    assert st["calls"]["read"] == 4 and st["stuck_calls"] == 2
+    clear_faults()
+    until(lambda: be.kvtier_stats()["deadlines"]["staging_free"] == 4, "the late reads returned")
     be.close()
 
 

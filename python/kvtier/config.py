@@ -159,3 +159,19 @@ def parse_size(name: str, value: object, minimum: int = 0) -> int:
     if value < minimum or value > MAX_SIZE:
         raise InvalidArgumentError(f"invalid argument `{name}`: {value} is outside [{minimum}, 2**63 - 1]")
     return value
+
+
+def check_ints(**values: tuple[object, int]) -> None:
+    """Each ``name=(value, minimum)``: an int (not a bool) of at least ``minimum``, or InvalidArgumentError
+    naming the argument."""
+    for name, (value, minimum) in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise InvalidArgumentError(f"invalid argument `{name}`: must be an int >= {minimum}, got {value!r}")
+
+
+def check_ranks(**ranks: tuple[object, object]) -> None:
+    """Each ``name=(rank, size)``: ``size`` an int >= 1 and ``rank`` in ``[0, size)``; InvalidArgumentError
+    naming ``<name>_rank`` otherwise."""
+    for name, (rank, size) in ranks.items():
+        if not (isinstance(size, int) and size >= 1 and isinstance(rank, int) and 0 <= rank < size):
+            raise InvalidArgumentError(f"invalid argument `{name}_rank`: {rank!r} is not in [0, {name}_size={size!r})")

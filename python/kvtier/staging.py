@@ -23,6 +23,7 @@ and writes overlap: a read into four pieces at least, a write into two (each wri
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import threading
 import time
 from typing import Any
@@ -40,18 +41,19 @@ DEFAULT_STAGING_BYTES = 256 << 20
 AUTO_READ_BASE_S = 2.0
 AUTO_READ_PER_KI_TOKEN_S = 0.1
 AUTO_READ_MAX_S = 30.0
+_GENERATIONS = itertools.count(1)
 
 
 class StagingPages:
     """Staging memory of one geometry: ``pages`` pages, each its K object then its V object, each starting
     on a 4 KiB boundary (O_DIRECT straight into them). ``bind`` registers it with a native store."""
 
-    def __init__(self, geometry: tuple, staging_bytes: int, generation: int) -> None:
+    def __init__(self, geometry: tuple, staging_bytes: int) -> None:
         k_len, v_len, page_tokens = int(geometry[2]), int(geometry[5]), int(geometry[6])
         k_room = -(-k_len // 4096) * 4096
         stride = k_room + -(-v_len // 4096) * 4096
         self.pages = max(1, int(staging_bytes) // stride)
-        self.generation = generation
+        self.generation = next(_GENERATIONS)  # (new staging pages, a new generation: what old pieces check)
         self.buffer = HostBuffer(self.pages * stride, pin=False)
         p = self.buffer.ptr
         self.layout = (p, stride, k_len, p + k_room if v_len else p, stride, v_len, page_tokens, self.pages)
@@ -100,10 +102,10 @@ class StagedDisk:
         self.store, self.pool = store, pool
 
     def batch_get_v1(self, keys: Any, host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
-        return self.store.batch_staged(False, keys, host_indices)
+        return self.store.batch_staged(False, keys, host_indices, self.pool.staging.generation)
 
     def batch_set_v1(self, keys: Any, host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
-        return self.store.batch_staged(True, keys, host_indices)
+        return self.store.batch_staged(True, keys, host_indices, self.pool.staging.generation)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.store, name)
@@ -114,6 +116,49 @@ def auto_read_deadline_s(pages: int, page_tokens: int, base_s: float = AUTO_READ
     """The read deadline "auto" of a batch of ``pages`` pages: SGLang's prefetch timeout rule (``base_s`` + ``per_ki_token_s``
     per 1024 tokens, at most 30 s): no engine waits longer for these pages, so no read need run longer."""
     return min(AUTO_READ_MAX_S, base_s + per_ki_token_s * pages * page_tokens / 1024)
+
+
+class _Piece:
+    """One piece of a batch: its first key, its staging pages and who frees them. The tier's thread frees them
+    when the IO returns late or failed (or was never started); a read answered in time is the caller's, who
+    copies it into the pool and frees it, or, having walked away (Ctrl-C), frees it without a copy."""
+
+    __slots__ = ("lo", "slots", "gen", "_free", "_lock", "_answered", "_abandoned", "_settled", "submitting", "fut")
+
+    def __init__(self, lo: int, slots: list[int], gen: int, free: Any) -> None:
+        self.lo, self.slots, self.gen, self._free = lo, slots, gen, free
+        self._lock = threading.Lock()
+        self._answered = self._abandoned = self._settled = False
+        self.submitting = False  # set just before its IO is submitted
+        self.fut: concurrent.futures.Future[Any] | None = None
+
+    def give(self) -> None:
+        """Frees the staging pages (once)."""
+        with self._lock:
+            if self._settled:
+                return
+            self._settled = True
+        self._free(self.slots, self.gen)
+
+    def answered(self) -> None:
+        """The read returned in time (tier thread): the caller's now, or freed if the caller walked away."""
+        with self._lock:
+            self._answered = True
+            orphan = self._abandoned
+        if orphan:
+            self.give()
+
+    def abandon(self, io: TierIO) -> None:
+        """The caller walks away (Ctrl-C): nothing of this piece is copied any more; its pages are freed now if
+        its IO is done or was never sent, else when the IO returns (by its callbacks: a piece interrupted inside
+        its submission included, whose future the caller never saw)."""
+        with self._lock:
+            self._abandoned = True
+            mine = self._answered
+        if mine or not self.submitting:
+            self.give()
+        elif self.fut is not None:
+            io.abandon(self.fut)
 
 
 class StagedIO:
@@ -138,6 +183,7 @@ class StagedIO:
         #: indices): None for the store alone; a chain over :class:`StagedDisk` and tiers registered with
         #: :meth:`staging_pool`
         self.staged_tier: Any = None
+        self._tier_gen: int | None = None  # the staging generation `staged_tier` is registered with
         self._cv = threading.Condition()
         self._free: list[int] = []  # staging pages free, of generation `_gen`
         self._gen = 0
@@ -178,12 +224,15 @@ class StagedIO:
                 self._gen, self._free, self._total = gen, list(range(pages)), pages
             return gen
 
-    def _take(self, n: int, gen: int) -> list[int] | None:
+    def _take(self, n: int, gen: int, lo: int, pieces: list[_Piece]) -> _Piece | None:
+        """``n`` free staging pages as a piece at key ``lo`` (listed in ``pieces`` before this returns), or None."""
         with self._cv:
             if gen != self._gen or len(self._free) < n:
                 return None
-            out, self._free = self._free[:n], self._free[n:]
-            return out
+            piece = _Piece(lo, self._free[:n], gen, self._give)
+            self._free = self._free[n:]
+            pieces.append(piece)
+            return piece
 
     def _give(self, slots: list[int], gen: int) -> None:
         with self._cv:
@@ -197,8 +246,9 @@ class StagedIO:
                                      timeout=max(0.0, until - time.monotonic())) and gen == self._gen
 
     # ------------------------------------------------------------------ batches
-    def _check(self, keys: list[str], host_indices: Any) -> torch.Tensor:
-        """``host_indices`` as whole pages of the pool, one per key, checked before anything moves."""
+    def _check(self, keys: list[str], host_indices: Any, distinct: bool) -> torch.Tensor:
+        """``host_indices`` as whole pages of the pool (``page_size`` consecutive slots from a multiple of it), one
+        per key, distinct pages when ``distinct`` (a read's destinations), checked before anything moves."""
         pool = self.store.pool
         ps, pages = int(pool.page_size), int(getattr(pool, "page_num", None) or pool.size // pool.page_size)
         if not isinstance(host_indices, torch.Tensor) or host_indices.dtype != torch.int64 or host_indices.dim() != 1:
@@ -207,10 +257,18 @@ class StagedIO:
         if idx.numel() != len(keys) * ps:
             raise InvalidArgumentError(f"invalid argument `host_indices`: {idx.numel()} slots for {len(keys)} keys of "
                                        f"{ps}-token pages")
-        starts = idx[::ps] if ps else idx
-        if idx.numel() and (int(starts.min()) < 0 or int(starts.max()) >= pages * ps or bool((starts % ps).any())):
+        if not idx.numel():
+            return idx
+        grid = idx.view(-1, ps)
+        starts = grid[:, 0]
+        if int(starts.min()) < 0 or int(starts.max()) >= pages * ps or bool((starts % ps).any()):
             raise InvalidArgumentError(f"invalid argument `host_indices`: pages must start at multiples of {ps} in "
                                        f"[0, {pages * ps})")
+        if not bool((grid == starts[:, None] + torch.arange(ps, dtype=torch.int64)).all()):
+            raise InvalidArgumentError(f"invalid argument `host_indices`: the {ps} slots of a page must be consecutive")
+        if distinct and int(torch.unique(starts).numel()) != len(keys):
+            raise InvalidArgumentError("invalid argument `host_indices`: a page appears twice (two pages would be "
+                                       "read into it)")
         return idx
 
     @staticmethod
@@ -224,7 +282,7 @@ class StagedIO:
         if deadline is None or self.store.pool is None or not keys:
             return self.store.batch_get_v1(keys, host_indices)
         keys = check_keys(keys)
-        idx = self._check(keys, host_indices)
+        idx = self._check(keys, host_indices, distinct=True)
         ps = int(self.store.pool.page_size)
         if deadline == "auto":
             deadline = auto_read_deadline_s(len(keys), ps)
@@ -237,110 +295,125 @@ class StagedIO:
         if self.write_deadline_s is None or self.store.pool is None or not keys:
             return self.store.batch_set_v1(keys, host_indices)
         keys = check_keys(keys)
-        idx = self._check(keys, host_indices)
+        idx = self._check(keys, host_indices, distinct=False)
         ps = int(self.store.pool.page_size)
         return self._run("write", keys, idx, ps, None, self.write_deadline_s)
 
     def _run(self, kind: str, keys: list[str], idx: torch.Tensor, ps: int, until: float | None,
              piece_s: float | None) -> list[bool]:
         """Pieces of the batch through staging pages: reads until ``until`` (the batch's deadline), writes
-        each within ``piece_s`` of its start."""
+        each within ``piece_s`` of its start (its queueing behind the batch's earlier pieces included)."""
         gen = self._slots()
         with self._cv:
             # reads in 4 pieces at least (their IO and copies overlap), writes in 2 (each piece ends in a sync)
             per = max(1, min(-(-len(keys) // (4 if kind == "read" else 2)), self._total // 4))
         out = [False] * len(keys)
         todo = list(range(0, len(keys), per))
-        running: dict[concurrent.futures.Future[Any], tuple[int, list[int]]] = {}
+        pieces: list[_Piece] = []  # every piece that took staging pages, listed as it takes them
+        running: dict[concurrent.futures.Future[Any], _Piece] = {}
         batch = object()  # its pieces' misses count once
-        failed = False
+        stop = give_up = False  # nothing more is sent; what is out is given up
+        error: BaseException | None = None
         try:
-            while (todo and not failed) or running:
-                while todo and not failed:  # send what staging pages are free for
+            while (todo and not stop) or running:
+                while todo and not stop:  # send what staging pages are free for
+                    if until is not None and time.monotonic() >= until:
+                        stop = give_up = True  # the batch's deadline: what is queued is never sent
+                        break
                     if running and self.breaker.state != "closed":
                         break  # half-open: the piece out is the probe; the rest follow once it answers
                     lo = todo[0]
                     n = min(per, len(keys) - lo)
-                    slots = self._take(n, gen)
-                    if slots is None:
+                    piece = self._take(n, gen, lo, pieces)
+                    if piece is None:
                         if running:
                             break
                         limit = until if until is not None else time.monotonic() + float(piece_s or 0)
                         if self._wait_free(n, gen, limit):
                             continue
                         self.staging_waits_given_up += 1
-                        failed = True
+                        stop = give_up = True
                         break
                     todo.pop(0)
-                    fut = self._send(kind, keys[lo:lo + n], idx[lo * ps:(lo + n) * ps], slots, gen, ps, until, piece_s,
+                    fut = self._send(kind, keys[lo:lo + n], idx[lo * ps:(lo + n) * ps], piece, ps, until, piece_s,
                                      batch)
-                    running[fut] = (lo, slots)
+                    if fut is not None:
+                        running[fut] = piece
                 if not running:
                     break
                 timeout = None if until is None else max(0.0, until - time.monotonic())
                 done, _ = concurrent.futures.wait(running, timeout=timeout,
                                                   return_when=concurrent.futures.FIRST_COMPLETED)
                 if not done:  # the batch's deadline: what is still out is given up now
-                    for fut in list(running):
-                        self.io.abandon(fut)
-                    continue
+                    stop = give_up = True
                 for fut in done:
-                    lo, slots = running.pop(fut)
+                    piece = running.pop(fut)
+                    if fut.exception() is not None:  # (a bad argument a tier found: the rest runs out, then raise)
+                        error, stop = error or fut.exception(), True
+                        continue
                     ok = fut.result()
                     if ok is None:  # given up (deadline, breaker): nothing more is sent
-                        failed = True
-                        continue
-                    if kind == "read":
-                        self._land(keys, idx, lo, slots, ok, out, ps, gen)
+                        stop = give_up = True
+                    elif kind == "read":
+                        self._land(keys, idx, piece, ok, out, ps)
                     else:
-                        out[lo:lo + len(ok)] = ok
-                if failed:
+                        out[piece.lo:piece.lo + len(ok)] = ok
+                if give_up:
                     for fut in list(running):  # a piece given up: the rest would wait on the same tier
                         self.io.abandon(fut)
         except BaseException:
-            for fut, (_, slots) in running.items():  # (Ctrl-C) nothing is copied into the pool after this returns
-                self.io.abandon(fut)
-                if kind == "read" and not fut.cancelled() and fut.exception() is None and fut.result() is not None:
-                    self._give(slots, gen)  # answered in time, not copied: its pages are free again
+            for piece in pieces:  # (Ctrl-C) nothing is copied into the pool after this returns
+                piece.abandon(self.io)
             raise
+        if error is not None:
+            raise error
         return out
 
-    def _land(self, keys: list[str], idx: torch.Tensor, lo: int, slots: list[int], ok: list[bool], out: list[bool],
-              ps: int, gen: int) -> None:
-        """Copies the verified pages of a read piece from staging into the pool (this thread), then frees them."""
+    def _land(self, keys: list[str], idx: torch.Tensor, piece: _Piece, ok: list[bool], out: list[bool],
+              ps: int) -> None:
+        """Copies the verified pages of a read piece from staging into the pool (this thread), then frees them;
+        none when the pool was registered again meanwhile (the staging pages are another generation's)."""
+        lo, slots = piece.lo, piece.slots
         try:
             good = [i for i, o in enumerate(ok) if o]
             if good:
                 host = torch.cat([idx[(lo + i) * ps:(lo + i + 1) * ps] for i in good])
-                self.store.copy_staged(True, host, self._slot_tensor([slots[i] for i in good], ps))
-                for i in good:
-                    out[lo + i] = True
+                if self.store.copy_staged(True, host, self._slot_tensor([slots[i] for i in good], ps), piece.gen):
+                    for i in good:
+                        out[lo + i] = True
         finally:
-            self._give(slots, gen)
+            piece.give()
 
-    def _send(self, kind: str, keys: list[str], idx: torch.Tensor, slots: list[int], gen: int, ps: int,
-              until: float | None, piece_s: float | None, batch: object) -> concurrent.futures.Future[Any]:
-        """One piece on the tier's threads. Answers: a read's results (its staging pages are the caller's to
-        copy and free), a write's results (pages freed), or None (given up: pages freed, or fenced until the
-        IO returns)."""
-        staged = self._slot_tensor(slots, ps)
-        write = kind == "write"
+    def _send(self, kind: str, keys: list[str], idx: torch.Tensor, piece: _Piece, ps: int, until: float | None,
+              piece_s: float | None, batch: object) -> concurrent.futures.Future[Any] | None:
+        """One piece on the tier's threads (None: not sent, its pool was registered again). Answers: a read's
+        results (its staging pages are the caller's to copy and free), a write's results (pages freed), or None
+        (given up: pages freed, or fenced until the IO returns)."""
+        staged = self._slot_tensor(piece.slots, ps)
+        write, gen = kind == "write", piece.gen
+        tier, tier_gen = self.staged_tier, self._tier_gen
         if write:
             try:
-                self.store.copy_staged(False, idx, staged)
+                copied = self.store.copy_staged(False, idx, staged, gen)
             except BaseException:
-                self._give(slots, gen)
+                piece.give()
                 raise
+            if not copied:
+                piece.give()
+                return None
 
         def call() -> list[bool]:
-            tier = self.staged_tier
             if tier is None:
-                return self.store.batch_staged(write, keys, staged)
+                return self.store.batch_staged(write, keys, staged, gen)
+            if tier_gen != gen:  # (a chain over another generation's staging pages)
+                return [False] * len(keys)
             return tier.batch_set_v1(keys, staged) if write else tier.batch_get_v1(keys, staged)
 
         def on_done(result: Any, late: bool) -> Any:
             if late or write or isinstance(result, BaseException):
-                self._give(slots, gen)
+                piece.give()
+            else:
+                piece.answered()  # (a read in time: the caller copies, then frees; or frees, given up)
             if late:
                 return None
             if isinstance(result, BaseException):
@@ -351,12 +424,19 @@ class StagedIO:
 
         def on_give_up(started: bool) -> None:
             if not started:
-                self._give(slots, gen)
+                piece.give()
             return None
 
         deadline = piece_s if until is None else max(0.0, until - time.monotonic())
-        return self.io.run(kind, call, deadline_s=deadline, pages=len(slots), on_done=on_done, on_give_up=on_give_up,
-                           group=batch)
+        piece.submitting = True
+        piece.fut = self.io.run(kind, call, deadline_s=deadline, pages=len(piece.slots), on_done=on_done,
+                                on_give_up=on_give_up, group=batch)
+        return piece.fut
+
+    def use_tier(self, tier: Any, pool: StagingPool | None) -> None:
+        """Pieces move through ``tier`` (a chain registered with ``pool``, see :attr:`staged_tier`), or through
+        the store alone (None)."""
+        self.staged_tier, self._tier_gen = tier, (pool.staging.generation if pool is not None else None)
 
     def close(self) -> None:
         self.io.close()

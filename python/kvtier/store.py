@@ -28,7 +28,7 @@ from .metrics import LatencyHistogram
 from .hashes import page_hashes  # noqa: F401 - kvtier.store.page_hashes stays importable
 from .planner import TierEstimate, TierMeter
 from ._errors import ClosedError, InvalidArgumentError, KvtierError
-from .config import parse_size
+from .config import check_ints, check_ranks, parse_size
 from .tenants import check_keys as _keys, erase_tag, open_keyring, scope_keys
 from .staging import StagingPages
 from .compression import COMPRESSION, codec_for, compression_stats, effective_read_GBps  # noqa: F401 - re-exported
@@ -118,8 +118,7 @@ class PageStore:
                                        f"got {compression!r}")
         if tenant is not None and (not isinstance(tenant, str) or not tenant):
             raise InvalidArgumentError(f"invalid argument `tenant`: a non-empty salt string or None, got {tenant!r}")
-        if isinstance(probe_bytes, bool) or not isinstance(probe_bytes, int) or probe_bytes < 0:
-            raise InvalidArgumentError(f"invalid argument `probe_bytes`: must be an int >= 0, got {probe_bytes!r}")
+        check_ints(probe_bytes=(probe_bytes, 0), io_threads=(io_threads, 1), dp_rank=(dp_rank, 0))
         capacity_bytes = parse_size("capacity_bytes", capacity_bytes, 4096)
         if budget_bytes is not None:
             budget_bytes = parse_size("budget_bytes", budget_bytes, 0)
@@ -128,14 +127,7 @@ class PageStore:
                                            f"got {budget_bytes}")
         if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
             raise InvalidArgumentError(f"invalid argument `path`: the store's root directory (a non-empty path), got {path!r}")
-        if isinstance(io_threads, bool) or not isinstance(io_threads, int) or io_threads < 1:
-            raise InvalidArgumentError(f"invalid argument `io_threads`: must be an int >= 1, got {io_threads!r}")
-        if isinstance(dp_rank, bool) or not isinstance(dp_rank, int) or dp_rank < 0:
-            raise InvalidArgumentError(f"invalid argument `dp_rank`: must be an int >= 0, got {dp_rank!r}")
-        for name, rank, size in (("tp", tp_rank, tp_size), ("pp", pp_rank, pp_size), ("cp", cp_rank, cp_size),
-                                 ("dcp", dcp_rank, dcp_size)):
-            if not (isinstance(size, int) and size >= 1 and isinstance(rank, int) and 0 <= rank < size):
-                raise InvalidArgumentError(f"invalid argument `{name}_rank`: {rank!r} is not in [0, {name}_size={size!r})")
+        check_ranks(tp=(tp_rank, tp_size), pp=(pp_rank, pp_size), cp=(cp_rank, cp_size), dcp=(dcp_rank, dcp_size))
         self.path = os.fspath(path)
         self.capacity_bytes = capacity_bytes
         self.budget_bytes: int | None = budget_bytes
@@ -158,7 +150,6 @@ class PageStore:
         self.read_only = bool(read_only)
         self._pending: Any = None  # what opening needs (kept for a reader whose writer is not there yet)
         self._staging: StagingPages | None = None  # bound at every open (:meth:`stage`)
-        self._staged_sets = 0
         self._next_try = 0.0
         self._closed = False
         self._lock = threading.Lock()
@@ -326,19 +317,32 @@ class PageStore:
             if self._pending is None or self._closed:
                 raise KvtierError("PageStore: call register_mem_pool_host(pool) first")
             if self._staging is None:
-                self._staging = StagingPages(self._pending[3], staging_bytes, self._staged_sets + 1)
-                self._staged_sets += 1
+                self._staging = StagingPages(self._pending[3], staging_bytes)
                 if self._native is not None:
                     self._staging.bind(self._native)
             return self._staging
 
-    def batch_staged(self, write: bool, keys: Sequence[str], staging_indices: torch.Tensor) -> list[bool]:
-        """:meth:`batch_set_v1` (``write``) or :meth:`batch_get_v1` of the staging pages at ``staging_indices``."""
-        return self._batch(write, keys, staging_indices, staged=True)
+    def _staging_gone(self, generation: int | None) -> bool:  # (under self._lock)
+        return generation is not None and getattr(self._staging, "generation", None) != generation
 
-    def copy_staged(self, to_pool: bool, host_indices: torch.Tensor, staging_indices: torch.Tensor) -> None:
-        """Copies whole pages from staging pages into the pool (``to_pool``) or back (token slots, whole pages)."""
-        self.native_store().copy_pages(to_pool, host_indices.numpy(), staging_indices.numpy())
+    def batch_staged(self, write: bool, keys: Sequence[str], staging_indices: torch.Tensor,
+                     generation: int | None = None) -> list[bool]:
+        """:meth:`batch_set_v1` (``write``) or :meth:`batch_get_v1` of the staging pages at ``staging_indices``;
+        all False, nothing moved, when ``generation`` is no longer the staging pages' (a pool registered again)."""
+        with self._lock:
+            gone = self._staging_gone(generation)
+        return [False] * len(keys) if gone else self._batch(write, keys, staging_indices, staged=True)
+
+    def copy_staged(self, to_pool: bool, host_indices: torch.Tensor, staging_indices: torch.Tensor,
+                    generation: int | None = None) -> bool:
+        """Copies whole pages from staging pages into the pool (``to_pool``) or back; False, nothing copied,
+        when ``generation`` is no longer the staging pages' (a pool registered again)."""
+        native = self.native_store()
+        with self._lock:  # (a pool registered meanwhile waits for the copy)
+            if native is not self._native or self._staging_gone(generation):
+                return False
+            native.copy_pages(to_pool, host_indices.numpy(), staging_indices.numpy())
+            return True
 
     @property
     def lookups_may_block(self) -> bool:
@@ -478,9 +482,8 @@ class PageStore:
         return st
 
     def verify(self, repair: bool = False) -> dict[str, Any]:
-        """Re-read every object and check its checksum: ``{"checked", "corrupt", "unreadable"}`` (object
-        keys). With ``repair=True`` the corrupt and unreadable objects are deleted and the journal is
-        compacted (removing damaged records)."""
+        """Re-read every object and check its checksum: ``{"checked", "corrupt", "unreadable"}`` (object keys).
+        With ``repair=True`` the corrupt and unreadable objects are deleted and the journal compacted."""
         return dict(self.native_store().verify(repair))
 
     def close(self) -> None:
@@ -488,9 +491,7 @@ class PageStore:
         with self._lock:
             if self._native is not None:
                 self._native.close()
-            self._native = None
-            self._pool = None
-            self._closed = True
+            self._native, self._pool, self._closed = None, None, True
 
     def __enter__(self) -> PageStore:
         return self

@@ -200,7 +200,7 @@ class KvtierStorage(HiCacheStorage):
         # ranks that do not write replicated (MLA) pages read the writer's disk namespace: nothing to fill
         first = StagedDisk(self.store, staging) if staging is not None else self.store
         self.tiers = TieredStore([("disk", first), ("mooncake", remote)], fill=self.is_writer)
-        self.staged.staged_tier = self.tiers if staging is not None else None
+        self.staged.use_tier(self.tiers if staging is not None else None, staging)
         self._v1 = self.tiers
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:

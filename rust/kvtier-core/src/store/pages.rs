@@ -219,7 +219,8 @@ impl Shared {
     }
 
     /// Binds the host pool whose pages [`PageStore::put_pages`] and [`PageStore::get_pages`] read and
-    /// write. Rebinding replaces the layout.
+    /// write. Rebinding replaces the layout and unbinds the staging pages (bound again for the new pool's
+    /// geometry, checked against it).
     ///
     /// # Safety
     /// For every page `p < layout.pages`, both of its objects' ranges must be memory that stays alive and
@@ -228,7 +229,14 @@ impl Shared {
     /// pages against the batches it issues).
     pub unsafe fn bind_pages(&self, layout: PageLayout) -> Result<()> {
         layout.check()?;
+        // (staging pages were checked against the old pool: sizes and overlap no longer hold)
+        let mut staging = self
+            .pages
+            .staging
+            .write()
+            .unwrap_or_else(|p| p.into_inner());
         *self.pages.layout.write().unwrap_or_else(|p| p.into_inner()) = Some(layout);
+        *staging = None;
         Ok(())
     }
 

@@ -24,6 +24,12 @@ impl Shared {
     /// As [`Shared::bind_pages`], for every staging page.
     pub unsafe fn bind_staging(&self, layout: PageLayout) -> Result<()> {
         layout.check()?;
+        // (held while the pool is checked: a pool bound meanwhile unbinds these pages after, never before)
+        let mut bound = self
+            .pages
+            .staging
+            .write()
+            .unwrap_or_else(|p| p.into_inner());
         let pool = self.layout_of(Pages::Pool)?;
         if (layout.k_len, layout.v_len, layout.page_tokens)
             != (pool.k_len, pool.v_len, pool.page_tokens)
@@ -53,11 +59,7 @@ impl Shared {
                 ));
             }
         }
-        *self
-            .pages
-            .staging
-            .write()
-            .unwrap_or_else(|p| p.into_inner()) = Some(layout);
+        *bound = Some(layout);
         Ok(())
     }
 
@@ -74,6 +76,12 @@ impl Shared {
     ) -> Result<()> {
         let pool = self.layout_of(Pages::Pool)?;
         let st = self.layout_of(Pages::Staging)?;
+        if (st.k_len, st.v_len, st.page_tokens) != (pool.k_len, pool.v_len, pool.page_tokens) {
+            return Err(Error::arg(
+                "staging",
+                "the staging pages are not of the bound pool's geometry (bind_staging again)",
+            ));
+        }
         let p = page_starts(host_indices, pool.page_tokens, pool.pages, "host_indices")?;
         let s = page_starts(staging_indices, st.page_tokens, st.pages, "staging_indices")?;
         if p.len() != s.len() {
@@ -122,6 +130,10 @@ impl Shared {
 /// Every source readable and every destination writable for its length, no destination overlapping a
 /// source or another destination, nothing else writing any of them meanwhile.
 unsafe fn copy_all(src: &[(usize, u64)], dst: &[(usize, u64)]) {
+    assert!(
+        src.len() == dst.len() && src.iter().zip(dst).all(|(s, d)| s.1 == d.1),
+        "copy_all: every source and its destination must have one length"
+    );
     let total: u64 = src.iter().map(|s| s.1).sum();
     let threads = if total >= PARALLEL_COPY_BYTES {
         COPY_THREADS.min(src.len()).max(1)

@@ -154,3 +154,53 @@ fn a_large_copy_lands_every_byte() {
         );
     }
 }
+
+/// Binding another pool unbinds the staging pages (checked against the old pool only): a copy or a staged
+/// batch is refused until staging pages are bound again, and are checked against the new pool then.
+#[test]
+fn binding_another_pool_unbinds_the_staging_pages() {
+    let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let root = tmp();
+    let pool = payload(8, 12288, 45);
+    let staging = payload(4, 12288, 46);
+    let (pb, sb) = (pool.as_ptr() as usize, staging.as_ptr() as usize);
+    let s = PageStore::open(&root, "ns", opts(1 << 30)).unwrap();
+    // SAFETY: 8 pages of 12 KiB inside `pool`, alive for the test.
+    unsafe { s.bind_pages(pages_at(pb, 8)) }.unwrap();
+    // SAFETY: 4 pages of 12 KiB inside `staging`, alive for the test, apart from `pool`.
+    unsafe { s.bind_staging(pages_at(sb, 4)) }.unwrap();
+    s.copy_pages(false, &slots(&[0]), &slots(&[0])).unwrap();
+    // the new pool: 4-KiB K objects (the old staging pages' 8 KiB would overrun its pages)
+    let small = PageLayout {
+        k_len: 4096,
+        v_base: pb + 4096,
+        ..pages_at(pb, 8)
+    };
+    // SAFETY: 8 pages inside `pool`, alive for the test.
+    unsafe { s.bind_pages(small) }.unwrap();
+    let before: Vec<Vec<u8>> = (0..8).map(|p| page_bytes(&pool, p)).collect();
+    let r = s.copy_pages(true, &slots(&[1]), &slots(&[0]));
+    assert!(
+        matches!(r, Err(Error::InvalidArgument { .. })),
+        "staging of the old pool: {r:?}"
+    );
+    let keys: Vec<String> = vec!["a".into()];
+    let st0 = slots(&[0]);
+    let get = PageBatch {
+        keys: &keys,
+        host_indices: &st0,
+    };
+    assert!(s.page_batch(&get, true, Pages::Staging).is_err());
+    let after: Vec<Vec<u8>> = (0..8).map(|p| page_bytes(&pool, p)).collect();
+    assert_eq!(before, after, "a refused copy moved bytes");
+    // SAFETY: inside `staging`, alive for the test (and refused: the old object sizes).
+    assert!(unsafe { s.bind_staging(pages_at(sb, 4)) }.is_err());
+    let fits = PageLayout {
+        k_len: 4096,
+        v_base: sb + 4096,
+        ..pages_at(sb, 4)
+    };
+    // SAFETY: 4 pages inside `staging`, alive for the test, apart from `pool`.
+    unsafe { s.bind_staging(fits) }.unwrap();
+    s.copy_pages(true, &slots(&[1]), &slots(&[0])).unwrap();
+}
