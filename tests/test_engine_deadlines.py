@@ -221,6 +221,39 @@ def test_sglang_pieces_still_queued_at_the_batch_deadline_are_never_sent(tmp_pat
     be.close()
 
 
+@pytest.mark.timeout(300)
+def test_sglang_ctrl_c_in_a_staged_read_lands_nothing_and_frees_every_staging_page(tmp_path):
+    """Ctrl-C while SGLang's thread waits on a staged read (two pieces reading, two queued): the batch raises,
+    nothing is copied into SGLang's pool, not even by the reads returning later, and every staging page comes
+    back once they have."""
+    import signal
+
+    be, pool = backend(tmp_path, read_deadline_s=30.0)
+    assert be.batch_set_v1(KEYS, idx(range(4))) == [True] * 4
+    want = [page_bytes(pool, p) for p in range(4)]
+    for t in pool_tensors(pool):
+        t.zero_()
+    inject_fault("data_read", "stall", times=None)
+    main = threading.main_thread().ident
+    threading.Timer(0.5, signal.pthread_kill, (main, signal.SIGINT)).start()
+    with pytest.raises(KeyboardInterrupt):
+        be.batch_get_v1(KEYS, idx([4, 5, 6, 7]))
+        time.sleep(HANG_GUARD_S)  # (the interrupt lands here if the read returned first: it must not)
+    assert fault_hits("data_read") >= 1
+    clear_faults()
+    until(lambda: be.kvtier_stats()["deadlines"]["stuck_calls"] == 0, "the stalled reads to return")
+    until(lambda: (lambda st: st["staging_free"] == st["staging_pages"])(be.kvtier_stats()["deadlines"]),
+          "every staging page back")
+    time.sleep(0.2)  # (a late copy would have landed by now)
+    for t in pool_tensors(pool):
+        assert not t.view(torch.uint8).any()
+    assert be.batch_get_v1(KEYS, idx([4, 5, 6, 7])) == [True] * 4  # and the next read is whole
+    for i in range(4):
+        got = page_bytes(pool, 4 + i)
+        assert torch.equal(got[0], want[i][0]) and torch.equal(got[1], want[i][1])
+    be.close()
+
+
 def test_sglang_pages_round_trip_through_staging_in_pieces(tmp_path):
     """A batch larger than a quarter of the staging pages goes in pieces, every page bit-exact; without a
     deadline nothing is staged (zero copy)."""
