@@ -254,6 +254,49 @@ def test_sglang_ctrl_c_in_a_staged_read_lands_nothing_and_frees_every_staging_pa
     be.close()
 
 
+EXIT_SCRIPT = """
+import sys, time
+sys.path.insert(0, sys.argv[2])
+from kvtier.integrations.sglang import KvtierStorage
+from kvtier.testing import inject_fault
+from sglang_pools import config, idx, sglang_pool
+keys = [f"{i:064x}" for i in range(4)]
+pool = sglang_pool("page_first_direct", 192, 128)
+be = KvtierStorage(config(sys.argv[1], read_deadline_s=0.2, write_deadline_s=0.2))
+be.register_mem_pool_host(pool)
+assert be.batch_set_v1(keys, idx(range(4))) == [True] * 4
+inject_fault("data_read", "delay", times=None, delay_ms=1500)
+inject_fault("data_write", "delay", times=None, delay_ms=1500)
+assert be.batch_get_v1(keys, idx([4, 5, 6, 7])) == [False] * 4
+assert be.batch_set_v1([k[:-1] + "f" for k in keys], idx(range(4))) == [False] * 4
+
+
+class SlowExit:  # the interpreter is finalizing while the late read and write return
+    def __del__(self):
+        time.sleep(3)
+
+
+sys.modules["kvtier_slow_exit"] = SlowExit()
+print("exiting", flush=True)
+"""
+
+
+@pytest.mark.timeout(300)
+def test_sglang_io_that_returns_while_the_interpreter_exits_never_aborts_it(tmp_path):
+    """A read and a write given up at their deadlines return while the interpreter finalizes: re-entering
+    it then ends the thread with a forced unwind, which aborted the process (SIGABRT) through the native
+    module's frames and through torch's; the tier thread now never comes back, and the process exits 0."""
+    import pathlib
+    import subprocess
+    import sys
+
+    here = str(pathlib.Path(__file__).parent)
+    r = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, str(tmp_path / "store"), here], capture_output=True,
+                       text=True, timeout=240)
+    assert "exiting" in r.stdout, r.stderr[-2000:]
+    assert r.returncode == 0, f"exit status {r.returncode}: {r.stderr[-2000:]}"
+
+
 def test_sglang_pages_round_trip_through_staging_in_pieces(tmp_path):
     """A batch larger than a quarter of the staging pages goes in pieces, every page bit-exact; without a
     deadline nothing is staged (zero copy)."""

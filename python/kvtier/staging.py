@@ -402,12 +402,16 @@ class StagedIO:
                 piece.give()
                 return None
 
+        # (the store's tier thread holds no torch object: freeing one there while the interpreter exits aborts it)
+        slots = staged.numpy().copy() if tier is None else None
+        tier_slots = staged if tier is not None else None
+
         def call() -> list[bool]:
             if tier is None:
-                return self.store.batch_staged(write, keys, staged, gen)
+                return self.store.batch_staged(write, keys, slots, gen)
             if tier_gen != gen:  # (a chain over another generation's staging pages)
                 return [False] * len(keys)
-            return tier.batch_set_v1(keys, staged) if write else tier.batch_get_v1(keys, staged)
+            return tier.batch_set_v1(keys, tier_slots) if write else tier.batch_get_v1(keys, tier_slots)
 
         def on_done(result: Any, late: bool) -> Any:
             if late or write or isinstance(result, BaseException):

@@ -21,6 +21,7 @@ import warnings
 from typing import Any
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from . import _native
@@ -137,8 +138,7 @@ class PageStore:
                           dcp=(dcp_rank, dcp_size), dp=(dp_rank, 0))
         self.io_threads = io_threads
         self.direct = direct
-        self.keyring = open_keyring(keyring)
-        self.tenant = tenant
+        self.keyring, self.tenant = open_keyring(keyring), tenant
         self._native: Any = None
         self._pool: Any = None
         self.page_bytes = 0  # bytes of one page (K + V) once a pool is registered
@@ -310,9 +310,8 @@ class PageStore:
         return native
 
     def stage(self, staging_bytes: int) -> StagingPages:
-        """Staging pages of the store's own, of the registered pool's page geometry (about ``staging_bytes``;
-        :mod:`kvtier.staging`), that :meth:`_batch` moves with ``staged`` and :meth:`copy_staged` copies to and
-        from the pool; registering a pool again makes new ones (another ``generation``)."""
+        """Staging pages of the store's own in the pool's page geometry (about ``staging_bytes``; :mod:`kvtier.staging`);
+        registering a pool again makes new ones (another ``generation``)."""
         with self._lock:
             if self._pending is None or self._closed:
                 raise KvtierError("PageStore: call register_mem_pool_host(pool) first")
@@ -325,7 +324,7 @@ class PageStore:
     def _staging_gone(self, generation: int | None) -> bool:  # (under self._lock)
         return generation is not None and getattr(self._staging, "generation", None) != generation
 
-    def batch_staged(self, write: bool, keys: Sequence[str], staging_indices: torch.Tensor,
+    def batch_staged(self, write: bool, keys: Sequence[str], staging_indices: Any,
                      generation: int | None = None) -> list[bool]:
         """:meth:`batch_set_v1` (``write``) or :meth:`batch_get_v1` of the staging pages at ``staging_indices``;
         all False, nothing moved, when ``generation`` is no longer the staging pages' (a pool registered again)."""
@@ -383,11 +382,12 @@ class PageStore:
         native = self._native  # read once: close() clears it
         store = native if native is not None and not self._closed else self._reader_store()
         keys = _keys(keys) if self.tenant is None else scope_keys(self.tenant, _keys(keys))
-        if not isinstance(host_indices, torch.Tensor) or host_indices.dtype != torch.int64 or host_indices.dim() != 1:
+        if not (staged and isinstance(host_indices, np.ndarray)) and not (  # (staging slots from a tier thread)
+                isinstance(host_indices, torch.Tensor) and host_indices.dtype == torch.int64 and host_indices.dim() == 1):
             raise InvalidArgumentError("invalid argument `host_indices`: expected a 1-D torch.int64 tensor")
         if store is None:
             return [False] * len(keys)
-        idx = host_indices.detach().cpu().numpy()
+        idx = host_indices if isinstance(host_indices, np.ndarray) else host_indices.detach().cpu().numpy()
         if not keys and not idx.size:
             return []
         t0 = time.perf_counter()

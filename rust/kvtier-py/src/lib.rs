@@ -10,6 +10,7 @@ mod codec;
 mod dlpack;
 mod engine;
 mod errors;
+mod exit;
 mod plans;
 mod ranges;
 mod seal;

@@ -176,7 +176,9 @@ impl PyPageStore {
         let s = self.store()?;
         let host = crate::transfer::indices(py, "host_indices", host_indices)?;
         let staging = crate::transfer::indices(py, "staging_indices", staging_indices)?;
-        Ok(py.detach(|| s.copy_pages(to_pool, &host, &staging))?)
+        Ok(crate::exit::detach_io(py, || {
+            s.copy_pages(to_pool, &host, &staging)
+        })?)
     }
 
     /// Stores whole pages of the bound pool at `host_indices` (token slots; of the staging pages with
@@ -216,14 +218,16 @@ impl PyPageStore {
     }
 
     /// The leading run of keys whose page (every object) is stored.
-    fn pages_exist(&self, keys: Vec<String>) -> KvResult<usize> {
-        Ok(self.store()?.pages_exist(&keys))
+    fn pages_exist(&self, py: Python<'_>, keys: Vec<String>) -> KvResult<usize> {
+        // (a reader's lookup reads its writer's journal first: IO, so without the GIL)
+        let s = self.store()?;
+        Ok(crate::exit::detach_io(py, || s.pages_exist(&keys)))
     }
 
     /// Deletes whole pages; returns how many had any object stored.
     fn delete_pages(&self, py: Python<'_>, keys: Vec<String>) -> KvResult<usize> {
         let s = self.store()?;
-        Ok(py.detach(|| s.delete_pages(&keys))?)
+        Ok(crate::exit::detach_io(py, || s.delete_pages(&keys))?)
     }
 
     /// Stores objects; returns per object whether it is durably stored.
@@ -248,22 +252,23 @@ impl PyPageStore {
         self.batch(py, &keys, &ptrs, &sizes, true)
     }
 
-    fn exists(&self, keys: Vec<String>) -> KvResult<Vec<bool>> {
+    fn exists(&self, py: Python<'_>, keys: Vec<String>) -> KvResult<Vec<bool>> {
+        let s = self.store()?;
         let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-        Ok(self.store()?.exists(&refs))
+        Ok(crate::exit::detach_io(py, || s.exists(&refs)))
     }
 
     fn delete(&self, py: Python<'_>, keys: Vec<String>) -> KvResult<usize> {
         let s = self.store()?;
         let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-        Ok(py.detach(|| s.delete(&refs))?)
+        Ok(crate::exit::detach_io(py, || s.delete(&refs))?)
     }
 
     /// Erases tenant `tag` from this namespace (bytes overwritten, records deleted and compacted away) and
     /// refuses its puts from then on; how many objects it had.
     fn erase_tenant(&self, py: Python<'_>, tag: String) -> KvResult<usize> {
         let s = self.store()?;
-        Ok(py.detach(|| s.erase_tenant(&tag))?)
+        Ok(crate::exit::detach_io(py, || s.erase_tenant(&tag))?)
     }
 
     /// Lets tenant `tag`, erased through this store, put objects again; whether it was erased here.
@@ -273,7 +278,7 @@ impl PyPageStore {
 
     fn clear(&self, py: Python<'_>) -> KvResult<usize> {
         let s = self.store()?;
-        Ok(py.detach(|| s.clear())?)
+        Ok(crate::exit::detach_io(py, || s.clear())?)
     }
 
     /// `{"checked", "corrupt", "unreadable"}`; with repair=True corrupt and unreadable objects are deleted

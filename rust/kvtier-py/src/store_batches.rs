@@ -40,7 +40,7 @@ impl PyPageStore {
             .zip(sizes)
             .map(|((k, &p), &n)| (k.as_str(), p, n))
             .collect();
-        Ok(py.detach(|| {
+        Ok(crate::exit::detach_io(py, || {
             if writes {
                 s.get_objects(&objs)
             } else {
@@ -61,7 +61,7 @@ impl PyPageStore {
         // the bound layout lies inside memory the store keeps registered while it lives (this call holds it)
         let s = self.store()?;
         let idx = crate::transfer::indices(py, "host_indices", host_indices)?;
-        Ok(py.detach(|| {
+        Ok(crate::exit::detach_io(py, || {
             let batch = PageBatch {
                 keys: &keys,
                 host_indices: &idx,
