@@ -195,7 +195,9 @@ def test_a_failed_tail_gives_the_same_logits_whatever_the_forward_asks_for(tmp_p
         with torch.no_grad():
             out = model(input_ids=ids[:, held:], use_cache=True, return_dict=False, **{cache_kwarg(model): c})
         assert isinstance(out, tuple) and out[0].shape == (1, ids.shape[1] - held, want.shape[-1])
-        tol = 0 if device == "cpu" else 0.3
+        # float32 on the CPU: a forward cut in two rounds apart from one over the whole sequence (torch 2.15's
+        # kernels: up to 4e-7 with no tier at all); unverified KV would be off by orders of magnitude more
+        tol = 1e-5 if device == "cpu" else 0.3
         assert (out[0].float() - want[:, held:].float()).abs().max().item() <= tol
         assert c.get_seq_length() == ids.shape[1] and c.restored_tokens < PAGES * PS
         assert tier.stats.restored_store_pages == c.restored_store_pages
