@@ -297,6 +297,99 @@ def test_sglang_io_that_returns_while_the_interpreter_exits_never_aborts_it(tmp_
     assert r.returncode == 0, f"exit status {r.returncode}: {r.stderr[-2000:]}"
 
 
+BUSY_EXIT_SCRIPT = """
+import atexit, sys, threading, time
+stop, joined = threading.Event(), []
+
+
+def shutdown():  # registered before kvtier's own exit hook, so it runs after it: it joins a thread using kvtier
+    stop.set()
+    joined[0].join()
+    print("joined", flush=True)
+
+
+atexit.register(shutdown)
+sys.path.insert(0, sys.argv[2])
+from kvtier.integrations.sglang import KvtierStorage
+from sglang_pools import config, idx, sglang_pool
+keys = [f"{i:064x}" for i in range(4)]
+pool = sglang_pool("page_first_direct", 192, 128)
+be = KvtierStorage(config(sys.argv[1]))
+be.register_mem_pool_host(pool)
+assert be.batch_set_v1(keys, idx(range(4))) == [True] * 4
+
+
+def reads():
+    while not stop.is_set():
+        be.batch_get_v1(keys, idx([4, 5, 6, 7]))
+
+
+def lookups():  # never joined: still calling the store while the interpreter finalizes
+    while True:
+        be.batch_exists(keys)
+        be.store.native_store().exists(keys)
+
+
+joined.append(threading.Thread(target=reads, daemon=True))
+for t in [joined[0]] + [threading.Thread(target=lookups, daemon=True) for _ in range(2)]:
+    t.start()
+time.sleep(0.5)
+print("exiting", flush=True)
+"""
+
+
+@pytest.mark.timeout(300)
+def test_threads_calling_the_store_while_the_interpreter_exits_never_abort_nor_hold_it(tmp_path):
+    """Daemon threads in a loop of lookups and reads while the main thread exits (a call returning just before
+    finalization used to wait for the GIL and die aborting the process), and an atexit hook that joins one of
+    them (so a call returning while the process exits must not park for good before finalization starts)."""
+    import pathlib
+    import subprocess
+    import sys
+
+    here = str(pathlib.Path(__file__).parent)
+    for _ in range(2):
+        r = subprocess.run([sys.executable, "-c", BUSY_EXIT_SCRIPT, str(tmp_path / "store"), here],
+                           capture_output=True, text=True, timeout=120)
+        assert "exiting" in r.stdout and "joined" in r.stdout, r.stderr[-2000:]
+        assert r.returncode == 0, f"exit status {r.returncode}: {r.stderr[-2000:]}"
+
+
+@pytest.mark.timeout(300)
+def test_sglang_a_write_of_a_pool_registered_again_past_its_check_stores_nothing_wrong(tmp_path):
+    """A staged write passes the generation check, then the pool is registered again and the new staging
+    pages bound before its IO starts: it runs on its own generation's store (closed: False), never on the
+    new one's staging pages (whose bytes it would have stored under its key)."""
+    be, pool = backend(tmp_path)
+    store, staged = be.store, be.staged
+    real, entered, release = store._batch, threading.Event(), threading.Event()
+
+    def paused(write, keys, host_indices, split=None, staged=False, native=None):
+        if staged and write and not entered.is_set():
+            entered.set()
+            release.wait(30)
+        return real(write, keys, host_indices, split, staged, native)
+
+    store._batch = paused
+    box = {}
+    t = threading.Thread(target=lambda: box.setdefault("v", staged.set(KEYS[:1], idx([0]))))
+    t.start()
+    assert entered.wait(30)
+    want = page_bytes(pool, 0)
+    store.register_mem_pool_host(sglang_pool("page_first_direct", 192, 128, seed=7))
+    staged._slots()  # the next batch binds the new staging pages
+    release.set()
+    t.join(30)
+    store._batch = real
+    assert box["v"] == [False]
+    if be.batch_exists(KEYS[:1]):  # stored whole (the bytes it was given) or not at all
+        fresh = store.pool
+        assert be.batch_get_v1(KEYS[:1], idx([5])) == [True]
+        got = page_bytes(fresh, 5)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    be.close()
+
+
 def test_sglang_pages_round_trip_through_staging_in_pieces(tmp_path):
     """A batch larger than a quarter of the staging pages goes in pieces, every page bit-exact; without a
     deadline nothing is staged (zero copy)."""

@@ -286,6 +286,7 @@ class StagedIO:
         ps = int(self.store.pool.page_size)
         if deadline == "auto":
             deadline = auto_read_deadline_s(len(keys), ps)
+        self._slots()  # (staging pages allocated first, when the pool was registered without prepare())
         until = time.monotonic() + float(deadline)
         return self._run("read", keys, idx, ps, until, None)
 

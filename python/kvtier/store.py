@@ -328,9 +328,10 @@ class PageStore:
                      generation: int | None = None) -> list[bool]:
         """:meth:`batch_set_v1` (``write``) or :meth:`batch_get_v1` of the staging pages at ``staging_indices``;
         all False, nothing moved, when ``generation`` is no longer the staging pages' (a pool registered again)."""
-        with self._lock:
-            gone = self._staging_gone(generation)
-        return [False] * len(keys) if gone else self._batch(write, keys, staging_indices, staged=True)
+        native = self._reader_store()
+        with self._lock:  # (the native store of that generation: a pool registered meanwhile closes it)
+            gone = native is None or native is not self._native or self._staging_gone(generation)
+        return [False] * len(keys) if gone else self._batch(write, keys, staging_indices, staged=True, native=native)
 
     def copy_staged(self, to_pool: bool, host_indices: torch.Tensor, staging_indices: torch.Tensor,
                     generation: int | None = None) -> bool:
@@ -376,10 +377,9 @@ class PageStore:
 
     # ------------------------------------------------------------------ zero-copy v1
     def _batch(self, write: bool, keys: Sequence[str], host_indices: torch.Tensor,
-               split: tuple[int, int, Any] | None = None, staged: bool = False) -> list[bool]:
-        """One page batch (``batch_set_v1`` / ``batch_get_v1``): the store's state, then the arguments, are
-        checked (as every store call orders them), then one native call."""
-        native = self._native  # read once: close() clears it
+               split: tuple[int, int, Any] | None = None, staged: bool = False, native: Any = None) -> list[bool]:
+        """One page batch (``batch_set_v1``/``batch_get_v1``): the store's state, the arguments, one native call."""
+        native = self._native if native is None else native  # read once: close() clears it
         store = native if native is not None and not self._closed else self._reader_store()
         keys = _keys(keys) if self.tenant is None else scope_keys(self.tenant, _keys(keys))
         if not (staged and isinstance(host_indices, np.ndarray)) and not (  # (staging slots from a tier thread)

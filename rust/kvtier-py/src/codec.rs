@@ -26,7 +26,7 @@ pub fn codec_encode<'py>(
     codec: &str,
 ) -> KvResult<Bound<'py, PyBytes>> {
     let e = elem(codec)?;
-    let out = py.detach(|| {
+    let out = crate::exit::detach_io(py, || {
         let mut v = Vec::with_capacity(codec::max_encoded_len(data.len()));
         codec::encode(data, e, &mut v);
         v
@@ -47,7 +47,7 @@ pub fn codec_decode<'py>(py: Python<'py>, data: &[u8]) -> KvResult<Bound<'py, Py
         )
         .into());
     }
-    let out = py.detach(|| {
+    let out = crate::exit::detach_io(py, || {
         let mut v = vec![0u8; h.raw_len];
         codec::decode(data, &mut v).map(|()| v)
     });

@@ -22,14 +22,14 @@ pub struct PyKeyring {
 impl PyKeyring {
     #[new]
     fn new(py: Python<'_>, dir: PathBuf) -> KvResult<Self> {
-        let inner = Arc::new(py.detach(|| Keyring::open(&dir))?);
+        let inner = Arc::new(crate::exit::detach_io(py, || Keyring::open(&dir))?);
         Ok(Self { inner })
     }
 
     /// Creates a keyring directory with a new master key (refuses an existing one).
     #[staticmethod]
     fn init(py: Python<'_>, dir: PathBuf) -> KvResult<()> {
-        Ok(py.detach(|| Keyring::init(&dir))?)
+        Ok(crate::exit::detach_io(py, || Keyring::init(&dir))?)
     }
 
     #[getter]
@@ -44,12 +44,16 @@ impl PyKeyring {
 
     /// Destroys tenant `tag`'s key; whether there was one.
     fn erase_tenant(&self, py: Python<'_>, tag: String) -> KvResult<bool> {
-        Ok(py.detach(|| self.inner.erase_tenant(&tag))?)
+        Ok(crate::exit::detach_io(py, || {
+            self.inner.erase_tenant(&tag)
+        })?)
     }
 
     /// Lets erased tenant `tag` have a key again; whether it was erased.
     fn allow_tenant(&self, py: Python<'_>, tag: String) -> KvResult<bool> {
-        Ok(py.detach(|| self.inner.allow_tenant(&tag))?)
+        Ok(crate::exit::detach_io(py, || {
+            self.inner.allow_tenant(&tag)
+        })?)
     }
 
     /// Whether tenant `tag` is erased in this keyring.
@@ -95,7 +99,7 @@ impl PyKeyring {
         create: bool,
     ) -> Vec<Option<String>> {
         let refs: Vec<Option<&str>> = tags.iter().map(Option::as_deref).collect();
-        let keys = py.detach(|| self.inner.keys_for(&refs, create));
+        let keys = crate::exit::detach_io(py, || self.inner.keys_for(&refs, create));
         tags.iter()
             .map(|t| keys.get(t).and_then(|k| k.as_ref()).map(|k| k.id_hex()))
             .collect()
@@ -113,7 +117,9 @@ impl PyKeyring {
         dsts: Vec<usize>,
     ) -> KvResult<(Bound<'py, PyBytes>, Vec<bool>)> {
         let (objs, tenants) = split(&objects);
-        let r = py.detach(|| memory.get().seal_into(&self.inner, &objs, &tenants, &dsts))?;
+        let r = crate::exit::detach_io(py, || {
+            memory.get().seal_into(&self.inner, &objs, &tenants, &dsts)
+        })?;
         let mut seals = vec![0u8; r.len() * SEAL_LEN];
         for (s, d) in r.iter().zip(seals.chunks_mut(SEAL_LEN)) {
             if let Some(s) = s {
@@ -147,7 +153,7 @@ impl PyKeyring {
             .map(|c| c.try_into().expect("SEAL_LEN bytes"))
             .collect();
         let (objs, tenants) = split(&objects);
-        Ok(py.detach(|| {
+        Ok(crate::exit::detach_io(py, || {
             memory
                 .get()
                 .open_in_place(&self.inner, &objs, &tenants, &seals)

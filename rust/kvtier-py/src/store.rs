@@ -78,7 +78,7 @@ impl PyPageStore {
             keyring: keyring.clone(),
             codec,
         };
-        let s = py.detach(|| {
+        let s = crate::exit::detach_io(py, || {
             if read_only {
                 PageStore::open_read_only_sealed(&root, &namespace, keyring)
             } else if maintenance {
@@ -299,7 +299,7 @@ impl PyPageStore {
     /// Bytes of disk blocks the namespace's files occupy (st_blocks), for tests and inspection.
     fn disk_blocks(&self, py: Python<'_>) -> KvResult<u64> {
         let s = self.store()?;
-        Ok(py.detach(|| s.disk_blocks()))
+        Ok(crate::exit::detach_io(py, || s.disk_blocks()))
     }
 
     fn stats<'py>(&self, py: Python<'py>) -> KvResult<Bound<'py, PyDict>> {
@@ -329,6 +329,6 @@ impl PyPageStore {
     /// Releases the namespace (and its LOCK) once no call is in flight.
     fn close(&self, py: Python<'_>) {
         let s = self.inner.write().unwrap_or_else(|p| p.into_inner()).take();
-        py.detach(move || drop(s)); // registered memory goes with the store, once no batch holds it
+        crate::exit::detach_io(py, move || drop(s)); // registered memory goes with the store, once no batch holds it
     }
 }

@@ -17,7 +17,7 @@ pub fn verify<'py>(
     s: &std::sync::Arc<PageStore>,
     repair: bool,
 ) -> KvResult<Bound<'py, PyDict>> {
-    let r = py.detach(|| s.verify(repair))?;
+    let r = crate::exit::detach_io(py, || s.verify(repair))?;
     let d = PyDict::new(py);
     d.set_item("checked", r.checked)?;
     d.set_item("corrupt", r.corrupt)?;
@@ -114,7 +114,9 @@ pub fn page_hashes(
     page_size: usize,
     prior_hash: Option<String>,
 ) -> KvResult<Vec<String>> {
-    Ok(py.detach(|| kvtier_core::hash::page_hashes(&token_ids, page_size, prior_hash.as_deref()))?)
+    Ok(crate::exit::detach_io(py, || {
+        kvtier_core::hash::page_hashes(&token_ids, page_size, prior_hash.as_deref())
+    })?)
 }
 
 /// The disk's O_DIRECT ceiling for `count` objects of `size` bytes with `threads` in flight, measured in
@@ -127,7 +129,9 @@ pub fn disk_roofline(
     count: usize,
     threads: usize,
 ) -> KvResult<(f64, f64, bool)> {
-    Ok(py.detach(|| kvtier_core::roofline::odirect_roofline(&dir, size, count, threads))?)
+    Ok(crate::exit::detach_io(py, || {
+        kvtier_core::roofline::odirect_roofline(&dir, size, count, threads)
+    })?)
 }
 
 /// Injects a fault into the page store's IO point `point` (see `kvtier.testing.inject_fault`): `kind` is
@@ -206,7 +210,8 @@ pub fn store_namespaces<'py>(
     py: Python<'py>,
     root: PathBuf,
 ) -> KvResult<(Option<u64>, Vec<Bound<'py, PyDict>>)> {
-    let (budget, list) = py.detach(|| kvtier_core::store::lifecycle::namespaces(&root))?;
+    let (budget, list) =
+        crate::exit::detach_io(py, || kvtier_core::store::lifecycle::namespaces(&root))?;
     let mut out = Vec::with_capacity(list.len());
     for e in list {
         let d = PyDict::new(py);
@@ -227,7 +232,9 @@ pub fn store_namespaces<'py>(
 #[pyfunction]
 #[pyo3(signature = (root, dir, force=false))]
 pub fn remove_namespace(py: Python<'_>, root: PathBuf, dir: String, force: bool) -> KvResult<u64> {
-    Ok(py.detach(|| kvtier_core::store::lifecycle::remove_namespace(&root, &dir, force))?)
+    Ok(crate::exit::detach_io(py, || {
+        kvtier_core::store::lifecycle::remove_namespace(&root, &dir, force)
+    })?)
 }
 
 /// The budget of the store at `root` (None: none).
