@@ -297,64 +297,6 @@ def test_sglang_io_that_returns_while_the_interpreter_exits_never_aborts_it(tmp_
     assert r.returncode == 0, f"exit status {r.returncode}: {r.stderr[-2000:]}"
 
 
-BUSY_EXIT_SCRIPT = """
-import atexit, sys, threading, time
-stop, joined = threading.Event(), []
-
-
-def shutdown():  # registered before kvtier's own exit hook, so it runs after it: it joins a thread using kvtier
-    stop.set()
-    joined[0].join()
-    print("joined", flush=True)
-
-
-atexit.register(shutdown)
-sys.path.insert(0, sys.argv[2])
-from kvtier.integrations.sglang import KvtierStorage
-from sglang_pools import config, idx, sglang_pool
-keys = [f"{i:064x}" for i in range(4)]
-pool = sglang_pool("page_first_direct", 192, 128)
-be = KvtierStorage(config(sys.argv[1]))
-be.register_mem_pool_host(pool)
-assert be.batch_set_v1(keys, idx(range(4))) == [True] * 4
-
-
-def reads():
-    while not stop.is_set():
-        be.batch_get_v1(keys, idx([4, 5, 6, 7]))
-
-
-def lookups():  # never joined: still calling the store while the interpreter finalizes
-    while True:
-        be.batch_exists(keys)
-        be.store.native_store().exists(keys)
-
-
-joined.append(threading.Thread(target=reads, daemon=True))
-for t in [joined[0]] + [threading.Thread(target=lookups, daemon=True) for _ in range(2)]:
-    t.start()
-time.sleep(0.5)
-print("exiting", flush=True)
-"""
-
-
-@pytest.mark.timeout(300)
-def test_threads_calling_the_store_while_the_interpreter_exits_never_abort_nor_hold_it(tmp_path):
-    """Daemon threads in a loop of lookups and reads while the main thread exits (a call returning just before
-    finalization used to wait for the GIL and die aborting the process), and an atexit hook that joins one of
-    them (so a call returning while the process exits must not park for good before finalization starts)."""
-    import pathlib
-    import subprocess
-    import sys
-
-    here = str(pathlib.Path(__file__).parent)
-    for _ in range(2):
-        r = subprocess.run([sys.executable, "-c", BUSY_EXIT_SCRIPT, str(tmp_path / "store"), here],
-                           capture_output=True, text=True, timeout=120)
-        assert "exiting" in r.stdout and "joined" in r.stdout, r.stderr[-2000:]
-        assert r.returncode == 0, f"exit status {r.returncode}: {r.stderr[-2000:]}"
-
-
 @pytest.mark.timeout(300)
 def test_sglang_a_write_of_a_pool_registered_again_past_its_check_stores_nothing_wrong(tmp_path):
     """A staged write passes the generation check, then the pool is registered again and the new staging

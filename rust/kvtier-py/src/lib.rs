@@ -24,7 +24,6 @@ use pyo3::prelude::*;
 /// The private native module; import `kvtier` instead.
 #[pymodule(gil_used = false)]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    exit::register(m)?;
     m.add_class::<buffer::PyHostRegion>()?;
     m.add_class::<buffer::PyProgress>()?;
     m.add_class::<transfer::PyPageAllocator>()?;

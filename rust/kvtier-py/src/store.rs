@@ -218,10 +218,8 @@ impl PyPageStore {
     }
 
     /// The leading run of keys whose page (every object) is stored.
-    fn pages_exist(&self, py: Python<'_>, keys: Vec<String>) -> KvResult<usize> {
-        // (a reader's lookup reads its writer's journal first: IO, so without the GIL)
-        let s = self.store()?;
-        Ok(crate::exit::detach_io(py, || s.pages_exist(&keys)))
+    fn pages_exist(&self, keys: Vec<String>) -> KvResult<usize> {
+        Ok(self.store()?.pages_exist(&keys))
     }
 
     /// Deletes whole pages; returns how many had any object stored.
@@ -252,10 +250,9 @@ impl PyPageStore {
         self.batch(py, &keys, &ptrs, &sizes, true)
     }
 
-    fn exists(&self, py: Python<'_>, keys: Vec<String>) -> KvResult<Vec<bool>> {
-        let s = self.store()?;
+    fn exists(&self, keys: Vec<String>) -> KvResult<Vec<bool>> {
         let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-        Ok(crate::exit::detach_io(py, || s.exists(&refs)))
+        Ok(self.store()?.exists(&refs))
     }
 
     fn delete(&self, py: Python<'_>, keys: Vec<String>) -> KvResult<usize> {
