@@ -73,7 +73,7 @@ impl PyHostRegion {
             prefault_threads,
             progress: progress.map(|p| p.0.clone()),
         };
-        let region = crate::exit::detach_io(py, || HostRegion::new(nbytes as usize, &opts))?;
+        let region = py.detach(|| HostRegion::new(nbytes as usize, &opts))?;
         Ok(Self {
             inner: RwLock::new(Some(Arc::new(region))),
         })
@@ -152,9 +152,7 @@ impl PyHostRegion {
     ) -> KvResult<usize> {
         let r = self.get()?;
         let p = progress.map(|p| p.0.clone());
-        Ok(crate::exit::detach_io(py, || {
-            r.register_cuda(device, granularity, max_chunk, threads, p.as_deref())
-        })?)
+        Ok(py.detach(|| r.register_cuda(device, granularity, max_chunk, threads, p.as_deref()))?)
     }
 
     /// (offset, nbytes) of each CUDA registration.
@@ -166,7 +164,7 @@ impl PyHostRegion {
     fn close(&self, py: Python<'_>) {
         let taken = self.inner.write().unwrap_or_else(|p| p.into_inner()).take();
         // Dropping the last Arc munmaps (and may unregister): do it without the GIL.
-        crate::exit::detach_io(py, move || drop(taken));
+        py.detach(move || drop(taken));
     }
 }
 

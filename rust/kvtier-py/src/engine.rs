@@ -30,7 +30,7 @@ pub fn submit_layers(
     events: Vec<usize>,
 ) -> KvResult<(usize, usize)> {
     let refs = self::plans(&plans);
-    Ok(crate::exit::detach_io(py, || {
+    Ok(py.detach(|| {
         engine::submit_layers(
             &refs,
             layer_begin,
@@ -65,7 +65,7 @@ pub fn submit_layers_detour(
     mark: usize,
 ) -> KvResult<(usize, usize)> {
     let refs = self::plans(&plans);
-    Ok(crate::exit::detach_io(py, || {
+    Ok(py.detach(|| {
         engine::submit_layers_detour(
             &refs,
             layer_begin,
@@ -91,7 +91,7 @@ pub fn copy_cpu(
     layer_end: usize,
 ) -> KvResult<()> {
     let refs = self::plans(&plans);
-    crate::exit::detach_io(py, || -> kvtier_core::Result<()> {
+    py.detach(|| -> kvtier_core::Result<()> {
         for p in &refs {
             // each plan's device ranges are the memory of contiguous CPU tensors its `_owners` holds (checked
             // when it was made, disjoint from the host region); the plan re-checks every chunk.
@@ -112,11 +112,11 @@ impl PySubmission {
     /// Blocks (GIL released) until the events of layer `index` have been recorded; raises the submission's
     /// error if it failed first.
     fn wait_recorded(&self, py: Python<'_>, index: usize) -> KvResult<()> {
-        Ok(crate::exit::detach_io(py, || self.0.wait_recorded(index))?)
+        Ok(py.detach(|| self.0.wait_recorded(index))?)
     }
     /// Blocks (GIL released) until every copy has been submitted; raises the submission's error if any.
     fn join(&self, py: Python<'_>) -> KvResult<()> {
-        Ok(crate::exit::detach_io(py, || self.0.join())?)
+        Ok(py.detach(|| self.0.join())?)
     }
     /// True once every copy has been submitted (or the submission failed).
     fn finished(&self) -> bool {
@@ -205,7 +205,7 @@ pub fn launch_layers(
     // widths it read from the compiled code, and addresses of validated buffers and index tensors it keeps
     // alive until `stream` (which joins every lane) has passed the launches.
     // SAFETY: launch_layers' contract, upheld by kvtier.kernels as described above.
-    Ok(crate::exit::detach_io(py, || unsafe {
+    Ok(py.detach(|| unsafe {
         engine::launch_layers(
             device,
             stream,

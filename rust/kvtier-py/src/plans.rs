@@ -180,10 +180,7 @@ pub fn plan_sides<'py>(
         owners.push(own);
     }
     let (plans, counts) = match run {
-        None => (
-            crate::exit::detach_io(py, || Plan::new_sides(reqs))?,
-            (0, 0),
-        ),
+        None => (py.detach(|| Plan::new_sides(reqs))?, (0, 0)),
         Some((begin, end, device, stream, side_streams, batch, per_layer, events)) => {
             let run = if device < 0 {
                 engine::Run::Cpu { layers: begin..end }
@@ -202,7 +199,7 @@ pub fn plan_sides<'py>(
             // the host region by `request`), live for the call; the caller keeps CUDA memory alive until the
             // stream passes the copies and passes live streams and events (submit_layers' contract).
             // SAFETY: plan_and_run's contract, upheld as described above.
-            crate::exit::detach_io(py, || unsafe { engine::plan_and_run(reqs, run) })?
+            py.detach(|| unsafe { engine::plan_and_run(reqs, run) })?
         }
     };
     let plans = plans
@@ -253,7 +250,7 @@ impl PyTransferPlan {
             to_host,
             split,
         )?;
-        let plan = crate::exit::detach_io(py, || Plan::new(req))?;
+        let plan = py.detach(|| Plan::new(req))?;
         wrap(py, plan, owners)
     }
 }

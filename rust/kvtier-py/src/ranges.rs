@@ -109,7 +109,7 @@ impl PyHostRanges {
             .into());
         }
         let inner = self.inner.clone();
-        crate::exit::detach_io(py, move || {
+        py.detach(move || {
             let objs: Vec<(&str, usize, u64)> = keys
                 .iter()
                 .zip(&sp)

@@ -152,7 +152,7 @@ pub fn validate_transfer(
         device_runs,
         to_host,
     );
-    Ok(crate::exit::detach_io(py, || plan::validate(&h, &d, &r))?)
+    Ok(py.detach(|| plan::validate(&h, &d, &r))?)
 }
 
 /// True when `cuMemcpyBatchAsync_v2` can be used in this process.
