@@ -28,12 +28,14 @@ import threading
 import time
 from typing import Any
 
+import numpy as np
 import torch
 
 from ._errors import InvalidArgumentError
 from .buffer import HostBuffer
 from .deadlines import Breaker, TierIO, check_deadline
 from .tenants import check_keys
+from . import native_calls
 
 #: Staging memory by default: a quarter of it per piece of a batch.
 DEFAULT_STAGING_BYTES = 256 << 20
@@ -246,34 +248,35 @@ class StagedIO:
                                      timeout=max(0.0, until - time.monotonic())) and gen == self._gen
 
     # ------------------------------------------------------------------ batches
-    def _check(self, keys: list[str], host_indices: Any, distinct: bool) -> torch.Tensor:
+    def _check(self, keys: list[str], host_indices: Any, distinct: bool) -> np.ndarray:
         """``host_indices`` as whole pages of the pool (``page_size`` consecutive slots from a multiple of it), one
-        per key, distinct pages when ``distinct`` (a read's destinations), checked before anything moves."""
+        per key, distinct pages when ``distinct`` (a read's destinations), checked before anything moves. Numpy
+        from here on (kvtier.native_calls says why)."""
         pool = self.store.pool
         ps, pages = int(pool.page_size), int(getattr(pool, "page_num", None) or pool.size // pool.page_size)
         if not isinstance(host_indices, torch.Tensor) or host_indices.dtype != torch.int64 or host_indices.dim() != 1:
             raise InvalidArgumentError("invalid argument `host_indices`: expected a 1-D torch.int64 tensor")
-        idx = host_indices.detach().cpu()
-        if idx.numel() != len(keys) * ps:
-            raise InvalidArgumentError(f"invalid argument `host_indices`: {idx.numel()} slots for {len(keys)} keys of "
+        idx = native_calls.indices(host_indices)
+        if idx.size != len(keys) * ps:
+            raise InvalidArgumentError(f"invalid argument `host_indices`: {idx.size} slots for {len(keys)} keys of "
                                        f"{ps}-token pages")
-        if not idx.numel():
+        if not idx.size:
             return idx
-        grid = idx.view(-1, ps)
+        grid = idx.reshape(-1, ps)
         starts = grid[:, 0]
         if int(starts.min()) < 0 or int(starts.max()) >= pages * ps or bool((starts % ps).any()):
             raise InvalidArgumentError(f"invalid argument `host_indices`: pages must start at multiples of {ps} in "
                                        f"[0, {pages * ps})")
-        if not bool((grid == starts[:, None] + torch.arange(ps, dtype=torch.int64)).all()):
+        if not bool((grid == starts[:, None] + np.arange(ps, dtype=np.int64)).all()):
             raise InvalidArgumentError(f"invalid argument `host_indices`: the {ps} slots of a page must be consecutive")
-        if distinct and int(torch.unique(starts).numel()) != len(keys):
+        if distinct and int(np.unique(starts).size) != len(keys):
             raise InvalidArgumentError("invalid argument `host_indices`: a page appears twice (two pages would be "
                                        "read into it)")
         return idx
 
     @staticmethod
-    def _slot_tensor(slots: list[int], ps: int) -> torch.Tensor:
-        return (torch.tensor(slots, dtype=torch.int64)[:, None] * ps + torch.arange(ps, dtype=torch.int64)).reshape(-1)
+    def _slot_array(slots: list[int], ps: int) -> np.ndarray:
+        return (np.asarray(slots, dtype=np.int64)[:, None] * ps + np.arange(ps, dtype=np.int64)).reshape(-1)
 
     def get(self, keys: list[str], host_indices: Any, deadline_s: Any = "auto") -> list[bool]:
         """Reads pages into the engine's pool at ``host_indices``; per key, whether it arrived verified in
@@ -300,7 +303,7 @@ class StagedIO:
         ps = int(self.store.pool.page_size)
         return self._run("write", keys, idx, ps, None, self.write_deadline_s)
 
-    def _run(self, kind: str, keys: list[str], idx: torch.Tensor, ps: int, until: float | None,
+    def _run(self, kind: str, keys: list[str], idx: np.ndarray, ps: int, until: float | None,
              piece_s: float | None) -> list[bool]:
         """Pieces of the batch through staging pages: reads until ``until`` (the batch's deadline), writes
         each within ``piece_s`` of its start (its queueing behind the batch's earlier pieces included)."""
@@ -370,7 +373,7 @@ class StagedIO:
             raise error
         return out
 
-    def _land(self, keys: list[str], idx: torch.Tensor, piece: _Piece, ok: list[bool], out: list[bool],
+    def _land(self, keys: list[str], idx: np.ndarray, piece: _Piece, ok: list[bool], out: list[bool],
               ps: int) -> None:
         """Copies the verified pages of a read piece from staging into the pool (this thread), then frees them;
         none when the pool was registered again meanwhile (the staging pages are another generation's)."""
@@ -378,19 +381,19 @@ class StagedIO:
         try:
             good = [i for i, o in enumerate(ok) if o]
             if good:
-                host = torch.cat([idx[(lo + i) * ps:(lo + i + 1) * ps] for i in good])
-                if self.store.copy_staged(True, host, self._slot_tensor([slots[i] for i in good], ps), piece.gen):
+                host = np.concatenate([idx[(lo + i) * ps:(lo + i + 1) * ps] for i in good])
+                if self.store.copy_staged(True, host, self._slot_array([slots[i] for i in good], ps), piece.gen):
                     for i in good:
                         out[lo + i] = True
         finally:
             piece.give()
 
-    def _send(self, kind: str, keys: list[str], idx: torch.Tensor, piece: _Piece, ps: int, until: float | None,
+    def _send(self, kind: str, keys: list[str], idx: np.ndarray, piece: _Piece, ps: int, until: float | None,
               piece_s: float | None, batch: object) -> concurrent.futures.Future[Any] | None:
         """One piece on the tier's threads (None: not sent, its pool was registered again). Answers: a read's
         results (its staging pages are the caller's to copy and free), a write's results (pages freed), or None
         (given up: pages freed, or fenced until the IO returns)."""
-        staged = self._slot_tensor(piece.slots, ps)
+        staged = self._slot_array(piece.slots, ps)
         write, gen = kind == "write", piece.gen
         tier, tier_gen = self.staged_tier, self._tier_gen
         if write:
@@ -404,8 +407,8 @@ class StagedIO:
                 return None
 
         # (the store's tier thread holds no torch object: freeing one there while the interpreter exits aborts it)
-        slots = staged.numpy().copy() if tier is None else None
-        tier_slots = staged if tier is not None else None
+        slots = staged if tier is None else None
+        tier_slots = torch.from_numpy(staged) if tier is not None else None  # (a chain's tiers take tensors)
 
         def call() -> list[bool]:
             if tier is None:

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from . import _native
+from . import _native, native_calls
 from .metrics import LatencyHistogram
 from .hashes import page_hashes  # noqa: F401 - kvtier.store.page_hashes stays importable
 from .planner import TierEstimate, TierMeter
@@ -333,7 +333,7 @@ class PageStore:
             gone = native is None or native is not self._native or self._staging_gone(generation)
         return [False] * len(keys) if gone else self._batch(write, keys, staging_indices, staged=True, native=native)
 
-    def copy_staged(self, to_pool: bool, host_indices: torch.Tensor, staging_indices: torch.Tensor,
+    def copy_staged(self, to_pool: bool, host_indices: np.ndarray, staging_indices: np.ndarray,
                     generation: int | None = None) -> bool:
         """Copies whole pages from staging pages into the pool (``to_pool``) or back; False, nothing copied,
         when ``generation`` is no longer the staging pages' (a pool registered again)."""
@@ -341,7 +341,7 @@ class PageStore:
         with self._lock:  # (a pool registered meanwhile waits for the copy)
             if native is not self._native or self._staging_gone(generation):
                 return False
-            native.copy_pages(to_pool, host_indices.numpy(), staging_indices.numpy())
+            native_calls.copy_pages(native, to_pool, host_indices, staging_indices)
             return True
 
     @property
@@ -387,12 +387,11 @@ class PageStore:
             raise InvalidArgumentError("invalid argument `host_indices`: expected a 1-D torch.int64 tensor")
         if store is None:
             return [False] * len(keys)
-        idx = host_indices if isinstance(host_indices, np.ndarray) else host_indices.detach().cpu().numpy()
+        idx = host_indices if isinstance(host_indices, np.ndarray) else native_calls.indices(host_indices)
         if not keys and not idx.size:
             return []
         t0 = time.perf_counter()
-        ok: list[bool] = (store.put_pages(keys, idx, staged=staged) if write else
-                          store.get_pages(keys, idx, *(split or (0, 0, None)), staged=staged))
+        ok = native_calls.page_batch(store, write, keys, idx, split, staged)
         dt = time.perf_counter() - t0
         self.latency["write" if write else "read"].observe(dt)
         if not write:  # (writes are timed from the store's own counters: a page already stored costs no IO)

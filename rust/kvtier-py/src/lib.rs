@@ -65,6 +65,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<engine::PySubmission>()?;
     m.add_function(wrap_pyfunction!(engine::submit_gate_background, m)?)?;
     m.add_class::<engine::PyHostGate>()?;
+    m.add_class::<exit::PyPendingIo>()?;
     m.add_function(wrap_pyfunction!(engine::launch_layers, m)?)?;
     m.add("SEAL_LEN", kvtier_core::seal::SEAL_LEN)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

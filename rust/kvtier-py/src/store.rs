@@ -26,6 +26,27 @@ pub struct PyPageStore {
 }
 
 impl PyPageStore {
+    /// A read's two passes (`layers`, `first_layers`, `gate`), or none; refused for a staged read or a write.
+    fn split_of(
+        layers: usize,
+        first_layers: usize,
+        gate: Option<PyRef<'_, crate::engine::PyHostGate>>,
+        staged: bool,
+        write: bool,
+    ) -> KvResult<Option<crate::store_batches::Split>> {
+        let split = (layers != 0 || first_layers != 0)
+            .then(|| (layers, first_layers, gate.map(|g| g.0.clone())));
+        if split.is_some() && (staged || write) {
+            let why = if write {
+                "a write is one pass (no first_layers)"
+            } else {
+                "a staged read is one pass (no first_layers)"
+            };
+            return Err(Error::arg(if write { "first_layers" } else { "staged" }, why).into());
+        }
+        Ok(split)
+    }
+
     pub(crate) fn store(&self) -> KvResult<Arc<PageStore>> {
         self.inner
             .read()
@@ -173,12 +194,41 @@ impl PyPageStore {
         host_indices: &Bound<'_, PyAny>,
         staging_indices: &Bound<'_, PyAny>,
     ) -> KvResult<()> {
-        let s = self.store()?;
-        let host = crate::transfer::indices(py, "host_indices", host_indices)?;
-        let staging = crate::transfer::indices(py, "staging_indices", staging_indices)?;
-        Ok(crate::exit::detach_io(py, || {
-            s.copy_pages(to_pool, &host, &staging)
-        })?)
+        let job = self.copy_job(py, to_pool, host_indices, staging_indices)?;
+        Ok(crate::exit::detach_io(py, job)?)
+    }
+
+    /// `copy_pages` on a thread of its own: answers at once with a `PendingIo` (see `kvtier._native`'s
+    /// exit notes) whose result is None. Arguments are checked before it starts.
+    fn submit_copy_pages(
+        &self,
+        py: Python<'_>,
+        to_pool: bool,
+        host_indices: &Bound<'_, PyAny>,
+        staging_indices: &Bound<'_, PyAny>,
+    ) -> KvResult<crate::exit::PyPendingIo> {
+        let job = self.copy_job(py, to_pool, host_indices, staging_indices)?;
+        crate::exit::submit_io(move || job().map(|()| crate::exit::Outcome::Unit))
+    }
+
+    /// `put_pages` (`write`) or `get_pages` on a thread of its own: answers at once with a `PendingIo`
+    /// whose result is the per-key flags. Arguments are checked before it starts.
+    #[pyo3(signature = (write, keys, host_indices, layers=0, first_layers=0, gate=None, staged=false))]
+    #[allow(clippy::too_many_arguments)]
+    fn submit_pages(
+        &self,
+        py: Python<'_>,
+        write: bool,
+        keys: Vec<String>,
+        host_indices: &Bound<'_, PyAny>,
+        layers: usize,
+        first_layers: usize,
+        gate: Option<PyRef<'_, crate::engine::PyHostGate>>,
+        staged: bool,
+    ) -> KvResult<crate::exit::PyPendingIo> {
+        let split = Self::split_of(layers, first_layers, gate, staged, write)?;
+        let job = self.page_job(py, keys, host_indices, split, staged, !write)?;
+        crate::exit::submit_io(move || job().map(crate::exit::Outcome::Flags))
     }
 
     /// Stores whole pages of the bound pool at `host_indices` (token slots; of the staging pages with
@@ -209,11 +259,7 @@ impl PyPageStore {
         gate: Option<PyRef<'_, crate::engine::PyHostGate>>,
         staged: bool,
     ) -> KvResult<Vec<bool>> {
-        let split = (layers != 0 || first_layers != 0)
-            .then(|| (layers, first_layers, gate.map(|g| g.0.clone())));
-        if staged && split.is_some() {
-            return Err(Error::arg("staged", "a staged read is one pass (no first_layers)").into());
-        }
+        let split = Self::split_of(layers, first_layers, gate, staged, false)?;
         self.pages(py, keys, host_indices, true, split, staged)
     }
 

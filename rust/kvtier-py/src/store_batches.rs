@@ -11,6 +11,9 @@ use pyo3::prelude::*;
 use crate::errors::KvResult;
 use crate::store::PyPageStore;
 
+/// A read's two passes: the pool's layers, the layers read first, the gate opened between them.
+pub(crate) type Split = (usize, usize, Option<Arc<HostGate>>);
+
 impl PyPageStore {
     /// One object batch; the core checks every range against the registered memory before any IO.
     pub(crate) fn batch(
@@ -19,7 +22,7 @@ impl PyPageStore {
         keys: &[String],
         ptrs: &[usize],
         sizes: &[u64],
-        writes: bool,
+        reads: bool,
     ) -> KvResult<Vec<bool>> {
         let s = self.store()?;
         if keys.len() != ptrs.len() || keys.len() != sizes.len() {
@@ -41,7 +44,7 @@ impl PyPageStore {
             .map(|((k, &p), &n)| (k.as_str(), p, n))
             .collect();
         Ok(crate::exit::detach_io(py, || {
-            if writes {
+            if reads {
                 s.get_objects(&objs)
             } else {
                 s.put_objects(&objs)
@@ -49,19 +52,20 @@ impl PyPageStore {
         })?)
     }
 
-    pub(crate) fn pages(
+    /// A page batch's work, its arguments converted and owned (it may run on a thread of its own).
+    pub(crate) fn page_job(
         &self,
         py: Python<'_>,
         keys: Vec<String>,
         host_indices: &Bound<'_, PyAny>,
-        writes: bool,
-        split: Option<(usize, usize, Option<Arc<HostGate>>)>,
+        split: Option<Split>,
         staged: bool,
-    ) -> KvResult<Vec<bool>> {
-        // the bound layout lies inside memory the store keeps registered while it lives (this call holds it)
+        reads: bool,
+    ) -> KvResult<impl FnOnce() -> kvtier_core::Result<Vec<bool>> + Send + 'static> {
+        // the bound layout lies inside memory the store keeps registered while it lives (the job holds it)
         let s = self.store()?;
         let idx = crate::transfer::indices(py, "host_indices", host_indices)?;
-        Ok(crate::exit::detach_io(py, || {
+        Ok(move || {
             let batch = PageBatch {
                 keys: &keys,
                 host_indices: &idx,
@@ -74,8 +78,35 @@ impl PyPageStore {
                 })
             } else {
                 let which = if staged { Pages::Staging } else { Pages::Pool };
-                s.page_batch(&batch, writes, which)
+                s.page_batch(&batch, reads, which)
             }
-        })?)
+        })
+    }
+
+    pub(crate) fn pages(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        host_indices: &Bound<'_, PyAny>,
+        reads: bool,
+        split: Option<Split>,
+        staged: bool,
+    ) -> KvResult<Vec<bool>> {
+        let job = self.page_job(py, keys, host_indices, split, staged, reads)?;
+        Ok(crate::exit::detach_io(py, job)?)
+    }
+
+    /// A staging copy's work (see `copy_pages`), its arguments converted and owned.
+    pub(crate) fn copy_job(
+        &self,
+        py: Python<'_>,
+        to_pool: bool,
+        host_indices: &Bound<'_, PyAny>,
+        staging_indices: &Bound<'_, PyAny>,
+    ) -> KvResult<impl FnOnce() -> kvtier_core::Result<()> + Send + 'static> {
+        let s = self.store()?;
+        let host = crate::transfer::indices(py, "host_indices", host_indices)?;
+        let staging = crate::transfer::indices(py, "staging_indices", staging_indices)?;
+        Ok(move || s.copy_pages(to_pool, &host, &staging))
     }
 }
