@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every CUDA-marked test of the suite on a GPU machine, plus the CPU tests that depend on the machine's CPU
-# (the checksum's vector path; the page store's put and verified get), in one device call:
+# (the checksum's vector path; the page store's put and verified get; native calls off the main thread), in one
+# device call:
 #   here:  make gpu-wheel; transformers==5.24.0 and regex py3.12 wheels in .whl-hf/ (the transformers tests)
 #   there: bash benches/gpu_cuda_tests.sh OUTDIR
 # Writes OUTDIR/pytest-cuda.log, OUTDIR/pytest-cpu.log, OUTDIR/machine.txt (GPU, CPU model and flags).
@@ -21,7 +22,7 @@ for m in sglang sglang_v2 sglang_v2_faults vllm mooncake_sglang store_paths tena
 done
 python3 -m pytest tests -m cuda -p no:cacheprovider -q -rs "${skip[@]}" 2>&1 | tee "$out/pytest-cuda.log" | tail -5 || rc=1
 grep -q " passed" "$out/pytest-cuda.log" && ! grep -q -E " (failed|error)" "$out/pytest-cuda.log" || rc=1
-python3 -m pytest tests/test_checksum.py tests/test_store.py tests/test_store_layers_first.py -p no:cacheprovider \
+python3 -m pytest tests/test_checksum.py tests/test_store.py tests/test_store_layers_first.py tests/test_native_calls.py -p no:cacheprovider \
   -q -rs 2>&1 | tee "$out/pytest-cpu.log" | tail -3
 grep -q " passed" "$out/pytest-cpu.log" && ! grep -q -E " (failed|error)" "$out/pytest-cpu.log" || rc=1
 exit $rc
