@@ -9,6 +9,8 @@
    is allowed only on `self` or `cls`. Dunder names (`__x__`) are public protocol; the few private names of
    torch, transformers and Triton objects kvtier must read are listed in THIRD_PARTY_PRIVATE with the reason.
 4. No library source file over 500 lines (Python under python/kvtier, Rust under rust/*/src, tests aside).
+5. No library module imports another module's private names: `from kvtier.x import _name` (relative or
+   absolute, renamed or not) is a reach-in too; a private *module* (`from . import _store_cli`) is its package's.
 
 Exit status 1 with one line per finding; 0 and a one-line summary otherwise.
 """
@@ -25,6 +27,7 @@ PY_ROOT = ROOT / "python"
 PACKAGE = "kvtier"
 RUST_CORE = ROOT / "rust" / "kvtier-core" / "src"
 MAX_LINES = 500
+COMPILED = {"kvtier._native"}  # private modules that are not Python files (the binding)
 # Private names of other projects' objects that have no public equivalent, each with the reason it is read.
 THIRD_PARTY_PRIVATE = {
     "_version": "torch.Tensor's in-place version counter: the only way to see that an index tensor was changed",
@@ -168,6 +171,24 @@ def private_reach_ins(modules: dict[str, Path]) -> list[str]:
     return out
 
 
+def private_imports(modules: dict[str, Path]) -> list[str]:
+    out = []
+    for module, path in modules.items():
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            base = _resolve(module, path.name == "__init__.py", node.level, node.module)
+            if base not in modules:
+                continue  # another project's module
+            for a in node.names:
+                private = a.name.startswith("_") and not (a.name.startswith("__") and a.name.endswith("__"))
+                if private and f"{base}.{a.name}" not in modules and f"{base}.{a.name}" not in COMPILED:
+                    out.append(f"{path.relative_to(ROOT)}:{node.lineno}: imports {base}.{a.name}, a private name "
+                               "of another module")
+    return out
+
+
 def long_files() -> list[str]:
     out = []
     paths = list((PY_ROOT / PACKAGE).rglob("*.py"))
@@ -188,13 +209,14 @@ def main() -> int:
     for c in cycles(rust_edges()):
         findings.append("kvtier-core module circle: " + " <-> ".join(c))
     findings += private_reach_ins(modules)
+    findings += private_imports(modules)
     findings += long_files()
     for f in findings:
         print(f)
     if findings:
         print(f"structure check: {len(findings)} findings", file=sys.stderr)
         return 1
-    print(f"structure check: {len(modules)} Python modules, no circle, no private reach-in, no file over {MAX_LINES} lines")
+    print(f"structure check: {len(modules)} Python modules, no circle, no private reach-in or import, no file over {MAX_LINES} lines")
     return 0
 
 

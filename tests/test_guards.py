@@ -192,9 +192,9 @@ def test_a_device_pool_with_layers_version_is_checked_again_only_when_it_changes
 
 
 def test_the_transformers_window_bumps_its_layers_version_when_it_reallocates():
-    from kvtier.integrations._transformers_window import _Window
+    from kvtier.integrations._transformers_window import DeviceWindow
 
-    w = _Window(4, 2, 2, 8, 8, torch.float32, torch.device("cpu"), 16, 16)
+    w = DeviceWindow(4, 2, 2, 8, 8, torch.float32, torch.device("cpu"), 16, 16)
     v = w.layers_version
     assert not w.ensure(w.size)  # room already: same tensors, same number
     assert w.layers_version == v

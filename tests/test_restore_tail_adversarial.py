@@ -45,7 +45,7 @@ def _failing_split(tmp_path, monkeypatch, name, model=None, bad=None):
 # ---------------------------------------------------------------------------------------------- what used to go wrong
 @pytest.mark.parametrize("then", ["host_kv", "reset", "crop"])
 def test_release_then_another_call_never_adopts_freed_tail_pages(tmp_path, monkeypatch, then):
-    """Used to go wrong (now ``release()`` settles the tail first and drops it): ``release()`` gives the tail's private pages back (_Table.release frees every page whose
+    """Used to go wrong (now ``release()`` settles the tail first and drops it): ``release()`` gives the tail's private pages back (PageTable.release frees every page whose
     key is None) but leaves ``_tail`` set; a later ``host_kv``/``reset``/``crop`` runs ``_settled`` ->
     ``_settle_tail``, which hands those FREED pages to the controller's index (``adopt``). The index then
     holds pages the host pool will give to the next allocation: another sequence overwrites them and a

@@ -99,7 +99,7 @@ class StoreWrites:
                 self._release_locked(keys)
 
         self._track(self.tier_io.run("write", work, deadline_s=self.write_deadline_s, pages=len(keys),
-                                     on_done=done, on_give_up=give_up, reached=_reached))
+                                     on_done=done, on_give_up=give_up, reached=write_reached))
 
     def _release_locked(self, keys: Sequence[str]) -> None:
         for k in keys:
@@ -108,6 +108,6 @@ class StoreWrites:
         self._poll_locked()
 
 
-def _reached(result: Any) -> bool:
+def write_reached(result: Any) -> bool:
     """Whether a batch call reached the tier: it raised, or it had pages to move."""
     return not isinstance(result, list) or len(result) > 0

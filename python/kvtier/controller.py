@@ -31,11 +31,11 @@ import torch
 
 from ._errors import InvalidArgumentError
 from .deadlines import Breaker, TierIO, check_deadline
-from .host_pages import Stats, _HostPage
+from .host_pages import Stats, HostPage
 from .tenants import erase_tag, tenant_of, tenant_tag
 from .overlap import LayerLoad, LayerLoader, backup_async
 from ._restore_planning import RestorePlanning
-from ._store_writes import StoreWrites, _reached
+from ._store_writes import StoreWrites, write_reached
 from .planner import PlannerStats, PrefillModel, TierMeter
 from .pools import device_of
 from .tier import Tier
@@ -113,7 +113,7 @@ class TierController(RestorePlanning, StoreWrites):
         self.io_backend, self.write_policy, self.hit_threshold = io_backend, write_policy, hit_threshold
         self.ps = host_pool.page_size
         self.prefetch_budget = prefetch_budget_pages if prefetch_budget_pages is not None else host_pool.page_num // 2
-        self.pages: collections.OrderedDict[str, _HostPage] = collections.OrderedDict()  # LRU: oldest first
+        self.pages: collections.OrderedDict[str, HostPage] = collections.OrderedDict()  # LRU: oldest first
         self.lock = threading.RLock()
         self.stats = Stats()
         self.loader = LayerLoader(host_pool, device_pool, io_backend)
@@ -199,7 +199,7 @@ class TierController(RestorePlanning, StoreWrites):
             if not new or starts is None:
                 return None
             for i, s in zip(new, starts):
-                self.pages[keys[i]] = _HostPage(start=s, refs=1)
+                self.pages[keys[i]] = HostPage(start=s, refs=1)
         dev = torch.cat([device_indices[i * self.ps : (i + 1) * self.ps] for i in new])
         try:
             ev = backup_async(self.host, self.device_pool, self._slots(starts), dev, self.io_backend, after=after)
@@ -277,7 +277,7 @@ class TierController(RestorePlanning, StoreWrites):
                 want.extend(asked)
                 starts.extend(got)
                 for k, s in zip(want, starts):
-                    self.pages[k] = _HostPage(start=s, refs=1)
+                    self.pages[k] = HostPage(start=s, refs=1)
             return self.store.batch_get_v1(want, self._slots(starts)) if want else []
 
         def done(result: Any, late: bool) -> int:
@@ -298,7 +298,7 @@ class TierController(RestorePlanning, StoreWrites):
                 return sum(1 for k in keys if k in self.pages and self.pages[k].usable)
 
         fut = self.tier_io.run("read", work, deadline_s=deadline, pages=lambda: len(want), on_done=done,
-                               on_give_up=usable, reached=_reached, cancel=gave_up)
+                               on_give_up=usable, reached=write_reached, cancel=gave_up)
         self._track(fut)
         return fut
 
@@ -407,7 +407,7 @@ class TierController(RestorePlanning, StoreWrites):
                 if k in self.pages:
                     done.append(False)
                     continue
-                self.pages[k] = _HostPage(start=int(s), refs=1 if event is None else 2, ready=event is None, event=event,
+                self.pages[k] = HostPage(start=int(s), refs=1 if event is None else 2, ready=event is None, event=event,
                                           in_store=k in held)
                 done.append(True)
             new = [k for k, ok in zip(keys, done) if ok]

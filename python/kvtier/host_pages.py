@@ -7,7 +7,7 @@ from typing import Any
 
 
 @dataclass
-class _HostPage:
+class HostPage:
     start: int  # first host token slot
     refs: int = 0  # transfers or writes in flight that use this page
     ready: bool = False  # backup (or store read) finished

@@ -26,7 +26,7 @@ from torch.profiler import ProfilerActivity, profile
 from kvtier import LayerLoader
 
 from .transfer import GEOMS, event_time
-from .transfer_probe import _pools
+from .transfer_probe import make_pools
 
 
 def _summary(trace: dict, compute_stream: int) -> dict:
@@ -69,7 +69,7 @@ def main(argv=None):
     a = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
     results = []
     for layout, backend in (("page_first_direct", "direct"), ("page_first", "kernel")):
-        dp, hp, h, d = _pools(g, 256, layout)
+        dp, hp, h, d = make_pools(g, 256, layout)
         loader = LayerLoader(hp, dp, backend)
         t_xfer = event_time(lambda: loader.load(h, d).synchronize(), 3)
         # one matmul's device time from 64 back to back (as the transfer bench calibrates)

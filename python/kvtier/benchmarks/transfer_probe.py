@@ -39,7 +39,7 @@ from kvtier.transfer import kernels
 from .transfer import DT, GEOMS, PS, ceiling, check_exact, event_time, page_idx
 
 
-def _pools(g, pages, layout):
+def make_pools(g, pages, layout):
     dp = DeviceKVPool((pages + 8) * PS, PS, g["layers"], g["heads"], g["dk"], g["dv"], DT, "cuda")
     for t in dp.k_buffer + dp.v_buffer:
         t.view(torch.uint8).random_(0, 256)
@@ -62,7 +62,7 @@ def _emit(out, part, row):
 
 def part_kernel(out, reps, up, down, stream):
     g = GEOMS["A"]
-    dp, hp, h, d = _pools(g, 256, "page_first")
+    dp, hp, h, d = make_pools(g, 256, "page_first")
     nb = _bytes_per_layer(g, 256)
     L = g["layers"]
     loader = LayerLoader(hp, dp, "kernel", stream=stream)
@@ -100,7 +100,7 @@ def part_launch(out, reps, up, stream):
         g = GEOMS[geom]
         L = g["layers"]
         for layout, backend in (("page_first", "kernel"), ("page_first_direct", "direct")):
-            dp, hp, h, d = _pools(g, 16, layout)
+            dp, hp, h, d = make_pools(g, 16, layout)
             nb = _bytes_per_layer(g, 16)
             loader = LayerLoader(hp, dp, backend, stream=stream)
             for native in ((False, True) if backend == "kernel" else (True,)):
@@ -134,7 +134,7 @@ def part_direct(out, reps, up, down, stream):
     L = 32
     for heads in (1, 2, 4, 8, 16):
         g = dict(layers=L, heads=heads, dk=128, dv=128)
-        dp, hp, h, d = _pools(g, 256, "page_first_direct")
+        dp, hp, h, d = make_pools(g, 256, "page_first_direct")
         nb = _bytes_per_layer(g, 256)
         chunk = PS * heads * 128 * 2
         loader = LayerLoader(hp, dp, "direct", stream=stream)
@@ -179,7 +179,7 @@ def part_small(out, reps, up, stream):
     for geom in ("A", "B"):
         g = GEOMS[geom]
         L = g["layers"]
-        dp, hp, h, d = _pools(g, 16, "page_first")
+        dp, hp, h, d = make_pools(g, 16, "page_first")
         nb = _bytes_per_layer(g, 16)
         loader = LayerLoader(hp, dp, "kernel", stream=stream)
         for blocks in (16, 32):
@@ -201,7 +201,7 @@ def part_staged(out, reps, down, stream):
     for geom in ("A", "B", "C"):
         g = GEOMS[geom]
         for pages in (16, 256):
-            dp, hp, h, d = _pools(g, pages, "page_first")
+            dp, hp, h, d = make_pools(g, pages, "page_first")
             nb = _bytes_per_layer(g, pages) * g["layers"]
             row = {"geometry": geom, "pages": pages}
             hp.engine.staged_min_bytes = 0  # compare both paths at every size
@@ -224,7 +224,7 @@ def part_direct_geoms(out, reps, up, down, stream):
     for geom in ("B", "C"):
         g = GEOMS[geom]
         L = g["layers"]
-        dp, hp, h, d = _pools(g, 256, "page_first_direct")
+        dp, hp, h, d = make_pools(g, 256, "page_first_direct")
         nb = _bytes_per_layer(g, 256)
         loader = LayerLoader(hp, dp, "direct", stream=stream)
         with torch.cuda.stream(stream):
@@ -305,7 +305,7 @@ def part_backup_host(out, reps, down, stream):
 
     for geom in ("A", "B"):
         g = GEOMS[geom]
-        dp, hp, h, d = _pools(g, 16, "page_first")
+        dp, hp, h, d = make_pools(g, 16, "page_first")
         nb = _bytes_per_layer(g, 16) * g["layers"]
         with torch.cuda.stream(stream):
             t = event_time(lambda: hp.backup_from_device_all_layer(dp, h, d, "kernel"), reps)
@@ -342,7 +342,7 @@ def ncu_target(pages: int = 256):
     """A short run for Nsight Compute: geometry A, ``pages`` pages, kernel backend; 3 warm-up loads and
     backups, then one LayerLoader load (96 launches) and one backup (2 launches when it is not staged)."""
     g = GEOMS["A"]
-    dp, hp, h, d = _pools(g, pages, "page_first")
+    dp, hp, h, d = make_pools(g, pages, "page_first")
     loader = LayerLoader(hp, dp, "kernel")
     for _ in range(3):
         loader.load(h, d).synchronize()

@@ -16,7 +16,7 @@ from ..store import page_hashes
 from ..tenants import tenant_keys
 from ._transformers_state import TierRuntime
 from ._transformers_restore import PendingTail, RestoreSteps
-from ._transformers_window import _release, _Table, _Window
+from ._transformers_window import release_table, PageTable, DeviceWindow
 
 # forward arguments that do not change the KV a token gets (positions and masks are checked, not listed here)
 _PLAIN = frozenset({"input_ids", "cache", "past_key_values", "use_cache", "logits_to_keep", "return_dict",
@@ -60,8 +60,8 @@ class KvtierCache(RestoreSteps, DynamicCache):
         self.tier = tier
         self._state = state
         self.salt = salt  # the tenant: its keys are tenant_keys(salt, chain) (kvtier.tenants)
-        self.table = _Table()
-        self._finalizer = weakref.finalize(self, _release, state, self.table)
+        self.table = PageTable()
+        self._finalizer = weakref.finalize(self, release_table, state, self.table)
         self._fed: list[int] = []  # token ids the model was fed (restored ones first)
         self._prompt = token_ids  # what this cache was made for: the first forwards must feed its rest
         # per forward, whether its positions were the plain ones (an all-ones mask, positions following the
@@ -73,7 +73,7 @@ class KvtierCache(RestoreSteps, DynamicCache):
         self._chain: list[str] = []  # the chained hash of every full page of _fed (the salt is not in the chain)
         self._released = False
         self._epoch = 0
-        self._window: _Window | None = None
+        self._window: DeviceWindow | None = None
         self._idx: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.restored_tokens = self.restored_host_pages = self.restored_store_pages = 0
         self.recomputed_tokens = 0  # tokens of the cached prefix recomputed by the restore (a split plan's head)
@@ -242,10 +242,10 @@ class KvtierCache(RestoreSteps, DynamicCache):
             self._idx[(first, last)] = got
         return got
 
-    def _ensure_window(self, tokens: int) -> _Window:
+    def _ensure_window(self, tokens: int) -> DeviceWindow:
         t = self._state
         if self._window is None:
-            self._window = _Window(t.layers, t.window, t.heads, t.k_dim, t.v_dim, t.dtype, t.device, t.page_size, tokens)
+            self._window = DeviceWindow(t.layers, t.window, t.heads, t.k_dim, t.v_dim, t.dtype, t.device, t.page_size, tokens)
         elif self._window.size < tokens:
             t.drain()  # nothing in flight may touch the old slots
             self._window.ensure(tokens)
@@ -262,7 +262,7 @@ class KvtierCache(RestoreSteps, DynamicCache):
             self.table.starts += got
             self.table.keys += [None] * len(got)
 
-    def _load(self, win: _Window, layer_idx: int, tokens: int, *, tail: bool = False) -> None:
+    def _load(self, win: DeviceWindow, layer_idx: int, tokens: int, *, tail: bool = False) -> None:
         """Host -> slot of ``layer_idx``: its first ``tokens`` tokens (whole pages), on the transfer stream
         after the compute stream's work so far (the slot's previous user included).
 

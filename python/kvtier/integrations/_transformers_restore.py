@@ -6,7 +6,7 @@ returned.
 
 How it stays correct (kvtier's promise: a wrong byte is never served):
 
-- The tail's pages are the sequence's private pages (``_Table.keys`` None) until :meth:`KvtierCache._settle_tail`
+- The tail's pages are the sequence's private pages (``PageTable.keys`` None) until :meth:`KvtierCache._settle_tail`
   has seen the read's result; only the verified leading pages then go to the controller's index.
 - On CUDA the loads of those pages wait on the transfer stream behind a host gate that opens when the read has
   finished (``TierRuntime.hold_transfers_until``), so no load reads a page before its bytes are there; on the

@@ -1,5 +1,5 @@
-"""The device and host halves of one sequence in kvtier's transformers cache: :class:`_Window` (the device
-layer slots, seen as a kvtier device pool) and :class:`_Table` (the sequence's host pages)."""
+"""The device and host halves of one sequence in kvtier's transformers cache: :class:`DeviceWindow` (the device
+layer slots, seen as a kvtier device pool) and :class:`PageTable` (the sequence's host pages)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from ._transformers_state import TierRuntime
 
 
-class _Window:
+class DeviceWindow:
     """``window`` device slots seen as a kvtier device pool of ``layer_num`` layers (layer l is slot
     l % window; row ``page_size + t`` holds token t, rows ``[0, page_size)`` are the padding page)."""
 
@@ -54,7 +54,7 @@ class _Window:
         return sum(t.numel() * t.element_size() for t in (*self.k_slots, *self.v_slots))
 
 
-class _Table:
+class PageTable:
     """The host pages of one sequence: ``starts[j]`` (host token slot of page j) and ``keys[j]`` (the index
     key of a page the controller owns and this sequence references, None for a private page)."""
 
@@ -75,7 +75,7 @@ class _Table:
         state.controller.free([s for s, k in zip(starts, keys) if k is None])
 
 
-def _release(state: TierRuntime, table: _Table) -> None:
+def release_table(state: TierRuntime, table: PageTable) -> None:
     # A cache collected on a thread of kvtier's own (the store's: a garbage collection can run anywhere) must
     # not wait there: its tail's read, or another cache's whose gate a drain waits behind, may be queued on
     # that very thread. It is released from a thread of its own.
@@ -85,7 +85,7 @@ def _release(state: TierRuntime, table: _Table) -> None:
     _release_now(state, table)
 
 
-def _release_now(state: TierRuntime, table: _Table) -> None:
+def _release_now(state: TierRuntime, table: PageTable) -> None:
     try:
         table.release(state)
     except Exception:  # noqa: BLE001 - a finalizer never raises; the pages are then lost to this pool only

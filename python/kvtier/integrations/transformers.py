@@ -59,7 +59,7 @@ from ..store import DEFAULT_CAPACITY, PageStore
 from ._transformers_cache import KvtierCache
 from ._transformers_plan import calibrate as _calibrate
 from ._transformers_state import TierRuntime, TransformersStats
-from ._transformers_window import _Window
+from ._transformers_window import DeviceWindow
 
 __all__ = ["KVTier", "KvtierCache", "TransformersStats", "TESTED_TRANSFORMERS", "RESTORE_MODES", "cache_kwarg"]
 
@@ -234,7 +234,7 @@ class KVTier:
         digest = hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:20]
         self.model_name = f"hf:{model_id}:{digest}"
         stats = TransformersStats()
-        self._template = _Window(self.layers, 1, heads, k_dim, v_dim, dtype, kv_device, page_size, page_size)
+        self._template = DeviceWindow(self.layers, 1, heads, k_dim, v_dim, dtype, kv_device, page_size, page_size)
         token_bytes = (k_dim + v_dim) * heads * self.layers * torch.empty((), dtype=dtype).element_size()
         if store_dir is not None and store_capacity_bytes < 2 * page_size * token_bytes:
             raise InvalidArgumentError(f"invalid argument `store_capacity_bytes`: {store_capacity_bytes} holds less than "

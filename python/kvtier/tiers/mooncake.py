@@ -35,7 +35,7 @@ from .._errors import ClosedError, InvalidArgumentError, KvtierError
 from ..buffer import HostBuffer
 from ..planner import TierEstimate, TierMeter
 from ..page_layout import PAGE_LAYOUTS, host_buffers, page_layout as _page_layout
-from ..store import _keys
+from ..tenants import check_keys as _keys
 from ._mooncake_env import connect
 from ._mooncake_pages import PageObjects, RegisteredScratch
 from ..tenants import erase_tag, open_keyring, scope_keys, tenant_of
