@@ -10,4 +10,17 @@ if hits=$(git grep -n -I -i -E "$pattern" -- . ':!CHANGELOG.md' ':!benches/resul
     echo "$hits" >&2
     exit 1
 fi
+# The README and the docs also carry no commit hashes (7-12 hex digits with a letter and a digit) and no
+# dated phrases; RESULTS.md and the CHANGELOG keep both.
+dated='[e]arlier day|on [t]his day|in a (second|third|fourth) [r]un|\b[t]oday\b|[y]esterday'
+if hits=$(git grep -n -I -P '\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,12}\b' -- README.md docs/); then
+    echo "commit hashes in the README or docs (they belong in benches/RESULTS.md and CHANGELOG.md):" >&2
+    echo "$hits" >&2
+    exit 1
+fi
+if hits=$(git grep -n -I -i -E "$dated" -- README.md docs/); then
+    echo "dated phrases in the README or docs (say what is, with its figure; the *when* goes to CHANGELOG.md):" >&2
+    echo "$hits" >&2
+    exit 1
+fi
 echo "history words: none"
