@@ -67,3 +67,47 @@ def test_a_pending_call_answers_once_and_only_when_it_has_returned(tmp_path):
             native.submit_pages(False, keys, np.zeros((2, PS), dtype=np.int64))  # refused before it starts
         assert native_calls.page_batch(native, False, keys, np.arange(4 * PS, 6 * PS, dtype=np.int64), None, False) \
             == [True, True]
+
+
+def test_an_exception_raised_into_a_waiting_thread_comes_after_the_call_and_never_hangs(tmp_path):
+    """An asynchronous exception delivered to a thread waiting for a native call is raised once the call has
+    returned (its pages are the call's until then), and a second read of the spent eventfd never blocks it."""
+    import ctypes
+    import time
+
+    from kvtier.testing import clear_faults, inject_fault
+
+    hp = make_pool()
+    with PageStore(tmp_path, model_name="m") as st:
+        st.register_mem_pool_host(hp)
+        keys = [f"k{i}" for i in range(2)]
+        assert st.batch_set_v1(keys, pages_idx(range(2))) == [True, True]
+        inject_fault("data_read", "delay", delay_ms=300)
+        box = {}
+
+        def run():
+            try:
+                box["v"] = st.batch_get_v1(keys, pages_idx(range(2, 4)))
+            except BaseException as e:  # noqa: BLE001 (handed to the test)
+                box["e"] = e
+
+        try:
+            t = threading.Thread(target=run)
+            t.start()
+            time.sleep(0.1)
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(t.ident), ctypes.py_object(KeyError))
+            t.join(30)
+        finally:
+            clear_faults()
+        assert not t.is_alive(), "the thread still waits"
+        assert isinstance(box.get("e"), KeyError)
+
+
+def test_index_tensors_are_viewed_in_place_and_kept_alive():
+    t = torch.arange(8, dtype=torch.int64)
+    a = native_calls.indices(t[2:6])
+    assert a.tolist() == [2, 3, 4, 5]
+    del t
+    assert a.tolist() == [2, 3, 4, 5]  # (the view holds its tensor)
+    assert native_calls.indices(torch.arange(8, dtype=torch.int64)[::2]).tolist() == [0, 2, 4, 6]  # (a copy)
+    assert native_calls.indices(torch.zeros(0, dtype=torch.int64)).size == 0

@@ -31,7 +31,8 @@ def test_cpu_round_trip_is_one_native_call_per_operation(tmp_path):
     assert calls["store write"] == ["PageStore.put_pages"]
     assert calls["store read"] == ["PageStore.get_pages"]
     assert calls["load"] == ["plan_sides"] + ["copy_cpu"] * (layers - 1)  # one per layer
-    assert r["python_functions"] <= 19, r["functions"]  # (each store batch also feeds its tier's meter)
+    # (each store batch also feeds its tier's meter, and converts its indices and calls through kvtier.native_calls)
+    assert r["python_functions"] <= 21, r["functions"]
 
 
 @pytest.mark.cuda
@@ -48,4 +49,4 @@ def test_cuda_round_trip_is_one_native_call_per_operation(tmp_path, stream):
         assert calls["load"] == ["plan_sides"] + ["submit_layers"] * (layers - 1)
     else:  # the first warm load forks to the detour from Python; the next ones fork, copy and join in one call
         assert calls["load"] == ["plan_sides", "submit_layers"] + ["submit_layers_detour"] * (layers - 2)
-    assert r["python_functions"] <= 26, r["functions"]  # (each store batch also feeds its tier's meter)
+    assert r["python_functions"] <= 28, r["functions"]  # (as on the CPU: the meter, kvtier.native_calls)

@@ -16,6 +16,7 @@ threads instead of unwinding them (gh-87135)."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 from typing import Any
@@ -24,8 +25,17 @@ import numpy as np
 
 
 def indices(host_indices: Any) -> np.ndarray:
-    """An engine's 1-D int64 index tensor as numpy, with one torch call for indices on the CPU."""
-    return host_indices.numpy() if host_indices.device.type == "cpu" else host_indices.detach().cpu().numpy()
+    """An engine's 1-D int64 index tensor as numpy. A contiguous CPU tensor is viewed in place, with no torch
+    object made (``Tensor.numpy()`` makes one, and releasing it takes the GIL back inside torch); the view keeps
+    the tensor alive."""
+    if host_indices.device.type != "cpu" or not host_indices.is_contiguous():
+        return host_indices.detach().cpu().numpy()
+    n = host_indices.numel()
+    if not n:
+        return np.zeros(0, dtype=np.int64)
+    raw = (ctypes.c_int64 * n).from_address(host_indices.data_ptr())
+    raw.tensor = host_indices  # (the memory's owner lives as long as the view)
+    return np.frombuffer(raw, dtype=np.int64)
 
 
 def wait_native(pending: Any) -> Any:
@@ -39,6 +49,8 @@ def wait_native(pending: Any) -> Any:
             break
         except BaseException as e:  # noqa: BLE001 (raised again once the call has returned)
             raised = e
+            if pending.done():  # (raised after the read took the count: reading again would wait for ever)
+                break
     if raised is not None:
         raise raised
     return pending.result()
@@ -51,6 +63,8 @@ def page_batch(store: Any, write: bool, keys: list[str], idx: Any, split: tuple[
     if threading.current_thread() is threading.main_thread():
         return store.put_pages(keys, idx, staged=staged) if write else store.get_pages(keys, idx, layers, first, gate,
                                                                                          staged=staged)
+    if write:  # (a write is one pass, as put_pages takes it)
+        layers, first, gate = 0, 0, None
     return wait_native(store.submit_pages(write, keys, idx, layers, first, gate, staged=staged))
 
 
