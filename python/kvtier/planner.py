@@ -190,6 +190,9 @@ class RestorePlan:
     candidates: dict[str, float] = field(default_factory=dict)
     #: which tier holds the pages after the host's (``[(tier, pages)]`` from ``host_pages`` on, in order)
     segments: list[tuple[str, int]] = field(default_factory=list)
+    #: what the plan was chosen by: its predicted time over ``1 - margin`` of its kind (:func:`plan_restore`);
+    #: never higher with one more cached page
+    score: float | None = None
 
     @property
     def reused_pages(self) -> int:
@@ -215,7 +218,8 @@ class RestorePlan:
         return dict(kind=self.kind, prompt_tokens=self.prompt_tokens, page_tokens=self.page_tokens,
                     host_pages=self.host_pages, recompute_to=self.recompute_to, load_to=self.load_to,
                     load=list(self.load), cached_pages=self.cached_pages, predicted_s=self.predicted_s,
-                    recompute_s=self.recompute_s, candidates=dict(self.candidates), segments=list(self.segments))
+                    recompute_s=self.recompute_s, candidates=dict(self.candidates), segments=list(self.segments),
+                    score=self.score)
 
 
 def _segments_between(segments: Sequence[tuple[str, int]], first: int, last: int) -> list[tuple[str, int]]:
@@ -264,8 +268,9 @@ def plan_restore(
         margin: a plan that reuses stored pages must be predicted at least this fraction faster than the
             best plan without them, so a close call never makes time to first token worse. Each kind of plan is
             scored by its predicted time over ``1 - margin`` (``1 - split_margin`` for a split, 1 for the
-            others) and the lowest score wins; a load may stop at any cached page, so without a split one more
-            cached page never raises the winning score (a split's tail reads through the last cached page).
+            others) and the lowest score wins; a load and a split's tail may stop at any cached page, so one more
+            cached page never raises the winning score (:attr:`RestorePlan.score`; a trailing split's tail reads
+            through the last cached page: see ``trail``).
         split_margin: a split (a second forward, IO beside compute) must be predicted at least this fraction
             faster than the best plan without one (on the H200 a split ran 3-21% over its prediction while
             every other kind stayed within 10%).
@@ -328,8 +333,9 @@ def plan_restore(
     plans, score = {"recompute": full("recompute", 0, 0, 0, recompute, recompute)}, {"recompute": recompute}
 
     def chosen() -> RestorePlan:
-        best = plans[min(score, key=lambda kind: score[kind])]
-        best.candidates = seen
+        kind = min(score, key=lambda k: score[k])
+        best = plans[kind]
+        best.candidates, best.score = seen, score[kind]
         return best
 
     if h:
@@ -376,23 +382,35 @@ def plan_restore(
     i = int(np.nonzero(t <= best_t + max(0.01 * best_t, 1e-9))[0][-1])
     seen["load"], score["load"] = best_t, best_t / (1.0 - margin)
     plans["load"] = full("load", h, h, h + int(p[i]), float(t[i]), recompute)
-    if can_split and m > max(1, split_step):  # recompute the head [h, h + p) while the tail [h + p, cached) loads
-        # (the tail reads through the last cached page: a tail ending earlier left cached pages to the rest's
-        # forward, which the H200 ran 22 % over its prediction, so one more cached page can still turn a split
-        # into a slower kind of plan; each kind's own candidate never gets worse)
+    if can_split and m > max(1, split_step):  # recompute the head [h, h + p) while the tail [h + p, h + q) loads
+        # A tail may end at any cached page q (the rest's forward computing [h + q, cached) too), so one more
+        # cached page never makes the best split worse; trailing (the rest's forward following the head layer by
+        # layer) the tail reads through the last cached page: a shorter one there left the trailing rest over
+        # pages the read did not bring, which the H200 did not run bit-exact (benches/RESULTS.md, the planner's
+        # scoring).
         p = np.arange(max(1, split_step), m, max(1, split_step))
-        rest_t = float(P(N - cached * ps, cached * ps))
-        host_t = float(hidden(rest_t))
-        head_t, read_t = P(p * ps, h * ps), read(p, m)
-        if trail and overlap and host_t > 0:  # the rest trails the head: after a head that ends last it is free
+        q = np.arange(1, m + 1) if not (trail and overlap) else np.array([m])
+        rest_q = np.minimum.accumulate(np.broadcast_to(P(N - (h + q) * ps, (h + q) * ps), q.shape))
+        host_q = hidden(rest_q)
+        head_t = P(p * ps, h * ps)[:, None]
+        read_t = read(p[:, None], q[None, :])
+        rest_t, host_t = rest_q[None, :], host_q[None, :]
+        if trail and overlap and float(host_q[-1]) > 0:  # the rest trails the head: after a head that ends last it is free
             t = np.maximum(np.maximum(head_t, read_t + rest_t - host_t), 2 * host_t)
-            i = int(np.argmin(np.maximum(np.maximum(head_t, read_t * (1.0 + trail_margin) + rest_t - host_t), 2 * host_t)))
+            # the head chosen so that the read ends first by trail_margin of its time (scored by that too, so
+            # the score never rises with more cached pages)
+            obj = np.maximum(np.maximum(head_t, read_t * (1.0 + trail_margin) + rest_t - host_t), 2 * host_t)
         else:
-            t = np.maximum(np.maximum(head_t, read_t), 2 * host_t) + rest_t - host_t
-            i = int(np.argmin(t))
-        seen["split"] = float(t[i])
-        score["split"] = float(t[i]) / (1.0 - split_margin)
-        plans["split"] = full("split", h, h + int(p[i]), cached, float(t[i]), recompute)
+            obj = t = np.maximum(np.maximum(head_t, read_t), 2 * host_t) + rest_t - host_t
+        obj = np.where(q[None, :] > p[:, None], obj, np.inf)  # (a tail of at least one page)
+        # of the heads and tails predicted alike, the longest tail (the most pages reused), then the shortest head
+        best_obj = float(np.min(obj))
+        ties = np.nonzero(obj <= best_obj + max(1e-9 * best_obj, 1e-15))
+        k = int(np.lexsort((ties[0], -ties[1]))[0])
+        i, jq = int(ties[0][k]), int(ties[1][k])
+        seen["split"] = float(t[i, jq])
+        score["split"] = float(obj[i, jq]) / (1.0 - split_margin)
+        plans["split"] = full("split", h, h + int(p[i]), h + int(q[jq]), float(t[i, jq]), recompute)
     return chosen()
 
 
