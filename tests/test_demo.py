@@ -14,7 +14,7 @@ def test_demo_verifies_everything(capsys):
     assert "MLAHostPool[page_first_direct, direct]" in out and "MLAHostPool[page_first, kernel]" in out
     assert "PageStore[demo/deepseek-like]" in out and out.count("restored from disk bit-exact: True") == 2
     assert "for all 4 requests: True" in out and "host hit" in out
-    assert "no tier" in out and "worst request" in out
+    assert "no tier" in out and "worst request" in out and "p90" in out and "bench_multiturn" in out
     assert "faster to first token than no tier" in out or "slower to first token than no tier" in out
 
 
@@ -91,3 +91,52 @@ def test_the_gpu_demo_serves_a_model_the_gpu_can_hold():
     for key in ("cuda", "cuda-small"):  # the same workload either way
         assert {k: v for k, v in wt.SIZES[key].items() if k != "config"} == \
             {k: v for k, v in wt.SIZES["cuda"].items() if k != "config"}
+
+
+def test_the_chat_workload_is_shaped_like_bench_multiturn():
+    """SGLang's bench_multiturn's defaults on a GPU (512 tokens of request and 64 of answer a round, 5 rounds), a
+    quarter of them on the CPU; a system prompt every conversation shares; each request extends its own history;
+    conversations served in a random order, each in its own order; more history than the host pool holds."""
+    import pytest
+
+    pytest.importorskip("transformers")
+    from kvtier.demo import workload_transformers as wt
+
+    assert {k: wt.SIZES["cuda"][k] for k in ("request", "output", "rounds")} == dict(request=512, output=64, rounds=5)
+    assert {k: wt.SIZES["cpu"][k] for k in ("request", "output", "rounds")} == dict(request=128, output=16, rounds=5)
+    for device in ("cpu", "cuda"):
+        z = wt.SIZES[device]
+        reqs = wt.conversations(z["conversations"], z["rounds"], z, 1000, seed=0)
+        assert len(reqs) == z["conversations"] * z["rounds"]
+        system = reqs[0]["tokens"][: z["system"]]
+        last: dict[int, list[int]] = {}
+        for r in reqs:
+            c, t, tokens = r["conversation"], r["turn"], r["tokens"]
+            assert len(tokens) == z["system"] + t * z["request"] + (t - 1) * z["output"]
+            assert tokens[: z["system"]] == system
+            assert t == 1 or tokens[: len(last[c])] == last[c]  # the history so far, then the answer and a request
+            assert t == len([x for x in reqs[: reqs.index(r) + 1] if x["conversation"] == c])
+            last[c] = tokens
+        order = [r["conversation"] for r in reqs]
+        assert order != sorted(order) and order[: z["conversations"]] != list(range(z["conversations"]))
+        histories = sum(len(t) - z["system"] for t in last.values()) + z["system"]
+        assert histories > 1.3 * z["host_pages"] * z["page_size"]  # the host pool cannot keep them all
+        # the same seed, the same requests (two nodes of the cluster demo serve the same workload)
+        assert wt.conversations(z["conversations"], z["rounds"], z, 1000, seed=0) == reqs
+
+
+def test_the_report_gives_rounds_and_percentiles(capsys):
+    import pytest
+
+    pytest.importorskip("transformers")
+    from kvtier.demo import workload_transformers as wt
+
+    assert wt.ratio_quantile([0.5, 0.1, 0.9, 0.3], 0.5) == 0.3 and wt.ratio_quantile([0.5, 0.1, 0.9, 0.3], 0.9) == 0.9
+    assert wt.ratio_quantile([2.0], 0.9) == 2.0 and wt.ratio_quantile(list(range(10)), 0.9) == 8
+    out = wt.run(device="cpu", n_conv=3, turns=2, seed=1, store_dir=None, keep=False, quiet=False, cluster=None)
+    text = capsys.readouterr().out
+    assert out["failures"] == [] and {r["turn"] for r in out["results"]} == {1, 2}
+    assert out["conversations"] == 3 and out["turns"] == 2 and out["window"] == out["config"].num_hidden_layers
+    rounds = [line for line in text.splitlines() if line[:1] in ("1", "2") and line.split()[1:2] == ["3"]]
+    assert len(rounds) == 2, text  # one row per round: 3 requests each
+    assert "per request, kvtier/no tier p50" in text and "p90" in text and ("round 1" in text or "round 2" in text)

@@ -243,6 +243,9 @@ def test_bad_configuration_is_one_clear_error(model, tmp_path):
         (dict(model_id="x", page_size=0), "page_size"),
         (dict(model_id="x", window=0), "window"),
         (dict(model_id="x", window=4), "window"),
+        (dict(model_id="x", window="all"), "window"),
+        (dict(model_id="x", window=True), "window"),
+        (dict(model_id="x", window=2.0), "window"),
         (dict(model_id="x", page_size=16, host_tokens=20), "host_tokens"),
         (dict(), "model_id"),
         (dict(model_id=""), "model_id"),
@@ -311,6 +314,40 @@ def test_window_streams_on_the_gpu_cuda():
         assert torch.equal(got[0], want[0]), (
             f"restored generate picked other tokens (logits differ by up to {float((got[1] - want[1]).abs().max())})")
         assert tier.stats.on_demand_loads == 0
+
+
+def test_an_automatic_window_keeps_what_the_device_memory_holds(model, monkeypatch):
+    """window="auto" (the default): every layer on the device when their slots take at most half of its free
+    memory as the sequence starts, else as many as that half holds (at least 2), decided per sequence; outputs
+    bit-exact either way."""
+    from kvtier.integrations import _transformers_state as ts
+    from kvtier.integrations._transformers_window import slot_bytes
+
+    ids = prompt(37)
+    want, again = gen(model, ids, default(model)), reused(model, ids, ids, 32)
+    with KVTier(model, model_id="test/llama", page_size=PS, host_tokens=512) as tier:
+        assert tier.window == "auto"
+        cache = tier.cache(ids)
+        assert cache.resident_layers == 3 and tier.stats.resident_layers == 3
+        assert same(gen(model, ids, cache), want)
+        assert len(cache._window.k_slots) == 3 and tier.stats.layer_loads == 0  # nothing streamed
+        layer = slot_bytes(37, 2, 16, 16, torch.float32, PS)
+        for free, layers in ((2 * layer, 2), (int(4.5 * layer), 2), (6 * layer, 3), (0, 2)):
+            monkeypatch.setattr(ts, "free_bytes", lambda device, free=free: free)  # the device's memory, now
+            c = tier.cache(ids)
+            assert c.resident_layers == layers and tier.stats.resident_layers == layers, (free, layers)
+            assert c.restored_tokens == 32 and same(gen(model, ids, c), again)  # (its prefix from the host pool)
+            assert len(c._window.k_slots) == layers
+            c.release()
+    # a fixed window is kept whatever the memory
+    with KVTier(model, model_id="test/llama", page_size=PS, host_tokens=512, window=1) as tier:
+        assert tier.cache(ids).resident_layers == 1
+
+
+def test_free_memory_is_measured_on_the_cpu():
+    from kvtier.integrations._transformers_state import free_bytes
+
+    assert 0 < free_bytes(torch.device("cpu")) < 1 << 50
 
 
 def test_window_slots_grow_and_reload(model):

@@ -135,8 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-static", action="store_true", help="leave out offloaded_static (the slowest)")
     ap.add_argument("--skip-decode", action="store_true")
     ap.add_argument("--skip-ttft", action="store_true")
-    ap.add_argument("--window", default="2", help="the TTFT rows' KVTier window: layers resident on the GPU, or "
-                    "'all' (every layer: a split's head stays on the GPU; the default cache's memory)")
+    ap.add_argument("--window", default="auto", help="the TTFT rows' KVTier window: 'auto' (KVTier's default: every "
+                    "layer where half the free device memory holds them), layers resident on the GPU, or 'all' (every "
+                    "layer: a split's head stays on the GPU; the default cache's memory)")
     ap.add_argument("--compression", default="auto", choices=("auto", "off"),
                     help="the store's compression (PageStore's compression=; default auto: lossless for bf16)")
     ap.add_argument("--slow-gbps", type=float, default=0.3, help="the throttled disk of the planned_slow row (GB/s)")
@@ -165,8 +166,8 @@ def main(argv: list[str] | None = None) -> int:
                          page_size=a.page_size, weights_bytes=weights, decode={}, ttft={})
     host_tokens = 2 * (top + 2 * SUFFIX) + top // 2 + 4 * a.page_size  # a seen prompt, a new one, and room
     try:
-        window = cfg.num_hidden_layers if a.window == "all" else int(a.window)
-        results["ttft_window"] = window
+        window = "auto" if a.window == "auto" else cfg.num_hidden_layers if a.window == "all" else int(a.window)
+        results["ttft_window"] = window  # (with "auto": each TTFT row's layers are in its "window")
         tier = KVTier(model, model_id=MODEL_ID, page_size=a.page_size, window=window,
                       host_tokens=host_tokens, store_dir=root, store_capacity_bytes=1 << 40,
                       store_compression=a.compression)

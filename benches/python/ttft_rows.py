@@ -141,6 +141,7 @@ def _context(row: dict, model: Any, tier: Any, ctx: int, i: int, vocab: int, dev
         plan = cache.plan
         row[f"{name}_s"] = dt
         row[f"{name}_ratio"] = dt / row["recompute_s"]
+        row[f"{name}_window"] = cache.resident_layers
         row[f"{name}_pages"] = dict(host=cache.restored_host_pages, store=cache.restored_store_pages,
                                     recomputed_head_tokens=cache.recomputed_tokens)
         row[f"{name}_same_token_as_recompute"] = bool(torch.equal(got.argmax(-1), rec.argmax(-1)))

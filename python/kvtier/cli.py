@@ -185,7 +185,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     for name, most in (("layers", 256), ("pages", 65536), ("conversations", 1000), ("turns", 1000)):
         value = getattr(args, name)
-        if not 1 <= value <= most:
+        if value is not None and not 1 <= value <= most:
             raise KvtierError(f"--{name} must be in [1, {most}], got {value}")
     if not 0 <= args.seed < 2**63:
         raise KvtierError(f"--seed must be in [0, 2**63), got {args.seed}")
@@ -213,7 +213,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             raise KvtierError("--window applies to the one-node demo, not to --cluster")
         from .demo.cluster import run_cluster
 
-        return run_cluster(conversations=args.conversations, turns=args.turns, seed=args.seed,
+        return run_cluster(conversations=args.conversations or 3, turns=args.turns or 3, seed=args.seed,
                            store_dir=args.store_dir)
     from .demo.tour import run
 
@@ -246,16 +246,18 @@ def _main(argv: list[str] | None) -> int:
     demo = sub.add_parser("demo", help="the verified end-to-end demo (GPU if present, else CPU)")
     demo.add_argument("--layers", type=int, default=8, help="layers of the transfer round trip (default 8)")
     demo.add_argument("--pages", type=int, default=32, help="pages of the transfer round trip (default 32)")
-    demo.add_argument("--conversations", type=int, default=3, help="conversations served (default 3)")
-    demo.add_argument("--turns", type=int, default=3, help="turns per conversation (default 3)")
+    demo.add_argument("--conversations", type=int, default=None,
+                      help="conversations served (default: 16 on a GPU, 8 on the CPU; 3 with --cluster)")
+    demo.add_argument("--turns", type=int, default=None,
+                      help="rounds per conversation (default 5, as SGLang's bench_multiturn; 3 with --cluster)")
     demo.add_argument("--store-dir", default=None,
                       help="directory for every store the demo writes (created if missing; its parent must exist; kept "
                       "after the run). Default: temp directories under the working directory, removed unless --keep")
     demo.add_argument("--keep", action="store_true", help="keep the default store directory after the run")
     demo.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     demo.add_argument("--window", default=None,
-                      help="layers the served model's KVTier keeps on the device: a number, or 'all' (default 2; "
-                      "more than the model has means all)")
+                      help="layers the served model's KVTier keeps on the device: a number, or 'all' (default: KVTier's "
+                      "'auto', every layer where half the free device memory holds them; more than the model has means all)")
     demo.add_argument("--cluster", action="store_true",
                       help="two inference-node processes sharing prefixes through a local Mooncake cluster "
                       "(needs kvtier[mooncake]; README 'Cluster tier')")

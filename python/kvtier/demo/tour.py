@@ -49,7 +49,7 @@ def _calm(fallback: str) -> str:
 
 
 def run(layers: int = 8, pages: int = 32, page_size: int = 64, heads: int = 4, seed: int = 0, *,
-        conversations: int = 3, turns: int = 3, keep: bool = False, store_dir: str | None = None,
+        conversations: int | None = None, turns: int | None = None, keep: bool = False, store_dir: str | None = None,
         window: int | None = None) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     print(f"kvtier {__version__} demo on {device} (torch {torch.__version__})")
@@ -93,17 +93,20 @@ def run(layers: int = 8, pages: int = 32, page_size: int = 64, heads: int = 4, s
         os.makedirs(store_dir, mode=0o700, exist_ok=True)
     failures += _spill_round_trip(dp, ref, pages, page_size, layers, device, store_dir, "demo/mimo-like")
     failures += _spill_round_trip(mla, mla_ref, pages, page_size, mla_layers, device, store_dir, "demo/deepseek-like")
-    if conversations > 0 and turns > 0:
+    if (conversations is None or conversations > 0) and (turns is None or turns > 0):
         from .workload import llama_config, run_workload
 
         if importlib.util.find_spec("transformers") is not None:
-            c = llama_config(device)
-            print(f"\nServing {conversations} conversations x {turns} turns with transformers' LlamaForCausalLM "
+            from .workload_transformers import SIZES, size_key
+
+            c, z = llama_config(device), SIZES[size_key(device)]
+            print(f"\nServing {conversations or z['conversations']} conversations x {turns or z['rounds']} rounds with "
+                  f"transformers' LlamaForCausalLM "
                   f"({c.num_hidden_layers} layers, hidden {c.hidden_size}, {c.num_attention_heads} heads / "
                   f"{c.num_key_value_heads} KV heads, random weights) through kvtier's transformers cache, every "
                   f"restore planned from measurements (host pool < working set, so pages also come from disk):")
         else:
-            print(f"\nServing {conversations} conversations x {turns} turns with a tiny asymmetric transformer "
+            print(f"\nServing {conversations or 3} conversations x {turns or 3} turns with a tiny asymmetric transformer "
                   f"(K 48 / V 32 head dims; transformers is not installed) through TierController; device pool < "
                   f"working set, host pool < working set:")
         out = run_workload(device=device, n_conv=conversations, turns=turns, seed=seed, keep=keep, store_dir=store_dir,

@@ -106,8 +106,8 @@ def run_workload(
     *,
     device: str,
     model: str = "auto",
-    n_conv: int = 3,
-    turns: int = 3,
+    n_conv: int | None = None,
+    turns: int | None = None,
     host_pages: int = 12,
     seed: int = 0,
     store_dir: str | None = None,
@@ -123,7 +123,9 @@ def run_workload(
     ``cluster`` (a Mooncake master's address) the store is the tier chain local disk → cluster (kvtier.tiers),
     and a prefix served by the cluster counts as a ``cluster hit``. ``restore``: the transformers tier's restore
     mode (``"plan"``: decided with measurements; ``"all"``: every cached page loaded); ``window``: its layers
-    kept on the device (None: the demo's default for ``device``; 0: every layer)."""
+    kept on the device (None: KVTier's default, sized from free device memory; 0: every layer). ``n_conv``,
+    ``turns``: conversations and rounds (None: the Llama workload's defaults for ``device``, 3 and 3 for the
+    toy)."""
     if model not in ("auto", "llama", "toy"):
         raise InvalidArgumentError(f"invalid argument `model`: {model!r}; expected 'auto', 'llama' or 'toy'")
     if model == "auto":
@@ -137,6 +139,7 @@ def run_workload(
         return run(device=device, n_conv=n_conv, turns=turns, seed=seed, store_dir=store_dir, keep=keep, quiet=quiet,
                    cluster=cluster, restore=restore, window=window)
     g = Geometry()
+    n_conv, turns = 3 if n_conv is None else n_conv, 3 if turns is None else turns
     reqs = conversations(n_conv, turns, g, seed)
     max_tokens = max(len(r) for r in reqs)
     dev_pages = max_tokens // g.page_size + 2

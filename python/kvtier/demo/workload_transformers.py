@@ -4,9 +4,17 @@ timed with kvtier and with no tier (the same whole prompt in one forward with tr
 ``DynamicCache``, timed just before and just after kvtier: their mean is the comparison, their difference the
 noise), so the report says whether kvtier made each request faster or slower.
 
-Conversations share a system prompt and each turn extends its conversation; the host pool holds less than the
-working set, so pages flow to the disk (and the cluster tier) and come back, or are recomputed — whichever
-kvtier's restore planner predicts fastest from what it measured (``restore="plan"``).
+**The workload** is multi-turn chat shaped like SGLang's HiCache benchmark (``benchmark/hicache/bench_multiturn.py``,
+whose defaults are 5 rounds per conversation, 512 tokens of user request per round, 64 tokens of answer, and a
+ready queue served in random order): every conversation starts from a system prompt all of them share, and each
+round appends the last answer and a new request to its history. Conversations are served in a random order
+(the next request of a random conversation that has rounds left), one request at a time, and there are more of
+them than the host pool holds, so some histories come back from the disk (or the cluster tier), or are
+recomputed — whichever kvtier's restore planner predicts fastest from what it measured (``restore="plan"``).
+The answers are stand-in tokens (nothing is decoded: time to first token is what is measured), so their KV is
+computed with the next request, as an engine that does not cache its decoded tokens would. On the CPU the
+sizes are a quarter of the GPU's (:data:`SIZES`), so CI's run stays short; on a GPU the model is Llama-3.1-8B's
+shape.
 
 Checks, per request: every page kvtier reused (from the host, the disk or the cluster) holds exactly the bytes
 computed for it when it was stored (a checksum taken then, compared now), and the first token equals
@@ -27,27 +35,27 @@ import torch
 from .._cleanup import remove_tree
 from .._progress import Progress
 
-#: Per device: the model config, tokens per page, and the workload's sizes in pages (system prompt, each
-#: conversation's own start, each turn). Large enough that a prompt's prefill is what TTFT is made of.
+#: Per device: the model config, tokens per page, and the chat workload (tokens): the shared system prompt,
+#: each round's user request and the answer appended after it, rounds and conversations by default, and the
+#: host pool's pages (less than the conversations' histories together). The GPU's request, answer and rounds
+#: are bench_multiturn's defaults; the CPU's a quarter of them.
 SIZES: dict[str, dict[str, Any]] = {
     "cpu": dict(config=dict(num_hidden_layers=4, hidden_size=512, intermediate_size=2816, num_attention_heads=8,
                             num_key_value_heads=2, vocab_size=4096, max_position_embeddings=8192),
-                page_size=32, system=12, start=4, turn=6, host_pages=60),
-    # Llama-3.1-8B's shape (vocabulary cut to 32K: only the last position's logits are computed). On a 1.2B
-    # model an H200 prefills 8K tokens in about 45 ms, and kvtier's per-layer host work was a visible part of
-    # that; at 8B the prefill is what a user's TTFT is made of. The host pool holds about one prompt, so the
-    # other conversations' pages come back from the disk.
+                page_size=32, system=384, request=128, output=16, rounds=5, conversations=8, host_pages=120),
+    # Llama-3.1-8B's shape (vocabulary cut to 32K: only the last position's logits are computed); the host pool
+    # holds about two thirds of the histories
     "cuda": dict(config=dict(num_hidden_layers=32, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
                              num_key_value_heads=8, vocab_size=32000, max_position_embeddings=32768, rope_theta=500000.0,
                              rms_norm_eps=1e-5),
-                 page_size=64, system=48, start=16, turn=24, host_pages=160),
+                 page_size=64, system=2048, request=512, output=64, rounds=5, conversations=16, host_pages=480),
     # a GPU with less than SMALL_GPU_BELOW of memory (the 8B model's bf16 weights alone are 14.5 GB, 7.24 billion
-    # parameters with this vocabulary; its 8K-token prefill needs more, and a busy or shared GPU has less free):
-    # a 1.2B model of the same page and prompt sizes
+    # parameters with this vocabulary; its prefill needs more, and a busy or shared GPU has less free): a 1.2B
+    # model with the same workload
     "cuda-small": dict(config=dict(num_hidden_layers=16, hidden_size=2048, intermediate_size=8192,
                                    num_attention_heads=16, num_key_value_heads=8, vocab_size=32000,
                                    max_position_embeddings=32768),
-                       page_size=64, system=48, start=16, turn=24, host_pages=160),
+                       page_size=64, system=2048, request=512, output=64, rounds=5, conversations=16, host_pages=480),
 }
 #: total device memory below which the demo serves the 1.2B model (``"cuda-small"``): a 32 GB card and
 #: smaller (a "40 GB" A100 reports about 39.4 GiB and serves the 8B one)
@@ -61,10 +69,6 @@ def size_key(device: str, total_memory: int | None = None) -> str:
     if total_memory is None:
         total_memory = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     return "cuda" if total_memory >= SMALL_GPU_BELOW else "cuda-small"
-#: Layers kept on the device by the demo's KVTier (``None``: every layer). A window of 2 on both: on the H200
-#: the 8B demo was 1.15x faster than no tier with it and 1.06x with every layer resident (one run each, same
-#: call, benches/results/h200-demo.log), whose window costs the restore and the rest of the prompt more here.
-WINDOW: dict[str, int | None] = {"cpu": 2, "cuda": 2}
 #: logits of the same prompt computed in other chunks differ by rounding; more than this is a wrong output
 LOGIT_TOLERANCE = {"cpu": 1e-3, "cuda": 0.5}
 #: ... and so does KV: a page another node stored (no checksum of it here) is compared with no tier's KV
@@ -79,24 +83,27 @@ def llama_config(device: str) -> Any:
     return cfg
 
 
-def conversations(n_conv: int, turns: int, device: str, vocab: int, seed: int) -> list[list[int]]:
-    """Requests (token lists): ``n_conv`` conversations sharing a system prompt, each turn extending its
-    conversation (plus a few tokens of answer, so prompts do not end on page boundaries); interleaved across
-    conversations, so the host pool cannot keep them all."""
-    s = SIZES[size_key(device)]
-    ps = s["page_size"]
+def conversations(n_conv: int, turns: int, s: dict[str, Any], vocab: int, seed: int) -> list[dict[str, Any]]:
+    """The requests, in the order they are served: ``n_conv`` conversations of ``turns`` rounds (see the module
+    docs) with the sizes ``s`` (a :data:`SIZES` entry), each request ``dict(conversation, turn, tokens)`` (turns
+    counted from 1). The next request is that of a conversation picked at random among those with rounds left."""
     gen = torch.Generator().manual_seed(seed + 1)
 
     def toks(n: int) -> list[int]:
         return torch.randint(1, vocab, (n,), generator=gen).tolist()
 
-    system = toks(s["system"] * ps)
-    ctx = [system + toks(s["start"] * ps) for _ in range(n_conv)]
-    out = []
-    for _ in range(turns):
-        for c in range(n_conv):
-            ctx[c] = ctx[c] + toks(s["turn"] * ps + 5)
-            out.append(list(ctx[c]))
+    system = toks(s["system"])
+    history = [list(system) for _ in range(n_conv)]
+    done = [0] * n_conv
+    out: list[dict[str, Any]] = []
+    while len(out) < n_conv * turns:
+        ready = [c for c in range(n_conv) if done[c] < turns]
+        c = ready[int(torch.randint(len(ready), (1,), generator=gen))]
+        if done[c]:
+            history[c] += toks(s["output"])  # the answer to the last request
+        history[c] += toks(s["request"])
+        done[c] += 1
+        out.append(dict(conversation=c, turn=done[c], tokens=list(history[c])))
     return out
 
 
@@ -114,11 +121,12 @@ CUDNN_NOTE = ("attention: PyTorch's SDPA without its cuDNN backend, for kvtier a
               "prefix's forward has a pair no recompute had, so the demo would time plan building, not tiers)")
 
 
-def run(*, device: str, n_conv: int, turns: int, seed: int, store_dir: str | None, keep: bool, quiet: bool,
-        cluster: str | None, restore: str = "plan", window: int | None = None) -> dict:
+def run(*, device: str, n_conv: int | None, turns: int | None, seed: int, store_dir: str | None, keep: bool,
+        quiet: bool, cluster: str | None, restore: str = "plan", window: int | None = None) -> dict:
     """Serves the workload (see the module docs) and returns its measurements; prints the report unless
-    ``quiet``. ``window``: layers the KVTier keeps on the device (default :data:`WINDOW`'s for ``device``;
-    0 or more than the model's layers: every layer). On CUDA, cuDNN's SDPA backend is off while it runs
+    ``quiet``. ``n_conv``, ``turns``: conversations and rounds (None: :data:`SIZES`' for ``device``).
+    ``window``: layers the KVTier keeps on the device (None: KVTier's default, ``"auto"``; 0 or more than the
+    model's layers: every layer). On CUDA, cuDNN's SDPA backend is off while it runs
     (:data:`CUDNN_NOTE`)."""
     cudnn = device == "cuda" and torch.backends.cuda.cudnn_sdp_enabled()
     if cudnn:
@@ -135,8 +143,8 @@ def run(*, device: str, n_conv: int, turns: int, seed: int, store_dir: str | Non
     return out
 
 
-def _run(*, device: str, n_conv: int, turns: int, seed: int, store_dir: str | None, keep: bool, quiet: bool,
-         cluster: str | None, restore: str = "plan", window: int | None = None) -> dict:
+def _run(*, device: str, n_conv: int | None, turns: int | None, seed: int, store_dir: str | None, keep: bool,
+         quiet: bool, cluster: str | None, restore: str = "plan", window: int | None = None) -> dict:
     from transformers import DynamicCache, LlamaForCausalLM
 
     from ..integrations.transformers import KVTier
@@ -144,10 +152,11 @@ def _run(*, device: str, n_conv: int, turns: int, seed: int, store_dir: str | No
     cfg = llama_config(device)
     s = SIZES[size_key(device)]
     ps = s["page_size"]
-    reqs = conversations(n_conv, turns, device, cfg.vocab_size, seed)
-    if window is None:
-        window = WINDOW["cuda" if device == "cuda" else "cpu"]
-    window = cfg.num_hidden_layers if not window or window > cfg.num_hidden_layers else window
+    n_conv = s["conversations"] if n_conv is None else n_conv
+    turns = s["rounds"] if turns is None else turns
+    served = conversations(n_conv, turns, s, cfg.vocab_size, seed)
+    reqs = [r["tokens"] for r in served]
+    fixed = None if window is None else cfg.num_hidden_layers if not window or window > cfg.num_hidden_layers else window
     torch.manual_seed(seed)
     old_dtype = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16 if device == "cuda" else torch.float32)  # made in its own dtype
@@ -172,7 +181,8 @@ def _run(*, device: str, n_conv: int, turns: int, seed: int, store_dir: str | No
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("always")
-            tier = KVTier(model, model_id=f"kvtier-demo/random-llama-{device}-seed{seed}", page_size=ps, window=window,
+            tier = KVTier(model, model_id=f"kvtier-demo/random-llama-{device}-seed{seed}", page_size=ps,
+                          window="auto" if fixed is None else fixed,
                           host_tokens=max(s["host_pages"], max_pages + 1) * ps, store_dir=root,
                           store_capacity_bytes=4 << 30, cluster=cluster, restore=restore)
     except BaseException:
@@ -235,7 +245,8 @@ def _run(*, device: str, n_conv: int, turns: int, seed: int, store_dir: str | No
             cache.release()  # its full pages stay in the host pool (and go to the store) for the next requests
             tier.controller.wait_idle()
             _remember(tier, tokens, sums)
-            results.append(dict(request=i, tokens=len(tokens), source=source, plan=plan.kind if plan else "all",
+            results.append(dict(request=i, conversation=served[i]["conversation"], turn=served[i]["turn"],
+                                tokens=len(tokens), window=cache.resident_layers, source=source, plan=plan.kind if plan else "all",
                                 cached_pages=plan.cached_pages if plan else cache.restored_tokens // ps,
                                 host_hit=cache.restored_host_pages, disk_hit=cache.restored_store_pages,
                                 recomputed_head=cache.recomputed_tokens, loaded=loaded,
@@ -261,10 +272,22 @@ def _run(*, device: str, n_conv: int, turns: int, seed: int, store_dir: str | No
     out = dict(results=results, failures=failures, stats=ctrl.stats, store=store_stats, root=root if keep else None,
                page_bytes=ctrl.page_bytes, page_size=ps, tiers=tier_stats, model="llama", transformers=stats,
                config=cfg, planner=planner, measured=measured, prefill=prefill, device=device, restore=restore,
-               window=window)
+               window=window_of(results, cfg.num_hidden_layers), conversations=n_conv, turns=turns,
+               sizes={k: v for k, v in s.items() if k != "config"})
     if not quiet:
         report(out)
     return out
+
+
+def window_of(results: list[dict], layers: int) -> int:
+    """The layers kvtier kept on the device: the fewest any request had (every one, with room on the device)."""
+    return min((r["window"] for r in results), default=layers)
+
+
+def ratio_quantile(ratios: list[float], q: float) -> float:
+    """The ``q`` quantile of ``ratios`` (nearest rank: a value some request had)."""
+    r = sorted(ratios)
+    return r[min(len(r) - 1, max(0, -(-int(q * 1000) * len(r) // 1000) - 1))]
 
 
 def _close_to(cache: Any, ref: Any, pages: list[int], ps: int, tol: float) -> bool:
@@ -304,7 +327,12 @@ def _remote_hits(chain: Any) -> int:
 def report(out: dict) -> None:
     res = out["results"]
     c = out["config"]
-    print(f"\nEvery request timed twice: with kvtier (its prefix restored as planned, then the rest of the prompt) "
+    z = out["sizes"]
+    print(f"\nMulti-turn chat shaped like SGLang's bench_multiturn: {out['conversations']} conversations x "
+          f"{out['turns']} rounds, a {z['system']}-token system prompt they share, {z['request']} tokens of request "
+          f"and {z['output']} of answer per round, served one request at a time in a random order; the host pool "
+          f"holds {z['host_pages'] * out['page_size']} tokens, less than the histories together.")
+    print(f"Every request timed twice: with kvtier (its prefix restored as planned, then the rest of the prompt) "
           f"and with no tier\n(the whole prompt in one forward, transformers' DynamicCache). Model: LlamaForCausalLM "
           f"{c.num_hidden_layers} layers, hidden {c.hidden_size}, {c.num_key_value_heads} KV heads, random weights; "
           f"kvtier keeps {'every layer' if out['window'] >= c.num_hidden_layers else str(out['window']) + ' layers'} "
@@ -333,14 +361,30 @@ def report(out: dict) -> None:
         kinds = sorted({k for r in skipped for k in r["candidates"]})
         print(f"recomputed although cached ({len(skipped)} requests), mean predicted TTFT by plan: " + ", ".join(
             f"{k} {1e3 * sum(r['candidates'].get(k, 0.0) for r in skipped) / len(skipped):.1f} ms" for k in kinds))
+    print(f"\n{'round':<6} {'requests':>8} {'prompt':>8} {'no tier':>10} {'kvtier':>10} {'kvtier/no tier p50':>19} "
+          f"{'p90':>6} {'worst':>6}   sources")
+    for turn in sorted({r["turn"] for r in res}):
+        rows = [r for r in res if r["turn"] == turn]
+        ratios = [r["ttft_s"] / r["no_tier_s"] for r in rows]
+        src: dict[str, int] = {}
+        for r in rows:
+            src[r["source"]] = src.get(r["source"], 0) + 1
+        print(f"{turn:<6} {len(rows):>8} {sum(r['tokens'] for r in rows) / len(rows):>8.0f} "
+              f"{1e3 * sum(r['no_tier_s'] for r in rows) / len(rows):>7.1f} ms "
+              f"{1e3 * sum(r['ttft_s'] for r in rows) / len(rows):>7.1f} ms {ratio_quantile(ratios, 0.5):>18.2f}x "
+              f"{ratio_quantile(ratios, 0.9):>5.2f}x {max(ratios):>5.2f}x   "
+              + ", ".join(f"{k} {v}" for k, v in src.items()))
     total_none = sum(r["no_tier_s"] for r in res)
     total_kv = sum(r["ttft_s"] for r in res)
+    ratios = [r["ttft_s"] / r["no_tier_s"] for r in res]
     worst = max(res, key=lambda r: r["ttft_s"] / r["no_tier_s"])
     speed = (f"{total_none / total_kv:.2f}x faster" if total_kv <= total_none else
              f"{total_kv / total_none:.2f}x slower")  # (a ratio under 1 printed as "faster" reads as a gain)
     print(f"kvtier: {speed} to first token than no tier over all {len(res)} requests "
-          f"({1e3 * total_kv:.0f} ms against {1e3 * total_none:.0f} ms); worst request: "
-          f"{worst['ttft_s'] / worst['no_tier_s']:.2f}x no tier's (request {worst['request']}, {worst['source']})")
+          f"({1e3 * total_kv:.0f} ms against {1e3 * total_none:.0f} ms); per request, kvtier/no tier p50 "
+          f"{ratio_quantile(ratios, 0.5):.2f}x, p90 {ratio_quantile(ratios, 0.9):.2f}x; worst request: "
+          f"{worst['ttft_s'] / worst['no_tier_s']:.2f}x no tier's (request {worst['request']}, round {worst['turn']}, "
+          f"{worst['source']})")
     p = out["planner"]
     err = p["median_prediction_error"]
     m = out["measured"]

@@ -16,7 +16,7 @@ from ..store import page_hashes
 from ..tenants import tenant_keys
 from ._transformers_state import TierRuntime
 from ._transformers_restore import PendingTail, RestoreSteps
-from ._transformers_window import release_table, PageTable, DeviceWindow
+from ._transformers_window import DeviceWindow, PageTable, release_table, slot_bytes
 
 # forward arguments that do not change the KV a token gets (positions and masks are checked, not listed here)
 _PLAIN = frozenset({"input_ids", "cache", "past_key_values", "use_cache", "logits_to_keep", "return_dict",
@@ -74,6 +74,7 @@ class KvtierCache(RestoreSteps, DynamicCache):
         self._released = False
         self._epoch = 0
         self._window: DeviceWindow | None = None
+        self._resident: int | None = None  # layers on the device (resident_layers), decided at first need
         self._idx: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.restored_tokens = self.restored_host_pages = self.restored_store_pages = 0
         self.recomputed_tokens = 0  # tokens of the cached prefix recomputed by the restore (a split plan's head)
@@ -123,7 +124,7 @@ class KvtierCache(RestoreSteps, DynamicCache):
         st.stats.restored_host_pages += min(host, r)
         st.stats.restored_store_pages += r - min(host, r)
         win = self._ensure_window((first + r) * ps)
-        for layer_idx in range(st.window if load else 0):  # the first layers move while the embeddings compute
+        for layer_idx in range(win.window if load else 0):  # the first layers move while the embeddings compute
             self._load(win, layer_idx, (first + r) * ps, tail=tail)
 
     # ------------------------------------------------------------------ the hooks KVTier installs on the model
@@ -242,10 +243,22 @@ class KvtierCache(RestoreSteps, DynamicCache):
             self._idx[(first, last)] = got
         return got
 
+    @property
+    def resident_layers(self) -> int:
+        """Layers this sequence keeps on the device (its window): the KVTier's ``window``, or with
+        ``window="auto"`` as many as its free memory held when the sequence started (every layer where they fit)."""
+        if self._resident is None:
+            t = self._state
+            need = max(len(self._prompt), 1)
+            self._resident = t.resident_layers(slot_bytes(need, t.heads, t.k_dim, t.v_dim, t.dtype, t.page_size))
+            t.stats.resident_layers = self._resident
+        return self._resident
+
     def _ensure_window(self, tokens: int) -> DeviceWindow:
         t = self._state
         if self._window is None:
-            self._window = DeviceWindow(t.layers, t.window, t.heads, t.k_dim, t.v_dim, t.dtype, t.device, t.page_size, tokens)
+            self._window = DeviceWindow(t.layers, self.resident_layers, t.heads, t.k_dim, t.v_dim, t.dtype, t.device,
+                                        t.page_size, tokens)
         elif self._window.size < tokens:
             t.drain()  # nothing in flight may touch the old slots
             self._window.ensure(tokens)
@@ -483,4 +496,4 @@ class KvtierCache(RestoreSteps, DynamicCache):
 
     def __repr__(self) -> str:
         return (f"KvtierCache(tokens={self.get_seq_length()}, restored={self.restored_tokens}, "
-                f"window={self._state.window}/{self._state.layers})")
+                f"window={self.resident_layers}/{self._state.layers})")

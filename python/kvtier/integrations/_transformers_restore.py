@@ -131,6 +131,7 @@ class RestoreSteps:
     layers: Any
     restored_tokens: int
     restored_store_pages: int
+    resident_layers: int
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         raise NotImplementedError  # the cache's
@@ -169,7 +170,7 @@ class RestoreSteps:
         # on CUDA the next forward is queued before the tail's read ends (its loads wait behind a gate); with
         # every layer resident the tail loads run on a stream of their own and that forward trails the head
         # layer by layer (``_load``)
-        trail = st.cuda and st.window >= st.layers
+        trail = st.cuda and self.resident_layers >= st.layers
         plan = self.plan = ctrl.plan_restore(keys, len(tokens), can_split=True, overlap=st.cuda, trail=trail)
         h, j, k = plan.host_pages, plan.recompute_to, plan.load_to
         # the host pages are held first (a reference each): the tail's read cannot evict them to make room

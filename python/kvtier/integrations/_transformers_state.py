@@ -10,6 +10,7 @@ later one has passed, at the next forward or the next restore."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -36,6 +37,27 @@ class TransformersStats:
     layer_loads: int = 0  # host -> device per-layer loads
     on_demand_loads: int = 0  # ... of which a layer waited for because it had not been prefetched
     unverified_sequences: int = 0  # caches fed tokens the pre-hook did not see (nothing of them persisted)
+    resident_layers: int = 0  # layers the last cache kept on the device (its window; window="auto" sizes it)
+
+
+#: the share of the device's free memory (at a sequence's start) an automatic window's slots may take
+AUTO_WINDOW_SHARE = 0.5
+
+
+def free_bytes(device: torch.device) -> int:
+    """Memory a new allocation can take on ``device`` now: on CUDA the driver's free memory plus what torch's
+    caching allocator holds unused; on the CPU the kernel's MemAvailable."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
 class Marks:
@@ -83,7 +105,7 @@ class TierRuntime:
     ``stream`` (None on the CPU), ``lanes``, and :meth:`transfer` / :meth:`drain` / :meth:`fence`.
     ``closed``: set by ``KVTier.close``."""
 
-    def __init__(self, *, layers: int, window: int, heads: int, k_dim: int, v_dim: int, dtype: torch.dtype,
+    def __init__(self, *, layers: int, window: int | None, heads: int, k_dim: int, v_dim: int, dtype: torch.dtype,
                  device: torch.device, page_size: int, host_tokens: int, host: Any, controller: Any,
                  stats: TransformersStats, restore: str, model: Any, cache_kwarg: str, text_config: Any,
                  attn_implementation: Any, stream: Any, lanes: int) -> None:
@@ -105,6 +127,16 @@ class TierRuntime:
         # for the store's read only, never behind the head's backups on ``stream``
         self._tail_stream: Any = None
         self._tail_sub: Any = None
+
+    def resident_layers(self, slot_bytes: int) -> int:
+        """Layers a new sequence keeps on the device, ``slot_bytes`` being one layer's slot for it: the fixed
+        window, or (``window="auto"``, :attr:`window` None) every layer when their slots take at most
+        :data:`AUTO_WINDOW_SHARE` of the device's free memory now, else as many as do (at least
+        ``min(2, layers)``: a layer computes while the next one loads)."""
+        if self.window is not None:
+            return int(self.window)
+        fit = int(AUTO_WINDOW_SHARE * free_bytes(self.device)) // max(1, slot_bytes)
+        return max(min(2, self.layers), min(self.layers, fit))
 
     def check_open(self) -> None:
         """Raises :class:`ClosedError` once the tier is closed."""

@@ -47,11 +47,23 @@ class DeviceWindow:
 
     def headroom(self, tokens: int) -> int:
         """Slot size for ``tokens``: room for some more, so decoding does not reallocate at every page."""
-        return tokens + max(8 * self.page_size, tokens // 16)
+        return slot_tokens(tokens, self.page_size)
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.k_slots, *self.v_slots))
+
+
+def slot_tokens(tokens: int, page_size: int) -> int:
+    """Tokens a layer slot is made for when the sequence has ``tokens``: room for some more, so decoding does
+    not reallocate at every page."""
+    return tokens + max(8 * page_size, tokens // 16)
+
+
+def slot_bytes(tokens: int, heads: int, k_dim: int, v_dim: int, dtype: torch.dtype, page_size: int) -> int:
+    """Device bytes of one layer's slot (K and V, the padding page included) for a sequence of ``tokens``."""
+    rows = max(1, -(-slot_tokens(tokens, page_size) // page_size)) * page_size + page_size
+    return rows * heads * (k_dim + v_dim) * torch.empty((), dtype=dtype).element_size()
 
 
 class PageTable:

@@ -9,10 +9,12 @@ sequence and the pages kept for reuse, a :class:`kvtier.TierController` over it,
 deprecated ``past_key_values=``; releases before the ``cache`` name, such as 5.19 and 5.20, take only
 ``past_key_values=``: :func:`cache_kwarg` tells which)::
 
-    tier = KVTier(model, model_id="my-org/my-model", page_size=16, window=2)
+    tier = KVTier(model, model_id="my-org/my-model", page_size=16)
     out = model.generate(ids, cache=tier.cache(ids), max_new_tokens=32)  # past_key_values= before the rename
 
-- **Layers stream.** The GPU holds ``window`` layer slots; layer ``l`` uses slot ``l % window``. When layer
+- **Layers stay or stream.** By default (``window="auto"``) a sequence keeps every layer on the GPU when they
+  fit in half of its free memory, as transformers' own cache does. With a fixed ``window`` (or a sequence too
+  long for that), the GPU holds ``window`` layer slots; layer ``l`` uses slot ``l % window``. When layer
   ``l`` has been handed to attention, the slot's new pages go to the host (one per-layer backup) and layer
   ``l + window``'s KV is loaded into it, both on one transfer stream ordered after an event of the compute
   stream; layer ``l + window`` waits only for its own load's event (the :class:`kvtier.LayerLoader`
@@ -124,7 +126,11 @@ class KVTier:
             required for a model built from a config (random or your own weights): KV of other weights with
             the same config must never be served.
         page_size: tokens per page (the unit of reuse and of every transfer).
-        window: layers resident on the device at once (1 … number of layers).
+        window: layers resident on the device at once: ``"auto"`` (default) keeps every layer of a sequence
+            on the device when their slots take at most half of the device's free memory as the sequence
+            starts (as transformers' own cache does; decided again for every sequence), else as many layers as
+            that half holds (at least 2); or a fixed number (1 … number of layers): the GPU then holds that
+            many layers and streams the others in from the host pool while the model runs.
         host_tokens: tokens of KV (every layer) the pinned host pool holds: the live sequence plus the pages
             kept for reuse (least recently used ones are evicted, to the store first if it has them).
         store_dir: a directory for a :class:`kvtier.PageStore` (pages persist across processes), or None.
@@ -148,7 +154,7 @@ class KVTier:
             None (as long as the IO takes).
     """
 
-    def __init__(self, model: Any, *, model_id: str | None = None, page_size: int = 16, window: int = 2,
+    def __init__(self, model: Any, *, model_id: str | None = None, page_size: int = 16, window: int | str = "auto",
                  host_tokens: int = 65536, store_dir: str | os.PathLike[str] | None = None,
                  store_capacity_bytes: int | str = DEFAULT_CAPACITY, cluster: str | None = None, pin_memory: bool = True,
                  restore: str = "plan", prefill: PrefillModel | float | None = None, calibrate: bool = True,
@@ -158,7 +164,10 @@ class KVTier:
         if config is None or not callable(model) or not hasattr(config, "get_text_config"):
             raise InvalidArgumentError(f"invalid argument `model`: expected a transformers model, got {type(model).__name__}")
         self.page_size = _positive("page_size", page_size)
-        _positive("window", window)
+        if window != "auto":
+            if isinstance(window, str):
+                raise InvalidArgumentError(f"invalid argument `window`: \"auto\" or a number of layers, got {window!r}")
+            _positive("window", window)
         self.host_tokens = _positive("host_tokens", host_tokens)
         if host_tokens < 2 * page_size:
             raise InvalidArgumentError(f"invalid argument `host_tokens`: {host_tokens} is less than two pages of {page_size}")
@@ -206,7 +215,7 @@ class KVTier:
                 f"invalid argument `model`: kvtier's cache needs every decoder layer to be full attention; "
                 f"{type(model).__name__} has {', '.join(others) or 'no layers'} (sliding-window, linear or shared layers)")
         self.layers = len(probe.layers)
-        if window > self.layers:
+        if window != "auto" and window > self.layers:  # type: ignore[operator]
             raise InvalidArgumentError(f"invalid argument `window`: {window} is more than the model's {self.layers} layers")
         self.window = window
         # one token through the model tells the KV geometry each layer caches (heads, K and V dims, dtype)
@@ -277,7 +286,7 @@ class KVTier:
         self.stream = torch.cuda.Stream(kv_device) if self.cuda else None
         self._lanes = self.host.engine.lanes_for("direct", self.host.sides()) if self.cuda else 1
         # what the caches and the calibration share with this tier (they never see the KVTier's insides)
-        self._state = TierRuntime(layers=self.layers, window=window, heads=heads, k_dim=k_dim, v_dim=v_dim, dtype=dtype,
+        self._state = TierRuntime(layers=self.layers, window=None if window == "auto" else int(window), heads=heads, k_dim=k_dim, v_dim=v_dim, dtype=dtype,
                                   device=kv_device, page_size=page_size, host_tokens=host_tokens, host=self.host,
                                   controller=self.controller, stats=stats, restore=restore, model=weakref.ref(model),
                                   cache_kwarg=cache_kwarg(model), text_config=text,
