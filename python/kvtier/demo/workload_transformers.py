@@ -23,6 +23,7 @@ prompt round differently)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 import time
@@ -131,10 +132,15 @@ def run(*, device: str, n_conv: int | None, turns: int | None, seed: int, store_
     cudnn = device == "cuda" and torch.backends.cuda.cudnn_sdp_enabled()
     if cudnn:
         torch.backends.cuda.enable_cudnn_sdp(False)
+    # the planner's warning for each slow plan is the report's count instead (its line would split the progress bar)
+    planner_log = logging.getLogger("kvtier.planner")
+    level = planner_log.level
+    planner_log.setLevel(logging.ERROR)
     try:
         out = _run(device=device, n_conv=n_conv, turns=turns, seed=seed, store_dir=store_dir, keep=keep, quiet=True,
                    cluster=cluster, restore=restore, window=window)
     finally:
+        planner_log.setLevel(level)
         if cudnn:
             torch.backends.cuda.enable_cudnn_sdp(True)
     out["attention_note"] = CUDNN_NOTE if cudnn else None
@@ -242,9 +248,10 @@ def _run(*, device: str, n_conv: int | None, turns: int | None, seed: int, store
             ok_out = diff <= LOGIT_TOLERANCE[device] and bool(want[picked] >= want.max() - 2 * diff)
             if not (ok_kv and ok_out):
                 failures.append((i, source, ok_kv, ok_out))
+            reused_keys = {k for j in reused if (k := cache.table.keys[j]) is not None}
             cache.release()  # its full pages stay in the host pool (and go to the store) for the next requests
             tier.controller.wait_idle()
-            _remember(tier, tokens, sums)
+            _remember(tier, tokens, sums, reused_keys)
             results.append(dict(request=i, conversation=served[i]["conversation"], turn=served[i]["turn"],
                                 tokens=len(tokens), window=cache.resident_layers, source=source, plan=plan.kind if plan else "all",
                                 cached_pages=plan.cached_pages if plan else cache.restored_tokens // ps,
@@ -306,14 +313,18 @@ def _close_to(cache: Any, ref: Any, pages: list[int], ps: int, tol: float) -> bo
     return True
 
 
-def _remember(tier: Any, tokens: list[int], sums: dict[str, int]) -> None:
-    """Checksums of the pages of ``tokens`` the controller now keeps on the host, for pages not seen before."""
+def _remember(tier: Any, tokens: list[int], sums: dict[str, int], reused: set[str]) -> None:
+    """Checksums of the pages of ``tokens`` the controller now keeps on the host: for pages not seen before, and
+    for those this request computed rather than reused (``reused``: the keys it took from a tier). A page whose
+    stored copy was lost or refused is computed again, and KV computed in another chunk of the prompt may differ
+    in its last bits: the controller may then keep the new bytes, which later reuses must return."""
     from ..store import page_hashes
 
     ps, ctrl = tier.page_size, tier.controller
     keys = page_hashes(tokens[: len(tokens) // ps * ps], ps)
     with ctrl.lock:
-        held = [(k, ctrl.pages[k].start) for k in keys if k not in sums and k in ctrl.pages and ctrl.pages[k].ready]
+        held = [(k, ctrl.pages[k].start) for k in keys if (k not in sums or k not in reused) and k in ctrl.pages
+                and ctrl.pages[k].ready]
     for k, start in held:
         sums[k] = _page_sum(tier, start)
 
@@ -388,8 +399,11 @@ def report(out: dict) -> None:
     p = out["planner"]
     err = p["median_prediction_error"]
     m = out["measured"]
+    slow = p.get("slow_plans") or {}
     print("measured tiers: " + ", ".join(f"{k} {v['read_GBps']:.2f} GB/s read ({v['source']})" for k, v in m.items())
-          + (f"; planner's predicted TTFT within {100 * err:.0f}% of the observed (median)" if err is not None else ""))
+          + (f"; planner's predicted TTFT within {100 * err:.0f}% of the observed (median)" if err is not None else "")
+          + (f"; {sum(slow.values())} of {p['observed']} plans took more than 10% over their prediction ("
+             + ", ".join(f"{k} {v}" for k, v in sorted(slow.items())) + ")" if slow else ""))
     if out.get("prefill"):
         a, b, c, d, e, f = out["prefill"]
         print(f"prefill model (learned): {1e3 * a:.2f} ms + {1e6 * b:.2f} us/token + {1e9 * e:.3f} ns x new^2/2 (no cache; "
