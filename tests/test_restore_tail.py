@@ -159,7 +159,16 @@ def test_the_forward_after_a_split_loads_only_what_its_slots_lack(tmp_path, monk
                 streams.add(tail)
             return real(win, layer_idx, host, dev, to_host=to_host, tail=tail)
 
+        real_all = st.transfer_layers
+
+        def transfer_layers(win, host, dev, *, to_host):  # (every layer in one call: each layer's load counted)
+            if not to_host:
+                loads.extend((layer, int(dev[0]) // PS - 1, len(dev) // PS) for layer in range(st.layers))
+                streams.add(False)
+            return real_all(win, host, dev, to_host=to_host)
+
         monkeypatch.setattr(st, "transfer", transfer)
+        monkeypatch.setattr(st, "transfer_layers", transfer_layers)
         c = tier.cache(ids)
         p = c.plan
         assert p.kind == "split" and p.host_pages == 0 and p.load_to == PAGES, p

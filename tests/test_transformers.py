@@ -344,6 +344,39 @@ def test_an_automatic_window_keeps_what_the_device_memory_holds(model, monkeypat
         assert tier.cache(ids).resident_layers == 1
 
 
+def test_every_layer_resident_moves_each_forward_in_one_call(model, monkeypatch):
+    """With every layer resident a forward's backups (and a restore's loads) are one call for every layer, not
+    one a layer; with a window of 2 they go layer by layer. Outputs bit-exact and pages restored either way."""
+    ids = prompt(37)
+    for window, per_layer in ((3, False), (2, True)):
+        with KVTier(model, model_id="test/llama", page_size=PS, host_tokens=512, window=window) as tier:
+            st, calls = tier._state, {"layer": 0, "all": 0}
+            real, real_all = st.transfer, st.transfer_layers
+
+            def one(*a, **k):
+                calls["layer"] += 1
+                return real(*a, **k)
+
+            def every(*a, **k):
+                calls["all"] += 1
+                return real_all(*a, **k)
+
+            monkeypatch.setattr(st, "transfer", one)
+            monkeypatch.setattr(st, "transfer_layers", every)
+            assert same(gen(model, ids, tier.cache(ids), 3), gen(model, ids, default(model), 3))
+            forwards = 3  # the prompt and two decode steps (the third token needs no forward after it); with a
+            # window of 2: 3 backups a forward, layer 0's load after the prompt and 2 loads a decode step
+            assert calls == ({"layer": 3 * forwards + 1 + 2 * (forwards - 1), "all": 0} if per_layer else
+                             {"layer": 0, "all": forwards}), (window, calls)
+            calls.update(layer=0, all=0)
+            again = tier.cache(ids)  # restored from the host pool: its 4 pages loaded in one call
+            assert again.restored_tokens == 32 and same(gen(model, ids, again, 3), reused(model, ids, ids, 32, 3))
+            if not per_layer:
+                assert calls == {"layer": 0, "all": 1 + forwards}, calls
+            again.release()
+            monkeypatch.undo()
+
+
 def test_free_memory_is_measured_on_the_cpu():
     from kvtier.integrations._transformers_state import free_bytes
 

@@ -417,6 +417,15 @@ class HostKVPool:
         return self._engine.copy(pairs, p, layer_id, layer_id + 1, to_host=to_host, backend=io_backend, per_layer=True,
                                  events=[events], background=True, after=after, previous=previous, route=route)
 
+    def copy_layers(self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor, io_backend: str, *,
+                    to_host: bool, events: Any, after: Any = None, previous: Any = None) -> Any:
+        """Every layer either way in one native call (the copies of :meth:`copy_layer` for each layer, layer by
+        layer), recording ``events[layer]`` (one per lane) after each layer; the submission and ordering rules of
+        :meth:`copy_layer`."""
+        pairs, p, route = self.prepare(device_pool, host_indices, device_indices, io_backend, to_host, True)
+        return self._engine.copy(pairs, p, 0, self.layer_num, to_host=to_host, backend=io_backend, per_layer=True,
+                                 events=events, background=True, after=after, previous=previous, route=route)
+
     def synchronize(self) -> None:
         """Wait until every transfer this pool issued has completed."""
         self._engine.synchronize()

@@ -132,6 +132,7 @@ class RestoreSteps:
     restored_tokens: int
     restored_store_pages: int
     resident_layers: int
+    _in_head: bool
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         raise NotImplementedError  # the cache's
@@ -242,6 +243,17 @@ class RestoreSteps:
                 self._stored.update(keys[max(pos, plan.host_pages) : min(pos + count, j)])
             pos += count
         ids = torch.tensor([tokens[r * ps : j * ps]], device=st.device)
+        self._in_head = True  # (its backups go layer by layer: the rest of the prompt follows them)
+        try:
+            self._run_head(ids)
+        finally:
+            self._in_head = False
+        self.recomputed_tokens = (j - r) * ps
+        st.stats.recomputed_head_tokens += self.recomputed_tokens
+
+    def _run_head(self, ids: torch.Tensor) -> None:
+        st = self._state
+        model = st.model()
         side = st.head_stream()
         if side is None:
             with torch.no_grad():
@@ -258,8 +270,6 @@ class RestoreSteps:
             win = self._ensure_window(0)
             for t in (*win.k_slots, *win.v_slots):  # never reused by the allocator before the head is done
                 t.record_stream(side)
-        self.recomputed_tokens = (j - r) * ps
-        st.stats.recomputed_head_tokens += self.recomputed_tokens
 
     def _drop_tail(self) -> None:
         """A tail that never became the sequence's: its private pages go back once the read has finished."""

@@ -165,6 +165,29 @@ class TierRuntime:
         self._track(sub, tail)
         return sub, events
 
+    def transfer_layers(self, win: Any, host: torch.Tensor, dev: torch.Tensor, *, to_host: bool) -> list[Any]:
+        """Every layer between host pages and its slot in one call (a window of every layer): what
+        :meth:`transfer` does for each layer, on the transfer stream, validated and submitted once. Returns
+        each layer's pending transfer (what its slot's next user waits for)."""
+        if self.stream is None:
+            copy = self.host.backup_from_device_all_layer if to_host else self._load_all_cpu
+            copy(win, host, dev, "direct")
+            return [None] * self.layers
+        after = torch.cuda.current_stream(self.device).record_event()
+        events = [[torch.cuda.Event() for _ in range(self.lanes)] for _ in range(self.layers)]
+        for layer in events:
+            for ev in layer:
+                ev.record(self.stream)  # (creates it; the transfer records it again after its layer's copies)
+        with torch.cuda.stream(self.stream):
+            sub = self.host.copy_layers(win, host, dev, "direct", to_host=to_host, events=events, after=after,
+                                        previous=self._sub)
+        self._track(sub)
+        return [(sub, layer) for layer in events]
+
+    def _load_all_cpu(self, win: Any, host: torch.Tensor, dev: torch.Tensor, backend: str) -> None:
+        for layer in range(self.layers):
+            self.host.load_to_device_per_layer(win, host, dev, layer, backend)
+
     def _track(self, sub: Any, tail: bool = False) -> None:
         """A background submission on the transfer (or tail) stream: the next one there follows it; its error
         must be seen."""
