@@ -353,11 +353,11 @@ def test_every_layer_resident_moves_each_forward_in_one_call(model, monkeypatch)
             st, calls = tier._state, {"layer": 0, "all": 0}
             real, real_all = st.transfer, st.transfer_layers
 
-            def one(*a, **k):
+            def one(*a, calls=calls, real=real, **k):
                 calls["layer"] += 1
                 return real(*a, **k)
 
-            def every(*a, **k):
+            def every(*a, calls=calls, real_all=real_all, **k):
                 calls["all"] += 1
                 return real_all(*a, **k)
 
