@@ -377,14 +377,14 @@ def report(out: dict) -> None:
     for turn in sorted({r["turn"] for r in res}):
         rows = [r for r in res if r["turn"] == turn]
         ratios = [r["ttft_s"] / r["no_tier_s"] for r in rows]
-        src: dict[str, int] = {}
+        by_source: dict[str, int] = {}
         for r in rows:
-            src[r["source"]] = src.get(r["source"], 0) + 1
+            by_source[r["source"]] = by_source.get(r["source"], 0) + 1
         print(f"{turn:<6} {len(rows):>8} {sum(r['tokens'] for r in rows) / len(rows):>8.0f} "
               f"{1e3 * sum(r['no_tier_s'] for r in rows) / len(rows):>7.1f} ms "
               f"{1e3 * sum(r['ttft_s'] for r in rows) / len(rows):>7.1f} ms {ratio_quantile(ratios, 0.5):>18.2f}x "
               f"{ratio_quantile(ratios, 0.9):>5.2f}x {max(ratios):>5.2f}x   "
-              + ", ".join(f"{k} {v}" for k, v in src.items()))
+              + ", ".join(f"{k} {v}" for k, v in by_source.items()))
     total_none = sum(r["no_tier_s"] for r in res)
     total_kv = sum(r["ttft_s"] for r in res)
     ratios = [r["ttft_s"] / r["no_tier_s"] for r in res]

@@ -16,7 +16,7 @@ from ..store import page_hashes
 from ..tenants import tenant_keys
 from ._transformers_state import TierRuntime
 from ._transformers_restore import PendingTail, RestoreSteps
-from ._transformers_window import DeviceWindow, PageTable, release_table, slot_bytes
+from ._transformers_window import DeviceWindow, LayerBatch, PageTable, release_table, slot_bytes
 
 # forward arguments that do not change the KV a token gets (positions and masks are checked, not listed here)
 _PLAIN = frozenset({"input_ids", "cache", "past_key_values", "use_cache", "logits_to_keep", "return_dict",
@@ -74,9 +74,11 @@ class KvtierCache(RestoreSteps, DynamicCache):
         self._released = False
         self._epoch = 0
         self._window: DeviceWindow | None = None
-        self._resident: int | None = None  # layers on the device (resident_layers), decided at first need
-        # every layer resident: (t0, t1, layers) of the forward in flight whose backups wait for its last layer
-        self._deferred: tuple[int, int, list[int]] | None = None
+        # the layers this sequence keeps on the device: the KVTier's window, or with window="auto" as many as half
+        # of the device's free memory holds now (every layer where they fit)
+        need = slot_bytes(max(len(token_ids), 1), state.heads, state.k_dim, state.v_dim, state.dtype, state.page_size)
+        self.resident_layers = state.stats.resident_layers = state.resident_layers(need)
+        self._batch = LayerBatch()  # every layer resident: the forward's backups, sent after its last layer
         self._in_head = False  # a split restore's head is being computed (its backups are never deferred)
         self._idx: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.restored_tokens = self.restored_host_pages = self.restored_store_pages = 0
@@ -127,7 +129,8 @@ class KvtierCache(RestoreSteps, DynamicCache):
         st.stats.restored_host_pages += min(host, r)
         st.stats.restored_store_pages += r - min(host, r)
         win = self._ensure_window((first + r) * ps)
-        if load and not tail and self._load_all(win, (first + r) * ps):
+        if load and not tail and self._batch.load(win, st, self._slots, self._epoch, (first + r) * ps,
+                                                  self._tail.wait if self._tail is not None else None):
             return
         for layer_idx in range(win.window if load else 0):  # the first layers move while the embeddings compute
             self._load(win, layer_idx, (first + r) * ps, tail=tail)
@@ -248,17 +251,6 @@ class KvtierCache(RestoreSteps, DynamicCache):
             self._idx[(first, last)] = got
         return got
 
-    @property
-    def resident_layers(self) -> int:
-        """Layers this sequence keeps on the device (its window): the KVTier's ``window``, or with
-        ``window="auto"`` as many as its free memory held when the sequence started (every layer where they fit)."""
-        if self._resident is None:
-            t = self._state
-            need = max(len(self._prompt), 1)
-            self._resident = t.resident_layers(slot_bytes(need, t.heads, t.k_dim, t.v_dim, t.dtype, t.page_size))
-            t.stats.resident_layers = self._resident
-        return self._resident
-
     def _ensure_window(self, tokens: int) -> DeviceWindow:
         t = self._state
         if self._window is None:
@@ -311,64 +303,6 @@ class KvtierCache(RestoreSteps, DynamicCache):
         win.state[s] = (layer_idx, tokens, self._epoch)
         st.stats.layer_loads += 1
 
-    def _load_all(self, win: DeviceWindow, tokens: int) -> bool:
-        """Every layer's first ``tokens`` tokens to its slot in one call (a window of every layer whose slots
-        all hold the same rows: :meth:`_load` for each layer, validated and submitted once). False where
-        the slots differ (the caller loads layer by layer)."""
-        st = self._state
-        if win.window < st.layers:
-            return False
-        kept = set()
-        for layer_idx in range(st.layers):
-            held = win.state[layer_idx]
-            ok = held is not None and held[0] == layer_idx and held[2] == self._epoch and held[1] <= tokens
-            kept.add(held[1] if ok else 0)  # type: ignore[index]
-        if len(kept) != 1:
-            return False
-        held_tokens = kept.pop()
-        if held_tokens == tokens:
-            return True
-        if self._tail is not None and not st.cuda:
-            self._tail.wait()
-        host, dev = self._slots(held_tokens // st.page_size, -(-tokens // st.page_size))
-        for layer_idx, pending in enumerate(st.transfer_layers(win, host, dev, to_host=False)):
-            win.loaded[layer_idx] = pending
-            win.state[layer_idx] = (layer_idx, tokens, self._epoch)
-        st.stats.layer_loads += st.layers
-        return True
-
-    def _defer_backup(self, win: DeviceWindow, layer_idx: int, t0: int, t1: int) -> bool:
-        """Whether this layer's backup waits for the forward's last layer (:meth:`_flush_backups`): with every
-        layer resident (no slot is reused within a forward) outside a split's head (whose backups the rest of
-        the prompt follows layer by layer), for a forward whose layers all write the same rows. One call for
-        every layer instead of one a layer: each costs the host about half a millisecond."""
-        if win.window < self._state.layers or self._in_head:
-            return False
-        if layer_idx == 0:
-            self._deferred = (t0, t1, [])
-        d = self._deferred
-        if d is None or (d[0], d[1]) != (t0, t1) or len(d[2]) != layer_idx:
-            return False
-        d[2].append(layer_idx)
-        return True
-
-    def _flush_backups(self) -> None:
-        """Issue the deferred backups: one call for every layer, or layer by layer for a forward some of whose
-        layers were backed up as they went."""
-        d, self._deferred = self._deferred, None
-        win = self._window
-        if d is None or not d[2] or win is None:
-            return
-        t0, t1, layers = d
-        st = self._state
-        host, dev = self._slots(t0 // st.page_size, -(-t1 // st.page_size))
-        if len(layers) == st.layers:
-            for layer_idx, pending in enumerate(st.transfer_layers(win, host, dev, to_host=True)):
-                win.loaded[layer_idx] = pending
-        else:
-            for layer_idx in layers:
-                win.loaded[layer_idx % win.window] = st.transfer(win, layer_idx, host, dev, to_host=True)
-
     # ------------------------------------------------------------------ the Cache API
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -389,8 +323,8 @@ class KvtierCache(RestoreSteps, DynamicCache):
                 f"{st.device} (batch size 1), got {tuple(key_states.shape)} {key_states.dtype} and "
                 f"{tuple(value_states.shape)} {value_states.dtype} on {key_states.device}")
         ps, layer = st.page_size, self.layers[layer_idx]
-        if layer_idx == 0 and self._deferred is not None:  # (a forward that never reached its last layer)
-            self._flush_backups()
+        if layer_idx == 0:  # (backups of a forward that never reached its last layer)
+            self._batch.flush(self._window, st, self._slots)
         t0 = layer.get_seq_length()
         if layer_idx == 0:  # whether the model's hooks are around this forward (a base model's forward: not)
             self._this_hooked, self._hooked = self._hooked, False
@@ -421,12 +355,12 @@ class KvtierCache(RestoreSteps, DynamicCache):
         nxt_len = self.layers[nxt].get_seq_length()
         # the slot's next writer (a load below, ordered after it on the transfer stream, or the compute stream
         # when no load is needed, as in a prefill) must wait until the backup has read it
-        if not self._defer_backup(win, layer_idx, t0, t1):
+        if not self._batch.defer(win, st.layers, layer_idx, t0, t1, self._in_head):
             win.loaded[s] = st.transfer(win, layer_idx, host, dev, to_host=True)
         if nxt != layer_idx and nxt_len:
             self._load(win, nxt, nxt_len)
         if layer_idx == st.layers - 1:
-            self._flush_backups()
+            self._batch.flush(win, st, self._slots)
             st.stats.computed_tokens += t1 - t0
             if self._tail is not None:  # this forward ran on the tail: its pages are checked before anything is kept
                 self._failed_tail(self._settle_tail(), t0)

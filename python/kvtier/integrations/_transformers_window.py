@@ -54,6 +54,71 @@ class DeviceWindow:
         return sum(t.numel() * t.element_size() for t in (*self.k_slots, *self.v_slots))
 
 
+class LayerBatch:
+    """A window of every layer moving a sequence's pages in one call (each per-layer call costs the host about
+    half a millisecond): a restore's loads (:meth:`load`), and a forward's backups, which wait for its last
+    layer (:meth:`defer`, :meth:`flush`). No slot is reused within a forward when every layer is resident."""
+
+    def __init__(self) -> None:
+        self.deferred: tuple[int, int, list[int]] | None = None  # (t0, t1, layers) of the forward in flight
+
+    @staticmethod
+    def load(win: DeviceWindow, st: TierRuntime, slots: Any, epoch: int, tokens: int, wait: Any) -> bool:
+        """Every layer's first ``tokens`` tokens to its slot in one call (the cache's ``_load`` for each layer,
+        validated and submitted once; ``slots(first, last)`` gives the host slots and device rows of pages
+        ``[first, last)``; ``wait``: what the CPU waits for first, or None). False where the window holds fewer
+        layers or the slots hold different rows (the caller loads layer by layer)."""
+        if win.window < st.layers:
+            return False
+        kept = set()
+        for layer_idx in range(st.layers):
+            held = win.state[layer_idx]
+            ok = held is not None and held[0] == layer_idx and held[2] == epoch and held[1] <= tokens
+            kept.add(held[1] if ok and held is not None else 0)
+        if len(kept) != 1:
+            return False
+        held_tokens = kept.pop()
+        if held_tokens == tokens:
+            return True
+        if wait is not None and not st.cuda:
+            wait()
+        host, dev = slots(held_tokens // st.page_size, -(-tokens // st.page_size))
+        for layer_idx, pending in enumerate(st.transfer_layers(win, host, dev, to_host=False)):
+            win.loaded[layer_idx] = pending
+            win.state[layer_idx] = (layer_idx, tokens, epoch)
+        st.stats.layer_loads += st.layers
+        return True
+
+    def defer(self, win: DeviceWindow, layers: int, layer_idx: int, t0: int, t1: int, in_head: bool) -> bool:
+        """Whether this layer's backup waits for the forward's last layer: with every layer resident, outside a
+        split's head (whose backups the rest of the prompt follows layer by layer), for a forward whose layers
+        all write the same rows."""
+        if win.window < layers or in_head:
+            return False
+        if layer_idx == 0:
+            self.deferred = (t0, t1, [])
+        d = self.deferred
+        if d is None or (d[0], d[1]) != (t0, t1) or len(d[2]) != layer_idx:
+            return False
+        d[2].append(layer_idx)
+        return True
+
+    def flush(self, win: DeviceWindow | None, st: TierRuntime, slots: Any) -> None:
+        """Send the deferred backups: one call for every layer, or layer by layer for a forward some of whose
+        layers were backed up as they went."""
+        d, self.deferred = self.deferred, None
+        if d is None or not d[2] or win is None:
+            return
+        t0, t1, layers = d
+        host, dev = slots(t0 // st.page_size, -(-t1 // st.page_size))
+        if len(layers) == st.layers:
+            for layer_idx, pending in enumerate(st.transfer_layers(win, host, dev, to_host=True)):
+                win.loaded[layer_idx] = pending
+        else:
+            for layer_idx in layers:
+                win.loaded[layer_idx % win.window] = st.transfer(win, layer_idx, host, dev, to_host=True)
+
+
 def slot_tokens(tokens: int, page_size: int) -> int:
     """Tokens a layer slot is made for when the sequence has ``tokens``: room for some more, so decoding does
     not reallocate at every page."""
