@@ -377,6 +377,62 @@ def test_every_layer_resident_moves_each_forward_in_one_call(model, monkeypatch)
             monkeypatch.undo()
 
 
+def test_a_forward_that_raises_midway_then_a_crop_loses_and_touches_nothing(model):
+    """Every layer resident: a decode step that raises at the last layer leaves its first layers' backups
+    deferred; a crop that gives their page back sends them first (into pages still the sequence's), so the
+    sequence goes on bit-exact and another sequence's pages are never written."""
+    ids, other_ids = prompt(37), prompt(20, seed=5)
+    with KVTier(model, model_id="test/llama", page_size=PS, host_tokens=512, window=3) as tier:
+        cache = tier.cache(ids)
+        with torch.no_grad():
+            model(ids, **{cache_kwarg(model): cache})
+
+        def boom(*_):
+            raise RuntimeError("the last layer failed")
+
+        hook = model.model.layers[2].register_forward_pre_hook(boom)
+        try:
+            with pytest.raises(RuntimeError, match="last layer failed"), torch.no_grad():
+                model(ids[:, :1], **{cache_kwarg(model): cache})
+        finally:
+            hook.remove()
+        assert cache._batch.deferred is not None and cache.get_seq_length() == 38
+        cache.crop(-6)  # 32 tokens: page 4 (rows 32..38, the failed step's row among them) goes back
+        other = tier.cache(other_ids)
+        gen(model, other_ids, other, 2)  # takes free host pages, page 4's among them
+        before = [other.host_kv(layer) for layer in range(3)]
+        got = gen(model, ids, cache, 3)
+        assert same(got, reused(model, ids, ids, 32, 3))
+        after = [other.host_kv(layer) for layer in range(3)]
+        assert all(torch.equal(a, b) for x, y in zip(before, after) for a, b in zip(x, y))
+
+
+def test_a_layer_of_a_one_call_transfer_waits_for_its_own_events():
+    """A slot's next user waits for its own layer of a transfer of every layer (the submission's layer i
+    recorded, then that layer's events), not the first layer's; a single layer's transfer waits for index 0."""
+    from kvtier.integrations._transformers_state import TierRuntime
+
+    class Sub:
+        def __init__(self):
+            self.waited = []
+
+        def wait_recorded(self, index):
+            self.waited.append(index)
+
+    class Stream:
+        def __init__(self):
+            self.events = []
+
+        def wait_event(self, ev):
+            self.events.append(ev)
+
+    sub, stream = Sub(), Stream()
+    pending = [(sub, [f"e{i}a", f"e{i}b"], i) for i in range(4)]
+    TierRuntime.wait(stream, pending[2])
+    TierRuntime.wait(stream, [pending[3], (sub, ["x"])])
+    assert sub.waited == [2, 3, 0] and stream.events == ["e2a", "e2b", "e3a", "e3b", "x"]
+
+
 def test_free_memory_is_measured_on_the_cpu():
     from kvtier.integrations._transformers_state import free_bytes
 

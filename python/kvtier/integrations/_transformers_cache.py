@@ -323,11 +323,10 @@ class KvtierCache(RestoreSteps, DynamicCache):
                 f"{st.device} (batch size 1), got {tuple(key_states.shape)} {key_states.dtype} and "
                 f"{tuple(value_states.shape)} {value_states.dtype} on {key_states.device}")
         ps, layer = st.page_size, self.layers[layer_idx]
-        if layer_idx == 0:  # (backups of a forward that never reached its last layer)
-            self._batch.flush(self._window, st, self._slots)
-        t0 = layer.get_seq_length()
-        if layer_idx == 0:  # whether the model's hooks are around this forward (a base model's forward: not)
+        if layer_idx == 0:  # backups of a forward that never reached its last layer; whether the model's hooks
+            self._batch.flush(self._window, st, self._slots)  # are around this forward (a base model's: not)
             self._this_hooked, self._hooked = self._hooked, False
+        t0 = layer.get_seq_length()
         t1 = t0 + key_states.shape[-2]
         self._grow(t1)
         win = self._ensure_window(t1)
@@ -421,6 +420,7 @@ class KvtierCache(RestoreSteps, DynamicCache):
         if self._tail is not None:
             self._settled()
             tokens = min(tokens, self.get_seq_length())
+        self._batch.flush(self._window, st, self._slots)  # (a forward that raised: its rows, before pages go)
         st.after_tail()  # (rows cut here are written again by the next forward's loads and compute)
         keep = -(-tokens // ps)
         self.table.release(st, keep)
@@ -456,7 +456,7 @@ class KvtierCache(RestoreSteps, DynamicCache):
         self._released = True
         for layer in self.layers:
             layer.length = 0
-        self._window = None
+        self._window, self._batch.deferred = None, None  # (a raised forward's backups: its pages are gone)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise NotImplementedError("KvtierCache holds one sequence: beam search is not supported")

@@ -182,7 +182,7 @@ class TierRuntime:
             sub = self.host.copy_layers(win, host, dev, "direct", to_host=to_host, events=events, after=after,
                                         previous=self._sub)
         self._track(sub)
-        return [(sub, layer) for layer in events]
+        return [(sub, layer, i) for i, layer in enumerate(events)]
 
     def _load_all_cpu(self, win: Any, host: torch.Tensor, dev: torch.Tensor, backend: str) -> None:
         for layer in range(self.layers):
@@ -237,16 +237,18 @@ class TierRuntime:
 
     @staticmethod
     def wait(stream: Any, pending: Any) -> None:
-        """``stream`` waits for a transfer from :meth:`transfer` (once its events are recorded)."""
+        """``stream`` waits for a transfer from :meth:`transfer` or one layer's of :meth:`transfer_layers` (once
+        that layer's events are recorded: layer i of a submission of every layer waits for its own events, not
+        the first layer's)."""
         if pending is None or stream is None:
             return
         if isinstance(pending, list):  # (a slot waited for by two streams' transfers: a split's head and tail)
             for one in pending:
                 TierRuntime.wait(stream, one)
             return
-        sub, events = pending
+        sub, events, index = pending if len(pending) == 3 else (*pending, 0)
         if sub is not None:
-            sub.wait_recorded(0)
+            sub.wait_recorded(index)
         for ev in events:
             stream.wait_event(ev)
 
