@@ -248,10 +248,11 @@ def _run(*, device: str, n_conv: int | None, turns: int | None, seed: int, store
             ok_out = diff <= LOGIT_TOLERANCE[device] and bool(want[picked] >= want.max() - 2 * diff)
             if not (ok_kv and ok_out):
                 failures.append((i, source, ok_kv, ok_out))
-            reused_keys = {k for j in reused if (k := cache.table.keys[j]) is not None}
+            reused_set = set(reused)
+            own = {k: cache.table.starts[j] for j, k in enumerate(cache.table.keys) if k is not None and j not in reused_set}
             cache.release()  # its full pages stay in the host pool (and go to the store) for the next requests
             tier.controller.wait_idle()
-            _remember(tier, tokens, sums, reused_keys)
+            _remember(tier, tokens, sums, own)
             results.append(dict(request=i, conversation=served[i]["conversation"], turn=served[i]["turn"],
                                 tokens=len(tokens), window=cache.resident_layers, source=source, plan=plan.kind if plan else "all",
                                 cached_pages=plan.cached_pages if plan else cache.restored_tokens // ps,
@@ -313,18 +314,19 @@ def _close_to(cache: Any, ref: Any, pages: list[int], ps: int, tol: float) -> bo
     return True
 
 
-def _remember(tier: Any, tokens: list[int], sums: dict[str, int], reused: set[str]) -> None:
+def _remember(tier: Any, tokens: list[int], sums: dict[str, int], own: dict[str, int]) -> None:
     """Checksums of the pages of ``tokens`` the controller now keeps on the host: for pages not seen before, and
-    for those this request computed rather than reused (``reused``: the keys it took from a tier). A page whose
-    stored copy was lost or refused is computed again, and KV computed in another chunk of the prompt may differ
-    in its last bits: the controller may then keep the new bytes, which later reuses must return."""
+    for those this request computed and the controller took from it (``own``: key -> the request's host slot,
+    refreshed only where the controller's page is that very slot). A page whose stored copy was lost or refused
+    is computed again, and KV computed in another chunk of the prompt may differ in its last bits: the
+    controller may then keep the new bytes, which later reuses must return."""
     from ..store import page_hashes
 
     ps, ctrl = tier.page_size, tier.controller
     keys = page_hashes(tokens[: len(tokens) // ps * ps], ps)
     with ctrl.lock:
-        held = [(k, ctrl.pages[k].start) for k in keys if (k not in sums or k not in reused) and k in ctrl.pages
-                and ctrl.pages[k].ready]
+        held = [(k, ctrl.pages[k].start) for k in keys if k in ctrl.pages and ctrl.pages[k].ready
+                and (k not in sums or own.get(k) == ctrl.pages[k].start)]
     for k, start in held:
         sums[k] = _page_sum(tier, start)
 
