@@ -191,7 +191,8 @@ class RestorePlan:
     #: which tier holds the pages after the host's (``[(tier, pages)]`` from ``host_pages`` on, in order)
     segments: list[tuple[str, int]] = field(default_factory=list)
     #: what the plan was chosen by: its predicted time over ``1 - margin`` of its kind (:func:`plan_restore`);
-    #: never higher with one more cached page
+    #: never higher with one more cached page, unless the split trails (``trail``: its tail reads through the
+    #: last cached page, so a slow page at the end can cost the split)
     score: float | None = None
 
     @property
@@ -269,8 +270,9 @@ def plan_restore(
             best plan without them, so a close call never makes time to first token worse. Each kind of plan is
             scored by its predicted time over ``1 - margin`` (``1 - split_margin`` for a split, 1 for the
             others) and the lowest score wins; a load and a split's tail may stop at any cached page, so one more
-            cached page never raises the winning score (:attr:`RestorePlan.score`; a trailing split's tail reads
-            through the last cached page: see ``trail``).
+            cached page never raises the winning score (:attr:`RestorePlan.score`) when the split does not
+            trail. A trailing split's tail reads through the last cached page (see ``trail``): there a slow page
+            at the end can make the split lose to recomputing.
         split_margin: a split (a second forward, IO beside compute) must be predicted at least this fraction
             faster than the best plan without one (on the H200 a split ran 3-21% over its prediction while
             every other kind stayed within 10%).
