@@ -377,6 +377,53 @@ def test_every_layer_resident_moves_each_forward_in_one_call(model, monkeypatch)
             monkeypatch.undo()
 
 
+@pytest.mark.cuda
+def test_every_layer_resident_on_the_gpu_moves_in_one_call_cuda(monkeypatch):
+    """window="auto" on a GPU keeps every layer of a small model: each forward's backups go in one call, every
+    layer's host pages hold the bytes transformers computed, and a restore's one-call loads fill every slot
+    with the stored bytes before the model reads them (each layer waits for its own layer's copies)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    m = llama(torch.bfloat16, num_hidden_layers=8).cuda()
+    ids = (prompt(300) % 127 + 1).cuda()
+    ref = DynamicCache(config=m.config)
+    want = gen(m, ids, ref)
+    with KVTier(m, model_id="test/llama", page_size=16, host_tokens=2048) as tier:
+        st, calls = tier._state, {"layer": 0, "all": 0}
+        real, real_all = st.transfer, st.transfer_layers
+
+        def one(*a, **k):
+            calls["layer"] += 1
+            return real(*a, **k)
+
+        def every(*a, **k):
+            calls["all"] += 1
+            return real_all(*a, **k)
+
+        monkeypatch.setattr(st, "transfer", one)
+        monkeypatch.setattr(st, "transfer_layers", every)
+        cache = tier.cache(ids)
+        assert cache.resident_layers == 8
+        assert same(gen(m, ids, cache), want)
+        assert calls == {"layer": 0, "all": 5}, calls  # the prompt and 4 decode steps
+        for layer in range(8):
+            k, v = cache.host_kv(layer, 288)
+            assert torch.equal(k, ref.layers[layer].keys[:, :, :288].cpu()), layer
+            assert torch.equal(v, ref.layers[layer].values[:, :, :288].cpu()), layer
+        again = tier.cache(ids)
+        assert again.restored_tokens == 288 and calls["all"] == 6 and calls["layer"] == 0
+        torch.cuda.current_stream().synchronize()
+        for layer in range(8):
+            for slot, held in ((again._window.k_slots[layer], ref.layers[layer].keys),
+                               (again._window.v_slots[layer], ref.layers[layer].values)):
+                got = slot[16 : 16 + 288].transpose(0, 1).unsqueeze(0)
+                st.wait(torch.cuda.current_stream(), again._window.loaded[layer])
+                torch.cuda.current_stream().synchronize()
+                assert torch.equal(got.cpu(), held[:, :, :288].cpu()), layer
+        got, want = gen(m, ids, again), gen(m, ids, DynamicCache(config=m.config))
+        assert torch.equal(got[0], want[0])
+
+
 def test_a_forward_that_raises_midway_then_a_crop_loses_and_touches_nothing(model):
     """Every layer resident: a decode step that raises at the last layer leaves its first layers' backups
     deferred; a crop that gives their page back sends them first (into pages still the sequence's), so the
