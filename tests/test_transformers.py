@@ -347,8 +347,12 @@ def test_an_automatic_window_keeps_what_the_device_memory_holds(model, monkeypat
 def test_every_layer_resident_moves_each_forward_in_one_call(model, monkeypatch):
     """With every layer resident a forward's backups (and a restore's loads) are one call for every layer, not
     one a layer; with a window of 2 they go layer by layer. Outputs bit-exact and pages restored either way."""
+    from kvtier.integrations._transformers_window import LayerBatch
+
     ids = prompt(37)
-    for window, per_layer in ((3, False), (2, True)):
+    for window, per_layer, one_call in ((3, False, True), (2, True, True), (3, True, False)):
+        if not one_call:  # (as on CUDA, until the one-call copies have run on a GPU)
+            monkeypatch.setattr(LayerBatch, "one_call_devices", ())
         with KVTier(model, model_id="test/llama", page_size=PS, host_tokens=512, window=window) as tier:
             st, calls = tier._state, {"layer": 0, "all": 0}
             real, real_all = st.transfer, st.transfer_layers
@@ -365,23 +369,30 @@ def test_every_layer_resident_moves_each_forward_in_one_call(model, monkeypatch)
             monkeypatch.setattr(st, "transfer_layers", every)
             assert same(gen(model, ids, tier.cache(ids), 3), gen(model, ids, default(model), 3))
             forwards = 3  # the prompt and two decode steps (the third token needs no forward after it); with a
-            # window of 2: 3 backups a forward, layer 0's load after the prompt and 2 loads a decode step
-            assert calls == ({"layer": 3 * forwards + 1 + 2 * (forwards - 1), "all": 0} if per_layer else
+            # window of 2: 3 backups a forward, layer 0's load after the prompt and 2 loads a decode step; with
+            # every layer resident layer by layer: 3 backups a forward and no load
+            loads = 0 if window == 3 else 1 + 2 * (forwards - 1)
+            assert calls == ({"layer": 3 * forwards + loads, "all": 0} if per_layer else
                              {"layer": 0, "all": forwards}), (window, calls)
             calls.update(layer=0, all=0)
             again = tier.cache(ids)  # restored from the host pool: its 4 pages loaded in one call
             assert again.restored_tokens == 32 and same(gen(model, ids, again, 3), reused(model, ids, ids, 32, 3))
             if not per_layer:
                 assert calls == {"layer": 0, "all": 1 + forwards}, calls
+            elif window == 3:  # every layer's load, then 3 backups a forward
+                assert calls == {"layer": 3 + 3 * forwards, "all": 0}, calls
             again.release()
             monkeypatch.undo()
 
 
 @pytest.mark.cuda
 def test_every_layer_resident_on_the_gpu_moves_in_one_call_cuda(monkeypatch):
-    """window="auto" on a GPU keeps every layer of a small model: each forward's backups go in one call, every
-    layer's host pages hold the bytes transformers computed, and a restore's one-call loads fill every slot
-    with the stored bytes before the model reads them (each layer waits for its own layer's copies)."""
+    """window="auto" on a GPU keeps every layer of a small model: each forward's backups go in one call (where
+    CUDA is in LayerBatch.one_call_devices; else layer by layer), every layer's host pages hold the bytes
+    transformers computed, and a restore's loads fill every slot with the stored bytes before the model reads
+    them (each layer waits for its own layer's copies)."""
+    from kvtier.integrations._transformers_window import LayerBatch
+
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     m = llama(torch.bfloat16, num_hidden_layers=8).cuda()
@@ -405,13 +416,16 @@ def test_every_layer_resident_on_the_gpu_moves_in_one_call_cuda(monkeypatch):
         cache = tier.cache(ids)
         assert cache.resident_layers == 8
         assert same(gen(m, ids, cache), want)
-        assert calls == {"layer": 0, "all": 5}, calls  # the prompt and 4 decode steps
+        # the prompt and 4 decode steps: in one call each, or (CUDA not in LayerBatch.one_call_devices) 8 calls
+        one_call = "cuda" in LayerBatch.one_call_devices
+        assert calls == ({"layer": 0, "all": 5} if one_call else {"layer": 40, "all": 0}), calls
         for layer in range(8):
             k, v = cache.host_kv(layer, 288)
             assert torch.equal(k, ref.layers[layer].keys[:, :, :288].cpu()), layer
             assert torch.equal(v, ref.layers[layer].values[:, :, :288].cpu()), layer
         again = tier.cache(ids)
-        assert again.restored_tokens == 288 and calls["all"] == 6 and calls["layer"] == 0
+        assert again.restored_tokens == 288
+        assert calls == ({"layer": 0, "all": 6} if one_call else {"layer": 48, "all": 0}), calls
         torch.cuda.current_stream().synchronize()
         for layer in range(8):
             for slot, held in ((again._window.k_slots[layer], ref.layers[layer].keys),
