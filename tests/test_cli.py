@@ -65,6 +65,23 @@ def test_bench_help_reaches_the_bench():
     assert r.returncode == 2 and "kvtier bench NAME" in r.stdout
 
 
+def test_bench_help_needs_no_torch():
+    """`kvtier bench NAME --help` answers on a machine without torch (the top-level help sends users there), from
+    the benches' own option definitions (kvtier.benchmarks.options), whose case names are the benches' own."""
+    from kvtier.benchmarks import mooncake, options, store
+
+    assert options.STORE_CASES == tuple(store.CASES) and options.MOONCAKE_CASES == tuple(mooncake.CASES)
+    names = ("pin", "transfer", "store", "mooncake", "replay", "tenants")
+    code = ("import sys; sys.modules['torch'] = None\nfrom kvtier.cli import main\n"
+            "for name in sys.argv[1:]:\n    assert main(['bench', name, '--help']) == 0, name\n"
+            "assert 'torch' not in sys.modules or sys.modules['torch'] is None\nprint('ok')")
+    r = py(code, *names)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout[-2000:] + r.stderr
+    for name in names:
+        assert f"usage: kvtier bench {name}" in r.stdout, name
+    assert "--trace" in r.stdout and "--cluster-cases" in r.stdout and "['mimo', 'small']" in r.stdout
+
+
 def kv(*args, cwd=None):
     return subprocess.run([sys.executable, "-m", "kvtier", *args], capture_output=True, text=True, cwd=cwd)
 
@@ -283,3 +300,33 @@ def test_verify_repair_fails_on_damage_it_does_not_repair(tmp_path):
     shutil.rmtree(tmp_path / (ns.name + ".bak"))
     r = kv("verify", "--repair", str(tmp_path))
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_an_empty_path_and_an_os_error_read_as_an_operator_expects():
+    """An empty PATH is named as such (it printed `error: : no such store directory`); an OSError is the file,
+    then what went wrong, not Python's `[Errno N] ...: 'file'`."""
+    from kvtier.cli import os_error_text
+
+    for cmd in ("inspect", "stats", "verify", "namespaces", "budget"):
+        r = kv(cmd, "")
+        assert r.returncode == 2 and "PATH must name a store directory, got an empty string" in r.stderr, r.stderr
+    assert os_error_text(PermissionError(13, "Permission denied", "/srv/kv")) == "/srv/kv: Permission denied"
+    assert os_error_text(OSError(18, "Invalid cross-device link", "/a", None, "/b")) == "/a -> /b: Invalid cross-device link"
+    assert os_error_text(OSError("journal poisoned; reopen the store")) == "journal poisoned; reopen the store"
+
+
+
+def test_every_readme_section_the_package_names_exists():
+    """Messages and help that send a user to a README section name one that is there (the CLI pointed to a
+    'Cluster tier' section the README did not have)."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    headings = [line.lstrip("#").strip() for line in (root / "README.md").read_text().splitlines()
+                if line.startswith("## ")]
+    named = {m for f in (root / "python" / "kvtier").rglob("*.py")
+             for m in re.findall(r"README ['\"]([^'\"]+)['\"]", f.read_text())}
+    assert named, "the package names README sections"
+    for section in named:
+        assert any(h.startswith(section) for h in headings), (section, headings)

@@ -212,3 +212,49 @@ def test_storage_node_refuses_bad_arguments_in_one_line(args, says):
                        text=True, timeout=60, env=kvtier_env())
     assert r.returncode != 0
     assert says in r.stderr and "Traceback" not in r.stderr
+
+
+def _fake_mooncake(root: Path, *, missing_lib: bool) -> Path:
+    """A directory holding a package named mooncake whose mooncake_master is a small C program (printing its
+    arguments) that, with ``missing_lib``, links a shared library then deleted: what a machine without
+    libibverbs1 gives Mooncake's real master."""
+    pkg = root / "mooncake"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    src = root / "main.c"
+    src.write_text('#include <stdio.h>\nint gone(void);\nint main(int c, char **v) {\n'
+                   + ('  gone();\n' if missing_lib else '') + '  for (int i = 1; i < c; i++) printf("arg %s\\n", v[i]);\n'
+                   '  return 0;\n}\n')
+    cmd = ["cc", "-o", str(pkg / "mooncake_master"), str(src)]
+    if missing_lib:
+        (root / "gone.c").write_text("int gone(void) { return 0; }\n")
+        sh("cc", "-shared", "-fPIC", "-o", str(root / "libkvtiergone.so"), str(root / "gone.c"))
+        cmd += [f"-L{root}", "-lkvtiergone"]
+    sh(*cmd)
+    (root / "libkvtiergone.so").unlink(missing_ok=True)
+    return root
+
+
+@pytest.mark.skipif(not any(os.access(os.path.join(d, "cc"), os.X_OK) for d in os.environ.get("PATH", "").split(":")),
+                    reason="needs a C compiler")
+def test_cluster_master_needs_no_torch_and_names_missing_libraries(tmp_path):
+    """`kvtier cluster master` starts Mooncake's master without torch and passes its arguments; a master whose
+    system libraries are missing is one clear error naming them and the fix (it was the loader's raw message
+    and exit status 127); without Mooncake the install advice is said once."""
+    code = ("import sys; sys.modules['torch'] = None\nfrom kvtier.cli import main\n"
+            "sys.exit(main(['cluster', 'master', *sys.argv[1:]]))")
+
+    def master(pythonpath, *args):
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(pythonpath), *sys.path])}
+        return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env,
+                              timeout=60)
+
+    r = master(_fake_mooncake(tmp_path / "ok", missing_lib=False), "--rpc_port=50123")
+    assert r.returncode == 0 and r.stdout == "arg --rpc_port=50123\n", r.stdout + r.stderr
+    r = master(_fake_mooncake(tmp_path / "libs", missing_lib=True), "--rpc_port=50123")
+    assert r.returncode == 1 and "libkvtiergone.so are missing" in r.stderr and "apt-get install libibverbs1" in \
+        r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    (tmp_path / "none" / "mooncake").mkdir(parents=True)  # a package with no master binary
+    (tmp_path / "none" / "mooncake" / "__init__.py").write_text("")
+    r = master(tmp_path / "none")
+    assert r.returncode == 1 and r.stderr.count("pip install 'kvtier[mooncake]'") == 1, r.stderr

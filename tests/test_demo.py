@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import pytest
+
 from kvtier.demo.tour import run
 
 
@@ -140,3 +142,37 @@ def test_the_report_gives_rounds_and_percentiles(capsys):
     rounds = [line for line in text.splitlines() if line[:1] in ("1", "2") and line.split()[1:2] == ["3"]]
     assert len(rounds) == 2, text  # one row per round: 3 requests each
     assert "per request, kvtier/no tier p50" in text and "p90" in text and ("round 1" in text or "round 2" in text)
+
+
+def test_a_failed_cluster_demo_keeps_the_logs_it_points_to(tmp_path, monkeypatch, capsys):
+    """`kvtier demo --cluster` whose cluster fails keeps its directory of logs (it removed the log its error
+    named) and says where it is; with nothing logged there is nothing to keep."""
+    from pathlib import Path
+
+    from kvtier import KvtierError
+    from kvtier.demo import cluster
+    from kvtier.tiers import local_cluster
+
+    class Broken:
+        def __init__(self, *, log_dir, **_):
+            Path(log_dir).mkdir(parents=True, exist_ok=True)
+            (Path(log_dir) / "master.log").write_text("master: bind failed\n")
+            raise KvtierError(f"the master exited; see {log_dir}/master.log")
+
+    monkeypatch.setattr(local_cluster, "LocalCluster", Broken)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(KvtierError, match="master.log"):
+        cluster.run_cluster()
+    (kept,) = list(tmp_path.iterdir())
+    assert (kept / "logs" / "master.log").read_text() == "master: bind failed\n"
+    assert f"kept {kept}" in capsys.readouterr().err
+    kept.rename(tmp_path.parent / (tmp_path.name + "-kept"))
+
+    class Absent:
+        def __init__(self, **_):
+            raise KvtierError("kvtier's cluster tier needs Mooncake")
+
+    monkeypatch.setattr(local_cluster, "LocalCluster", Absent)
+    with pytest.raises(KvtierError, match="needs Mooncake"):
+        cluster.run_cluster()
+    assert list(tmp_path.iterdir()) == []

@@ -148,7 +148,10 @@ def test_lifecycle_commands_check_their_arguments(tmp_path):
                        (["remove", tmp_path / "nope", "--all"], "no such store directory"),
                        (["namespaces", tmp_path / "nope"], "no such store directory"),
                        (["budget", tmp_path, "lots"], "`SIZE`"),
-                       (["budget", tmp_path, "100"], "`SIZE`")):
+                       (["budget", tmp_path, "100"], "`SIZE`"),
+                       (["budget", tmp_path, "1e100"], "1.000e100 is outside"),  # (not a 101-digit number)
+                       (["budget", tmp_path, "0"], "to remove the budget say"),  # (0 never means "no budget")
+                       (["budget", tmp_path, "0.0"], "to remove the budget say")):
         r = kv(*args)
         assert r.returncode == 1 and word in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
         assert len(r.stderr.strip().splitlines()) == 1, r.stderr

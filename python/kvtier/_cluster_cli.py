@@ -1,5 +1,5 @@
 """``kvtier cluster master`` and ``kvtier cluster storage-node``: the two processes of a Mooncake cluster,
-started the same way on any machine where ``kvtier[mooncake]`` is installed (README "Cluster tier")."""
+started the same way on any machine where ``kvtier[mooncake]`` is installed (README "Use it across nodes")."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ with `&`, redirect that where logs belong. `kvtier cluster master --mooncake-hel
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     cluster = sub.add_parser("cluster", help="run the processes of a Mooncake cluster: master, storage-node",
-                             description="The processes of a cluster tier (README 'Cluster tier'). Each runs in the "
+                             description="The processes of a cluster tier (README 'Use it across nodes'). Each runs in the "
                              "foreground until SIGTERM or SIGINT, needs no terminal or standard input, and can run "
                              "under a service manager.")
     csub = cluster.add_subparsers(dest="cluster_command", required=True)
@@ -76,11 +76,19 @@ def _master(rest: list[str]) -> int:
         print(MASTER_HELP, end="")
         return 0
     rest = ["--help" if a == "--mooncake-help" else a for a in rest]
-    from .tiers._mooncake_env import INSTALL_HINT, binary, child_env
+    from .tiers._mooncake_env import INSTALL_HINT, binary, child_env, missing_libraries
 
     try:
         path = binary("mooncake_master")
+    except KvtierError:
+        raise
     except Exception as exc:  # noqa: BLE001 - any failure to find it is the same advice
         raise KvtierError(f"{INSTALL_HINT} ({exc})") from None
-    os.execve(path, [path, *rest], child_env())  # replaces this process: signals reach the master itself
+    env = child_env()
+    missing = missing_libraries(path, env)
+    if missing:  # (else the loader's own message and exit status 127, from a process that never started)
+        raise KvtierError(f"{path} cannot start: the system libraries {', '.join(missing)} are missing. Install them "
+                          "(Debian/Ubuntu: apt-get install libibverbs1), or without root `make syslibs` in kvtier's "
+                          "checkout, or point $KVTIER_SYSLIB_DIR at a directory holding them")
+    os.execve(path, [path, *rest], env)  # replaces this process: signals reach the master itself
     return 0  # not reached

@@ -170,8 +170,11 @@ def cmd_budget(args: argparse.Namespace) -> int:
     if not os.path.isdir(args.path):
         raise KvtierError(f"{args.path}: no such store directory")
     if args.size is not None:
-        if args.size.strip().lower() in ("none", "off", "0"):
+        if args.size.strip().lower() in ("none", "off"):
             _native.set_store_budget(args.path, None)
+        elif args.size.strip() and args.size.strip().strip("0.") == "":
+            raise KvtierError(f"a budget of {args.size.strip()} bytes would hold nothing; to remove the budget say "
+                              f"`kvtier budget {args.path} none`")
         else:
             size = parse_size("SIZE", args.size, 4096)
             _native.set_store_budget(args.path, size)

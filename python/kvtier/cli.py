@@ -227,7 +227,12 @@ def cmd_bench(args: argparse.Namespace, rest: list[str], bench_parser: argparse.
     if args.which is None:
         bench_parser.print_help()
         return 0 if {"-h", "--help"} & set(rest) else 2
-    if args.which in ("pin", "transfer") and not {"-h", "--help"} & set(rest):
+    if {"-h", "--help"} & set(rest):  # (the options without the bench: no torch needed, nothing imported)
+        from .benchmarks.options import parser
+
+        parser(args.which).print_help()
+        return 0
+    if args.which in ("pin", "transfer"):
         import torch
 
         if not torch.cuda.is_available():
@@ -260,7 +265,7 @@ def _main(argv: list[str] | None) -> int:
                       "'auto', every layer where half the free device memory holds them; more than the model has means all)")
     demo.add_argument("--cluster", action="store_true",
                       help="two inference-node processes sharing prefixes through a local Mooncake cluster "
-                      "(needs kvtier[mooncake]; README 'Cluster tier')")
+                      "(needs kvtier[mooncake]; README 'Use it across nodes')")
     bench = sub.add_parser("bench", add_help=False,
                            help="benchmarks against the hardware ceilings: pin, transfer (GPU), store, mooncake (the cluster tier); "
                            "replay (a request trace through the tiers, against an LRU model); tenants (what encryption "
@@ -294,7 +299,7 @@ def _main(argv: list[str] | None) -> int:
     bud = sub.add_parser("budget", help="show or set the disk budget of a whole store directory (every namespace, "
                          "every process)")
     bud.add_argument("path")
-    bud.add_argument("size", nargs="?", help="a size (e.g. 512G), or none to remove the budget")
+    bud.add_argument("size", nargs="?", help="a size (e.g. 512G), or none (or off) to remove the budget")
     ver = sub.add_parser("verify", help="re-read every object of a store and check its checksum and journal "
                          "(read-only; exit 1 on damage)")
     ver.add_argument("path")
@@ -309,6 +314,8 @@ def _main(argv: list[str] | None) -> int:
     args, rest = parser.parse_known_args(argv)
     if rest and args.command not in ("bench", "cluster"):
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if isinstance(getattr(args, "path", None), str) and not args.path.strip():
+        parser.error(f"`kvtier {args.command}`: PATH must name a store directory, got an empty string")
     commands = {"demo": lambda: cmd_demo(args), "bench": lambda: cmd_bench(args, rest, bench),
                 "inspect": lambda: cmd_inspect(args), "verify": lambda: cmd_verify(args),
                 "stats": lambda: cmd_stats(args), "cluster": lambda: _cluster_cli.run(args, rest),
@@ -330,12 +337,21 @@ def _main(argv: list[str] | None) -> int:
               "'kvtier[torch]' (or torch itself)", file=sys.stderr)
         return 1
     except (KvtierError, OSError, ValueError) as exc:
-        print(f"kvtier: error: {exc}", file=sys.stderr)
+        print(f"kvtier: error: {os_error_text(exc) if isinstance(exc, OSError) else exc}", file=sys.stderr)
         return 1
     except (MemoryError, RuntimeError) as exc:  # e.g. an allocation the machine cannot make
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         print(f"kvtier: error: {type(exc).__name__}: {first}", file=sys.stderr)
         return 1
+
+
+def os_error_text(exc: OSError) -> str:
+    """An OSError as an operator reads it: the file, then what went wrong (``/x: Permission denied``), not
+    Python's ``[Errno 13] Permission denied: '/x'``; kvtier's own errors (which carry no errno) as they are."""
+    if exc.errno is None or not exc.strerror:
+        return str(exc)
+    files = [str(f) for f in (exc.filename, exc.filename2) if f is not None]
+    return f"{' -> '.join(files)}: {exc.strerror}" if files else exc.strerror
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -157,7 +157,9 @@ def parse_size(name: str, value: object, minimum: int = 0) -> int:
         raise InvalidArgumentError(f"invalid argument `{name}`: a size in bytes (an int, or a string like '64G'), got "
                                    f"{type(value).__name__}")
     if value < minimum or value > MAX_SIZE:
-        raise InvalidArgumentError(f"invalid argument `{name}`: {value} is outside [{minimum}, 2**63 - 1]")
+        digits = str(abs(value))
+        shown = value if len(digits) <= 24 else f"{'-' if value < 0 else ''}{digits[0]}.{digits[1:4]}e{len(digits) - 1}"
+        raise InvalidArgumentError(f"invalid argument `{name}`: {shown} is outside [{minimum}, 2**63 - 1]")
     return value
 
 

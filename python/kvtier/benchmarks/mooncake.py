@@ -19,7 +19,6 @@ and get), each as a share of the raw figure.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
@@ -32,6 +31,7 @@ from kvtier import DeviceKVPool, MLADeviceKVPool, host_pool_for
 from ..tiers.local_cluster import LocalCluster
 from ..tiers._records import record_size
 from ..tiers.mooncake import MooncakeTier
+from .options import parser
 from ._common import out_dir, write_results
 
 # name: (kind, geometry, pages per batch)
@@ -164,11 +164,7 @@ def run_case(name: str, c: LocalCluster, reps: int, keyring: Any = None) -> dict
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="kvtier bench mooncake")
-    ap.add_argument("--reps", type=int, default=7, help="repetitions per case, fresh keys each, raw and kvtier going first in turn; medians (default 7)")
-    ap.add_argument("--storage-nodes", type=int, default=1, help="storage processes of the local cluster (default 1)")
-    ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated cases of {list(CASES)}")
-    ap.add_argument("--out", default=None, help="directory for cpu-mooncake.json and .md (default: print only)")
+    ap = parser("mooncake")
     a = ap.parse_args(argv)
     unknown = [x for x in a.cases.split(",") if x not in CASES]
     if unknown:

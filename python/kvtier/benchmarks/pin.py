@@ -13,7 +13,6 @@ pinned-copy ceiling). Prints medians and the ratio torch / kvtier (goal: >= 2x).
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import platform
@@ -24,6 +23,7 @@ import torch
 
 import kvtier
 
+from .options import parser
 from ._common import bar_plot, check_plot_path, out_dir
 
 
@@ -52,12 +52,7 @@ def h2d_gbps(host: torch.Tensor, nbytes: int) -> float:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="kvtier bench pin")
-    ap.add_argument("--gib", type=int, default=16, help="GiB to allocate and pin per run (default 16)")
-    ap.add_argument("--reps", type=int, default=3, help="repetitions; medians are reported (default 3)")
-    ap.add_argument("--json", default=None, help="write the result to this JSON file")
-    ap.add_argument("--out", default=None, help="directory for pin.json (alternative to --json; default: print only)")
-    ap.add_argument("--plot", default=None, help="write a bar chart (PNG) of GB/s per method (needs matplotlib)")
+    ap = parser("pin")
     args = ap.parse_args(argv)
     if args.gib < 1 or args.reps < 1:
         ap.error("--gib and --reps must be at least 1")

@@ -16,7 +16,6 @@ and a bar chart only to --plot (both checked before the bench starts).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -29,6 +28,7 @@ import kvtier
 from kvtier import DeviceKVPool, PageStore, _native, host_pool_for
 
 from .._cleanup import remove_tree
+from .options import parser
 from ._common import bar_plot, check_plot_path, fs_type, out_dir, write_results
 
 CASES = {
@@ -126,15 +126,7 @@ def run_case(name, c, root, reps):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="kvtier bench store")
-    ap.add_argument("--dir", default=None,
-                    help="directory on the disk to measure (default: a temporary directory in the working directory, "
-                    "removed afterwards)")
-    ap.add_argument("--reps", type=int, default=3, help="fresh stores per case; medians are reported (default 3)")
-    ap.add_argument("--out", default=None, help="directory for store.json and store.md (default: print only)")
-    ap.add_argument("--plot", default=None, help="write a bar chart (PNG) of ceiling and kvtier GB/s (needs matplotlib)")
-    ap.add_argument("--cases", default="mimo,small", help=f"comma-separated cases of {sorted(CASES)} (default mimo,small)")
-    ap.add_argument("--pages", type=int, default=None, help="override the page count of every case (quick runs)")
+    ap = parser("store")
     a = ap.parse_args(argv)
     unknown = [c for c in a.cases.split(",") if c not in CASES]
     if unknown:

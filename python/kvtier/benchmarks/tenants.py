@@ -18,7 +18,6 @@ Writes ``cpu-tenants.json`` / ``.md`` into --out only at the end.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -35,6 +34,7 @@ from ..buffer import HostBuffer
 from ..tenants import Keyring
 from ..tiers._records import SEAL
 from . import store as store_bench
+from .options import parser
 from ._common import fs_type, out_dir, write_results
 
 
@@ -169,16 +169,7 @@ def lookups(root: str, rounds: int = 300) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="kvtier bench tenants")
-    ap.add_argument("--dir", action="append", default=None, help="a directory on a disk to measure, repeatable "
-                    "(default: a temporary directory in the working directory, removed afterwards)")
-    ap.add_argument("--reps", type=int, default=3, help="fresh stores per disk case and mode; medians (default 3)")
-    ap.add_argument("--cases", default="mimo,small", help="disk cases of `kvtier bench store` (default mimo,small)")
-    ap.add_argument("--pages", type=int, default=None, help="override the page count of every disk case")
-    ap.add_argument("--cluster-reps", type=int, default=5, help="repetitions per cluster case and mode (default 5)")
-    ap.add_argument("--cluster-cases", default="64KiB,mimo-kv", help="cases of `kvtier bench mooncake` (default 64KiB,mimo-kv)")
-    ap.add_argument("--no-cluster", action="store_true", help="skip the cluster tier (no Mooncake)")
-    ap.add_argument("--out", default=None, help="directory for cpu-tenants.json and .md (default: print only)")
+    ap = parser("tenants")
     a = ap.parse_args(argv)
     cases = a.cases.split(",")
     if any(x not in store_bench.CASES for x in cases):

@@ -24,7 +24,6 @@ Prints the results; writes ``transfer.json`` and ``transfer.md`` only into --out
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
@@ -35,6 +34,7 @@ import kvtier
 from kvtier import DeviceKVPool, LayerLoader, MLADeviceKVPool, device_layers, host_pool_for
 from kvtier import _native, config
 
+from .options import parser
 from ._common import check_plot_path, out_dir, write_results
 
 GEOMS = {
@@ -385,21 +385,7 @@ def plot(res, path: str) -> None:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="kvtier bench transfer")
-    ap.add_argument("--out", default=None, help="directory for transfer.json and transfer.md (default: print only)")
-    ap.add_argument("--geoms", default="A,B,C,D", help="comma-separated geometries: A MiMo-V2-like (48 layers, 4 heads, K 192 / V 128), B Llama-3.1-8B-like "
-                    "(32, 8, 128/128), C MiMo at TP 8 (48, 1, 192/128), D DeepSeek-V3-like MLA (61 layers, 512+64), E MiMo at TP 4 "
-                    "(48, 2, 192/128); "
-                    "default A,B,C,D")
-    ap.add_argument("--pages", default="16,64,256,1024", help="page counts per call (default 16,64,256,1024)")
-    ap.add_argument("--reps", type=int, default=7, help="timed repetitions per cell; medians are reported (default 7)")
-    ap.add_argument("--no-sweep", action="store_true", help="skip the kernel-backend block sweep")
-    ap.add_argument("--streams", default="side,default",
-                    help="caller streams to measure: side (a torch.cuda.Stream) and/or default (a plain script)")
-    ap.add_argument("--no-overlap", action="store_true", help="skip the overlap measurements")
-    ap.add_argument("--indices", default="cpu", help="where the index tensors live: cpu and/or cuda (a plain "
-                    "script may hold either)")
-    ap.add_argument("--plot", default=None, help="write a PNG of GB/s against pages per backend (needs matplotlib)")
+    ap = parser("transfer")
     args = ap.parse_args(argv)
     if any(g not in GEOMS for g in args.geoms.split(",")):
         ap.error(f"--geoms: choose from {sorted(GEOMS)}, got {args.geoms!r}")

@@ -24,7 +24,7 @@ def run_cluster(*, conversations: int = 3, turns: int = 3, seed: int = 0, store_
     from ..tiers.local_cluster import LocalCluster
 
     root = store_dir or tempfile.mkdtemp(prefix="kvtier-demo-cluster-", dir=os.getcwd())
-    failures = 0
+    failures, finished = 0, False
     try:
         with LocalCluster(storage_nodes=1, segment_bytes=256 << 20, log_dir=os.path.join(root, "logs")) as c:
             print(f"cluster: Mooncake master at {c.master_address} and one storage process (logs in {c.log_dir})")
@@ -55,9 +55,13 @@ def run_cluster(*, conversations: int = 3, turns: int = 3, seed: int = 0, store_
                 print(f"\nnode B: {b['cluster_pages']} of {b['pages']} pages came from the cluster, "
                       f"{b['recomputed_pages']} were recomputed; cluster tier read "
                       f"{b['cluster_bytes'] / 1e6:.1f} MB, integrity misses {b['cluster_corrupt'] + b['cluster_stale']}")
+        finished = True
     finally:
-        if store_dir is None:
+        logs = os.path.join(root, "logs")
+        if store_dir is None and (finished and not failures or not os.path.isdir(logs) or not os.listdir(logs)):
             remove_tree(root)
+        elif store_dir is None:  # the logs a failure pointed to stay where it said they are
+            print(f"demo --cluster: kept {root} for its logs ({logs}); remove it when done", file=sys.stderr)
     print("demo --cluster:", "all checks passed" if not failures else f"{failures} check(s) FAILED")
     return 1 if failures else 0
 

@@ -2,6 +2,17 @@
 orders tiers (:class:`TieredStore`) and a cluster on one machine for tests and trials
 (:mod:`kvtier.tiers.local_cluster`). Mooncake is imported only when a Mooncake tier is built."""
 
-from .chain import TieredStore
+from __future__ import annotations
+
+from typing import Any
 
 __all__ = ["TieredStore"]
+
+
+def __getattr__(name: str) -> Any:
+    # TieredStore on first use: `kvtier cluster master` and the Mooncake helpers run without torch
+    if name == "TieredStore":
+        from .chain import TieredStore
+
+        return TieredStore
+    raise AttributeError(f"module 'kvtier.tiers' has no attribute {name!r}")

@@ -28,7 +28,7 @@ _LIBS = ("libnl-3.so.200", "libnl-route-3.so.200", "libibverbs.so.1")
 INSTALL_HINT = (
     "kvtier's cluster tier needs Mooncake: pip install 'kvtier[mooncake]' (the mooncake-transfer-engine-non-cuda "
     "wheel) and the system library libibverbs1 (apt-get install libibverbs1; without root: `make syslibs`, see "
-    "README 'Cluster tier')"
+    "README 'Use it across nodes')"
 )
 
 
@@ -98,6 +98,18 @@ def binary(name: str) -> str:
     if not path.exists():
         raise KvtierError(f"{INSTALL_HINT} ({path} is missing)")
     return str(path)
+
+
+def missing_libraries(path: str, env: dict[str, str]) -> list[str]:
+    """The shared libraries the executable at ``path`` links and the dynamic loader cannot find with ``env``'s
+    loader path (``ldd``'s "not found" lines); empty where ldd is not installed or says nothing."""
+    import subprocess
+
+    try:
+        r = subprocess.run(["ldd", path], env=env, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line.split("=>")[0].strip() for line in r.stdout.splitlines() if "=> not found" in line]
 
 
 def connect(address: str, protocol: str, device: str, hostname: str, metadata: str, segment: int, local_buf: int,
