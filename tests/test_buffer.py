@@ -279,3 +279,25 @@ def test_prefault_progress_is_counted_for_a_progress_bar(monkeypatch):
     monkeypatch.setenv("KVTIER_PROGRESS", "yes")
     with pytest.raises(kvtier.InvalidArgumentError, match="KVTIER_PROGRESS"):
         config.progress(1 << 40)
+
+
+def test_memory_that_could_not_be_pinned_is_said_once_in_the_log(monkeypatch, caplog):
+    """pin="auto" where torch sees a GPU but the memory cannot be pinned (here: no CUDA driver) keeps the buffer,
+    unpinned, with the reason in pin_error, and says so in the log (it was silent: transfers then take the slow
+    path); pin=True raises instead."""
+    import logging
+
+    import kvtier.buffer as buffer_module
+    from kvtier import CudaUnavailableError, _native
+
+    if _native.cuda_driver_available():
+        pytest.skip("this machine can pin")
+    monkeypatch.setattr(buffer_module, "cuda_device_available", lambda: True)
+    with caplog.at_level(logging.WARNING, logger="kvtier.buffer"):
+        b = HostBuffer(1 << 20, huge_pages="off", pin="auto")
+    assert not b.pinned and "not available" in b.pin_error
+    (rec,) = caplog.records
+    assert "could not be pinned" in rec.getMessage() and str(1 << 20) in rec.getMessage()
+    b.close()
+    with pytest.raises(CudaUnavailableError):
+        HostBuffer(1 << 20, huge_pages="off", pin=True)

@@ -8,6 +8,7 @@ raises :class:`kvtier.ClosedError` on any use.
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import TYPE_CHECKING, Any
 from collections.abc import Sequence
@@ -43,7 +44,7 @@ class HostBuffer:
             report ``is_pinned()`` and ``non_blocking`` copies are real DMA); ``True`` requires it; ``False``
             never pins. Default from ``KVTIER_PIN``.
         pin_granularity: bytes of one KV page; registration chunks never split one (default 4096).
-        register_chunk_bytes: largest single registration (default ``KVTIER_REGISTER_CHUNK_GB``, 1 GiB).
+        register_chunk_bytes: largest single registration (default ``KVTIER_REGISTER_CHUNK_GB``, 64 GiB).
         device: CUDA device ordinal to register with (default: torch's current device).
     """
 
@@ -85,6 +86,11 @@ class HostBuffer:
                     self._region.close()
                     raise
                 self._pin_error = str(exc)
+                # (torch sees a GPU: the copies this memory was made for now take torch's slow path)
+                logging.getLogger(__name__).warning(
+                    "kvtier: %d bytes of host memory could not be pinned (%s); CUDA copies of it take the slow path "
+                    "(HostBuffer(pin=True) raises instead; docs/OPERATIONS.md, Pinned memory in containers)",
+                    nbytes, self._pin_error)
 
     def _pin(self, granularity: int | None, chunk: int | None, device: int | None) -> None:
         if not _native.cuda_driver_available():

@@ -1,5 +1,5 @@
-"""The one place kvtier reads environment variables. Each has a documented default (README, "Environment
-variables"); the rest of the package takes these values as arguments."""
+"""The one place kvtier reads environment variables. Each has a documented default (docs/API.md,
+*Tuning*); the rest of the package takes these values as arguments."""
 
 from __future__ import annotations
 

@@ -53,7 +53,7 @@ class HostKVPool:
     _v_side: Any
     _buffers: list[HostBuffer]
     _model_kind = ""
-    #: Host memory kept free when sizing a pool (HiCache keeps 10 GiB; see ``KVTIER_HOST_MEMORY_RESERVE``).
+    #: Host memory kept free when sizing a pool (HiCache keeps 10 GiB): at most this or a quarter of what is available.
     memory_reserve_bytes = 10 << 30
 
     def __init__(
