@@ -34,7 +34,7 @@ DESCRIPTIONS = {
 
 
 def _pin(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--gib", type=int, default=16, help="GiB to allocate and pin per run (default 16)")
+    ap.add_argument("--gib", type=int, default=16, help="GiB to allocate and pin per run, at least 2 (default 16)")
     ap.add_argument("--reps", type=int, default=3, help="repetitions; medians are reported (default 3)")
     ap.add_argument("--json", default=None, help="write the result to this JSON file")
     ap.add_argument("--out", default=None, help="directory for pin.json (alternative to --json; default: print only)")
