@@ -3,6 +3,7 @@ loaded by SGLang's own factory, serves SGLang's own host pools (asymmetric and s
 kvtier's page hashes equal SGLang's. These tests do not skip: an SGLang release that changes these
 interfaces must fail them."""
 
+import logging
 import random
 
 import pytest
@@ -350,7 +351,7 @@ def test_kvtier_and_sglang_mla_pools_share_pages(tmp_path, layout):
     a.close()
 
 
-def test_batch_exists_answers_with_the_pages_worth_loading(tmp_path):
+def test_batch_exists_answers_with_the_pages_worth_loading(tmp_path, caplog):
     """The restore planner (on by default): SGLang is told only the leading pages whose read is predicted faster
     than its prefill computing them, judged by the tier's own measurement; the pages themselves stay stored."""
     from kvtier.planner import TierMeter
@@ -363,11 +364,16 @@ def test_batch_exists_answers_with_the_pages_worth_loading(tmp_path):
     be = KvtierStorage(cfg)
     be.register_mem_pool_host(pool)
     assert be.planner.enabled and be.batch_set_v1(keys, idx(range(6))) == [True] * 6
-    for gbps, want in ((1000.0, 6), (1e-4, 0)):  # a tier far faster / far slower than a prefill
-        be.store.meter = TierMeter("disk")
-        be.store.meter.seed(read_GBps=gbps)
-        assert be.batch_exists(keys) == want and be.store.batch_exists(keys) == 6
-    assert be.kvtier_stats()["restore_planner"]["plans"] == {"load": 1, "recompute": 1}
+    with caplog.at_level(logging.WARNING, logger="kvtier"):
+        for gbps, want in ((1000.0, 6), (1e-4, 0), (1e-4, 0)):  # a tier far faster / far slower than a prefill
+            be.store.meter = TierMeter("disk")
+            be.store.meter.seed(read_GBps=gbps)
+            assert be.batch_exists(keys) == want and be.store.batch_exists(keys) == 6
+    stats = be.kvtier_stats()["restore_planner"]
+    assert stats["plans"] == {"load": 1, "recompute": 2} and stats["declined_tokens"] == 2 * 6 * PS
+    # declining stored pages is said once, with why and what to set
+    (said,) = [r.getMessage() for r in caplog.records if "restore planner reports" in r.getMessage()]
+    assert "0 of 6 stored pages" in said and "prefill_tokens_per_s not set" in said and "restore_planner: false" in said
     be.close()
     # the operator's prefill rate decides against the measured tier: compute that costs nothing never loads,
     # compute that takes a second per token always does

@@ -434,6 +434,7 @@ class PlannerStats:
         self.tokens_loaded: collections.Counter[str] = collections.Counter()
         self.tokens_recomputed = 0
         self.cached_tokens = 0  # tokens some tier held (what could have been reused)
+        self.declined_tokens = 0  # of those, tokens the chosen plans computed again instead
         self.observed = 0
         self.predicted_s = 0.0  # sums over the observed plans
         self.observed_s = 0.0
@@ -450,6 +451,7 @@ class PlannerStats:
                 self.tokens_loaded[name] += n * plan.page_tokens
             self.tokens_recomputed += plan.recomputed_tokens
             self.cached_tokens += plan.cached_pages * plan.page_tokens
+            self.declined_tokens += max(0, plan.cached_pages - plan.reused_pages) * plan.page_tokens
 
     def observe(self, plan: RestorePlan, seconds: float) -> None:
         """The time to first token the engine measured for ``plan``."""
@@ -481,6 +483,7 @@ class PlannerStats:
         with self._lock:
             return dict(plans=dict(self.plans), tokens_loaded=dict(self.tokens_loaded),
                         tokens_recomputed=self.tokens_recomputed, cached_tokens=self.cached_tokens,
+                        declined_tokens=self.declined_tokens,
                         observed=self.observed, predicted_s=self.predicted_s, observed_s=self.observed_s,
                         median_prediction_error=err, slow_plans=dict(self.slow_plans),
                         recent_slow_plans=list(self.recent_slow))

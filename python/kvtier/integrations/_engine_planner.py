@@ -11,6 +11,7 @@ time to first token). A tier is judged by what it measured about itself (probe, 
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -21,6 +22,8 @@ from ..planner import PlannerStats, PrefillModel, TierEstimate, plan_restore
 #: Default: the engine's prefill produces this many GB/s of one rank's KV (an H200 prefills Llama-3.1-8B's
 #: 128 KiB/token at about 4.3 GB/s; slower engines make loads pay sooner).
 DEFAULT_PREFILL_KV_GBPS = 5.0
+
+_log = logging.getLogger(__name__)
 
 
 def check_options(restore_planner: Any, prefill_tokens_per_s: Any) -> None:
@@ -41,6 +44,7 @@ class EnginePlanner:
         self.tokens_per_s = prefill_tokens_per_s
         self.stats = PlannerStats()
         self._prefill: PrefillModel | None = None
+        self._said_declined = False
 
     def prefill(self, bytes_per_token: float) -> PrefillModel:
         if self._prefill is None:
@@ -59,4 +63,15 @@ class EnginePlanner:
                             page_bytes=page_bytes, host_pages=context_pages, store_segments=segments, tiers=tiers,
                             prefill=self.prefill(page_bytes / page_tokens), can_split=False)
         self.stats.record(plan)
+        if plan.loaded_pages < held and not self._said_declined:
+            self._said_declined = True  # (once: every later decline is counted, `declined_tokens`)
+            rate = (f"its prefill_tokens_per_s of {self.tokens_per_s:g}" if self.tokens_per_s else
+                    f"the default prefill rate ({DEFAULT_PREFILL_KV_GBPS:g} GB/s of this rank's KV; "
+                    "prefill_tokens_per_s not set)")
+            seen = ", ".join(f"{n} {tiers[n].read_GBps:.2f} GB/s" for n, _ in segments if n in tiers)
+            _log.warning("kvtier: the restore planner reports %d of %d stored pages of a lookup to the engine: reading "
+                         "the rest (%s) is predicted slower than the engine recomputing them at %s. Declined pages are "
+                         "counted (kvtier_restore_declined_tokens_total); set prefill_tokens_per_s to the engine's "
+                         "measured prefill rate, or restore_planner: false to report every stored page. Said once.",
+                         plan.loaded_pages, held, seen or "no measurement", rate)
         return plan.loaded_pages
