@@ -110,3 +110,21 @@ def test_latency_histogram_is_cumulative():
         h.observe(x)
     buckets, total, count = h.snapshot()
     assert buckets == [("0.1", 2), ("1.0", 3), ("+Inf", 4)] and count == 4 and total == pytest.approx(3.65)
+
+
+def test_declined_tokens_are_exported(tmp_path):
+    """Cached tokens a plan computed again (the tier was predicted slower than recomputing) are a counter."""
+    from kvtier.planner import PrefillModel, TierEstimate, plan_restore
+
+    dp, hp, st, c = setup(tmp_path)
+    try:
+        slow_disk = {"disk": TierEstimate("disk", read_GBps=1e-4, read_latency_s=0.0, source="probe")}
+        p = plan_restore(prompt_tokens=8 * PS + 1, page_tokens=PS, page_bytes=c.page_bytes, host_pages=2,
+                         store_segments=[("disk", 6)], tiers=slow_disk, prefill=PrefillModel.fixed(1e4))
+        assert p.kind == "host" and p.reused_pages == 2  # the host's pages reused, the disk's 6 declined
+        c.planner_stats.record(p)
+        col = KvtierCollector(controller=c)
+        assert value(scrape(col), "kvtier_restore_declined_tokens_total", planner="controller") == 6 * PS
+    finally:
+        c.close()
+        st.close()

@@ -51,7 +51,8 @@ class LatencyHistogram:
         return out, total, acc
 
 
-def _prometheus() -> Any:
+def require_prometheus() -> Any:
+    """``prometheus_client.core``, or a :class:`~kvtier.KvtierError` saying how to install it."""
     try:
         from prometheus_client import core
     except ImportError:
@@ -115,7 +116,7 @@ class KvtierCollector:
     """
 
     def __init__(self, *, controller: Any = None, stores: Sequence[Any] = (), prefix: str = "kvtier") -> None:
-        _prometheus()  # fail at construction, not at the first scrape
+        require_prometheus()  # fail at construction, not at the first scrape
         self.controller = controller
         self.stores = list(stores)
         self.prefix = prefix
@@ -126,8 +127,9 @@ class KvtierCollector:
         for s in [*cands, *self.stores]:
             if hasattr(s, "tiers") and hasattr(s, "first"):  # a TieredStore: its disk tier
                 out.append(s.first)
-            elif hasattr(s, "store") and hasattr(s, "batch_get_v1") and hasattr(s, "kvtier_stats"):  # KvtierStorage
-                out.append(s.store)
+            elif hasattr(s, "store") and hasattr(s, "kvtier_stats"):  # an engine backend (KvtierStorage, KvtierTier)
+                if s.store is not None:  # (None: a vLLM tier after shutdown)
+                    out.append(s.store)
                 out.extend(getattr(s, "pool_stores", ()))
             else:
                 out.append(s)
@@ -188,6 +190,9 @@ class KvtierCollector:
                                           "KV came from (a tier, or recomputed)", labels=["planner", "source"])
         timing = core.CounterMetricFamily(f"{p}_restore_ttft_seconds", "time to first token of the planned restores "
                                           "the engine timed, summed: predicted and observed", labels=["planner", "which"])
+        declined = core.CounterMetricFamily(f"{p}_restore_declined_tokens", "prompt tokens some tier held that the "
+                                            "chosen plans computed again (reading them was predicted slower)",
+                                            labels=["planner"])
         slow = core.CounterMetricFamily(f"{p}_restore_slow_plans", "planned restores whose time to first token came "
                                         "out more than 10% over the prediction, by kind", labels=["planner", "kind"])
         rates = core.GaugeMetricFamily(f"{p}_tier_measured_gbps", "each tier's moving estimate of itself (GB/s)",
@@ -209,6 +214,7 @@ class KvtierCollector:
             for tier, n in d["tokens_loaded"].items():
                 tokens.add_metric([who, tier], float(n))
             tokens.add_metric([who, "recomputed"], float(d["tokens_recomputed"]))
+            declined.add_metric([who], float(d["declined_tokens"]))
             timing.add_metric([who, "predicted"], float(d["predicted_s"]))
             timing.add_metric([who, "observed"], float(d["observed_s"]))
             for kind, n in d["slow_plans"].items():
@@ -220,13 +226,28 @@ class KvtierCollector:
             for name, est in estimates.items():
                 rates.add_metric([who, name, "read"], float(est.read_GBps))
                 rates.add_metric([who, name, "write"], float(est.write_GBps))
-        yield from (plans, tokens, timing, slow, rates)
+        yield from (plans, tokens, declined, timing, slow, rates)
+
+    def _deadline_sources(self) -> list[tuple[dict[str, str], dict[str, Any]]]:
+        """The controller's store calls (no label) and each engine backend's, labelled by its position in
+        ``stores`` as its planner is."""
+        out: list[tuple[dict[str, str], dict[str, Any]]] = []
+        if self.controller is not None:
+            out.append(({}, self.controller.deadline_stats()))
+        for i, s in enumerate(self.stores):
+            staged = getattr(s, "staged", None)
+            if hasattr(s, "kvtier_stats") and staged is not None:
+                try:
+                    out.append(({"backend": f"store{i}"}, staged.stats()))
+                except Exception:  # noqa: BLE001 - a closed backend must not fail the scrape
+                    continue
+        return out
 
     def describe(self) -> list[Any]:
         return []  # unchecked collector: metric families depend on what is attached at scrape time
 
     def collect(self) -> Iterator[Any]:
-        core = _prometheus()
+        core = require_prometheus()
         p = self.prefix
         counters = {key: core.CounterMetricFamily(f"{p}_store_{name}", doc, labels=["store"])
                     for key, name, doc in _STORE_COUNTERS}
@@ -251,6 +272,7 @@ class KvtierCollector:
         yield latency
         yield from self._tier_families(core)
         yield from self._planner_families(core)
+        yield from _deadline_families(core, p, self._deadline_sources())
         c = self.controller
         if c is None:
             return
@@ -279,29 +301,35 @@ class KvtierCollector:
             fam = core.CounterMetricFamily(f"{p}_controller_{attr}", doc)
             fam.add_metric([], float(getattr(s, attr)))
             yield fam
-        yield from _deadline_families(core, p, c.deadline_stats())
 
 
-def _deadline_families(core: Any, p: str, d: dict[str, Any]) -> Iterator[Any]:
-    """The store's calls against their deadlines (:meth:`kvtier.TierController.deadline_stats`)."""
+def _deadline_families(core: Any, p: str, sources: list[tuple[dict[str, str], dict[str, Any]]]) -> Iterator[Any]:
+    """The store's calls against their deadlines: the controller's (:meth:`kvtier.TierController.deadline_stats`,
+    unlabelled) and each engine backend's (``backend="store<i>"``: ``kvtier_stats()["deadlines"]``)."""
+    if not sources:
+        return
     for name, doc in (("calls", "store calls sent or skipped, by kind"),
                       ("deadline_misses", "store calls answered at their deadline instead of by the store, by kind"),
                       ("skipped", "store calls not sent because the store was out of use (breaker open), by kind")):
         fam = core.CounterMetricFamily(f"{p}_store_{name}", doc, labels=["kind"])
-        for kind, n in d[name].items():
-            fam.add_metric([kind], float(n))
+        for labels, d in sources:
+            for kind, n in d[name].items():
+                fam.add_sample(f"{p}_store_{name}_total", {**labels, "kind": kind}, float(n))
         yield fam
-    for name, doc in (("fenced_pages", "host pages held by store calls past their deadline that have not returned"),
-                      ("stuck_calls", "store calls past their deadline that have not returned")):
+    state = {"closed": 0.0, "half_open": 0.5, "open": 1.0}
+    for name, doc, value in (
+            ("fenced_pages", "host pages held by store calls past their deadline that have not returned",
+             lambda d: d["fenced_pages"]),
+            ("stuck_calls", "store calls past their deadline that have not returned", lambda d: d["stuck_calls"]),
+            ("breaker_open", "1 while the store is out of use after missed deadlines (0.5 while a probing call is "
+             "let through)", lambda d: state[d["breaker"]])):
         g = core.GaugeMetricFamily(f"{p}_store_{name}", doc)
-        g.add_metric([], float(d[name]))
+        for labels, d in sources:
+            g.add_sample(f"{p}_store_{name}", labels, float(value(d)))
         yield g
-    up = core.GaugeMetricFamily(f"{p}_store_breaker_open", "1 while the store is out of use after missed deadlines "
-                                "(0.5 while a probing call is let through)")
-    up.add_metric([], {"closed": 0.0, "half_open": 0.5, "open": 1.0}[d["breaker"]])
-    yield up
     trips = core.CounterMetricFamily(f"{p}_store_breaker_trips", "times the store was taken out of use")
-    trips.add_metric([], float(d["breaker_trips"]))
+    for labels, d in sources:
+        trips.add_sample(f"{p}_store_breaker_trips_total", labels, float(d["breaker_trips"]))
     yield trips
 
 

@@ -13,6 +13,7 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from .._errors import InvalidArgumentError
 from ..config import parse_size
 from ..deadlines import check_deadline
+from ..metrics_server import DEFAULT_HOST, check_options as check_metrics_options
 from ..staging import DEFAULT_STAGING_BYTES
 from ..store import DEFAULT_CAPACITY
 from ._engine_planner import check_options
@@ -42,6 +43,11 @@ OPTIONS: dict[str, Any] = {
     "read_deadline_s": "auto",
     "write_deadline_s": 2.0,
     "staging_bytes": DEFAULT_STAGING_BYTES,
+    # kvtier's Prometheus families on http://metrics_host:port/metrics of the scheduler process
+    # (kvtier.metrics_server): null: off; 0: a free port, logged; N: N + the DP replica's index; "0.0.0.0"
+    # exposes it to every network
+    "metrics_port": None,
+    "metrics_host": DEFAULT_HOST,
 }
 #: Keys vLLM's tier factory reads itself (and removes before constructing the tier).
 VLLM_KEYS = ("type", "module_path", "backpressure")
@@ -83,6 +89,7 @@ def parse_options(config: Mapping[str, Any]) -> dict[str, Any]:
     check_deadline("read_deadline_s", opts["read_deadline_s"], auto=True)
     check_deadline("write_deadline_s", opts["write_deadline_s"])
     opts["staging_bytes"] = parse_size("staging_bytes", opts["staging_bytes"], 4096)
+    check_metrics_options(opts["metrics_port"], opts["metrics_host"], where=" (kvtier tier)")
     loc = opts["locality"]
     if loc is not None:
         try:

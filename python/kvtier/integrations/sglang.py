@@ -27,6 +27,7 @@ from .._paths import default_store_dir, volatile_warning
 from ..buffer import HostBuffer
 from ..config import parse_size
 from ..deadlines import check_deadline
+from ..metrics_server import DEFAULT_HOST, MetricsEndpoint
 from ..staging import DEFAULT_STAGING_BYTES, StagedDisk, StagedIO, auto_read_deadline_s
 from ..store import DEFAULT_CAPACITY, PageStore
 from ..tenants import erase_tag, open_keyring
@@ -66,23 +67,18 @@ OPTIONS: dict[str, Any] = {
     "read_deadline_s": "auto",
     "write_deadline_s": 2.0,
     "staging_bytes": DEFAULT_STAGING_BYTES,
+    # kvtier's Prometheus families on http://metrics_host:port/metrics (kvtier.metrics_server); null: off, 0: a
+    # free port (logged), N: N + the rank's index; "0.0.0.0" exposes it to every network
+    "metrics_port": None,
+    "metrics_host": DEFAULT_HOST,
 }
 #: Options of the ``"mooncake"`` object (see :class:`kvtier.tiers.mooncake.MooncakeTier`).
 MOONCAKE_OPTIONS = {"master_server_address", "protocol", "device_name", "local_hostname", "metadata_server",
                     "global_segment_size", "local_buffer_size", "replica_num", "accept_unverified", "key_tag"}
 #: Keys SGLang itself reads from the extra config; accepted and ignored here.
-SGLANG_KEYS = {
-    "backend_name",
-    "module_path",
-    "class_name",
-    "interface_v1",
-    "interface_v2",
-    "prefetch_threshold",
-    "prefetch_timeout_base",
-    "prefetch_timeout_per_ki_token",
-    "hicache_storage_pass_prefix_keys",
-    "tp_lcm_size",
-}
+SGLANG_KEYS = {"backend_name", "module_path", "class_name", "interface_v1", "interface_v2", "prefetch_threshold",
+               "prefetch_timeout_base", "prefetch_timeout_per_ki_token", "hicache_storage_pass_prefix_keys",
+               "tp_lcm_size"}
 
 
 class KvtierStorage(HiCacheStorage):
@@ -119,6 +115,22 @@ class KvtierStorage(HiCacheStorage):
         read_deadline = check_deadline("read_deadline_s", opts["read_deadline_s"], auto=True)
         write_deadline = check_deadline("write_deadline_s", opts["write_deadline_s"])
         staging = parse_size("staging_bytes", opts["staging_bytes"], 4096)
+        # the metrics endpoint (one process per rank: port + tp + tp_size * (pp + pp_size * (cp + cp_size * dp)))
+        # takes its port before anything is opened: a busy one is an error that costs nothing
+        c, cps = storage_config, getattr(storage_config, "attn_cp_size", 1) or 1
+        rank = c.tp_rank + c.tp_size * (c.pp_rank + c.pp_size * ((getattr(c, "attn_cp_rank", 0) or 0)
+                                                                 + cps * (getattr(c, "dp_rank", 0) or 0)))
+        self.metrics_endpoint = MetricsEndpoint.claim(opts["metrics_port"], opts["metrics_host"], offset=rank)
+        try:
+            self._open(opts, path, budget, tp_rank, tp_size, read_deadline, write_deadline, staging)
+        except BaseException:
+            self.metrics_endpoint.close()
+            raise
+        self.metrics_endpoint.attach(self)
+
+    def _open(self, opts: dict[str, Any], path: str, budget: int, tp_rank: int, tp_size: int, read_deadline: Any,
+              write_deadline: Any, staging: int) -> None:
+        storage_config = self.storage_config
         self.keyring = open_keyring(opts["keyring"])
         self.store = PageStore(
             path,
@@ -436,6 +448,7 @@ class KvtierStorage(HiCacheStorage):
         return dict(self._v1.measured())
 
     def close(self) -> None:
+        self.metrics_endpoint.close()  # first: a scrape no longer reads what closes
         if self.tiers is not None:
             self.tiers.tiers[1][1].close()
         self.staged.close()

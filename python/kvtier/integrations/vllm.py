@@ -45,6 +45,7 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 
 from .._errors import ClosedError, InvalidArgumentError
 from .._paths import volatile_warning
+from ..metrics_server import MetricsEndpoint
 from ..staging import StagedIO, auto_read_deadline_s
 from ..store import PageStore
 from ._engine_planner import EnginePlanner
@@ -175,30 +176,42 @@ class KvtierTier(SecondaryTierManager):
         self.planner = EnginePlanner(opts["restore_planner"], opts["prefill_tokens_per_s"])
         self.tokens_per_row = int(cfg.cache.tokens_per_hash) * int(cfg.cache.blocks_per_chunk)
         self.namespace = namespace(cfg, self.row_bytes, opts["namespace_tag"])
-        store = _RowStore(
-            opts["path"],
-            self.namespace,
-            capacity_bytes=opts["capacity_bytes"],
-            budget_bytes=opts["capacity_bytes"],
-            io_threads=opts["io_threads"],
-            direct=opts["direct"],
-            keyring=opts["keyring"],
-            tenant=opts["tenant"],
-        )
+        # the metrics endpoint (port + the DP replica's index: one engine core process per replica) takes its port
+        # before anything is opened: a busy one is an error that costs nothing
+        self.metrics_endpoint = MetricsEndpoint.claim(opts["metrics_port"], opts["metrics_host"],
+                                                      offset=int(cfg.parallel.data_parallel_index))
+        try:
+            store = _RowStore(
+                opts["path"],
+                self.namespace,
+                capacity_bytes=opts["capacity_bytes"],
+                budget_bytes=opts["capacity_bytes"],
+                io_threads=opts["io_threads"],
+                direct=opts["direct"],
+                keyring=opts["keyring"],
+                tenant=opts["tenant"],
+            )
+        except BaseException:
+            self.metrics_endpoint.close()
+            raise
         rows = torch.from_numpy(np.asarray(primary_kv_view)).view(torch.uint8)  # zero copy
         try:
             store.register_mem_pool_host(_Rows(rows))
+            self.staged = StagedIO(store, read_deadline_s=opts["read_deadline_s"],
+                                   write_deadline_s=opts["write_deadline_s"], staging_bytes=opts["staging_bytes"],
+                                   name="vllm")
+            self.staged.prepare()
         except BaseException as e:
             # vLLM releases its view while this exception is in flight: drop every reference to the rows
             # (this frame's, and the locals of the frames the traceback keeps) so that release succeeds
+            if hasattr(self, "staged"):
+                self.staged.close()
             store.release()
+            self.metrics_endpoint.close()
             del rows
             traceback.clear_frames(e.__traceback__)
             raise
         self._store: _RowStore | None = store
-        self.staged = StagedIO(store, read_deadline_s=opts["read_deadline_s"], write_deadline_s=opts["write_deadline_s"],
-                               staging_bytes=opts["staging_bytes"], name="vllm")
-        self.staged.prepare()
         self._cv = threading.Condition()
         self._failed_loads: set[str] = set()  # rows whose load failed: MISS until stored again
         # queued jobs with the keys and rows checked at submit (private copies: the job's own lists may change)
@@ -215,6 +228,7 @@ class KvtierTier(SecondaryTierManager):
         ]
         for t in self._threads:
             t.start()
+        self.metrics_endpoint.attach(self)
 
     # ------------------------------------------------------------------ keys
     def _name(self, key: OffloadKey) -> str | None:
@@ -383,6 +397,7 @@ class KvtierTier(SecondaryTierManager):
     def shutdown(self) -> None:
         """Cancels queued jobs (reported as failed), waits for the ones in flight, closes the store and drops
         every reference to vLLM's rows. Idempotent."""
+        self.metrics_endpoint.close()  # first: a scrape no longer reads what closes
         with self._cv:
             self._stopping = True
             for q in self._queues.values():
