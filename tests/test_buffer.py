@@ -293,11 +293,14 @@ def test_memory_that_could_not_be_pinned_is_said_once_in_the_log(monkeypatch, ca
     if _native.cuda_driver_available():
         pytest.skip("this machine can pin")
     monkeypatch.setattr(buffer_module, "cuda_device_available", lambda: True)
+    monkeypatch.setattr(buffer_module, "_said_unpinned", False)
     with caplog.at_level(logging.WARNING, logger="kvtier.buffer"):
         b = HostBuffer(1 << 20, huge_pages="off", pin="auto")
-    assert not b.pinned and "not available" in b.pin_error
+        c = HostBuffer(1 << 21, huge_pages="off", pin="auto")  # (once a process: not logged again)
+    assert not b.pinned and "not available" in b.pin_error and not c.pinned and c.pin_error == b.pin_error
     (rec,) = caplog.records
     assert "could not be pinned" in rec.getMessage() and str(1 << 20) in rec.getMessage()
     b.close()
+    c.close()
     with pytest.raises(CudaUnavailableError):
         HostBuffer(1 << 20, huge_pages="off", pin=True)

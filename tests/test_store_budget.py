@@ -151,7 +151,9 @@ def test_lifecycle_commands_check_their_arguments(tmp_path):
                        (["budget", tmp_path, "100"], "`SIZE`"),
                        (["budget", tmp_path, "1e100"], "1.000e100 is outside"),  # (not a 101-digit number)
                        (["budget", tmp_path, "0"], "to remove the budget say"),  # (0 never means "no budget")
-                       (["budget", tmp_path, "0.0"], "to remove the budget say")):
+                       (["budget", tmp_path, "0.0"], "to remove the budget say"),
+                       (["budget", tmp_path, "0G"], "to remove the budget say"),
+                       (["budget", tmp_path, "."], "`SIZE`")):
         r = kv(*args)
         assert r.returncode == 1 and word in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
         assert len(r.stderr.strip().splitlines()) == 1, r.stderr

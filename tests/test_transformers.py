@@ -468,6 +468,41 @@ def test_a_forward_that_raises_midway_then_a_crop_loses_and_touches_nothing(mode
         assert all(torch.equal(a, b) for x, y in zip(before, after) for a, b in zip(x, y))
 
 
+@pytest.mark.parametrize("window", [2, 3])
+def test_a_crop_after_a_forward_that_raised_keeps_only_rows_every_layer_has(model, window):
+    """A forward of 10 tokens that raises at the last layer, then a crop that would keep 3 of its rows: the
+    last layer never computed them, so the crop keeps the 37 tokens every layer holds (it kept the others,
+    and a later request restored KV never computed); the sequence then goes on as transformers' own."""
+    ids, extra = prompt(37), prompt(10, seed=9)
+    with KVTier(model, model_id="test/llama", page_size=PS, host_tokens=512, window=window) as tier:
+        cache = tier.cache(ids)
+        with torch.no_grad():
+            model(ids, **{cache_kwarg(model): cache})
+
+        def boom(*_):
+            raise RuntimeError("the last layer failed")
+
+        hook = model.model.layers[2].register_forward_pre_hook(boom)
+        try:
+            with pytest.raises(RuntimeError, match="last layer failed"), torch.no_grad():
+                model(extra, **{cache_kwarg(model): cache})
+        finally:
+            hook.remove()
+        cache.crop(-7)  # 47 -> 40 asked; the last layer holds 37
+        assert cache.get_seq_length() == 37 and [layer.length for layer in cache.layers] == [37] * 3
+        more = torch.cat([ids, extra], 1)
+        got = gen(model, more, cache, 3)
+        assert same(got, reused(model, ids, more, 37, 3))
+        cache.release()
+        other = tier.cache(more)  # restores the pages that sequence kept: computed as 37 tokens, then 10
+        ref = default(model)
+        with torch.no_grad():
+            model(ids, **{cache_kwarg(model): ref})
+            model(extra, **{cache_kwarg(model): ref})
+        ref.crop(40 - more.shape[1])
+        assert other.restored_tokens == 40 and same(gen(model, more, other, 3), gen(model, more, ref, 3))
+
+
 def test_a_layer_of_a_one_call_transfer_waits_for_its_own_events():
     """A slot's next user waits for its own layer of a transfer of every layer (the submission's layer i
     recorded, then that layer's events), not the first layer's; a single layer's transfer waits for index 0."""

@@ -87,8 +87,9 @@ def _master(rest: list[str]) -> int:
     env = child_env()
     missing = missing_libraries(path, env)
     if missing:  # (else the loader's own message and exit status 127, from a process that never started)
-        raise KvtierError(f"{path} cannot start: the system libraries {', '.join(missing)} are missing. Install them "
-                          "(Debian/Ubuntu: apt-get install libibverbs1), or without root `make syslibs` in kvtier's "
-                          "checkout, or point $KVTIER_SYSLIB_DIR at a directory holding them")
+        raise KvtierError(f"{path} cannot start: the system libraries {', '.join(missing)} are missing. Install the "
+                          "packages that provide them (libibverbs.so.1: apt-get install libibverbs1 on Debian/Ubuntu), "
+                          "or without root `make syslibs` in kvtier's checkout, or point $KVTIER_SYSLIB_DIR at a "
+                          "directory holding them")
     os.execve(path, [path, *rest], env)  # replaces this process: signals reach the master itself
     return 0  # not reached

@@ -172,8 +172,8 @@ def cmd_budget(args: argparse.Namespace) -> int:
     if args.size is not None:
         if args.size.strip().lower() in ("none", "off"):
             _native.set_store_budget(args.path, None)
-        elif args.size.strip() and args.size.strip().strip("0.") == "":
-            raise KvtierError(f"a budget of {args.size.strip()} bytes would hold nothing; to remove the budget say "
+        elif parse_size("SIZE", args.size) == 0:  # (PageStore(budget_bytes=0) means none; said here, not guessed)
+            raise KvtierError(f"a budget of {args.size.strip()} would hold nothing; to remove the budget say "
                               f"`kvtier budget {args.path} none`")
         else:
             size = parse_size("SIZE", args.size, 4096)

@@ -16,6 +16,9 @@ from collections.abc import Sequence
 from . import _native, config
 from ._errors import CudaUnavailableError, InvalidArgumentError
 
+#: whether a buffer that could not be pinned was logged (once a process)
+_said_unpinned = False
+
 if TYPE_CHECKING:
     import torch
 
@@ -86,11 +89,15 @@ class HostBuffer:
                     self._region.close()
                     raise
                 self._pin_error = str(exc)
-                # (torch sees a GPU: the copies this memory was made for now take torch's slow path)
-                logging.getLogger(__name__).warning(
-                    "kvtier: %d bytes of host memory could not be pinned (%s); CUDA copies of it take the slow path "
-                    "(HostBuffer(pin=True) raises instead; docs/OPERATIONS.md, Pinned memory in containers)",
-                    nbytes, self._pin_error)
+                # (torch sees a GPU: the copies this memory was made for now take torch's slow path); said once
+                # a process: every later buffer that cannot be pinned has its reason in pin_error
+                global _said_unpinned
+                if not _said_unpinned:
+                    _said_unpinned = True
+                    logging.getLogger(__name__).warning(
+                        "kvtier: %d bytes of host memory could not be pinned (%s); CUDA copies of it take the slow "
+                        "path (HostBuffer(pin=True) raises instead; later buffers are not logged, their pin_error "
+                        "says why; docs/OPERATIONS.md, Pinned memory in containers)", nbytes, self._pin_error)
 
     def _pin(self, granularity: int | None, chunk: int | None, device: int | None) -> None:
         if not _native.cuda_driver_available():

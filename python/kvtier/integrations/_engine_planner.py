@@ -68,10 +68,12 @@ class EnginePlanner:
             rate = (f"its prefill_tokens_per_s of {self.tokens_per_s:g}" if self.tokens_per_s else
                     f"the default prefill rate ({DEFAULT_PREFILL_KV_GBPS:g} GB/s of this rank's KV; "
                     "prefill_tokens_per_s not set)")
-            seen = ", ".join(f"{n} {tiers[n].read_GBps:.2f} GB/s" for n, _ in segments if n in tiers)
+            seen = ", ".join(f"{n}: " + (f"{t.read_GBps:.2f} GB/s, {t.read_latency_s * 1e3:.1f} ms latency"
+                                           if t.read_GBps > 0 else "not measured yet")
+                             for n in dict.fromkeys(n for n, _ in segments) if (t := tiers.get(n)) is not None)
             _log.warning("kvtier: the restore planner reports %d of %d stored pages of a lookup to the engine: reading "
-                         "the rest (%s) is predicted slower than the engine recomputing them at %s. Declined pages are "
-                         "counted (kvtier_restore_declined_tokens_total); set prefill_tokens_per_s to the engine's "
-                         "measured prefill rate, or restore_planner: false to report every stored page. Said once.",
-                         plan.loaded_pages, held, seen or "no measurement", rate)
+                         "the rest (%s) is not predicted faster, by the planner's margin, than the engine recomputing "
+                         "them at %s. Declined pages are counted (kvtier_restore_declined_tokens_total); set "
+                         "prefill_tokens_per_s to the engine's measured prefill rate, or restore_planner: false to "
+                         "report every stored page. Said once.", plan.loaded_pages, held, seen or "no measurement", rate)
         return plan.loaded_pages

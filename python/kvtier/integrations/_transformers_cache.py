@@ -406,9 +406,8 @@ class KvtierCache(RestoreSteps, DynamicCache):
         if tokens_to_remove > 0:
             raise ValueError(f"Calling `crop` with a positive value (`{tokens_to_remove}`) is not supported. "
                              "Please use a negative integer to remove that number of tokens from the cache instead.")
-        if tokens_to_remove == 0:
-            return
-        self._truncate(max(0, self.get_seq_length() + tokens_to_remove))
+        if tokens_to_remove < 0:
+            self._truncate(max(0, self.get_seq_length() + tokens_to_remove))
 
     def reset(self) -> None:
         self._truncate(0)
@@ -422,6 +421,7 @@ class KvtierCache(RestoreSteps, DynamicCache):
             tokens = min(tokens, self.get_seq_length())
         self._batch.flush(self._window, st, self._slots)  # (a forward that raised: its rows, before pages go)
         st.after_tail()  # (rows cut here are written again by the next forward's loads and compute)
+        tokens = min(tokens, *(layer.length for layer in self.layers))  # (a raised forward's rows are not all there)
         keep = -(-tokens // ps)
         self.table.release(st, keep)
         j = tokens // ps

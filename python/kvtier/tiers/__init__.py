@@ -16,3 +16,7 @@ def __getattr__(name: str) -> Any:
 
         return TieredStore
     raise AttributeError(f"module 'kvtier.tiers' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -109,7 +109,7 @@ def missing_libraries(path: str, env: dict[str, str]) -> list[str]:
         r = subprocess.run(["ldd", path], env=env, capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError):
         return []
-    return [line.split("=>")[0].strip() for line in r.stdout.splitlines() if "=> not found" in line]
+    return list(dict.fromkeys(line.split("=>")[0].strip() for line in r.stdout.splitlines() if "=> not found" in line))
 
 
 def connect(address: str, protocol: str, device: str, hostname: str, metadata: str, segment: int, local_buf: int,
