@@ -192,7 +192,7 @@ def test_a_device_pool_with_layers_version_is_checked_again_only_when_it_changes
 
 
 def test_the_transformers_window_bumps_its_layers_version_when_it_reallocates():
-    from kvtier.integrations._transformers_window import DeviceWindow
+    from kvtier.integrations.transformers.window import DeviceWindow
 
     w = DeviceWindow(4, 2, 2, 8, 8, torch.float32, torch.device("cpu"), 16, 16)
     v = w.layers_version

@@ -35,7 +35,7 @@ def _logits(model, ids, cache, n=1):
 
 # ------------------------------------------------------------------------------------ the prompt-mismatch refusal
 def test_generate_after_crop_refuses_other_ids_inside_the_held_prefix(tmp_path):
-    """KvtierCache.check_generate_inputs (_transformers_cache.py) checks only tokens [_checked, m) and _truncate keeps
+    """KvtierCache.check_generate_inputs (transformers/cache.py) checks only tokens [_checked, m) and _truncate keeps
     _checked = min(_checked, tokens) (:462): after ``crop`` the tokens still held are never checked again. A generate
     on the cropped cache with ids that differ inside the held prefix (token 5) is not refused: its first
     token's logits are computed on the other prompt's KV (they differ from recomputing by ~0.2) — exactly
@@ -58,9 +58,9 @@ def test_generate_after_crop_refuses_other_ids_inside_the_held_prefix(tmp_path):
 
 
 def test_a_second_generate_with_other_ids_inside_the_prefix_is_refused(tmp_path):
-    """Same culprit (_transformers_cache.py): a second ``generate`` on a cache (is_first_iteration=True)
+    """Same culprit (transformers/cache.py): a second ``generate`` on a cache (is_first_iteration=True)
     re-checks nothing below _checked, and the forward pre-hook checks only while the cache is shorter than
-    its prompt (_transformers_cache.py). So generate(b) with b differing from the cache's tokens at
+    its prompt (transformers/cache.py). So generate(b) with b differing from the cache's tokens at
     position 5 (a multi-turn call with the wrong conversation) is silently answered from a's KV."""
     model = llama()
     a = tokens(6 * PS + 3)
@@ -75,7 +75,7 @@ def test_a_second_generate_with_other_ids_inside_the_prefix_is_refused(tmp_path)
 
 def test_a_second_generate_shorter_than_the_cache_is_one_clear_error(tmp_path):
     """_check_sequence means to refuse input_ids shorter than what the cache holds
-    (``int(input_ids.shape[1]) < held``, _transformers_cache.py), but the test sits inside
+    (``int(input_ids.shape[1]) < held``, transformers/cache.py), but the test sits inside
     ``if m > self._checked``: on a second generate (m <= _checked) it is never reached and transformers
     fails deep inside attention with "cannot reshape tensor of 0 elements" instead of kvtier's one clear
     InvalidArgumentError (the first generate does give it)."""
@@ -98,7 +98,7 @@ def _stored_then_dropped(tier, model, ids):
 
 
 def test_the_tail_read_cannot_evict_the_host_pages_the_plan_counts_on(tmp_path):
-    """KvtierCache._restore (_transformers_cache.py) starts ``prefetch(keys[j:k])`` *before*
+    """KvtierCache._restore (transformers/cache.py) starts ``prefetch(keys[j:k])`` *before*
     ``acquire(keys[:h])``; prefetch protects (move_to_end, controller.py) only the keys it was given, so when the host pool
     is short of room its allocation evicts the LRU unreferenced pages — the very host pages [0, h) the plan
     counted as free (restore="all" passed them to prefetch, which is what the controller's docstring relies
@@ -162,7 +162,7 @@ def test_a_plan_loads_no_more_than_one_prefetch_brings_in(tmp_path):
 
 def test_split_head_pages_only_a_later_tier_holds_reach_the_durable_tier(tmp_path):
     """_restore flags the head's pages ``stored`` because *some* tier of the chain holds them
-    (_transformers_cache.py, from TieredStore.locate), and TierController.adopt (controller.py)
+    (transformers/cache.py, from TieredStore.locate), and TierController.adopt (controller.py)
     then never writes them anywhere. With a TieredStore the chain's own rule is that only the first, durable
     tier counts as stored (a later tier — Mooncake — may drop them: tiers/chain.py module docs), and a load
     would have filled them into the disk. After a split restore of a prefix that only the cluster tier

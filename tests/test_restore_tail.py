@@ -1,4 +1,4 @@
-"""A split restore's tail in flight (kvtier.integrations._transformers_restore): the tail is read into private
+"""A split restore's tail in flight (kvtier.integrations.transformers.restore): the tail is read into private
 pages while the head is computed and used by the next forward before the read has finished. These tests break
 the read after the plan was made — one page in the middle, every page of a damaged disk, a read that raises —
 and check the promises: the output is recomputing's, no unverified page reaches the index or another

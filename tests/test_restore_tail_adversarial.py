@@ -1,4 +1,4 @@
-"""The split restore's tail in flight (kvtier.integrations._transformers_restore), as an adversary breaks it.
+"""The split restore's tail in flight (kvtier.integrations.transformers.restore), as an adversary breaks it.
 
 Each test says what it exercises; the first ones say what used to go wrong and what holds now.
 All run on the CPU (on the CPU ``KVTier.cache`` waits for the tail's read at its first load, but the tail is

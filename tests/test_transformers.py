@@ -320,8 +320,8 @@ def test_an_automatic_window_keeps_what_the_device_memory_holds(model, monkeypat
     """window="auto" (the default): every layer on the device when their slots take at most half of its free
     memory as the sequence starts, else as many as that half holds (at least 2), decided per sequence; outputs
     bit-exact either way."""
-    from kvtier.integrations import _transformers_state as ts
-    from kvtier.integrations._transformers_window import slot_bytes
+    from kvtier.integrations.transformers import state as ts
+    from kvtier.integrations.transformers.window import slot_bytes
 
     ids = prompt(37)
     want, again = gen(model, ids, default(model)), reused(model, ids, ids, 32)
@@ -347,7 +347,7 @@ def test_an_automatic_window_keeps_what_the_device_memory_holds(model, monkeypat
 def test_every_layer_resident_moves_each_forward_in_one_call(model, monkeypatch):
     """With every layer resident a forward's backups (and a restore's loads) are one call for every layer, not
     one a layer; with a window of 2 they go layer by layer. Outputs bit-exact and pages restored either way."""
-    from kvtier.integrations._transformers_window import LayerBatch
+    from kvtier.integrations.transformers.window import LayerBatch
 
     ids = prompt(37)
     for window, per_layer, one_call in ((3, False, True), (2, True, True), (3, True, False)):
@@ -391,7 +391,7 @@ def test_every_layer_resident_on_the_gpu_moves_in_one_call_cuda(monkeypatch):
     CUDA is in LayerBatch.one_call_devices; else layer by layer), every layer's host pages hold the bytes
     transformers computed, and a restore's loads fill every slot with the stored bytes before the model reads
     them (each layer waits for its own layer's copies)."""
-    from kvtier.integrations._transformers_window import LayerBatch
+    from kvtier.integrations.transformers.window import LayerBatch
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
@@ -506,7 +506,7 @@ def test_a_crop_after_a_forward_that_raised_keeps_only_rows_every_layer_has(mode
 def test_a_layer_of_a_one_call_transfer_waits_for_its_own_events():
     """A slot's next user waits for its own layer of a transfer of every layer (the submission's layer i
     recorded, then that layer's events), not the first layer's; a single layer's transfer waits for index 0."""
-    from kvtier.integrations._transformers_state import TierRuntime
+    from kvtier.integrations.transformers.state import TierRuntime
 
     class Sub:
         def __init__(self):
@@ -530,7 +530,7 @@ def test_a_layer_of_a_one_call_transfer_waits_for_its_own_events():
 
 
 def test_free_memory_is_measured_on_the_cpu():
-    from kvtier.integrations._transformers_state import free_bytes
+    from kvtier.integrations.transformers.state import free_bytes
 
     assert 0 < free_bytes(torch.device("cpu")) < 1 << 50
 

@@ -16,7 +16,7 @@ import time
 import torch
 
 from kvtier.demo import workload_transformers as wt
-from kvtier.integrations import _transformers_cache as tc
+from kvtier.integrations.transformers import cache as tc
 from kvtier.integrations import transformers as kt
 
 

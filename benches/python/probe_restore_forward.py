@@ -25,8 +25,8 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from kvtier.pools_base import HostKVPool
 from kvtier.transfer import TransferEngine
 from kvtier.transfer.inflight import InFlight
-from kvtier.integrations import _transformers_cache as tc
-from kvtier.integrations import _transformers_state as ts
+from kvtier.integrations.transformers import cache as tc
+from kvtier.integrations.transformers import state as ts
 from kvtier.integrations.transformers import KVTier, cache_kwarg
 
 # host time inside these (inclusive, summed over one forward): where the cache's update() spends it

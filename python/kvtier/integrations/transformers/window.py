@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ._transformers_state import TierRuntime
+from .state import TierRuntime
 
 
 class DeviceWindow:

@@ -25,10 +25,10 @@ from typing import Any
 
 import torch
 
-from .. import _native
-from .._errors import ClosedError, KvtierError
-from ..planner import RestorePlan
-from ..store import page_hashes
+from ... import _native
+from ..._errors import ClosedError, KvtierError
+from ...planner import RestorePlan
+from ...store import page_hashes
 
 
 @dataclass
@@ -109,7 +109,7 @@ def _trimmed(out: Any, like: Any) -> Any:
 
 
 class RestoreSteps:
-    """How a :class:`~kvtier.integrations._transformers_cache.KvtierCache` restores its prompt's cached prefix (a
+    """How a :class:`~kvtier.integrations.transformers.cache.KvtierCache` restores its prompt's cached prefix (a
     mixin): the plan carried out (host pages attached, the head computed while the tail is read), the tail
     attached and settled, and the recomputation when a page of it failed (see the module docs)."""
 
@@ -179,7 +179,7 @@ class RestoreSteps:
         self._attach(got, keys, chain, len(got))
         r = len(got)
         # the tail is read into private pages in the background from now on (while the head is computed),
-        # and used by the next forward before the read has finished (_transformers_tail)
+        # and used by the next forward before the read has finished (restore.py)
         starts = ctrl.allocate(k - j) if k > j and j >= r else None
         pending = None
         # trailing, the store reads the first half of every page's layers first: their loads, and the rest of

@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 
-from ..controller import Stats
-from ._transformers_cache import KvtierCache
-from ._transformers_state import TierRuntime, TransformersStats
+from ...controller import Stats
+from .cache import KvtierCache
+from .state import TierRuntime, TransformersStats
 
 #: Tokens of the calibration prompt at most (its largest forward), and its forwards (new tokens, in pages).
 CALIBRATION_TOKENS = 4096

@@ -51,17 +51,17 @@ import torch
 import transformers
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from .._errors import InvalidArgumentError
-from ..config import parse_size
-from ..controller import TierController
-from ..deadlines import check_deadline
-from ..planner import PrefillModel
-from ..pools import host_pool_for
-from ..store import DEFAULT_CAPACITY, PageStore
-from ._transformers_cache import KvtierCache
-from ._transformers_plan import calibrate as _calibrate
-from ._transformers_state import TierRuntime, TransformersStats
-from ._transformers_window import DeviceWindow
+from ..._errors import InvalidArgumentError
+from ...config import parse_size
+from ...controller import TierController
+from ...deadlines import check_deadline
+from ...planner import PrefillModel
+from ...pools import host_pool_for
+from ...store import DEFAULT_CAPACITY, PageStore
+from .cache import KvtierCache
+from .plan import calibrate as _calibrate
+from .state import TierRuntime, TransformersStats
+from .window import DeviceWindow
 
 __all__ = ["KVTier", "KvtierCache", "TransformersStats", "TESTED_TRANSFORMERS", "RESTORE_MODES", "cache_kwarg"]
 
@@ -264,8 +264,8 @@ class KVTier:
                 self.page_store.register_mem_pool_host(self.host)
                 self.store = self.page_store
                 if cluster is not None:
-                    from ..tiers import TieredStore
-                    from ..tiers.mooncake import MooncakeTier
+                    from ...tiers import TieredStore
+                    from ...tiers.mooncake import MooncakeTier
 
                     try:
                         remote = MooncakeTier(cluster, model_name=self.model_name, keyring=self.page_store.keyring)

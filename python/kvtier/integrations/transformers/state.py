@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from .. import _native
-from .._errors import ClosedError
-from ..transfer.gate import gate_until
+from ... import _native
+from ..._errors import ClosedError
+from ...transfer.gate import gate_until
 
 
 @dataclass

@@ -10,13 +10,13 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
-from .._errors import ClosedError, InvalidArgumentError, KvtierError
-from ..planner import RestorePlan
-from ..store import page_hashes
-from ..tenants import tenant_keys
-from ._transformers_state import TierRuntime
-from ._transformers_restore import PendingTail, RestoreSteps
-from ._transformers_window import DeviceWindow, LayerBatch, PageTable, release_table, slot_bytes
+from ..._errors import ClosedError, InvalidArgumentError, KvtierError
+from ...planner import RestorePlan
+from ...store import page_hashes
+from ...tenants import tenant_keys
+from .state import TierRuntime
+from .restore import PendingTail, RestoreSteps
+from .window import DeviceWindow, LayerBatch, PageTable, release_table, slot_bytes
 
 # forward arguments that do not change the KV a token gets (positions and masks are checked, not listed here)
 _PLAIN = frozenset({"input_ids", "cache", "past_key_values", "use_cache", "logits_to_keep", "return_dict",
@@ -87,7 +87,7 @@ class KvtierCache(RestoreSteps, DynamicCache):
         self._forward: Any = None  # (start, new tokens, cached tokens) of the forward in flight
         self._ttft: Any = None  # (plan, start) until the forward that completes the prompt
         self._stored: set[str] = set()  # keys of pages recomputed by a split plan that the store already has
-        self._tail: PendingTail | None = None  # a split restore's tail still being read (_transformers_restore)
+        self._tail: PendingTail | None = None  # a split restore's tail still being read (restore.py)
         # (first failed tail page, the cached tokens from it on) when the forward in flight used a failed tail
         self._redo: tuple[int, list[int]] | None = None
         self._span: tuple[int, int] | None = None  # (length before, tokens fed) of the forward in flight
