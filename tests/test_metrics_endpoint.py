@@ -293,11 +293,64 @@ def test_endpoint_without_an_engine(tmp_path, sglang_backend):
     off.attach(be.store)
     assert off.url is None
     ep = MetricsEndpoint.claim(0)
-    ep.attach(be.store)
-    s = scrape(ep.url)
-    assert stores(s) == {namespace(be)} and value(s, "kvtier_store_puts_total") == 2
-    assert not any(n.startswith("kvtier_store_breaker") for (n, _) in s)  # a store alone: no deadline families
-    url = ep.url
-    ep.close()
-    off.close()
+    try:
+        ep.attach(be.store)
+        s = scrape(ep.url)
+        assert stores(s) == {namespace(be)} and value(s, "kvtier_store_puts_total") == 2
+        assert not any(n.startswith("kvtier_store_breaker") for (n, _) in s)  # a store alone: no deadline families
+        url = ep.url
+    finally:
+        ep.close()
+        off.close()
     assert refused(url)
+
+
+def test_a_backend_dropped_without_close_is_not_kept_alive(tmp_path):
+    """Serving a backend never keeps it (its store, its namespace lock, the port) alive: one the engine drops
+    without close() is collected, leaves the scrape, and its lease, the last, stops the server."""
+    import gc
+    import time
+    import weakref
+
+    be = KvtierStorage(config(tmp_path, metrics_port=0))
+    be.register_mem_pool_host(sglang_pool("page_first_direct"))
+    url, alive = be.metrics_endpoint.url, weakref.ref(be)
+    assert stores(scrape(url)) == {namespace(be)}
+    del be
+    gc.collect()
+    assert alive() is None
+    deadline = time.monotonic() + 30  # (the lease ends on a thread of its own)
+    while not refused(url) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert refused(url)
+
+
+@pytest.mark.timeout(60)
+def test_a_forked_child_neither_serves_nor_holds_the_parents_port(tmp_path):
+    """After fork the child has the parent's servers but not their threads: it closes its copies of their
+    sockets (the parent's port is free again once the parent closes), its leases close at once, and it may
+    claim a port of its own."""
+    ep = MetricsEndpoint.claim(0)
+    url, port = ep.url, ep.port
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report, then leave without running the parent's pytest machinery
+        ok = 0
+        try:
+            ep.close()  # (the parent's server: returns at once)
+            mine = MetricsEndpoint.claim(0)
+            ok = int(mine.port is not None and mine.port != port)
+            mine.close()
+        finally:
+            os.write(w, bytes([ok]))
+            os._exit(0)
+    os.close(w)
+    got = os.read(r, 1)
+    os.waitpid(pid, 0)
+    os.close(r)
+    assert got == b"\x01"
+    assert stores(scrape(url)) == set()  # the parent still serves
+    ep.close()
+    assert refused(url)
+    again = MetricsEndpoint.claim(port)  # no child holds the port
+    again.close()

@@ -16,11 +16,14 @@ every attached object. Nothing is read between scrapes. Needs ``prometheus-clien
 from __future__ import annotations
 
 import errno
+import ipaddress
 import itertools
 import logging
+import os
 import socket
 import socketserver
 import threading
+import weakref
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -58,6 +61,8 @@ class _Sources:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
+        # weak references where the object allows them: serving a backend never keeps it (its store, its
+        # namespace lock) alive after the engine dropped it
         self.by_lease: dict[int, list[Any]] = {}
 
     def describe(self) -> list[Any]:
@@ -65,7 +70,8 @@ class _Sources:
 
     def collect(self) -> Iterator[Any]:
         with self.lock:
-            stores = [s for lease in self.by_lease.values() for s in lease]
+            refs = [s for lease in self.by_lease.values() for s in lease]
+        stores = [x for x in (r() if isinstance(r, weakref.ref) else r for r in refs) if x is not None]
         if stores:
             yield from KvtierCollector(stores=stores).collect()
 
@@ -99,6 +105,13 @@ class _Handler(BaseHTTPRequestHandler):
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
+    allow_reuse_port = False  # (two processes must never share a port silently)
+    request_queue_size = 64
+    orphaned = False  # set in a forked child: the server thread is the parent's
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # a scraper that hung up early (its timeout) is no traceback on the engine's standard error
+        logger.debug("kvtier metrics: a request from %s failed", client_address, exc_info=True)
 
     def __init__(self, host: str, port: int, family: int) -> None:
         self.address_family = family
@@ -142,7 +155,13 @@ def _start(host: str, port: int) -> _Server:
         raise KvtierError(f"`metrics_port` {port}: cannot serve kvtier's metrics on {host}:{port}: "
                           f"{e.strerror or e} ({hint})") from None
     server.thread.start()
-    if port:
+    try:
+        loopback = ipaddress.ip_address(str(server.server_address[0])).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:  # reachable from other machines: say so where it is seen
+        logger.warning("kvtier metrics: serving %s, reachable beyond this machine (metrics_host %r)", server.url, host)
+    elif port:
         logger.info("kvtier metrics: serving %s", server.url)
     else:  # the operator asked for a free port: it must reach the log whatever its configuration
         logger.warning("kvtier metrics: metrics_port 0 picked port %d: serving %s", server.port, server.url)
@@ -192,8 +211,28 @@ class MetricsEndpoint:
         :class:`~kvtier.tiers.TieredStore`, or an engine backend (what ``KvtierCollector(stores=...)``
         takes). No-op when off."""
         if self._server is not None:
+            try:
+                ref: Any = weakref.ref(source)
+                # (collected without close: it leaves what is served; the lease ends with its last object)
+                weakref.finalize(source, self._dropped, ref)
+            except TypeError:  # (an object without weak references is held)
+                ref = source
             with self._server.sources.lock:
-                self._server.sources.by_lease.setdefault(self._id, []).append(source)
+                self._server.sources.by_lease.setdefault(self._id, []).append(ref)
+
+    def _dropped(self, ref: Any) -> None:
+        # an attached object collected without close(): it leaves what is served, and a lease left with nothing
+        # ends on a thread of its own (a collection may run on the server's thread, which shutdown() waits for)
+        server = self._server
+        if server is None:
+            return
+        with server.sources.lock:
+            left = server.sources.by_lease.get(self._id, [])
+            if ref in left:
+                left.remove(ref)
+            if left:
+                return
+        threading.Thread(target=self.close, name="kvtier-metrics-close", daemon=True).start()
 
     def close(self) -> None:
         """Removes what this lease attached; the last lease on a server stops it. Idempotent."""
@@ -204,10 +243,27 @@ class MetricsEndpoint:
             with server.sources.lock:
                 server.sources.by_lease.pop(self._id, None)
             server.leases -= 1
-            if server.leases > 0:
+            if server.leases > 0 or server.orphaned:  # (a forked child's copy: its thread is the parent's)
                 return
             for key in [k for k, s in _servers.items() if s is server]:
                 del _servers[key]
             server.shutdown()
             server.server_close()
         server.thread.join(timeout=5)
+
+
+def _forget_after_fork() -> None:
+    """In a forked child: the servers are the parent's (their threads did not come along). The child closes
+    its copies of their sockets, keeps serving nothing, and may claim ports of its own."""
+    global _lock
+    _lock = threading.Lock()
+    for server in _servers.values():
+        server.orphaned = True
+        try:
+            server.socket.close()
+        except OSError:
+            pass
+    _servers.clear()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
