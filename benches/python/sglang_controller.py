@@ -1,0 +1,199 @@
+"""SGLang's own HiCacheController driving an L3 storage backend on the CPU: kvtier (loaded by SGLang's factory
+through `--hicache-storage-backend dynamic` and the README's extra config) or SGLang's HiCacheFile, side by side.
+
+What runs is SGLang's code: its device KV pool (MHATokenToKVPool on the CPU), its paged allocator, its host pool
+(MHATokenToKVPoolHost, `page_first_direct` or `page_first`), its HiCacheController with its backup, prefetch,
+prefetch-IO and prefetch-sync threads, its page hashes (get_storage_hash_str) and its storage calls
+(batch_set_v1 / batch_exists / batch_get_v1, zero copy). What stands in for SGLang's scheduler is the little its
+radix cache does around the controller: it writes pages through to storage (write_storage), asks for a prefetch,
+allocates the host pages for the hit (alloc_prefetch_host_buffers) and hands the operation to the IO thread, then
+waits for the acks. Every restored page is compared with the bytes written.
+
+    python benches/python/sglang_controller.py --backend kvtier --dir /tmp/l3 [--requests 16 --pages 32]
+    python benches/python/sglang_controller.py --backend kvtier --dir /tmp/l3 --phase read   # a restarted server
+
+`--phase write` backs the requests up and exits; `--phase read` (another process, later) prefetches them from the
+store that one left; `--phase both` (the default) does both in one process. Prints one JSON line: pages written
+and restored, bytes compared, mismatches, and the backup and prefetch pages per second (medians over requests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def build(backend: str, root: str, layout: str, pages: int, requests: int, page_size: int, planner: bool):
+    import torch
+    import torch.distributed as dist
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    from sglang.srt.managers.cache_controller import HiCacheController
+    from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+    from sglang.srt.runtime_context import get_parallel
+
+    get_parallel().override_permanently(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_tp_rank=0, attn_tp_size=1,
+                                        attn_cp_rank=0, attn_cp_size=1, attn_dcp_rank=0, attn_dcp_size=1,
+                                        attn_dp_rank=0, attn_dp_size=1, enable_dp_attention=False, dp_size=1, dp_rank=0)
+    layers, heads, head_dim = 4, 2, 64
+    tokens = (requests * pages + 1) * page_size
+    dev = MHATokenToKVPool(tokens, page_size, torch.bfloat16, heads, head_dim, layers, "cpu", False,
+                           enable_alt_stream=False)
+    alloc = PagedTokenToKVPoolAllocator(tokens, page_size, torch.bfloat16, "cpu", dev, False)
+    host = MHATokenToKVPoolHost(dev._mha_buffer_info(), 2.0, 0, page_size, layout, pin_memory=False, device="cpu",
+                                device_capacity_tokens=tokens, start_layer=0, end_layer=layers)
+    if backend == "kvtier":  # the README's SGLang config (`--hicache-storage-backend dynamic`)
+        extra = {"backend_name": "kvtier", "module_path": "kvtier.integrations.sglang", "class_name": "KvtierStorage",
+                 "interface_v1": 1, "path": os.path.join(root, "kvtier")}
+        if not planner:  # (by default a stored page is reported only where reading it beats a 5 GB/s engine)
+            extra["restore_planner"] = False
+        name = "dynamic"
+    else:
+        extra = {"file_storage_path": os.path.join(root, "hicache-file")}
+        name = "file"
+    cc = HiCacheController(alloc, host, page_size, dist.group.WORLD, threading.Event(), io_backend="direct",
+                           storage_backend=name, model_name="test/llama-shape", storage_backend_extra_config=extra)
+    return cc, host
+
+
+def request_tokens(r: int, pages: int, page_size: int) -> list[int]:
+    import random
+
+    rng = random.Random(1000 + r)
+    return [rng.randrange(32000) for _ in range(pages * page_size)]
+
+
+def page_bytes(host, indices):
+    """The bytes of every host page holding ``indices`` (whole pages), K and V, as SGLang's pool lays them out."""
+    import torch
+
+    ps = host.page_size
+    pages = sorted({int(i) // ps for i in indices.tolist()})
+    out = []
+    for p in pages:
+        if host.layout == "page_first_direct":
+            out.append(host.kv_buffer[:, p].contiguous().view(torch.uint8).clone())
+        else:
+            out.append(host.kv_buffer[:, p * ps : (p + 1) * ps].contiguous().view(torch.uint8).clone())
+    return out
+
+
+def fill(host, indices, seed: int) -> None:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    ps = host.page_size
+    for p in sorted({int(i) // ps for i in indices.tolist()}):
+        view = host.kv_buffer[:, p] if host.layout == "page_first_direct" else host.kv_buffer[:, p * ps : (p + 1) * ps]
+        raw = torch.randint(0, 256, (view.numel() * view.element_size(),), generator=g, dtype=torch.uint8)
+        view.copy_(raw.view(view.dtype).view(view.shape))
+
+
+def write_phase(cc, host, requests: int, pages: int, ps: int, want: dict) -> list[float]:
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+    rates = []
+    for r in range(requests):
+        tokens = request_tokens(r, pages, ps)
+        hashes = get_storage_hash_str(tokens, None, page_size=ps)
+        idx = host.alloc(len(tokens))
+        fill(host, idx, seed=r)
+        want[r] = page_bytes(host, idx)
+        t0 = time.perf_counter()
+        op_id = cc.write_storage(idx, tokens, hash_value=hashes)
+        op = cc.ack_backup_queue.get(timeout=120)
+        rates.append(len(hashes) / (time.perf_counter() - t0))
+        if op.id != op_id or op.completed_tokens != len(tokens):
+            raise SystemExit(f"backup of request {r}: {op.completed_tokens} of {len(tokens)} tokens written")
+        host.free(idx)  # (evicted from the host: only the storage holds it now)
+    return rates
+
+
+def read_phase(cc, host, requests: int, pages: int, ps: int, want: dict) -> tuple[list[float], int, int, int]:
+    rates, restored, compared, mismatches = [], 0, 0, 0
+    for r in range(requests):
+        tokens = request_tokens(r, pages, ps)
+        t0 = time.perf_counter()
+        op = cc.prefetch(f"req-{r}", tokens)
+        hit = cc.prefetch_hit_queue.get(timeout=120)  # (the prefetch thread's batch_exists, then SGLang's MIN sync)
+        assert hit is op
+        if op.storage_hit_count:
+            idx = cc.alloc_prefetch_host_buffers(op, op.storage_hit_count)
+            op.host_indices = idx
+            op.hash_value = op.hash_value[: op.storage_hit_count // ps]
+            cc.prefetch_buffer.put(op)
+            done = 0
+            while True:
+                ack = cc.ack_prefetch_queue.get(timeout=120)
+                if ack.completed_tokens is not None:
+                    done += ack.completed_tokens
+                if ack.completed_req:
+                    break
+            rates.append(done // ps / (time.perf_counter() - t0))
+            restored += done // ps
+            got = page_bytes(host, idx[:done])
+            for a, b in zip(got, want[r]):
+                compared += a.numel()
+                mismatches += int(not bool((a == b).all()))
+            host.free(idx)
+    return rates, restored, compared, mismatches
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--backend", choices=["kvtier", "file"], default="kvtier")
+    ap.add_argument("--dir", default=None, help="where the store lives (default: a temporary directory)")
+    ap.add_argument("--layout", choices=["page_first_direct", "page_first"], default="page_first_direct")
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--pages", type=int, default=16, help="pages per request")
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--phase", choices=["both", "write", "read"], default="both")
+    ap.add_argument("--no-planner", action="store_true", help="kvtier: restore_planner false (report every stored page)")
+    a = ap.parse_args(argv)
+    root = a.dir or tempfile.mkdtemp(prefix="sglang-controller-")
+    cc, host = build(a.backend, root, a.layout, a.pages, a.requests, a.page_size, not a.no_planner)
+    want: dict[int, list] = {}
+    out: dict[str, object] = {"backend": a.backend, "layout": a.layout, "requests": a.requests, "pages": a.pages,
+                              "page_size": a.page_size, "backend_class": type(cc.storage_backend).__name__}
+    if a.phase in ("both", "write"):
+        w = write_phase(cc, host, a.requests, a.pages, a.page_size, want)
+        out.update(written_pages=a.requests * a.pages, backup_pages_per_s=statistics.median(w))
+    if a.phase == "read":  # (a restarted server: the bytes expected are the writer's, made again from its seeds)
+        for r in range(a.requests):
+            idx = host.alloc(a.pages * a.page_size)
+            fill(host, idx, seed=r)
+            want[r] = page_bytes(host, idx)
+            host.free(idx)
+            host.kv_buffer.zero_()
+    if a.phase in ("both", "read"):
+        host.kv_buffer.zero_()  # (nothing of the written pages is left on the host)
+        rates, restored, compared, mismatches = read_phase(cc, host, a.requests, a.pages, a.page_size, want)
+        out.update(restored_pages=restored, compared_bytes=compared, mismatched_pages=mismatches,
+                   prefetch_pages_per_s=statistics.median(rates) if rates else 0.0)
+    out["bytes_on_disk"] = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs)
+    print(json.dumps(out), flush=True)
+    cc.storage_stop_event.set()
+    if hasattr(cc.storage_backend, "close"):
+        cc.storage_backend.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

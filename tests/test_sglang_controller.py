@@ -1,0 +1,55 @@
+"""SGLang's own HiCacheController (its backup, prefetch, prefetch-IO and sync threads, its page hashes and its
+zero-copy storage calls) driving kvtier as its L3, loaded by SGLang's factory from the README's extra config, on
+the CPU (benches/python/sglang_controller.py: SGLang's device pool, allocator and host pool; what stands in for
+the scheduler is named there). Each run is a process of its own (torch.distributed, SGLang's parallel context),
+as a server is. Every restored page is compared with the bytes written; SGLang's own HiCacheFile runs the same
+workload beside it."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("sglang")
+pytestmark = pytest.mark.timeout(600)
+SCRIPT = Path(__file__).resolve().parent.parent / "benches" / "python" / "sglang_controller.py"
+
+
+def run(tmp_path, *args):
+    # (SGLang builds its page-hash extension with ninja, from the environment's bin directory)
+    env = {**os.environ, "PATH": os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])}
+    r = subprocess.run([sys.executable, str(SCRIPT), "--dir", str(tmp_path), "--requests", "3", "--pages", "6", *args],
+                       capture_output=True, text=True, env=env, timeout=540)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1]), r.stderr
+
+
+@pytest.mark.parametrize("layout", ["page_first_direct", "page_first"])
+def test_sglangs_controller_writes_through_and_prefetches_every_page_exactly(tmp_path, layout):
+    out, _ = run(tmp_path, "--no-planner", "--layout", layout)
+    assert out["backend_class"] == "KvtierStorage"
+    assert out["written_pages"] == out["restored_pages"] == 18
+    assert out["compared_bytes"] > 0 and out["mismatched_pages"] == 0
+
+
+def test_a_restarted_server_prefetches_what_the_last_one_wrote(tmp_path):
+    w, _ = run(tmp_path, "--no-planner", "--phase", "write")
+    r, _ = run(tmp_path, "--no-planner", "--phase", "read")
+    assert w["written_pages"] == r["restored_pages"] == 18 and r["mismatched_pages"] == 0
+
+
+def test_the_default_planner_declines_a_slow_disk_and_says_so(tmp_path):
+    """The README's config with the planner on (the default): on a disk slower than the default engine's 5 GB/s
+    of KV, SGLang is told of no stored page, and the log says why and what to set."""
+    out, err = run(tmp_path)
+    assert out["written_pages"] == 18 and out["restored_pages"] == 0
+    assert err.count("restore planner reports 0 of") == 1 and "restore_planner: false" in err
+
+
+def test_sglangs_own_file_backend_runs_the_same_workload(tmp_path):
+    out, _ = run(tmp_path, "--backend", "file")
+    assert out["backend_class"] == "HiCacheFile"
+    assert out["written_pages"] == out["restored_pages"] == 18 and out["mismatched_pages"] == 0
