@@ -28,16 +28,18 @@ def run(tmp_path, *args):
 
 
 @pytest.mark.parametrize("layout", ["page_first_direct", "page_first"])
-def test_sglangs_controller_writes_through_and_prefetches_every_page_exactly(tmp_path, layout):
-    out, _ = run(tmp_path, "--no-planner", "--layout", layout)
-    assert out["backend_class"] == "KvtierStorage"
+@pytest.mark.parametrize("model", ["mha", "asym", "mla"])
+def test_sglangs_controller_writes_through_and_prefetches_every_page_exactly(tmp_path, model, layout):
+    """MHA, MiMo-V2's asymmetric K 192 / V 128 and MLA, in both of SGLang's page-first layouts."""
+    out, _ = run(tmp_path, "--no-planner", "--model", model, "--layout", layout)
+    assert out["backend_class"] == "KvtierStorage" and out["model"] == model
     assert out["written_pages"] == out["restored_pages"] == 18
     assert out["compared_bytes"] > 0 and out["mismatched_pages"] == 0
 
 
 def test_a_restarted_server_prefetches_what_the_last_one_wrote(tmp_path):
-    w, _ = run(tmp_path, "--no-planner", "--phase", "write")
-    r, _ = run(tmp_path, "--no-planner", "--phase", "read")
+    w, _ = run(tmp_path, "--no-planner", "--model", "asym", "--phase", "write")
+    r, _ = run(tmp_path, "--no-planner", "--model", "asym", "--phase", "read")
     assert w["written_pages"] == r["restored_pages"] == 18 and r["mismatched_pages"] == 0
 
 

@@ -36,7 +36,8 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def build(backend: str, root: str, layout: str, pages: int, requests: int, page_size: int, planner: bool):
+def build(backend: str, root: str, layout: str, pages: int, requests: int, page_size: int, planner: bool,
+          model: str):
     import torch
     import torch.distributed as dist
 
@@ -46,19 +47,31 @@ def build(backend: str, root: str, layout: str, pages: int, requests: int, page_
     from sglang.srt.managers.cache_controller import HiCacheController
     from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
-    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+    from sglang.srt.mem_cache.pool_host.mha import AsymmetricMHATokenToKVPoolHost, MHATokenToKVPoolHost
     from sglang.srt.runtime_context import get_parallel
 
     get_parallel().override_permanently(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_tp_rank=0, attn_tp_size=1,
                                         attn_cp_rank=0, attn_cp_size=1, attn_dcp_rank=0, attn_dcp_size=1,
                                         attn_dp_rank=0, attn_dp_size=1, enable_dp_attention=False, dp_size=1, dp_rank=0)
-    layers, heads, head_dim = 4, 2, 64
+    layers, heads = 4, 2
     tokens = (requests * pages + 1) * page_size
-    dev = MHATokenToKVPool(tokens, page_size, torch.bfloat16, heads, head_dim, layers, "cpu", False,
-                           enable_alt_stream=False)
-    alloc = PagedTokenToKVPoolAllocator(tokens, page_size, torch.bfloat16, "cpu", dev, False)
-    host = MHATokenToKVPoolHost(dev._mha_buffer_info(), 2.0, 0, page_size, layout, pin_memory=False, device="cpu",
-                                device_capacity_tokens=tokens, start_layer=0, end_layer=layers)
+    if model == "mla":  # (DeepSeek-shaped: one latent + rope row per token and layer, one object per page)
+        from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+        from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
+        dev = MLATokenToKVPool(tokens, page_size, torch.bfloat16, 64, 16, layers, "cpu", False)
+        alloc = PagedTokenToKVPoolAllocator(tokens, page_size, torch.bfloat16, "cpu", dev, False)
+        host = MLATokenToKVPoolHost(dev._mla_buffer_info(), 2.0, 0, page_size, layout, pin_memory=False, device="cpu",
+                                    device_capacity_tokens=tokens, start_layer=0, end_layer=layers,
+                                    target_layer_num=layers)
+    else:  # mha: K and V of 64; asym: MiMo-V2's K 192 / V 128 (SGLang's asymmetric host pool)
+        k_dim, v_dim = (64, 64) if model == "mha" else (192, 128)
+        dev = MHATokenToKVPool(tokens, page_size, torch.bfloat16, heads, k_dim, layers, "cpu", False, v_head_dim=v_dim,
+                               enable_alt_stream=False)
+        alloc = PagedTokenToKVPoolAllocator(tokens, page_size, torch.bfloat16, "cpu", dev, False)
+        cls = MHATokenToKVPoolHost if model == "mha" else AsymmetricMHATokenToKVPoolHost
+        host = cls(dev._mha_buffer_info(), 2.0, 0, page_size, layout, pin_memory=False, device="cpu",
+                   device_capacity_tokens=tokens, start_layer=0, end_layer=layers)
     if backend == "kvtier":  # the README's SGLang config (`--hicache-storage-backend dynamic`)
         extra = {"backend_name": "kvtier", "module_path": "kvtier.integrations.sglang", "class_name": "KvtierStorage",
                  "interface_v1": 1, "path": os.path.join(root, "kvtier")}
@@ -80,30 +93,38 @@ def request_tokens(r: int, pages: int, page_size: int) -> list[int]:
     return [rng.randrange(32000) for _ in range(pages * page_size)]
 
 
+def page_views(host, page: int) -> list:
+    """Views of one host page in every buffer of SGLang's pool: MHA's one K+V tensor (K and V first), the
+    asymmetric pool's K and V tensors, MLA's one latent tensor; by page (page_first_direct) or by token rows."""
+    kb = host.kv_buffer
+    parts = [(t, 0) for t in kb] if isinstance(kb, (tuple, list)) else [(kb, 0 if host.is_mla else 1)]
+    ps = host.page_size
+    if host.layout == "page_first_direct":
+        return [t.select(dim, page) for t, dim in parts]
+    return [t.narrow(dim, page * ps, ps) for t, dim in parts]
+
+
 def page_bytes(host, indices):
-    """The bytes of every host page holding ``indices`` (whole pages), K and V, as SGLang's pool lays them out."""
+    """The bytes of every host page holding ``indices`` (whole pages), as SGLang's pool lays them out."""
     import torch
 
-    ps = host.page_size
-    pages = sorted({int(i) // ps for i in indices.tolist()})
-    out = []
-    for p in pages:
-        if host.layout == "page_first_direct":
-            out.append(host.kv_buffer[:, p].contiguous().view(torch.uint8).clone())
-        else:
-            out.append(host.kv_buffer[:, p * ps : (p + 1) * ps].contiguous().view(torch.uint8).clone())
-    return out
+    pages = sorted({int(i) // host.page_size for i in indices.tolist()})
+    return [v.contiguous().view(torch.uint8).clone() for p in pages for v in page_views(host, p)]
 
 
 def fill(host, indices, seed: int) -> None:
     import torch
 
     g = torch.Generator().manual_seed(seed)
-    ps = host.page_size
-    for p in sorted({int(i) // ps for i in indices.tolist()}):
-        view = host.kv_buffer[:, p] if host.layout == "page_first_direct" else host.kv_buffer[:, p * ps : (p + 1) * ps]
-        raw = torch.randint(0, 256, (view.numel() * view.element_size(),), generator=g, dtype=torch.uint8)
-        view.copy_(raw.view(view.dtype).view(view.shape))
+    for p in sorted({int(i) // host.page_size for i in indices.tolist()}):
+        for view in page_views(host, p):
+            raw = torch.randint(0, 256, (view.numel() * view.element_size(),), generator=g, dtype=torch.uint8)
+            view.copy_(raw.view(view.dtype).view(view.shape))
+
+
+def zero(host) -> None:
+    for t in (host.kv_buffer if isinstance(host.kv_buffer, (tuple, list)) else [host.kv_buffer]):
+        t.zero_()
 
 
 def write_phase(cc, host, requests: int, pages: int, ps: int, want: dict) -> list[float]:
@@ -161,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backend", choices=["kvtier", "file"], default="kvtier")
     ap.add_argument("--dir", default=None, help="where the store lives (default: a temporary directory)")
     ap.add_argument("--layout", choices=["page_first_direct", "page_first"], default="page_first_direct")
+    ap.add_argument("--model", choices=["mha", "asym", "mla"], default="mha",
+                    help="KV shape: mha (K and V 64), asym (MiMo-V2: K 192 / V 128), mla (latent 64 + rope 16)")
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--pages", type=int, default=16, help="pages per request")
     ap.add_argument("--page-size", type=int, default=16)
@@ -168,9 +191,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-planner", action="store_true", help="kvtier: restore_planner false (report every stored page)")
     a = ap.parse_args(argv)
     root = a.dir or tempfile.mkdtemp(prefix="sglang-controller-")
-    cc, host = build(a.backend, root, a.layout, a.pages, a.requests, a.page_size, not a.no_planner)
+    cc, host = build(a.backend, root, a.layout, a.pages, a.requests, a.page_size, not a.no_planner, a.model)
+    host.is_mla = a.model == "mla"
     want: dict[int, list] = {}
-    out: dict[str, object] = {"backend": a.backend, "layout": a.layout, "requests": a.requests, "pages": a.pages,
+    out: dict[str, object] = {"backend": a.backend, "model": a.model, "layout": a.layout, "requests": a.requests, "pages": a.pages,
                               "page_size": a.page_size, "backend_class": type(cc.storage_backend).__name__}
     if a.phase in ("both", "write"):
         w = write_phase(cc, host, a.requests, a.pages, a.page_size, want)
@@ -181,9 +205,8 @@ def main(argv: list[str] | None = None) -> int:
             fill(host, idx, seed=r)
             want[r] = page_bytes(host, idx)
             host.free(idx)
-            host.kv_buffer.zero_()
     if a.phase in ("both", "read"):
-        host.kv_buffer.zero_()  # (nothing of the written pages is left on the host)
+        zero(host)  # (nothing of the written pages is left on the host)
         rates, restored, compared, mismatches = read_phase(cc, host, a.requests, a.pages, a.page_size, want)
         out.update(restored_pages=restored, compared_bytes=compared, mismatched_pages=mismatches,
                    prefetch_pages_per_s=statistics.median(rates) if rates else 0.0)
