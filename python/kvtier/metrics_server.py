@@ -214,7 +214,7 @@ class MetricsEndpoint:
             try:
                 ref: Any = weakref.ref(source)
                 # (collected without close: it leaves what is served; the lease ends with its last object)
-                weakref.finalize(source, self._dropped, ref)
+                weakref.finalize(source, self._dropped, ref).atexit = False  # (not at exit: no thread then)
             except TypeError:  # (an object without weak references is held)
                 ref = source
             with self._server.sources.lock:
