@@ -56,6 +56,8 @@ def refused(url):
         get(url)
     except urllib.error.URLError as e:
         return isinstance(e.reason, ConnectionRefusedError)
+    except ConnectionResetError:  # (a server stopping while it answered: not gone yet)
+        return False
     return False
 
 
