@@ -6,6 +6,7 @@ pools themselves, and the layouts and shapes they keep, are in :mod:`kvtier.pool
 from __future__ import annotations
 
 import collections
+import os
 import threading
 from typing import Any
 
@@ -29,7 +30,8 @@ BACKEND_LAYOUTS = {"direct": ("layer_first", "page_first_direct"), "kernel": ("l
 GB = 10**9
 
 
-def _host_memory_available() -> int:
+def host_memory_available() -> int:
+    """Host memory a new allocation can take now: the kernel's MemAvailable (else the free pages)."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -37,7 +39,7 @@ def _host_memory_available() -> int:
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return 1 << 62
+    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
 class HostKVPool:
@@ -95,7 +97,7 @@ class HostKVPool:
         self.page_num = size // ps + 1
         self.size = self.page_num * ps
         requested = self.size * size_per_token
-        available = _host_memory_available()
+        available = host_memory_available()
         if requested > available - min(self.memory_reserve_bytes, available // 4):
             raise InvalidArgumentError(
                 f"invalid argument `host_size_gb`: not enough host memory for {self.size} tokens "

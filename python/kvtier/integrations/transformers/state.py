@@ -10,7 +10,6 @@ later one has passed, at the next forward or the next restore."""
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ import torch
 
 from ... import _native
 from ..._errors import ClosedError
+from ...pools_base import host_memory_available
 from ...transfer.gate import gate_until
 
 
@@ -50,14 +50,7 @@ def free_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    return host_memory_available()
 
 
 class Marks:
