@@ -2,7 +2,9 @@
 profiles: ``ci`` (default, bounded) and ``thorough`` (``HYPOTHESIS_PROFILE=thorough``)."""
 
 import os
+import shutil
 import subprocess
+import time
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -97,3 +99,21 @@ def managers():
             continue
         m.shutdown()
         assert not os.path.exists(f"/dev/shm/vllm_offload_{engine}.mmap")
+
+
+def fill_up(mnt):
+    """Fills the file system at mnt to the last block with a filler file. A store's background thread may
+    still be giving blocks back (an old journal is cut a piece at a time before its close), so the filler
+    grows again until the free space stays under 64 KiB across a pause."""
+    with open(mnt / "filler", "ab", buffering=0) as f:
+        for _ in range(50):
+            for n in (1 << 20, 4096, 512):
+                try:
+                    while True:
+                        f.write(b"\0" * n)
+                except OSError:
+                    pass
+            time.sleep(0.05)
+            if shutil.disk_usage(mnt).free < (64 << 10):
+                return
+    raise AssertionError(f"{mnt} never stayed full: {shutil.disk_usage(mnt).free} bytes free")

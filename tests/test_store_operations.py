@@ -10,10 +10,9 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 
 import pytest
-from conftest import run_cmd
+from conftest import fill_up, run_cmd
 import torch
 
 from kvtier import DeviceKVPool, InvalidArgumentError, PageStore, TierController, host_pool_for, testing
@@ -50,24 +49,6 @@ def page(hp, p):
 def same(hp, p, want):
     return torch.equal(hp.k_buffer[p].view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(
         hp.v_buffer[p].view(torch.uint8), want[1].view(torch.uint8))
-
-
-def fill_up(mnt):
-    """Fills the file system at mnt to the last block with a filler file. A store's background thread may
-    still be giving blocks back (an old journal is cut a piece at a time before its close), so the filler
-    grows again until the free space stays under 64 KiB across a pause."""
-    with open(mnt / "filler", "ab", buffering=0) as f:
-        for _ in range(50):
-            for n in (1 << 20, 4096, 512):
-                try:
-                    while True:
-                        f.write(b"\0" * n)
-                except OSError:
-                    pass
-            time.sleep(0.05)
-            if shutil.disk_usage(mnt).free < (64 << 10):
-                return
-    raise AssertionError(f"{mnt} never stayed full: {shutil.disk_usage(mnt).free} bytes free")
 
 
 def blocks(root):

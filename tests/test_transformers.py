@@ -438,25 +438,32 @@ def test_every_layer_resident_on_the_gpu_moves_in_one_call_cuda(monkeypatch):
         assert torch.equal(got[0], want[0])
 
 
+def prompt_then_a_failed_forward(model, tier, ids, more):
+    """A cache that computed ``ids``, then a forward of ``more`` that raised at the last layer (its first
+    layers ran)."""
+    cache = tier.cache(ids)
+    with torch.no_grad():
+        model(ids, **{cache_kwarg(model): cache})
+
+    def boom(*_):
+        raise RuntimeError("the last layer failed")
+
+    hook = model.model.layers[-1].register_forward_pre_hook(boom)
+    try:
+        with pytest.raises(RuntimeError, match="last layer failed"), torch.no_grad():
+            model(more, **{cache_kwarg(model): cache})
+    finally:
+        hook.remove()
+    return cache
+
+
 def test_a_forward_that_raises_midway_then_a_crop_loses_and_touches_nothing(model):
     """Every layer resident: a decode step that raises at the last layer leaves its first layers' backups
     deferred; a crop that gives their page back sends them first (into pages still the sequence's), so the
     sequence goes on bit-exact and another sequence's pages are never written."""
     ids, other_ids = prompt(37), prompt(20, seed=5)
     with KVTier(model, model_id="test/llama", page_size=PS, host_tokens=512, window=3) as tier:
-        cache = tier.cache(ids)
-        with torch.no_grad():
-            model(ids, **{cache_kwarg(model): cache})
-
-        def boom(*_):
-            raise RuntimeError("the last layer failed")
-
-        hook = model.model.layers[2].register_forward_pre_hook(boom)
-        try:
-            with pytest.raises(RuntimeError, match="last layer failed"), torch.no_grad():
-                model(ids[:, :1], **{cache_kwarg(model): cache})
-        finally:
-            hook.remove()
+        cache = prompt_then_a_failed_forward(model, tier, ids, ids[:, :1])
         assert cache._batch.deferred is not None and cache.get_seq_length() == 38
         cache.crop(-6)  # 32 tokens: page 4 (rows 32..38, the failed step's row among them) goes back
         other = tier.cache(other_ids)
@@ -475,19 +482,7 @@ def test_a_crop_after_a_forward_that_raised_keeps_only_rows_every_layer_has(mode
     and a later request restored KV never computed); the sequence then goes on as transformers' own."""
     ids, extra = prompt(37), prompt(10, seed=9)
     with KVTier(model, model_id="test/llama", page_size=PS, host_tokens=512, window=window) as tier:
-        cache = tier.cache(ids)
-        with torch.no_grad():
-            model(ids, **{cache_kwarg(model): cache})
-
-        def boom(*_):
-            raise RuntimeError("the last layer failed")
-
-        hook = model.model.layers[2].register_forward_pre_hook(boom)
-        try:
-            with pytest.raises(RuntimeError, match="last layer failed"), torch.no_grad():
-                model(extra, **{cache_kwarg(model): cache})
-        finally:
-            hook.remove()
+        cache = prompt_then_a_failed_forward(model, tier, ids, extra)
         cache.crop(-7)  # 47 -> 40 asked; the last layer holds 37
         assert cache.get_seq_length() == 37 and [layer.length for layer in cache.layers] == [37] * 3
         more = torch.cat([ids, extra], 1)

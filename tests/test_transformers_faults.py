@@ -16,6 +16,7 @@ import functools
 
 import pytest
 import torch
+from conftest import fill_up
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from kvtier import KvtierError
@@ -58,16 +59,6 @@ def exact(model, ids, cache):
     return torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and torch.equal(got[0], fresh[0])
 
 
-def fill(mnt):
-    with open(mnt / "filler", "wb", buffering=0) as f:
-        for n in (1 << 20, 4096, 512):
-            try:
-                while True:
-                    f.write(b"\0" * n)
-            except OSError:
-                pass
-
-
 def test_a_full_disk_costs_reuse_not_correctness(mounted):
     mnt = mounted("tmpfs", 2)
     m = llama()
@@ -75,7 +66,7 @@ def test_a_full_disk_costs_reuse_not_correctness(mounted):
     with KVTier(m, model_id="t", page_size=PS, host_tokens=160, store_dir=mnt) as tier:
         gen(m, prompts[0], tier.cache(prompts[0]))
         tier.controller.wait_idle()
-        fill(mnt)  # every later write fails with ENOSPC
+        fill_up(mnt)  # every later write fails with ENOSPC
         for ids in prompts[1:]:
             assert exact(m, ids, tier.cache(ids))
         tier.controller.wait_idle()
