@@ -2,4 +2,7 @@
 # (.wheel/ and .whl/) into a temporary target directory (nothing system-wide) and points PYTHONPATH at it.
 site=$(mktemp -d /tmp/kvtier-site.XXXX)
 python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .wheel/*.whl .whl/*.whl || exit 1
+# the checkout's Python over the wheel's (a wheel older than the last Python edit still runs today's Python; the
+# native core is the wheel's: rebuild it after a Rust change)
+(cd python && find kvtier -name '*.py' -exec cp --parents {} "$site/" \;) || exit 1
 export PYTHONPATH="$site" PYTHONUNBUFFERED=1

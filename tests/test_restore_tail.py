@@ -297,3 +297,81 @@ def test_a_tail_read_from_a_stalled_disk_gives_recomputings_tokens(tmp_path, dev
             time.sleep(0.01)
         assert ctrl.deadline_stats()["fenced_pages"] == 0 and not ctrl._fenced and not ctrl._free_after
         assert _nothing_leaked(tier), "a tail page leaked from the host pool"
+
+
+
+def test_a_collected_caches_release_never_waits_on_the_collecting_thread(tmp_path):
+    """A dropped cache's finalizer runs wherever a garbage collection does: on any thread, inside any lock. Its
+    release waits for a read still writing into its pages, and a read past its deadline is answered under the
+    controller's lock: run inline inside that lock, the two waited on each other for ever. The release now runs
+    on a thread of its own, and the tier's synchronize waits for it."""
+    import concurrent.futures
+    import threading
+
+    from kvtier.integrations.transformers.window import PageTable, release_table
+
+    with KVTier(llama(), model_id="t/collected", page_size=PS, host_tokens=1024, store_dir=tmp_path) as tier:
+        ctrl, st = tier.controller, tier._state
+        before = _host_pages_in_use(tier)
+        table = PageTable()
+        table.starts, table.keys = ctrl.allocate(2), [None, None]
+        table.reading = concurrent.futures.Future()
+
+        def answer_under_the_lock():  # (what a read's deadline does: kvtier.deadlines, on_give_up)
+            with ctrl.lock:
+                table.reading.set_result(0)
+
+        def collect_inside_the_lock():
+            with ctrl.lock:
+                threading.Thread(target=answer_under_the_lock, daemon=True).start()
+                release_table(st, table)
+
+        t = threading.Thread(target=collect_inside_the_lock, daemon=True)
+        t.start()
+        t.join(30)
+        assert not t.is_alive(), "the release waited on the collecting thread, inside the controller's lock"
+        tier.synchronize()
+        assert table.reading.done() and not table.starts
+        assert _host_pages_in_use(tier) == before, "the collected table's pages were not given back"
+
+
+@pytest.mark.cuda
+@pytest.mark.timeout(120, method="thread")
+def test_a_cache_collected_inside_the_controllers_lock_with_its_tail_stalled_never_deadlocks(tmp_path):
+    """On CUDA a split's cache comes back before its tail's read ends (its loads wait behind a gate): dropped and
+    collected inside the controller's lock while the disk is stalled, its release must not wait there."""
+    import threading
+    import time
+
+    from kvtier.testing import clear_faults, inject_fault
+
+    model, ids, tier, want = _stored_split(tmp_path, "cuda", "collected-in-lock")
+    with tier:
+        ctrl = tier.controller
+        ctrl.restore_deadline = 3.0  # (the read is still pending when the cache is dropped)
+        inject_fault("data_read", "stall", times=None)
+        try:
+            box = {"c": tier.cache(ids)}
+            assert box["c"].plan.kind == "split" and not box["c"].table.reading.done()
+
+            def collect_inside_the_lock():
+                with ctrl.lock:
+                    del box["c"]
+                    gc.collect()
+
+            t = threading.Thread(target=collect_inside_the_lock, daemon=True)
+            t.start()
+            t.join(30)
+            assert not t.is_alive(), "the collected cache's release waited inside the controller's lock"
+            t0 = time.monotonic()
+            while ctrl.deadline_stats()["deadline_misses"]["read"] < 1:
+                assert time.monotonic() - t0 < 30, "the stalled read's deadline never answered"
+                time.sleep(0.01)
+        finally:
+            clear_faults()
+        t0 = time.monotonic()
+        while ctrl.deadline_stats()["stuck_calls"]:
+            assert time.monotonic() - t0 < 60, "the stalled read never returned"
+            time.sleep(0.01)
+        assert _nothing_leaked(tier), "a page of the collected cache leaked from the host pool"
+        assert torch.equal(greedy(model, ids, tier.cache(ids)), want)

@@ -141,8 +141,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compression", default="auto", choices=("auto", "off"),
                     help="the store's compression (PageStore's compression=; default auto: lossless for bf16)")
     ap.add_argument("--slow-gbps", type=float, default=0.3, help="the throttled disk of the planned_slow row (GB/s)")
+    ap.add_argument("--layer-batch", default="default", choices=("default", "on", "off"),
+                    help="a window of every layer moving in one call per forward on this device (on), layer by layer "
+                         "(off), or kvtier's default (LayerBatch.one_call_devices)")
     a = ap.parse_args(argv)
     device = "cpu" if a.tiny or a.small or not torch.cuda.is_available() else "cuda"
+    if a.layer_batch != "default":
+        from kvtier.integrations.transformers.window import LayerBatch
+
+        others = tuple(d for d in LayerBatch.one_call_devices if d != device)
+        LayerBatch.one_call_devices = (*others, device) if a.layer_batch == "on" else others
     contexts = [int(x) for x in (a.contexts or ("256,1024" if a.tiny else "1024,4096" if a.small else "8192,32768")).split(",")]
     top = max(contexts)
     print(f"transformers {transformers.__version__}, torch {torch.__version__}, device {device}"
@@ -163,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     root = a.store_dir or tempfile.mkdtemp(prefix="kvtier-hf-bench-", dir=os.getcwd())
     results: dict = dict(device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
                          transformers=transformers.__version__, torch=torch.__version__, tiny=a.tiny,
-                         page_size=a.page_size, weights_bytes=weights, decode={}, ttft={})
+                         page_size=a.page_size, weights_bytes=weights, decode={}, ttft={},
+                         layer_batch=a.layer_batch)
     host_tokens = 2 * (top + 2 * SUFFIX) + top // 2 + 4 * a.page_size  # a seen prompt, a new one, and room
     try:
         window = "auto" if a.window == "auto" else cfg.num_hidden_layers if a.window == "all" else int(a.window)

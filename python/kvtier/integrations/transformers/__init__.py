@@ -331,6 +331,7 @@ class KVTier:
                 f"invalid argument `model`: its attention implementation changed from {self.attn_implementation!r} to "
                 f"{now!r} since this KVTier was built (its pages were computed with the first); build a new KVTier")
         tokens = _token_list("token_ids", token_ids)
+        self._state.wait_releases()  # (a cache dropped just before gives its pages back first)
         self._state.marks.poll()
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise InvalidArgumentError(f"invalid argument `cache_salt`: a non-empty string or None, got {cache_salt!r}")
@@ -378,6 +379,7 @@ class KVTier:
         """Wait until every transfer this tier issued has completed (a failed one raises its error) and every
         pending forward and TTFT timing has been read into the planner: what a benchmark calls before it reads
         a clock or the planner's statistics."""
+        self._state.wait_releases()  # (the pages of caches garbage collected)
         self._state.drain()
         self._state.marks.poll(wait=True)
 

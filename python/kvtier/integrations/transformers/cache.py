@@ -1,6 +1,5 @@
-"""The per-sequence half of kvtier's transformers integration: :class:`KvtierCache` (the ``Cache`` that
-``model(...)``/``generate()`` call), its window of device layer slots and its host page table. Built by
-:meth:`kvtier.integrations.transformers.KVTier.cache`; the module docs there describe the design."""
+"""The per-sequence half of kvtier's transformers integration: :class:`KvtierCache` (the ``Cache`` that ``model(...)``
+and ``generate()`` call), its window of device layer slots and its host page table. Built by :meth:`KVTier.cache`."""
 
 from __future__ import annotations
 
@@ -16,7 +15,7 @@ from ...store import page_hashes
 from ...tenants import tenant_keys
 from .state import TierRuntime
 from .restore import PendingTail, RestoreSteps
-from .window import DeviceWindow, LayerBatch, PageTable, release_table, slot_bytes
+from .window import DeviceWindow, LayerBatch, PageTable, release_now, release_table, slot_bytes
 
 # forward arguments that do not change the KV a token gets (positions and masks are checked, not listed here)
 _PLAIN = frozenset({"input_ids", "cache", "past_key_values", "use_cache", "logits_to_keep", "return_dict",
@@ -451,7 +450,8 @@ class KvtierCache(RestoreSteps, DynamicCache):
         be used afterwards."""
         if self._tail is not None and not self._state.closed:
             self._settled()  # (its verified pages to the index, the counters right)
-        self._finalizer()  # (frees the tail's private pages once its read has finished)
+        if self._finalizer.detach() is not None:  # (here: the tail's private pages once its read has finished)
+            release_now(self._state, self.table)
         self._tail = self._redo = None  # never settled afterwards: its pages are no longer the sequence's
         self._released = True
         for layer in self.layers:

@@ -120,6 +120,8 @@ class TierRuntime:
         # for the store's read only, never behind the head's backups on ``stream``
         self._tail_stream: Any = None
         self._tail_sub: Any = None
+        self._releasing = 0  # caches collected whose release runs on a thread of its own (release_later)
+        self._released = threading.Condition()
 
     def resident_layers(self, slot_bytes: int) -> int:
         """Layers a new sequence keeps on the device, ``slot_bytes`` being one layer's slot for it: the fixed
@@ -130,6 +132,32 @@ class TierRuntime:
             return int(self.window)
         fit = int(AUTO_WINDOW_SHARE * free_bytes(self.device)) // max(1, slot_bytes)
         return max(min(2, self.layers), min(self.layers, fit))
+
+    def release_later(self, release: Any) -> None:
+        """``release()`` on a thread of its own: the release of a garbage-collected cache, which may wait for a
+        store read or transfers in flight, and a collection can run on any thread, inside any lock (the
+        controller's among them, which a stalled read's deadline takes before it opens the gates that those
+        transfers wait behind). :meth:`wait_releases` waits for it."""
+        with self._released:
+            self._releasing += 1
+        try:
+            threading.Thread(target=self._release, args=(release,), name="kvtier-release-cache", daemon=True).start()
+        except RuntimeError:  # (the interpreter is shutting down: nothing is released any more)
+            self._release(lambda: None)
+
+    def _release(self, release: Any) -> None:
+        try:
+            release()
+        finally:
+            with self._released:
+                self._releasing -= 1
+                self._released.notify_all()
+
+    def wait_releases(self) -> None:
+        """Until every collected cache's pages are back (:meth:`release_later`)."""
+        with self._released:
+            while self._releasing:
+                self._released.wait()
 
     def check_open(self) -> None:
         """Raises :class:`ClosedError` once the tier is closed."""

@@ -4,7 +4,6 @@ layer slots, seen as a kvtier device pool) and :class:`PageTable` (the sequence'
 from __future__ import annotations
 
 import concurrent.futures
-import threading
 from typing import Any
 
 import torch
@@ -58,11 +57,10 @@ class LayerBatch:
     """A window of every layer moving a sequence's pages in one call (each per-layer call costs the host about
     half a millisecond): a restore's loads (:meth:`load`), and a forward's backups, which wait for its last
     layer (:meth:`defer`, :meth:`flush`). No slot is reused within a forward when every layer is resident.
-    Used on the devices in :attr:`one_call_devices`: the one-call copies have not yet run on a GPU, so on CUDA
-    a window of every layer still moves layer by layer (the path measured on the H200)."""
+    Used on the devices in :attr:`one_call_devices` (elsewhere a window of every layer moves layer by layer)."""
 
     #: device types whose windows of every layer move in one call
-    one_call_devices: tuple[str, ...] = ("cpu",)
+    one_call_devices: tuple[str, ...] = ("cpu", "cuda")
 
     def __init__(self) -> None:
         self.deferred: tuple[int, int, list[int]] | None = None  # (t0, t1, layers) of the forward in flight
@@ -158,16 +156,17 @@ class PageTable:
 
 
 def release_table(state: TierRuntime, table: PageTable) -> None:
-    # A cache collected on a thread of kvtier's own (the store's: a garbage collection can run anywhere) must
-    # not wait there: its tail's read, or another cache's whose gate a drain waits behind, may be queued on
-    # that very thread. It is released from a thread of its own.
-    if threading.current_thread().name.startswith("kvtier-"):
-        threading.Thread(target=_release_now, args=(state, table), name="release-cache", daemon=True).start()
+    """A garbage-collected cache's pages given back (its finalizer). Never waited for on the collecting thread:
+    a collection runs on any thread, inside any lock, and the release may wait for a store read or transfers
+    behind a gate that a deadline opens (see :meth:`TierRuntime.release_later`). A cache's own
+    :meth:`~kvtier.integrations.transformers.KvtierCache.release` gives them back on the caller's thread."""
+    if state.closed or not table.starts:
         return
-    _release_now(state, table)
+    state.release_later(lambda: release_now(state, table))
 
 
-def _release_now(state: TierRuntime, table: PageTable) -> None:
+def release_now(state: TierRuntime, table: PageTable) -> None:
+    """``table``'s pages given back on this thread (once what still writes into them has finished)."""
     try:
         table.release(state)
     except Exception:  # noqa: BLE001 - a finalizer never raises; the pages are then lost to this pool only
