@@ -126,7 +126,7 @@ bench-rust: ## criterion benches of the core (KVTIER_BENCH_SMALL=1 for small siz
 
 gpu-wheel: $(DEPS_STAMP) ## Build the abi3 wheel into .wheel/ and the test-only wheels into .whl/ for the GPU machine
 	rm -rf .wheel && $(VENV)/bin/maturin build --release -q -o .wheel
-	rm -rf .whl && $(VPY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl hypothesis sortedcontainers pytest-timeout
+	rm -rf .whl && $(VPY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl hypothesis sortedcontainers pytest-timeout prometheus-client
 
 test-gpu: build $(TEST_STAMP) ## Run the CUDA tests here (needs a GPU)
 	$(VPY) -m pytest -m cuda -p no:cacheprovider

@@ -35,3 +35,5 @@ for s in $steps; do
     *) echo "unknown step $s" ;;
   esac
 done
+# everything in one archive too (a device call brings back a limited number of files)
+tar czf "$out.tgz" -C "$(dirname "$out")" "$(basename "$out")"

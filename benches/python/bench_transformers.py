@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict = dict(device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
                          transformers=transformers.__version__, torch=torch.__version__, tiny=a.tiny,
                          page_size=a.page_size, weights_bytes=weights, decode={}, ttft={},
-                         layer_batch=a.layer_batch)
+                         layer_batch=a.layer_batch, ttft_ends="the first token's logits done (the model's stream)")
     host_tokens = 2 * (top + 2 * SUFFIX) + top // 2 + 4 * a.page_size  # a seen prompt, a new one, and room
     try:
         window = "auto" if a.window == "auto" else cfg.num_hidden_layers if a.window == "all" else int(a.window)
