@@ -10,6 +10,8 @@
 #   bench-on   bench_transformers.py --skip-decode at 8K and 32K, a window of every layer in one call per forward
 #   bench-off  the same at 8K, layer by layer (the path before), in the same call: compare within it
 #   demo       python -m kvtier demo (the multi-turn chat workload, 8B shape)
+#   sglang     SGLang's own HiCacheController over kvtier and HiCacheFile on the GPU (benches/gpu_sglang_controller.sh;
+#              needs .whl-sg/ from benches/sglang_gpu_wheels.sh)
 set -u
 cd "$(dirname "$0")/.."
 out=${1:?usage: gpu_layer_batch_run.sh OUTDIR [STEPS]}
@@ -32,6 +34,10 @@ for s in $steps; do
     bench-off) step bench-off 120 python3 benches/python/bench_transformers.py --skip-decode --contexts 8192 \
                  --layer-batch off --out "$out/transformers-off.json" ;;
     demo) step demo 240 python3 -m kvtier demo ;;
+    sglang) if [ -d .whl-sg ]; then  # (benches/sglang_gpu_wheels.sh)
+              python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .whl-sg/*.whl
+              PATH="$site/bin:$PATH" step sglang 320 bash benches/gpu_sglang_controller.sh "$out/sglang" 300
+            else echo "sglang: no .whl-sg"; fi ;;
     *) echo "unknown step $s" ;;
   esac
 done

@@ -3,7 +3,8 @@ zero-copy storage calls) driving kvtier as its L3, loaded by SGLang's factory fr
 the CPU (benches/python/sglang_controller.py: SGLang's device pool, allocator and host pool; what stands in for
 the scheduler is named there). Each run is a process of its own (torch.distributed, SGLang's parallel context),
 as a server is. Every restored page is compared with the bytes written; SGLang's own HiCacheFile runs the same
-workload beside it."""
+workload beside it. The script's --device cuda mode (the whole device -> host -> L3 -> host -> device trip) runs on
+a GPU in the CUDA-marked test, and its logic on the CPU through --round-trip."""
 
 import json
 import os
@@ -55,3 +56,34 @@ def test_sglangs_own_file_backend_runs_the_same_workload(tmp_path):
     out, _ = run(tmp_path, "--backend", "file")
     assert out["backend_class"] == "HiCacheFile"
     assert out["written_pages"] == out["restored_pages"] == 18 and out["mismatched_pages"] == 0
+
+
+@pytest.mark.parametrize("model", ["mha", "asym", "mla"])
+def test_the_gpu_round_trip_runs_on_the_cpu_with_the_stand_in_direct_ops(tmp_path, model):
+    """--round-trip: the --device cuda mode's whole trip (device rows -> cc.write -> write_storage -> prefetch ->
+    cc.load + start_loading -> device rows), its device pool on the CPU and the stand-in's direct ops put into
+    SGLang's pool modules: a check of the script's logic (SGLang's CUDA path is the test below)."""
+    out, _ = run(tmp_path, "--no-planner", "--model", model, "--round-trip")
+    assert out["device"] == "cpu" and out["layout"] == "page_first_direct" and "error" not in out
+    assert out["written_pages"] == out["restored_pages"] == out["loaded_pages"] == 18
+    assert out["backup_mismatched_pages"] == out["mismatched_pages"] == out["load_mismatched_pages"] == 0
+    assert out["device_compared_bytes"] == out["compared_bytes"] > 0
+    assert out["transfer_calls"]["transfer_kv_per_layer_direct_pf_lf"] > 0 and not out["jit_kernels_used"]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("model", ["mha", "asym"])
+def test_sglangs_controller_round_trips_every_page_through_the_gpu(tmp_path, model):
+    """--device cuda: SGLang's device pool on the GPU and its pinned host pool; every page goes device -> host
+    (cc.write) -> kvtier -> host (prefetch) -> device (cc.load, layer by layer) and comes back byte for byte,
+    with sgl_kernel's direct ops (the real ones, or kvtier's stand-in where they do not import)."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    out, _ = run(tmp_path, "--no-planner", "--model", model, "--device", "cuda", "--io-backend", "direct")
+    assert out["device"] == "cuda" and out["layout"] == "page_first_direct" and "error" not in out
+    assert out["sgl_kernel"] in ("real", "stand-in") and out["backend_class"] == "KvtierStorage"
+    assert out["written_pages"] == out["restored_pages"] == out["loaded_pages"] == 18
+    assert out["backup_mismatched_pages"] == out["mismatched_pages"] == out["load_mismatched_pages"] == 0
+    assert out["device_compared_bytes"] == out["compared_bytes"] > 0
+    assert out["transfer_calls"]["transfer_kv_all_layer_direct_lf_pf"] > 0
