@@ -17,7 +17,7 @@ fi
 rc=0
 # (the modules that import SGLang or vLLM at the top hold no CUDA test; those packages are CI's, not the GPU machine's)
 skip=()
-for m in sglang sglang_v2 sglang_v2_faults vllm mooncake_sglang store_paths tenants_engines tenants_vllm engine_deadlines; do
+for m in sglang sglang_v2 sglang_v2_faults vllm mooncake_sglang store_paths tenants_engines tenants_vllm engine_deadlines metrics_endpoint; do
   skip+=("--ignore=tests/test_$m.py")
 done
 python3 -m pytest tests -m cuda -p no:cacheprovider -q -rs --continue-on-collection-errors "${skip[@]}" 2>&1 | tee "$out/pytest-cuda.log" | tail -5 || rc=1

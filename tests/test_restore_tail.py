@@ -256,8 +256,8 @@ def test_a_load_plan_on_a_damaged_disk_recomputes(tmp_path):
         assert c.restored_tokens == 0 and tier.controller.stats.prefetch_misses >= 1
 
 
-# one of 12 runs on the H200 hung here (window 2, CUDA) and is not understood yet: a hang fails, with every
-# thread's stack, instead of holding the run
+# one of 12 runs on the H200 once hung here (window 2, CUDA; not reproduced since, in 4 rounds of every deadline
+# and stall test on the H200): a hang fails, with every thread's stack, instead of holding the run
 @pytest.mark.timeout(300, method="thread")
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("window", [2, 3])
