@@ -375,3 +375,26 @@ def test_a_cache_collected_inside_the_controllers_lock_with_its_tail_stalled_nev
             time.sleep(0.01)
         assert _nothing_leaked(tier), "a page of the collected cache leaked from the host pool"
         assert torch.equal(greedy(model, ids, tier.cache(ids)), want)
+
+
+def test_a_process_ending_with_a_live_cache_and_an_open_tier_exits_cleanly(tmp_path):
+    """A cache kept alive by a reference cycle and a KVTier never closed, at interpreter exit: nothing is released
+    on a thread that the interpreter's finalization would find inside torch (the process aborted, status 134)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        from test_restore_planning import PS, llama
+        from kvtier.integrations.transformers import KVTier
+        tier = KVTier(llama(), model_id="t/exit", page_size=PS, host_tokens=1024, store_dir={str(tmp_path)!r})
+        c = tier.cache(list(range(3 * PS)))
+        c._grow(2 * PS)
+        c.me = c  # (a cycle: collected at exit, if at all)
+        del c
+        print("exiting", flush=True)
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "exiting" in r.stdout, (r.returncode, r.stderr[-2000:])

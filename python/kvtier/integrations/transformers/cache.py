@@ -61,11 +61,11 @@ class KvtierCache(RestoreSteps, DynamicCache):
         self.salt = salt  # the tenant: its keys are tenant_keys(salt, chain) (kvtier.tenants)
         self.table = PageTable()
         self._finalizer = weakref.finalize(self, release_table, state, self.table)
+        self._finalizer.atexit = False  # (a process that ends gives its pages back with it)
         self._fed: list[int] = []  # token ids the model was fed (restored ones first)
         self._prompt = token_ids  # what this cache was made for: the first forwards must feed its rest
-        # per forward, whether its positions were the plain ones (an all-ones mask, positions following the
-        # cache): tensors on the model's device, read at the next adoption, so a decode step never waits on them
-        self._pending: list[Any] = []
+        # per forward, whether its positions were the plain ones (all-ones mask, positions following the cache)
+        self._pending: list[Any] = []  # (tensors on the model's device, read at the next adoption: never waited on)
         self._verified = True
         self._adopted = 0  # pages [0, _adopted) are in the controller's index (or were refused)
         self._page_keys: list[str] = []  # the (tenant's) key of every full page of _fed (adopted or not)

@@ -10,6 +10,8 @@ later one has passed, at the next forward or the next restore."""
 
 from __future__ import annotations
 
+import atexit
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -87,6 +89,28 @@ class Marks:
         self._waiting = keep
 
 
+class _Running:
+    """The release threads running in the process (:meth:`TierRuntime.release_later`, every tier's)."""
+
+    def __init__(self) -> None:
+        self.cv = threading.Condition()
+        self.count = 0
+
+
+_RELEASING = _Running()
+EXIT_RELEASE_WAIT_S = 10.0
+
+
+@atexit.register
+def _wait_for_releases_at_exit() -> None:
+    """A release thread still inside torch or the native core when the interpreter finalizes aborts the process:
+    the exit waits for them (at most :data:`EXIT_RELEASE_WAIT_S`; a release waits for reads with deadlines)."""
+    end = time.monotonic() + EXIT_RELEASE_WAIT_S
+    with _RELEASING.cv:
+        while _RELEASING.count and time.monotonic() < end:
+            _RELEASING.cv.wait(max(0.0, end - time.monotonic()))
+
+
 class TierRuntime:
     """The state one ``KVTier`` and its caches share (every attribute is read by both; ``KVTier`` builds it).
 
@@ -138,8 +162,12 @@ class TierRuntime:
         store read or transfers in flight, and a collection can run on any thread, inside any lock (the
         controller's among them, which a stalled read's deadline takes before it opens the gates that those
         transfers wait behind). :meth:`wait_releases` waits for it."""
+        if sys.is_finalizing():  # (the process is ending: its pages go with it)
+            return
         with self._released:
             self._releasing += 1
+        with _RELEASING.cv:
+            _RELEASING.count += 1
         try:
             threading.Thread(target=self._release, args=(release,), name="kvtier-release-cache", daemon=True).start()
         except RuntimeError:  # (the interpreter is shutting down: nothing is released any more)
@@ -152,6 +180,9 @@ class TierRuntime:
             with self._released:
                 self._releasing -= 1
                 self._released.notify_all()
+            with _RELEASING.cv:
+                _RELEASING.count -= 1
+                _RELEASING.cv.notify_all()
 
     def wait_releases(self) -> None:
         """Until every collected cache's pages are back (:meth:`release_later`)."""
