@@ -355,6 +355,7 @@ class KVTier:
         """Evict every unreferenced page from the host pool (after its store write): later restores come from
         the store. Returns the pages dropped (for benchmarks and tests)."""
         self._check_open()
+        self._state.wait_releases()  # (the pages of caches garbage collected are unreferenced first)
         self.controller.wait_idle()
         return self.controller.evict_unreferenced()
 

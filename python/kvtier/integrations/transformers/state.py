@@ -184,6 +184,13 @@ class TierRuntime:
                 _RELEASING.count -= 1
                 _RELEASING.cv.notify_all()
 
+    def idle(self) -> bool:
+        """Whether no transfer this tier issued is in flight (asked without waiting)."""
+        with self._subs_lock:
+            if any(not sub.finished() for sub in self._subs):
+                return False
+        return all(s is None or s.query() for s in (self.stream, self._tail_stream))
+
     def wait_releases(self) -> None:
         """Until every collected cache's pages are back (:meth:`release_later`)."""
         with self._released:

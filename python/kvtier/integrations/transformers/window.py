@@ -156,11 +156,15 @@ class PageTable:
 
 
 def release_table(state: TierRuntime, table: PageTable) -> None:
-    """A garbage-collected cache's pages given back (its finalizer). Never waited for on the collecting thread:
-    a collection runs on any thread, inside any lock, and the release may wait for a store read or transfers
-    behind a gate that a deadline opens (see :meth:`TierRuntime.release_later`). A cache's own
+    """A garbage-collected cache's pages given back (its finalizer): here when nothing they hold is in flight,
+    else on a thread of its own, never waited for on the collecting thread (a collection runs on any thread,
+    inside any lock, and the release would wait for a store read or transfers behind a gate that a deadline opens:
+    see :meth:`TierRuntime.release_later`). A cache's own
     :meth:`~kvtier.integrations.transformers.KvtierCache.release` gives them back on the caller's thread."""
     if state.closed or not table.starts:
+        return
+    if (table.reading is None or table.reading.done()) and state.idle():
+        release_now(state, table)  # (nothing to wait for: given back here, as a caller who dropped it expects)
         return
     state.release_later(lambda: release_now(state, table))
 
