@@ -168,10 +168,13 @@ class TierRuntime:
             self._releasing += 1
         with _RELEASING.cv:
             _RELEASING.count += 1
+        started = False
         try:
             threading.Thread(target=self._release, args=(release,), name="kvtier-release-cache", daemon=True).start()
-        except RuntimeError:  # (the interpreter is shutting down: nothing is released any more)
-            self._release(lambda: None)
+            started = True
+        finally:
+            if not started:  # (no thread to be had: nothing is released; the counts are right)
+                self._release(lambda: None)
 
     def _release(self, release: Any) -> None:
         try:
@@ -183,13 +186,6 @@ class TierRuntime:
             with _RELEASING.cv:
                 _RELEASING.count -= 1
                 _RELEASING.cv.notify_all()
-
-    def idle(self) -> bool:
-        """Whether no transfer this tier issued is in flight (asked without waiting)."""
-        with self._subs_lock:
-            if any(not sub.finished() for sub in self._subs):
-                return False
-        return all(s is None or s.query() for s in (self.stream, self._tail_stream))
 
     def wait_releases(self) -> None:
         """Until every collected cache's pages are back (:meth:`release_later`)."""
@@ -311,18 +307,24 @@ class TierRuntime:
         for ev in events:
             stream.wait_event(ev)
 
-    def _joined(self) -> None:
-        """Every background submission has enqueued its copies; the first that failed raises its error."""
+    def _joined(self, take: bool = True) -> None:
+        """Every background submission has enqueued its copies; the first that failed raises its error (``take``:
+        once, to this caller; else they stay for the tier's own drain or fence to see)."""
         with self._subs_lock:
-            subs, self._subs = self._subs, []
+            subs = self._subs
+            if take:
+                self._subs = []
+            else:
+                subs = list(subs)
         for sub in subs:
             sub.join()
 
-    def drain(self) -> None:
+    def drain(self, take: bool = True) -> None:
         """Wait until every transfer this tier issued has completed (a failed one raises its error, once
-        both streams are idle: what is freed after it is never touched again)."""
+        both streams are idle: what is freed after it is never touched again). ``take=False`` (a release on a
+        thread of its own): the submissions' errors stay for the tier's next drain or fence."""
         try:
-            self._joined()
+            self._joined(take)
         finally:
             if self.stream is not None:
                 self.stream.synchronize()

@@ -143,35 +143,36 @@ class PageTable:
         self.keys: list[str | None] = []
         self.reading: Any = None  # a store read into some of the pages (a future), until the cache has settled it
 
-    def release(self, state: TierRuntime, first: int = 0) -> None:
+    def release(self, state: TierRuntime, first: int = 0, *, take: bool = True) -> None:
         starts, keys = self.starts[first:], self.keys[first:]
         del self.starts[first:], self.keys[first:]
         if state.closed or not starts:
             return
         if self.reading is not None:  # never free a page a read is still writing into
             concurrent.futures.wait([self.reading])
-        state.drain()  # no transfer in flight may still touch a page given back
+        state.drain(take)  # no transfer in flight may still touch a page given back
         state.controller.release([k for k in keys if k is not None])
         state.controller.free([s for s, k in zip(starts, keys) if k is None])
 
 
 def release_table(state: TierRuntime, table: PageTable) -> None:
-    """A garbage-collected cache's pages given back (its finalizer): here when nothing they hold is in flight,
-    else on a thread of its own, never waited for on the collecting thread (a collection runs on any thread,
-    inside any lock, and the release would wait for a store read or transfers behind a gate that a deadline opens:
-    see :meth:`TierRuntime.release_later`). A cache's own
+    """A garbage-collected cache's pages given back (its finalizer), here, as a caller who dropped it expects;
+    except while a store read still writes into them: the release waits for it, and a collection runs on any
+    thread, inside any lock (the controller's among them, which that read's deadline answer takes), so it waits
+    on a thread of its own (:meth:`TierRuntime.release_later`). A cache's own
     :meth:`~kvtier.integrations.transformers.KvtierCache.release` gives them back on the caller's thread."""
     if state.closed or not table.starts:
         return
-    if (table.reading is None or table.reading.done()) and state.idle():
-        release_now(state, table)  # (nothing to wait for: given back here, as a caller who dropped it expects)
+    if table.reading is not None and not table.reading.done():
+        state.release_later(lambda: release_now(state, table, own=False))
         return
-    state.release_later(lambda: release_now(state, table))
+    release_now(state, table)
 
 
-def release_now(state: TierRuntime, table: PageTable) -> None:
-    """``table``'s pages given back on this thread (once what still writes into them has finished)."""
+def release_now(state: TierRuntime, table: PageTable, *, own: bool = True) -> None:
+    """``table``'s pages given back on this thread (once what still writes into them has finished; ``own=False``:
+    on a release thread, which leaves the transfers' errors to the tier's own drain)."""
     try:
-        table.release(state)
+        table.release(state, take=own)
     except Exception:  # noqa: BLE001 - a finalizer never raises; the pages are then lost to this pool only
         pass
