@@ -617,7 +617,13 @@ def test_a_stopped_cluster_process_costs_a_recompute_not_a_hang(tmp_path, stoppe
             os.kill(proc.pid, signal.SIGSTOP)
             try:
                 if stopped == "master":
-                    assert _returns(lambda: ctl.match(keys)) == (0, 0)  # the lookup finds nothing: recompute
+                    # the lookup finds nothing: recompute (an answer the client still holds from the lookup just
+                    # before, within Mooncake's lease of 200 ms, may come first: then the next one misses)
+                    found = [_returns(lambda: ctl.match(keys))]
+                    while found[-1] != (0, 0) and len(found) < 10:
+                        time.sleep(0.3)
+                        found.append(_returns(lambda: ctl.match(keys)))
+                    assert found[-1] == (0, 0), found
                 else:
                     assert _returns(lambda: ctl.prefetch(keys).result()) == 0
                     assert ctl.match(keys)[0] == 0  # fenced: not loadable
