@@ -36,8 +36,8 @@ fn is_finalizing_fn() -> Option<IsFinalizing> {
     *F.get_or_init(|| {
         let names: [&CStr; 2] = [c"Py_IsFinalizing", c"_Py_IsFinalizing"];
         names.into_iter().find_map(|name| {
-            // SAFETY: `name` is NUL-terminated; RTLD_DEFAULT searches the objects already loaded (the
-            // interpreter among them) and returns null when none defines the symbol.
+            // RTLD_DEFAULT searches the objects already loaded (the interpreter among them).
+            // SAFETY: `name` is NUL-terminated; dlsym returns null when no object defines the symbol.
             let p = unsafe { libc::dlsym(libc::RTLD_DEFAULT, name.as_ptr()) };
             if p.is_null() {
                 return None;
@@ -53,8 +53,8 @@ fn exiting_elsewhere() -> bool {
     let Some(f) = is_finalizing_fn() else {
         return false;
     };
-    // SAFETY: CPython's is-finalizing functions read the runtime's finalizing state with an atomic load
-    // and take no lock; they need no thread state.
+    // CPython's is-finalizing functions read the runtime's finalizing state with an atomic load.
+    // SAFETY: they take no lock and need no thread state.
     if unsafe { f() } == 0 {
         return false;
     }
@@ -132,8 +132,8 @@ where
             *d.result.lock().unwrap_or_else(|p| p.into_inner()) = Some(r);
             d.returned.store(true, Ordering::Release);
             let one: u64 = 1;
-            // SAFETY: writes the 8 bytes of a live u64 to the eventfd `d` owns (open while `d` lives); an
-            // eventfd counter of 1 cannot overflow, so the write cannot fail or block.
+            // An eventfd counter of 1 cannot overflow, so the write cannot fail or block.
+            // SAFETY: writes the 8 bytes of a live u64 to the eventfd `d` owns (open while `d` lives).
             unsafe { libc::write(d.fd.as_raw_fd(), (&one as *const u64).cast(), 8) };
         })
         .map_err(|e| Error::Os {
