@@ -90,6 +90,16 @@ def _nothing_leaked(tier):
     return all(pg.refs == 0 for pg in ctrl.pages.values()) and _host_pages_in_use(tier) == len(ctrl.pages)
 
 
+def _until(cond, what, limit_s=60):
+    """Polls ``cond()`` until true; a hang guard (``what`` fails the test after ``limit_s``), not a timing."""
+    import time
+
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < limit_s, what
+        time.sleep(0.01)
+
+
 def _stored_split(tmp_path, device, name, window=2):
     """A tier whose store holds a 40-page prompt (not on the host) and whose disk the planner splits: (model,
     ids, tier, recomputing's greedy tokens)."""
@@ -266,7 +276,6 @@ def test_a_tail_read_from_a_stalled_disk_gives_recomputings_tokens(tmp_path, dev
     queued behind it (on CUDA, behind gates on the device) goes on and is computed again from the tail, the
     tokens are recomputing's; the tail's private pages stay fenced until the read returns, then nothing leaks."""
     import threading
-    import time
 
     from kvtier.testing import clear_faults, inject_fault
 
@@ -291,10 +300,7 @@ def test_a_tail_read_from_a_stalled_disk_gives_recomputings_tokens(tmp_path, dev
             assert ctrl.deadline_stats()["deadline_misses"]["read"] >= 1
         finally:
             clear_faults()
-        t0 = time.monotonic()
-        while ctrl.deadline_stats()["stuck_calls"]:
-            assert time.monotonic() - t0 < 60, "the stalled read never returned"
-            time.sleep(0.01)
+        _until(lambda: not ctrl.deadline_stats()["stuck_calls"], "the stalled read never returned")
         assert ctrl.deadline_stats()["fenced_pages"] == 0 and not ctrl._fenced and not ctrl._free_after
         assert _nothing_leaked(tier), "a tail page leaked from the host pool"
 
@@ -341,7 +347,6 @@ def test_a_cache_collected_inside_the_controllers_lock_with_its_tail_stalled_nev
     """On CUDA a split's cache comes back before its tail's read ends (its loads wait behind a gate): dropped and
     collected inside the controller's lock while the disk is stalled, its release must not wait there."""
     import threading
-    import time
 
     from kvtier.testing import clear_faults, inject_fault
 
@@ -363,16 +368,10 @@ def test_a_cache_collected_inside_the_controllers_lock_with_its_tail_stalled_nev
             t.start()
             t.join(30)
             assert not t.is_alive(), "the collected cache's release waited inside the controller's lock"
-            t0 = time.monotonic()
-            while ctrl.deadline_stats()["deadline_misses"]["read"] < 1:
-                assert time.monotonic() - t0 < 30, "the stalled read's deadline never answered"
-                time.sleep(0.01)
+            _until(lambda: ctrl.deadline_stats()["deadline_misses"]["read"] >= 1, "the read's deadline never answered")
         finally:
             clear_faults()
-        t0 = time.monotonic()
-        while ctrl.deadline_stats()["stuck_calls"]:
-            assert time.monotonic() - t0 < 60, "the stalled read never returned"
-            time.sleep(0.01)
+        _until(lambda: not ctrl.deadline_stats()["stuck_calls"], "the stalled read never returned")
         assert _nothing_leaked(tier), "a page of the collected cache leaked from the host pool"
         assert torch.equal(greedy(model, ids, tier.cache(ids)), want)
 
