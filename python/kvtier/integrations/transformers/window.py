@@ -4,6 +4,7 @@ layer slots, seen as a kvtier device pool) and :class:`PageTable` (the sequence'
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 from typing import Any
 
 import torch
@@ -163,7 +164,8 @@ def release_table(state: TierRuntime, table: PageTable) -> None:
     :meth:`~kvtier.integrations.transformers.KvtierCache.release` gives them back on the caller's thread."""
     if state.closed or not table.starts:
         return
-    if table.reading is not None and not table.reading.done():
+    # (collected on a thread of kvtier's own, the store's: the read a drain waits behind may be queued on it)
+    if (table.reading is not None and not table.reading.done()) or threading.current_thread().name.startswith("kvtier-"):
         state.release_later(lambda: release_now(state, table, own=False))
         return
     release_now(state, table)
