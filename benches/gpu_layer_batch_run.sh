@@ -10,6 +10,8 @@
 #   bench-on   bench_transformers.py --skip-decode at 8K and 32K, a window of every layer in one call per forward
 #   bench-off  the same at 8K, layer by layer (the path before), in the same call: compare within it
 #   demo       python -m kvtier demo (the multi-turn chat workload, 8B shape)
+#   probe      where a demo-sized host hit's time goes (probe_restore_forward.py: 3,136 cached + 576 new tokens, every
+#              layer resident, profiled) and the whole prompt through kvtier's cache against DynamicCache's
 #   sglang     SGLang's own HiCacheController over kvtier and HiCacheFile on the GPU (benches/gpu_sglang_controller.sh;
 #              needs .whl-sg/ from benches/sglang_gpu_wheels.sh)
 set -u
@@ -34,6 +36,8 @@ for s in $steps; do
     bench-off) step bench-off 120 python3 benches/python/bench_transformers.py --skip-decode --contexts 8192 \
                  --layer-batch off --out "$out/transformers-off.json" ;;
     demo) step demo 240 python3 -m kvtier demo ;;
+    probe) step probe 200 python3 benches/python/probe_restore_forward.py --ctx 3136 --suffix 576 --variants w32 \
+             --reps 5 --recompute --no-cudnn --profile "$out/probe" --out "$out/probe.json" ;;
     sglang) if [ -d .whl-sg ]; then  # (benches/sglang_gpu_wheels.sh)
               python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .whl-sg/*.whl
               PATH="$site/bin:$PATH" step sglang 320 bash benches/gpu_sglang_controller.sh "$out/sglang" 300

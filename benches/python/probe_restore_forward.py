@@ -66,6 +66,61 @@ def build(tiny: bool, dev: str) -> LlamaForCausalLM:
         return LlamaForCausalLM(cfg).to(torch.bfloat16 if dev == "cuda" else torch.float32).eval()
 
 
+def recompute_row(a, model, kw, cfg, dev, window, sync, gen) -> dict:
+    """The whole prompt (ctx + suffix tokens, nothing cached) through kvtier's cache and through DynamicCache,
+    alternated, timed to the first token's logits (the model's stream; kvtier's backups after it untimed)."""
+    n = a.ctx + a.suffix
+    tier = KVTier(model, model_id="probe/recompute", page_size=a.ps, window=window, host_tokens=4 * n + 8 * a.ps,
+                  restore="all")
+    first = torch.cuda.current_stream().synchronize if dev == "cuda" else (lambda: None)
+    times: dict = {"kvtier_s": [], "dynamic_s": [], "kvtier_cache_s": []}
+    try:
+        for rep in range(a.reps + 1):
+            ids = torch.randint(0, cfg.vocab_size, (1, n), generator=gen).to(dev)
+            sync()
+            t0 = time.perf_counter()
+            model(input_ids=ids, use_cache=True, logits_to_keep=1, **{kw: DynamicCache(config=cfg)})
+            first()
+            t1 = time.perf_counter()
+            sync()
+            t2 = time.perf_counter()
+            c = tier.cache(ids)
+            t3 = time.perf_counter()
+            model(input_ids=ids, use_cache=True, logits_to_keep=1, **{kw: c})
+            first()
+            t4 = time.perf_counter()
+            sync()
+            c.release()
+            tier.controller.wait_idle()
+            if rep:
+                times["dynamic_s"].append(t1 - t0)
+                times["kvtier_s"].append(t4 - t2)
+                times["kvtier_cache_s"].append(t3 - t2)
+        if a.profile and dev == "cuda":
+            from torch.profiler import ProfilerActivity, profile
+
+            ids = torch.randint(0, cfg.vocab_size, (1, n), generator=gen).to(dev)
+            sync()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                c = tier.cache(ids)
+                model(input_ids=ids, use_cache=True, logits_to_keep=1, **{kw: c})
+                first()
+            sync()
+            c.release()
+            tag = f"w{window}-recompute"
+            with open(os.path.join(a.profile, f"{tag}-cpu.txt"), "w") as f:
+                f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
+                f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40))
+            prof.export_chrome_trace(os.path.join(a.profile, f"{tag}-trace.json"))
+    finally:
+        tier.close()
+    row = {k: statistics.median(v) for k, v in times.items()}
+    row["ratio"] = row["kvtier_s"] / row["dynamic_s"]
+    print(f"recompute w{window}: kvtier {1e3 * row['kvtier_s']:.1f} ms, DynamicCache {1e3 * row['dynamic_s']:.1f} ms "
+          f"({row['ratio']:.3f}x)", flush=True)
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ctx", type=int, default=8192)
@@ -77,6 +132,8 @@ def main() -> None:
     ap.add_argument("--profile", default=None, help="a directory for one profiled forward per variant")
     ap.add_argument("--out", default="restore-forward.json")
     ap.add_argument("--no-cudnn", action="store_true", help="SDPA without its cuDNN backend (as `kvtier demo` runs)")
+    ap.add_argument("--recompute", action="store_true",
+                    help="also the whole prompt through kvtier's cache with nothing cached, against DynamicCache's")
     a = ap.parse_args()
     if a.no_cudnn:
         torch.backends.cuda.enable_cudnn_sdp(False)
@@ -165,9 +222,9 @@ def main() -> None:
                         import pstats
 
                         ids = torch.cat([ids[:, :ctx], torch.randint(0, cfg.vocab_size, (1, suffix), generator=gen)], 1)
-                        c = tier.cache(ids)
                         pr = cProfile.Profile()
                         pr.enable()
+                        c = tier.cache(ids)
                         model(input_ids=ids[:, c.get_seq_length():].to(dev), use_cache=True, logits_to_keep=1, **{kw: c})
                         sync()
                         pr.disable()
@@ -179,12 +236,13 @@ def main() -> None:
                         from torch.profiler import ProfilerActivity, profile
 
                         ids = torch.cat([ids[:, :ctx], torch.randint(0, cfg.vocab_size, (1, suffix), generator=gen)], 1)
-                        c = tier.cache(ids)
                         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                            c = tier.cache(ids)
                             model(input_ids=ids[:, c.get_seq_length():].to(dev), use_cache=True, logits_to_keep=1, **{kw: c})
                             sync()
                         with open(os.path.join(a.profile, f"{variant}-cpu.txt"), "w") as f:
                             f.write(prof.key_averages().table(sort_by="cpu_time_total", row_limit=40))
+                            f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
                         with open(os.path.join(a.profile, f"{variant}-cuda.txt"), "w") as f:
                             f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40))
                         prof.export_chrome_trace(os.path.join(a.profile, f"{variant}-trace.json"))
@@ -218,6 +276,8 @@ def main() -> None:
                     setattr(owner, name, real)
                 tier.close()
             out["variants"][variant] = row
+            if a.recompute:
+                out["variants"][variant + "-recompute"] = recompute_row(a, model, kw, cfg, dev, window, sync, gen)
             print(variant, {k: (round(v * 1e3, 2) if isinstance(v, float) and k.endswith("_s") else v)
                             for k, v in row.items()}, flush=True)
     with open(a.out, "w") as f:
