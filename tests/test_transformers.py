@@ -539,6 +539,22 @@ def test_window_slots_grow_and_reload(model):
         assert same(got, gen(model, ids, default(model), 40))
 
 
+def test_a_restored_prefix_and_many_new_tokens_load_once(model):
+    """The window is made for the whole prompt: a host hit followed by more new tokens than the slots' headroom
+    (8 pages here) neither reallocates the slots nor loads the restored prefix a second time, layer by layer."""
+    p1 = prompt(4 * PS)
+    p2 = torch.cat([p1, prompt(12 * PS + 3, seed=4)], 1)
+    with KVTier(model, model_id="test/llama", page_size=PS, window="auto", host_tokens=1024) as tier:
+        gen(model, p1, tier.cache(p1), 1)
+        cache = tier.cache(p2)
+        assert cache.restored_host_pages == 4 and cache.resident_layers == tier.layers
+        loads = tier.stats.layer_loads
+        got = gen(model, p2, cache, 2)
+        assert tier.stats.on_demand_loads == 0 and cache._window.layers_version == 1
+        assert tier.stats.layer_loads == loads  # (the restore's loads were the only ones)
+        assert same(got, reused(model, p1, p2, 4 * PS, 2))
+
+
 def test_pages_another_cache_kept_first_still_chain_the_keys(model):
     ids = prompt(20)
     with KVTier(model, model_id="test/llama", page_size=PS, host_tokens=512) as tier:

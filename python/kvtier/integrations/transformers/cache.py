@@ -252,9 +252,9 @@ class KvtierCache(RestoreSteps, DynamicCache):
 
     def _ensure_window(self, tokens: int) -> DeviceWindow:
         t = self._state
-        if self._window is None:
+        if self._window is None:  # for the whole prompt (not the prefix alone: its forward would reallocate, reload)
             self._window = DeviceWindow(t.layers, self.resident_layers, t.heads, t.k_dim, t.v_dim, t.dtype, t.device,
-                                        t.page_size, tokens)
+                                        t.page_size, max(tokens, len(self._prompt)))
         elif self._window.size < tokens:
             t.drain()  # nothing in flight may touch the old slots
             self._window.ensure(tokens)
