@@ -20,7 +20,10 @@ import kvtier
 from kvtier.integrations.sglang import KvtierStorage
 from kvtier.metrics_server import MetricsEndpoint
 
-TIMEOUT = 10  # seconds for any one HTTP request
+TIMEOUT = 10  # seconds for any one HTTP request (a hang guard: a scrape over loopback takes milliseconds)
+#: The backends' deadlines here: a hang guard, not the defaults (2 s) a loaded machine could make a batch miss
+#: (these tests count hits, puts and deadline misses, and a batch past its deadline is a miss)
+GUARD = {"read_deadline_s": 60.0, "write_deadline_s": 60.0}
 
 
 def get(url, accept=None):
@@ -87,7 +90,7 @@ def sglang_backend():
     made = []
 
     def make(path, **extra):
-        be = KvtierStorage(config(path, **extra))
+        be = KvtierStorage(config(path, **{**GUARD, **extra}))
         made.append(be)
         be.register_mem_pool_host(sglang_pool("page_first_direct"))
         return be
@@ -174,7 +177,7 @@ def test_sglang_fixed_port_is_offset_by_rank(tmp_path, sglang_backend):
 
 # ------------------------------------------------------------------------------------------------ vLLM
 def test_vllm_tier_serves_its_families(tmp_path, managers):
-    m = managers(offloading_config(tmp_path, rows=4, metrics_port=0))
+    m = managers(offloading_config(tmp_path, rows=4, metrics_port=0, **GUARD))
     tier = m.secondary_tiers[0]
     url = tier.metrics_endpoint.url
     first = keys(4)
@@ -201,7 +204,7 @@ def test_vllm_replicas_and_an_sglang_backend_in_one_process(tmp_path, sglang_bac
     port = free_ports(2)
     tiers = []
     for dp in range(2):
-        cfg = offloading_config(tmp_path / "vllm", rows=4, metrics_port=port)
+        cfg = offloading_config(tmp_path / "vllm", rows=4, metrics_port=port, **GUARD)
         par = dataclasses.replace(cfg.parallel, data_parallel_index=dp, data_parallel_size=2)
         m = managers(dataclasses.replace(cfg, parallel=par))
         store(m, keys(dp + 1), random_rows(m, dp + 1, seed=dp))

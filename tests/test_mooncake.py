@@ -42,6 +42,22 @@ def same(hp_a, a, hp_b, b):
     return all(torch.equal(x, y) for x, y in zip(page_bytes(hp_a, a), page_bytes(hp_b, b)))
 
 
+def until(cond, guard_s=60.0):
+    """Polls ``cond()`` until it holds: True, or False once ``guard_s`` has passed (a hang guard, far past the
+    few seconds the wait takes: the assertion on it fails instead of the test hanging)."""
+    end = time.monotonic() + guard_s
+    while not cond():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+#: The deadlines of a controller's calls to a live cluster in these tests: a hang guard that no load makes a
+#: call on loopback miss (a missed lookup or read would be a recompute, and the breaker trips on one miss)
+LIVE_DEADLINE_S = 30.0
+
+
 def remove_when_unleased(store, key):
     """Mooncake refuses to remove an object read within its lease: retry until it goes (the module's timeout
     mark is the hang guard)."""
@@ -223,7 +239,7 @@ def test_tier_controller_prefetches_through_the_chain(tmp_path, cluster):
     with chain(tmp_path, cluster, src, "writer") as w:
         assert w.batch_set_v1(keys, pages_idx(range(4))) == [True] * 4
     store = chain(tmp_path, cluster, hp, "reader")
-    ctl = TierController(dev, hp, store)
+    ctl = TierController(dev, hp, store, restore_deadline=LIVE_DEADLINE_S, lookup_deadline_s=LIVE_DEADLINE_S)
     try:
         assert ctl.match(keys) == (0, 4)
         assert ctl.prefetch(keys).result() == 4
@@ -259,8 +275,10 @@ def test_killed_storage_process_misses_and_the_disk_still_serves(tmp_path):
             assert a.batch_get_v1(keys[:3], pages_idx(range(8, 11))) == [True] * 3  # a's disk serves
             assert all(same(src, i, src, 8 + i) for i in range(3))
             assert a.batch_get_v1(keys[3:], pages_idx(range(3, 6))) == [False] * 3
-            time.sleep(3)  # past client_ttl the master forgets the dead node's objects
-            assert b.batch_exists(keys) == 0 and a.batch_exists(keys) == 3
+            # past client_ttl (2 s) the master forgets the dead node's objects (polled: when its check runs is
+            # the master's business; the guard only ends a wait that would never end)
+            assert until(lambda: b.batch_exists(keys) == 0), "the master still lists the dead node's objects"
+            assert a.batch_exists(keys) == 3
 
 
 def test_master_restart(tmp_path):
@@ -343,9 +361,10 @@ def test_prometheus_collector_reports_each_tier(tmp_path, cluster):
         assert "kvtier_store_objects" in text  # the disk tier's own store metrics
 
 
+@pytest.mark.timeout(600)  # a hang guard: ~20 s alone, ~95 s with both cores of a 2-core machine busy
 def test_demo_cluster_node_b_serves_node_as_prefixes_from_the_cluster(tmp_path):
     r = subprocess.run([sys.executable, "-m", "kvtier", "demo", "--cluster", "--conversations", "2", "--turns", "2",
-                        "--store-dir", str(tmp_path / "demo")], capture_output=True, text=True, timeout=200)
+                        "--store-dir", str(tmp_path / "demo")], capture_output=True, text=True, timeout=540)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     b = r.stdout.split("== node B")[1]
     assert "cluster hit" in b and "integrity misses 0" in b
@@ -360,7 +379,11 @@ def test_bench_runs_and_checks_bytes(tmp_path):
     import json
 
     row = json.loads((tmp_path / "out" / "cpu-mooncake.json").read_text())["rows"][0]
-    assert row["bit_exact"] is True and row["raw_put_GBps"] > 0 and row["kvtier_get_GBps"] > 0
+    # the bytes moved and that every step ran (its rates are the benchmark's to report, not this test's to judge)
+    assert row["bit_exact"] is True and row["case"] == "64KiB"
+    assert row["objects_per_batch"] == 256 and row["object_bytes"] == [64 << 10] and row["batch_bytes"] == 256 << 16
+    assert {k: len(v) for k, v in row["all"].items()} == dict.fromkeys(
+        ("raw_put", "raw_get", "raw_rec_put", "raw_rec_get", "kvtier_put", "kvtier_get", "exist", "crc32c"), 1)
 
 
 def test_ranks_and_sizes_that_change_the_bytes_change_the_fingerprint(cluster):
@@ -426,6 +449,7 @@ def test_close_waits_for_calls_in_flight(cluster):
     hp = make_pool(seed=26, pages=64)
     t = tier(cluster, hp)
     errors, stop = [], threading.Event()
+    rounds = [threading.Event() for _ in range(3)]  # each worker's first round done: it is looping
 
     def work(n):
         i = 0
@@ -437,12 +461,14 @@ def test_close_waits_for_calls_in_flight(cluster):
                 if "closed" not in str(e):
                     errors.append(e)
                 return
+            rounds[n].set()
             i += 1
 
     threads = [threading.Thread(target=work, args=(n,)) for n in range(3)]
     for th in threads:
         th.start()
-    time.sleep(1.0)
+    # every worker in its loop of batches (not a sleep that a loaded machine may end before any batch ran)
+    assert all(r.wait(60) for r in rounds) and not errors, errors
     t.close()  # while the workers are inside batches
     stop.set()
     for th in threads:
@@ -609,11 +635,16 @@ def test_a_stopped_cluster_process_costs_a_recompute_not_a_hang(tmp_path, stoppe
         with chain(tmp_path, c, src, "writer") as w:
             assert w.batch_set_v1(keys, pages_idx(range(4))) == [True] * 4
         store = chain(tmp_path, c, hp, "reader")  # its own disk is empty: the pages are in the cluster only
-        ctl = TierController(dev, hp, store, restore_deadline=0.5, lookup_deadline_s=0.5,
+        # the calls to the live cluster (before the stop and after it) get a hang guard's deadlines; the calls
+        # that meet the stopped process get 0.5 s: they cannot answer in time, whatever the load (the guard of
+        # _returns ends a call that never came back)
+        ctl = TierController(dev, hp, store, restore_deadline=LIVE_DEADLINE_S, lookup_deadline_s=LIVE_DEADLINE_S,
                              breaker=Breaker(threshold=1, cooldown_s=0.5))
         proc = c.master if stopped == "master" else c.nodes[0]
         try:
             assert ctl.match(keys) == (0, 4)
+            assert sum(ctl.deadline_stats()["deadline_misses"].values()) == 0
+            ctl.restore_deadline = ctl.lookup_deadline_s = 0.5
             os.kill(proc.pid, signal.SIGSTOP)
             try:
                 if stopped == "master":
@@ -631,6 +662,7 @@ def test_a_stopped_cluster_process_costs_a_recompute_not_a_hang(tmp_path, stoppe
                 assert sum(ds["deadline_misses"].values()) >= 1 and ds["breaker"] != "closed"
             finally:
                 os.kill(proc.pid, signal.SIGCONT)
+                ctl.restore_deadline = ctl.lookup_deadline_s = LIVE_DEADLINE_S
             while ctl.deadline_stats()["stuck_calls"]:  # until the continued process answers
                 time.sleep(0.05)
             time.sleep(0.6)  # past the cool-down: the next call probes

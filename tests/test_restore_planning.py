@@ -377,6 +377,19 @@ def stored_then_dropped(tier, model, ids):
     return kv
 
 
+#: The deadlines of the restores and write-throughs whose execution these tests check: a hang guard, not the
+#: defaults ("auto": from 0.5 s; writes: 2 s) that a loaded machine can make a read or a write miss (a read
+#: past its deadline is recomputed, a write given up is never stored: other counts than the plan's)
+GUARD_S = 60.0
+
+
+def guarded(model, **kw):
+    """A KVTier whose store reads and writes have :data:`GUARD_S` for deadlines."""
+    tier = KVTier(model, restore_deadline=GUARD_S, **kw)
+    tier.controller.write_deadline_s = GUARD_S
+    return tier
+
+
 def with_disk_at(tier, gbps):
     """The planner sees the disk at ``gbps`` (its measurements replaced, for a decision that does not depend on
     this machine's disk)."""
@@ -406,8 +419,8 @@ def test_a_split_restore_recomputes_the_head_while_the_tail_loads(tmp_path, devi
     ids = tokens(40 * PS + 5)
     # a prefill of 1 ms per token and a disk that reads a token's KV in 2 ms: the head (about two thirds) is
     # recomputed while the tail loads (the decision is fixed; the execution is what this test checks)
-    with KVTier(model, model_id="t/split", page_size=PS, host_tokens=4096, store_dir=tmp_path,
-                prefill=PrefillModel((0.0, 1e-3, 0.0, 0.0))) as tier:
+    with guarded(model, model_id="t/split", page_size=PS, host_tokens=4096, store_dir=tmp_path,
+                 prefill=PrefillModel((0.0, 1e-3, 0.0, 0.0))) as tier:
         want = greedy(model, ids, DynamicCache(config=model.config))
         kv = stored_then_dropped(tier, model, ids)
         written = tier.page_store.get_stats()["bytes_written"]
@@ -435,7 +448,10 @@ def test_a_split_restore_recomputes_the_head_while_the_tail_loads(tmp_path, devi
 def test_slow_and_fast_disks_are_recomputed_and_loaded(tmp_path):
     model = llama()
     ids = tokens(30 * PS + 3)
-    with KVTier(model, model_id="t/speeds", page_size=PS, host_tokens=4096, store_dir=tmp_path) as tier:
+    # a fixed prefill of 1 ms per token (a learned one is timed on this machine: a loaded one can fit it so
+    # that the load looks no faster; test_a_learned_tier_calibrates_without_counting covers the calibration)
+    with guarded(model, model_id="t/speeds", page_size=PS, host_tokens=4096, store_dir=tmp_path,
+                 prefill=PrefillModel((0.0, 1e-3, 0.0, 0.0))) as tier:
         want = greedy(model, ids, DynamicCache(config=model.config))
         stored_then_dropped(tier, model, ids)
         with_disk_at(tier, 1e-6)
@@ -482,8 +498,8 @@ def test_the_restore_mode_can_be_switched_between_requests(tmp_path):
     refused by name and leaves the mode as it was."""
     model = llama()
     ids = tokens(12 * PS + 3)
-    with KVTier(model, model_id="t/switch", page_size=PS, host_tokens=4096, store_dir=tmp_path,
-                prefill=PrefillModel.fixed(1e9, name="prefill")) as tier:
+    with guarded(model, model_id="t/switch", page_size=PS, host_tokens=4096, store_dir=tmp_path,
+                 prefill=PrefillModel.fixed(1e9, name="prefill")) as tier:
         stored_then_dropped(tier, model, ids)
         with_disk_at(tier, 1e-6)  # far slower than the (near free) prefill: the planner recomputes
         assert tier.restore == "plan"
