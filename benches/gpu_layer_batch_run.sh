@@ -10,6 +10,8 @@
 #   bench-on   bench_transformers.py --skip-decode at 8K and 32K, a window of every layer in one call per forward
 #   bench-off  the same at 8K, layer by layer (the path before), in the same call: compare within it
 #   demo       python -m kvtier demo (the multi-turn chat workload, 8B shape)
+#   serving    concurrent requests through SGLang's HiCacheController with kvtier as L3 and an 8B-shaped model:
+#              the engine planner on and off, SGLang's best_effort and wait_complete policies (sglang_serving.py)
 #   probe      where a demo-sized host hit's time goes (probe_restore_forward.py: 3,136 cached + 576 new tokens, every
 #              layer resident, profiled) and the whole prompt through kvtier's cache against DynamicCache's
 #   sglang     SGLang's own HiCacheController over kvtier and HiCacheFile on the GPU (benches/gpu_sglang_controller.sh;
@@ -42,6 +44,11 @@ for s in $steps; do
               python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .whl-sg/*.whl
               PATH="$site/bin:$PATH" step sglang 320 bash benches/gpu_sglang_controller.sh "$out/sglang" 300
             else echo "sglang: no .whl-sg"; fi ;;
+    serving) if [ -d .whl-sg ]; then  # (benches/sglang_gpu_wheels.sh)
+               python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .whl-sg/*.whl
+               PATH="$site/bin:$PATH" step serving 300 python3 benches/python/sglang_serving.py --device cuda \
+                 --out "$out/serving.json"
+             else echo "serving: no .whl-sg"; fi ;;
     *) echo "unknown step $s" ;;
   esac
 done

@@ -57,11 +57,12 @@ def free_port() -> int:
 
 
 def build(backend: str, root: str, layout: str, pages: int, requests: int, page_size: int, planner: bool,
-          model: str, device: str = "cpu", io_backend: str = "direct"):
+          model: str, device: str = "cpu", io_backend: str = "direct", shape: tuple[int, int, int] | None = None):
     """SGLang's device pool, paged allocator and host pool, and its HiCacheController over the L3 backend. On
     ``cuda`` (sglang_controller_gpu.py) the device pool is on the GPU and the host pool pinned (cudaHostRegister);
     the host pool's own ``device`` stays "cpu" (its rows are host memory; SGLang takes the transfer device from the
-    device pool's buffers), as SGLang's pool assembler builds it."""
+    device pool's buffers), as SGLang's pool assembler builds it. ``shape``: (layers, KV heads, head dim) of an MHA
+    model (default 4, 2, 64)."""
     import torch
     import torch.distributed as dist
 
@@ -77,7 +78,7 @@ def build(backend: str, root: str, layout: str, pages: int, requests: int, page_
     get_parallel().override_permanently(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_tp_rank=0, attn_tp_size=1,
                                         attn_cp_rank=0, attn_cp_size=1, attn_dcp_rank=0, attn_dcp_size=1,
                                         attn_dp_rank=0, attn_dp_size=1, enable_dp_attention=False, dp_size=1, dp_rank=0)
-    layers, heads = 4, 2
+    layers, heads, dim = shape or (4, 2, 64)
     tokens = (requests * pages + 1) * page_size
     pin = device == "cuda"
     if model == "mla":  # (DeepSeek-shaped: one latent + rope row per token and layer, one object per page)
@@ -92,7 +93,7 @@ def build(backend: str, root: str, layout: str, pages: int, requests: int, page_
                                     device_capacity_tokens=tokens, start_layer=0, end_layer=layers,
                                     target_layer_num=layers)
     else:  # mha: K and V of 64; asym: MiMo-V2's K 192 / V 128 (SGLang's asymmetric host pool)
-        k_dim, v_dim = (64, 64) if model == "mha" else (192, 128)
+        k_dim, v_dim = (dim, dim) if model == "mha" else (192, 128)
         dev = MHATokenToKVPool(tokens, page_size, torch.bfloat16, heads, k_dim, layers, device, False,
                                v_head_dim=v_dim, enable_alt_stream=False)
         alloc = PagedTokenToKVPoolAllocator(tokens, page_size, torch.bfloat16, device, dev, False)
