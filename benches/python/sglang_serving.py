@@ -151,14 +151,33 @@ class Prefetches:
                 self.finished[ack.rid].set()
 
     def take(self, rid: str, policy: str) -> int:
-        """The tokens of ``rid``'s prefix in the host pool when the worker reaches it, under ``policy``."""
-        if policy == "best_effort" and rid in self.idx:
+        """The tokens of ``rid``'s prefix in the host pool when the worker reaches it, under ``policy``:
+        ``best_effort`` terminates the prefetch and takes the tokens acknowledged so far without waiting (as SGLang's
+        radix cache does; the request's host pages are freed once its prefetch has finished, :meth:`finish`);
+        ``wait_complete`` waits for the whole prefetch. (The hit query itself is always waited for.)"""
+        while rid not in self.hit and self.error is None:
+            time.sleep(0.0005)
+        if self.error is not None:
+            raise self.error
+        if rid not in self.idx:
+            return 0
+        if policy == "best_effort":
             self.cc.terminate_prefetch(self.ops[rid])
+            return self.done[rid]
         if not self.finished[rid].wait(WAIT_S):
             raise TimeoutError(f"{rid}: its prefetch never finished")
         if self.error is not None:
             raise self.error
-        return self.done[rid] if rid in self.idx else 0
+        return self.done[rid]
+
+    def finish(self, host) -> None:
+        """Every prefetch of the burst finished, its host pages freed, the ack thread stopped."""
+        for rid, ev in self.finished.items():
+            if not ev.wait(WAIT_S):
+                raise TimeoutError(f"{rid}: its prefetch never finished")
+            if rid in self.idx:
+                host.free(self.idx[rid])
+        self.close()
 
 
 def serve(cc, host, model, prompts: list[list[int]], a, variant: str, policy: str) -> dict:
@@ -198,11 +217,9 @@ def serve(cc, host, model, prompts: list[list[int]], a, variant: str, policy: st
             model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
         sync()
         ttft = time.perf_counter() - t_start
-        if rid in pf.idx:
-            host.free(pf.idx[rid])
         rows.append(dict(hit=pf.hit.get(rid, 0), taken=taken, computed=len(tokens) - taken, ttft_s=ttft))
     makespan = time.perf_counter() - t_start
-    pf.close()
+    pf.finish(host)
     ttfts = sorted(r["ttft_s"] for r in rows)
     return dict(variant=variant, policy=policy, requests=len(rows), prompt_tokens=len(prompts[0]),
                 reported_tokens=sum(r["hit"] for r in rows), loaded_tokens=sum(r["taken"] for r in rows),
@@ -244,34 +261,34 @@ def main(argv: list[str] | None = None) -> int:
     root = a.dir or tempfile.mkdtemp(prefix="sglang-serving-")
     results = []
     prompts = None
-    for variant in a.variants.split(","):
-        if variant not in ("planner", "all"):
-            ap.error(f"--variants: {variant!r} is not planner or all")
+    runs = [(v, p) for v in a.variants.split(",") for p in a.policies.split(",")]
+    for variant, policy in runs:  # (each burst on a controller of its own: nothing of one burst left in the next)
+        if variant not in ("planner", "all") or policy not in ("best_effort", "wait_complete"):
+            ap.error(f"--variants/--policies: {variant!r}/{policy!r}")
         cc, host = base.build("kvtier", root, "page_first_direct", a.pages, 2 * a.requests, a.page_size,
                               variant == "planner", "mha", device=a.device, shape=shape)
         host.is_mla = False
         try:
             if prompts is None:
                 prompts = write_prefixes(cc, host, a)
-            with torch.no_grad():  # warm-up, untimed: the kernels of both forwards' shapes
-                for n in (len(prompts[0]), a.new):
-                    model(input_ids=torch.ones((1, n), dtype=torch.long, device=a.device), use_cache=True,
-                          logits_to_keep=1)
-            for policy in a.policies.split(","):
-                row = serve(cc, host, model, prompts, a, variant, policy)
-                row.update(info, device=torch.cuda.get_device_name() if a.device == "cuda" else "cpu", pages=a.pages,
-                           page_size=a.page_size, new=a.new, shape=list(shape))
-                print(json.dumps({k: v for k, v in row.items() if k != "rows"}), flush=True)
-                results.append(row)
+                with torch.no_grad():  # warm-up, untimed: the kernels of both forwards' shapes
+                    for n in (len(prompts[0]), a.new):
+                        model(input_ids=torch.ones((1, n), dtype=torch.long, device=a.device), use_cache=True,
+                              logits_to_keep=1)
+            row = serve(cc, host, model, prompts, a, variant, policy)
+            row.update(info, device=torch.cuda.get_device_name() if a.device == "cuda" else "cpu", pages=a.pages,
+                       page_size=a.page_size, new=a.new, shape=list(shape))
+            print(json.dumps({k: v for k, v in row.items() if k != "rows"}), flush=True)
+            results.append(row)
         finally:
             cc.storage_stop_event.set()
             if hasattr(cc.storage_backend, "close"):
                 cc.storage_backend.close()
             if a.device == "cuda":
                 host.destroy()
-        import torch.distributed as dist
+            import torch.distributed as dist
 
-        dist.destroy_process_group()
+            dist.destroy_process_group()
     if a.out:
         with open(a.out, "w") as f:
             json.dump(results, f, indent=1)
