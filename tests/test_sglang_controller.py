@@ -87,3 +87,25 @@ def test_sglangs_controller_round_trips_every_page_through_the_gpu(tmp_path, mod
     assert out["backup_mismatched_pages"] == out["mismatched_pages"] == out["load_mismatched_pages"] == 0
     assert out["device_compared_bytes"] == out["compared_bytes"] > 0
     assert out["transfer_calls"]["transfer_kv_all_layer_direct_lf_pf"] > 0
+
+
+def test_a_burst_of_requests_through_the_controller_and_a_model_on_the_cpu(tmp_path):
+    """sglang_serving.py's logic on the CPU (a 4-layer model): every variant and policy serves every request, each
+    request's prompt is loaded or computed and never both or neither, and waiting for the prefetch takes every
+    stored page that was reported (the planner's decision, and best_effort's take, depend on this machine)."""
+    out = tmp_path / "serving.json"
+    env = {**os.environ, "PATH": os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])}
+    r = subprocess.run([sys.executable, str(SCRIPT.parent / "sglang_serving.py"), "--device", "cpu", "--tiny",
+                        "--requests", "3", "--pages", "4", "--page-size", "16", "--new", "32",
+                        "--dir", str(tmp_path / "l3"), "--out", str(out)],
+                       capture_output=True, text=True, env=env, timeout=540)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = {(x["variant"], x["policy"]): x for x in json.loads(out.read_text())}
+    assert set(rows) == {(v, p) for v in ("planner", "all") for p in ("best_effort", "wait_complete")}
+    for row in rows.values():
+        assert row["requests"] == len(row["rows"]) == 3 and row["prompt_tokens"] == 4 * 16 + 32
+        for req in row["rows"]:
+            assert req["taken"] % 16 == 0 and req["taken"] <= req["hit"] and req["taken"] + req["computed"] == 96
+    every = rows[("all", "wait_complete")]
+    assert every["reported_tokens"] == every["loaded_tokens"] == 3 * 64 and every["computed_tokens"] == 3 * 32
+    assert rows[("all", "best_effort")]["reported_tokens"] == 3 * 64
