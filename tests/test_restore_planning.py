@@ -410,6 +410,21 @@ def test_a_learned_tier_calibrates_without_counting(tmp_path):
         assert tier.controller.measured()["disk"].source == "probe" and tier.host.available_size() == tier.host.size
 
 
+def test_calibration_forwards_never_reallocate_their_window(tmp_path, monkeypatch):
+    """The calibration's caches are made for prompts longer than their first forward: their device windows are
+    made for the whole prompt, so the timed forwards on a context never reallocate the slots and reload the layers
+    (a reallocation inside a timed forward would teach the prefill model its cost)."""
+    from kvtier.integrations.transformers.window import DeviceWindow
+
+    made, allocs = [], []
+    init, alloc = DeviceWindow.__init__, DeviceWindow._alloc
+    monkeypatch.setattr(DeviceWindow, "__init__", lambda self, *a: (made.append(1), init(self, *a))[1])
+    monkeypatch.setattr(DeviceWindow, "_alloc", lambda self, tokens: (allocs.append(tokens), alloc(self, tokens))[1])
+    with KVTier(llama(), model_id="t/cal-window", page_size=PS, host_tokens=4096, store_dir=tmp_path) as tier:
+        tier.calibrate([8 * PS, 32 * PS])
+        assert made and len(allocs) == len(made)  # one allocation per window: none grew
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_a_split_restore_recomputes_the_head_while_the_tail_loads(tmp_path, device):
     if device == "cuda" and not torch.cuda.is_available():

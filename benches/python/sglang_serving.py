@@ -13,7 +13,10 @@ that have arrived, ``wait_complete`` waits for all of them. The pages taken go h
 ``cc.load`` / ``start_loading``; the model (transformers' Llama, random weights, the KV shape of the pools) then
 computes the rest of the prompt with those rows as its context (copied into a DynamicCache), and the first
 token's logits end the request's time to first token (from the burst's start). Throughput: requests per second
-over the burst.
+over the burst. Where it differs from a server: one worker with batches of one request; the hit query is always
+waited for (SGLang revokes a prefetch whose query has not returned); the loaded rows are copied into a DynamicCache;
+on a machine where the compiled ``sgl_kernel`` does not import, its direct ops are kvtier's stand-in (per-page copies,
+named in each JSON line); each burst runs once, after an untimed warm-up of the forwards (not of the load path).
 
 Variants (the same store, written once): ``planner`` (kvtier's default: a stored page is reported only where
 reading it is predicted faster than an engine producing 5 GB/s of KV recomputing it) and ``all``
@@ -123,8 +126,8 @@ class Prefetches:
             for _ in range(n):
                 op = self.cc.prefetch_hit_queue.get(timeout=WAIT_S)
                 rid = op.request_id
-                self.hit[rid] = op.storage_hit_count
                 if not op.storage_hit_count:
+                    self.hit[rid] = 0  # (published last: take() reads idx once it sees hit)
                     self.finished[rid].set()
                     continue
                 idx = self.cc.alloc_prefetch_host_buffers(op, op.storage_hit_count)
@@ -133,6 +136,7 @@ class Prefetches:
                 op.host_indices = idx
                 op.hash_value = op.hash_value[: op.storage_hit_count // self.ps]
                 self.idx[rid] = idx
+                self.hit[rid] = op.storage_hit_count
                 self.cc.prefetch_buffer.put(op)
         except BaseException as e:  # noqa: BLE001 - reported by the worker
             self.error = e
