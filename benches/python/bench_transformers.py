@@ -180,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
         tier = KVTier(model, model_id=MODEL_ID, page_size=a.page_size, window=window,
                       host_tokens=host_tokens, store_dir=root, store_capacity_bytes=1 << 40,
                       store_compression=a.compression)
+        # the rows time reads: every prefix stored must reach the disk (at the default 2 s write deadline a disk
+        # that writes slowly gives write-throughs up, and a disk row then has nothing to read)
+        tier.controller.write_deadline_s = 60.0
         results["compression"] = a.compression
         tier2 = None
         try:
