@@ -68,3 +68,18 @@ def test_short_stall_soak_has_no_divergence_no_stuck_request_and_no_fence_left(t
     assert res["fenced_at_end"] == 0 and res["stuck_calls_at_end"] == 0
     assert sum(res["episodes"].values()) >= 2, res["episodes"]  # the chaos really ran
     assert res["pages_from_host"] > 0 and res["deadline"]["calls"]["read"] > 0  # the disk really served
+
+
+def test_the_descriptor_check_tells_a_leak_from_a_lazy_singleton():
+    """A descriptor opened once after the warm-up (a lazily made singleton) is not a leak; a target held more
+    times than at warm-up, or more than a couple of new ones, is."""
+    sys.path.insert(0, os.path.dirname(SOAK))
+    try:
+        from soak import fd_leak
+    finally:
+        sys.path.remove(os.path.dirname(SOAK))
+    base = ["/dev/null", "pipe:[1]", "/dev/urandom"]
+    assert fd_leak(base, base) is None
+    assert fd_leak(base, [*base, "anon_inode:[eventfd]"]) is None
+    assert fd_leak(base, [*base, "/dev/null"]) is not None  # the same target opened again and kept
+    assert fd_leak(base, [*base, "socket:[7]", "socket:[8]", "socket:[9]"]) is not None  # new ones piling up
