@@ -247,16 +247,12 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     import torch
 
-    if a.device == "cuda":
-        sys.path.insert(0, HERE)
-        import sglang_controller_gpu
+    import sglang_controller_gpu  # (HERE is on sys.path: see the end of this module)
 
+    if a.device == "cuda":
         info = sglang_controller_gpu.use_sgl_kernel()
         torch.backends.cuda.enable_cudnn_sdp(False)  # (as kvtier's demo: cuDNN plans every new pair of lengths)
     else:
-        sys.path.insert(0, HERE)
-        import sglang_controller_gpu
-
         sglang_controller_gpu.inject_direct_ops()
         info = {"sgl_kernel": "stand-in (injected: CPU)"}
     model = llama(a.tiny, a.device)
