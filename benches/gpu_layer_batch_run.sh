@@ -14,6 +14,8 @@
 #              the engine planner on and off, SGLang's best_effort and wait_complete policies (sglang_serving.py)
 #   probe      where a demo-sized host hit's time goes (probe_restore_forward.py: 3,136 cached + 576 new tokens, every
 #              layer resident, profiled) and the whole prompt through kvtier's cache against DynamicCache's
+#   overhead   a host-side timeline of the cache's update calls, layer by layer, against DynamicCache's, after a
+#              demo-sized host restore, its loads in flight or settled, prefill and decode (probe_forward_overhead.py)
 #   sglang     SGLang's own HiCacheController over kvtier and HiCacheFile on the GPU (benches/gpu_sglang_controller.sh;
 #              needs .whl-sg/ from benches/sglang_gpu_wheels.sh)
 set -u
@@ -40,6 +42,8 @@ for s in $steps; do
     demo) step demo 240 python3 -m kvtier demo ;;
     probe) step probe 200 python3 benches/python/probe_restore_forward.py --ctx 3136 --suffix 576 --variants w32 \
              --reps 5 --recompute --no-cudnn --profile "$out/probe" --out "$out/probe.json" ;;
+    overhead) step overhead 150 python3 benches/python/probe_forward_overhead.py --ctx 3136 --suffix 576 --no-cudnn \
+                --out "$out/overhead.json" ;;
     sglang) if [ -d .whl-sg ]; then  # (benches/sglang_gpu_wheels.sh)
               python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .whl-sg/*.whl
               PATH="$site/bin:$PATH" step sglang 320 bash benches/gpu_sglang_controller.sh "$out/sglang" 300
