@@ -161,6 +161,8 @@ def main() -> None:
                         timed(name, nxt, c, "decode")
                         del c
                         continue
+                    ids = torch.cat([base, torch.randint(0, cfg.vocab_size, (1, suffix), generator=gen)], 1)
+                    new = ids[:, ctx:]  # (a suffix of its own: no earlier forward adopted its pages)
                     sync()
                     t0 = time.perf_counter()
                     c = tier.cache(ids)
