@@ -23,6 +23,7 @@ prompt round differently)."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import tempfile
@@ -200,6 +201,11 @@ def _run(*, device: str, n_conv: int | None, turns: int | None, seed: int, store
         raise
     if restore == "plan":  # the same warm-up through kvtier's cache (nothing of it kept), timed for the planner
         tier.calibrate([longest // 2, longest])
+    # after warm-up the heap is frozen, as serving engines do (vLLM's freeze_gc_heap, SGLang's freeze_gc): a full
+    # collection walks every object torch and transformers made (tens of milliseconds) and lands on one request
+    gc.collect()
+    gc.freeze()
+    pauses = GcPauses()
     chain = tier.store if cluster is not None else None
     results: list[dict] = []
     failures: list[tuple] = []
@@ -223,11 +229,14 @@ def _run(*, device: str, n_conv: int | None, turns: int | None, seed: int, store
             # kvtier: restore as planned, then the rest of the prompt in one forward
             remote_before = _remote_hits(chain)
             sync()
+            gc_before = pauses.total
             t0 = time.perf_counter()
             cache = tier.cache(tokens)
+            made = time.perf_counter()
             got = first_logits(ids[:, cache.get_seq_length():], cache)
             first_token()
             kvtier_s = time.perf_counter() - t0
+            gc_s = pauses.total - gc_before
             sync()  # (kvtier's backups of the new pages, which a server overlaps with sending the token: untimed)
             none_b, _, _ = no_tier()
             none_s = (none_a + none_b) / 2
@@ -263,11 +272,13 @@ def _run(*, device: str, n_conv: int | None, turns: int | None, seed: int, store
                                 host_hit=cache.restored_host_pages, disk_hit=cache.restored_store_pages,
                                 recomputed_head=cache.recomputed_tokens, loaded=loaded,
                                 predicted_s=plan.predicted_s if plan else None, candidates=plan.candidates if plan else {},
-                                ttft_s=kvtier_s, no_tier_s=none_s,
+                                ttft_s=kvtier_s, no_tier_s=none_s, cache_s=made - t0, gc_s=gc_s,
                                 no_tier_spread_s=abs(none_a - none_b),
                                 max_logit_diff=diff, kv_exact=ok_kv, output_exact=ok_out))
             bar.update(i + 1)
     finally:
+        pauses.close()
+        gc.unfreeze()
         bar.close()
         tier.controller.wait_idle()
         tier.synchronize()
@@ -289,6 +300,25 @@ def _run(*, device: str, n_conv: int | None, turns: int | None, seed: int, store
     if not quiet:
         report(out)
     return out
+
+
+class GcPauses:
+    """The time Python's garbage collector has spent since it was made (:attr:`total`, seconds)."""
+
+    def __init__(self) -> None:
+        self.total, self._start = 0.0, 0.0
+        gc.callbacks.append(self._seen)
+
+    def _seen(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start:
+            self.total += time.perf_counter() - self._start
+            self._start = 0.0
+
+    def close(self) -> None:
+        if self._seen in gc.callbacks:
+            gc.callbacks.remove(self._seen)
 
 
 def window_of(results: list[dict], layers: int) -> int:
@@ -401,7 +431,9 @@ def report(out: dict) -> None:
           f"({1e3 * total_kv:.0f} ms against {1e3 * total_none:.0f} ms); per request, kvtier/no tier p50 "
           f"{ratio_quantile(ratios, 0.5):.2f}x, p90 {ratio_quantile(ratios, 0.9):.2f}x; worst request: "
           f"{worst['ttft_s'] / worst['no_tier_s']:.2f}x no tier's (request {worst['request']}, round {worst['turn']}, "
-          f"{worst['source']})")
+          f"{worst['source']}: {1e3 * worst['ttft_s']:.1f} ms against {1e3 * worst['no_tier_s']:.1f} ms, of which "
+          f"{1e3 * worst.get('cache_s', 0.0):.1f} ms making its cache and {1e3 * worst.get('gc_s', 0.0):.1f} ms in "
+          f"garbage collection); garbage collected during {sum(r.get('gc_s', 0.0) > 0 for r in res)} of {len(res)} requests")
     p = out["planner"]
     err = p["median_prediction_error"]
     m = out["measured"]
