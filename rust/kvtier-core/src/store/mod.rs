@@ -46,42 +46,6 @@ mod write;
 
 #[cfg(test)]
 mod tests;
-#[cfg(test)]
-mod tests_background;
-#[cfg(test)]
-mod tests_background_steps;
-#[cfg(test)]
-mod tests_budget;
-#[cfg(test)]
-mod tests_coded;
-#[cfg(test)]
-mod tests_compaction;
-#[cfg(test)]
-mod tests_compaction_races;
-#[cfg(test)]
-mod tests_disk;
-#[cfg(test)]
-mod tests_erase;
-#[cfg(test)]
-mod tests_faults;
-#[cfg(test)]
-mod tests_follower_races;
-#[cfg(test)]
-mod tests_journal;
-#[cfg(test)]
-mod tests_lifecycle;
-#[cfg(test)]
-mod tests_maintenance;
-#[cfg(test)]
-mod tests_pages;
-#[cfg(test)]
-mod tests_pages_in_two;
-#[cfg(test)]
-mod tests_pieces;
-#[cfg(test)]
-mod tests_seal;
-#[cfg(test)]
-mod tests_staging;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};

@@ -1,25 +1,15 @@
 //! Compaction of a full store: how often it runs, what it keeps when entries change between its steps, a
 //! crash or an IO error at any point of it, and followers that look at the journal only when they must.
 
-use super::tests::{bytes_at, crash_copy, get1, opts, payload, put1, tmp, SERIAL};
-use super::*;
+use super::{bytes_at, crash_copy, get1, opts, page_key, payload, put1, put_pages, tmp, SERIAL};
 use crate::fault::{self, Fault};
+use crate::store::*;
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 
-/// 64 hex characters and a suffix, as HiCache names page objects.
-fn key(i: usize) -> String {
-    format!("{i:064x}.k")
-}
-
 /// Puts `keys` (object `i` of `src` for key `i`), all acknowledged.
 fn put_all(s: &PageStore, keys: &[(String, usize)], src: &crate::buffer::HostRegion) {
-    let objs: Vec<(&str, usize, u64)> = keys
-        .iter()
-        .map(|(k, c)| (k.as_str(), src.as_ptr() as usize + c * 4096, 4096))
-        .collect();
-    // SAFETY: every object lies inside `src`.
-    let ok = unsafe { s.put(&objs) }.unwrap();
+    let ok = put_pages(s, keys, src);
     assert!(ok.iter().all(|&x| x), "a put failed");
 }
 
@@ -55,7 +45,7 @@ fn a_full_store_compacts_once_per_live_journal_not_per_batch() {
     let (batches, per) = (400usize, 16usize);
     let mut full_batches = 0;
     for b in 0..batches {
-        let keys: Vec<(String, usize)> = (0..per).map(|i| (key(b * per + i), i)).collect();
+        let keys: Vec<(String, usize)> = (0..per).map(|i| (page_key(b * per + i), i)).collect();
         let ev = s.stats.evictions.load(Ordering::Relaxed);
         put_all(&s, &keys, &src);
         full_batches += usize::from(s.stats.evictions.load(Ordering::Relaxed) > ev);
@@ -82,14 +72,14 @@ fn a_full_store_compacts_once_per_live_journal_not_per_batch() {
     let jlen = std::fs::metadata(s.dir().join("journal.log"))
         .unwrap()
         .len();
-    let per_rec = journal::encoded_len(key(0).len()) as u64;
+    let per_rec = journal::encoded_len(page_key(0).len()) as u64;
     assert!(
         jlen <= 5 * live as u64 * per_rec / 2 + 4 * per as u64 * per_rec,
         "journal {jlen}"
     );
     // the most recent batch is all there, and survives a reopen
     let last: HashMap<String, usize> = (0..per)
-        .map(|i| (key((batches - 1) * per + i), i))
+        .map(|i| (page_key((batches - 1) * per + i), i))
         .collect();
     let dst = payload(1, 4096, 0);
     for (k, c) in &last {
@@ -112,7 +102,7 @@ fn compaction_steps_keep_what_changes_between_them() {
     let src = payload(16, 4096, 9);
     let s = PageStore::open(&root, "ns", opts(1 << 30)).unwrap();
     let mut want: HashMap<String, usize> = HashMap::new();
-    let keys: Vec<(String, usize)> = (0..200).map(|i| (key(i), i % 16)).collect();
+    let keys: Vec<(String, usize)> = (0..200).map(|i| (page_key(i), i % 16)).collect();
     put_all(&s, &keys, &src);
     want.extend(keys.iter().cloned());
     let mut c = Some(s.compaction_begin().unwrap());
@@ -122,18 +112,18 @@ fn compaction_steps_keep_what_changes_between_them() {
         // between steps: touch entries the walk has not reached yet (newest first), delete some, put one
         // deleted before again and a new one
         let i = 199 - (round * 7) % 200;
-        if want.contains_key(&key(i)) {
-            assert!(get1(&s, &key(i), dst.as_ptr() as usize, 4096));
+        if want.contains_key(&page_key(i)) {
+            assert!(get1(&s, &page_key(i), dst.as_ptr() as usize, 4096));
         }
         if round.is_multiple_of(3) {
-            let k = key((round * 13) % 200);
+            let k = page_key((round * 13) % 200);
             s.delete(&[k.as_str()]).unwrap();
             want.remove(&k);
         }
         if round.is_multiple_of(5) {
             let j = (round * 13 + 26) % 200;
-            let again = (key(j), j % 16); // keys name content: a key put again has its bytes
-            let new = (key(1000 + round), round % 16);
+            let again = (page_key(j), j % 16); // keys name content: a key put again has its bytes
+            let new = (page_key(1000 + round), round % 16);
             put_all(&s, &[again.clone(), new.clone()], &src);
             want.extend([again, new]);
         }
@@ -167,7 +157,9 @@ fn a_crash_or_an_error_in_a_compaction_loses_no_acknowledged_object() {
             // the next write of a compaction fails: the compaction is given up, its file removed
             fault::set("compact", 0, 1, Fault::Error(libc::EIO));
         }
-        let keys: Vec<(String, usize)> = (0..8).map(|i| (key(b * 8 + i), (b + i) % 16)).collect();
+        let keys: Vec<(String, usize)> = (0..8)
+            .map(|i| (page_key(b * 8 + i), (b + i) % 16))
+            .collect();
         put_all(&s, &keys, &src);
         if fault::hits("compact") > 0 {
             failed += 1;

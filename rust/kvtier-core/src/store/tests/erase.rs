@@ -1,9 +1,9 @@
 //! What a store keeps of a tenant and its names: a sealed store's files hold no engine key and no tenant
 //! tag; erasing a tenant overwrites its bytes, compacts its names out of the journal and refuses its puts.
 
-use super::tests::{get1, opts, payload, put1, tmp, SERIAL};
-use super::*;
+use super::{get1, opts, payload, put1, tmp, SERIAL};
 use crate::seal::{tenant_keys, tenant_tag, Keyring};
+use crate::store::*;
 
 /// Whether any file under `dir` contains `needle`.
 fn found_in(dir: &Path, needle: &[u8]) -> bool {

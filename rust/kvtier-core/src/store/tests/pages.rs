@@ -2,9 +2,9 @@
 //! writer, and the cases the two independent reviews found (duplicate keys, generations, stores without
 //! hole punching, an inspector's lock probe, full stores at odd capacities).
 
-use super::tests::{bytes_at, get1, opts, payload, put1, tmp, SERIAL};
-use super::*;
+use super::{bytes_at, get1, opts, payload, put1, tmp, SERIAL};
 use crate::fault::{self, Fault};
+use crate::store::*;
 use std::sync::atomic::Ordering;
 
 /// 8 pages of 4 tokens in a pool from `payload(16, 8192, _)` at `base`: K 8 KiB each at 0.., V 4 KiB at 64 KiB...
@@ -434,7 +434,7 @@ fn full_store_edge_cases_from_review() {
     assert!(unsafe { s.get(&objs) }.unwrap().iter().all(|b| !b));
     let ix = s.lock_index();
     assert!(
-        ix.j_end + ix.del_bytes + super::index::JOURNAL_SLACK <= ix.j_alloc,
+        ix.j_end + ix.del_bytes + crate::store::index::JOURNAL_SLACK <= ix.j_alloc,
         "deletes no longer prepaid"
     );
     drop(ix);

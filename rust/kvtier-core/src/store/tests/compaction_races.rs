@@ -2,16 +2,12 @@
 //! a compaction (with a crash copy after each), faults at the compaction's own IO points, the room a
 //! compaction takes beside the capacity. Followers: `tests_follower_races.rs`.
 
-use super::tests::{bytes_at, crash_copy, get1, opts, payload, put1, tmp, SERIAL};
-use super::*;
+use super::{bytes_at, crash_copy, get1, opts, page_key, payload, put1, tmp, SERIAL};
+use crate::store::*;
 use std::sync::atomic::Ordering;
 
-/// 64 hex characters and a suffix, as HiCache names page objects; the object's bytes are payload object
-/// `i % 16` (keys name content: a key put again has the same bytes).
-fn key(i: usize) -> String {
-    format!("{i:064x}.k")
-}
-
+/// The payload object key `k` = `page_key(i)` holds: object `i % 16` (keys name content: a key put again
+/// has the same bytes).
 fn content(k: &str) -> usize {
     usize::from_str_radix(&k[..64], 16).unwrap() % 16
 }
@@ -78,7 +74,7 @@ fn compaction_steps_racing_every_change_with_a_crash_after_each() {
         let mut reused_slots = 0usize;
         // full: every batch evicts
         while w.stats.evictions.load(Ordering::Relaxed) == 0 {
-            let keys: Vec<String> = (0..64).map(|i| key(fresh + i)).collect();
+            let keys: Vec<String> = (0..64).map(|i| page_key(fresh + i)).collect();
             fresh += 64;
             put_keys(&w, &keys);
         }
@@ -141,12 +137,12 @@ fn compaction_steps_racing_every_change_with_a_crash_after_each() {
                 4 => {
                     // deleted, and a new key takes its slot
                     w.delete(&[pick(next()).as_str()]).unwrap();
-                    put_keys(&w, &[key(fresh)]);
+                    put_keys(&w, &[page_key(fresh)]);
                     fresh += 1;
                 }
                 _ => {
                     let n = 1 + next() % 24;
-                    let keys: Vec<String> = (0..n).map(|i| key(fresh + i)).collect();
+                    let keys: Vec<String> = (0..n).map(|i| page_key(fresh + i)).collect();
                     fresh += n;
                     put_keys(&w, &keys);
                 }
@@ -242,7 +238,7 @@ fn an_error_at_each_point_of_a_compaction_loses_nothing() {
         let what = format!("{point} after {skip}");
         let root = tmp();
         let w = PageStore::open(&root, "ns", opts(1 << 30)).unwrap();
-        let keys: Vec<String> = (0..120).map(key).collect();
+        let keys: Vec<String> = (0..120).map(page_key).collect();
         let objs: Vec<(&str, usize, u64)> = keys
             .iter()
             .map(|k| (k.as_str(), p + content(k) * 4096, 4096))
@@ -256,12 +252,17 @@ fn an_error_at_each_point_of_a_compaction_loses_nothing() {
         let mut failed = !begun;
         while let Some(step) = c.take() {
             // between steps: a delete, a put again, a new key
-            w.delete(&[key(n).as_str()]).unwrap();
-            assert!(put1(&w, &key(n), p + content(&key(n)) * 4096, 4096));
+            w.delete(&[page_key(n).as_str()]).unwrap();
             assert!(put1(
                 &w,
-                &key(500 + n),
-                p + content(&key(500 + n)) * 4096,
+                &page_key(n),
+                p + content(&page_key(n)) * 4096,
+                4096
+            ));
+            assert!(put1(
+                &w,
+                &page_key(500 + n),
+                p + content(&page_key(500 + n)) * 4096,
                 4096
             ));
             n += 1;
@@ -286,11 +287,15 @@ fn an_error_at_each_point_of_a_compaction_loses_nothing() {
         check_holds(&w, &want, &src, &what);
         // the store goes on: puts and deletes (or, poisoned, acknowledges nothing more)
         assert_eq!(
-            put1(&w, &key(900), p + content(&key(900)) * 4096, 4096),
+            put1(&w, &page_key(900), p + content(&page_key(900)) * 4096, 4096),
             !poisoned,
             "{what}"
         );
-        assert_eq!(w.delete(&[key(119).as_str()]).is_ok(), !poisoned, "{what}");
+        assert_eq!(
+            w.delete(&[page_key(119).as_str()]).is_ok(),
+            !poisoned,
+            "{what}"
+        );
         let mut want = w.keys();
         want.sort();
         let copy = tmp();
@@ -303,7 +308,7 @@ fn an_error_at_each_point_of_a_compaction_loses_nothing() {
         let w = PageStore::open(&root, "ns", opts(1 << 30)).unwrap();
         check_holds(&w, &want, &src, &format!("{what}: reopened"));
         assert!(
-            put1(&w, &key(901), p + content(&key(901)) * 4096, 4096),
+            put1(&w, &page_key(901), p + content(&page_key(901)) * 4096, 4096),
             "{what}"
         );
         std::fs::remove_dir_all(root).unwrap();

@@ -1,10 +1,10 @@
 //! One budget for a store directory: claims, shares, idle namespaces, a lower budget (the format
 //! version, removal and the counters on disk: `tests_lifecycle`).
 
-use super::budget::{Share, Table};
-use super::lifecycle::{namespaces, remove_namespace, set_budget};
-use super::tests::{get1, opts, payload, put1, tmp, SERIAL};
-use super::*;
+use super::{get1, opts, payload, put1, tmp, SERIAL};
+use crate::store::budget::{Share, Table};
+use crate::store::lifecycle::{namespaces, remove_namespace, set_budget};
+use crate::store::*;
 use std::sync::atomic::AtomicU64;
 
 pub(super) const OBJ: u64 = 64 << 10;

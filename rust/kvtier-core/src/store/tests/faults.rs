@@ -2,9 +2,9 @@
 //! (so eviction, hole punching, journal growth and online compaction all run): after a clean close and a
 //! reopen the index is exactly what the store held in memory, and every key in it reads back its own bytes.
 
-use super::tests::{get1, opts, payload, tmp, SERIAL};
-use super::*;
+use super::{get1, opts, payload, tmp, SERIAL};
 use crate::fault::{self, Fault, POINTS};
+use crate::store::*;
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 

@@ -2,8 +2,8 @@
 //! a follower that misses two journal swaps, one that read a record that was cut back, one whose deleted
 //! key's slot another key took. Compaction racing every change: `tests_compaction_races.rs`.
 
-use super::tests::{bytes_at, get1, opts, payload, put1, tmp, SERIAL};
-use super::*;
+use super::{bytes_at, get1, opts, payload, put1, tmp, SERIAL};
+use crate::store::*;
 use std::os::unix::fs::MetadataExt;
 use std::sync::atomic::Ordering;
 

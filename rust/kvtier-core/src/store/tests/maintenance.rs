@@ -1,9 +1,9 @@
 //! A maintenance open (an erase, a repair) keeps the counters and the capacity the namespace's engine left
 //! in `STATS`, adds only what it changed itself, and records when it ran.
 
-use super::tests::{get1, opts, payload, put1, tmp, SERIAL};
-use super::*;
+use super::{get1, opts, payload, put1, tmp, SERIAL};
 use crate::seal::{tenant_keys, tenant_tag};
+use crate::store::*;
 
 /// `STATS` of `dir` as its numbers by name.
 fn saved(dir: &Path) -> HashMap<String, u64> {

@@ -3,9 +3,9 @@
 //! The disk under the store (capacity, a full disk, the O_DIRECT probe, directory syncs): `tests_disk.rs`.
 //! Page batches and readers: `tests_pages.rs`.
 
-use super::tests::{bytes_at, get1, opts, payload, put1, tmp, SERIAL};
-use super::*;
+use super::{bytes_at, get1, opts, payload, put1, tmp, SERIAL};
 use crate::fault::{self, Fault};
+use crate::store::*;
 use std::collections::HashSet;
 use std::sync::atomic::Ordering;
 
@@ -301,7 +301,7 @@ fn a_key_that_could_hold_a_journal_record_is_refused() {
     // the fault table is process-wide: a fault test running beside this one (dir_sync, data_write, ...) would
     // fail this test's store IO
     let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
-    use super::journal::{parse_resync, Placement, Record};
+    use crate::store::journal::{parse_resync, Placement, Record};
     let (victim, inner) = (0u64..)
         .find_map(|n| {
             let key = format!("victim-{n}");

@@ -2,8 +2,8 @@
 //! hands its step over and never waits for it, and a crash at each point of a step — with batches
 //! committing while the step stands there — loses no acknowledged object.
 
-use super::tests::{bytes_at, crash_copy, get1, opts, payload, tmp, SERIAL};
-use super::*;
+use super::{bytes_at, crash_copy, get1, opts, payload, put_pages, tmp, SERIAL};
+use crate::store::*;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -78,13 +78,8 @@ fn put_batch(
     let keys: Vec<(String, usize)> = (0..6)
         .map(|i| (format!("{b:08x}{i:056x}.k"), (b * 6 + i) % 16))
         .collect();
-    let objs: Vec<(&str, usize, u64)> = keys
-        .iter()
-        .map(|(k, c)| (k.as_str(), src.as_ptr() as usize + c * 4096, 4096))
-        .collect();
     let t = Instant::now();
-    // SAFETY: every object lies inside `src`.
-    let ok = unsafe { w.put(&objs) }.unwrap();
+    let ok = put_pages(w, &keys, src);
     let took = t.elapsed();
     assert!(ok.iter().all(|&x| x), "batch {b}: a put failed");
     held.extend(keys);

@@ -2,10 +2,10 @@
 //! journal's extents counted at open, a reopen with a smaller capacity, the O_DIRECT probe, directory
 //! syncs. Journal faults: `tests_journal.rs`.
 
-use super::tests::{get1, opts, payload, put1, tmp, SERIAL};
-use super::tests_journal::assert_all_back;
-use super::*;
+use super::journal::assert_all_back;
+use super::{get1, opts, payload, put1, tmp, SERIAL};
 use crate::fault::{self, Fault};
+use crate::store::*;
 
 /// The capacity bounds the blocks on disk — data files and journal — for small and odd capacities, under
 /// churn of two size classes; after deletes free room the other class can be stored again.
@@ -135,9 +135,9 @@ fn extent_bytes_counts_data_and_preallocation_not_metadata() {
         f.write_all_at(&[7u8; 4096], i * 8192).unwrap();
     }
     f.sync_all().unwrap();
-    super::files::fallocate(&f, libc::FALLOC_FL_KEEP_SIZE, 24 * 4096, 3 * 4096).unwrap();
-    let data = super::files::extent_bytes(&f);
-    let blocks = super::files::allocated_bytes(&f);
+    crate::store::files::fallocate(&f, libc::FALLOC_FL_KEEP_SIZE, 24 * 4096, 3 * 4096).unwrap();
+    let data = crate::store::files::extent_bytes(&f);
+    let blocks = crate::store::files::allocated_bytes(&f);
     assert_eq!(data, 15 * 4096, "st_blocks says {blocks}");
     assert!(blocks >= data);
     std::fs::remove_dir_all(root).unwrap();

@@ -1,9 +1,9 @@
 //! Sealed stores (encryption at rest): round trips through writes, replay, compaction and a follower; no
 //! plaintext on disk; a wrong key, another tenant's erasure or a clear store never serve a sealed object.
 
-use super::tests::{get1, opts, payload, put1, tmp, SERIAL};
-use super::*;
+use super::{get1, opts, payload, put1, tmp, SERIAL};
 use crate::seal::{tenant_keys, tenant_tag, Keyring};
+use crate::store::*;
 
 fn ring(dir: &Path) -> Arc<Keyring> {
     Keyring::init(dir).unwrap();

@@ -2,8 +2,8 @@
 //! a batch's IO and commit, the replaced journal closed and `STATS` written by the background thread. A
 //! crash between the new steps, and followers reading while they happen, lose no acknowledged object.
 
-use super::tests::{bytes_at, crash_copy, get1, opts, payload, tmp, SERIAL};
-use super::*;
+use super::{bytes_at, crash_copy, get1, opts, payload, put_pages, tmp, SERIAL};
+use crate::store::*;
 use std::sync::atomic::Ordering;
 
 fn key(t: usize, i: usize) -> String {
@@ -32,19 +32,6 @@ impl Drop for AllInBackground {
     }
 }
 
-fn put_batch(
-    s: &PageStore,
-    keys: &[(String, usize)],
-    src: &crate::buffer::HostRegion,
-) -> Vec<bool> {
-    let objs: Vec<(&str, usize, u64)> = keys
-        .iter()
-        .map(|(k, c)| (k.as_str(), src.as_ptr() as usize + c * 4096, 4096))
-        .collect();
-    // SAFETY: every object lies inside `src`.
-    unsafe { s.put(&objs) }.unwrap()
-}
-
 /// Writers put batches into a full store whose compaction steps now run beside their batches (in a thread
 /// of their own, while the batch writes and commits). After every batch a follower finds each object the
 /// batch acknowledged that the writer still holds, with its own bytes. (Crash copies are taken between
@@ -70,7 +57,7 @@ fn followers_see_every_acknowledged_object_while_batches_overlap_compaction_step
                         .map(|i| (key(t, b * 8 + i), obj(b * 8 + i)))
                         .collect();
                     overlapped.fetch_add(usize::from(w.compaction_running()), Ordering::Relaxed);
-                    let ok = put_batch(w, &keys, src);
+                    let ok = put_pages(w, &keys, src);
                     assert!(ok.iter().all(|&x| x), "thread {t} batch {b}: a put failed");
                     for (k, c) in &keys {
                         if get1(r, k, dst.as_ptr() as usize, 4096) {
@@ -125,7 +112,7 @@ fn a_crash_after_any_batch_with_background_work_pending_loses_nothing() {
         let keys: Vec<(String, usize)> = (0..6)
             .map(|i| (key(0, b * 6 + i), obj(b * 6 + i)))
             .collect();
-        assert!(put_batch(&w, &keys, &src).iter().all(|&x| x));
+        assert!(put_pages(&w, &keys, &src).iter().all(|&x| x));
         w.flush_background(); // the step it handed over (paused steps: `a_crash_at_each_point_...`)
         finishes += usize::from(w.stats.compactions.load(Ordering::Relaxed) > before);
         let copy = tmp();
@@ -161,7 +148,7 @@ fn the_background_thread_gives_the_old_journal_back_and_writes_stats() {
     let mut b = 0;
     while w.stats.compactions.load(Ordering::Relaxed) < 2 {
         let keys: Vec<(String, usize)> = (0..6).map(|i| (key(1, b * 6 + i), obj(i))).collect();
-        assert!(put_batch(&w, &keys, &src).iter().all(|&x| x));
+        assert!(put_pages(&w, &keys, &src).iter().all(|&x| x));
         b += 1;
         assert!(b < 2000, "no compaction");
     }
@@ -175,13 +162,13 @@ fn the_background_thread_gives_the_old_journal_back_and_writes_stats() {
     // a STATS rewrite is due: it is written by the thread, not in the call
     w.stats_file.written_ms.store(0, Ordering::Relaxed);
     let keys: Vec<(String, usize)> = vec![(key(2, 0), 0)];
-    assert!(put_batch(&w, &keys, &src)[0]);
+    assert!(put_pages(&w, &keys, &src)[0]);
     w.flush_background();
     let text = std::fs::read_to_string(w.dir().join(stats_file::STATS_FILE)).unwrap();
     let puts = w.stats.puts.load(Ordering::Relaxed);
     assert!(text.contains(&format!("\"puts\": {puts},")), "{text}");
     let dir = w.dir().to_owned();
-    assert!(put_batch(&w, &[(key(2, 1), 1)], &src)[0]);
+    assert!(put_pages(&w, &[(key(2, 1), 1)], &src)[0]);
     drop(w);
     let text = std::fs::read_to_string(dir.join(stats_file::STATS_FILE)).unwrap();
     assert!(text.contains(&format!("\"puts\": {},", puts + 1)), "{text}");
@@ -208,7 +195,7 @@ fn commits_between_the_finish_sync_and_the_switch_are_in_the_new_journal() {
     let src = payload(16, 4096, 64);
     let w = PageStore::open(&root, "ns", opts(1 << 30)).unwrap();
     let keys: Vec<(String, usize)> = (0..300).map(|i| (key(3, i), obj(i))).collect();
-    assert!(put_batch(&w, &keys, &src).iter().all(|&x| x));
+    assert!(put_pages(&w, &keys, &src).iter().all(|&x| x));
     let gone: Vec<&str> = keys[..100].iter().map(|k| k.0.as_str()).collect();
     assert_eq!(w.delete(&gone).unwrap(), 100);
     let r = PageStore::open_read_only(&root, "ns").unwrap();

@@ -1,8 +1,8 @@
 //! Staging pages: bound beside the pool with its geometry, batches read into and written from them, copies
 //! between the two checked before a byte moves.
 
-use super::tests::{bytes_at, opts, payload, tmp, SERIAL};
-use super::*;
+use super::{bytes_at, opts, payload, tmp, SERIAL};
+use crate::store::*;
 
 /// `pages` pages of 4 tokens at `base`: K 8 KiB then V 4 KiB, side by side in a 12 KiB stride.
 fn pages_at(base: usize, pages: usize) -> PageLayout {

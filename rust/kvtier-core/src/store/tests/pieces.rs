@@ -2,10 +2,10 @@
 //! back whole and exact, in one pass and in two, clear and sealed; a read error at any piece fails the
 //! object (and drops nothing); damage in any piece fails it and drops it.
 
-use super::tests::{get1, opts, payload, put1, tmp, SERIAL};
-use super::*;
+use super::{get1, opts, payload, put1, tmp, SERIAL};
 use crate::fault::{self, Fault};
 use crate::hash::PIECE;
+use crate::store::*;
 use std::os::unix::fs::FileExt;
 use std::sync::atomic::Ordering;
 

@@ -1,11 +1,11 @@
 //! The format version, the budget table's damage, namespace removal (against live and racing writers) and
 //! the counters the writer leaves on disk.
 
-use super::format::{format_text, FORMAT_FILE, FORMAT_VERSION};
-use super::lifecycle::{namespaces, remove_namespace};
-use super::tests::{get1, opts, payload, put1, tmp, SERIAL};
-use super::tests_budget::{claims, held, with_budget, OBJ};
-use super::*;
+use super::budget::{claims, held, with_budget, OBJ};
+use super::{get1, opts, payload, put1, tmp, SERIAL};
+use crate::store::format::{format_text, FORMAT_FILE, FORMAT_VERSION};
+use crate::store::lifecycle::{namespaces, remove_namespace};
+use crate::store::*;
 
 #[test]
 fn format_files_are_written_checked_and_a_future_or_foreign_one_is_refused() {

@@ -3,10 +3,10 @@
 //! as given, and damage of every kind a counted miss: the stored bytes (header, table, planes) and a
 //! decode that fails after the stored checksum passed.
 
-use super::journal::{parse_resync, Record};
-use super::tests::{opts, tmp, SERIAL};
-use super::*;
+use super::{opts, tmp, SERIAL};
 use crate::codec::Elem;
+use crate::store::journal::{parse_resync, Record};
+use crate::store::*;
 use std::os::unix::fs::FileExt;
 use std::sync::atomic::Ordering;
 
@@ -176,8 +176,8 @@ fn incompressible_objects_are_stored_as_given() {
     let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     let root = tmp();
     let len = 1 << 20;
-    let src = super::tests::payload(2, len, 5); // xorshift bytes
-    let dst = super::tests::payload(2, len, 6);
+    let src = super::payload(2, len, 5); // xorshift bytes
+    let dst = super::payload(2, len, 6);
     let keys: Vec<String> = vec!["a".into(), "b".into()];
     let s = PageStore::open(&root, "ns", coded_opts()).unwrap();
     assert_eq!(put_all(&s, &keys, &src, len), vec![true; 2]);

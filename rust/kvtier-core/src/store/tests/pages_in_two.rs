@@ -2,9 +2,9 @@
 //! the whole): what `between` sees, damage in either half, a failed first pass, bad arguments, a missing
 //! page — `between` is called exactly once on every path, and no page is served that was not read whole.
 
-use super::tests::{bytes_at, opts, payload, tmp, SERIAL};
-use super::*;
+use super::{bytes_at, opts, payload, tmp, SERIAL};
 use crate::fault::{self, Fault};
+use crate::store::*;
 use std::fs::OpenOptions;
 use std::os::unix::fs::FileExt;
 use std::sync::atomic::Ordering;
