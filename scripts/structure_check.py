@@ -3,8 +3,12 @@
 
 1. No import circle among kvtier's Python modules: every `import`, at module level or inside a function, is an
    edge (a lazy import that hides a circle is still a circle).
-2. No import circle among kvtier-core's Rust modules: `use crate::a` / `crate::a::` in module b is an edge from b
-   to a, where a module is a top-level directory or file under `src/` (tests and `#[cfg(test)]` files excluded).
+2. No import circle among kvtier-core's Rust modules, at two levels: among the modules of the crate (a top-level
+   directory or file under `src/`), and among the modules inside each of those directories (`store/journal.rs`
+   and everything under `store/journal/` count as the module `store::journal`). A path in module b that names
+   module a (`crate::a`, `super::a`, `super::super::a`, `crate::store::a`, or inside a `{...}` group after one
+   of those) is an edge from b to a. Tests (`tests/` directories, files named `*test*`) and inline
+   `#[cfg(test)] mod tests` blocks are excluded; so are comments.
 3. No library module reaches another object's private names: an attribute `x._name` (or `getattr(x, "_name")`)
    is allowed only on `self` or `cls`. Dunder names (`__x__`) are public protocol; the few private names of
    torch, transformers and Triton objects kvtier must read are listed in THIRD_PARTY_PRIVATE with the reason.
@@ -121,25 +125,85 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def rust_edges() -> dict[str, set[str]]:
-    top = {p.stem if p.is_file() else p.name for p in RUST_CORE.iterdir() if p.name not in ("lib.rs",)}
-    edges: dict[str, set[str]] = {m: set() for m in top}
-    pattern = re.compile(r"\bcrate::(\w+)")
-    group = re.compile(r"\bcrate::\{([^}]*)\}")
-    for path in RUST_CORE.rglob("*.rs"):
+RUST_PATH = re.compile(r"\b(crate|self|super)((?:::super)*)::(\{|\w+)")
+RUST_COMMENT = re.compile(r"//[^\n]*")
+
+
+def _group_heads(text: str, start: int) -> list[str]:
+    """The first name of each item of the `{...}` group opening at `text[start]` (nested groups skipped)."""
+    heads, depth, item = [], 0, ""
+    for ch in text[start:]:
+        if ch == "{":
+            depth += 1
+            if depth == 1:
+                continue
+        elif ch == "}":
+            depth -= 1
+            if depth == 0:
+                break
+        if depth == 1 and ch == ",":
+            heads.append(item)
+            item = ""
+        elif depth >= 1:
+            item += ch
+    heads.append(item)
+    return [h.strip().split("::")[0].strip() for h in heads if h.strip()]
+
+
+def _module_path(rel: Path) -> list[str]:
+    """`store/journal/layout.rs` -> ["store", "journal", "layout"]; a `mod.rs` is its directory's module."""
+    parts = list(rel.with_suffix("").parts)
+    if parts[-1] == "mod":
+        parts = parts[:-1]
+    return parts
+
+
+def _rust_paths(text: str, module: list[str]) -> set[tuple[str, ...]]:
+    """Every module path named in `text` (of the file of `module`), resolved from the crate root: the path's
+    first name after `crate`, `self` or `super` chain, as a tuple of names from the root."""
+    out = set()
+    for m in RUST_PATH.finditer(text):
+        root, supers, name = m.group(1), m.group(2), m.group(3)
+        if root == "crate":
+            base = []
+        else:
+            up = (1 if root == "super" else 0) + supers.count("super")
+            if up > len(module):
+                continue
+            base = module[: len(module) - up]
+        names = _group_heads(text, m.start(3)) if name == "{" else [name]
+        out |= {tuple(base + [n]) for n in names if n.isidentifier()}
+    return out
+
+
+def _children(directory: Path) -> set[str]:
+    return {p.stem if p.is_file() else p.name for p in directory.iterdir()
+            if p.name not in ("lib.rs", "mod.rs") and (p.suffix == ".rs" or p.is_dir())
+            and p.name != "tests" and "test" not in p.stem}
+
+
+def rust_edges() -> dict[str, dict[str, set[str]]]:
+    """Module edges per level: "" the crate's modules, "store" the modules inside `src/store/`, and so on for
+    each top-level directory."""
+    levels: dict[str, dict[str, set[str]]] = {"": {m: set() for m in _children(RUST_CORE)}}
+    for d in sorted(p for p in RUST_CORE.iterdir() if p.is_dir()):
+        levels[d.name] = {m: set() for m in _children(d)}
+    for path in sorted(RUST_CORE.rglob("*.rs")):
         rel = path.relative_to(RUST_CORE)
         if rel.name == "lib.rs" or "test" in rel.stem or "tests" in rel.parts:
             continue
-        owner = rel.parts[0].removesuffix(".rs")
-        text = path.read_text()
-        text = text.split("#[cfg(test)]\nmod tests {")[0]
-        names = set(pattern.findall(text))
-        for g in group.findall(text):
-            names |= {n.strip().split("::")[0] for n in g.split(",") if n.strip()}
-        for name in names:
-            if name in top and name != owner:
-                edges[owner].add(name)
-    return edges
+        module = _module_path(rel)
+        text = path.read_text().split("#[cfg(test)]\nmod tests {")[0]
+        text = RUST_COMMENT.sub("", text)
+        for target in _rust_paths(text, module):
+            # the crate level: a module naming another top-level module
+            if target[0] in levels[""] and target[0] != module[0]:
+                levels[""][module[0]].add(target[0])
+            # one level down: a module of a directory naming another module of that directory
+            if (len(module) >= 2 and len(target) >= 2 and target[0] == module[0] and module[0] in levels
+                    and target[1] in levels[module[0]] and target[1] != module[1]):
+                levels[module[0]][module[1]].add(target[1])
+    return levels
 
 
 def private_reach_ins(modules: dict[str, Path]) -> list[str]:
@@ -207,8 +271,10 @@ def main() -> int:
     findings = []
     for c in cycles(python_edges(modules)):
         findings.append("python import circle: " + " <-> ".join(c))
-    for c in cycles(rust_edges()):
-        findings.append("kvtier-core module circle: " + " <-> ".join(c))
+    for level, edges in rust_edges().items():
+        for c in cycles(edges):
+            where = f" in {level}" if level else ""
+            findings.append(f"kvtier-core module circle{where}: " + " <-> ".join(c))
     findings += private_reach_ins(modules)
     findings += private_imports(modules)
     findings += long_files()

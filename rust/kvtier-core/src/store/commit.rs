@@ -57,7 +57,7 @@ impl JournalFile {
             // at every writable open, not only when the file is new: an open that created the journal and
             // failed to sync its name leaves a file the next open must not take as durable
             if let Some(dir) = path.parent() {
-                super::namespace::sync_dir(dir)?;
+                super::disk::sync_dir(dir)?;
             }
             f
         } else {

@@ -343,7 +343,7 @@ impl Shared {
         // next. Until the directory is synced the rename may not survive a crash (the old journal would
         // come back without the records appended to the new one): if that sync fails, the journal is
         // poisoned and nothing more is acknowledged until a reopen.
-        let dir_synced = super::namespace::sync_dir(&self.dir); // (the `dir_sync` fault point)
+        let dir_synced = super::disk::sync_dir(&self.dir); // (the `dir_sync` fault point)
         self.stats.lap(super::stats::phase::DIR_SYNC, &mut t);
         let old = std::mem::replace(&mut j.file, c.file);
         j.poisoned = dir_synced

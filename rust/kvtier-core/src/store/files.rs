@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 use std::sync::atomic::Ordering;
 
-use super::namespace::open_rw;
+use super::disk::open_rw;
 use super::ALIGN;
 use crate::error::Error;
 use crate::fault;
@@ -34,7 +34,7 @@ impl ClassFile {
             // The file's name must be as durable as the objects acknowledged in it. Synced at every open of
             // the file (once per class and open store), not only when it was created: an open whose sync
             // failed created the file and failed, and the next open must not take the name as durable.
-            super::namespace::sync_dir(dir)?;
+            super::disk::sync_dir(dir)?;
             f
         } else {
             File::open(&path)?

@@ -12,7 +12,8 @@ use std::os::unix::fs::{FileExt, MetadataExt};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use super::index::{put_shape_ok, Entry, Index};
+use super::index::{Entry, Index};
+use super::journal::put_shape_ok;
 use super::journal::{self, Record};
 use super::stats::OpenReport;
 use super::{recovery, Shared};

@@ -31,12 +31,6 @@ pub(super) fn presize(capacity: u64) -> usize {
     (capacity / 4096).min(PRESIZE_MAX) as usize
 }
 
-/// Whether a put record's shape is one the store writes: a size class that is a positive multiple of 4096
-/// and a length within it (replay also checks the slot against the data file; a follower cannot).
-pub(super) fn put_shape_ok(class: u32, len: u64) -> bool {
-    class > 0 && u64::from(class) % 4096 == 0 && len > 0 && len <= u64::from(class)
-}
-
 pub(super) use super::entry::Entry;
 
 #[derive(Default)]

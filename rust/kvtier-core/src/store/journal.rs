@@ -273,6 +273,12 @@ pub fn parse(buf: &[u8]) -> (Vec<Record>, usize) {
     (out, off)
 }
 
+/// Whether a put record's shape is one the store writes: a size class that is a positive multiple of 4096
+/// and a length within it (replay also checks the slot against the data file; a follower cannot).
+pub(super) fn put_shape_ok(class: u32, len: u64) -> bool {
+    class > 0 && u64::from(class) % 4096 == 0 && len > 0 && len <= u64::from(class)
+}
+
 /// Bytes of a del or clear put record of a `key_len`-byte key once encoded (a sealed put has
 /// [`SEAL_LEN`] more).
 pub const fn encoded_len(key_len: usize) -> usize {
@@ -306,10 +312,7 @@ fn decode(b: &[u8], check: bool) -> Option<(RecordRef<'_>, usize)> {
     let rec = match kind {
         // a put of a shape the store never writes is not a record either (see `no_record_is_found_inside_an_accepted_key`)
         layout::PUT | layout::SEALED_PUT | layout::CODED_PUT | layout::CODED_SEALED_PUT
-            if super::index::put_shape_ok(
-                u32_at(b, layout::CLASS.at),
-                u64_at(b, layout::LEN.at),
-            ) =>
+            if put_shape_ok(u32_at(b, layout::CLASS.at), u64_at(b, layout::LEN.at)) =>
         {
             let coded = layout::is_coded(kind).then(|| u64_at(b, layout::DECODED_LEN.at));
             // a coded object decodes to at least one byte, at most what the store takes

@@ -19,6 +19,7 @@ mod budget;
 mod capacity;
 mod commit;
 mod compact;
+mod disk;
 mod encode;
 mod entry;
 mod erase;

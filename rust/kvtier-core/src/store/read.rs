@@ -5,18 +5,12 @@ use std::sync::atomic::{AtomicU32, AtomicU8, Ordering};
 use std::sync::Mutex;
 
 use super::index::Entry;
-use super::read_coded::CodedRead;
+use super::read_coded::{CodedRead, CORRUPT, IO_ERROR, NO_KEY, OK, STALE};
 use super::seal_io::renamed;
 use super::seal_io::{Opened, SealKeys};
 use super::Shared;
 use crate::error::Result;
 use crate::fault;
-
-pub(super) const OK: u8 = 1;
-pub(super) const CORRUPT: u8 = 2;
-pub(super) const IO_ERROR: u8 = 3;
-pub(super) const NO_KEY: u8 = 4;
-pub(super) const STALE: u8 = 5;
 
 /// What [`PageStore::verify`] found.
 #[derive(Clone, Debug, Default)]

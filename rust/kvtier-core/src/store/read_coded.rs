@@ -7,12 +7,18 @@ use std::sync::atomic::Ordering;
 
 use super::files::ClassFile;
 use super::index::Entry;
-use super::read::{CORRUPT, IO_ERROR, NO_KEY, OK, STALE};
 use super::seal_io::{Aligned, Opened, SealKeys};
 use super::{Shared, ALIGN};
 use crate::codec::Header;
 use crate::fault;
 use crate::hash::PIECE;
+
+// What a read of one object came to (a batch's per-object result; `read` and this module set them).
+pub(super) const OK: u8 = 1;
+pub(super) const CORRUPT: u8 = 2;
+pub(super) const IO_ERROR: u8 = 3;
+pub(super) const NO_KEY: u8 = 4;
+pub(super) const STALE: u8 = 5;
 
 /// A coded object being read: its slot's blocks read so far, their pieces' sums, the chunks decoded.
 pub(super) struct CodedRead {

@@ -123,7 +123,7 @@ pub(super) fn replay(
         };
         // A record can only name bytes the store once wrote: an object inside its class file, a
         // length within its class. Anything else names no object and never sizes anything.
-        let plausible = super::index::put_shape_ok(class, len)
+        let plausible = super::journal::put_shape_ok(class, len)
             && u64::from(slot) * u64::from(class) + len <= classes[ci as usize].file_len;
         let id = first[rec];
         if !plausible {

@@ -1,6 +1,23 @@
 //! Counters of a running store and the report of what its open found.
 
+use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+
+thread_local! {
+    /// Set on the background thread (and while one of its jobs runs in the caller; `worker` sets it):
+    /// phases are counted as the background's, and a job handed over from a job runs at once, in order.
+    static ON_WORKER: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Whether this thread is running a background job.
+pub(super) fn on_worker() -> bool {
+    ON_WORKER.with(|w| w.get())
+}
+
+/// Marks this thread as running a background job or not; returns what it was.
+pub(super) fn set_on_worker(on: bool) -> bool {
+    ON_WORKER.with(|w| w.replace(on))
+}
 
 /// Counters reported by [`super::PageStore::stats`].
 #[derive(Debug, Default)]
@@ -160,7 +177,7 @@ impl Stats {
     /// restarts `*t`.
     pub(crate) fn lap(&self, p: usize, t: &mut std::time::Instant) {
         let now = std::time::Instant::now();
-        let phases = if super::worker::on_worker() {
+        let phases = if on_worker() {
             &self.background_phase_ns
         } else {
             &self.put_phase_ns

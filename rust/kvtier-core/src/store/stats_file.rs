@@ -117,11 +117,11 @@ impl Shared {
         }
         self.stats_file.written_ms.store(t, Relaxed);
         let body = self.stats_json(t);
+        let file = self.dir.join(STATS_FILE);
         if now {
-            let _ = write(&self.dir, &body);
+            let _ = super::disk::replace_unsynced(&file, &body);
         } else {
-            let dir = self.dir.clone();
-            self.worker.run(super::worker::Job::Stats { dir, body });
+            self.worker.run(super::worker::Job::Stats { file, body });
         }
     }
 
@@ -181,21 +181,6 @@ impl Shared {
             .collect();
         format!("{{{}}}\n", body.join(", "))
     }
-}
-
-/// Writes `body` to `STATS` in `dir`: a temporary file renamed over it.
-pub(super) fn write(dir: &Path, body: &str) -> std::io::Result<()> {
-    let tmp = dir.join(format!("{STATS_FILE}.tmp.{}", std::process::id()));
-    let _ = std::fs::remove_file(&tmp);
-    let r = (|| {
-        let f = super::namespace::open_rw(&tmp, libc::O_NOFOLLOW | libc::O_EXCL)?;
-        std::os::unix::fs::FileExt::write_all_at(&f, body.as_bytes(), 0)?;
-        std::fs::rename(&tmp, dir.join(STATS_FILE))
-    })();
-    if r.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    r
 }
 
 impl Drop for PageStore {
