@@ -125,7 +125,7 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-RUST_PATH = re.compile(r"\b(crate|self|super)((?:::super)*)::(\{|\w+)")
+RUST_PATH = re.compile(r"\b(crate|self|super)\b((?:::super\b)*)((?:::(?!super\b)\w+)*)(::\{)?")
 RUST_COMMENT = re.compile(r"//[^\n]*")
 
 
@@ -159,11 +159,11 @@ def _module_path(rel: Path) -> list[str]:
 
 
 def _rust_paths(text: str, module: list[str]) -> set[tuple[str, ...]]:
-    """Every module path named in `text` (of the file of `module`), resolved from the crate root: the path's
-    first name after `crate`, `self` or `super` chain, as a tuple of names from the root."""
+    """Every path named in `text` (of the file of `module`) that starts at `crate`, `self` or a `super` chain,
+    resolved from the crate root as a tuple of names (a `{...}` group gives one path per item)."""
     out = set()
     for m in RUST_PATH.finditer(text):
-        root, supers, name = m.group(1), m.group(2), m.group(3)
+        root, supers, chain, group = m.groups()
         if root == "crate":
             base = []
         else:
@@ -171,8 +171,12 @@ def _rust_paths(text: str, module: list[str]) -> set[tuple[str, ...]]:
             if up > len(module):
                 continue
             base = module[: len(module) - up]
-        names = _group_heads(text, m.start(3)) if name == "{" else [name]
-        out |= {tuple(base + [n]) for n in names if n.isidentifier()}
+        names = [n for n in chain.split("::") if n]
+        heads = _group_heads(text, m.end() - 1) if group else [""]
+        for h in heads:
+            path = base + names + ([h] if h else [])
+            if path and all(n.isidentifier() for n in path):
+                out.add(tuple(path))
     return out
 
 

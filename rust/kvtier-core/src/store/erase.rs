@@ -7,7 +7,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::sync::{Mutex, RwLock, RwLockReadGuard};
 
-use super::files::ClassFile;
+use super::space::files::ClassFile;
 use super::Shared;
 use crate::error::{Error, Result};
 use crate::seal::{tenant_of, valid_tag, TAG_HEX};

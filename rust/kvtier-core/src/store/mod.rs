@@ -2,48 +2,43 @@
 //! shared file system, with O_DIRECT IO straight from and into the caller's (pinned, aligned) memory.
 //!
 //! The design — file formats, the order of every step of put, get, delete, eviction, compaction and open,
-//! and why each crash or error point is safe — is docs/STORE.md. The modules follow it:
+//! and why each crash or error point is safe — is docs/STORE.md. The modules follow it,
+//! grouped by component (every module of the store is named here):
 //!
-//! - [`namespace`]: the namespace directory, its writer's `LOCK` and `NAMESPACE` file;
-//! - `index`: keys, LRU order, slot states and occupancy;
-//! - `files`: data files, block allocation, hole punching, the O_DIRECT probe;
-//! - [`journal`]: record format and the resynchronising parser;
-//! - `commit`: the commit lock, journal appends, the prepaid delete reserve; `compact`: compaction in
-//!   steps between commits;
-//! - `write` / `read`: put, get and verify; `pages`: page-level batches over a bound host pool;
+//! - [`journal`]: the record format ([`journal::layout`]: where each field lies) and the resynchronising
+//!   parser;
+//! - `index`: keys, LRU order, slot states and occupancy (`index::entry`: one stored object;
+//!   `index::fasthash`: the maps' hasher);
+//! - `log`, the journal as the store keeps it: `log::commit` (the commit lock, appends, the prepaid delete
+//!   reserve), `log::compact` (compaction in steps between commits), `log::recovery` (replay at open, with
+//!   `log::replay_keys`), `log::follow` (a read-only store following its writer);
+//! - `space`, where objects live and the room they take: `space::files` (data files, blocks, hole
+//!   punching, the O_DIRECT probe), `space::disk` (the file-system steps every store file shares),
+//!   `space::capacity` (the limits occupancy is kept within), `space::budget` (the store directory's
+//!   budget, shared by its namespaces);
+//! - `io`, object bytes between memory and disk: `io::write` (put; `io::allocate` its blocks, `io::encode`
+//!   its coding), `io::read` (get and verify; `io::read_coded` for coded objects), `io::seal_io` (sealed
+//!   and coded objects' buffers), `io::pages` (page-level batches over a bound host pool; `io::staging`
+//!   its staging pages), `io::memory` (host memory registered for IO);
+//! - [`stats`]: counters, phases and the open report (`stats::file`: the counters on disk, `STATS`);
+//! - `worker`: the writer's background thread (compaction steps, closing replaced journals, `STATS`);
+//! - `namespace`: the namespace directory, its writer's `LOCK` and `NAMESPACE` file; [`format`]: the
+//!   `FORMAT` version files; [`lifecycle`]: a store directory's namespaces as a whole;
 //! - `open`: opening a namespace (options, the O_DIRECT probe, the journal read and its torn tail);
-//! - `recovery`: replay at open; [`stats`]: counters and the open report.
+//! - `erase`: erasing one tenant from a namespace.
 
-mod allocate;
-mod budget;
-mod capacity;
-mod commit;
-mod compact;
-mod disk;
-mod encode;
-mod entry;
 mod erase;
-mod fasthash;
-mod files;
-mod follow;
 pub mod format;
 mod index;
+mod io;
 pub mod journal;
 pub mod lifecycle;
-mod memory;
+mod log;
 mod namespace;
 mod open;
-mod pages;
-mod read;
-mod read_coded;
-mod recovery;
-mod replay_keys;
-mod seal_io;
-mod staging;
+mod space;
 pub mod stats;
-mod stats_file;
 mod worker;
-mod write;
 
 #[cfg(test)]
 mod tests;
@@ -55,13 +50,13 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::error::{Error, Result};
 use crate::seal::Keyring;
-use commit::JournalFile;
-use files::ClassFile;
 use index::Index;
+use log::commit::JournalFile;
+use space::files::ClassFile;
 
+pub use io::pages::{PageBatch, PageLayout, Pages};
+pub use io::read::VerifyReport;
 pub use namespace::namespace_dir;
-pub use pages::{PageBatch, PageLayout, Pages};
-pub use read::VerifyReport;
 pub use stats::{OpenReport, Stats};
 
 const ALIGN: u64 = 4096;
@@ -131,24 +126,24 @@ pub struct Shared {
     index: Mutex<Index>,
     /// The commit lock (docs/STORE.md, R1). Lock order: `journal` before `index`, never the reverse.
     journal: Mutex<JournalFile>,
-    /// The running compaction, if any (`compact`). Lock order: `compaction` before `journal`.
-    compaction: Mutex<Option<compact::Compaction>>,
+    /// The running compaction, if any (`log::compact`). Lock order: `compaction` before `journal`.
+    compaction: Mutex<Option<log::compact::Compaction>>,
     classes: Mutex<HashMap<u32, Arc<ClassFile>>>,
     /// Serializes block allocation and the file-length bookkeeping around it.
     alloc_lock: Mutex<()>,
     punch_ok: AtomicBool,
     /// Aligned buffers sealed objects are written from, reused across objects and batches.
-    scratch: seal_io::ScratchPool,
+    scratch: io::seal_io::ScratchPool,
     poisoned: AtomicBool,
-    pages: pages::Bound,
-    /// Host memory registered for IO (see `memory`).
-    memory: memory::Memory,
-    /// Read-only stores: where they are in the writer's journal (see `follow`).
-    follow: Option<Mutex<follow::Follow>>,
+    pages: io::pages::Bound,
+    /// Host memory registered for IO (see `io::memory`).
+    memory: io::memory::Memory,
+    /// Read-only stores: where they are in the writer's journal (see `log::follow`).
+    follow: Option<Mutex<log::follow::Follow>>,
     /// This namespace's share of the root's budget (writable stores).
-    share: Option<budget::Share>,
-    /// When the counters were last written to `STATS` (see `stats_file`).
-    stats_file: stats_file::StatsFile,
+    share: Option<space::budget::Share>,
+    /// When the counters were last written to `STATS` (see `stats::file`).
+    stats_file: stats::file::StatsFile,
     /// Work taken off the put path: closing replaced journals, rewriting `STATS` (see `worker`).
     worker: worker::Worker,
     /// Tenants erased through this store (stored tags): their puts fail until allowed again (see `erase`).
@@ -187,7 +182,7 @@ impl PageStore {
     }
 
     /// Opens an existing namespace without writing: nothing is created, locked, written or truncated, so it
-    /// works on a store another process has open (whose new records it follows: see `follow`) and on a
+    /// works on a store another process has open (whose new records it follows: see `log::follow`) and on a
     /// directory without write permission.
     pub fn open_read_only(root: &Path, namespace: &str) -> Result<Self> {
         Self::open_read_only_sealed(root, namespace, None)
@@ -303,7 +298,7 @@ impl Shared {
         };
         rd.filter_map(|e| e.ok())
             .filter_map(|e| std::fs::File::open(e.path()).ok())
-            .map(|f| files::allocated_bytes(&f))
+            .map(|f| space::files::allocated_bytes(&f))
             .sum()
     }
     /// All servable keys.

@@ -5,8 +5,8 @@ use std::fs::File;
 use std::os::unix::fs::{DirBuilderExt, FileExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
-use super::disk::open_rw;
 use super::io_err;
+use super::space::disk::open_rw;
 use crate::error::{Error, Result};
 
 /// The directory name of `namespace` under the store root.

@@ -7,10 +7,14 @@ use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
-use super::commit::JournalFile;
+use super::io::seal_io;
+use super::log::commit::JournalFile;
+use super::log::{follow, recovery};
+use super::space::{budget, files};
+use super::stats::file as stats_file;
 use super::{
-    budget, files, follow, format, index, io_err, journal, namespace, namespace_dir, recovery,
-    seal_io, stats_file, OpenReport, PageStore, Shared, Stats, StoreOptions, ALIGN,
+    format, index, io_err, journal, namespace, namespace_dir, OpenReport, PageStore, Shared, Stats,
+    StoreOptions, ALIGN,
 };
 use crate::error::{Error, Result};
 

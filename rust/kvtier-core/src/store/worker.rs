@@ -85,7 +85,7 @@ impl Job {
             }
             Job::Stats { file, body } => {
                 // advice: a failed write keeps the old file
-                let _ = super::disk::replace_unsynced(&file, &body);
+                let _ = super::space::disk::replace_unsynced(&file, &body);
             }
             Job::Barrier(done) => {
                 let _ = done.send(());
@@ -120,6 +120,11 @@ struct Running {
 }
 
 impl Worker {
+    /// Hands the writing of `STATS` (its path) with `body` to the thread ([`Job::Stats`]).
+    pub(super) fn write_stats(&self, file: PathBuf, body: String) {
+        self.run(Job::Stats { file, body });
+    }
+
     /// Hands `job` to the thread (started if need be), or runs it here if there can be no thread, if the
     /// store is being dropped (`finish`), or if this is a job of the thread (its jobs then keep their order).
     pub(super) fn run(&self, job: Job) {

@@ -3,6 +3,7 @@
 //! crash between the new steps, and followers reading while they happen, lose no acknowledged object.
 
 use super::{bytes_at, crash_copy, get1, opts, payload, put_pages, tmp, SERIAL};
+use crate::store::log::{compact, follow};
 use crate::store::*;
 use std::sync::atomic::Ordering;
 
@@ -164,13 +165,13 @@ fn the_background_thread_gives_the_old_journal_back_and_writes_stats() {
     let keys: Vec<(String, usize)> = vec![(key(2, 0), 0)];
     assert!(put_pages(&w, &keys, &src)[0]);
     w.flush_background();
-    let text = std::fs::read_to_string(w.dir().join(stats_file::STATS_FILE)).unwrap();
+    let text = std::fs::read_to_string(w.dir().join(stats::file::STATS_FILE)).unwrap();
     let puts = w.stats.puts.load(Ordering::Relaxed);
     assert!(text.contains(&format!("\"puts\": {puts},")), "{text}");
     let dir = w.dir().to_owned();
     assert!(put_pages(&w, &[(key(2, 1), 1)], &src)[0]);
     drop(w);
-    let text = std::fs::read_to_string(dir.join(stats_file::STATS_FILE)).unwrap();
+    let text = std::fs::read_to_string(dir.join(stats::file::STATS_FILE)).unwrap();
     assert!(text.contains(&format!("\"puts\": {},", puts + 1)), "{text}");
     assert!(
         std::fs::read_dir(&dir).unwrap().all(|e| !e

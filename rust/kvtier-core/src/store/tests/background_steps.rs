@@ -3,6 +3,7 @@
 //! committing while the step stands there — loses no acknowledged object.
 
 use super::{bytes_at, crash_copy, get1, opts, payload, put_pages, tmp, SERIAL};
+use crate::store::log::compact;
 use crate::store::*;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};

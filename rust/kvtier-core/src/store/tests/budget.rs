@@ -2,8 +2,9 @@
 //! version, removal and the counters on disk: `tests_lifecycle`).
 
 use super::{get1, opts, payload, put1, tmp, SERIAL};
-use crate::store::budget::{Share, Table};
 use crate::store::lifecycle::{namespaces, remove_namespace, set_budget};
+use crate::store::space::budget;
+use crate::store::space::budget::{Share, Table};
 use crate::store::*;
 use std::sync::atomic::AtomicU64;
 

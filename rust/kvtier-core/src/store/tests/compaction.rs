@@ -3,6 +3,7 @@
 
 use super::{bytes_at, crash_copy, get1, opts, page_key, payload, put1, put_pages, tmp, SERIAL};
 use crate::fault::{self, Fault};
+use crate::store::log::follow;
 use crate::store::*;
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;

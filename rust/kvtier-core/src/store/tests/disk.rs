@@ -135,9 +135,10 @@ fn extent_bytes_counts_data_and_preallocation_not_metadata() {
         f.write_all_at(&[7u8; 4096], i * 8192).unwrap();
     }
     f.sync_all().unwrap();
-    crate::store::files::fallocate(&f, libc::FALLOC_FL_KEEP_SIZE, 24 * 4096, 3 * 4096).unwrap();
-    let data = crate::store::files::extent_bytes(&f);
-    let blocks = crate::store::files::allocated_bytes(&f);
+    crate::store::space::files::fallocate(&f, libc::FALLOC_FL_KEEP_SIZE, 24 * 4096, 3 * 4096)
+        .unwrap();
+    let data = crate::store::space::files::extent_bytes(&f);
+    let blocks = crate::store::space::files::allocated_bytes(&f);
     assert_eq!(data, 15 * 4096, "st_blocks says {blocks}");
     assert!(blocks >= data);
     std::fs::remove_dir_all(root).unwrap();

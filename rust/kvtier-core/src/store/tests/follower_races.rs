@@ -3,6 +3,7 @@
 //! key's slot another key took. Compaction racing every change: `tests_compaction_races.rs`.
 
 use super::{bytes_at, get1, opts, payload, put1, tmp, SERIAL};
+use crate::store::log::follow;
 use crate::store::*;
 use std::os::unix::fs::MetadataExt;
 use std::sync::atomic::Ordering;

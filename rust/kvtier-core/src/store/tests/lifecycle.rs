@@ -5,6 +5,7 @@ use super::budget::{claims, held, with_budget, OBJ};
 use super::{get1, opts, payload, put1, tmp, SERIAL};
 use crate::store::format::{format_text, FORMAT_FILE, FORMAT_VERSION};
 use crate::store::lifecycle::{namespaces, remove_namespace};
+use crate::store::space::budget;
 use crate::store::*;
 
 #[test]
@@ -235,7 +236,7 @@ fn the_writer_leaves_its_counters_on_disk() {
         assert!(!get1(&s, "nope", p, 8192));
         s.dir().to_owned()
     };
-    let text = std::fs::read_to_string(dir.join(stats_file::STATS_FILE)).unwrap();
+    let text = std::fs::read_to_string(dir.join(stats::file::STATS_FILE)).unwrap();
     for want in [
         "\"hits\": 1,",
         "\"misses\": 1,",

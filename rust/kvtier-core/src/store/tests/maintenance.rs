@@ -7,7 +7,7 @@ use crate::store::*;
 
 /// `STATS` of `dir` as its numbers by name.
 fn saved(dir: &Path) -> HashMap<String, u64> {
-    stats_file::load(dir).into_iter().collect()
+    stats::file::load(dir).into_iter().collect()
 }
 
 /// An engine's run: three objects (two of alice's, one of bob's) put with a capacity of 1 GiB, read back
@@ -90,7 +90,7 @@ fn a_maintenance_open_without_readable_counters_claims_no_capacity() {
     let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     let root = tmp();
     let dir = engine_run(&root);
-    let stats = dir.join(stats_file::STATS_FILE);
+    let stats = dir.join(stats::file::STATS_FILE);
     let elsewhere = root.join("elsewhere");
     std::fs::copy(&stats, &elsewhere).unwrap();
     // missing, damaged, another format, or a link (never followed): nothing to keep
@@ -103,7 +103,7 @@ fn a_maintenance_open_without_readable_counters_claims_no_capacity() {
     for (i, plant) in plant.iter().enumerate() {
         let _ = std::fs::remove_file(&stats);
         plant();
-        assert!(stats_file::load(&dir).is_empty(), "case {i}");
+        assert!(stats::file::load(&dir).is_empty(), "case {i}");
         drop(PageStore::open_maintenance(&root, "ns", opts(1 << 62)).unwrap());
         let after = saved(&dir);
         assert!(!after.contains_key("capacity_bytes"), "case {i}: {after:?}");

@@ -4,6 +4,7 @@
 
 use super::{bytes_at, get1, opts, payload, put1, tmp, SERIAL};
 use crate::fault::{self, Fault};
+use crate::store::io::pages;
 use crate::store::*;
 use std::sync::atomic::Ordering;
 

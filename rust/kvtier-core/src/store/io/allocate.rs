@@ -4,14 +4,14 @@ use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use super::files::ClassFile;
 use super::write::Slot;
-use super::Shared;
+use crate::store::space::files::ClassFile;
+use crate::store::Shared;
 
 impl Shared {
     /// Step 4: blocks for the slots that need them, one `fallocate` per contiguous run. A run that cannot
     /// be allocated is retried once after giving back other classes' free blocks; then its objects fail.
-    pub(super) fn allocate(&self, plan: Vec<Slot>) -> Vec<(Slot, Arc<ClassFile>)> {
+    pub(in crate::store) fn allocate(&self, plan: Vec<Slot>) -> Vec<(Slot, Arc<ClassFile>)> {
         let mut out = Vec::with_capacity(plan.len());
         let mut by_class: HashMap<u32, Vec<Slot>> = HashMap::new();
         for s in plan {
@@ -77,7 +77,7 @@ impl Shared {
 
     /// Reserved slots whose objects fail before any write: new ones (that never got blocks) back to the
     /// holes, reused ones (that have blocks) back to the free slots.
-    pub(super) fn drop_slots(&self, slots: &[Slot]) {
+    pub(in crate::store) fn drop_slots(&self, slots: &[Slot]) {
         let mut ix = self.lock_index();
         for s in slots {
             if s.grow {

@@ -18,8 +18,8 @@ use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::SeqCst};
 
-use super::io_err;
 use crate::error::{Error, Result};
+use crate::store::io_err;
 
 mod share;
 pub(in crate::store) use share::Share;
@@ -40,10 +40,10 @@ const OFF_CLAIMED: usize = 32;
 const OFF_PID: usize = 40;
 const OFF_WAIT: usize = 48;
 /// How long a namespace counts as waiting for room after a claim of it failed (milliseconds).
-pub(super) const WAIT_MS: u64 = 1000;
+pub(in crate::store) const WAIT_MS: u64 = 1000;
 
 /// The root's table, mapped shared.
-pub(super) struct Table {
+pub(in crate::store) struct Table {
     map: *mut u8,
     file: File,
     path: PathBuf,
@@ -84,7 +84,7 @@ impl Drop for Flock<'_> {
 
 impl Table {
     /// Opens (creating when `create`) the root's table. `Ok(None)`: there is none and `create` is false.
-    pub(super) fn open(root: &Path, create: bool) -> Result<Option<Self>> {
+    pub(in crate::store) fn open(root: &Path, create: bool) -> Result<Option<Self>> {
         let path = root.join(BUDGET_FILE);
         let file = match std::fs::OpenOptions::new()
             .read(true)
@@ -193,12 +193,12 @@ impl Table {
     }
 
     /// The budget, 0 when there is none.
-    pub(super) fn budget(&self) -> u64 {
+    pub(in crate::store) fn budget(&self) -> u64 {
         self.u64_at(OFF_BUDGET).load(SeqCst)
     }
 
     /// Sets the budget (0: none).
-    pub(super) fn set_budget(&self, bytes: u64) {
+    pub(in crate::store) fn set_budget(&self, bytes: u64) {
         self.u64_at(OFF_BUDGET).store(bytes, SeqCst);
     }
 
@@ -231,7 +231,7 @@ impl Table {
     /// Before that, namespaces on disk without a slot (written before the table existed, or after it was
     /// rebuilt) get one holding their files' blocks, and slots of directories that no longer exist and
     /// whose writer is gone are freed.
-    pub(super) fn take_slot(&self, root: &Path, name: &str) -> Result<usize> {
+    pub(in crate::store) fn take_slot(&self, root: &Path, name: &str) -> Result<usize> {
         let _g = Flock::new(&self.file).map_err(|e| io_err("locking BUDGET", e))?;
         self.reconcile(root);
         let mine = match self.find(name) {
@@ -297,7 +297,7 @@ impl Table {
     /// `~<remover pid, 8 hex>ns-…`, and returns that name: the slot keeps counting the directory's blocks
     /// while it is deleted (and, after a forced removal, while its writer still runs, publishing into it),
     /// and a writer that opens the namespace again meanwhile takes a new slot.
-    pub(super) fn retire(&self, name: &str) -> Result<Option<String>> {
+    pub(in crate::store) fn retire(&self, name: &str) -> Result<Option<String>> {
         let _g = Flock::new(&self.file).map_err(|e| io_err("locking BUDGET", e))?;
         Ok(self.find(name).map(|s| {
             let retired = format!("~{:08x}{name}", std::process::id());
@@ -307,7 +307,7 @@ impl Table {
     }
 
     /// Frees the slot of `name` (its directory was removed).
-    pub(super) fn release(&self, name: &str) -> Result<()> {
+    pub(in crate::store) fn release(&self, name: &str) -> Result<()> {
         let _g = Flock::new(&self.file).map_err(|e| io_err("locking BUDGET", e))?;
         if let Some(s) = self.find(name) {
             self.claimed(s).store(0, SeqCst);
@@ -319,7 +319,7 @@ impl Table {
 }
 
 /// The namespace directory a slot's name counts: its name, or the one a retired slot had (`retire`).
-pub(super) fn retired_base(name: &str) -> &str {
+pub(in crate::store) fn retired_base(name: &str) -> &str {
     match name.strip_prefix('~') {
         Some(r) if r.len() > 8 => &r[8..],
         _ => name,
@@ -327,12 +327,12 @@ pub(super) fn retired_base(name: &str) -> &str {
 }
 
 /// A slot as a reader sees it: `(namespace directory, claimed bytes, writer pid or 0)`.
-pub(super) type SlotView = (String, u64, u32);
+pub(in crate::store) type SlotView = (String, u64, u32);
 
 /// The root's table as a reader sees it, without locking or mapping it (a read-only file system works):
 /// `(budget, [(namespace directory, claimed, pid)])`; `None` when the root has none. Values are read
 /// with `pread`, each word whole on the platforms kvtier runs on; a display, not a decision.
-pub(super) fn read_table(root: &Path) -> Result<Option<(u64, Vec<SlotView>)>> {
+pub(in crate::store) fn read_table(root: &Path) -> Result<Option<(u64, Vec<SlotView>)>> {
     let path = root.join(BUDGET_FILE);
     let b = match std::fs::read(&path) {
         Ok(b) => b,
@@ -373,7 +373,7 @@ pub(super) fn read_table(root: &Path) -> Result<Option<(u64, Vec<SlotView>)>> {
 }
 
 /// Bytes of disk blocks the files of a directory hold (`st_blocks`).
-pub(super) fn dir_blocks(dir: &Path) -> u64 {
+pub(in crate::store) fn dir_blocks(dir: &Path) -> u64 {
     use std::os::unix::fs::MetadataExt;
     std::fs::read_dir(dir)
         .map(|rd| {

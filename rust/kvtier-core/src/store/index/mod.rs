@@ -1,11 +1,14 @@
 //! The in-memory index: keys to entries, LRU order, the state of every slot, and the occupancy the
 //! capacity limit is checked against (docs/STORE.md, "In memory").
 
+pub(super) mod entry;
+pub(super) mod fasthash;
+
 use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
 
-use super::fasthash::FastMap;
 use super::journal::encoded_len;
+use fasthash::FastMap;
 
 /// Bytes the journal keeps beyond the prepaid del records (R4).
 pub(super) const JOURNAL_SLACK: u64 = 4096;
@@ -31,7 +34,7 @@ pub(super) fn presize(capacity: u64) -> usize {
     (capacity / 4096).min(PRESIZE_MAX) as usize
 }
 
-pub(super) use super::entry::Entry;
+pub(super) use entry::Entry;
 
 #[derive(Default)]
 pub(super) struct Index {

@@ -5,16 +5,16 @@ use std::sync::atomic::Ordering;
 use std::sync::Mutex;
 
 use super::seal_io::{Aligned, SealKeys};
-use super::{Shared, ALIGN};
+use crate::store::{Shared, ALIGN};
 
 /// The objects of a put batch as stored ([`Shared::encode_batch`]).
-pub(super) struct Encoded<'a> {
+pub(in crate::store) struct Encoded<'a> {
     /// `(key, ptr, len)` of what is written: the coded copy, or the object as given.
-    pub(super) objs: Vec<(&'a str, usize, u64)>,
+    pub(in crate::store) objs: Vec<(&'a str, usize, u64)>,
     /// The length each coded object decodes to; `None`: stored as given.
-    pub(super) coded: Vec<Option<u64>>,
+    pub(in crate::store) coded: Vec<Option<u64>>,
     /// The coded copies (`objs` points into them).
-    pub(super) bufs: Vec<Option<Aligned>>,
+    pub(in crate::store) bufs: Vec<Option<Aligned>>,
 }
 
 /// Objects up to this size keep their thread's encode buffer between batches.
@@ -31,7 +31,7 @@ impl Shared {
     /// replaced by its coded copy (`coded[i]`: the length it decodes to), the others as given. Objects
     /// already stored (as the put will find them: `keys`' current key in a sealed store) are not coded (they
     /// are acknowledged without IO), nor is anything when no memory is left for a copy (stored as given).
-    pub(super) fn encode_batch<'a>(
+    pub(in crate::store) fn encode_batch<'a>(
         &self,
         objs: &[(&'a str, usize, u64)],
         keys: Option<&SealKeys>,

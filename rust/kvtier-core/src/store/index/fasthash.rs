@@ -15,11 +15,11 @@ use std::hash::{BuildHasher, Hasher, RandomState};
 use std::sync::OnceLock;
 
 /// A `HashMap` with [`FastHasher`].
-pub(super) type FastMap<K, V> = HashMap<K, V, FastBuild>;
+pub(in crate::store) type FastMap<K, V> = HashMap<K, V, FastBuild>;
 
 /// Builds [`FastHasher`]s, all of a map with the same start state, drawn once per process.
 #[derive(Clone, Copy, Debug)]
-pub(super) struct FastBuild(u64);
+pub(in crate::store) struct FastBuild(u64);
 
 impl Default for FastBuild {
     fn default() -> Self {
@@ -41,7 +41,7 @@ impl BuildHasher for FastBuild {
 /// Each 8 bytes of input are xored into the state, which is then multiplied by an odd constant as a
 /// 128-bit product whose halves are folded together, so every bit of the input reaches every bit of the
 /// state (hashbrown takes the bucket from the low bits and the tag from the top 7).
-pub(super) struct FastHasher(u64);
+pub(in crate::store) struct FastHasher(u64);
 
 /// Hashed with std's random keys into the start state (the fractional digits of pi).
 const START: u64 = 0x243f_6a88_85a3_08d3;

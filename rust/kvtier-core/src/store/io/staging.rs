@@ -7,9 +7,9 @@
 //! out of use until it returns.
 
 use super::pages::{PageLayout, Pages};
-use super::Shared;
 use crate::alloc::page_starts;
 use crate::error::{Error, Result};
+use crate::store::Shared;
 
 /// Copies of at least this many bytes are shared among threads.
 const PARALLEL_COPY_BYTES: u64 = 16 << 20;

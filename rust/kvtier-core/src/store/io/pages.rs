@@ -4,10 +4,10 @@
 
 use std::sync::{Condvar, Mutex, RwLock};
 
-use super::index::{Entry, Index};
 use super::seal_io::SealKeys;
-use super::Shared;
 use crate::error::{Error, Result};
+use crate::store::index::{Entry, Index};
+use crate::store::Shared;
 
 /// Where a host pool's pages live: page `p`'s K object is `k_len` bytes at `k_base + p·k_stride`, its V
 /// object `v_len` bytes at `v_base + p·v_stride`; `page_tokens` token slots make a page, `pages` pages
@@ -43,7 +43,7 @@ impl PageLayout {
     }
 
     /// `(address, length)` of page `p`'s objects (K then V, or the one object). `p < pages`.
-    pub(super) fn objects(&self, p: usize) -> impl Iterator<Item = (usize, u64)> + '_ {
+    pub(in crate::store) fn objects(&self, p: usize) -> impl Iterator<Item = (usize, u64)> + '_ {
         [
             (self.k_base + p * self.k_stride, self.k_len),
             (self.v_base + p * self.v_stride, self.v_len),
@@ -63,7 +63,7 @@ impl PageLayout {
     }
 
     /// Checks the layout's own arithmetic: non-empty objects that fit their stride, no overflow.
-    pub(super) fn check(&self) -> Result<()> {
+    pub(in crate::store) fn check(&self) -> Result<()> {
         let bad = |why: String| Err(Error::arg("pool", why));
         if self.pages == 0 || self.page_tokens == 0 {
             return bad(format!("a pool needs pages and page tokens, got {self:?}"));
@@ -109,10 +109,10 @@ impl PageLayout {
 
 /// The ranges a batch reads or writes, claimed against the other batches in flight.
 #[derive(Default)]
-pub(super) struct Bound {
+pub(in crate::store) struct Bound {
     layout: RwLock<Option<PageLayout>>,
     /// The store's own staging pages (see `staging.rs`), of the pool's page geometry.
-    pub(super) staging: RwLock<Option<PageLayout>>,
+    pub(in crate::store) staging: RwLock<Option<PageLayout>>,
     busy: Mutex<Busy>,
     idle: Condvar,
 }
@@ -189,7 +189,7 @@ impl Shared {
 
     /// Claims several sides at once (`(ranges, writes)` each: a copy's sources and its destinations), as
     /// [`Shared::claim`] claims one: all of them in one step, so claims cannot deadlock.
-    pub(super) fn claim_sides<const N: usize>(
+    pub(in crate::store) fn claim_sides<const N: usize>(
         &self,
         sides: [(Vec<(usize, u64)>, bool); N],
     ) -> [Claim<'_>; N] {
@@ -246,7 +246,7 @@ impl Shared {
     }
 
     /// The bound layout of `which` pages, or an error naming what is missing.
-    pub(super) fn layout_of(&self, which: Pages) -> Result<PageLayout> {
+    pub(in crate::store) fn layout_of(&self, which: Pages) -> Result<PageLayout> {
         let (l, what) = match which {
             Pages::Pool => (
                 self.page_layout(),
@@ -454,7 +454,7 @@ impl Shared {
 /// of them is written whole, never a new K beside an old V). An object stored in clear never stands for a
 /// sealed one, nor the reverse, nor one sealed under a tenant key since destroyed for one under its current
 /// key.
-pub(super) fn stored_pages(
+pub(in crate::store) fn stored_pages(
     ix: &Index,
     objs: &[(&str, usize, u64)],
     per: usize,
@@ -480,7 +480,7 @@ pub(super) fn stored_pages(
 /// Indices of objects written (`written`) whose page (`per` consecutive objects) is not written whole: some
 /// other object of it was to be written (not already stored: `stored` false) and was not. Empty for pages of
 /// one object.
-pub(super) fn torn_pages(
+pub(in crate::store) fn torn_pages(
     written: impl Iterator<Item = usize>,
     stored: &[bool],
     per: usize,

@@ -5,18 +5,18 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
-use super::commit::PutItem;
-use super::files::ClassFile;
-use super::index::put_journal_cost;
-use super::journal::Placement;
 use super::pages::{stored_pages, torn_pages};
 use super::seal_io::renamed;
 use super::seal_io::{Aligned, SealKeys};
-use super::stats::phase;
-use super::{Shared, ALIGN, MAX_OBJECT};
 use crate::error::{Error, Result};
 use crate::fault;
 use crate::seal::Seal;
+use crate::store::index::put_journal_cost;
+use crate::store::journal::Placement;
+use crate::store::log::commit::PutItem;
+use crate::store::space::files::ClassFile;
+use crate::store::stats::phase;
+use crate::store::{Shared, ALIGN, MAX_OBJECT};
 
 /// Reservation rounds before the objects still without a slot fail (each round assigns, punches or
 /// evicts something, so this is far above what progress needs).
@@ -25,12 +25,12 @@ const MAX_ROUNDS: usize = 256;
 /// A planned object: index into the batch, size class, slot, whether its blocks must be allocated, and
 /// the journal bytes it has pending.
 #[derive(Clone, Copy)]
-pub(super) struct Slot {
-    pub(super) i: usize,
-    pub(super) class: u32,
-    pub(super) slot: u32,
-    pub(super) grow: bool,
-    pub(super) journal: u64,
+pub(in crate::store) struct Slot {
+    pub(in crate::store) i: usize,
+    pub(in crate::store) class: u32,
+    pub(in crate::store) slot: u32,
+    pub(in crate::store) grow: bool,
+    pub(in crate::store) journal: u64,
 }
 
 impl Shared {
@@ -49,7 +49,7 @@ impl Shared {
     ///
     /// # Safety
     /// As [`Shared::put`].
-    pub(super) unsafe fn put_whole(
+    pub(in crate::store) unsafe fn put_whole(
         &self,
         objs: &[(&str, usize, u64)],
         per: usize,
@@ -201,7 +201,7 @@ impl Shared {
             .fetch_add(raw, Ordering::Relaxed);
     }
 
-    pub(super) fn fail(&self, n: usize) {
+    pub(in crate::store) fn fail(&self, n: usize) {
         self.stats
             .write_failures
             .fetch_add(n as u64, Ordering::Relaxed);

@@ -12,19 +12,20 @@ use std::os::unix::fs::{FileExt, MetadataExt};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use super::index::{Entry, Index};
-use super::journal::put_shape_ok;
-use super::journal::{self, Record};
-use super::stats::OpenReport;
-use super::{recovery, Shared};
+use super::recovery;
+use crate::store::index::{Entry, Index};
+use crate::store::journal::put_shape_ok;
+use crate::store::journal::{self, Record};
+use crate::store::stats::OpenReport;
+use crate::store::Shared;
 
 /// How long lookups that find every key go without looking at the journal: the longest a follower keeps
 /// an object the writer has deleted (its bytes, verified, are still the key's own: a slot the writer reuses
 /// fails the old key's checksum).
-pub(super) const RECHECK: Duration = Duration::from_millis(100);
+pub(in crate::store) const RECHECK: Duration = Duration::from_millis(100);
 
 /// Where a follower is in the writer's journal.
-pub(super) struct Follow {
+pub(in crate::store) struct Follow {
     /// Device and inode of the journal file read so far (a compaction renames a new file over it). That
     /// file stays open (the store's journal handle, `PageStore::journal`) until the follower moves to a
     /// newer one: while it is open no other file can take its inode number, so an equal number is the same
@@ -37,11 +38,11 @@ pub(super) struct Follow {
     /// When the journal was last looked at.
     checked: Instant,
     /// How many times it was looked at.
-    pub(super) looks: u64,
+    pub(in crate::store) looks: u64,
 }
 
 impl Follow {
-    pub(super) fn new(ino: (u64, u64), offset: u64) -> Mutex<Self> {
+    pub(in crate::store) fn new(ino: (u64, u64), offset: u64) -> Mutex<Self> {
         Mutex::new(Self {
             ino,
             offset,
@@ -77,7 +78,7 @@ impl Shared {
     /// Before a lookup of `keys` (all keys: `None`): brings a read-only store up to date with its writer's
     /// journal if a key is not in its index or [`RECHECK`] has passed since the last look (a no-op for
     /// writable stores).
-    pub(super) fn refresh_for(&self, keys: Option<&[&str]>) {
+    pub(in crate::store) fn refresh_for(&self, keys: Option<&[&str]>) {
         let Some(follow) = &self.follow else { return };
         let missing = keys.is_none_or(|keys| {
             let ix = self.lock_index();

@@ -9,18 +9,21 @@
 
 use std::hash::BuildHasher;
 
-use super::fasthash::FastBuild;
+use crate::store::index::fasthash::FastBuild;
 
 /// For each of `n` records (`key(i)`: the bytes of the key record `i` names), the place of the first record that
 /// names the same key: the key's id, the same for every record of the key and distinct between keys.
 /// `None` when there are 2^32 records or more (a journal of over 128 GiB, which replay refuses).
-pub(super) fn first_of_key<'a>(n: usize, key: impl Fn(usize) -> &'a [u8]) -> Option<Vec<u32>> {
+pub(in crate::store) fn first_of_key<'a>(
+    n: usize,
+    key: impl Fn(usize) -> &'a [u8],
+) -> Option<Vec<u32>> {
     let hasher = FastBuild::default();
     first_of_key_by(n, key, |k| hasher.hash_one(k))
 }
 
 /// [`first_of_key`] with the hash given (tests give one that collides).
-pub(super) fn first_of_key_by<'a>(
+pub(in crate::store) fn first_of_key_by<'a>(
     n: usize,
     key: impl Fn(usize) -> &'a [u8],
     hash: impl Fn(&[u8]) -> u64,

@@ -4,13 +4,13 @@
 
 use std::sync::atomic::Ordering;
 
-use super::index::Index;
-use super::Shared;
+use crate::store::index::Index;
+use crate::store::Shared;
 
 impl Shared {
     /// The occupancy this namespace may have now: its capacity, and within the root's budget what the
     /// other namespaces' claims leave.
-    pub(super) fn limit(&self) -> u64 {
+    pub(in crate::store) fn limit(&self) -> u64 {
         let room = self.share.as_ref().map_or(u64::MAX, |s| s.room());
         self.opts.capacity_bytes.min(room / 4096 * 4096)
     }
@@ -18,13 +18,13 @@ impl Shared {
     /// Whether an occupancy of `total` fits the capacity and the root's budget; if it does, it is claimed
     /// in the root's table before the caller grows (index lock held through `_ix`, so the claim and the
     /// growth it allows are one step for this namespace).
-    pub(super) fn fits(&self, _ix: &Index, total: u64) -> bool {
+    pub(in crate::store) fn fits(&self, _ix: &Index, total: u64) -> bool {
         total <= self.opts.capacity_bytes && self.share.as_ref().is_none_or(|s| s.claim(total))
     }
 
     /// Before a put: a namespace over its limit (the root's budget lowered, or another namespace waiting
     /// for its fair share) evicts and gives blocks back down to it first.
-    pub(super) fn keep_to_limit(&self) {
+    pub(in crate::store) fn keep_to_limit(&self) {
         if self.share.is_some() && self.lock_index().occupancy_with(0, 0) > self.limit() {
             self.evict_to_capacity();
             self.settle();
@@ -33,7 +33,7 @@ impl Shared {
 
     /// Publishes the occupancy as it is now in the root's table (after it shrank; a claim stays at least
     /// what the namespace holds, as every growth was claimed first).
-    pub(super) fn settle(&self) {
+    pub(in crate::store) fn settle(&self) {
         if let Some(s) = &self.share {
             let ix = self.lock_index();
             s.settle(ix.occupancy_with(0, 0));
@@ -42,7 +42,7 @@ impl Shared {
 
     /// Writable open, steps 6–8: compaction, forgotten keys, the delete reserve, capacity. Returns whether
     /// the journal was compacted and a note when the reserve could not be established.
-    pub(super) fn after_open(&self, forgotten: Vec<String>) -> (bool, Option<String>) {
+    pub(in crate::store) fn after_open(&self, forgotten: Vec<String>) -> (bool, Option<String>) {
         // what is on disk now, before anything grows
         self.settle();
         // A journal at its trigger is compacted here, to the end, when that is cheap (its live records fit

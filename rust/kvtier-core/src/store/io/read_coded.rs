@@ -5,23 +5,23 @@
 
 use std::sync::atomic::Ordering;
 
-use super::files::ClassFile;
-use super::index::Entry;
 use super::seal_io::{Aligned, Opened, SealKeys};
-use super::{Shared, ALIGN};
 use crate::codec::Header;
 use crate::fault;
 use crate::hash::PIECE;
+use crate::store::index::Entry;
+use crate::store::space::files::ClassFile;
+use crate::store::{Shared, ALIGN};
 
 // What a read of one object came to (a batch's per-object result; `read` and this module set them).
-pub(super) const OK: u8 = 1;
-pub(super) const CORRUPT: u8 = 2;
-pub(super) const IO_ERROR: u8 = 3;
-pub(super) const NO_KEY: u8 = 4;
-pub(super) const STALE: u8 = 5;
+pub(in crate::store) const OK: u8 = 1;
+pub(in crate::store) const CORRUPT: u8 = 2;
+pub(in crate::store) const IO_ERROR: u8 = 3;
+pub(in crate::store) const NO_KEY: u8 = 4;
+pub(in crate::store) const STALE: u8 = 5;
 
 /// A coded object being read: its slot's blocks read so far, their pieces' sums, the chunks decoded.
-pub(super) struct CodedRead {
+pub(in crate::store) struct CodedRead {
     buf: Aligned,
     read: usize,
     sums: Vec<(u32, usize)>,
@@ -114,7 +114,7 @@ impl Shared {
     /// The first pass of a two-pass read of the coded object of `e` into `[ptr, ptr+len)`: the chunks that
     /// cover its first `prefix` bytes, read (the first piece, which holds the header, then up to those
     /// chunks' end) and decoded. Unchecked as a whole until [`Shared::read_coded`] finishes it.
-    pub(super) fn read_coded_prefix(
+    pub(in crate::store) fn read_coded_prefix(
         &self,
         e: &Entry,
         (_, ptr, len): (&str, usize, u64),
@@ -146,7 +146,7 @@ impl Shared {
     /// stored bytes, opens them if sealed, and decodes them into `[ptr, ptr+len)`: [`OK`], or why not. A
     /// decode that fails after the stored bytes verified is a corrupt read (a bug, or damage the stored
     /// checksum missed): never served.
-    pub(super) fn read_coded(
+    pub(in crate::store) fn read_coded(
         &self,
         e: &Entry,
         (key, ptr, len): (&str, usize, u64),

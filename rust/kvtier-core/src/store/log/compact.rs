@@ -12,12 +12,12 @@ use std::io;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::sync::atomic::Ordering;
 
-use super::files::fallocate;
-use super::index::JOURNAL_SLACK;
-use super::journal;
-use super::{io_err, Shared};
 use crate::error::Result;
 use crate::fault;
+use crate::store::index::JOURNAL_SLACK;
+use crate::store::journal;
+use crate::store::space::files::fallocate;
+use crate::store::{io_err, Shared};
 
 /// Bytes a step writes for each byte the journal grew by since the last step: a compaction rewrites the
 /// live records `L` and the tail `g` appended meanwhile, so it ends once `4g >= L + g`, when the journal
@@ -34,22 +34,24 @@ const MAX_RECORD: u64 = journal::put_len(journal::MAX_KEY, true, true) as u64;
 
 /// A replaced journal holding at least this many bytes is closed by the background thread (freeing 1 MiB
 /// of blocks costs about 0.3 ms on ext4); a smaller one in the call. Tests lower it.
-pub(super) static CLOSE_IN_BACKGROUND_FROM: std::sync::atomic::AtomicU64 =
+pub(in crate::store) static CLOSE_IN_BACKGROUND_FROM: std::sync::atomic::AtomicU64 =
     std::sync::atomic::AtomicU64::new(CLOSE_IN_BACKGROUND_DEFAULT);
 /// [`CLOSE_IN_BACKGROUND_FROM`]'s value.
-pub(super) const CLOSE_IN_BACKGROUND_DEFAULT: u64 = 4 << 20;
+pub(in crate::store) const CLOSE_IN_BACKGROUND_DEFAULT: u64 = 4 << 20;
 
 /// Tests: called by a compaction's finish between its sync and taking the commit lock.
 #[cfg(test)]
-pub(super) static FINISH_HOOK: std::sync::Mutex<Option<fn(&Shared)>> = std::sync::Mutex::new(None);
+pub(in crate::store) static FINISH_HOOK: std::sync::Mutex<Option<fn(&Shared)>> =
+    std::sync::Mutex::new(None);
 
 /// Tests: called at each point of a step where a crash or another thread's commit can come: `"step"`
 /// (before it starts or resumes the compaction), `"written"` (a step's records written, not yet synced),
 /// `"synced"` (a step's records synced), `"finish"` (the finish's sync done, the commit lock not yet taken).
 #[cfg(test)]
-pub(super) static STEP_HOOK: std::sync::Mutex<Option<StepHook>> = std::sync::Mutex::new(None);
+pub(in crate::store) static STEP_HOOK: std::sync::Mutex<Option<StepHook>> =
+    std::sync::Mutex::new(None);
 #[cfg(test)]
-pub(super) type StepHook = fn(&Shared, &'static str);
+pub(in crate::store) type StepHook = fn(&Shared, &'static str);
 
 #[cfg(test)]
 fn step_hook(s: &Shared, point: &'static str) {
@@ -62,7 +64,7 @@ fn step_hook(s: &Shared, point: &'static str) {
 fn step_hook(_: &Shared, _: &'static str) {}
 
 /// A compaction in progress: the new journal (`journal.compact`) being written.
-pub(super) struct Compaction {
+pub(in crate::store) struct Compaction {
     file: File,
     /// A handle on the old journal, to copy its tail from.
     old: File,
@@ -79,7 +81,7 @@ pub(super) struct Compaction {
 impl Compaction {
     /// Whether the walk over the live entries is done (the tail is being copied).
     #[cfg(test)]
-    pub(super) fn walked(&self) -> bool {
+    pub(in crate::store) fn walked(&self) -> bool {
         self.copied.is_some()
     }
 }
@@ -104,14 +106,15 @@ fn new_journal_reserve(f: &File, bytes: u64) -> io::Result<()> {
 impl Shared {
     /// Hands a step to the background thread if a compaction runs or the journal is due for one, unless a
     /// step is queued already (`worker`). A put batch calls it and never waits for the step.
-    pub(super) fn step_in_background(&self) {
+    pub(in crate::store) fn step_in_background(&self) {
         if self.read_only || !self.compaction_wanted() {
             return;
         }
         if self.step_queued.swap(true, Ordering::AcqRel) {
             return;
         }
-        self.worker.run(super::worker::Job::Step(self.me.clone()));
+        self.worker
+            .run(crate::store::worker::Job::Step(self.me.clone()));
     }
 
     /// Whether a compaction is running (a step is due) or the journal is due for one. It waits for no lock:
@@ -129,7 +132,7 @@ impl Shared {
 
     /// One step of the running compaction, or the start of one if the journal is due (a no-op while
     /// another thread steps it). Called by the background thread and after a delete, outside every lock.
-    pub(super) fn compact_step(&self) {
+    pub(in crate::store) fn compact_step(&self) {
         if self.read_only {
             return;
         }
@@ -166,7 +169,7 @@ impl Shared {
 
     /// Whether a compaction is running (a thread may be stepping it now).
     #[cfg(test)]
-    pub(super) fn compaction_running(&self) -> bool {
+    pub(in crate::store) fn compaction_running(&self) -> bool {
         !self.read_only && self.compaction.try_lock().map_or(true, |c| c.is_some())
     }
 
@@ -197,7 +200,7 @@ impl Shared {
     /// Creates `journal.compact` and, under the commit lock, fixes the start: the journal's length and the
     /// walk over the entries live now (while the lock is held, the index is the replay of exactly that
     /// journal: R1).
-    pub(super) fn compaction_begin(&self) -> io::Result<Compaction> {
+    pub(in crate::store) fn compaction_begin(&self) -> io::Result<Compaction> {
         let tmp = self.dir.join("journal.compact");
         let _ = std::fs::remove_file(&tmp);
         fault::check("compact")?;
@@ -226,7 +229,7 @@ impl Shared {
 
     /// One step: about `budget` bytes of the new journal (walk, then tail), synced. When the tail left
     /// fits the step, the compaction is finished. Returns the compaction if it is still running.
-    pub(super) fn compaction_work(
+    pub(in crate::store) fn compaction_work(
         &self,
         mut c: Compaction,
         budget: u64,
@@ -267,7 +270,8 @@ impl Shared {
         // no sync here: the finish syncs the whole file (`sync_all`) before the rename, one sync fewer
         let mut t = std::time::Instant::now();
         let r = self.compaction_finish(c).map(|()| None);
-        self.stats.lap(super::stats::phase::COMPACT_FINISH, &mut t);
+        self.stats
+            .lap(crate::store::stats::phase::COMPACT_FINISH, &mut t);
         r
     }
 
@@ -314,7 +318,8 @@ impl Shared {
         new_journal_reserve(&c.file, reserved)?;
         c.file.sync_all()?;
         let synced = c.written;
-        self.stats.lap(super::stats::phase::COMPACT_SYNC, &mut t);
+        self.stats
+            .lap(crate::store::stats::phase::COMPACT_SYNC, &mut t);
         #[cfg(test)]
         if let Some(hook) = *FINISH_HOOK.lock().unwrap_or_else(|p| p.into_inner()) {
             hook(self); // commits between this sync and the lock (tests_background)
@@ -343,8 +348,8 @@ impl Shared {
         // next. Until the directory is synced the rename may not survive a crash (the old journal would
         // come back without the records appended to the new one): if that sync fails, the journal is
         // poisoned and nothing more is acknowledged until a reopen.
-        let dir_synced = super::disk::sync_dir(&self.dir); // (the `dir_sync` fault point)
-        self.stats.lap(super::stats::phase::DIR_SYNC, &mut t);
+        let dir_synced = crate::store::space::disk::sync_dir(&self.dir); // (the `dir_sync` fault point)
+        self.stats.lap(crate::store::stats::phase::DIR_SYNC, &mut t);
         let old = std::mem::replace(&mut j.file, c.file);
         j.poisoned = dir_synced
             .err()
@@ -366,7 +371,7 @@ impl Shared {
         // here, after the locks, so that its blocks are given back before the call returns, as they always
         // were.
         if old_bytes >= CLOSE_IN_BACKGROUND_FROM.load(Ordering::Relaxed) {
-            use super::worker::Job;
+            use crate::store::worker::Job;
             self.worker.run(Job::Close(c.old));
             self.worker.run(if poisoned {
                 Job::Close(old)
@@ -379,7 +384,7 @@ impl Shared {
 
     /// A compaction that failed (its file is closed): the file removed, the walk ended, and no new one
     /// until the journal has doubled.
-    pub(super) fn compaction_failed(&self) {
+    pub(in crate::store) fn compaction_failed(&self) {
         let _ = std::fs::remove_file(self.dir.join("journal.compact"));
         let j = &mut *self.lock_journal();
         // given up too: a disk that fails a compaction would fail it again at every step

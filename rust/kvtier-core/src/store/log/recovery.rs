@@ -4,20 +4,20 @@
 use std::collections::BTreeSet;
 use std::path::Path;
 
-use super::fasthash::FastMap;
-use super::files::punch;
-use super::index::{Entry, Index};
-use super::journal::{key_bytes_at, record_at, RecordRef as Record};
 use super::replay_keys;
-use super::stats::OpenReport;
-use super::{io_err, ALIGN};
 use crate::error::Result;
+use crate::store::index::fasthash::FastMap;
+use crate::store::index::{Entry, Index};
+use crate::store::journal::{key_bytes_at, record_at, RecordRef as Record};
+use crate::store::space::files::punch;
+use crate::store::stats::OpenReport;
+use crate::store::{io_err, ALIGN};
 
 /// What replay keeps of a journal record (`journal::parse_resync_with(bytes, Rec::of)`): where it starts
 /// in the journal, and a put's class, slot and length (a del's are 0: no put has class 0). 24 bytes where
 /// a `RecordRef` takes 72; the rest is read at `off` where it is needed.
 #[derive(Clone, Copy)]
-pub(super) struct Rec {
+pub(in crate::store) struct Rec {
     off: usize,
     class: u32,
     slot: u32,
@@ -25,7 +25,7 @@ pub(super) struct Rec {
 }
 
 impl Rec {
-    pub(super) fn of(r: Record<'_>, off: usize) -> Self {
+    pub(in crate::store) fn of(r: Record<'_>, off: usize) -> Self {
         match r {
             Record::Put { at, .. } => {
                 debug_assert!(at.class != 0, "the parser keeps no put of class 0");
@@ -53,7 +53,7 @@ impl Rec {
 /// The index rebuilt from the `records` of the journal's bytes `journal`, what replay found, and the
 /// keys whose latest record was dropped. The index's map is sized for at least `presize` keys (a
 /// writer's most objects, so that it does not rehash inside a batch).
-pub(super) fn replay(
+pub(in crate::store) fn replay(
     dir: &Path,
     journal: &[u8],
     records: Vec<Rec>,
@@ -123,7 +123,7 @@ pub(super) fn replay(
         };
         // A record can only name bytes the store once wrote: an object inside its class file, a
         // length within its class. Anything else names no object and never sizes anything.
-        let plausible = super::journal::put_shape_ok(class, len)
+        let plausible = crate::store::journal::put_shape_ok(class, len)
             && u64::from(slot) * u64::from(class) + len <= classes[ci as usize].file_len;
         let id = first[rec];
         if !plausible {
@@ -248,7 +248,7 @@ fn class_files(dir: &Path) -> Vec<u32> {
 /// Writable open: each data file is cut to its highest live slot, and its free slots below that are
 /// punched (holes) — or, where that is not possible, counted as free slots with blocks. Read-only open
 /// only lists the free slots. Returns whether punching works here.
-pub(super) fn trim_data_files(dir: &Path, ix: &mut Index, writable: bool) -> bool {
+pub(in crate::store) fn trim_data_files(dir: &Path, ix: &mut Index, writable: bool) -> bool {
     let mut punch_ok = true;
     // per class, whether each slot below `next` is live
     let mut used: FastMap<u32, Vec<bool>> = FastMap::default();

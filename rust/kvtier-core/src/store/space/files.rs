@@ -9,20 +9,20 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 
 use super::disk::open_rw;
-use super::ALIGN;
 use crate::error::Error;
 use crate::fault;
+use crate::store::ALIGN;
 
 /// One size class's data file.
-pub(super) struct ClassFile {
-    pub(super) buffered: File,
-    pub(super) direct: Option<File>,
-    pub(super) path: PathBuf,
+pub(in crate::store) struct ClassFile {
+    pub(in crate::store) buffered: File,
+    pub(in crate::store) direct: Option<File>,
+    pub(in crate::store) path: PathBuf,
 }
 
 impl ClassFile {
     /// Opens (creating when `writable`) the file of `class` in `dir`.
-    pub(super) fn open(
+    pub(in crate::store) fn open(
         dir: &Path,
         class: u32,
         direct: bool,
@@ -53,7 +53,7 @@ impl ClassFile {
 
     /// Writes `bytes` at `off`: O_DIRECT when memory, length and offset are aligned; buffered IO otherwise,
     /// and when the file system refuses this O_DIRECT write with EINVAL.
-    pub(super) fn write(&self, bytes: &[u8], off: u64) -> std::io::Result<()> {
+    pub(in crate::store) fn write(&self, bytes: &[u8], off: u64) -> std::io::Result<()> {
         if let Some(d) = &self.direct {
             if aligned(bytes.as_ptr() as usize, bytes.len(), off) {
                 match d.write_all_at(bytes, off) {
@@ -70,7 +70,7 @@ impl ClassFile {
     /// write of part of a page that is not cached reads the page from the disk first (a full store's
     /// slots, reused, are mostly not cached once the data outgrows the page cache); a whole page is
     /// written without reading. The padding lies inside the slot, which no live record names (R2).
-    pub(super) fn write_object(&self, bytes: &[u8], off: u64) -> std::io::Result<()> {
+    pub(in crate::store) fn write_object(&self, bytes: &[u8], off: u64) -> std::io::Result<()> {
         let head = bytes.len() / ALIGN as usize * ALIGN as usize;
         if head == bytes.len() {
             return self.write(bytes, off);
@@ -86,7 +86,7 @@ impl ClassFile {
     }
 
     /// Reads `buf.len()` bytes at `off` (O_DIRECT as [`ClassFile::write`]).
-    pub(super) fn read(&self, buf: &mut [u8], off: u64) -> std::io::Result<()> {
+    pub(in crate::store) fn read(&self, buf: &mut [u8], off: u64) -> std::io::Result<()> {
         if let Some(d) = &self.direct {
             if aligned(buf.as_ptr() as usize, buf.len(), off) {
                 match d.read_exact_at(buf, off) {
@@ -100,7 +100,12 @@ impl ClassFile {
 
     /// Allocates blocks for `[off, off+len)`, extending the file. On failure the range is punched again
     /// (ext4 can keep a partial allocation) and the file cut back to `len_before` if it grew.
-    pub(super) fn allocate(&self, off: u64, len: u64, len_before: u64) -> std::io::Result<()> {
+    pub(in crate::store) fn allocate(
+        &self,
+        off: u64,
+        len: u64,
+        len_before: u64,
+    ) -> std::io::Result<()> {
         let r = fault::check("fallocate").and_then(|()| fallocate(&self.buffered, 0, off, len));
         if r.is_err() {
             let _ = punch(&self.buffered, off, len);
@@ -114,7 +119,7 @@ impl ClassFile {
     }
 
     /// Gives the blocks of `[off, off+len)` back to the file system (the file keeps its size).
-    pub(super) fn punch(&self, off: u64, len: u64) -> std::io::Result<()> {
+    pub(in crate::store) fn punch(&self, off: u64, len: u64) -> std::io::Result<()> {
         fault::check("punch").and_then(|()| punch(&self.buffered, off, len))
     }
 }
@@ -126,7 +131,7 @@ fn aligned(ptr: usize, len: usize, off: u64) -> bool {
 }
 
 /// `fallocate(mode, off, len)`; file systems without it extend the file instead (mode 0 only).
-pub(super) fn fallocate(f: &File, mode: i32, off: u64, len: u64) -> std::io::Result<()> {
+pub(in crate::store) fn fallocate(f: &File, mode: i32, off: u64, len: u64) -> std::io::Result<()> {
     if len == 0 {
         return Ok(());
     }
@@ -152,7 +157,7 @@ fn off_t(v: u64) -> std::io::Result<i64> {
 }
 
 /// Punches a hole over `[off, off+len)`, keeping the file's size.
-pub(super) fn punch(f: &File, off: u64, len: u64) -> std::io::Result<()> {
+pub(in crate::store) fn punch(f: &File, off: u64, len: u64) -> std::io::Result<()> {
     fallocate(
         f,
         libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
@@ -163,7 +168,7 @@ pub(super) fn punch(f: &File, off: u64, len: u64) -> std::io::Result<()> {
 
 /// Bytes of disk blocks `f` occupies (`st_blocks`: file-system metadata such as an ext4 extent-tree
 /// block included).
-pub(super) fn allocated_bytes(f: &File) -> u64 {
+pub(in crate::store) fn allocated_bytes(f: &File) -> u64 {
     use std::os::unix::fs::MetadataExt;
     f.metadata().map(|m| m.blocks() * 512).unwrap_or(0)
 }
@@ -201,7 +206,7 @@ struct FiemapExtent {
 /// asked for, without the file system's own metadata, which [`allocated_bytes`] counts too (an ext4 file
 /// with more than four extents holds an extent-tree block: 4 KiB the store never allocated). Falls back
 /// to [`allocated_bytes`] where `FIEMAP` is not supported (tmpfs, which has no such metadata).
-pub(super) fn extent_bytes(f: &File) -> u64 {
+pub(in crate::store) fn extent_bytes(f: &File) -> u64 {
     let fd = std::os::fd::AsRawFd::as_raw_fd(f);
     let mut total = 0u64;
     let mut start = 0u64;
@@ -250,7 +255,9 @@ pub(super) fn extent_bytes(f: &File) -> u64 {
 /// Whether `dir`'s file system takes O_DIRECT: `Ok(None)` yes, `Ok(Some(why))` no (EINVAL: the file
 /// system refuses it). Any other failure of the probe (a full disk, an IO error) says nothing about
 /// O_DIRECT support: it is `Err`, and the store keeps O_DIRECT on (each IO falls back on EINVAL).
-pub(super) fn probe_direct(dir: &Path) -> std::result::Result<Option<String>, std::io::Error> {
+pub(in crate::store) fn probe_direct(
+    dir: &Path,
+) -> std::result::Result<Option<String>, std::io::Error> {
     let p = dir.join(".odirect-probe");
     let r = (|| -> std::io::Result<()> {
         let f = OpenOptions::new()
@@ -282,15 +289,15 @@ pub(super) fn probe_direct(dir: &Path) -> std::result::Result<Option<String>, st
     }
 }
 
-impl super::Shared {
+impl crate::store::Shared {
     /// Gives the blocks of free slots back (taken with `take_punchable`).
-    pub(super) fn punch_slots(&self, slots: &[(u32, u32)]) {
+    pub(in crate::store) fn punch_slots(&self, slots: &[(u32, u32)]) {
         let ok = self.punch_ok.load(Ordering::Relaxed) && {
             let mut all = true;
             for &(class, slot) in slots {
                 let r = self.class(class).and_then(|c| {
                     c.punch(u64::from(slot) * u64::from(class), u64::from(class))
-                        .map_err(|e| super::io_err("punch", e))
+                        .map_err(|e| crate::store::io_err("punch", e))
                 });
                 if let Err(Error::Os { source, .. }) = &r {
                     if source.raw_os_error() == Some(libc::EOPNOTSUPP) {

@@ -4,13 +4,13 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, AtomicU8, Ordering};
 use std::sync::Mutex;
 
-use super::index::Entry;
 use super::read_coded::{CodedRead, CORRUPT, IO_ERROR, NO_KEY, OK, STALE};
 use super::seal_io::renamed;
 use super::seal_io::{Opened, SealKeys};
-use super::Shared;
 use crate::error::Result;
 use crate::fault;
+use crate::store::index::Entry;
+use crate::store::Shared;
 
 /// What [`PageStore::verify`] found.
 #[derive(Clone, Debug, Default)]
@@ -430,7 +430,7 @@ impl Shared {
         }
         if repair {
             self.commit_dels(&bad)
-                .map_err(|e| super::io_err("appending del records to journal.log", e))?;
+                .map_err(|e| crate::store::io_err("appending del records to journal.log", e))?;
             self.compact()?;
         }
         Ok(rep)

@@ -5,12 +5,12 @@
 use std::any::Any;
 use std::sync::Arc;
 
-use super::{PageLayout, Shared};
 use crate::buffer::HostRegion;
 use crate::error::{Error, Result};
+use crate::store::{PageLayout, Shared};
 
 /// Registered memory (see the module docs): the core's one registry type.
-pub(super) type Memory = crate::ranges::Ranges;
+pub(in crate::store) type Memory = crate::ranges::Ranges;
 
 impl Shared {
     /// Allows IO into and out of `region`, which the store keeps mapped until it is dropped.
@@ -111,8 +111,8 @@ impl Shared {
 
 #[cfg(test)]
 mod tests {
-    use super::super::tests::{opts, payload, tmp, SERIAL};
     use super::*;
+    use crate::store::tests::{opts, payload, tmp, SERIAL};
     use crate::store::PageStore;
 
     #[test]

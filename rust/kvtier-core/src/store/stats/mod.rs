@@ -1,5 +1,7 @@
 //! Counters of a running store and the report of what its open found.
 
+pub(super) mod file;
+
 use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 

@@ -8,17 +8,17 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::sync::MutexGuard;
 
-use super::files::fallocate;
-use super::index::{Entry, JOURNAL_SLACK};
-use super::journal::{encoded_len, Placement, Record};
+use crate::store::index::{Entry, JOURNAL_SLACK};
+use crate::store::journal::{encoded_len, Placement, Record};
+use crate::store::space::files::fallocate;
 
 /// A put to commit: `(key, class, slot, len, crc, seal)`.
 /// A put to commit: its key and where its bytes were written.
-pub(super) type PutItem = (String, Placement);
-use super::stats::phase;
-use super::{io_err, Shared};
+pub(in crate::store) type PutItem = (String, Placement);
 use crate::error::{Error, Result};
 use crate::fault;
+use crate::store::stats::phase;
+use crate::store::{io_err, Shared};
 
 /// Journal growth step beyond what a commit needs: 1 MiB, at most a 64th of the capacity (and never more
 /// than the capacity left).
@@ -27,25 +27,25 @@ const JOURNAL_STEP: u64 = 1 << 20;
 const COMPACT_MIN: u64 = 1 << 20;
 
 /// The journal file. Held behind the commit lock (`PageStore::journal`).
-pub(super) struct JournalFile {
-    pub(super) file: File,
-    pub(super) path: PathBuf,
+pub(in crate::store) struct JournalFile {
+    pub(in crate::store) file: File,
+    pub(in crate::store) path: PathBuf,
     /// Set when a failed append could not be cut back: later mutations fail until the store is reopened.
-    pub(super) poisoned: Option<String>,
+    pub(in crate::store) poisoned: Option<String>,
     /// The journal length at which the next compaction is tried.
-    pub(super) compact_at: u64,
+    pub(in crate::store) compact_at: u64,
     /// The threshold `compact_at` returns to after a compaction.
-    pub(super) compact_base: u64,
+    pub(in crate::store) compact_base: u64,
     /// A failed append was cut back since the journal file was last replaced. A follower may have read
     /// the cut records; the records appended in their place then have the same file and, soon, a length
     /// past its offset, so it would take them for records it has read and never apply them (an object
     /// acknowledged since would be a miss for it until the next compaction). A new file makes every
     /// follower rebuild: the next compaction step starts one whatever the journal's length.
-    pub(super) rewrite_due: bool,
+    pub(in crate::store) rewrite_due: bool,
 }
 
 impl JournalFile {
-    pub(super) fn open(path: &Path, writable: bool, capacity: u64) -> io::Result<Self> {
+    pub(in crate::store) fn open(path: &Path, writable: bool, capacity: u64) -> io::Result<Self> {
         let file = if writable {
             let f = OpenOptions::new()
                 .read(true)
@@ -57,7 +57,7 @@ impl JournalFile {
             // at every writable open, not only when the file is new: an open that created the journal and
             // failed to sync its name leaves a file the next open must not take as durable
             if let Some(dir) = path.parent() {
-                super::disk::sync_dir(dir)?;
+                crate::store::space::disk::sync_dir(dir)?;
             }
             f
         } else {
@@ -116,7 +116,7 @@ impl JournalFile {
             })
         });
         if r.is_err() && target > from {
-            let _ = super::files::punch(&self.file, from, target - from);
+            let _ = crate::store::space::files::punch(&self.file, from, target - from);
         }
         r
     }
@@ -124,7 +124,7 @@ impl JournalFile {
 
 /// Journal size from which compaction is considered: 1 MiB, less for small stores (a 64th of the
 /// capacity): the capacity holds room for the journal up to this size (`Index::journal_budget`).
-pub(super) fn compact_base(capacity: u64) -> u64 {
+pub(in crate::store) fn compact_base(capacity: u64) -> u64 {
     COMPACT_MIN.min(capacity / 64)
 }
 
@@ -141,11 +141,11 @@ fn encode(recs: &[Record]) -> Vec<u8> {
 }
 
 impl Shared {
-    pub(super) fn lock_journal(&self) -> MutexGuard<'_, JournalFile> {
+    pub(in crate::store) fn lock_journal(&self) -> MutexGuard<'_, JournalFile> {
         self.journal.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    pub(super) fn writable(&self) -> Result<()> {
+    pub(in crate::store) fn writable(&self) -> Result<()> {
         if self.read_only {
             return Err(Error::Os {
                 what: format!("page store {} was opened read-only", self.dir.display()),
@@ -238,7 +238,7 @@ impl Shared {
 
     /// Commits put records of objects whose bytes are durable: reserve, append, then insert (R1). On error
     /// nothing was inserted.
-    pub(super) fn commit_puts(&self, items: &[PutItem]) -> io::Result<()> {
+    pub(in crate::store) fn commit_puts(&self, items: &[PutItem]) -> io::Result<()> {
         let mut t = std::time::Instant::now();
         let mut j = self.lock_journal();
         // each put's record (with its seal, if any) and its prepaid del
@@ -246,8 +246,11 @@ impl Shared {
             .iter()
             .map(|(key, at)| {
                 (encoded_len(key.len())
-                    + super::journal::put_len(key.len(), at.seal.is_some(), at.coded.is_some()))
-                    as u64
+                    + crate::store::journal::put_len(
+                        key.len(),
+                        at.seal.is_some(),
+                        at.coded.is_some(),
+                    )) as u64
             })
             .sum();
         self.ensure_reserve(&j, new)?;
@@ -273,7 +276,10 @@ impl Shared {
     /// Deletes `victims` `(key, gen)` that are still that very object (not re-put since) — del records
     /// durable first, then removed (R1). Returns the keys removed. Used by eviction, by dropping corrupt
     /// objects and by repair.
-    pub(super) fn commit_dels(&self, victims: &[(String, u64)]) -> io::Result<Vec<String>> {
+    pub(in crate::store) fn commit_dels(
+        &self,
+        victims: &[(String, u64)],
+    ) -> io::Result<Vec<String>> {
         let mut j = self.lock_journal();
         let still: Vec<String> = {
             let ix = self.lock_index();
@@ -319,7 +325,7 @@ impl Shared {
     }
 
     /// [`Shared::delete`] of names as the store keeps them (checked by the caller).
-    pub(super) fn delete_stored(&self, keys: &[&str]) -> Result<usize> {
+    pub(in crate::store) fn delete_stored(&self, keys: &[&str]) -> Result<usize> {
         let mut j = self.lock_journal();
         let present: Vec<String> = {
             let ix = self.lock_index();
@@ -349,7 +355,7 @@ impl Shared {
     }
 
     /// Appends del records for keys that are not in the index (replay's dropped keys); best effort.
-    pub(super) fn append_forgotten(&self, keys: Vec<String>) {
+    pub(in crate::store) fn append_forgotten(&self, keys: Vec<String>) {
         let recs: Vec<Record> = keys.into_iter().map(|key| Record::Del { key }).collect();
         let mut j = self.lock_journal();
         let _ = self.append_locked(&mut j, &recs);
@@ -357,7 +363,7 @@ impl Shared {
 
     /// Establishes the delete reserve at open; on failure the store opens with a note and puts fail until
     /// a commit can grow it.
-    pub(super) fn establish_reserve(&self) -> Option<String> {
+    pub(in crate::store) fn establish_reserve(&self) -> Option<String> {
         let j = self.lock_journal();
         self.ensure_reserve(&j, 0).err().map(|e| {
             format!(
@@ -374,7 +380,7 @@ impl Shared {
     /// (tmpfs), then the reserve is grown again to what this capacity wants (R4). Between the two another
     /// process could take the space: the open then reports that puts fail until the reserve can be grown,
     /// as on any full disk; deletes and eviction need no more than the journal then holds.
-    pub(super) fn shrink_reserve(&self) {
+    pub(in crate::store) fn shrink_reserve(&self) {
         let j = self.lock_journal();
         let (end, held, need) = {
             let ix = self.lock_index();
@@ -388,9 +394,9 @@ impl Shared {
         }
         let from = round_up(end);
         let _ = j.file.set_len(end);
-        let _ = super::files::punch(&j.file, from, held - from);
+        let _ = crate::store::space::files::punch(&j.file, from, held - from);
         let _ = j.file.sync_all();
-        let now = super::files::extent_bytes(&j.file).div_ceil(4096) * 4096;
+        let now = crate::store::space::files::extent_bytes(&j.file).div_ceil(4096) * 4096;
         self.lock_index().j_alloc = from.max(now);
         let _ = self.ensure_reserve(&j, 0);
     }

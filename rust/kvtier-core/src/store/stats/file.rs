@@ -3,14 +3,14 @@
 //! `kvtier stats` can show a live or a finished writer's traffic (docs/STORE.md, "Counters on disk"). Not
 //! synced: the counters are advice, and a crash costs at most the last few seconds of them. A running
 //! writer's rewrites are done by its background thread (`worker`), off the put path; the last one, at
-//! close, after that thread has stopped. A maintenance open ([`super::PageStore::open_maintenance`]) loads
+//! close, after that thread has stopped. A maintenance open ([`crate::store::PageStore::open_maintenance`]) loads
 //! the file first and keeps what it holds: an erase or a repair does not wipe the engine's counters.
 
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use super::{PageStore, Shared};
+use crate::store::{PageStore, Shared};
 
 /// The file's name in the namespace directory.
 pub const STATS_FILE: &str = "STATS";
@@ -21,9 +21,9 @@ pub const EVERY_MS: u64 = 2000;
 const MAX_BYTES: u64 = 64 << 10;
 
 /// When the writer opened and last wrote its counters.
-pub(super) struct StatsFile {
+pub(in crate::store) struct StatsFile {
     opened_ms: u64,
-    pub(super) written_ms: AtomicU64,
+    pub(in crate::store) written_ms: AtomicU64,
     /// A maintenance open: the numbers `STATS` held when it opened (none without a readable file), which
     /// its own writes keep.
     saved: Option<Vec<(String, u64)>>,
@@ -37,7 +37,7 @@ impl Default for StatsFile {
 
 impl StatsFile {
     /// `saved`: a maintenance open's [`load`]ed `STATS`.
-    pub(super) fn new(saved: Option<Vec<(String, u64)>>) -> Self {
+    pub(in crate::store) fn new(saved: Option<Vec<(String, u64)>>) -> Self {
         let now = now_ms();
         Self {
             opened_ms: now,
@@ -55,7 +55,7 @@ impl StatsFile {
 
 /// The numbers of the `STATS` file in `dir` (a flat JSON object of them, as [`Shared::stats_json`] writes
 /// it); none when it is missing, not a regular file, not that object, or of another format.
-pub(super) fn load(dir: &Path) -> Vec<(String, u64)> {
+pub(in crate::store) fn load(dir: &Path) -> Vec<(String, u64)> {
     use std::io::Read;
     use std::os::unix::fs::OpenOptionsExt;
     let mut text = String::new();
@@ -99,7 +99,7 @@ fn now_ms() -> u64 {
 impl Shared {
     /// Writes `STATS` if the last write is [`EVERY_MS`] old (or `now`); a failed write is ignored (the file
     /// keeps its last content). Writable stores only.
-    pub(super) fn persist_stats(&self, now: bool) {
+    pub(in crate::store) fn persist_stats(&self, now: bool) {
         if self.read_only {
             return;
         }
@@ -119,9 +119,9 @@ impl Shared {
         let body = self.stats_json(t);
         let file = self.dir.join(STATS_FILE);
         if now {
-            let _ = super::disk::replace_unsynced(&file, &body);
+            let _ = crate::store::space::disk::replace_unsynced(&file, &body);
         } else {
-            self.worker.run(super::worker::Job::Stats { file, body });
+            self.worker.write_stats(file, body);
         }
     }
 

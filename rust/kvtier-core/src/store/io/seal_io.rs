@@ -6,12 +6,12 @@ use std::collections::HashMap;
 use std::ptr::NonNull;
 use std::sync::{Arc, Mutex};
 
-use super::{Shared, ALIGN};
 use crate::error::Result;
 use crate::seal::{tenant_of, Keyring, Seal, SealKey};
+use crate::store::{Shared, ALIGN};
 
 /// Heap bytes aligned to the store's block size, zeroed when allocated, freed on drop; `len` of them in use.
-pub(super) struct Aligned {
+pub(in crate::store) struct Aligned {
     ptr: NonNull<u8>,
     len: usize,
     layout: Layout,
@@ -46,13 +46,13 @@ impl Aligned {
         self.len = src.len();
     }
 
-    pub(super) fn as_slice(&self) -> &[u8] {
+    pub(in crate::store) fn as_slice(&self) -> &[u8] {
         // `len` <= the capacity: `fill_from` and `ScratchPool::take` check it.
         // SAFETY: every byte of the live allocation is initialized (zeroed at allocation), `len` within it.
         unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
     }
 
-    pub(super) fn as_mut_slice(&mut self) -> &mut [u8] {
+    pub(in crate::store) fn as_mut_slice(&mut self) -> &mut [u8] {
         // SAFETY: as in `as_slice`, and `&mut self` makes this the only reference.
         unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
     }
@@ -70,13 +70,13 @@ const KEEP_BYTES: usize = 256 << 20;
 
 /// Idle aligned buffers, reused by sealed writes (a fresh allocation per object costs its page faults).
 #[derive(Default)]
-pub(super) struct ScratchPool {
+pub(in crate::store) struct ScratchPool {
     free: Mutex<Vec<Aligned>>,
 }
 
 impl ScratchPool {
     /// A buffer holding a copy of `src`; None without memory.
-    pub(super) fn copy_of(&self, src: &[u8]) -> Option<Aligned> {
+    pub(in crate::store) fn copy_of(&self, src: &[u8]) -> Option<Aligned> {
         let mut b = self.take(src.len())?;
         b.fill_from(src);
         Some(b)
@@ -84,7 +84,7 @@ impl ScratchPool {
 
     /// A buffer of `len` bytes in use (what they hold is unspecified: zeros or an earlier use's bytes);
     /// None without memory.
-    pub(super) fn take(&self, len: usize) -> Option<Aligned> {
+    pub(in crate::store) fn take(&self, len: usize) -> Option<Aligned> {
         let reused = {
             let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
             let i = free.iter().position(|b| b.capacity() >= len);
@@ -100,7 +100,7 @@ impl ScratchPool {
     }
 
     /// Takes a buffer back (kept while the idle ones stay under `KEEP_BYTES`).
-    pub(super) fn give(&self, b: Aligned) {
+    pub(in crate::store) fn give(&self, b: Aligned) {
         let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
         if free.iter().map(Aligned::capacity).sum::<usize>() + b.capacity() <= KEEP_BYTES {
             free.push(b);
@@ -109,7 +109,7 @@ impl ScratchPool {
 }
 
 /// `objs` under the names `names` (one per object, in order).
-pub(super) fn renamed<'a>(
+pub(in crate::store) fn renamed<'a>(
     objs: &[(&str, usize, u64)],
     names: &'a [String],
 ) -> Vec<(&'a str, usize, u64)> {
@@ -123,7 +123,7 @@ impl Shared {
     /// With a keyring, the name each of `names` is stored under ([`Keyring::stored_name`]): the journal, the
     /// index and the data files then hold no engine key and no tenant tag. In clear, `None` (the names as
     /// given). Each name is checked first as a key of this store (`journal`: one about to be written there).
-    pub(super) fn stored_names<'a>(
+    pub(in crate::store) fn stored_names<'a>(
         &self,
         names: impl Iterator<Item = &'a str>,
         journal: bool,
@@ -147,7 +147,7 @@ impl Shared {
 
 /// The sealing keys of the tenants one batch touches, resolved once per batch (one look at each tenant's
 /// key file, so an erased tenant's key stops working at the next batch).
-pub(super) struct SealKeys {
+pub(in crate::store) struct SealKeys {
     keys: HashMap<Option<String>, Option<Arc<SealKey>>>,
     /// The namespace: with the object's name, what each seal authenticates (an object copied into another
     /// namespace of the same keyring fails).
@@ -155,7 +155,7 @@ pub(super) struct SealKeys {
 }
 
 /// What opening a sealed object found.
-pub(super) enum Opened {
+pub(in crate::store) enum Opened {
     /// Verified and decrypted.
     Ok,
     /// The tenant has no key here now (erased, or its key file not readable): a miss, the object kept.
@@ -168,7 +168,7 @@ pub(super) enum Opened {
 
 impl SealKeys {
     /// None for a store in clear. `create`: writes create a tenant's key at its first object.
-    pub(super) fn for_batch<'a>(
+    pub(in crate::store) fn for_batch<'a>(
         ring: Option<&Keyring>,
         namespace: &str,
         names: impl Iterator<Item = &'a str>,
@@ -194,7 +194,7 @@ impl SealKeys {
 
     /// An aligned sealed copy of `plain` under object name `name` (from `pool`: give it back after the
     /// write), and its seal; None if the tenant has no key, memory ran out or the random source failed.
-    pub(super) fn seal(
+    pub(in crate::store) fn seal(
         &self,
         pool: &ScratchPool,
         name: &str,
@@ -212,7 +212,7 @@ impl SealKeys {
     }
 
     /// Opens `buf` (object `name`) in place.
-    pub(super) fn open(&self, name: &str, buf: &mut [u8], seal: &Seal) -> Opened {
+    pub(in crate::store) fn open(&self, name: &str, buf: &mut [u8], seal: &Seal) -> Opened {
         match self.key(name) {
             None => Opened::NoKey,
             Some(k) if !k.made(seal) => Opened::Stale,
@@ -223,7 +223,7 @@ impl SealKeys {
 
     /// Whether an object of name `name` with `seal` was sealed under the tenant's current key (false for a
     /// clear object, a tenant without a key, or a key since replaced).
-    pub(super) fn current(&self, name: &str, seal: Option<&Seal>) -> bool {
+    pub(in crate::store) fn current(&self, name: &str, seal: Option<&Seal>) -> bool {
         match (self.key(name), seal) {
             (Some(k), Some(s)) => k.made(s),
             _ => false,

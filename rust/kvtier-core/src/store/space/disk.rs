@@ -6,7 +6,7 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 
 /// Opens `p` read-write, creating it owner-only.
-pub(super) fn open_rw(p: &Path, extra: i32) -> std::io::Result<File> {
+pub(in crate::store) fn open_rw(p: &Path, extra: i32) -> std::io::Result<File> {
     OpenOptions::new()
         .read(true)
         .write(true)
@@ -17,14 +17,14 @@ pub(super) fn open_rw(p: &Path, extra: i32) -> std::io::Result<File> {
 }
 
 /// Makes `dir`'s entries durable (a file just created in it must survive a crash with its data).
-pub(super) fn sync_dir(dir: &Path) -> std::io::Result<()> {
+pub(in crate::store) fn sync_dir(dir: &Path) -> std::io::Result<()> {
     crate::fault::check("dir_sync")?;
     File::open(dir)?.sync_all()
 }
 
 /// Writes `body` to the file `path`: a temporary file beside it (named by this process) renamed over it.
 /// Not synced: for files that are advice (`STATS`).
-pub(super) fn replace_unsynced(path: &Path, body: &str) -> std::io::Result<()> {
+pub(in crate::store) fn replace_unsynced(path: &Path, body: &str) -> std::io::Result<()> {
     let mut name = path.file_name().unwrap_or_default().to_os_string();
     name.push(format!(".tmp.{}", std::process::id()));
     let tmp = path.with_file_name(name);

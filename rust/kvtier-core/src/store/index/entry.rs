@@ -3,27 +3,27 @@
 
 use std::num::NonZeroU64;
 
-use super::journal::Placement;
 use crate::seal::Seal;
+use crate::store::journal::Placement;
 
 /// One stored object.
 #[derive(Clone, Debug)]
-pub(super) struct Entry {
-    pub(super) class: u32,
-    pub(super) slot: u32,
-    pub(super) len: u64,
-    pub(super) crc: u32,
-    pub(super) tick: u64,
-    pub(super) pins: u32,
+pub(in crate::store) struct Entry {
+    pub(in crate::store) class: u32,
+    pub(in crate::store) slot: u32,
+    pub(in crate::store) len: u64,
+    pub(in crate::store) crc: u32,
+    pub(in crate::store) tick: u64,
+    pub(in crate::store) pins: u32,
     /// Unique per insert: a key re-put into the same slot is another object (set by [`Index::insert`]).
-    pub(super) gen: u64,
+    pub(in crate::store) gen: u64,
     /// Failed its checksum and could not be dropped durably: never served, slot never reused; a put of
     /// the key writes a new slot that supersedes it.
-    pub(super) bad: bool,
+    pub(in crate::store) bad: bool,
     /// Nonce and tag of an object sealed at rest (boxed: clear stores pay one pointer).
-    pub(super) seal: Option<Box<Seal>>,
+    pub(in crate::store) seal: Option<Box<Seal>>,
     /// The length a coded object decodes to (`len` is then the stored length); `None`: stored as given.
-    pub(super) coded: Option<NonZeroU64>,
+    pub(in crate::store) coded: Option<NonZeroU64>,
 }
 
 impl From<Placement> for Entry {
@@ -36,7 +36,7 @@ impl From<Placement> for Entry {
 }
 
 impl Entry {
-    pub(super) fn new(class: u32, slot: u32, len: u64, crc: u32) -> Self {
+    pub(in crate::store) fn new(class: u32, slot: u32, len: u64, crc: u32) -> Self {
         Self {
             class,
             slot,
@@ -52,7 +52,7 @@ impl Entry {
     }
 
     /// What a put record of this entry carries (compaction writes it again).
-    pub(super) fn placement(&self) -> Placement {
+    pub(in crate::store) fn placement(&self) -> Placement {
         Placement {
             class: self.class,
             slot: self.slot,
@@ -64,18 +64,18 @@ impl Entry {
     }
 
     /// The length a reader gets: what a coded object decodes to, else the stored length.
-    pub(super) fn decoded_len(&self) -> u64 {
+    pub(in crate::store) fn decoded_len(&self) -> u64 {
         self.coded.map_or(self.len, NonZeroU64::get)
     }
 
     /// The entry with its seal (`None`: stored in clear).
-    pub(super) fn sealed(mut self, seal: Option<Seal>) -> Self {
+    pub(in crate::store) fn sealed(mut self, seal: Option<Seal>) -> Self {
         self.seal = seal.map(Box::new);
         self
     }
 
     /// Whether this entry may be served (and counts as stored).
-    pub(super) fn servable(&self) -> bool {
+    pub(in crate::store) fn servable(&self) -> bool {
         !self.bad
     }
 }

@@ -1,0 +1,10 @@
+//! The journal as the store keeps it: appending records under the commit lock and the prepaid delete reserve
+//! (`commit`), compaction in steps between commits (`compact`), replay at open (`recovery`, with its key
+//! interning `replay_keys`) and a read-only store following its writer's appends (`follow`). The record
+//! format itself is `journal`.
+
+pub(super) mod commit;
+pub(super) mod compact;
+pub(super) mod follow;
+pub(super) mod recovery;
+pub(super) mod replay_keys;
