@@ -46,12 +46,10 @@ mod tests;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 
 use crate::error::{Error, Result};
 use crate::seal::Keyring;
-use index::Index;
-use log::commit::JournalFile;
 use space::files::ClassFile;
 
 pub use io::pages::{PageBatch, PageLayout, Pages};
@@ -123,11 +121,9 @@ pub struct Shared {
     /// Read-only open: a writer held `LOCK` when this store was opened.
     live_writer: bool,
     _lock: Option<std::fs::File>,
-    index: Mutex<Index>,
-    /// The commit lock (docs/STORE.md, R1). Lock order: `journal` before `index`, never the reverse.
-    journal: Mutex<JournalFile>,
-    /// The running compaction, if any (`log::compact`). Lock order: `compaction` before `journal`.
-    compaction: Mutex<Option<log::compact::Compaction>>,
+    /// The running compaction or a follower's place, the journal (the commit lock) and the index, behind
+    /// their locks, which it takes in their one order (`log::locks`).
+    log: log::locks::Log,
     classes: Mutex<HashMap<u32, Arc<ClassFile>>>,
     /// Serializes block allocation and the file-length bookkeeping around it.
     alloc_lock: Mutex<()>,
@@ -138,8 +134,6 @@ pub struct Shared {
     pages: io::pages::Bound,
     /// Host memory registered for IO (see `io::memory`).
     memory: io::memory::Memory,
-    /// Read-only stores: where they are in the writer's journal (see `log::follow`).
-    follow: Option<Mutex<log::follow::Follow>>,
     /// This namespace's share of the root's budget (writable stores).
     share: Option<space::budget::Share>,
     /// When the counters were last written to `STATS` (see `stats::file`).
@@ -216,10 +210,6 @@ impl PageStore {
 }
 
 impl Shared {
-    fn lock_index(&self) -> MutexGuard<'_, Index> {
-        self.index.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
     /// The namespace directory.
     pub fn dir(&self) -> &Path {
         &self.dir
@@ -263,14 +253,14 @@ impl Shared {
     }
     /// `(objects, bytes of slots in use)`.
     pub fn usage(&self) -> (usize, u64) {
-        let ix = self.lock_index();
+        let ix = self.log.index();
         (ix.servable_count(), ix.used)
     }
     /// What the servable objects hold and take: `(objects stored coded, bytes stored, bytes they decode
     /// to)` (an object stored as given counts its length in both); the ratio of the last two is what the
     /// codec gives the store's budget.
     pub fn content(&self) -> (usize, u64, u64) {
-        let ix = self.lock_index();
+        let ix = self.log.index();
         debug_assert_eq!(
             ix.content,
             ix.map
@@ -288,7 +278,7 @@ impl Shared {
     }
     /// `(data bytes held, journal bytes held)`: the occupancy the capacity limit applies to.
     pub fn occupancy(&self) -> (u64, u64) {
-        let ix = self.lock_index();
+        let ix = self.log.index();
         (ix.data_alloc, ix.j_alloc)
     }
     /// Bytes of disk blocks the store's files occupy now, as the file system reports them (`st_blocks`).
@@ -304,7 +294,7 @@ impl Shared {
     /// All servable keys.
     pub fn keys(&self) -> Vec<String> {
         self.refresh_for(None);
-        let ix = self.lock_index();
+        let ix = self.log.index();
         ix.map
             .iter()
             .filter(|(_, e)| e.servable())

@@ -9,6 +9,7 @@ use std::sync::Mutex;
 
 use super::io::seal_io;
 use super::log::commit::JournalFile;
+use super::log::locks::Log;
 use super::log::{follow, recovery};
 use super::space::{budget, files};
 use super::stats::file as stats_file;
@@ -194,9 +195,7 @@ impl PageStore {
             read_only: !writable,
             live_writer,
             _lock: lock,
-            index: Mutex::new(index),
-            journal: Mutex::new(journal),
-            compaction: Mutex::new(None),
+            log: Log::new(index, journal, follow),
             classes: Mutex::new(HashMap::new()),
             alloc_lock: Mutex::new(()),
             punch_ok: AtomicBool::new(punch_ok),
@@ -204,7 +203,6 @@ impl PageStore {
             poisoned: AtomicBool::new(false),
             pages: Default::default(),
             memory: Default::default(),
-            follow,
             share,
             stats_file: stats_file::StatsFile::new(saved),
             worker: Default::default(),

@@ -43,7 +43,7 @@ impl Shared {
                 if matches!(&r, Err(err) if err.raw_os_error() == Some(libc::ENOSPC))
                     && self.punch_ok.load(Ordering::Relaxed)
                 {
-                    let punch = self.lock_index().take_punchable(&[]);
+                    let punch = self.log.index().take_punchable(&[]);
                     if !punch.is_empty() {
                         self.punch_slots(&punch);
                         r = self.allocate_run(&c, off, len);
@@ -78,7 +78,7 @@ impl Shared {
     /// Reserved slots whose objects fail before any write: new ones (that never got blocks) back to the
     /// holes, reused ones (that have blocks) back to the free slots.
     pub(in crate::store) fn drop_slots(&self, slots: &[Slot]) {
-        let mut ix = self.lock_index();
+        let mut ix = self.log.index();
         for s in slots {
             if s.grow {
                 ix.unreserve_unallocated(s.class, s.slot);

@@ -47,7 +47,7 @@ impl Shared {
         };
         // (stored as the put would find it: in a sealed store, under its tenant's current key)
         let stored: Vec<bool> = {
-            let ix = self.lock_index();
+            let ix = self.log.index();
             objs.iter()
                 .map(|(k, _, _)| {
                     ix.get(k).is_some_and(|e| match keys {

@@ -97,7 +97,7 @@ impl Shared {
         let sealed = self.opts.keyring.is_some();
         let mut work: Vec<(usize, Entry)> = Vec::new();
         {
-            let mut ix = self.lock_index();
+            let mut ix = self.log.index();
             for (i, (k, _, len)) in objs.iter().enumerate() {
                 match ix.get(k).cloned() {
                     // (a clear object never answers a sealed store, nor the reverse)
@@ -274,7 +274,7 @@ impl Shared {
         let mut corrupt = Vec::new();
         let mut bytes = 0;
         {
-            let mut ix = self.lock_index();
+            let mut ix = self.log.index();
             for (j, (i, e)) in work.iter().enumerate() {
                 let key = objs[*i].0;
                 ix.unpin(key, e.class, e.slot);
@@ -325,7 +325,7 @@ impl Shared {
             self.commit_dels(bad).map_err(|_| ())
         };
         if dropped.is_err() {
-            let mut ix = self.lock_index();
+            let mut ix = self.log.index();
             for (k, g) in bad {
                 ix.mark_bad(k, *g);
             }
@@ -354,7 +354,7 @@ impl Shared {
             keys.iter().copied(),
             false,
         );
-        let ix = self.lock_index();
+        let ix = self.log.index();
         keys.iter()
             .map(|k| {
                 ix.get(k).is_some_and(|e| match &seal {
@@ -370,7 +370,7 @@ impl Shared {
         let stored = self.stored_names(std::iter::once(key), false).ok()?;
         let key = stored.as_ref().map_or(key, |n| n[0].as_str());
         self.refresh_for(Some(&[key]));
-        self.lock_index().get(key).map(Entry::decoded_len)
+        self.log.index().get(key).map(Entry::decoded_len)
     }
 
     /// Re-reads every object and checks its checksum. With `repair` (writable stores only), corrupt and
@@ -378,12 +378,7 @@ impl Shared {
     /// records).
     pub fn verify(&self, repair: bool) -> Result<VerifyReport> {
         self.refresh_for(None);
-        let keys: Vec<String> = self
-            .lock_index()
-            .map
-            .keys()
-            .map(|k| k.to_string())
-            .collect();
+        let keys: Vec<String> = self.log.index().map.keys().map(|k| k.to_string()).collect();
         self.stats.verify_done.store(0, Ordering::Relaxed);
         self.stats
             .verify_total
@@ -395,7 +390,7 @@ impl Shared {
             self.stats.verify_done.fetch_add(1, Ordering::Relaxed);
             // pinned while read, so its slot cannot be reused under the read (a live store)
             let e = {
-                let mut ix = self.lock_index();
+                let mut ix = self.log.index();
                 let Some(e) = ix.map.get_mut(k.as_str()) else {
                     continue;
                 };
@@ -409,7 +404,7 @@ impl Shared {
                 std::os::unix::fs::FileExt::read_exact_at(&c.buffered, &mut buf, off)
                     .map_err(|_| ())
             });
-            self.lock_index().unpin(&k, e.class, e.slot);
+            self.log.index().unpin(&k, e.class, e.slot);
             // a coded object in clear decodes too (every chunk against its crc); a sealed one cannot be
             // opened here, so its stored bytes are what is checked
             let decodes = |buf: &[u8]| match e.coded {

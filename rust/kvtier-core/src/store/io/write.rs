@@ -150,7 +150,7 @@ impl Shared {
         if !torn.is_empty() {
             let (gone, kept): (Vec<_>, Vec<_>) =
                 done.into_iter().partition(|d| torn.contains(&d.0.i));
-            let mut ix = self.lock_index();
+            let mut ix = self.log.index();
             for (s, _, _) in &gone {
                 ix.unreserve(s.class, s.slot); // written and synced, never committed: a free slot again
                 ix.j_pending -= s.journal;
@@ -177,7 +177,7 @@ impl Shared {
             .collect();
         let committed = self.commit_puts(&items).is_ok();
         {
-            let mut ix = self.lock_index();
+            let mut ix = self.log.index();
             ix.j_pending -= pending;
             if !committed {
                 for (s, _, _) in &done {
@@ -222,7 +222,7 @@ impl Shared {
         let mut want: Vec<(usize, u32, u64)> = Vec::new(); // (index, class, journal bytes)
         let sealed = keys.is_some();
         {
-            let mut ix = self.lock_index();
+            let mut ix = self.log.index();
             let have = stored_pages(&ix, objs, per, keys);
             let mut first: HashMap<&str, usize> = HashMap::new();
             for (i, (k, _, len)) in objs.iter().enumerate() {
@@ -256,7 +256,7 @@ impl Shared {
         let mut compacted = false;
         for _ in 0..MAX_ROUNDS {
             let victims = {
-                let mut ix = self.lock_index();
+                let mut ix = self.log.index();
                 let mut left = Vec::new();
                 for &(i, class, journal) in &want {
                     let grow = ix.free.get(&class).is_none_or(|v| v.is_empty());
@@ -417,7 +417,7 @@ impl Shared {
         self.stats.lap(phase::DATA_SYNC, &mut t);
         let mut good = Vec::new();
         let mut bad = 0;
-        let mut ix = self.lock_index();
+        let mut ix = self.log.index();
         for (j, (s, _)) in plan.iter().enumerate() {
             let crc = crcs[j].load(Ordering::Relaxed);
             if crc == u64::MAX || !synced[&s.class] {

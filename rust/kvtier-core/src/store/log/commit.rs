@@ -6,7 +6,6 @@ use std::io;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
-use std::sync::MutexGuard;
 
 use crate::store::index::{Entry, JOURNAL_SLACK};
 use crate::store::journal::{encoded_len, Placement, Record};
@@ -26,7 +25,7 @@ const JOURNAL_STEP: u64 = 1 << 20;
 /// Compaction waits for the journal to pass this size (less in small stores; `Index::compact_trigger`).
 const COMPACT_MIN: u64 = 1 << 20;
 
-/// The journal file. Held behind the commit lock (`PageStore::journal`).
+/// The journal file. Held behind the commit lock (`Log::journal`, in the order of `log::locks`).
 pub(in crate::store) struct JournalFile {
     pub(in crate::store) file: File,
     pub(in crate::store) path: PathBuf,
@@ -141,10 +140,6 @@ fn encode(recs: &[Record]) -> Vec<u8> {
 }
 
 impl Shared {
-    pub(in crate::store) fn lock_journal(&self) -> MutexGuard<'_, JournalFile> {
-        self.journal.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
     pub(in crate::store) fn writable(&self) -> Result<()> {
         if self.read_only {
             return Err(Error::Os {
@@ -162,11 +157,11 @@ impl Shared {
             return Ok(());
         }
         let buf = encode(recs);
-        let end = self.lock_index().j_end;
+        let end = self.log.index().j_end;
         let r = j.append(&buf, end);
         match &r {
             Ok(()) => {
-                let mut ix = self.lock_index();
+                let mut ix = self.log.index();
                 ix.j_end = end + buf.len() as u64;
                 // appends past the reserve (none was possible) claimed their blocks themselves
                 ix.j_alloc = ix.j_alloc.max(round_up(ix.j_end));
@@ -178,9 +173,9 @@ impl Shared {
                 } else {
                     // Cutting the file back also drops the blocks preallocated past its end (ext4, tmpfs,
                     // XFS): put the delete reserve back, or count it as gone so the next commit regrows it.
-                    let had = self.lock_index().j_alloc;
+                    let had = self.log.index().j_alloc;
                     if j.reserve(round_up(end), had).is_err() {
-                        self.lock_index().j_alloc = round_up(end);
+                        self.log.index().j_alloc = round_up(end);
                     }
                 }
             }
@@ -192,7 +187,7 @@ impl Shared {
     /// reserve within the capacity. Commit lock held through `j`.
     fn ensure_reserve(&self, j: &JournalFile, extra: u64) -> io::Result<()> {
         let (need, target, from) = {
-            let mut ix = self.lock_index();
+            let mut ix = self.log.index();
             let need = round_up(ix.j_end + ix.del_bytes + JOURNAL_SLACK + extra);
             if ix.j_alloc >= need {
                 return Ok(());
@@ -223,7 +218,7 @@ impl Shared {
             Err(_) if target > need => j.reserve(from, need).map(|()| need),
             Err(e) => Err(e),
         };
-        let mut ix = self.lock_index();
+        let mut ix = self.log.index();
         match got {
             Ok(n) => {
                 ix.j_alloc = n;
@@ -240,7 +235,7 @@ impl Shared {
     /// nothing was inserted.
     pub(in crate::store) fn commit_puts(&self, items: &[PutItem]) -> io::Result<()> {
         let mut t = std::time::Instant::now();
-        let mut j = self.lock_journal();
+        let mut j = self.log.journal();
         // each put's record (with its seal, if any) and its prepaid del
         let new: u64 = items
             .iter()
@@ -264,7 +259,7 @@ impl Shared {
             .collect();
         self.append_locked(&mut j, &recs)?;
         self.stats.lap(phase::JOURNAL_APPEND, &mut t);
-        let mut ix = self.lock_index();
+        let mut ix = self.log.index();
         for (key, at) in items {
             ix.insert(key, Entry::from(*at));
         }
@@ -280,9 +275,9 @@ impl Shared {
         &self,
         victims: &[(String, u64)],
     ) -> io::Result<Vec<String>> {
-        let mut j = self.lock_journal();
+        let mut j = self.log.journal();
         let still: Vec<String> = {
-            let ix = self.lock_index();
+            let ix = self.log.index();
             let mut seen = std::collections::HashSet::new();
             victims
                 .iter()
@@ -303,7 +298,7 @@ impl Shared {
         let mut t = std::time::Instant::now();
         self.append_locked(j, &recs)?;
         self.stats.lap(phase::EVICT_APPEND, &mut t);
-        let mut ix = self.lock_index();
+        let mut ix = self.log.index();
         for k in &keys {
             ix.remove(k);
         }
@@ -326,9 +321,9 @@ impl Shared {
 
     /// [`Shared::delete`] of names as the store keeps them (checked by the caller).
     pub(in crate::store) fn delete_stored(&self, keys: &[&str]) -> Result<usize> {
-        let mut j = self.lock_journal();
+        let mut j = self.log.journal();
         let present: Vec<String> = {
-            let ix = self.lock_index();
+            let ix = self.log.index();
             let mut seen = std::collections::HashSet::new();
             keys.iter()
                 .filter(|k| ix.map.contains_key(**k) && seen.insert(**k))
@@ -357,14 +352,14 @@ impl Shared {
     /// Appends del records for keys that are not in the index (replay's dropped keys); best effort.
     pub(in crate::store) fn append_forgotten(&self, keys: Vec<String>) {
         let recs: Vec<Record> = keys.into_iter().map(|key| Record::Del { key }).collect();
-        let mut j = self.lock_journal();
+        let mut j = self.log.journal();
         let _ = self.append_locked(&mut j, &recs);
     }
 
     /// Establishes the delete reserve at open; on failure the store opens with a note and puts fail until
     /// a commit can grow it.
     pub(in crate::store) fn establish_reserve(&self) -> Option<String> {
-        let j = self.lock_journal();
+        let j = self.log.journal();
         self.ensure_reserve(&j, 0).err().map(|e| {
             format!(
                 "the journal's delete reserve could not be allocated ({e}); puts fail until it can"
@@ -381,9 +376,9 @@ impl Shared {
     /// process could take the space: the open then reports that puts fail until the reserve can be grown,
     /// as on any full disk; deletes and eviction need no more than the journal then holds.
     pub(in crate::store) fn shrink_reserve(&self) {
-        let j = self.lock_journal();
+        let j = self.log.journal();
         let (end, held, need) = {
-            let ix = self.lock_index();
+            let ix = self.log.index();
             if ix.occupancy_with(0, 0) <= self.limit() {
                 return;
             }
@@ -397,7 +392,7 @@ impl Shared {
         let _ = crate::store::space::files::punch(&j.file, from, held - from);
         let _ = j.file.sync_all();
         let now = crate::store::space::files::extent_bytes(&j.file).div_ceil(4096) * 4096;
-        self.lock_index().j_alloc = from.max(now);
+        self.log.index().j_alloc = from.max(now);
         let _ = self.ensure_reserve(&j, 0);
     }
 }

@@ -121,10 +121,10 @@ impl Shared {
     /// one another thread holds (a step's walk, a finish's switch, a commit) counts as "wanted", and the
     /// step decides (a batch waited up to 169 ms in this check once, at load, when it took the locks).
     fn compaction_wanted(&self) -> bool {
-        if self.compaction.try_lock().map_or(true, |c| c.is_some()) {
+        if self.log.try_compaction().is_none_or(|c| c.is_some()) {
             return true; // running, or a step holds its lock now (a queued one follows if it has work)
         }
-        let (Ok(ix), Ok(j)) = (self.index.try_lock(), self.journal.try_lock()) else {
+        let (Some(ix), Some(j)) = (self.log.try_index(), self.log.try_journal()) else {
             return true;
         };
         j.rewrite_due || (ix.j_end >= ix.compact_trigger() && ix.j_end >= j.compact_at)
@@ -137,17 +137,17 @@ impl Shared {
             return;
         }
         step_hook(self, "step");
-        let Ok(mut running) = self.compaction.try_lock() else {
+        let Some(mut running) = self.log.try_compaction() else {
             return;
         };
         let c = match running.take() {
             Some(c) => c,
             None => {
                 let (end, trigger) = {
-                    let ix = self.lock_index();
+                    let ix = self.log.index();
                     (ix.j_end, ix.compact_trigger())
                 };
-                let j = self.lock_journal();
+                let j = self.log.journal();
                 // after a cut-back, a new file at once: followers rebuild (`JournalFile::rewrite_due`)
                 if !j.rewrite_due && (end < trigger || end < j.compact_at) {
                     return;
@@ -159,7 +159,7 @@ impl Shared {
                 }
             }
         };
-        let end = self.lock_index().j_end;
+        let end = self.log.index().j_end;
         let budget = (STEP_FACTOR * end.saturating_sub(c.seen_end)).max(STEP_MIN);
         match self.compaction_work(c, budget) {
             Ok(left) => *running = left,
@@ -170,7 +170,7 @@ impl Shared {
     /// Whether a compaction is running (a thread may be stepping it now).
     #[cfg(test)]
     pub(in crate::store) fn compaction_running(&self) -> bool {
-        !self.read_only && self.compaction.try_lock().map_or(true, |c| c.is_some())
+        !self.read_only && self.log.try_compaction().is_none_or(|c| c.is_some())
     }
 
     /// Compacts now and to the end (the running compaction, or a new one), waiting for a step in another
@@ -178,7 +178,7 @@ impl Shared {
     /// the journal short of room.
     pub fn compact(&self) -> Result<()> {
         self.writable()?;
-        let mut running = self.compaction.lock().unwrap_or_else(|p| p.into_inner());
+        let mut running = self.log.compaction();
         let r = match running.take() {
             Some(c) => Ok(c),
             None => self.compaction_begin(),
@@ -210,12 +210,12 @@ impl Shared {
             .create_new(true)
             .mode(0o600)
             .open(&tmp)?;
-        let j = self.lock_journal();
+        let j = self.log.journal();
         if let Some(why) = &j.poisoned {
             return Err(io::Error::other(why.clone()));
         }
         let old = j.file.try_clone()?;
-        let mut ix = self.lock_index();
+        let mut ix = self.log.index();
         ix.start_walk();
         Ok(Compaction {
             file,
@@ -234,14 +234,14 @@ impl Shared {
         mut c: Compaction,
         budget: u64,
     ) -> io::Result<Option<Compaction>> {
-        c.seen_end = self.lock_index().j_end;
+        c.seen_end = self.log.index().j_end;
         // no chunk writes more than the budget (a record has at most MAX_RECORD bytes)
         let chunk = (budget / MAX_RECORD).clamp(1, CHUNK as u64) as usize;
         let mut done = 0u64;
         let mut buf = Vec::new();
         while c.copied.is_none() && done < budget {
             buf.clear();
-            let walked = self.lock_index().walk_chunk(chunk, &mut buf);
+            let walked = self.log.index().walk_chunk(chunk, &mut buf);
             fault::check("compact")?;
             c.file.write_all_at(&buf, c.written)?;
             c.written += buf.len() as u64;
@@ -256,7 +256,7 @@ impl Shared {
             step_hook(self, "synced");
             return Ok(Some(c));
         };
-        let end = self.lock_index().j_end;
+        let end = self.log.index().j_end;
         let left = budget.saturating_sub(done);
         if end - from > left {
             // more tail than this step copies: a piece now (never less than a whole record), the rest later
@@ -280,7 +280,7 @@ impl Shared {
     /// resynchronisation, as a journal is at open; a shorter one takes only the whole records at its
     /// start (strict parsing: the record it cuts is read again by the next piece).
     fn copy_tail(&self, c: &mut Compaction, from: u64, to: u64) -> io::Result<()> {
-        let end = self.lock_index().j_end;
+        let end = self.log.index().j_end;
         let to = to.min(end);
         let mut piece = vec![0u8; (to - from) as usize];
         c.old.read_exact_at(&mut piece, from)?;
@@ -313,7 +313,7 @@ impl Shared {
     fn compaction_finish(&self, mut c: Compaction) -> io::Result<()> {
         let mut t = std::time::Instant::now();
         let need =
-            |c: &Compaction| round_up(c.written + self.lock_index().del_bytes + JOURNAL_SLACK);
+            |c: &Compaction| round_up(c.written + self.log.index().del_bytes + JOURNAL_SLACK);
         let mut reserved = need(&c);
         new_journal_reserve(&c.file, reserved)?;
         c.file.sync_all()?;
@@ -325,12 +325,12 @@ impl Shared {
             hook(self); // commits between this sync and the lock (tests_background)
         }
         step_hook(self, "finish");
-        let mut j = self.lock_journal();
+        let mut j = self.log.journal();
         if let Some(why) = &j.poisoned {
             return Err(io::Error::other(why.clone()));
         }
         let from = c.copied.expect("the tail is being copied");
-        let end = self.lock_index().j_end;
+        let end = self.log.index().j_end;
         if end > from {
             self.copy_tail(&mut c, from, end)?;
         }
@@ -358,7 +358,7 @@ impl Shared {
         self.poisoned.store(poisoned, Ordering::Relaxed);
         j.compact_at = j.compact_base;
         j.rewrite_due = false;
-        let mut ix = self.lock_index();
+        let mut ix = self.log.index();
         let old_bytes = ix.j_alloc;
         ix.j_end = c.written;
         ix.j_alloc = reserved.max(round_up(c.written));
@@ -386,10 +386,10 @@ impl Shared {
     /// until the journal has doubled.
     pub(in crate::store) fn compaction_failed(&self) {
         let _ = std::fs::remove_file(self.dir.join("journal.compact"));
-        let j = &mut *self.lock_journal();
+        let j = &mut *self.log.journal();
         // given up too: a disk that fails a compaction would fail it again at every step
         j.rewrite_due = false;
-        let mut ix = self.lock_index();
+        let mut ix = self.log.index();
         ix.walk = None;
         j.compact_at = ix.j_end.saturating_mul(2).max(j.compact_base);
     }

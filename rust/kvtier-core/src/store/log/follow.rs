@@ -9,7 +9,6 @@
 
 use std::io::Read;
 use std::os::unix::fs::{FileExt, MetadataExt};
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use super::recovery;
@@ -42,13 +41,13 @@ pub(in crate::store) struct Follow {
 }
 
 impl Follow {
-    pub(in crate::store) fn new(ino: (u64, u64), offset: u64) -> Mutex<Self> {
-        Mutex::new(Self {
+    pub(in crate::store) fn new(ino: (u64, u64), offset: u64) -> Self {
+        Self {
             ino,
             offset,
             checked: Instant::now(),
             looks: 0,
-        })
+        }
     }
 }
 
@@ -79,12 +78,16 @@ impl Shared {
     /// journal if a key is not in its index or [`RECHECK`] has passed since the last look (a no-op for
     /// writable stores).
     pub(in crate::store) fn refresh_for(&self, keys: Option<&[&str]>) {
-        let Some(follow) = &self.follow else { return };
+        if !self.log.follows() {
+            return;
+        }
         let missing = keys.is_none_or(|keys| {
-            let ix = self.lock_index();
+            let ix = self.log.index();
             keys.iter().any(|k| ix.get(k).is_none())
         });
-        let mut st = follow.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(mut st) = self.log.follow() else {
+            return;
+        };
         if !missing && st.checked.elapsed() < RECHECK {
             return;
         }
@@ -100,9 +103,9 @@ impl Shared {
         let Ok(md) = std::fs::metadata(&path) else {
             return;
         };
-        // the file read so far, held open (lock order: follow, journal, index; a read-only store takes
-        // the journal lock nowhere else on a lookup's path)
-        let mut j = self.lock_journal();
+        // the file read so far, held open (after the follow lock, in the log's order: `log::locks`; a
+        // read-only store takes the journal lock nowhere else on a lookup's path)
+        let mut j = self.log.journal();
         if (md.dev(), md.ino()) != st.ino || md.len() < st.offset {
             // compacted or cut: rebuild from the whole journal, read through the handle that is kept (a
             // name looked up twice could be two files)
@@ -125,7 +128,7 @@ impl Shared {
             };
             recovery::trim_data_files(&self.dir, &mut ix, false);
             ix.j_end = parsed.valid_end as u64;
-            *self.lock_index() = ix;
+            *self.log.index() = ix;
             st.ino = (fmd.dev(), fmd.ino());
             st.offset = parsed.valid_end as u64;
             j.file = file; // the journal read before is let go
@@ -143,7 +146,7 @@ impl Shared {
         drop(j);
         // whole records only: an append in progress is read again next time
         let parsed = journal::parse_resync(&chunk);
-        let mut ix = self.lock_index();
+        let mut ix = self.log.index();
         for r in parsed.records {
             apply(&mut ix, r);
         }

@@ -25,7 +25,7 @@ impl Shared {
     /// Before a put: a namespace over its limit (the root's budget lowered, or another namespace waiting
     /// for its fair share) evicts and gives blocks back down to it first.
     pub(in crate::store) fn keep_to_limit(&self) {
-        if self.share.is_some() && self.lock_index().occupancy_with(0, 0) > self.limit() {
+        if self.share.is_some() && self.log.index().occupancy_with(0, 0) > self.limit() {
             self.evict_to_capacity();
             self.settle();
         }
@@ -35,7 +35,7 @@ impl Shared {
     /// what the namespace holds, as every growth was claimed first).
     pub(in crate::store) fn settle(&self) {
         if let Some(s) = &self.share {
-            let ix = self.lock_index();
+            let ix = self.log.index();
             s.settle(ix.occupancy_with(0, 0));
         }
     }
@@ -51,7 +51,7 @@ impl Shared {
         // it is compacted in steps after the next calls, as while it ran: a whole compaction at open
         // rewrote every live record before the open returned.
         let (end, trigger, allowance, small) = {
-            let ix = self.lock_index();
+            let ix = self.log.index();
             let small = ix.del_bytes <= ix.compact_floor;
             (
                 ix.j_end,
@@ -80,7 +80,7 @@ impl Shared {
     fn evict_to_capacity(&self) {
         for _ in 0..64 {
             let victims = {
-                let mut ix = self.lock_index();
+                let mut ix = self.log.index();
                 let over = ix.occupancy_with(0, 0).saturating_sub(self.limit());
                 if over == 0 {
                     return;

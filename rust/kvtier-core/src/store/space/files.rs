@@ -317,6 +317,6 @@ impl crate::store::Shared {
                 .fetch_add(slots.len() as u64, Ordering::Relaxed);
         }
         // a failed punch leaves some blocks in place: all of them stay counted (over-counting is safe)
-        self.lock_index().punched(slots, ok);
+        self.log.index().punched(slots, ok);
     }
 }

@@ -94,7 +94,7 @@ fn paused_or_idle(w: &PageStore) -> bool {
         if PAUSED.load(Ordering::SeqCst) {
             return true;
         }
-        if !w.step_queued.load(Ordering::SeqCst) && w.compaction.try_lock().is_ok() {
+        if !w.step_queued.load(Ordering::SeqCst) && w.log.try_compaction().is_some() {
             return PAUSED.load(Ordering::SeqCst);
         }
         assert!(

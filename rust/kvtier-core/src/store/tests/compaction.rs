@@ -165,9 +165,9 @@ fn a_crash_or_an_error_in_a_compaction_loses_no_acknowledged_object() {
         if fault::hits("compact") > 0 {
             failed += 1;
             fault::clear();
-            assert!(s.compaction.lock().unwrap().is_none());
+            assert!(s.log.compaction().is_none());
         }
-        let running = s.compaction.lock().unwrap().is_some();
+        let running = s.log.compaction().is_some();
         if running || b % 10 == 0 {
             mid += usize::from(running);
             crashes += 1;
@@ -210,7 +210,7 @@ fn a_follower_looks_at_the_journal_on_a_miss_or_after_the_recheck_interval() {
     let w = PageStore::open(&root, "ns", opts(1 << 30)).unwrap();
     assert!(put1(&w, "a", p, 4096));
     let r = PageStore::open_read_only(&root, "ns").unwrap();
-    let looks = || r.follow.as_ref().unwrap().lock().unwrap().looks;
+    let looks = || r.log.follow().unwrap().looks;
     let start = looks();
     for _ in 0..1000 {
         assert_eq!(r.exists(&["a"]), vec![true]);

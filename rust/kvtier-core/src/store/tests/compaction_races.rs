@@ -83,7 +83,7 @@ fn compaction_steps_racing_every_change_with_a_crash_after_each() {
         let alone = seed % 2 == 1;
         let mut held = None;
         if alone {
-            w.lock_journal().compact_at = u64::MAX;
+            w.log.journal().compact_at = u64::MAX;
         }
         while steps < 250 {
             if alone {
@@ -91,16 +91,16 @@ fn compaction_steps_racing_every_change_with_a_crash_after_each() {
                     held = Some(w.compaction_begin().unwrap());
                 }
             } else {
-                let mut running = w.compaction.lock().unwrap();
+                let mut running = w.log.compaction();
                 if running.is_none() {
                     // one starts now, whatever the journal's length
                     *running = Some(w.compaction_begin().unwrap());
                 }
             }
-            let end_before = w.lock_index().j_end;
+            let end_before = w.log.index().j_end;
             if alone && held.is_some() {
                 let (end, allowance) = {
-                    let ix = w.lock_index();
+                    let ix = w.log.index();
                     (ix.j_end, ix.journal_allowance())
                 };
                 if end > allowance / 2 {
@@ -127,10 +127,10 @@ fn compaction_steps_racing_every_change_with_a_crash_after_each() {
                 3 => {
                     // deleted and put again: the same slot (free slots are taken last in, first out)
                     let k = pick(next());
-                    let before = w.lock_index().map[k.as_str()].clone();
+                    let before = w.log.index().map[k.as_str()].clone();
                     w.delete(&[k.as_str()]).unwrap();
                     put_keys(&w, std::slice::from_ref(&k));
-                    if let Some(e) = w.lock_index().map.get(k.as_str()) {
+                    if let Some(e) = w.log.index().map.get(k.as_str()) {
                         reused_slots += usize::from(e.slot == before.slot && e.gen != before.gen);
                     }
                 }
@@ -150,7 +150,7 @@ fn compaction_steps_racing_every_change_with_a_crash_after_each() {
             // a step of the running compaction (the calls above may have stepped or finished it too)
             // alone, a step keeps pace with the journal's growth (as the store's steps do, at 8x) or a
             // batch short of room would finish a compaction of its own beside this one
-            let grown = w.lock_index().j_end.saturating_sub(end_before) as usize;
+            let grown = w.log.index().j_end.saturating_sub(end_before) as usize;
             let budget = if alone {
                 2 * grown + 1 + next() % 200
             } else {
@@ -160,10 +160,10 @@ fn compaction_steps_racing_every_change_with_a_crash_after_each() {
                 let c = held.take().expect("running");
                 held = w.compaction_work(c, budget as u64).unwrap();
             } else {
-                let c = w.compaction.lock().unwrap().take();
+                let c = w.log.compaction().take();
                 if let Some(c) = c {
                     let left = w.compaction_work(c, budget as u64).unwrap();
-                    *w.compaction.lock().unwrap() = left;
+                    *w.log.compaction() = left;
                 }
             }
             steps += 1;
@@ -174,10 +174,10 @@ fn compaction_steps_racing_every_change_with_a_crash_after_each() {
                 data + journal <= cap,
                 "step {steps}: {data} + {journal} > {cap}"
             );
-            let compacting = held.is_some() || w.compaction.lock().unwrap().is_some();
+            let compacting = held.is_some() || w.log.compaction().is_some();
             let excess = w.disk_blocks() as i64 - cap as i64 - (64 << 10);
             if compacting {
-                let ix = w.lock_index();
+                let ix = w.log.index();
                 let allowed = 2 * ix.del_bytes as i64 + 8192;
                 worst = worst.max(excess - allowed);
             } else {

@@ -256,7 +256,7 @@ fn erasing_a_tenant_while_a_compaction_runs_leaves_no_name_in_the_journal() {
     let held = std::sync::Barrier::new(2);
     std::thread::scope(|sc| {
         sc.spawn(|| {
-            let mut running = s.inner.compaction.lock().unwrap();
+            let mut running = s.inner.log.compaction();
             *running = Some(c);
             held.wait();
             std::thread::sleep(std::time::Duration::from_millis(300));

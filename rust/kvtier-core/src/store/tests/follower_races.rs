@@ -128,7 +128,7 @@ fn a_follower_that_read_a_record_that_was_cut_back_finds_what_replaced_it() {
     fault::clear();
     w.flush_background(); // the step the failed put handed to the background thread
     assert!(
-        !w.lock_journal().rewrite_due,
+        !w.log.journal().rewrite_due,
         "the failed put's step rewrote the journal"
     );
     // acknowledged now, its record where x's was
@@ -160,23 +160,23 @@ fn a_follower_never_serves_the_bytes_of_the_key_that_took_a_deleted_keys_slot() 
     let dst = payload(1, 4096, 0);
     for (other, bytes) in [("b", p + 4096), ("d", p)] {
         let gone = if other == "b" { "a" } else { "c" };
-        let slot = w.lock_index().map[gone].slot;
+        let slot = w.log.index().map[gone].slot;
         w.delete(&[gone]).unwrap();
         assert!(put1(&w, other, bytes, 4096));
         assert_eq!(
-            w.lock_index().map[other].slot,
+            w.log.index().map[other].slot,
             slot,
             "{other} took {gone}'s slot"
         );
         let t = std::time::Instant::now();
-        let looks = r.follow.as_ref().unwrap().lock().unwrap().looks;
+        let looks = r.log.follow().unwrap().looks;
         let served = get1(&r, gone, dst.as_ptr() as usize, 4096);
         assert!(
             t.elapsed() < follow::RECHECK,
             "too slow to test within the interval"
         );
         assert_eq!(
-            r.follow.as_ref().unwrap().lock().unwrap().looks,
+            r.log.follow().unwrap().looks,
             looks,
             "the lookup looked at the journal"
         );

@@ -190,14 +190,14 @@ fn a_key_put_again_is_another_object() {
     let s = PageStore::open(&root, "ns", opts(1 << 30)).unwrap();
     assert!(put1(&s, "k", src.as_ptr() as usize, 4096));
     let (slot, gen) = {
-        let ix = s.lock_index();
+        let ix = s.log.index();
         let e = ix.map.get("k").unwrap();
         (e.slot, e.gen)
     };
     s.delete(&["k"]).unwrap();
     assert!(put1(&s, "k", src.as_ptr() as usize, 4096));
     assert_eq!(
-        s.lock_index().map.get("k").unwrap().slot,
+        s.log.index().map.get("k").unwrap().slot,
         slot,
         "the same slot again"
     );
@@ -419,7 +419,7 @@ fn full_store_edge_cases_from_review() {
     }
     // one corrupt key named many times in one get: one del record, the reserve still covers every delete
     let k = s.keys().pop().unwrap();
-    let e = s.lock_index().map.get(k.as_str()).cloned().unwrap();
+    let e = s.log.index().map.get(k.as_str()).cloned().unwrap();
     let f = s.class(e.class).unwrap();
     std::os::unix::fs::FileExt::write_all_at(
         &f.buffered,
@@ -433,7 +433,7 @@ fn full_store_edge_cases_from_review() {
         .collect();
     // SAFETY: 200 disjoint 64 KiB destinations inside `dst`.
     assert!(unsafe { s.get(&objs) }.unwrap().iter().all(|b| !b));
-    let ix = s.lock_index();
+    let ix = s.log.index();
     assert!(
         ix.j_end + ix.del_bytes + crate::store::index::JOURNAL_SLACK <= ix.j_alloc,
         "deletes no longer prepaid"

@@ -152,7 +152,7 @@ fn a_wrong_key_a_clear_store_or_an_erased_tenant_is_a_miss_never_plaintext() {
     {
         let s = PageStore::open(&root, "ns", sealed(&kr)).unwrap();
         let name0 = kr.stored_name(&alice[0]);
-        let e = s.lock_index().get(&name0).cloned().unwrap();
+        let e = s.log.index().get(&name0).cloned().unwrap();
         let f = std::fs::OpenOptions::new()
             .read(true)
             .write(true)
@@ -164,7 +164,7 @@ fn a_wrong_key_a_clear_store_or_an_erased_tenant_is_a_miss_never_plaintext() {
         bytes[100] ^= 1;
         std::os::unix::fs::FileExt::write_all_at(&f, &bytes, off).unwrap();
         let crc = crc32c::crc32c_append(crc32c::crc32c(&bytes), name0.as_bytes());
-        s.lock_index().map.get_mut(name0.as_str()).unwrap().crc = crc;
+        s.log.index().map.get_mut(name0.as_str()).unwrap().crc = crc;
         let d = payload(1, len, 0);
         assert!(!get1(&s, &alice[0], d.as_ptr() as usize, len as u64));
         assert_eq!(
