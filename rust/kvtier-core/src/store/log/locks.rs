@@ -7,8 +7,9 @@
 //! 3. `index`.
 //!
 //! [`Log`] owns the four and is the only way to them: a thread that holds one may wait for a later one,
-//! never for an earlier one (or the same). Debug builds check it: each thread keeps the set of the log's
-//! locks it holds, and waiting for a lock at or before one of them panics, naming both. A `try_` lock never
+//! never for an earlier one (or the same). Debug builds check it: each thread keeps the log locks it holds,
+//! each with the [`Log`] it belongs to, and waiting for a lock at or before one it holds of the same `Log`
+//! panics, naming both (the check compares the locks of one store only). A `try_` lock never
 //! waits, so it may be taken in any order (and then counts as held).
 
 use std::ops::{Deref, DerefMut};
@@ -34,40 +35,45 @@ enum Level {
 
 #[cfg(debug_assertions)]
 thread_local! {
-    /// The levels of the log locks this thread holds (a bit each).
-    static HELD: std::cell::Cell<u8> = const { std::cell::Cell::new(0) };
+    /// The log locks this thread holds: the address of their [`Log`] and their level. The order binds the
+    /// locks of one store only, so another store's locks held by the same thread are no matter.
+    static HELD: std::cell::RefCell<Vec<(usize, Level)>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 impl Level {
-    /// Marks the level held by this thread; `wait`: the lock is about to be waited for, so no lock at this
-    /// level or a later one may be held.
-    fn enter(self, wait: bool) {
+    /// Marks the level of the log at `log` held by this thread; `wait`: the lock is about to be waited for,
+    /// so no lock of that log at this level or a later one may be held.
+    fn enter(self, log: usize, wait: bool) {
         #[cfg(debug_assertions)]
         HELD.with(|h| {
-            let held = h.get();
-            let at_or_after = held & !((1u8 << self as u8) - 1);
-            assert!(
-                !wait || at_or_after == 0,
-                "store lock order: waiting for {self:?} while holding {:?}",
-                [
-                    Level::Compaction,
-                    Level::Follow,
-                    Level::Journal,
-                    Level::Index
-                ]
-                .into_iter()
-                .filter(|l| at_or_after & (1 << *l as u8) != 0)
-                .collect::<Vec<_>>()
-            );
-            h.set(held | 1 << self as u8);
+            let mut held = h.borrow_mut();
+            if wait {
+                let at_or_after: Vec<Level> = held
+                    .iter()
+                    .filter(|&&(l, level)| l == log && level >= self)
+                    .map(|&(_, level)| level)
+                    .collect();
+                if !at_or_after.is_empty() {
+                    drop(held);
+                    panic!("store lock order: waiting for {self:?} while holding {at_or_after:?}");
+                }
+            }
+            held.push((log, self));
         });
         #[cfg(not(debug_assertions))]
-        let _ = wait;
+        let _ = (log, wait);
     }
 
-    fn leave(self) {
+    fn leave(self, log: usize) {
         #[cfg(debug_assertions)]
-        HELD.with(|h| h.set(h.get() & !(1u8 << self as u8)));
+        HELD.with(|h| {
+            let mut held = h.borrow_mut();
+            if let Some(i) = held.iter().rposition(|&e| e == (log, self)) {
+                held.remove(i);
+            }
+        });
+        #[cfg(not(debug_assertions))]
+        let _ = log;
     }
 }
 
@@ -75,6 +81,8 @@ impl Level {
 pub(in crate::store) struct Held<'a, T> {
     guard: MutexGuard<'a, T>,
     level: Level,
+    /// The address of the [`Log`] the lock is one of.
+    log: usize,
 }
 
 impl<T> Deref for Held<'_, T> {
@@ -92,24 +100,27 @@ impl<T> DerefMut for Held<'_, T> {
 
 impl<T> Drop for Held<'_, T> {
     fn drop(&mut self) {
-        self.level.leave();
+        self.level.leave(self.log);
     }
 }
 
-fn wait<T>(m: &Mutex<T>, level: Level) -> Held<'_, T> {
-    level.enter(true);
+fn wait<'a, T>(log: &Log, m: &'a Mutex<T>, level: Level) -> Held<'a, T> {
+    let log = log as *const Log as usize;
+    level.enter(log, true);
     Held {
         guard: m.lock().unwrap_or_else(|p| p.into_inner()),
         level,
+        log,
     }
 }
 
 /// `None` when another thread holds it (or a thread panicked holding it).
-fn try_take<T>(m: &Mutex<T>, level: Level) -> Option<Held<'_, T>> {
+fn try_take<'a, T>(log: &Log, m: &'a Mutex<T>, level: Level) -> Option<Held<'a, T>> {
     match m.try_lock() {
         Ok(guard) => {
-            level.enter(false);
-            Some(Held { guard, level })
+            let log = log as *const Log as usize;
+            level.enter(log, false);
+            Some(Held { guard, level, log })
         }
         Err(TryLockError::WouldBlock | TryLockError::Poisoned(_)) => None,
     }
@@ -142,11 +153,11 @@ impl Log {
 
     /// The running compaction (waits for a step in another thread).
     pub(in crate::store) fn compaction(&self) -> Held<'_, Option<Compaction>> {
-        wait(&self.compaction, Level::Compaction)
+        wait(self, &self.compaction, Level::Compaction)
     }
     /// The running compaction, unless another thread holds it now.
     pub(in crate::store) fn try_compaction(&self) -> Option<Held<'_, Option<Compaction>>> {
-        try_take(&self.compaction, Level::Compaction)
+        try_take(self, &self.compaction, Level::Compaction)
     }
     /// Whether this store follows a writer (it was opened read-only).
     pub(in crate::store) fn follows(&self) -> bool {
@@ -154,23 +165,23 @@ impl Log {
     }
     /// A read-only store's place in its writer's journal; `None` for a writable store.
     pub(in crate::store) fn follow(&self) -> Option<Held<'_, Follow>> {
-        Some(wait(self.follow.as_ref()?, Level::Follow))
+        Some(wait(self, self.follow.as_ref()?, Level::Follow))
     }
     /// The journal: the commit lock.
     pub(in crate::store) fn journal(&self) -> Held<'_, JournalFile> {
-        wait(&self.journal, Level::Journal)
+        wait(self, &self.journal, Level::Journal)
     }
     /// The journal, unless another thread holds it now.
     pub(in crate::store) fn try_journal(&self) -> Option<Held<'_, JournalFile>> {
-        try_take(&self.journal, Level::Journal)
+        try_take(self, &self.journal, Level::Journal)
     }
     /// The index.
     pub(in crate::store) fn index(&self) -> Held<'_, Index> {
-        wait(&self.index, Level::Index)
+        wait(self, &self.index, Level::Index)
     }
     /// The index, unless another thread holds it now.
     pub(in crate::store) fn try_index(&self) -> Option<Held<'_, Index>> {
-        try_take(&self.index, Level::Index)
+        try_take(self, &self.index, Level::Index)
     }
 }
 
@@ -178,13 +189,17 @@ impl Log {
 mod tests {
     use super::*;
 
-    #[test]
-    fn locks_in_order_pass_and_the_reverse_panics_in_debug_builds() {
-        let log = Log::new(
+    fn log() -> Log {
+        Log::new(
             Index::default(),
             JournalFile::open(std::path::Path::new("/dev/null"), false, 1 << 20).unwrap(),
             None,
-        );
+        )
+    }
+
+    #[test]
+    fn locks_in_order_pass_and_the_reverse_panics_in_debug_builds() {
+        let log = log();
         {
             let _c = log.compaction();
             let _j = log.journal();
@@ -202,5 +217,33 @@ mod tests {
         // the panic released what it held: the order holds again
         let _j = log.journal();
         let _i = log.index();
+    }
+
+    #[test]
+    fn two_stores_locks_nest_without_a_false_order_panic() {
+        let (a, b) = (log(), log());
+        {
+            // store A's index held while store B takes its whole order, and the reverse
+            let _ai = a.index();
+            let _bc = b.compaction();
+            let _bj = b.journal();
+            let _bi = b.index();
+        }
+        {
+            let _bi = b.index();
+            let _aj = a.journal();
+            let _ai = a.index();
+        }
+        {
+            // two same-level try-locks of two stores: dropping one leaves the other held
+            let ai = a.try_index().unwrap();
+            let _bi = b.try_index().unwrap();
+            drop(ai);
+            let b_again = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                let _bj = b.journal();
+            }));
+            assert_eq!(b_again.is_err(), cfg!(debug_assertions));
+            let _aj = a.journal(); // A's index was released
+        }
     }
 }
