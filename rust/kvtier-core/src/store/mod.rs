@@ -10,19 +10,23 @@
 //! - `index`: keys, LRU order, slot states and occupancy (`index::entry`: one stored object;
 //!   `index::fasthash`: the maps' hasher);
 //! - `log`, the journal as the store keeps it: `log::commit` (the commit lock, appends, the prepaid delete
-//!   reserve), `log::compact` (compaction in steps between commits), `log::recovery` (replay at open, with
-//!   `log::replay_keys`), `log::follow` (a read-only store following its writer);
+//!   reserve), `log::compact` (compaction in steps between commits), `log::evict` (eviction to the
+//!   space's limits, before a put and after open), `log::recovery` (replay at open, with
+//!   `log::replay_keys`), `log::follow` (a read-only store following its writer), `log::locks` (the log's
+//!   locks and their order);
 //! - `space`, where objects live and the room they take: `space::files` (data files, blocks, hole
 //!   punching, the O_DIRECT probe), `space::disk` (the file-system steps every store file shares),
 //!   `space::capacity` (the limits occupancy is kept within), `space::budget` (the store directory's
-//!   budget, shared by its namespaces);
+//!   budget, shared by its namespaces). The log consults the space (`limit`, `fits`, `settle`,
+//!   `punch_slots`); the one edge back is the space reading the index through `log::locks::Log` (its
+//!   occupancy to publish, slots punched), a lock of the log's state, not a log step;
 //! - `io`, object bytes between memory and disk: `io::write` (put; `io::allocate` its blocks, `io::encode`
 //!   its coding), `io::read` (get and verify; `io::read_coded` for coded objects), `io::seal_io` (sealed
 //!   and coded objects' buffers), `io::pages` (page-level batches over a bound host pool; `io::staging`
 //!   its staging pages), `io::memory` (host memory registered for IO);
 //! - [`stats`]: counters, phases and the open report (`stats::file`: the counters on disk, `STATS`);
 //! - `worker`: the writer's background thread (compaction steps, closing replaced journals, `STATS`);
-//! - `namespace`: the namespace directory, its writer's `LOCK` and `NAMESPACE` file; [`format`]: the
+//! - `namespace`: the namespace directory, its writer's `LOCK` and `NAMESPACE` file; [`format`](mod@format): the
 //!   `FORMAT` version files; [`lifecycle`]: a store directory's namespaces as a whole;
 //! - `open`: opening a namespace (options, the O_DIRECT probe, the journal read and its torn tail);
 //! - `erase`: erasing one tenant from a namespace.
