@@ -21,7 +21,7 @@ pub(super) fn set_on_worker(on: bool) -> bool {
     ON_WORKER.with(|w| w.replace(on))
 }
 
-/// Counters reported by [`super::PageStore::stats`].
+/// Counters a store keeps (`stats`, read through a [`PageStore`](crate::store::PageStore)).
 #[derive(Debug, Default)]
 pub struct Stats {
     /// Objects written (acknowledged).
