@@ -351,7 +351,7 @@ fn broken(rec: &Record, b: &Break) -> Vec<u8> {
             fix_record_crc(&mut e);
         }
         Break::Magic(m) => {
-            e[layout::MAGIC.range()].copy_from_slice(&m.to_le_bytes());
+            e[layout::MAGIC_FIELD.range()].copy_from_slice(&m.to_le_bytes());
             fix_record_crc(&mut e);
         }
         Break::Shape(class, len) => {

@@ -292,7 +292,7 @@ fn parse_one(b: &[u8]) -> Option<(RecordRef<'_>, usize)> {
 /// The record at the start of `b` and its length, if one of a valid shape starts there; with `check`,
 /// only if its checksum matches too.
 fn decode(b: &[u8], check: bool) -> Option<(RecordRef<'_>, usize)> {
-    if b.len() < FIXED + layout::RECORD_CRC_LEN || u32_at(b, layout::MAGIC.at) != MAGIC {
+    if b.len() < FIXED + layout::RECORD_CRC_LEN || u32_at(b, layout::MAGIC_FIELD.at) != MAGIC {
         return None;
     }
     let kind = b[layout::KIND.at];

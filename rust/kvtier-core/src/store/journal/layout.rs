@@ -1,12 +1,13 @@
 //! Where each field of a journal record lies: the one definition of the record layout. The journal's
-//! encoder and parser, the disk fuzzer and docs/STORE.md's layout table ([`table`], checked against the
+//! encoder and parser, the disk fuzzer and docs/STORE.md's layout table (`table`, checked against the
 //! document by a test) all take it from here.
 //!
-//! A record is the fixed fields ([`MAGIC`] to [`CRC`], [`FIXED`] bytes), then a coded put's decoded
+//! A record is the fixed fields ([`MAGIC_FIELD`] to [`CRC`], [`FIXED`] bytes), then a coded put's decoded
 //! length ([`DECODED_LEN`]), then a sealed put's seal ([`SEAL_LEN`] bytes), then the key
 //! ([`key_at`] gives where it starts), then the record's own crc32c ([`RECORD_CRC_LEN`] bytes).
 //! Every integer is little-endian.
 
+use super::MAGIC;
 use crate::seal::SEAL_LEN;
 
 /// One fixed-place field of a record: `len` bytes at offset `at`.
@@ -36,10 +37,10 @@ impl Field {
     }
 }
 
-/// `u32`: `journal::MAGIC`.
-pub const MAGIC: Field = Field { at: 0, len: 4 };
+/// `u32`: [`MAGIC`], where every record starts.
+pub const MAGIC_FIELD: Field = Field { at: 0, len: 4 };
 /// `u8`: one of [`PUT`], [`DEL`], [`SEALED_PUT`], [`CODED_PUT`], [`CODED_SEALED_PUT`].
-pub const KIND: Field = Field::after(MAGIC, 1);
+pub const KIND: Field = Field::after(MAGIC_FIELD, 1);
 /// `u16`: bytes of the key.
 pub const KEY_LEN: Field = Field::after(KIND, 2);
 /// `u32`: the size class (zero in a del).
@@ -99,29 +100,33 @@ pub const fn record_len(kind: u8, key_len: usize) -> usize {
 }
 
 /// docs/STORE.md's table of the record layout, made from the constants above (a test holds the
-/// document to it).
+/// document to it): a field's type is its width (`u{8 * len}`), the magic's value is [`MAGIC`].
+#[doc(hidden)]
 pub fn table() -> String {
+    let uint = |len: usize| format!("u{}", 8 * len);
+    let magic = String::from_utf8_lossy(&MAGIC.to_be_bytes()).into_owned();
     let fixed = [
         (
-            MAGIC,
+            MAGIC_FIELD,
             "magic",
-            "u32 = 0x4b56544a (\"KVTJ\")".to_owned(),
+            format!("{} = {MAGIC:#x} (\"{magic}\")", uint(MAGIC_FIELD.len)),
             "every record",
         ),
         (
             KIND,
             "kind",
             format!(
-                "u8: {PUT} put, {DEL} del, {SEALED_PUT} sealed put, {CODED_PUT} coded put, \
-                 {CODED_SEALED_PUT} coded sealed put"
+                "{}: {PUT} put, {DEL} del, {SEALED_PUT} sealed put, {CODED_PUT} coded put, \
+                 {CODED_SEALED_PUT} coded sealed put",
+                uint(KIND.len)
             ),
             "every record",
         ),
-        (KEY_LEN, "key_len", "u16".to_owned(), "every record"),
-        (CLASS, "class", "u32".to_owned(), "zero in a del"),
-        (SLOT, "slot", "u32".to_owned(), "zero in a del"),
-        (LEN, "len", "u64".to_owned(), "zero in a del"),
-        (CRC, "crc", "u32".to_owned(), "zero in a del"),
+        (KEY_LEN, "key_len", uint(KEY_LEN.len), "every record"),
+        (CLASS, "class", uint(CLASS.len), "zero in a del"),
+        (SLOT, "slot", uint(SLOT.len), "zero in a del"),
+        (LEN, "len", uint(LEN.len), "zero in a del"),
+        (CRC, "crc", uint(CRC.len), "zero in a del"),
     ];
     let mut out = String::from("| offset | field | bytes | type | in |\n|---|---|---|---|---|\n");
     for (f, name, ty, r#in) in fixed {
@@ -130,8 +135,10 @@ pub fn table() -> String {
     let (c, s) = (CODED_PUT, SEALED_PUT);
     let (cs, p) = (CODED_SEALED_PUT, PUT);
     out += &format!(
-        "| {} | decoded_len | {} | u64 | kinds {c} and {cs} |\n",
-        DECODED_LEN.at, DECODED_LEN.len
+        "| {} | decoded_len | {} | {} | kinds {c} and {cs} |\n",
+        DECODED_LEN.at,
+        DECODED_LEN.len,
+        uint(DECODED_LEN.len)
     );
     out += &format!(
         "| {} (kind {s}), {} (kind {cs}) | seal | {SEAL_LEN} | nonce, tag, key id | kinds {s} and {cs} |\n",
@@ -147,7 +154,8 @@ pub fn table() -> String {
         key_at(cs)
     );
     out += &format!(
-        "| key's end | record_crc | {RECORD_CRC_LEN} | u32: crc32c of every byte before it | every record |\n"
+        "| key's end | record_crc | {RECORD_CRC_LEN} | {}: crc32c of every byte before it | every record |\n",
+        uint(RECORD_CRC_LEN)
     );
     out += &format!(
         "\nA del or a clear put is `{} + key_len` bytes, a coded put `{} + key_len`, a sealed put\n\

@@ -92,8 +92,8 @@ fn a_del_with_nonzero_unused_fields_is_not_a_record() {
     let mut buf = Vec::new();
     Record::Del { key: "k".into() }.encode(&mut buf);
     assert_eq!(parse(&buf).0.len(), 1);
-    buf[9] = 1; // a class byte
-    let n = buf.len() - 4;
+    buf[layout::CLASS.at] = 1; // a class byte
+    let n = buf.len() - layout::RECORD_CRC_LEN;
     let rc = crc32c::crc32c(&buf[..n]);
     buf[n..].copy_from_slice(&rc.to_le_bytes());
     assert!(parse(&buf).0.is_empty());
@@ -136,7 +136,7 @@ proptest! {
     fn parser_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
         let (recs, n) = parse(&bytes);
         prop_assert!(n <= bytes.len());
-        prop_assert!(recs.len() <= bytes.len() / (FIXED + 4) + 1);
+        prop_assert!(recs.len() <= bytes.len() / (FIXED + layout::RECORD_CRC_LEN) + 1);
     }
 
     #[test]
@@ -230,7 +230,7 @@ fn layout_offsets_are_where_records_are_encoded() {
     let mut e = Vec::new();
     encode_put(&mut e, "key", &at);
     let field = |f: layout::Field| &e[f.range()];
-    assert_eq!(field(layout::MAGIC), MAGIC.to_le_bytes());
+    assert_eq!(field(layout::MAGIC_FIELD), MAGIC.to_le_bytes());
     assert_eq!(field(layout::KIND), [layout::CODED_SEALED_PUT]);
     assert_eq!(field(layout::KEY_LEN), 3u16.to_le_bytes());
     assert_eq!(field(layout::CLASS), at.class.to_le_bytes());
