@@ -322,7 +322,7 @@ impl Shared {
             .lap(crate::store::stats::phase::COMPACT_SYNC, &mut t);
         #[cfg(test)]
         if let Some(hook) = *FINISH_HOOK.lock().unwrap_or_else(|p| p.into_inner()) {
-            hook(self); // commits between this sync and the lock (tests_background)
+            hook(self); // commits between this sync and the lock (tests::background)
         }
         step_hook(self, "finish");
         let mut j = self.log.journal();

@@ -26,7 +26,7 @@ pub(in crate::store) const RECHECK: Duration = Duration::from_millis(100);
 /// Where a follower is in the writer's journal.
 pub(in crate::store) struct Follow {
     /// Device and inode of the journal file read so far (a compaction renames a new file over it). That
-    /// file stays open (the store's journal handle, `PageStore::journal`) until the follower moves to a
+    /// file stays open (the store's journal handle, behind `Log::journal`) until the follower moves to a
     /// newer one: while it is open no other file can take its inode number, so an equal number is the same
     /// file. (A freed number is handed out again at once on ext4: a follower that had let go of its file
     /// and missed two compactions took the third journal, which had its number, for the one it read grown,

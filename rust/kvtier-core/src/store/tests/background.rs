@@ -154,7 +154,7 @@ fn the_background_thread_gives_the_old_journal_back_and_writes_stats() {
         assert!(b < 2000, "no compaction");
     }
     w.flush_background();
-    // the stated bound (tests_disk): the capacity plus 64 KiB of fixed files and metadata
+    // the stated bound (tests::disk): the capacity plus 64 KiB of fixed files and metadata
     assert!(
         w.disk_blocks() <= cap + (64 << 10),
         "{} blocks",

@@ -1,5 +1,5 @@
 //! One budget for a store directory: claims, shares, idle namespaces, a lower budget (the format
-//! version, removal and the counters on disk: `tests_lifecycle`).
+//! version, removal and the counters on disk: `tests::lifecycle`).
 
 use super::{get1, opts, payload, put1, tmp, SERIAL};
 use crate::store::lifecycle::{namespaces, remove_namespace, set_budget};

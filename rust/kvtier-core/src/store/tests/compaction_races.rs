@@ -1,6 +1,6 @@
 //! Compaction in steps, reviewed adversarially: puts, deletes, touches and evictions racing every step of
 //! a compaction (with a crash copy after each), faults at the compaction's own IO points, the room a
-//! compaction takes beside the capacity. Followers: `tests_follower_races.rs`.
+//! compaction takes beside the capacity. Followers: `tests::follower_races`.
 
 use super::{bytes_at, crash_copy, get1, opts, page_key, payload, put1, tmp, SERIAL};
 use crate::store::*;

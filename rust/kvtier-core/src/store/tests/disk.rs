@@ -1,6 +1,6 @@
 //! The disk under the store: the capacity as a hard limit on disk blocks, a full disk, failed growth, the
 //! journal's extents counted at open, a reopen with a smaller capacity, the O_DIRECT probe, directory
-//! syncs. Journal faults: `tests_journal.rs`.
+//! syncs. Journal faults: `tests::journal`.
 
 use super::journal::assert_all_back;
 use super::{get1, opts, payload, put1, tmp, SERIAL};

@@ -33,7 +33,7 @@ fn every_io_point_failing_loses_no_acknowledged_object() {
         }
     }
     // every point was really hit by the workload (the probe runs at open, before any fault is set, and the
-    // directory sync when a file is first opened: tests_disk::a_failed_directory_sync_is_retried)
+    // directory sync when a file is first opened: tests::disk::a_failed_directory_sync_is_retried)
     let missed: Vec<_> = POINTS
         .iter()
         .filter(|p| **p != "probe" && **p != "dir_sync" && seen_faults[*p] == 0)

@@ -1,6 +1,6 @@
-//! Followers that look at the journal only on a miss or every `follow::RECHECK`, reviewed adversarially:
+//! Followers that look at the journal only on a miss or every `log::follow::RECHECK`, reviewed adversarially:
 //! a follower that misses two journal swaps, one that read a record that was cut back, one whose deleted
-//! key's slot another key took. Compaction racing every change: `tests_compaction_races.rs`.
+//! key's slot another key took. Compaction racing every change: `tests::compaction_races`.
 
 use super::{bytes_at, get1, opts, payload, put1, tmp, SERIAL};
 use crate::store::log::follow;
@@ -141,7 +141,7 @@ fn a_follower_that_read_a_record_that_was_cut_back_finds_what_replaced_it() {
     std::fs::remove_dir_all(root).unwrap();
 }
 
-/// Within `follow::RECHECK` a follower does not look at the journal while its lookups hit. A key the
+/// Within `log::follow::RECHECK` a follower does not look at the journal while its lookups hit. A key the
 /// writer deleted whose slot another key took meanwhile is then still in its index, naming that slot: the
 /// bytes there are the other key's, and the checksum binds bytes to their key, so the read is a miss (a
 /// counted corrupt read), never the other key's bytes. Where the other key has the very same bytes, they

@@ -1,7 +1,7 @@
 //! Journal faults: journal appends failing after each kind of change, a poisoned journal, put/delete races
 //! on one key, damaged records (resynchronisation, read-only inspection), keys that could hold a record.
-//! The disk under the store (capacity, a full disk, the O_DIRECT probe, directory syncs): `tests_disk.rs`.
-//! Page batches and readers: `tests_pages.rs`.
+//! The disk under the store (capacity, a full disk, the O_DIRECT probe, directory syncs): `tests::disk`.
+//! Page batches and readers: `tests::pages`.
 
 use super::{bytes_at, get1, opts, payload, put1, tmp, SERIAL};
 use crate::fault::{self, Fault};
