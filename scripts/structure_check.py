@@ -3,12 +3,23 @@
 
 1. No import circle among kvtier's Python modules: every `import`, at module level or inside a function, is an
    edge (a lazy import that hides a circle is still a circle).
-2. No import circle among kvtier-core's Rust modules: `use crate::a` / `crate::a::` in module b is an edge from b
-   to a, where a module is a top-level directory or file under `src/` (tests and `#[cfg(test)]` files excluded).
+2. No import circle among kvtier-core's Rust modules, at two levels: among the modules of the crate (a top-level
+   directory or file under `src/`), and among the modules inside each of those directories (`store/journal.rs`
+   and everything under `store/journal/` count as the module `store::journal`). A path in module b that names
+   an item of module a is an edge from b to a. Paths are read from the code with comments and string literals
+   removed (a `"//"` hides nothing), from `crate`, `self`, a `super` chain, a child module or a name a `use`
+   binds, and resolved to where the item comes from: through nested `{...}` groups, `use ... as alias`, a glob
+   (`use super::*` brings the parent's child modules and imports), and re-exports (`crate::store::VerifyReport`
+   is a path into `store::io` when store/mod.rs has `pub use io::read::VerifyReport`; a private `use` too, as
+   child modules may name it). Test modules are left out: a module named exactly `tests` or `tests_<topic>`
+   that its parent declares under `#[cfg(test)]`, everything under it, and inline `#[cfg(test)] mod x {...}`
+   blocks. Out of scope: calls that name no path, such as a method of a type (`impl Shared` in one module
+   called from another through `self.x()`), macros that build paths, and `#[path]` attributes.
 3. No library module reaches another object's private names: an attribute `x._name` (or `getattr(x, "_name")`)
    is allowed only on `self` or `cls`. Dunder names (`__x__`) are public protocol; the few private names of
    torch, transformers and Triton objects kvtier must read are listed in THIRD_PARTY_PRIVATE with the reason.
-4. No library source file over 500 lines (Python under python/kvtier, Rust under rust/*/src, tests aside).
+4. No library source file over 500 lines (Python under python/kvtier, Rust under rust/*/src, test modules as
+   in 2 aside).
 5. No library module imports another module's private names: `from kvtier.x import _name` (relative or
    absolute, renamed or not) is a reach-in too; a private *module* (`from . import _store_cli`) is its package's.
 
@@ -121,25 +132,288 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def rust_edges() -> dict[str, set[str]]:
-    top = {p.stem if p.is_file() else p.name for p in RUST_CORE.iterdir() if p.name not in ("lib.rs",)}
-    edges: dict[str, set[str]] = {m: set() for m in top}
-    pattern = re.compile(r"\bcrate::(\w+)")
-    group = re.compile(r"\bcrate::\{([^}]*)\}")
-    for path in RUST_CORE.rglob("*.rs"):
-        rel = path.relative_to(RUST_CORE)
-        if rel.name == "lib.rs" or "test" in rel.stem or "tests" in rel.parts:
+def strip_rust(text: str) -> str:
+    """`text` without its comments (`//`, nested `/* */`) and with every string and char literal emptied, so
+    neither a `//` inside a string nor a path inside a comment or a string is taken for code."""
+    out, i, n = [], 0, len(text)
+    while i < n:
+        c = text[i]
+        if text.startswith("//", i):
+            j = text.find("\n", i)
+            i = n if j < 0 else j
+        elif text.startswith("/*", i):
+            depth, i = 1, i + 2
+            while i < n and depth:
+                if text.startswith("/*", i):
+                    depth, i = depth + 1, i + 2
+                elif text.startswith("*/", i):
+                    depth, i = depth - 1, i + 2
+                else:
+                    i += 1
+        elif c == "r" and (i == 0 or not (text[i - 1].isalnum() or text[i - 1] == "_")) and re.match(
+                r'r#*"', text[i:i + 64]):
+            hashes = len(re.match(r"r(#*)", text[i:]).group(1))
+            end = text.find('"' + "#" * hashes, i + 2 + hashes)
+            out.append('""')
+            i = n if end < 0 else end + 1 + hashes
+        elif c == '"':
+            i += 1
+            while i < n and text[i] != '"':
+                i += 2 if text[i] == "\\" else 1
+            out.append('""')
+            i += 1
+        elif c == "'":
+            if text.startswith("\\", i + 1):  # an escaped char literal: '\n', '\'', '\u{..}'
+                end = text.find("'", i + 3)
+                out.append("' '")
+                i = n if end < 0 else end + 1
+            elif i + 2 < n and text[i + 2] == "'":  # a char literal: '{', '"'
+                out.append("' '")
+                i += 3
+            else:  # a lifetime
+                out.append(c)
+                i += 1
+        else:
+            out.append(c)
+            i += 1
+    return "".join(out)
+
+
+def _drop_test_blocks(code: str) -> str:
+    """`code` without its inline `#[cfg(test)] mod name { ... }` blocks (comments and strings already gone)."""
+    while m := re.search(r"#\[cfg\(test\)\]\s*(?:pub(?:\([^)]*\))?\s+)?mod\s+\w+\s*\{", code):
+        depth, i = 0, m.end() - 1
+        for i in range(m.end() - 1, len(code)):
+            depth += {"{": 1, "}": -1}.get(code[i], 0)
+            if depth == 0:
+                break
+        code = code[:m.start()] + code[i + 1:]
+    return code
+
+
+def _use_trees(code: str) -> list[tuple[list[str], str | None]]:
+    """Every `use` item of `code` as (the path as written, the name it binds): `use a::{b::{c as d}, e::*}`
+    gives (["a", "b", "c"], "d") and (["a", "e"], "*"); `use a::{self}` gives (["a"], "a")."""
+    found = []
+    for m in re.finditer(r"\buse\s+([^;]*);", code):
+        tokens = re.findall(r"::|[{},*]|\w+", m.group(1))
+        pos = [0]
+
+        def peek() -> str | None:
+            return tokens[pos[0]] if pos[0] < len(tokens) else None
+
+        def take() -> str | None:
+            tok = peek()
+            pos[0] += 1
+            return tok
+
+        def tree(prefix: list[str]) -> None:
+            segs = []
+            if peek() == "::":
+                take()
+            while (tok := peek()) and re.fullmatch(r"\w+", tok) and tok != "as":
+                segs.append(take())
+                if peek() == "::":
+                    take()
+                else:
+                    break
+            path = prefix + segs
+            tok = peek()
+            if tok == "{":
+                take()
+                while peek() not in (None, "}"):
+                    tree(path)
+                    if peek() == ",":
+                        take()
+                take()
+            elif tok == "*":
+                take()
+                found.append((path, "*"))
+            elif tok == "as":
+                take()
+                found.append((path, take()))
+            elif path:
+                if path[-1] == "self":
+                    path = path[:-1]
+                if path:
+                    found.append((path, path[-1]))
+
+        while peek() is not None:
+            before = pos[0]
+            tree([])
+            if peek() == ",":
+                take()
+            if pos[0] == before:
+                take()
+    return found
+
+
+def _module_path(rel: Path) -> list[str]:
+    """`store/journal/layout.rs` -> ["store", "journal", "layout"]; a `mod.rs` is its directory's module."""
+    parts = list(rel.with_suffix("").parts)
+    if parts[-1] in ("mod", "lib", "main") and (parts[-1] == "mod" or len(parts) == 1):
+        parts = parts[:-1]
+    return parts
+
+
+def _module_file(src: Path, module: tuple[str, ...]) -> Path | None:
+    if not module:
+        return src / "lib.rs" if (src / "lib.rs").exists() else src / "main.rs"
+    for p in (src.joinpath(*module).with_suffix(".rs"), src.joinpath(*module, "mod.rs")):
+        if p.exists():
+            return p
+    return None
+
+
+def _is_test_module(src: Path, module: tuple[str, ...]) -> bool:
+    """Whether `module` is a test module or inside one: a module named exactly `tests` or `tests_<topic>`
+    (the file's stem, not a substring of it) that its parent declares under `#[cfg(test)]`."""
+    for i, name in enumerate(module):
+        if name != "tests" and not name.startswith("tests_"):
             continue
-        owner = rel.parts[0].removesuffix(".rs")
-        text = path.read_text()
-        text = text.split("#[cfg(test)]\nmod tests {")[0]
-        names = set(pattern.findall(text))
-        for g in group.findall(text):
-            names |= {n.strip().split("::")[0] for n in g.split(",") if n.strip()}
-        for name in names:
-            if name in top and name != owner:
-                edges[owner].add(name)
-    return edges
+        parent = _module_file(src, module[:i])
+        if parent is None:
+            continue
+        decl = re.compile(r"(?:(?:#\[[^\]]*\]|pub(?:\([^)]*\))?)\s*)*mod\s+" + re.escape(name) + r"\s*;")
+        for m in decl.finditer(strip_rust(parent.read_text())):
+            if "#[cfg(test)]" in m.group(0):
+                return True
+    return False
+
+
+class RustCrate:
+    """A crate's module tree and what each module's `use` items bind, to resolve a path to the module its item
+    comes from: through `use ... as alias`, a glob (`use super::*` brings the parent's child modules and
+    imports), and a re-export (`pub use io::read::VerifyReport` in store/mod.rs makes `crate::store::
+    VerifyReport` a path into `store::io`; a private `use` counts too, as child modules may name it)."""
+
+    def __init__(self, src: Path):
+        self.src = src
+        self.files: dict[tuple[str, ...], Path] = {}
+        self.tests: set[tuple[str, ...]] = set()
+        for path in sorted(src.rglob("*.rs")):
+            module = tuple(_module_path(path.relative_to(src)))
+            if _is_test_module(src, module):
+                self.tests.add(module)
+            else:
+                self.files[module] = path
+        self.code = {m: _drop_test_blocks(strip_rust(p.read_text())) for m, p in self.files.items()}
+        self._scopes: dict[tuple[str, ...], tuple[dict, list]] = {}
+
+    def children(self, module: tuple[str, ...]) -> set[str]:
+        return {m[-1] for m in self.files if len(m) == len(module) + 1 and m[:-1] == module}
+
+    def _start(self, module: tuple[str, ...], segs: list[str], names: dict | None) -> list[str] | None:
+        """`segs` as written in `module` made absolute (None: another crate's, or unknown)."""
+        up = 0
+        while up < len(segs) and segs[up] == "super":
+            up += 1
+        if up:
+            return list(module[: len(module) - up]) + segs[up:] if up <= len(module) else None
+        head, rest = segs[0], segs[1:]
+        if head == "crate":
+            return rest
+        if head == "self":
+            return list(module) + rest
+        if head in self.children(module):
+            return list(module) + segs
+        if names is None:
+            names, globs = self.scope(module)
+        else:
+            globs = []
+        if head in names:
+            bound = names[head]
+            return None if bound is None else bound + rest
+        for g in globs:
+            if head in self.children(tuple(g)) or head in self.scope(tuple(g))[0]:
+                return g + segs
+        return None
+
+    def scope(self, module: tuple[str, ...]) -> tuple[dict[str, list[str] | None], list[list[str]]]:
+        """The names `module`'s `use` items bind (None: another crate's) and the modules it glob-imports."""
+        if module in self._scopes:
+            return self._scopes[module]
+        names: dict[str, list[str] | None] = {}
+        globs: list[list[str]] = []
+        self._scopes[module] = (names, globs)
+        trees = _use_trees(self.code.get(module, ""))
+        pending = []
+        for segs, bind in trees:
+            if not segs:
+                continue
+            head = segs[0]
+            if head in ("crate", "self", "super") or head in self.children(module):
+                target = self._start(module, segs, {})
+                if bind == "*":
+                    if target is not None:
+                        globs.append(target)
+                elif bind != "_":
+                    names[bind] = target
+            else:
+                pending.append((segs, bind))
+        for segs, bind in pending:  # a path through another import of the module (`use io::x; use x::y;`)
+            target = self._start(module, segs, names) if segs[0] in names else None
+            if bind == "*":
+                if target is not None:
+                    globs.append(target)
+            elif bind != "_":
+                names.setdefault(bind, target)
+        return names, globs
+
+    def canonical(self, path: list[str], depth: int = 0) -> list[str]:
+        """`path` (absolute) with each name bound by a module's `use` replaced by what it binds."""
+        if depth > 32:
+            return path
+        for i in range(len(path)):
+            prefix = tuple(path[:i])
+            if prefix not in self.files:
+                return path
+            name = path[i]
+            if name in self.children(prefix):
+                continue
+            names, globs = self.scope(prefix)
+            if name in names:
+                bound = names[name]
+                return path if bound is None else self.canonical(bound + path[i + 1:], depth + 1)
+            for g in globs:
+                if tuple(g) != prefix and (name in self.children(tuple(g)) or name in self.scope(tuple(g))[0]):
+                    return self.canonical(g + path[i:], depth + 1)
+            return path
+        return path
+
+    def targets(self, module: tuple[str, ...]) -> set[tuple[str, ...]]:
+        """Every path `module`'s code names, resolved to where its item comes from."""
+        code = self.code[module]
+        out = set()
+        written = [segs for segs, bind in _use_trees(code)]
+        written += [m.group(1).split("::") for m in
+                    re.finditer(r"(?<![\w:])([A-Za-z_]\w*(?:::[A-Za-z_]\w*)+)", code)]
+        for segs in written:
+            start = self._start(module, segs, None)
+            if start:
+                out.add(tuple(self.canonical(start)))
+        return out
+
+
+def rust_edges() -> dict[str, dict[str, set[str]]]:
+    """Module edges per level: "" the crate's modules, "store" the modules inside `src/store/`, and so on for
+    each top-level directory."""
+    crate = RustCrate(RUST_CORE)
+    levels: dict[str, dict[str, set[str]]] = {"": {m[0]: set() for m in crate.files if len(m) == 1}}
+    for top in sorted(m[0] for m in crate.files if len(m) == 1 and (RUST_CORE / m[0]).is_dir()):
+        levels[top] = {m[1]: set() for m in crate.files if len(m) == 2 and m[0] == top}
+    for module in sorted(m for m in crate.files if m):
+        for target in crate.targets(module):
+            if not target:
+                continue
+            # the crate level: a module naming another top-level module
+            if target[0] in levels[""] and target[0] != module[0]:
+                levels[""][module[0]].add(target[0])
+            # one level down: a module of a directory naming another module of that directory
+            if (len(module) >= 2 and len(target) >= 2 and target[0] == module[0] and module[0] in levels
+                    and target[1] in levels[module[0]] and target[1] != module[1]):
+                levels[module[0]][module[1]].add(target[1])
+    return levels
 
 
 def private_reach_ins(modules: dict[str, Path]) -> list[str]:
@@ -193,7 +467,9 @@ def long_files() -> list[str]:
     out = []
     paths = list((PY_ROOT / PACKAGE).rglob("*.py"))
     for crate in (ROOT / "rust").iterdir():
-        paths += [p for p in (crate / "src").rglob("*.rs") if "test" not in p.stem]
+        src = crate / "src"
+        paths += [p for p in src.rglob("*.rs")
+                  if not _is_test_module(src, tuple(_module_path(p.relative_to(src))))]
     for path in sorted(paths):
         n = len(path.read_text().splitlines())
         if n > MAX_LINES:
@@ -206,8 +482,10 @@ def main() -> int:
     findings = []
     for c in cycles(python_edges(modules)):
         findings.append("python import circle: " + " <-> ".join(c))
-    for c in cycles(rust_edges()):
-        findings.append("kvtier-core module circle: " + " <-> ".join(c))
+    for level, edges in rust_edges().items():
+        for c in cycles(edges):
+            where = f" in {level}" if level else ""
+            findings.append(f"kvtier-core module circle{where}: " + " <-> ".join(c))
     findings += private_reach_ins(modules)
     findings += private_imports(modules)
     findings += long_files()

@@ -26,13 +26,11 @@ use std::sync::OnceLock;
 use std::time::Instant;
 
 use kvtier_core::buffer::{HostRegion, HugePages, RegionOptions};
-use kvtier_core::journal::{self, Placement, Record};
+use kvtier_core::journal::{self, layout, Placement, Record};
 use kvtier_core::store::{namespace_dir, PageStore, StoreOptions};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngSeed, TestCaseError, TestRunner};
 
-/// Bytes of a journal record before its key (magic, kind, key_len, class, slot, len, crc).
-const FIXED: usize = 27;
 const PAGE: u64 = 4096;
 
 // ------------------------------------------------------------------------------------------------ harness
@@ -208,7 +206,7 @@ fn encode_all(recs: &[Record]) -> Vec<u8> {
 
 /// Rewrites the record crc of the encoded record in `rec` (after editing its fields in place).
 fn fix_record_crc(rec: &mut [u8]) {
-    let n = rec.len() - 4;
+    let n = rec.len() - layout::RECORD_CRC_LEN;
     let c = crc32c::crc32c(&rec[..n]);
     rec[n..].copy_from_slice(&c.to_le_bytes());
 }
@@ -311,10 +309,8 @@ fn plausible_shape(class: u32, len: u64) -> bool {
 fn broken(rec: &Record, b: &Break) -> Vec<u8> {
     let mut e = encode_all(std::slice::from_ref(rec));
     // the key follows the fixed fields, a coded put's decoded length and a sealed put's seal
-    let head = FIXED
-        + if e[4] == 4 || e[4] == 5 { 8 } else { 0 }
-        + if e[4] == 3 || e[4] == 5 { 32 } else { 0 };
-    let key_len = e.len() - head - 4;
+    let head = layout::key_at(e[layout::KIND.at]);
+    let key_len = e.len() - head - layout::RECORD_CRC_LEN;
     match b {
         Break::FlipBit(i, bit) => {
             let i = i.index(e.len());
@@ -333,16 +329,16 @@ fn broken(rec: &Record, b: &Break) -> Vec<u8> {
             } else {
                 *n
             };
-            e[5..7].copy_from_slice(&n.to_le_bytes());
+            e[layout::KEY_LEN.range()].copy_from_slice(&n.to_le_bytes());
         }
         Break::Kind(k) => {
-            e[4] = *k;
+            e[layout::KIND.at] = *k;
             fix_record_crc(&mut e);
         }
         Break::BadUtf8(i) => {
             if key_len == 0 {
                 e.insert(head, 0xff);
-                e[5..7].copy_from_slice(&1u16.to_le_bytes());
+                e[layout::KEY_LEN.range()].copy_from_slice(&1u16.to_le_bytes());
             } else {
                 e[head + i.index(key_len)] = 0xff; // never valid in UTF-8
             }
@@ -350,17 +346,17 @@ fn broken(rec: &Record, b: &Break) -> Vec<u8> {
         }
         Break::LongKey(n) => {
             e.truncate(head);
-            e[5..7].copy_from_slice(&n.to_le_bytes());
-            e.resize(head + *n as usize + 4, b'k');
+            e[layout::KEY_LEN.range()].copy_from_slice(&n.to_le_bytes());
+            e.resize(head + *n as usize + layout::RECORD_CRC_LEN, b'k');
             fix_record_crc(&mut e);
         }
         Break::Magic(m) => {
-            e[..4].copy_from_slice(&m.to_le_bytes());
+            e[layout::MAGIC_FIELD.range()].copy_from_slice(&m.to_le_bytes());
             fix_record_crc(&mut e);
         }
         Break::Shape(class, len) => {
-            e[7..11].copy_from_slice(&class.to_le_bytes());
-            e[15..23].copy_from_slice(&len.to_le_bytes());
+            e[layout::CLASS.range()].copy_from_slice(&class.to_le_bytes());
+            e[layout::LEN.range()].copy_from_slice(&len.to_le_bytes());
             fix_record_crc(&mut e);
         }
     }

@@ -7,7 +7,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::sync::{Mutex, RwLock, RwLockReadGuard};
 
-use super::files::ClassFile;
+use super::space::files::ClassFile;
 use super::Shared;
 use crate::error::{Error, Result};
 use crate::seal::{tenant_of, valid_tag, TAG_HEX};
@@ -123,7 +123,7 @@ impl Shared {
         self.erased.insert(stag.clone());
         self.refresh_for(None);
         let mine: Vec<(String, u32, u32, u64)> = {
-            let ix = self.lock_index();
+            let ix = self.log.index();
             ix.map
                 .iter()
                 .filter(|(k, _)| tenant_of(k) == Some(stag.as_str()))
@@ -158,7 +158,7 @@ impl Shared {
     /// Punches out (or, where the file system cannot, zeroes) every free slot's blocks, adding the files it
     /// wrote to `touched`. The slots are taken off the free list meanwhile, so no put reuses one mid-way.
     fn scrub_free_slots(&self, touched: &mut Vec<Arc<ClassFile>>) -> Result<()> {
-        let slots = self.lock_index().take_punchable(&[]);
+        let slots = self.log.index().take_punchable(&[]);
         let (mut punched, mut zeroed) = (Vec::new(), Vec::new());
         let mut failed = None;
         for &(class, slot) in &slots {
@@ -186,7 +186,7 @@ impl Shared {
             .copied()
             .collect();
         {
-            let mut ix = self.lock_index();
+            let mut ix = self.log.index();
             ix.punched(&punched, true);
             ix.punched(&zeroed, false);
             ix.punched(&rest, false);

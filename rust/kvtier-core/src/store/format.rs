@@ -5,7 +5,7 @@ use std::os::unix::fs::FileExt;
 use std::path::Path;
 
 use super::io_err;
-use super::namespace::{open_rw, sync_dir};
+use super::space::disk::{open_rw, sync_dir};
 use crate::error::{Error, Result};
 
 /// The format this kvtier writes and reads (defined beside the journal's records, which change most often).

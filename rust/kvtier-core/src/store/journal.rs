@@ -1,12 +1,7 @@
 //! The page store's journal: an append-only log of `put` and `del` records, each checksummed.
 //!
-//! Record layout (little-endian):
-//!
-//! ```text
-//! magic u32 = 0x4b56544a ("KVTJ") | kind u8 (1 put, 2 del, 3 sealed put, 4 coded put, 5 coded sealed put) |
-//! key_len u16 | class u32 | slot u32 | len u64 | crc u32 (crc32c of the object's bytes, then its key) |
-//! [decoded_len u64, kinds 4 and 5] | [seal [SEAL_LEN = 32], kinds 3 and 5] | key [key_len] | record_crc u32
-//! ```
+//! Record layout: [`layout`], its one definition (magic, kind, key_len, class, slot, len, crc, then a
+//! coded put's decoded_len and a sealed put's seal, the key and record_crc; little-endian).
 //!
 //! A sealed put is the put of an object encrypted at rest (`crate::seal`): its seal is the nonce and
 //! authentication tag, and `crc` covers the stored (encrypted) bytes. A coded put is the put of an object
@@ -19,7 +14,10 @@
 //! tail (a crash during an append). [`parse`] never panics, whatever the bytes (property tests feed it
 //! random input). See docs/STORE.md.
 
+pub mod layout;
+
 use crate::seal::{Seal, SEAL_LEN};
+use layout::FIXED;
 
 /// The on-disk format this kvtier writes and reads: the journal records below, data files, namespace files and
 /// the root's `BUDGET` table described in docs/STORE.md. A change to a record's layout bumps it, so a kvtier
@@ -34,7 +32,6 @@ pub const FORMAT_VERSION: u32 = 2;
 pub const FORMATS_READ: &[u32] = &[1];
 /// Record magic.
 pub const MAGIC: u32 = 0x4b56_544a;
-const FIXED: usize = 4 + 1 + 2 + 4 + 4 + 8 + 4;
 /// Longest key accepted (HiCache keys are 64 hex characters plus a suffix).
 pub const MAX_KEY: usize = 1024;
 
@@ -79,7 +76,7 @@ impl Record {
     pub fn encode(&self, out: &mut Vec<u8>) {
         match self {
             Record::Put { key, at } => encode_put(out, key, at),
-            Record::Del { key } => encode_raw(out, 2, key, &Placement::default(), None),
+            Record::Del { key } => encode_raw(out, layout::DEL, key, &Placement::default(), None),
         }
     }
 }
@@ -100,25 +97,13 @@ impl Default for Placement {
 
 /// Appends the encoded put record of `key` to `out` (as `Record::Put`'s `encode`, without a `Record`).
 pub fn encode_put(out: &mut Vec<u8>, key: &str, at: &Placement) {
-    let kind = match (at.seal.is_some(), at.coded.is_some()) {
-        (false, false) => 1,
-        (true, false) => 3,
-        (false, true) => 4,
-        (true, true) => 5,
-    };
+    let kind = layout::put_kind(at.seal.is_some(), at.coded.is_some());
     encode_raw(out, kind, key, at, at.seal.as_ref())
-}
-
-/// Bytes of the fixed fields, the decoded length and the seal of a record of `kind`: where its key starts.
-const fn head(kind: u8) -> usize {
-    FIXED
-        + if kind == 4 || kind == 5 { 8 } else { 0 }
-        + if kind == 3 || kind == 5 { SEAL_LEN } else { 0 }
 }
 
 /// Bytes of a put record of a `key_len`-byte key, sealed or not, coded or not, once encoded.
 pub const fn put_len(key_len: usize, sealed: bool, coded: bool) -> usize {
-    encoded_len(key_len) + if sealed { SEAL_LEN } else { 0 } + if coded { 8 } else { 0 }
+    layout::record_len(layout::put_kind(sealed, coded), key_len)
 }
 
 fn encode_raw(out: &mut Vec<u8>, kind: u8, key: &str, at: &Placement, seal: Option<&Seal>) {
@@ -131,12 +116,14 @@ fn encode_raw(out: &mut Vec<u8>, kind: u8, key: &str, at: &Placement, seal: Opti
     out.extend_from_slice(&at.slot.to_le_bytes());
     out.extend_from_slice(&at.len.to_le_bytes());
     out.extend_from_slice(&at.crc.to_le_bytes());
-    if let (4 | 5, Some(c)) = (kind, at.coded) {
+    debug_assert_eq!(out.len() - start, FIXED);
+    if let (true, Some(c)) = (layout::is_coded(kind), at.coded) {
         out.extend_from_slice(&c.to_le_bytes());
     }
     if let Some(s) = seal {
         out.extend_from_slice(s);
     }
+    debug_assert_eq!(out.len() - start, layout::key_at(kind));
     out.extend_from_slice(key.as_bytes());
     let rc = crc32c::crc32c(&out[start..]);
     out.extend_from_slice(&rc.to_le_bytes());
@@ -236,8 +223,8 @@ pub(crate) fn record_at(buf: &[u8], off: usize) -> RecordRef<'_> {
 /// The key bytes of the record at `off` in `buf`, an offset [`parse_resync_with`] gave for this `buf`.
 pub(crate) fn key_bytes_at(buf: &[u8], off: usize) -> &[u8] {
     let b = &buf[off..];
-    let head = head(b[4]);
-    &b[head..head + u16_at(b, 5) as usize]
+    let head = layout::key_at(b[layout::KIND.at]);
+    &b[head..head + u16_at(b, layout::KEY_LEN.at) as usize]
 }
 
 /// The resynchronising parse (see the module docs), keeping of each valid record what `keep` makes of it
@@ -261,7 +248,7 @@ pub(crate) fn parse_resync_with<'a, R>(
             continue;
         }
         // search forward for the next whole record; none means the rest is a torn tail
-        let next = (off + 1..buf.len().saturating_sub(FIXED + 3))
+        let next = (off + 1..buf.len().saturating_sub(FIXED + layout::RECORD_CRC_LEN - 1))
             .find(|&o| u32_at(buf, o) == MAGIC && parse_one(&buf[o..]).is_some());
         match next {
             Some(o) => {
@@ -286,10 +273,16 @@ pub fn parse(buf: &[u8]) -> (Vec<Record>, usize) {
     (out, off)
 }
 
+/// Whether a put record's shape is one the store writes: a size class that is a positive multiple of 4096
+/// and a length within it (replay also checks the slot against the data file; a follower cannot).
+pub(super) fn put_shape_ok(class: u32, len: u64) -> bool {
+    class > 0 && u64::from(class) % 4096 == 0 && len > 0 && len <= u64::from(class)
+}
+
 /// Bytes of a del or clear put record of a `key_len`-byte key once encoded (a sealed put has
 /// [`SEAL_LEN`] more).
 pub const fn encoded_len(key_len: usize) -> usize {
-    FIXED + key_len + 4
+    layout::record_len(layout::DEL, key_len)
 }
 
 fn parse_one(b: &[u8]) -> Option<(RecordRef<'_>, usize)> {
@@ -299,16 +292,16 @@ fn parse_one(b: &[u8]) -> Option<(RecordRef<'_>, usize)> {
 /// The record at the start of `b` and its length, if one of a valid shape starts there; with `check`,
 /// only if its checksum matches too.
 fn decode(b: &[u8], check: bool) -> Option<(RecordRef<'_>, usize)> {
-    if b.len() < FIXED + 4 || u32_at(b, 0) != MAGIC {
+    if b.len() < FIXED + layout::RECORD_CRC_LEN || u32_at(b, layout::MAGIC_FIELD.at) != MAGIC {
         return None;
     }
-    let kind = b[4];
-    let key_len = u16_at(b, 5) as usize;
+    let kind = b[layout::KIND.at];
+    let key_len = u16_at(b, layout::KEY_LEN.at) as usize;
     if key_len > MAX_KEY {
         return None;
     }
-    let head = head(kind);
-    let total = head + key_len + 4;
+    let head = layout::key_at(kind);
+    let total = head + key_len + layout::RECORD_CRC_LEN;
     if b.len() < total {
         return None;
     }
@@ -318,8 +311,10 @@ fn decode(b: &[u8], check: bool) -> Option<(RecordRef<'_>, usize)> {
     let key = std::str::from_utf8(&b[head..head + key_len]).ok()?;
     let rec = match kind {
         // a put of a shape the store never writes is not a record either (see `no_record_is_found_inside_an_accepted_key`)
-        1 | 3 | 4 | 5 if super::index::put_shape_ok(u32_at(b, 7), u64_at(b, 15)) => {
-            let coded = (kind == 4 || kind == 5).then(|| u64_at(b, FIXED));
+        layout::PUT | layout::SEALED_PUT | layout::CODED_PUT | layout::CODED_SEALED_PUT
+            if put_shape_ok(u32_at(b, layout::CLASS.at), u64_at(b, layout::LEN.at)) =>
+        {
+            let coded = layout::is_coded(kind).then(|| u64_at(b, layout::DECODED_LEN.at));
             // a coded object decodes to at least one byte, at most what the store takes
             if coded.is_some_and(|c| c == 0 || c > super::MAX_OBJECT) {
                 return None;
@@ -327,19 +322,21 @@ fn decode(b: &[u8], check: bool) -> Option<(RecordRef<'_>, usize)> {
             RecordRef::Put {
                 key,
                 at: Placement {
-                    class: u32_at(b, 7),
-                    slot: u32_at(b, 11),
-                    len: u64_at(b, 15),
-                    crc: u32_at(b, 23),
-                    seal: (kind == 3 || kind == 5)
-                        .then(|| b[head - SEAL_LEN..head].try_into().expect("SEAL_LEN bytes")),
+                    class: u32_at(b, layout::CLASS.at),
+                    slot: u32_at(b, layout::SLOT.at),
+                    len: u64_at(b, layout::LEN.at),
+                    crc: u32_at(b, layout::CRC.at),
+                    seal: layout::is_sealed(kind).then(|| {
+                        let at = layout::seal_at(kind);
+                        b[at..at + SEAL_LEN].try_into().expect("SEAL_LEN bytes")
+                    }),
                     coded,
                 },
             }
         }
         // a del's unused fields are zero (as `encode` writes them): one fewer way for bytes that are not a
         // record to pass for one
-        2 if b[7..FIXED].iter().all(|&x| x == 0) => RecordRef::Del { key },
+        layout::DEL if b[layout::CLASS.at..FIXED].iter().all(|&x| x == 0) => RecordRef::Del { key },
         _ => return None,
     };
     Some((rec, total))

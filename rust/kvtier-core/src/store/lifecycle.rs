@@ -4,8 +4,9 @@
 use std::path::Path;
 use std::time::UNIX_EPOCH;
 
-use super::budget::{self, Table};
-use super::namespace::{check_owned_dir, held, open_rw, sync_dir, try_lock};
+use super::namespace::{check_owned_dir, held, try_lock};
+use super::space::budget::{self, Table};
+use super::space::disk::{open_rw, sync_dir};
 use super::{format, io_err};
 use crate::error::{Error, Result};
 

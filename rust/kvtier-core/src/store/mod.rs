@@ -2,101 +2,63 @@
 //! shared file system, with O_DIRECT IO straight from and into the caller's (pinned, aligned) memory.
 //!
 //! The design — file formats, the order of every step of put, get, delete, eviction, compaction and open,
-//! and why each crash or error point is safe — is docs/STORE.md. The modules follow it:
+//! and why each crash or error point is safe — is docs/STORE.md. The modules follow it,
+//! grouped by component (every module of the store is named here):
 //!
-//! - [`namespace`]: the namespace directory, its writer's `LOCK` and `NAMESPACE` file;
-//! - `index`: keys, LRU order, slot states and occupancy;
-//! - `files`: data files, block allocation, hole punching, the O_DIRECT probe;
-//! - [`journal`]: record format and the resynchronising parser;
-//! - `commit`: the commit lock, journal appends, the prepaid delete reserve; `compact`: compaction in
-//!   steps between commits;
-//! - `write` / `read`: put, get and verify; `pages`: page-level batches over a bound host pool;
+//! - [`journal`]: the record format ([`journal::layout`]: where each field lies) and the resynchronising
+//!   parser;
+//! - `index`: keys, LRU order, slot states and occupancy (`index::entry`: one stored object;
+//!   `index::fasthash`: the maps' hasher);
+//! - `log`, the journal as the store keeps it: `log::commit` (the commit lock, appends, the prepaid delete
+//!   reserve), `log::compact` (compaction in steps between commits), `log::evict` (eviction to the
+//!   space's limits, before a put and after open), `log::recovery` (replay at open, with
+//!   `log::replay_keys`), `log::follow` (a read-only store following its writer), `log::locks` (the log's
+//!   locks and their order);
+//! - `space`, where objects live and the room they take: `space::files` (data files, blocks, hole
+//!   punching, the O_DIRECT probe), `space::disk` (the file-system steps every store file shares),
+//!   `space::capacity` (the limits occupancy is kept within), `space::budget` (the store directory's
+//!   budget, shared by its namespaces). The log consults the space (`limit`, `fits`, `settle`,
+//!   `punch_slots`); the one edge back is the space reading the index through `log::locks::Log` (its
+//!   occupancy to publish, slots punched), a lock of the log's state, not a log step;
+//! - `io`, object bytes between memory and disk: `io::write` (put; `io::allocate` its blocks, `io::encode`
+//!   its coding), `io::read` (get and verify; `io::read_coded` for coded objects), `io::seal_io` (sealed
+//!   and coded objects' buffers), `io::pages` (page-level batches over a bound host pool; `io::staging`
+//!   its staging pages), `io::memory` (host memory registered for IO);
+//! - [`stats`]: counters, phases and the open report (`stats::file`: the counters on disk, `STATS`);
+//! - `worker`: the writer's background thread (compaction steps, closing replaced journals, `STATS`);
+//! - `namespace`: the namespace directory, its writer's `LOCK` and `NAMESPACE` file; [`format`](mod@format): the
+//!   `FORMAT` version files; [`lifecycle`]: a store directory's namespaces as a whole;
 //! - `open`: opening a namespace (options, the O_DIRECT probe, the journal read and its torn tail);
-//! - `recovery`: replay at open; [`stats`]: counters and the open report.
+//! - `erase`: erasing one tenant from a namespace.
 
-mod allocate;
-mod budget;
-mod capacity;
-mod commit;
-mod compact;
-mod encode;
-mod entry;
 mod erase;
-mod fasthash;
-mod files;
-mod follow;
 pub mod format;
 mod index;
+mod io;
 pub mod journal;
 pub mod lifecycle;
-mod memory;
+mod log;
 mod namespace;
 mod open;
-mod pages;
-mod read;
-mod read_coded;
-mod recovery;
-mod replay_keys;
-mod seal_io;
-mod staging;
+mod space;
 pub mod stats;
-mod stats_file;
 mod worker;
-mod write;
 
 #[cfg(test)]
 mod tests;
-#[cfg(test)]
-mod tests_background;
-#[cfg(test)]
-mod tests_background_steps;
-#[cfg(test)]
-mod tests_budget;
-#[cfg(test)]
-mod tests_coded;
-#[cfg(test)]
-mod tests_compaction;
-#[cfg(test)]
-mod tests_compaction_races;
-#[cfg(test)]
-mod tests_disk;
-#[cfg(test)]
-mod tests_erase;
-#[cfg(test)]
-mod tests_faults;
-#[cfg(test)]
-mod tests_follower_races;
-#[cfg(test)]
-mod tests_journal;
-#[cfg(test)]
-mod tests_lifecycle;
-#[cfg(test)]
-mod tests_maintenance;
-#[cfg(test)]
-mod tests_pages;
-#[cfg(test)]
-mod tests_pages_in_two;
-#[cfg(test)]
-mod tests_pieces;
-#[cfg(test)]
-mod tests_seal;
-#[cfg(test)]
-mod tests_staging;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 
 use crate::error::{Error, Result};
 use crate::seal::Keyring;
-use commit::JournalFile;
-use files::ClassFile;
-use index::Index;
+use space::files::ClassFile;
 
+pub use io::pages::{PageBatch, PageLayout, Pages};
+pub use io::read::VerifyReport;
 pub use namespace::namespace_dir;
-pub use pages::{PageBatch, PageLayout, Pages};
-pub use read::VerifyReport;
 pub use stats::{OpenReport, Stats};
 
 const ALIGN: u64 = 4096;
@@ -163,27 +125,23 @@ pub struct Shared {
     /// Read-only open: a writer held `LOCK` when this store was opened.
     live_writer: bool,
     _lock: Option<std::fs::File>,
-    index: Mutex<Index>,
-    /// The commit lock (docs/STORE.md, R1). Lock order: `journal` before `index`, never the reverse.
-    journal: Mutex<JournalFile>,
-    /// The running compaction, if any (`compact`). Lock order: `compaction` before `journal`.
-    compaction: Mutex<Option<compact::Compaction>>,
+    /// The running compaction or a follower's place, the journal (the commit lock) and the index, behind
+    /// their locks, which it takes in their one order (`log::locks`).
+    log: log::locks::Log,
     classes: Mutex<HashMap<u32, Arc<ClassFile>>>,
     /// Serializes block allocation and the file-length bookkeeping around it.
     alloc_lock: Mutex<()>,
     punch_ok: AtomicBool,
     /// Aligned buffers sealed objects are written from, reused across objects and batches.
-    scratch: seal_io::ScratchPool,
+    scratch: io::seal_io::ScratchPool,
     poisoned: AtomicBool,
-    pages: pages::Bound,
-    /// Host memory registered for IO (see `memory`).
-    memory: memory::Memory,
-    /// Read-only stores: where they are in the writer's journal (see `follow`).
-    follow: Option<Mutex<follow::Follow>>,
+    pages: io::pages::Bound,
+    /// Host memory registered for IO (see `io::memory`).
+    memory: io::memory::Memory,
     /// This namespace's share of the root's budget (writable stores).
-    share: Option<budget::Share>,
-    /// When the counters were last written to `STATS` (see `stats_file`).
-    stats_file: stats_file::StatsFile,
+    share: Option<space::budget::Share>,
+    /// When the counters were last written to `STATS` (see `stats::file`).
+    stats_file: stats::file::StatsFile,
     /// Work taken off the put path: closing replaced journals, rewriting `STATS` (see `worker`).
     worker: worker::Worker,
     /// Tenants erased through this store (stored tags): their puts fail until allowed again (see `erase`).
@@ -222,7 +180,7 @@ impl PageStore {
     }
 
     /// Opens an existing namespace without writing: nothing is created, locked, written or truncated, so it
-    /// works on a store another process has open (whose new records it follows: see `follow`) and on a
+    /// works on a store another process has open (whose new records it follows: see `log::follow`) and on a
     /// directory without write permission.
     pub fn open_read_only(root: &Path, namespace: &str) -> Result<Self> {
         Self::open_read_only_sealed(root, namespace, None)
@@ -256,10 +214,6 @@ impl PageStore {
 }
 
 impl Shared {
-    fn lock_index(&self) -> MutexGuard<'_, Index> {
-        self.index.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
     /// The namespace directory.
     pub fn dir(&self) -> &Path {
         &self.dir
@@ -303,14 +257,14 @@ impl Shared {
     }
     /// `(objects, bytes of slots in use)`.
     pub fn usage(&self) -> (usize, u64) {
-        let ix = self.lock_index();
+        let ix = self.log.index();
         (ix.servable_count(), ix.used)
     }
     /// What the servable objects hold and take: `(objects stored coded, bytes stored, bytes they decode
     /// to)` (an object stored as given counts its length in both); the ratio of the last two is what the
     /// codec gives the store's budget.
     pub fn content(&self) -> (usize, u64, u64) {
-        let ix = self.lock_index();
+        let ix = self.log.index();
         debug_assert_eq!(
             ix.content,
             ix.map
@@ -328,7 +282,7 @@ impl Shared {
     }
     /// `(data bytes held, journal bytes held)`: the occupancy the capacity limit applies to.
     pub fn occupancy(&self) -> (u64, u64) {
-        let ix = self.lock_index();
+        let ix = self.log.index();
         (ix.data_alloc, ix.j_alloc)
     }
     /// Bytes of disk blocks the store's files occupy now, as the file system reports them (`st_blocks`).
@@ -338,13 +292,13 @@ impl Shared {
         };
         rd.filter_map(|e| e.ok())
             .filter_map(|e| std::fs::File::open(e.path()).ok())
-            .map(|f| files::allocated_bytes(&f))
+            .map(|f| space::files::allocated_bytes(&f))
             .sum()
     }
     /// All servable keys.
     pub fn keys(&self) -> Vec<String> {
         self.refresh_for(None);
-        let ix = self.lock_index();
+        let ix = self.log.index();
         ix.map
             .iter()
             .filter(|(_, e)| e.servable())

@@ -1,28 +1,18 @@
 //! A namespace's directory: its name, owner-only creation and checks, the writer's `LOCK`, and the
 //! `NAMESPACE` file that guards against hash collisions.
 
-use std::fs::{File, OpenOptions};
-use std::os::unix::fs::{DirBuilderExt, FileExt, OpenOptionsExt, PermissionsExt};
+use std::fs::File;
+use std::os::unix::fs::{DirBuilderExt, FileExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
 use super::io_err;
+use super::space::disk::open_rw;
 use crate::error::{Error, Result};
 
 /// The directory name of `namespace` under the store root.
 pub fn namespace_dir(namespace: &str) -> String {
     let h = crate::hash::sha256_hex(namespace.as_bytes());
     format!("ns-{}", &h[..16])
-}
-
-/// Opens `p` read-write, creating it owner-only.
-pub(super) fn open_rw(p: &Path, extra: i32) -> std::io::Result<File> {
-    OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .mode(0o600)
-        .custom_flags(extra)
-        .open(p)
 }
 
 /// Creates `p` (mode 0700) or checks that the existing one is a real directory — not a symlink someone
@@ -195,12 +185,6 @@ fn check_namespace_file(dir: &Path, namespace: &str) -> Result<bool> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
         Err(e) => Err(io_err(format!("reading {}", ns_file.display()), e)),
     }
-}
-
-/// Makes `dir`'s entries durable (a file just created in it must survive a crash with its data).
-pub(super) fn sync_dir(dir: &Path) -> std::io::Result<()> {
-    crate::fault::check("dir_sync")?;
-    File::open(dir)?.sync_all()
 }
 
 pub(super) fn try_lock(f: &File, how: i32) -> bool {

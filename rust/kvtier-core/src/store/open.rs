@@ -7,10 +7,15 @@ use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
-use super::commit::JournalFile;
+use super::io::seal_io;
+use super::log::commit::JournalFile;
+use super::log::locks::Log;
+use super::log::{follow, recovery};
+use super::space::{budget, files};
+use super::stats::file as stats_file;
 use super::{
-    budget, files, follow, format, index, io_err, journal, namespace, namespace_dir, recovery,
-    seal_io, stats_file, OpenReport, PageStore, Shared, Stats, StoreOptions, ALIGN,
+    format, index, io_err, journal, namespace, namespace_dir, OpenReport, PageStore, Shared, Stats,
+    StoreOptions, ALIGN,
 };
 use crate::error::{Error, Result};
 
@@ -190,9 +195,7 @@ impl PageStore {
             read_only: !writable,
             live_writer,
             _lock: lock,
-            index: Mutex::new(index),
-            journal: Mutex::new(journal),
-            compaction: Mutex::new(None),
+            log: Log::new(index, journal, follow),
             classes: Mutex::new(HashMap::new()),
             alloc_lock: Mutex::new(()),
             punch_ok: AtomicBool::new(punch_ok),
@@ -200,7 +203,6 @@ impl PageStore {
             poisoned: AtomicBool::new(false),
             pages: Default::default(),
             memory: Default::default(),
-            follow,
             share,
             stats_file: stats_file::StatsFile::new(saved),
             worker: Default::default(),

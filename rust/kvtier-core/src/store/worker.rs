@@ -28,7 +28,6 @@
 //! process is a fork of the one that started it (a forked child has no copy of the thread), a job runs in
 //! the caller, as it did before there was a thread.
 
-use std::cell::Cell;
 use std::fs::File;
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
@@ -36,21 +35,10 @@ use std::sync::mpsc::{channel, Sender};
 use std::sync::{Mutex, Weak};
 use std::thread::JoinHandle;
 
-use super::stats::phase;
+use super::stats::{on_worker, phase, set_on_worker};
 
 /// The bytes a replaced journal is cut by at a time, each cut synced, before it is closed.
 const CLOSE_PIECE: u64 = 8 << 20;
-
-thread_local! {
-    /// Set on the background thread (and while a job runs in the caller): phases are counted as the
-    /// background's, and a job handed over from a job runs at once, in order.
-    static ON_WORKER: Cell<bool> = const { Cell::new(false) };
-}
-
-/// Whether this thread is running a background job.
-pub(super) fn on_worker() -> bool {
-    ON_WORKER.with(|w| w.get())
-}
 
 /// A job for the background thread.
 pub(super) enum Job {
@@ -61,17 +49,17 @@ pub(super) enum Job {
     CutAndClose(File, Weak<super::Shared>),
     /// A step of the running compaction, or the start of one if the journal is due.
     Step(Weak<super::Shared>),
-    /// Write `STATS` in `dir` with this content (`stats_file::write`).
-    Stats { dir: PathBuf, body: String },
+    /// Write `STATS` (its path) with this content, a temporary file renamed over it.
+    Stats { file: PathBuf, body: String },
     /// Tell the sender when every job before it is done.
     Barrier(Sender<()>),
 }
 
 impl Job {
     fn run(self) {
-        let was = ON_WORKER.with(|w| w.replace(true));
+        let was = set_on_worker(true);
         self.run_here();
-        ON_WORKER.with(|w| w.set(was));
+        set_on_worker(was);
     }
 
     fn run_here(self) {
@@ -95,8 +83,9 @@ impl Job {
                     s.stats.lap(phase::COMPACT, &mut t);
                 }
             }
-            Job::Stats { dir, body } => {
-                let _ = super::stats_file::write(&dir, &body); // advice: a failed write keeps the old file
+            Job::Stats { file, body } => {
+                // advice: a failed write keeps the old file
+                let _ = super::space::disk::replace_unsynced(&file, &body);
             }
             Job::Barrier(done) => {
                 let _ = done.send(());
@@ -131,6 +120,11 @@ struct Running {
 }
 
 impl Worker {
+    /// Hands the writing of `STATS` (its path) with `body` to the thread ([`Job::Stats`]).
+    pub(super) fn write_stats(&self, file: PathBuf, body: String) {
+        self.run(Job::Stats { file, body });
+    }
+
     /// Hands `job` to the thread (started if need be), or runs it here if there can be no thread, if the
     /// store is being dropped (`finish`), or if this is a job of the thread (its jobs then keep their order).
     pub(super) fn run(&self, job: Job) {

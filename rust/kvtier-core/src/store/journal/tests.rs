@@ -92,8 +92,8 @@ fn a_del_with_nonzero_unused_fields_is_not_a_record() {
     let mut buf = Vec::new();
     Record::Del { key: "k".into() }.encode(&mut buf);
     assert_eq!(parse(&buf).0.len(), 1);
-    buf[9] = 1; // a class byte
-    let n = buf.len() - 4;
+    buf[layout::CLASS.at] = 1; // a class byte
+    let n = buf.len() - layout::RECORD_CRC_LEN;
     let rc = crc32c::crc32c(&buf[..n]);
     buf[n..].copy_from_slice(&rc.to_le_bytes());
     assert!(parse(&buf).0.is_empty());
@@ -136,7 +136,7 @@ proptest! {
     fn parser_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
         let (recs, n) = parse(&bytes);
         prop_assert!(n <= bytes.len());
-        prop_assert!(recs.len() <= bytes.len() / (FIXED + 4) + 1);
+        prop_assert!(recs.len() <= bytes.len() / (FIXED + layout::RECORD_CRC_LEN) + 1);
     }
 
     #[test]
@@ -188,4 +188,62 @@ proptest! {
             prop_assert_eq!(p.valid_end, starts[hit]); // the last record damaged: a torn tail
         }
     }
+}
+
+/// docs/STORE.md's record layout table is the one [`layout::table`] makes from the constants the encoder
+/// and the parser use; `KVTIER_WRITE_DOCS=1` writes it into the document instead of comparing.
+#[test]
+fn store_md_layout_table_is_the_layout() {
+    const START: &str = "<!-- journal record layout:";
+    const END: &str = "<!-- end of the journal record layout -->";
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/STORE.md");
+    let doc = std::fs::read_to_string(path).unwrap();
+    let open = doc.find(START).expect("STORE.md marks the record layout");
+    let body = open + doc[open..].find("-->\n").expect("the start marker's end") + 4;
+    let end = body
+        + doc[body..]
+            .find(END)
+            .expect("STORE.md marks the layout's end");
+    let want = format!("\n{}\n", layout::table());
+    if std::env::var_os("KVTIER_WRITE_DOCS").is_some() {
+        std::fs::write(path, format!("{}{want}{}", &doc[..body], &doc[end..])).unwrap();
+        return;
+    }
+    assert_eq!(
+        &doc[body..end],
+        want,
+        "docs/STORE.md's record layout differs from store::journal::layout (KVTIER_WRITE_DOCS=1 writes it)"
+    );
+}
+
+/// The layout's offsets are where the encoder puts each field.
+#[test]
+fn layout_offsets_are_where_records_are_encoded() {
+    let at = Placement {
+        class: 0x0102_0304,
+        slot: 0x0506_0708,
+        len: 0x1112_1314_1516_1718,
+        crc: 0x2122_2324,
+        seal: Some([0xAB; SEAL_LEN]),
+        coded: Some(0x3132_3334_3536_3738),
+    };
+    let mut e = Vec::new();
+    encode_put(&mut e, "key", &at);
+    let field = |f: layout::Field| &e[f.range()];
+    assert_eq!(field(layout::MAGIC_FIELD), MAGIC.to_le_bytes());
+    assert_eq!(field(layout::KIND), [layout::CODED_SEALED_PUT]);
+    assert_eq!(field(layout::KEY_LEN), 3u16.to_le_bytes());
+    assert_eq!(field(layout::CLASS), at.class.to_le_bytes());
+    assert_eq!(field(layout::SLOT), at.slot.to_le_bytes());
+    assert_eq!(field(layout::LEN), at.len.to_le_bytes());
+    assert_eq!(field(layout::CRC), at.crc.to_le_bytes());
+    assert_eq!(
+        field(layout::DECODED_LEN),
+        0x3132_3334_3536_3738u64.to_le_bytes()
+    );
+    let seal = layout::seal_at(layout::CODED_SEALED_PUT);
+    assert_eq!(e[seal..seal + SEAL_LEN], [0xAB; SEAL_LEN]);
+    let key = layout::key_at(layout::CODED_SEALED_PUT);
+    assert_eq!(&e[key..key + 3], b"key");
+    assert_eq!(e.len(), layout::record_len(layout::CODED_SEALED_PUT, 3));
 }
