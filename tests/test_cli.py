@@ -6,6 +6,7 @@ the GPU benches on a CPU machine, and the replay's with `kvtier replay --help`."
 import hashlib
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -89,8 +90,13 @@ def test_a_bench_that_left_the_package_says_where_it_runs():
     for argv in (["replay", "--help"], ["bench", "replay", "--help"]):
         r = kv(*argv)
         assert r.returncode == 0 and f"usage: kvtier {' '.join(argv[:-1])}" in r.stdout and "--trace" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "kvtier.replay", "--help"], capture_output=True, text=True)
+    assert r.returncode == 0 and "usage: kvtier replay" in r.stdout, r.stderr
     assert "replay" in kv("--help").stdout
-    assert not (Path(kvtier.__file__).parent / "benchmarks").exists()
+    package = Path(kvtier.__file__).parent
+    assert not (package / "benchmarks").exists()
+    imports = re.compile(r"^\s*(from|import)\s+kvtier_bench\b", re.M)
+    assert not [f for f in package.rglob("*.py") if imports.search(f.read_text())], "the package imports no bench"
     assert main(["bench", "store", "--help"]) == 2  # (in this process too: the status, not an exception)
 
 
