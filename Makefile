@@ -41,7 +41,7 @@ VLLM := vllm==0.33.0
 VLLM_IMPORT_DEPS := cbor2 oss-harmony openai cachetools cloudpickle uvloop py-cpuinfo "xgrammar==0.2.8" \
 	"fastapi>=0.133.0,<0.137.0" partial-json-parser "llguidance>=1.7.0,<1.8.0"
 
-.PHONY: checksum-paths engine-envs engine-env-sglang engine-env-vllm help syslibs install install-test test-wheel build build-profiling demo test test-rust test-python test-gpu bench-rust gpu-wheel lint clean sanitize sanitize-quick sanitize-tsan soak soak-stalls
+.PHONY: checksum-paths engine-envs engine-env-sglang engine-env-vllm help syslibs install install-test test-wheel build build-profiling demo test test-rust test-python test-gpu bench bench-rust gpu-wheel lint clean sanitize sanitize-quick sanitize-tsan soak soak-stalls
 
 help: ## Show this help
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-16s\033[0m %s\n", $$1, $$2}'
@@ -123,6 +123,9 @@ engine-env-vllm: $(DEPS_STAMP) ## engine-envs for vLLM only
 
 bench-rust: ## criterion benches of the core (KVTIER_BENCH_SMALL=1 for small sizes)
 	cargo bench -p kvtier-bench
+
+bench: build ## A Python bench from benches/python: make bench NAME=store [ARGS="--cases small"] (python -m kvtier_bench; NAME=help lists them)
+	PYTHONPATH=python:benches/python $(VPY) -m kvtier_bench $(if $(filter help,$(NAME)),--help,$(NAME)) $(ARGS)
 
 gpu-wheel: $(DEPS_STAMP) ## Build the abi3 wheel into .wheel/ and the test-only wheels into .whl/ for the GPU machine
 	rm -rf .wheel && $(VENV)/bin/maturin build --release -q -o .wheel

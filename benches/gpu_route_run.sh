@@ -30,7 +30,7 @@ nvidia-smi > "$out/nvidia-smi.txt" 2>&1
 step pytest-route-cuda 130 python3 -m pytest tests/test_route_cuda.py tests/test_transfer_cuda.py tests/test_warm_load.py \
   tests/test_warm_kernel_route.py \
   tests/test_default_stream_cuda.py -p no:cacheprovider -q -rs --junitxml "$out/pytest-route-cuda.xml"
-step bench-transfer 160 python3 -m kvtier bench transfer --no-overlap --no-sweep --reps 5 --geoms A,B,C,D \
+step bench-transfer 160 python3 -m kvtier_bench transfer --no-overlap --no-sweep --reps 5 --geoms A,B,C,D \
   --pages 16,64 --streams side,default --indices cpu,cuda --out "$out/transfer"
 step probe-layer-calls 150 python3 benches/python/probe_layer_calls.py --out "$out/probe-layer-calls.json"
 # what is left of the budget: the round trip's native calls and Python functions on CUDA (the engine's

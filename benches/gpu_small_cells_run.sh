@@ -5,9 +5,9 @@
 #   there: bash benches/gpu_small_cells_run.sh OUTDIR
 # 1. the CUDA tests of the transfer path, and of the restore (planner, transformers cache, tail reads: pages of
 #    a few MiB through the page store's two-pass read);
-# 2. `kvtier bench transfer` for A and C at 16 and 64 pages, side and default stream, CPU indices, once per
-#    setting of KVTIER_KERNEL_BLOCKS (16, 32, 64) and KVTIER_TRANSFER_LANES (2, 1), the default setting
-#    first and last (how much one run scatters); each into OUTDIR/b<blocks>-l<lanes>[-again]/.
+# 2. the transfer bench (`python -m kvtier_bench transfer`) for A and C at 16 and 64 pages, side and default
+#    stream, CPU indices, once per setting of KVTIER_KERNEL_BLOCKS (16, 32, 64) and KVTIER_TRANSFER_LANES (2, 1),
+#    the default setting first and last (how much one run scatters); each into OUTDIR/b<blocks>-l<lanes>[-again]/.
 # Steps as in gpu_steps.sh (OUTDIR/steps.tsv, OUTDIR/<step>.log); budget GPU_SMALL_BUDGET_S (default 520 s).
 set -u
 cd "$(dirname "$0")/.."
@@ -31,7 +31,7 @@ step pytest-restore-cuda 150 python3 -m pytest tests/test_restore_planning.py te
   "$(junit pytest-restore-cuda)"
 for setting in 16-2 32-2 64-2 16-1 32-1 16-2-again; do
   IFS=- read -r blocks lanes again <<< "$setting"
-  KVTIER_KERNEL_BLOCKS=$blocks KVTIER_TRANSFER_LANES=$lanes step "bench-$setting" 75 python3 -m kvtier bench \
+  KVTIER_KERNEL_BLOCKS=$blocks KVTIER_TRANSFER_LANES=$lanes step "bench-$setting" 75 python3 -m kvtier_bench \
     transfer --no-overlap --no-sweep --reps 5 --geoms A,C --pages 16,64 --streams side,default --indices cpu \
     --out "$out/b$blocks-l$lanes${again:+-$again}"
 done

@@ -13,7 +13,7 @@ out=${1:?usage: gpu_transfer_run.sh OUTDIR [1|2]}  # part 1 or 2 (each under 10 
 part=${2:-all}
 tmp=$(mktemp -d)
 . benches/gpu_env.sh
-bench() { timeout "$1" python3 -m kvtier bench transfer --no-overlap --reps 5 --streams side --indices cpu "${@:3}" --out "$tmp/$2" > "$tmp/$2.log" 2>&1; cp "$tmp/$2/transfer.json" "$out/$2.json"; }
+bench() { timeout "$1" python3 -m kvtier_bench transfer --no-overlap --reps 5 --streams side --indices cpu "${@:3}" --out "$tmp/$2" > "$tmp/$2.log" 2>&1; cp "$tmp/$2/transfer.json" "$out/$2.json"; }
 if [ "$part" != 2 ]; then
 bench 330 transfer --geoms A,B,C,D --pages 16,64,256,1024 --streams side,default --indices cpu,cuda
 cp "$tmp/transfer/transfer.md" "$out/transfer.md"; tail -2 "$tmp/transfer.log"

@@ -4,8 +4,8 @@
 #   benches/store_before_after.sh REF [ROUNDS] [DIR]
 #
 # Builds REF's wheel (a git worktree under a temp dir, its own cargo target), installs it with --target
-# into a temp dir, then runs `kvtier bench store --reps 3` ROUNDS times (default 3) for REF and for this
-# tree's .venv build in turn, in a scratch folder under DIR (default ./benches; pick one on the disk to
+# into a temp dir, then runs this checkout's store bench (`python -m kvtier_bench store --reps 3`, the same bench
+# code for both) ROUNDS times (default 3) against REF's kvtier and against this tree's .venv build in turn, in a scratch folder under DIR (default ./benches; pick one on the disk to
 # measure; the folder is removed at the end). Prints the
 # per-round figures and the medians; writes benches/results/<machine>-store-before-after.json.
 set -euo pipefail
@@ -13,6 +13,7 @@ ref=${1:?usage: $0 REF [ROUNDS] [DIR]}
 rounds=${2:-3}
 dir=${3:-$PWD/benches}/kvtier-before-after.$$
 py=$PWD/.venv/bin/python
+benches_py=$PWD/benches/python
 test -x "$py" || { echo "run 'make build' first" >&2; exit 1; }
 tmp=$(mktemp -d)
 trap 'git worktree remove --force "$tmp/src" >/dev/null 2>&1 || true; rm -rf "$tmp" "$dir"' EXIT
@@ -25,7 +26,7 @@ for i in $(seq "$rounds"); do
     if [ $v = before ]; then pp="$tmp/old"; else pp=""; fi
     # KVTIER_BENCH_ARGS: more options for both (e.g. "--cases small" to repeat one case more often)
     # shellcheck disable=SC2086
-    (cd "$tmp" && PYTHONPATH="$pp" "$py" -m kvtier bench store --dir "$dir" --reps 3 --out "$tmp/$v-$i" ${KVTIER_BENCH_ARGS:-} >/dev/null)
+    (cd "$tmp" && PYTHONPATH="${pp:+$pp:}$benches_py" "$py" -m kvtier_bench store --dir "$dir" --reps 3 --out "$tmp/$v-$i" ${KVTIER_BENCH_ARGS:-} >/dev/null)
     echo "round $i: $v done" >&2
   done
 done

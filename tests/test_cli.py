@@ -1,19 +1,26 @@
 """The command line as an operator meets it: `import kvtier`, `--help`, `inspect` and `verify` do not import
 torch (seconds saved on every call, and they work on a storage host without torch); bench options are
-reachable with `kvtier bench NAME --help`, also for the GPU benches on a CPU machine."""
+reachable with `python -m kvtier_bench NAME --help` from a checkout (the benches are not in the package), also for
+the GPU benches on a CPU machine, and the replay's with `kvtier replay --help`."""
 
 import hashlib
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
 import sys
 import time
 
+from pathlib import Path
+
 import torch
 
+import kvtier
 from kvtier import DeviceKVPool, PageStore, host_pool_for
+
+from bench_checkout import bench_env, import_benches, run_bench
 
 
 def py(code, *args):
@@ -56,29 +63,62 @@ except kvtier.KvtierError as e:
 
 
 def test_bench_help_reaches_the_bench():
-    run = lambda *a: subprocess.run([sys.executable, "-m", "kvtier", *a], capture_output=True, text=True)
-    r = run("bench", "store", "--help")
+    r = run_bench("store", "--help")
     assert r.returncode == 0 and "--reps" in r.stdout and "--cases" in r.stdout, r.stdout + r.stderr
-    r = run("bench", "pin", "--help")  # a GPU bench: its options are readable on a CPU machine
-    assert r.returncode == 0 and "usage: kvtier bench pin" in r.stdout, r.stdout + r.stderr
+    r = run_bench("pin", "--help")  # a GPU bench: its options are readable on a CPU machine
+    assert r.returncode == 0 and "usage: python -m kvtier_bench pin" in r.stdout, r.stdout + r.stderr
+    r = run_bench()
+    assert r.returncode == 2 and "python -m kvtier_bench NAME" in r.stdout
+    run = lambda *a: subprocess.run([sys.executable, "-m", "kvtier", *a], capture_output=True, text=True)
     r = run("bench")
-    assert r.returncode == 2 and "kvtier bench NAME" in r.stdout
+    assert r.returncode == 2 and "kvtier bench replay" in r.stdout
+
+
+def test_a_bench_that_left_the_package_says_where_it_runs():
+    """The benches run from a source checkout, not the installed package: `kvtier bench NAME` (with or without
+    options, --help too) says where and how in one message, exit status 2, no traceback; `bench replay` still runs
+    the trace replay (`kvtier replay`), which ships."""
+    from kvtier.cli import MOVED_BENCHES, main
+
+    assert MOVED_BENCHES == ("pin", "transfer", "store", "mooncake", "tenants")
+    for name in MOVED_BENCHES:
+        for extra in ((), ("--help",), ("--reps", "1")):
+            r = kv("bench", name, *extra)
+            assert r.returncode == 2 and r.stdout == "" and "Traceback" not in r.stderr, (name, extra, r.stderr)
+            assert f"python -m kvtier_bench {name}" in r.stderr and "benches/python" in r.stderr, r.stderr
+            assert "kvtier replay" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    for argv in (["replay", "--help"], ["bench", "replay", "--help"]):
+        r = kv(*argv)
+        assert r.returncode == 0 and f"usage: kvtier {' '.join(argv[:-1])}" in r.stdout and "--trace" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "kvtier.replay", "--help"], capture_output=True, text=True)
+    assert r.returncode == 0 and "usage: kvtier replay" in r.stdout, r.stderr
+    assert "replay" in kv("--help").stdout
+    package = Path(kvtier.__file__).parent
+    assert not (package / "benchmarks").exists()
+    imports = re.compile(r"^\s*(from|import)\s+kvtier_bench\b", re.M)
+    assert not [f for f in package.rglob("*.py") if imports.search(f.read_text())], "the package imports no bench"
+    assert main(["bench", "store", "--help"]) == 2  # (in this process too: the status, not an exception)
 
 
 def test_bench_help_needs_no_torch():
-    """`kvtier bench NAME --help` answers on a machine without torch (the top-level help sends users there), from
-    the benches' own option definitions (kvtier.benchmarks.options), whose case names are the benches' own."""
-    from kvtier.benchmarks import mooncake, options, store
+    """`python -m kvtier_bench NAME --help` and `kvtier replay --help` answer on a machine without torch (the
+    top-level help sends users there), from the benches' own option definitions (kvtier_bench.options, and
+    kvtier.replay.options for the replay), whose case names are the benches' own."""
+    import_benches()
+    from kvtier_bench import mooncake, options, store
 
     assert options.STORE_CASES == tuple(store.CASES) and options.MOONCAKE_CASES == tuple(mooncake.CASES)
-    names = ("pin", "transfer", "store", "mooncake", "replay", "tenants")
-    code = ("import sys; sys.modules['torch'] = None\nfrom kvtier.cli import main\n"
-            "for name in sys.argv[1:]:\n    assert main(['bench', name, '--help']) == 0, name\n"
+    names = ("pin", "transfer", "store", "mooncake", "tenants")
+    code = ("import sys; sys.modules['torch'] = None\nfrom kvtier_bench.__main__ import main\n"
+            "for name in sys.argv[1:]:\n    assert main([name, '--help']) == 0, name\n"
+            "from kvtier.cli import main\nassert main(['replay', '--help']) == 0\n"
+            "assert main(['bench', 'replay', '--help']) == 0\n"
             "assert 'torch' not in sys.modules or sys.modules['torch'] is None\nprint('ok')")
-    r = py(code, *names)
+    r = subprocess.run([sys.executable, "-c", code, *names], capture_output=True, text=True, env=bench_env())
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout[-2000:] + r.stderr
     for name in names:
-        assert f"usage: kvtier bench {name}" in r.stdout, name
+        assert f"usage: python -m kvtier_bench {name}" in r.stdout, name
+    assert "usage: kvtier replay" in r.stdout and "usage: kvtier bench replay" in r.stdout
     assert "--trace" in r.stdout and "--cluster-cases" in r.stdout and "['mimo', 'small']" in r.stdout
 
 
@@ -175,8 +215,8 @@ def test_version_and_start_time(tmp_path):
 
 
 def test_bench_store_writes_only_where_told_and_plots(tmp_path):
-    run = lambda *a, cwd=tmp_path: subprocess.run([sys.executable, "-m", "kvtier", *a], capture_output=True, text=True, cwd=cwd)
-    quick = ("bench", "store", "--reps", "1", "--pages", "8", "--cases", "small")
+    run = lambda *a, cwd=tmp_path: run_bench(*a, cwd=cwd)
+    quick = ("store", "--reps", "1", "--pages", "8", "--cases", "small")
     r = run(*quick)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "| small |" in r.stdout and list(tmp_path.iterdir()) == []  # printed; nothing left behind
@@ -202,12 +242,12 @@ def test_bench_store_writes_only_where_told_and_plots(tmp_path):
     ro.mkdir()
     ro.chmod(0o500)
     t0 = time.perf_counter()
-    r = run("bench", "store", "--out", str(ro / "x"), "--cases", "small")
+    r = run("store", "--out", str(ro / "x"), "--cases", "small")
     if os.geteuid() != 0:  # (root writes anywhere)
         assert r.returncode == 1 and "--out" in r.stderr and time.perf_counter() - t0 < 10
-    r = run("bench", "store", "--plot", "/nonexistent/dir/x.png", "--cases", "small")
+    r = run("store", "--plot", "/nonexistent/dir/x.png", "--cases", "small")
     assert r.returncode == 1 and "--plot" in r.stderr and "Traceback" not in r.stderr
-    r = run("bench", "store", "--cases", "huge")
+    r = run("store", "--cases", "huge")
     assert r.returncode == 2 and "unknown ['huge']" in r.stderr
 
 
@@ -272,18 +312,19 @@ def test_copied_namespace_directory_is_reported_not_silently_checked(tmp_path):
 
 def test_bench_plot_and_out_are_checked_first_and_created_last(tmp_path):
     for plot in ("results", str(tmp_path), "x.bogusext", "sub/"):
-        r = kv("bench", "store", "--cases", "small", "--pages", "8", "--reps", "1", "--plot", plot, cwd=tmp_path)
+        r = run_bench("store", "--cases", "small", "--pages", "8", "--reps", "1", "--plot", plot, cwd=tmp_path)
         assert r.returncode == 1 and "--plot" in r.stderr and "Traceback" not in r.stderr, (plot, r.stderr)
-    r = kv("bench", "store", "--cases", "small", "--pages", "8", "--reps", "1", "--out", "newdir", "--plot", "x.bogus",
-           cwd=tmp_path)
+    r = run_bench("store", "--cases", "small", "--pages", "8", "--reps", "1", "--out", "newdir", "--plot", "x.bogus",
+                  cwd=tmp_path)
     assert r.returncode == 1 and list(tmp_path.iterdir()) == [], "a refused run creates nothing"
 
 
 def test_commands_that_need_torch_say_so_in_one_line():
-    for argv in (["demo"], ["bench", "store", "--reps", "1"]):  # (`bench NAME --help` needs none)
-        code = ("import sys; sys.modules['torch'] = None\nfrom kvtier.cli import main\n"
+    for module, argv in (("kvtier.cli", ["demo"]), ("kvtier.cli", ["replay", "--trace", "x"]),
+                         ("kvtier_bench.__main__", ["store", "--reps", "1"])):  # (`NAME --help` needs none)
+        code = (f"import sys; sys.modules['torch'] = None\nfrom {module} import main\n"
                 f"sys.exit(main({argv!r}))")
-        r = py(code)
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=bench_env())
         assert r.returncode == 1 and "needs torch" in r.stderr and "Traceback" not in r.stderr, (argv, r.stderr)
         assert len(r.stderr.strip().splitlines()) == 1
 

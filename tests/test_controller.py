@@ -11,6 +11,7 @@ import torch
 
 from kvtier import TierController, page_hashes
 
+from bench_checkout import run_bench
 from controller_pools import PS, rows, setup
 
 
@@ -155,12 +156,12 @@ def test_cli_inspect_and_verify(tmp_path):
 
 
 def test_cli_bench(tmp_path):
-    run = lambda *a: subprocess.run([sys.executable, "-m", "kvtier", *a], capture_output=True, text=True, cwd=tmp_path)
-    r = run("bench", "store", "--reps", "1", "--pages", "8", "--cases", "small", "--out", str(tmp_path / "out"))
+    run = lambda *a: run_bench(*a, cwd=tmp_path)
+    r = run("store", "--reps", "1", "--pages", "8", "--cases", "small", "--out", str(tmp_path / "out"))
     assert r.returncode == 0, r.stderr[-2000:]
     assert "| small |" in r.stdout and (tmp_path / "out" / "store.json").exists()
     if not torch.cuda.is_available():
-        r = run("bench", "transfer")
+        r = run("transfer")
         assert r.returncode == 1 and "needs a CUDA GPU" in r.stderr and "Traceback" not in r.stderr
 
 

@@ -18,6 +18,7 @@ from kvtier.tiers import TieredStore
 from kvtier.tiers.local_cluster import LocalCluster, free_port
 from kvtier.tiers._records import record_bytes as _record
 from kvtier.tiers.mooncake import MooncakeTier
+from bench_checkout import run_bench
 from mla_pools import filled, rows
 from store_pools import make_pool, page_bytes, pages_idx
 
@@ -373,8 +374,7 @@ def test_demo_cluster_node_b_serves_node_as_prefixes_from_the_cluster(tmp_path):
 
 
 def test_bench_runs_and_checks_bytes(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "kvtier", "bench", "mooncake", "--reps", "1", "--cases", "64KiB",
-                        "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=200)
+    r = run_bench("mooncake", "--reps", "1", "--cases", "64KiB", "--out", str(tmp_path / "out"), timeout=200)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     import json
 

@@ -1,6 +1,6 @@
-"""`kvtier bench replay`: a request trace through kvtier's host pool and PageStore against the LRU model of the
-same tiers — on a sample trace, on hand-built traces whose hit rates are worked out below, across nodes
-(separate stores against one shared), and with bad input. tests/data/replay_sample.jsonl is what
+"""`kvtier replay` (also `kvtier bench replay`): a request trace through kvtier's host pool and PageStore against
+the LRU model of the same tiers — on a sample trace, on hand-built traces whose hit rates are worked out below,
+across nodes (separate stores against one shared), and with bad input. tests/data/replay_sample.jsonl is what
 :func:`sample_trace_lines` writes (multi-turn conversations over a few shared system prompts; made here, not
 taken from the Mooncake traces)."""
 
@@ -17,12 +17,12 @@ import pytest
 import kvtier
 
 from kvtier._errors import KvtierError
-from kvtier.benchmarks import replay
-from kvtier.benchmarks import replay_trace as tr
-from kvtier.benchmarks.replay_model import LruTier, ModelNode, one_lru_pct
-from kvtier.benchmarks.replay_report import disagreements
-from kvtier.benchmarks.replay_run import Setup, run
-from kvtier.benchmarks.replay_tiers import disk_page_bytes, store_capacity_bytes
+from kvtier.replay import command as replay
+from kvtier.replay import trace as tr
+from kvtier.replay.model import LruTier, ModelNode, one_lru_pct
+from kvtier.replay.report import disagreements
+from kvtier.replay.runner import Setup, run
+from kvtier.replay.tiers import disk_page_bytes, store_capacity_bytes
 
 pytestmark = pytest.mark.timeout(120)
 SAMPLE = os.path.join(os.path.dirname(__file__), "data", "replay_sample.jsonl")
@@ -88,7 +88,7 @@ def test_sample_trace_is_what_the_generator_writes():
 
 def test_sample_trace_replays_and_kvtier_agrees_with_the_model(tmp_path):
     r = kv(
-        "bench replay --trace",
+        "replay --trace",
         SAMPLE,
         "--capacities",
         "25K,100K,inf",

@@ -1,4 +1,4 @@
-"""`kvtier bench replay --cluster`: the sample trace through a host tier and the Mooncake cluster tier (a
+"""`kvtier replay --cluster`: the sample trace through a host tier and the Mooncake cluster tier (a
 LocalCluster on 127.0.0.1) against the model of Mooncake's eviction; several nodes sharing one cluster tier;
 and the cluster torn down when the replay raises or is interrupted."""
 
@@ -9,11 +9,12 @@ import socket
 
 import pytest
 
-from kvtier.benchmarks import replay_cluster, replay_tiers
-from kvtier.benchmarks import replay_trace as tr
-from kvtier.benchmarks.replay_cluster import ClusterRun, cluster_memory
-from kvtier.benchmarks.replay_model import ClusterLru, LruTier, ModelNode
-from kvtier.benchmarks.replay_run import run
+from kvtier.replay import cluster as replay_cluster
+from kvtier.replay import tiers as replay_tiers
+from kvtier.replay import trace as tr
+from kvtier.replay.cluster import ClusterRun, cluster_memory
+from kvtier.replay.model import ClusterLru, LruTier, ModelNode
+from kvtier.replay.runner import run
 from test_replay import SAMPLE, kv, setup
 
 pytestmark = pytest.mark.timeout(300)  # a hang guard, not a timing judged
@@ -21,7 +22,7 @@ pytestmark = pytest.mark.timeout(300)  # a hang guard, not a timing judged
 
 def test_sample_trace_through_the_cluster_tier_agrees_with_the_model(tmp_path):
     r = kv(
-        "bench replay --trace",
+        "replay --trace",
         SAMPLE,
         "--cluster",
         "--capacities",

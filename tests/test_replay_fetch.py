@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from kvtier._errors import KvtierError
-from kvtier.benchmarks import replay_fetch
-from kvtier.benchmarks import replay_trace as tr
+from kvtier.replay import fetch as replay_fetch
+from kvtier.replay import trace as tr
 
 SAMPLE = Path(__file__).parent / "data" / "replay_sample.jsonl"
 

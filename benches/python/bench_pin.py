@@ -1,5 +1,5 @@
-"""Thin wrapper: the benchmark lives in the package (kvtier.benchmarks.pin) so `kvtier bench pin` can run it."""
-from kvtier.benchmarks.pin import main
+"""Thin wrapper: `python -m kvtier_bench pin` (kvtier_bench.pin) as a script of the checkout."""
+from kvtier_bench.pin import main
 
 if __name__ == "__main__":
     main()

@@ -1,5 +1,5 @@
-"""Thin wrapper: the benchmark lives in the package (kvtier.benchmarks.store) so `kvtier bench store` can run it."""
-from kvtier.benchmarks.store import main
+"""Thin wrapper: `python -m kvtier_bench store` (kvtier_bench.store) as a script of the checkout."""
+from kvtier_bench.store import main
 
 if __name__ == "__main__":
     main()

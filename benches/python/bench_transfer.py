@@ -1,5 +1,5 @@
-"""Thin wrapper: the benchmark lives in the package (kvtier.benchmarks.transfer) so `kvtier bench transfer` can run it."""
-from kvtier.benchmarks.transfer import main
+"""Thin wrapper: `python -m kvtier_bench transfer` (kvtier_bench.transfer) as a script of the checkout."""
+from kvtier_bench.transfer import main
 
 if __name__ == "__main__":
     main()

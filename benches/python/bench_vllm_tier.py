@@ -45,7 +45,7 @@ from vllm.v1.kv_offload.config import (
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
 from kvtier._native import disk_roofline
-from kvtier.benchmarks._common import fs_type, out_dir, write_results
+from kvtier_bench._common import fs_type, out_dir, write_results
 
 GEOMS = {  # layers, KV heads, K dim, V dim (bf16)
     "llama": dict(model="meta-llama/Llama-3.1-8B-Instruct", layers=32, heads=8, dk=128, dv=128),

@@ -21,8 +21,8 @@ import torch
 
 import kvtier
 from kvtier import _native
-from kvtier.benchmarks._common import write_results
-from kvtier.benchmarks.transfer import GEOMS, PS, event_time, make_device_pool, page_idx, page_layer_bytes
+from kvtier_bench._common import write_results
+from kvtier_bench.transfer import GEOMS, PS, event_time, make_device_pool, page_idx, page_layer_bytes
 
 
 def host_us(fn, calls: int, reps: int = 5) -> float:

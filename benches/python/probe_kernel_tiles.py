@@ -14,8 +14,8 @@ import json
 import torch
 
 from kvtier import LayerLoader, host_pool_for
-from kvtier.benchmarks._common import write_results
-from kvtier.benchmarks.transfer import GEOMS, PS, ceiling, check_exact, event_time, make_device_pool, page_idx, page_layer_bytes
+from kvtier_bench._common import write_results
+from kvtier_bench.transfer import GEOMS, PS, ceiling, check_exact, event_time, make_device_pool, page_idx, page_layer_bytes
 
 
 def timed(loader: LayerLoader, h: torch.Tensor, d: torch.Tensor) -> float:

@@ -35,7 +35,7 @@ import torch
 
 import kvtier
 from kvtier import LayerLoader, _native
-from kvtier.benchmarks.transfer import GEOMS, PS, ceiling, check_exact, event_time, make_device_pool, page_idx, page_layer_bytes
+from kvtier_bench.transfer import GEOMS, PS, ceiling, check_exact, event_time, make_device_pool, page_idx, page_layer_bytes
 
 BACKENDS = (("direct", "page_first_direct"), ("kernel", "page_first"))
 NATIVE = ("submit_layers", "launch_layers", "plan_sides", "copy_cpu", "submit_layers_background", "validate_transfer")

@@ -39,7 +39,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import kvtier
 from kvtier import LayerLoader
-from kvtier.benchmarks.transfer import (GEOMS, PS, ceiling, check_exact, event_time, make_device_pool, page_idx,
+from kvtier_bench.transfer import (GEOMS, PS, ceiling, check_exact, event_time, make_device_pool, page_idx,
                                        page_layer_bytes)
 
 LAYOUTS = {"direct": "page_first_direct", "kernel": "page_first"}

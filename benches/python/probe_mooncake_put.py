@@ -23,7 +23,7 @@ import statistics
 import time
 from typing import Any
 
-from kvtier.benchmarks.mooncake import CASES, case
+from kvtier_bench.mooncake import CASES, case
 from kvtier.tiers.local_cluster import LocalCluster
 
 

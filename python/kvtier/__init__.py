@@ -45,7 +45,7 @@ _LAZY = {
 }
 _SUBMODULES = {"buffer", "cli", "config", "controller", "demo", "hashes", "kernels", "metrics", "overlap", "planner", "pools",
                "pools_mla", "store", "testing",
-               "transfer", "benchmarks", "integrations", "tiers"}
+               "transfer", "replay", "integrations", "tiers"}
 
 
 def __getattr__(name: str) -> Any:

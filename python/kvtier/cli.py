@@ -221,25 +221,37 @@ def cmd_demo(args: argparse.Namespace) -> int:
                turns=args.turns, keep=args.keep, store_dir=args.store_dir, window=window)
 
 
-def cmd_bench(args: argparse.Namespace, rest: list[str], bench_parser: argparse.ArgumentParser) -> int:
-    import importlib
+#: the benches that moved out of the package into the source checkout (benches/python/kvtier_bench)
+MOVED_BENCHES = ("pin", "transfer", "store", "mooncake", "tenants")
 
+
+def moved_bench_text(name: str) -> str:
+    """What ``kvtier bench NAME`` says for a bench that is no longer part of the package."""
+    return (f"kvtier bench {name}: the benches are not part of the installed package; they run from kvtier's source "
+            f"checkout (benches/python/kvtier_bench/): PYTHONPATH=python:benches/python python -m kvtier_bench {name} "
+            "[options] (README 'Benchmarks'). The trace replay ships here: kvtier replay --help")
+
+
+def cmd_replay(rest: list[str], prog: str) -> int:
+    if {"-h", "--help"} & set(rest):  # (the options without the replay: no torch needed, nothing imported)
+        from .replay.options import parser
+
+        parser(prog).print_help()
+        return 0
+    from .replay.command import main
+
+    main(rest)
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace, rest: list[str], bench_parser: argparse.ArgumentParser) -> int:
     if args.which is None:
         bench_parser.print_help()
         return 0 if {"-h", "--help"} & set(rest) else 2
-    if {"-h", "--help"} & set(rest):  # (the options without the bench: no torch needed, nothing imported)
-        from .benchmarks.options import parser
-
-        parser(args.which).print_help()
-        return 0
-    if args.which in ("pin", "transfer"):
-        import torch
-
-        if not torch.cuda.is_available():
-            raise KvtierError(f"kvtier bench {args.which} needs a CUDA GPU (torch.cuda.is_available() is False)")
-
-    importlib.import_module(f"kvtier.benchmarks.{args.which}").main(rest)
-    return 0
+    if args.which in MOVED_BENCHES:
+        print(moved_bench_text(args.which), file=sys.stderr)
+        return 2
+    return cmd_replay(rest, "kvtier bench replay")
 
 
 def _main(argv: list[str] | None) -> int:
@@ -266,14 +278,17 @@ def _main(argv: list[str] | None) -> int:
     demo.add_argument("--cluster", action="store_true",
                       help="two inference-node processes sharing prefixes through a local Mooncake cluster "
                       "(needs kvtier[mooncake]; README 'Use it across nodes')")
+    sub.add_parser("replay", add_help=False,
+                   help="replay a request trace through kvtier's real tiers beside an LRU model of them: hit rates, "
+                   "bytes moved and time to first token for a host tier and store capacity (a sizing tool; "
+                   "`kvtier replay --help` lists its options)")
     bench = sub.add_parser("bench", add_help=False,
-                           help="benchmarks against the hardware ceilings: pin, transfer (GPU), store, mooncake (the cluster tier); "
-                           "replay (a request trace through the tiers, against an LRU model); tenants (what encryption "
-                           "at rest and tenant keys cost, against the same without them); "
-                           "options after the name go to the bench (kvtier bench store --help lists them)",
-                           description="kvtier bench NAME [options]: NAME is pin, transfer (GPU), store, mooncake, replay or tenants; "
-                           "`kvtier bench NAME --help` lists that bench's options.")
-    bench.add_argument("which", nargs="?", choices=["pin", "transfer", "store", "mooncake", "replay", "tenants"])
+                           help="`kvtier bench replay` is `kvtier replay`; the benchmarks (pin, transfer, store, "
+                           "mooncake, tenants) run from a source checkout: python -m kvtier_bench NAME",
+                           description="kvtier bench replay [options]: the same as `kvtier replay`. The benchmarks "
+                           f"({', '.join(MOVED_BENCHES)}) are not part of the installed package; from a source "
+                           "checkout: PYTHONPATH=python:benches/python python -m kvtier_bench NAME [options].")
+    bench.add_argument("which", nargs="?", choices=[*MOVED_BENCHES, "replay"])
     ins = sub.add_parser("inspect", help="namespaces, pages, bytes, files and damage of a store directory (read-only)")
     ins.add_argument("path")
     stats = sub.add_parser("stats", help="a store's counters per namespace: what is on disk, and its writer's hits, "
@@ -312,11 +327,12 @@ def _main(argv: list[str] | None) -> int:
     _cluster_cli.add_parser(sub)
     _tenant_cli.add_parsers(sub)
     args, rest = parser.parse_known_args(argv)
-    if rest and args.command not in ("bench", "cluster"):
+    if rest and args.command not in ("bench", "replay", "cluster"):
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if isinstance(getattr(args, "path", None), str) and not args.path.strip():
         parser.error(f"`kvtier {args.command}`: PATH must name a store directory, got an empty string")
     commands = {"demo": lambda: cmd_demo(args), "bench": lambda: cmd_bench(args, rest, bench),
+                "replay": lambda: cmd_replay(rest, "kvtier replay"),
                 "inspect": lambda: cmd_inspect(args), "verify": lambda: cmd_verify(args),
                 "stats": lambda: cmd_stats(args), "cluster": lambda: _cluster_cli.run(args, rest),
                 "namespaces": lambda: _store_cli.cmd_namespaces(args), "remove": lambda: _store_cli.cmd_remove(args),

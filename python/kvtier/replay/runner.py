@@ -1,7 +1,7 @@
 """One replay configuration: a trace served by kvtier's real tiers and by the LRU model, request by request.
 
 Nodes: ``separate`` gives each node its own PageStore; ``shared`` gives every node one PageStore; a cluster
-run gives every node a Mooncake client of one cluster tier (:mod:`kvtier.benchmarks.replay_cluster`). Each
+run gives every node a Mooncake client of one cluster tier (:mod:`kvtier.replay.cluster`). Each
 node has its own host tier either way. A request goes to one node: ``random`` (seeded; the same draw for kvtier
 and the model) or ``prefix``, SGLang's router's cache-aware rule without its load thresholds: the node whose
 tiers hold the longest prefix of the request if that prefix is at least :data:`CACHE_THRESHOLD` of its blocks,
@@ -25,10 +25,10 @@ from kvtier.planner import PrefillModel, TierEstimate, plan_restore
 
 from .._cleanup import remove_tree
 from .._errors import KvtierError
-from .replay_cluster import ClusterRun
-from .replay_model import LruTier, ModelNode
-from .replay_tiers import KvtierNode, SharedStore, open_dir
-from .replay_trace import BLOCK_TOKENS, Request
+from .cluster import ClusterRun
+from .model import LruTier, ModelNode
+from .tiers import KvtierNode, SharedStore, open_dir
+from .trace import BLOCK_TOKENS, Request
 
 
 @dataclass

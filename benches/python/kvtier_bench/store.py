@@ -1,6 +1,6 @@
 """PageStore throughput against the disk's own O_DIRECT ceiling, measured in the same run on the same disk.
 
-    kvtier bench store [--dir DIR] [--reps 3] [--out DIR] [--plot store.png]
+    python -m kvtier_bench store [--dir DIR] [--reps 3] [--out DIR] [--plot store.png]
 
 Cases (objects per page: one K, one V):
   - mimo:  MiMo-V2-like pages, 48 layers x 64 tokens x 4 heads x (K 192 | V 128) bf16 = K 4.5 MiB + V 3 MiB,
@@ -27,7 +27,7 @@ import torch
 import kvtier
 from kvtier import DeviceKVPool, PageStore, _native, host_pool_for
 
-from .._cleanup import remove_tree
+from kvtier._cleanup import remove_tree
 from .options import parser
 from ._common import bar_plot, check_plot_path, fs_type, out_dir, write_results
 
@@ -56,7 +56,7 @@ def one_round(d, hp, keys, idx, n, c, total, keyring=None):
             ok = st.batch_set_v1(keys[s : s + c["batch"]], idx[s * c["page"] : (s + c["batch"]) * c["page"]])
             if not all(ok):
                 raise kvtier.KvtierError(f"the store at {d} refused {ok.count(False)} pages (a full disk? "
-                                         f"`kvtier bench store` needs about {4 * total / 1e9:.1f} GB free); "
+                                         f"`python -m kvtier_bench store` needs about {4 * total / 1e9:.1f} GB free); "
                                          "pass --dir on a disk with room, or fewer --pages")
         w = total / (time.perf_counter() - t0) / 1e9
         hp.k_buffer.zero_()

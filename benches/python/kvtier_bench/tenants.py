@@ -1,10 +1,10 @@
 """What tenants and encryption at rest cost, each against the same thing without them, in one run.
 
-    kvtier bench tenants [--dir DIR [--dir DIR2 ...]] [--reps 3] [--cluster-reps 5] [--no-cluster] [--out DIR]
+    python -m kvtier_bench tenants [--dir DIR [--dir DIR2 ...]] [--reps 3] [--cluster-reps 5] [--no-cluster] [--out DIR]
 
 - **Seal**: AES-256-GCM sealing (copy + encrypt) and opening (decrypt in place) of 4 MiB objects on one core,
   GB/s, beside crc32c of the same bytes.
-- **Disk tier**: ``kvtier bench store``'s cases (durable ``batch_set_v1``, O_DIRECT ``batch_get_v1``) for a
+- **Disk tier**: ``python -m kvtier_bench store``'s cases (durable ``batch_set_v1``, O_DIRECT ``batch_get_v1``) for a
   store in clear and a sealed store, fresh stores alternating which goes first, with the disk's own O_DIRECT
   ceiling measured in the same run; sealed as a share of clear and of the ceiling. Each ``--dir`` is a disk
   (a fast one, and one as slow as the servers' can be measured in one run).
@@ -29,10 +29,10 @@ import torch
 
 from kvtier import DeviceKVPool, PageStore, _native, host_pool_for, page_hashes
 
-from .._cleanup import remove_tree
-from ..buffer import HostBuffer
-from ..tenants import Keyring
-from ..tiers._records import SEAL
+from kvtier._cleanup import remove_tree
+from kvtier.buffer import HostBuffer
+from kvtier.tenants import Keyring
+from kvtier.tiers._records import SEAL
 from . import store as store_bench
 from .options import parser
 from ._common import fs_type, out_dir, write_results
@@ -116,7 +116,7 @@ def disk(root: str, reps: int, cases: list[str], pages: int | None) -> list[dict
 
 
 def cluster(reps: int, cases: list[str], keyring_dir: str) -> list[dict[str, Any]]:
-    from ..tiers.local_cluster import LocalCluster
+    from kvtier.tiers.local_cluster import LocalCluster
     from . import mooncake as mc
 
     kr = Keyring.init(keyring_dir)

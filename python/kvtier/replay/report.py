@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .replay_trace import KNOWN, parse_tokens
+from .trace import KNOWN, parse_tokens
 
 
 def _gb(n: float) -> str:

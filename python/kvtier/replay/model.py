@@ -1,7 +1,7 @@
 """The reference the replay bench checks kvtier against: an exact, pure-Python model of the same tiers.
 
 Block-granular (one trace block is one page), with the policy kvtier's tiers follow, step by step as the
-bench drives them (:mod:`kvtier.benchmarks.replay_tiers`):
+bench drives them (:mod:`kvtier.replay.tiers`):
 
 1. lookup: the leading run of the request's blocks in the host tier, then the leading run of the rest in the
    store (no recency change: ``PageStore.batch_exists`` touches nothing);
@@ -22,7 +22,7 @@ an existence query touches every page it finds (it grants a read lease), and mem
 the master's watermark rule, not one page per insert (the class docs give the rule and its source).
 
 What the model does not have: bytes. A store's capacity in bytes holds a page count that moves with its
-journal (kvtier.benchmarks.replay_tiers sizes each store so that its mean equals the model's page count, and
+journal (kvtier.replay.tiers sizes each store so that its mean equals the model's page count, and
 the bench prints the page counts both held).
 """
 

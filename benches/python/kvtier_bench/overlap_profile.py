@@ -6,7 +6,7 @@ loop (k small matmuls per layer launched from Python after ``wait(layer)``), alo
 side traced too: how long each kernel-launch API call took (driver contention shows as slower launches) and
 how long the load's copy-submission calls held the driver.
 
-    python -m kvtier.benchmarks.overlap_profile [--out DIR]
+    python -m kvtier_bench.overlap_profile [--out DIR]
 
 Prints one JSON line per (backend, scenario) and writes ``overlap_profile.json``.
 """
@@ -60,7 +60,7 @@ def _summary(trace: dict, compute_stream: int) -> dict:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m kvtier.benchmarks.overlap_profile")
+    ap = argparse.ArgumentParser(prog="python -m kvtier_bench.overlap_profile")
     ap.add_argument("--out", default="benches/results")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)

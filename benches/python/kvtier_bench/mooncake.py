@@ -1,6 +1,6 @@
 """The cluster tier against Mooncake's own zero-copy calls on the same objects, in the same run.
 
-    kvtier bench mooncake [--reps 7] [--storage-nodes 1] [--out DIR]
+    python -m kvtier_bench mooncake [--reps 7] [--storage-nodes 1] [--out DIR]
 
 A local cluster (kvtier.tiers.local_cluster: a master and storage processes on 127.0.0.1) and one client
 process. Cases: single objects of 64 KiB, 256 KiB, 1 MiB and 4 MiB (an MLA-shaped pool, one object per page), and the
@@ -28,9 +28,9 @@ import torch
 
 from kvtier import DeviceKVPool, MLADeviceKVPool, host_pool_for
 
-from ..tiers.local_cluster import LocalCluster
-from ..tiers._records import record_size
-from ..tiers.mooncake import MooncakeTier
+from kvtier.tiers.local_cluster import LocalCluster
+from kvtier.tiers._records import record_size
+from kvtier.tiers.mooncake import MooncakeTier
 from .options import parser
 from ._common import out_dir, write_results
 

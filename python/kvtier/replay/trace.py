@@ -7,7 +7,7 @@ prefix block (the last block may be partial). Plain ``.jsonl`` or gzip-compresse
 The two traces the paper's figures come from are known by name (``conversation``, ``synthetic``) and by
 the sha256 of their uncompressed bytes; a named trace is looked for in ``$KVTIER_TRACE_DIR``, then
 ``benches/traces/`` and ``shared/traces/`` of the source tree, then the download cache, and downloaded on
-first use where it is in none of them (:mod:`kvtier.benchmarks.replay_fetch`); a file that matches neither
+first use where it is in none of them (:mod:`kvtier.replay.fetch`); a file that matches neither
 checksum is refused. benches/traces/ATTRIBUTION.md says where they come from.
 """
 
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .._errors import KvtierError
-from . import replay_fetch
+from . import fetch as replay_fetch
 
 #: tokens per block of the trace format (``hash_ids`` are per 512-token block)
 BLOCK_TOKENS = 512

@@ -1,6 +1,6 @@
 """Create + pre-fault + pin a large host buffer: kvtier.HostBuffer against torch's pinned allocator.
 
-    kvtier bench pin [--gib 16] [--reps 3] [--json out.json]
+    python -m kvtier_bench pin [--gib 16] [--reps 3] [--json out.json]
 
 Each repetition times, in one process and alternating the contenders:
   - torch:  torch.empty(N, dtype=uint8, pin_memory=True)  (cudaHostAlloc through torch's host allocator;

@@ -1,7 +1,7 @@
 """Diagnostics behind the transfer bench's misses: where the time goes, measured, not guessed.
 
-    python -m kvtier.benchmarks.transfer_probe [--out DIR] [--reps 5] [--only kernel,launch,direct,overlap]
-    python -m kvtier.benchmarks.transfer_probe --ncu      # a few kernel launches to profile under Nsight Compute
+    python -m kvtier_bench.transfer_probe [--out DIR] [--reps 5] [--only kernel,launch,direct,overlap]
+    python -m kvtier_bench.transfer_probe --ncu      # a few kernel launches to profile under Nsight Compute
 
 Parts (each prints JSON lines, all written to ``probe.json`` in --out):
 
@@ -355,7 +355,7 @@ def ncu_target(pages: int = 256):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m kvtier.benchmarks.transfer_probe")
+    ap = argparse.ArgumentParser(prog="python -m kvtier_bench.transfer_probe")
     ap.add_argument("--out", default="benches/results")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--only", default="kernel,launch,direct,small,staged,direct_geoms")

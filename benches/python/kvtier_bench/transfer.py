@@ -1,6 +1,6 @@
 """Host<->device KV transfer throughput against the PCIe ceiling measured in the same run.
 
-    kvtier bench transfer [--out DIR] [--geoms A,B,C,D] [--pages 16,64,256,1024] [--reps 7]
+    python -m kvtier_bench transfer [--out DIR] [--geoms A,B,C,D] [--pages 16,64,256,1024] [--reps 7]
 
 1. Ceiling: pinned contiguous H2D and D2H copies of 2 GiB (torch, median of 5).
 2. For each geometry, backend and page count:
@@ -365,7 +365,7 @@ def plot(res, path: str) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise SystemExit("kvtier bench transfer --plot needs matplotlib (pip install matplotlib)") from None
+        raise SystemExit("python -m kvtier_bench transfer --plot needs matplotlib (pip install matplotlib)") from None
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, what, ceil in ((axes[0], "load", res["ceiling_h2d_GBps"]), (axes[1], "backup", res["ceiling_d2h_GBps"])):
         series: dict = {}

@@ -13,7 +13,7 @@ Sizing. The cluster's capacity is its storage process's memory: ``pages × (page
 them without padding when measured), rounded up to a MiB. Mooncake keeps it under its eviction watermark
 (``HIGH_WATERMARK`` = 90% by default) and evicts ``EVICTION_RATIO`` (5%) of its objects, least recently leased
 first, when it passes it: a cluster of C tokens holds between about 85% and 90% of C (the model does the
-same: :class:`kvtier.benchmarks.replay_model.ClusterLru`). An unlimited capacity gets room for every distinct
+same: :class:`kvtier.replay.model.ClusterLru`). An unlimited capacity gets room for every distinct
 block of the trace below the watermark. The lease is 1 ms (``LEASE_MS``), so the order of expiry Mooncake
 evicts by is the order of last use (a replay runs hours of trace in minutes: a lease of seconds would pin a
 hundred requests' pages).
@@ -25,7 +25,7 @@ import math
 from typing import Any
 
 from .._errors import KvtierError
-from .replay_model import ClusterLru
+from .model import ClusterLru
 
 #: kvtier's integrity record of a page in clear (docs/CLUSTER.md)
 RECORD_BYTES = 44

@@ -1,13 +1,13 @@
 """Replays a request trace (Mooncake FAST'25 format) through kvtier's real tiers and an exact LRU model of them.
 
-    kvtier bench replay --trace conversation [--capacities 1M,3M,10M,50M,inf] [--host-tokens 256K]
+    kvtier replay --trace conversation [--capacities 1M,3M,10M,50M,inf] [--host-tokens 256K]
                         [--page-bytes 16K] [--limit N] [--out DIR] [--plot hit.png]
-    kvtier bench replay --trace synthetic --nodes 10 --routing prefix --capacities 3M
-    kvtier bench replay --trace conversation --cluster --page-bytes 8K [--nodes 10 --routing prefix]
+    kvtier replay --trace synthetic --nodes 10 --routing prefix --capacities 3M
+    kvtier replay --trace conversation --cluster --page-bytes 8K [--nodes 10 --routing prefix]
 
 Each request looks up the longest prefix of its blocks (host first, then the store), counts the hit tokens
 of each tier, brings the store's part into the host and writes the blocks it missed through to the store
-(kvtier.benchmarks.replay_model lists the steps). One block is one page of ``--page-bytes`` really stored;
+(kvtier.replay.model lists the steps). One block is one page of ``--page-bytes`` really stored;
 hit rates are in tokens, and bytes moved are given as moved and scaled to the model's geometry
 (``--bytes-per-token``, default LLaMA3-70B's 320 KB, the paper's). The planner (kvtier.planner.plan_restore)
 predicts each request's time to first token with the tiers' measured read rates (or ``--read-gbps``) and
@@ -21,7 +21,7 @@ has its own host tier. The shared tier is one shared PageStore, or with ``--clus
 ``--cluster``: the store behind each node's host tier is the Mooncake cluster tier (a LocalCluster on
 127.0.0.1 started for each configuration and stopped after it, every node a MooncakeTier client of it), as
 SGLang's HiCache deploys it (its L3 storage backend, with no disk of the node's own between). The model
-holds Mooncake's own eviction rule (kvtier.benchmarks.replay_cluster and replay_model.ClusterLru). With
+holds Mooncake's own eviction rule (kvtier.replay.cluster and model.ClusterLru). With
 ``--nodes`` the separate stores stay PageStores (each node's own 3M) and the shared one is the cluster.
 """
 
@@ -37,13 +37,13 @@ from typing import Any
 from .._cleanup import remove_tree
 from .._errors import KvtierError
 from ..config import parse_size
-from . import replay_trace as tr
+from . import trace as tr
 from .options import parser
-from ._common import check_plot_path, out_dir, write_results
-from .replay_cluster import cluster_memory
-from .replay_model import one_lru_pct
-from .replay_report import disagreements, nodes_table, plot, sweep_table
-from .replay_run import Setup, run
+from ._output import check_plot_path, out_dir, write_results
+from .cluster import cluster_memory
+from .model import one_lru_pct
+from .report import disagreements, nodes_table, plot, sweep_table
+from .runner import Setup, run
 
 
 
@@ -81,7 +81,7 @@ def _setup(a: argparse.Namespace, trace: tr.Trace, root: str) -> Setup:
 
 
 def main(argv: list[str] | None = None) -> None:
-    a = parser("replay").parse_args(argv)
+    a = parser().parse_args(argv)
     if a.nodes < 1 or a.nodes > 64:
         raise KvtierError(f"--nodes must be in [1, 64], got {a.nodes}")
     if a.limit is not None and a.limit < 1:

@@ -27,7 +27,7 @@ from kvtier import DeviceKVPool, PageStore, TierController, host_pool_for
 from kvtier.planner import PrefillModel, TierEstimate
 
 from .._errors import KvtierError
-from .replay_trace import BLOCK_TOKENS
+from .trace import BLOCK_TOKENS
 
 #: a journal record is 31 bytes plus its key (docs/STORE.md, "Journal records")
 RECORD_FIXED = 31
@@ -186,7 +186,7 @@ class KvtierNode:
             return torch.tensor([self.ctl.pages[k].start // BLOCK_TOKENS for k in keys], dtype=torch.int64)
 
     def serve(self, ids: Sequence[int]) -> tuple[int, int]:
-        """One request (the steps of :mod:`kvtier.benchmarks.replay_model`): ``(host blocks, store blocks)``
+        """One request (the steps of :mod:`kvtier.replay.model`): ``(host blocks, store blocks)``
         of its prefix found (the store's: the leading run of them the read brought to the host)."""
         ctl = self.ctl
         keys = [page_key(h) for h in ids]

@@ -1,36 +1,24 @@
-"""The command-line options of every ``kvtier bench NAME``, free of torch: ``kvtier bench NAME --help`` answers
-on any machine (each bench itself imports torch, which a storage host may not have, and which costs seconds)."""
+"""The command-line options of every ``python -m kvtier_bench NAME``, free of torch: ``python -m kvtier_bench NAME
+--help`` answers on any machine (each bench itself imports torch, which a storage host may not have, and which costs
+seconds). The trace replay's options are the package's own (kvtier.replay.options: ``kvtier replay``)."""
 
 from __future__ import annotations
 
 import argparse
 
-#: the cases of ``kvtier bench store`` (its ``CASES``) and ``kvtier bench mooncake`` (its ``CASES``)
+#: the cases of ``python -m kvtier_bench store`` (its ``CASES``) and ``python -m kvtier_bench mooncake`` (its ``CASES``)
 STORE_CASES = ("mimo", "small")
 MOONCAKE_CASES = ("64KiB", "256KiB", "1MiB", "4MiB", "mimo-kv", "deepseek-latent")
-#: LLaMA3-70B's KV bytes per token (80 layers x 8 KV heads x 128 dims x K and V x 2 bytes), the paper's Table 1
-LLAMA3_70B_BYTES_PER_TOKEN = 320 << 10
-#: prefill rate assumed for the TTFT prediction: the paper's Figure 10 (local cache, LLaMA3-70B on 8xA800)
-#: shows about 1.4 s of prefill GPU time per conversation request (avg 12,035 input tokens, ~17% hit), i.e.
-#: about 7,200 tokens/s
-DEFAULT_PREFILL = 7200.0
 
 
 def parser(name: str) -> argparse.ArgumentParser:
-    """The argument parser of ``kvtier bench NAME``."""
-    build = {"pin": _pin, "transfer": _transfer, "store": _store, "mooncake": _mooncake, "tenants": _tenants,
-             "replay": _replay}.get(name)
+    """The argument parser of ``python -m kvtier_bench NAME``."""
+    build = BENCHES.get(name)
     if build is None:
         raise ValueError(f"no bench named {name!r}")
-    ap = argparse.ArgumentParser(prog=f"kvtier bench {name}", description=DESCRIPTIONS.get(name))
+    ap = argparse.ArgumentParser(prog=f"python -m kvtier_bench {name}")
     build(ap)
     return ap
-
-
-DESCRIPTIONS = {
-    "replay": "Replays a request trace (Mooncake FAST'25 format) through kvtier's real tiers and an exact LRU "
-              "model of them.",
-}
 
 
 def _pin(ap: argparse.ArgumentParser) -> None:
@@ -80,78 +68,13 @@ def _tenants(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--dir", action="append", default=None, help="a directory on a disk to measure, repeatable "
                     "(default: a temporary directory in the working directory, removed afterwards)")
     ap.add_argument("--reps", type=int, default=3, help="fresh stores per disk case and mode; medians (default 3)")
-    ap.add_argument("--cases", default="mimo,small", help="disk cases of `kvtier bench store` (default mimo,small)")
+    ap.add_argument("--cases", default="mimo,small", help="disk cases of `python -m kvtier_bench store` (default mimo,small)")
     ap.add_argument("--pages", type=int, default=None, help="override the page count of every disk case")
     ap.add_argument("--cluster-reps", type=int, default=5, help="repetitions per cluster case and mode (default 5)")
-    ap.add_argument("--cluster-cases", default="64KiB,mimo-kv", help="cases of `kvtier bench mooncake` (default 64KiB,mimo-kv)")
+    ap.add_argument("--cluster-cases", default="64KiB,mimo-kv", help="cases of `python -m kvtier_bench mooncake` (default 64KiB,mimo-kv)")
     ap.add_argument("--no-cluster", action="store_true", help="skip the cluster tier (no Mooncake)")
     ap.add_argument("--out", default=None, help="directory for cpu-tenants.json and .md (default: print only)")
 
 
-def _replay(ap: argparse.ArgumentParser) -> None:
-    from .replay_trace import KNOWN
-
-    ap.add_argument(
-        "--trace",
-        required=True,
-        help=f"a trace file (.jsonl or .jsonl.gz), or one of {sorted(KNOWN)} (found in "
-        "$KVTIER_TRACE_DIR, benches/traces/ or shared/traces/, checked against its sha256)",
-    )
-    ap.add_argument(
-        "--capacities",
-        default=None,
-        help="store capacities in tokens, comma-separated, decimal units, inf for unlimited (default "
-        "1M,3M,10M,50M,inf; with --nodes: 3M per node)",
-    )
-    ap.add_argument("--host-tokens", default="256K", help="each node's host tier in tokens (default 256K)")
-    ap.add_argument(
-        "--page-bytes", default="16K", help="bytes really stored per 512-token block, a multiple of 8K (default 16K)"
-    )
-    ap.add_argument(
-        "--bytes-per-token",
-        default=str(LLAMA3_70B_BYTES_PER_TOKEN),
-        help="the model geometry bytes moved are scaled to (default 327680: LLaMA3-70B, 320 KiB)",
-    )
-    ap.add_argument(
-        "--prefill-tokens-per-s",
-        type=float,
-        default=DEFAULT_PREFILL,
-        help=f"prefill rate the TTFT prediction assumes (default {DEFAULT_PREFILL:.0f}, from the paper)",
-    )
-    ap.add_argument(
-        "--read-gbps",
-        default=None,
-        metavar="TIER=GBPS",
-        help="assume a tier's read rate for the TTFT prediction instead of kvtier's measurement (e.g. disk=6, "
-        "mooncake=20)",
-    )
-    ap.add_argument("--nodes", type=int, default=1, help="nodes: >1 replays separate stores against one shared")
-    ap.add_argument(
-        "--routing",
-        choices=["prefix", "random"],
-        default="prefix",
-        help="how a request picks its node with --nodes (default prefix)",
-    )
-    ap.add_argument("--seed", type=int, default=0, help="seed of random routing (default 0)")
-    ap.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
-    ap.add_argument(
-        "--tolerance",
-        type=float,
-        default=1.0,
-        help="most points kvtier's hit rates may differ from the model's (default 1)",
-    )
-    ap.add_argument(
-        "--dir",
-        default=None,
-        help="where the stores are made (default: a temporary directory in the working directory, removed afterwards)",
-    )
-    ap.add_argument(
-        "--out", default=None, help="directory for cpu-replay.json (this run merged into it) and cpu-replay.md"
-    )
-    ap.add_argument("--plot", default=None, help="draw hit rate against capacity (PNG; needs matplotlib)")
-    ap.add_argument(
-        "--cluster",
-        action="store_true",
-        help="replay the Mooncake cluster tier (a LocalCluster on 127.0.0.1) behind the host tier instead of a "
-        "PageStore; with --nodes, the tier all nodes share",
-    )
+#: every bench ``python -m kvtier_bench NAME`` runs, with its options
+BENCHES = {"pin": _pin, "transfer": _transfer, "store": _store, "mooncake": _mooncake, "tenants": _tenants}

@@ -1,6 +1,6 @@
 """Download on first use of the two Mooncake FAST'25 traces the replay bench knows by name.
 
-A named trace that is in none of the directories :func:`kvtier.benchmarks.replay_trace.trace_dirs` lists is
+A named trace that is in none of the directories :func:`kvtier.replay.trace.trace_dirs` lists is
 fetched from the Mooncake repository at the commit the traces last changed in (benches/traces/ATTRIBUTION.md),
 into a cache directory, and kept only if its bytes have the sha256 the bench knows: a download that fails,
 stops half-way, is interrupted or has other bytes leaves nothing behind.
