@@ -19,8 +19,8 @@ Parts (each prints JSON lines, all written to ``probe.json`` in --out):
 - ``backup_host`` (not in the default set): where a 16-page kernel backup's time goes — host time of the
   call, delay until its first kernel starts on the GPU, the kernels' span (CUPTI via torch.profiler), and a
   cProfile of the call's Python side.
-(The overlap part that measured LayerLoader's issue time and kernel configurations beside compute for
-``results/2026-11-29-h200-probe-{1,2,3}.json`` now lives in the transfer bench's overlap section.)
+(The overlap part, which measured LayerLoader's issue time and kernel configurations beside compute, lives in
+the transfer bench's overlap section.)
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from .streams import DEFAULT_STREAMS, Streams, raw_stream
 # Words per tile of the kernel backend: with 8 warps, 2,048 (16 KiB) moved as much as 4,096 with 16 warps
 # at 256 pages (88-90 % load, 94 % SM-written backup), and overlapped better beside matmuls (1.10x against
 # 1.17x, compute at ~60 % of the transfer): half the threads per block leave more of each SM to compute
-# (benches/results/2026-11-29-h200-probe-{1,3}.json).
+# (measured on the H200; `python -m kvtier_bench.transfer_probe --only kernel` sweeps tile size and warps).
 KERNEL_TILE_WORDS = 2048
 
 #: The host mapping of a side (what a copy's holds keep alive).
