@@ -10,15 +10,19 @@ if hits=$(git grep -n -I -i -E "$pattern" -- . ':!CHANGELOG.md' ':!benches/resul
     echo "$hits" >&2
     exit 1
 fi
-# The README and the docs also carry no commit hashes (7-12 hex digits with a letter and a digit) and no
-# dated phrases; RESULTS.md and the CHANGELOG keep both.
-dated='[e]arlier day|on [t]his day|in a (second|third|fourth) [r]un|\b[t]oday\b|[y]esterday'
-if hits=$(git grep -n -I -P '\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,12}\b' -- README.md docs/); then
+# The README and the docs also carry no commit hashes (7-40 hex digits with a letter and a digit; a store's
+# namespace directory, ns-<hex>, is a name, not a hash) and no dated phrases; benches/RESULTS.md and the
+# CHANGELOG keep both.
+docs=(README.md 'docs/*.md')
+hash='(?<!\w)(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b'
+hash="(?<!ns-)$hash"
+dated='[e]arlier day|[t]his day|in an? (first|second|third|fourth|earlier|later) [r]un|\b[t]oday\b|[y]esterday'
+if hits=$(git grep -n -I -P "$hash" -- "${docs[@]}"); then
     echo "commit hashes in the README or docs (they belong in benches/RESULTS.md and CHANGELOG.md):" >&2
     echo "$hits" >&2
     exit 1
 fi
-if hits=$(git grep -n -I -i -E "$dated" -- README.md docs/); then
+if hits=$(git grep -n -I -i -E "$dated" -- "${docs[@]}"); then
     echo "dated phrases in the README or docs (say what is, with its figure; the *when* goes to CHANGELOG.md):" >&2
     echo "$hits" >&2
     exit 1
