@@ -9,13 +9,14 @@ import concurrent.futures
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Generic, Protocol, TypeVar, cast, overload
+from typing import Any, TypeVar
 
 import torch
 
 from ._errors import InvalidArgumentError
+from ._parts import Owner, Part
 from .deadlines import TierIO, check_deadline
-from .host_pages import Stats, page_slots
+from .host_pages import page_slots
 from .planner import PlannerStats, PrefillModel, RestorePlan, TierEstimate, TierMeter, plan_restore
 from .pools import device_of
 
@@ -37,47 +38,14 @@ def prefill_model(prefill: PrefillModel | float | None) -> PrefillModel | None:
     return prefill
 
 
-class Planning(Generic[T]):
-    """A :class:`kvtier.TierController` attribute or method that is its ``planning`` component's
-    (:class:`RestorePlanning`): read there, and (a setting such as ``restore_deadline``) written there. A method's
-    documentation is the component's."""
-
-    def __init__(self, doc: str | None = None) -> None:
-        self.__doc__ = doc
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-        if self.__doc__ is None:
-            self.__doc__ = getattr(RestorePlanning, name).__doc__
-
-    @overload
-    def __get__(self, obj: None, objtype: type | None = None) -> Planning[T]: ...
-
-    @overload
-    def __get__(self, obj: object, objtype: type | None = None) -> T: ...
-
-    def __get__(self, obj: Any, objtype: type | None = None) -> Planning[T] | T:
-        return self if obj is None else cast(T, getattr(obj.planning, self.name))
-
-    def __set__(self, obj: Any, value: T) -> None:
-        setattr(obj.planning, self.name, value)
-
-
-class Owner(Protocol):
-    """What :class:`RestorePlanning` reads of its controller at each use (either may be swapped: an integration
-    gives the controller fresh counters, a test another store)."""
-
-    store: Any
-    stats: Stats
-
-
 class RestorePlanning:
     """Owned by a :class:`kvtier.TierController` (its ``planning``). Owns the prefill model (``prefill``), the
     planner's counters (``planner_stats``), the host tier's meter (``host_meter``), the restore and lookup
     deadlines, and the fences of store reads past their deadline (private host pages such a read may still
-    write). Reaches the controller's store and counters through ``owner`` (an :class:`Owner`), its host index
-    through ``usable_run`` (the leading run of keys on the host and usable, its pending backups polled) and its
-    background work through ``track``; ``lock`` is the controller's, which guards the fences too."""
+    write). Reaches the controller's store and counters through ``owner`` (an :class:`kvtier._parts.Owner`), its
+    host index through ``usable_run`` (the leading run of keys on the host and usable, its pending backups
+    polled) and its background work through ``track``; ``lock`` is the controller's, which guards the fences
+    too."""
 
     def __init__(self, owner: Owner, *, host_pool: Any, device_pool: Any, page_tokens: int, page_bytes: int,
                  prefetch_budget: int, lock: threading.RLock, tier_io: TierIO,
@@ -319,6 +287,13 @@ class RestorePlanning:
     def observe_ttft(self, plan: RestorePlan, seconds: float) -> None:
         """The time to first token measured for a request restored by ``plan`` (predicted against observed)."""
         self.planner_stats.observe(plan, seconds)
+
+
+class Planning(Part[T]):
+    """A :class:`kvtier.TierController` attribute or method that is its ``planning`` component's."""
+
+    def __init__(self, doc: str | None = None) -> None:
+        super().__init__("planning", RestorePlanning, doc)
 
 
 def _cap(segments: list[tuple[str, int]], pages: int) -> list[tuple[str, int]]:

@@ -35,7 +35,7 @@ from .host_pages import Stats, HostPage, page_slots
 from .tenants import erase_tag, tenant_of, tenant_tag
 from .overlap import LayerLoad, LayerLoader, backup_async
 from ._restore_planning import Planning, RestorePlanning, prefill_model
-from ._store_writes import StoreWrites, write_reached
+from ._store_writes import StoreWrites, Writes, write_reached
 from .planner import PlannerStats, PrefillModel, RestorePlan, TierEstimate, TierMeter
 from .pools import device_of
 from .tier import Tier, check_registered
@@ -43,8 +43,8 @@ from .tier import Tier, check_registered
 POLICIES = ("write_through", "write_back", "write_through_selective")
 
 
-class TierController(StoreWrites):
-    """See the module docs. Restore planning is a component it owns, ``planning`` (:class:`RestorePlanning`).
+class TierController:
+    """See the module docs. Owns ``planning`` (:class:`RestorePlanning`) and ``writes`` (:class:`StoreWrites`).
 
     Args:
         device_pool: the engine's device KV pool (kvtier or SGLang attribute names).
@@ -70,6 +70,8 @@ class TierController(StoreWrites):
             :class:`kvtier.deadlines.Breaker`: 2 misses in a row, back after 2 s if a probe answers in time).
     """
 
+    store: Any  # a Tier, or None
+
     def __init__(
         self,
         device_pool: Any,
@@ -91,7 +93,7 @@ class TierController(StoreWrites):
             raise InvalidArgumentError("invalid argument `device_pool`/`host_pool`: both are required (got None)")
         prefill = prefill_model(prefill)
         restore_deadline = check_deadline("restore_deadline", restore_deadline, auto=True)
-        self.write_deadline_s = check_deadline("write_deadline_s", write_deadline_s)
+        write_deadline_s = check_deadline("write_deadline_s", write_deadline_s)
         lookup_deadline_s = check_deadline("lookup_deadline_s", lookup_deadline_s)
         if breaker is not None and not isinstance(breaker, Breaker):
             raise InvalidArgumentError(f"invalid argument `breaker`: a kvtier.deadlines.Breaker, got {breaker!r}")
@@ -108,17 +110,18 @@ class TierController(StoreWrites):
         self.loader = LayerLoader(host_pool, device_pool, io_backend)
         self._io = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-release")
         self._pending: list[concurrent.futures.Future[Any]] = []
-        #: the store's calls, with their deadlines and breaker
-        self.tier_io = TierIO(breaker=breaker, name="store")
+        self.tier_io = TierIO(breaker=breaker, name="store")  # the store's calls, with their deadlines and breaker
         self.page_bytes = host_pool.get_size_per_token() * self.ps
         self.planning = RestorePlanning(
             self, host_pool=host_pool, device_pool=device_pool, page_tokens=self.ps, page_bytes=self.page_bytes,
             prefetch_budget=self.prefetch_budget, lock=self.lock, tier_io=self.tier_io, usable_run=self._usable_run,
             track=self._track, prefill=prefill, restore_deadline=restore_deadline, lookup_deadline_s=lookup_deadline_s)
+        self.writes = StoreWrites(self, pages=self.pages, lock=self.lock, tier_io=self.tier_io, page_tokens=self.ps,
+                                  page_bytes=self.page_bytes, poll_locked=self._poll_locked, track=self._track,
+                                  spill_deadline=lambda: self.lookup_deadline_s, write_deadline_s=write_deadline_s)
         if probe:
             self.planning.probe_host()
 
-    # ------------------------------------------------------------------ restore planning (the component's)
     prefill: Planning[PrefillModel] = Planning("The engine's prefill cost (:class:`kvtier.planner.PrefillModel`).")
     planner_stats: Planning[PlannerStats] = Planning("Every restore decision counted.")
     host_meter: Planning[TierMeter] = Planning("The host tier's estimate of itself: host -> device copies.")
@@ -132,18 +135,15 @@ class TierController(StoreWrites):
     observe_prefill: Planning[Callable[[int, int, float], None]] = Planning()
     observe_ttft: Planning[Callable[[RestorePlan, float], None]] = Planning()
     deadline_stats: Planning[Callable[[], dict[str, Any]]] = Planning()
+    write_deadline_s: Writes[float | None] = Writes("How long a store write may hold its host pages (s or None).")
 
-    # ------------------------------------------------------------------ the host index
     def _slots(self, starts: Sequence[int]) -> torch.Tensor:
         return page_slots(starts, self.ps)
 
     def _usable_run(self, keys: list[str]) -> int:  # the leading run of keys on the host and usable
         with self.lock:
             self._poll_locked()
-            n = 0
-            while n < len(keys) and keys[n] in self.pages and self.pages[keys[n]].usable:
-                n += 1
-        return n
+            return next((i for i, k in enumerate(keys) if k not in self.pages or not self.pages[k].usable), len(keys))
 
     def _poll_locked(self) -> None:  # backups seen complete; erased pages nothing holds wiped and freed
         doomed = []
@@ -170,7 +170,7 @@ class TierController(StoreWrites):
         """Evicts ``key`` (False: a spill past its deadline still reads it; it stays, held, until that returns)."""
         pg = self.pages[key]
         if self.write_policy == "write_back" and self.store is not None and not pg.in_store:
-            ok = self._spill(key, pg.start)  # before the memory is reused
+            ok = self.writes.spill(key, pg.start)  # before the memory is reused
             if ok is None:
                 pg.refs += 1  # the spill's: given back when it returns
                 return False
@@ -233,7 +233,7 @@ class TierController(StoreWrites):
             if self.store is not None and self.write_policy == "write_through":
                 for i in new:
                     self.pages[keys[i]].refs += 1
-                self._write_async([keys[i] for i in new], [ev] * len(new))
+                self.writes.write_async([keys[i] for i in new], [ev] * len(new))
         return ev
 
     def _drain(self) -> None:
@@ -362,7 +362,7 @@ class TierController(StoreWrites):
             if selective:
                 for k in selective:
                     self.pages[k].refs += 1
-                self._write_async(selective, [None] * len(selective))
+                self.writes.write_async(selective, [None] * len(selective))
         return load
 
     # ------------------------------------------------------------------ pages an engine fills itself
@@ -417,7 +417,7 @@ class TierController(StoreWrites):
             if new and self.store is not None and self.write_policy == "write_through":
                 for k in new:
                     self.pages[k].refs += 1
-                self._write_async(new, [event] * len(new))
+                self.writes.write_async(new, [event] * len(new))
         return done
 
     def acquire(self, page_keys: Sequence[str]) -> list[int]:
