@@ -22,6 +22,12 @@
    in 2 aside).
 5. No library module imports another module's private names: `from kvtier.x import _name` (relative or
    absolute, renamed or not) is a reach-in too; a private *module* (`from . import _store_cli`) is its package's.
+6. No mixin: no class in python/kvtier reads a `self.x` that neither it nor a base class of the package sets (a
+   method, property or valued class attribute of its body, a dataclass field, or `self.x = ...` / `setattr(self,
+   "x", ...)` in any method). Such a class runs on its subclass's state: make it a component its host owns and
+   hands exactly what it needs. A bare annotation (`store: Any`) declares, it sets nothing. Not judged: a class
+   with a base from outside the package (whose attributes this check cannot see), a Protocol (an interface
+   declares), one with `__getattr__`. Mixins not converted yet are in MIXINS_ALLOWED, each with its issue.
 
 Exit status 1 with one line per finding; 0 and a one-line summary otherwise.
 """
@@ -49,6 +55,12 @@ THIRD_PARTY_PRIVATE = {
     "_commit_hash": "transformers' config: the checkpoint revision, part of the cache's model identity",
     "_init_handles": "Triton's compiled kernel: loads the module so its CUfunction can be launched natively",
 }
+
+# Mixins (rule 6) not yet made components, each with the issue that converts it: reported by name, never silently.
+MIXINS_ALLOWED = {
+    "kvtier.integrations.transformers.restore.RestoreSteps": "#48: KvtierCache's restore steps, still a mixin",
+}
+ATTRIBUTELESS_BASES = {"object", "Generic", "ABC"}  # bases that give a class no attributes
 
 
 def python_modules() -> dict[str, Path]:
@@ -463,6 +475,121 @@ def private_imports(modules: dict[str, Path]) -> list[str]:
     return out
 
 
+def _base_name(node: ast.expr) -> str | None:
+    if isinstance(node, ast.Subscript):  # Generic[T]
+        node = node.value
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    return None
+
+
+def _class_body(stmts: list[ast.stmt]) -> list[ast.stmt]:
+    """A class body's statements, through `if`/`else` and `try` blocks (not into functions or classes)."""
+    out: list[ast.stmt] = []
+    for st in stmts:
+        out.append(st)
+        if isinstance(st, ast.If):
+            out += _class_body(st.body) + _class_body(st.orelse)
+        elif isinstance(st, ast.Try):
+            out += _class_body(st.body + st.orelse + st.finalbody + [x for h in st.handlers for x in h.body])
+    return out
+
+
+def _sets(cls: ast.ClassDef) -> set[str]:
+    """The attributes a class sets itself (see rule 6)."""
+    out: set[str] = set()
+    dataclass = any((_base_name(d.func if isinstance(d, ast.Call) else d) or "").endswith("dataclass")
+                    for d in cls.decorator_list)
+    for st in _class_body(cls.body):
+        if isinstance(st, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(st.name)
+        elif isinstance(st, ast.Assign):
+            out |= {n.id for t in st.targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+        elif isinstance(st, ast.AnnAssign) and isinstance(st.target, ast.Name) and (st.value is not None or dataclass):
+            out.add(st.target.id)
+    for node in ast.walk(cls):
+        if (isinstance(node, ast.Attribute) and isinstance(node.ctx, (ast.Store, ast.Del))
+                and isinstance(node.value, ast.Name) and node.value.id == "self"):
+            out.add(node.attr)
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr"
+              and len(node.args) >= 2 and isinstance(node.args[0], ast.Name) and node.args[0].id == "self"
+              and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)):
+            out.add(node.args[1].value)
+    return out
+
+
+def mixins(modules: dict[str, Path]) -> list[tuple[str, Path, int, list[str]]]:
+    """Every class of the package that reads `self.x` attributes neither it nor its package bases set (rule 6):
+    (module.Class, its file, its line, the attributes)."""
+    classes: dict[tuple[str, str], ast.ClassDef] = {}
+    scope: dict[str, dict[str, tuple[str, str]]] = {}  # per module: a name -> the (module, class) it is
+    trees = {m: ast.parse(p.read_text(), str(p)) for m, p in modules.items()}
+    for module, tree in trees.items():
+        scope[module] = {}
+        for node in tree.body:
+            if isinstance(node, ast.ClassDef):
+                classes[(module, node.name)] = node
+                scope[module][node.name] = (module, node.name)
+    for module, tree in trees.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                base = _resolve(module, modules[module].name == "__init__.py", node.level, node.module)
+                for a in node.names:
+                    scope[module].setdefault(a.asname or a.name, (base, a.name))
+
+    def bases(key: tuple[str, str]) -> list[tuple[str, str]] | None:
+        """The package classes `key`'s bases are; None: one is from outside the package, or it is a Protocol."""
+        out = []
+        for b in classes[key].bases:
+            name = _base_name(b)
+            if name in ATTRIBUTELESS_BASES:
+                continue
+            found = scope[key[0]].get(name or "")
+            if name == "Protocol" or found not in classes:
+                return None
+            out.append(found)
+        return out
+
+    def sets(key: tuple[str, str], seen: set[tuple[str, str]]) -> set[str]:
+        got = _sets(classes[key])
+        for b in bases(key) or []:
+            if b not in seen:
+                seen.add(b)
+                got |= sets(b, seen)
+        return got
+
+    found = []
+    for key, cls in sorted(classes.items()):
+        if bases(key) is None or "__getattr__" in _sets(cls):
+            continue
+        have = sets(key, {key})
+        reads = sorted({n.attr for n in ast.walk(cls) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Load)
+                        and isinstance(n.value, ast.Name) and n.value.id == "self" and n.attr not in have
+                        and not (n.attr.startswith("__") and n.attr.endswith("__"))})
+        if reads:
+            found.append((".".join(key), modules[key[0]], cls.lineno, reads))
+    return found
+
+
+def mixin_findings(modules: dict[str, Path]) -> tuple[list[str], list[str]]:
+    """Rule 6's findings, and the allowed mixins it found (to report); an allowed one no longer found is a
+    finding too (the allowlist only shrinks)."""
+    out, allowed = [], []
+    seen = set()
+    for name, path, line, reads in mixins(modules):
+        seen.add(name)
+        if name in MIXINS_ALLOWED:
+            allowed.append(f"{name} ({MIXINS_ALLOWED[name]})")
+            continue
+        out.append(f"{path.relative_to(ROOT)}:{line}: {name} reads self.{', self.'.join(reads)}, which neither it "
+                   "nor a base of the package sets (a mixin: make it a component its host owns)")
+    out += [f"MIXINS_ALLOWED: {name} is no mixin any more; take it off the list" for name in MIXINS_ALLOWED
+            if name not in seen]
+    return out, allowed
+
+
 def long_files() -> list[str]:
     out = []
     paths = list((PY_ROOT / PACKAGE).rglob("*.py"))
@@ -489,12 +616,15 @@ def main() -> int:
     findings += private_reach_ins(modules)
     findings += private_imports(modules)
     findings += long_files()
+    mixin_out, allowed = mixin_findings(modules)
+    findings += mixin_out
     for f in findings:
         print(f)
     if findings:
         print(f"structure check: {len(findings)} findings", file=sys.stderr)
         return 1
-    print(f"structure check: {len(modules)} Python modules, no circle, no private reach-in or import, no file over {MAX_LINES} lines")
+    print(f"structure check: {len(modules)} Python modules, no circle, no private reach-in or import, no file over "
+          f"{MAX_LINES} lines, no mixin but {len(allowed)} allowed: {'; '.join(allowed) or 'none'}")
     return 0
 
 

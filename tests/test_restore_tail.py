@@ -301,7 +301,7 @@ def test_a_tail_read_from_a_stalled_disk_gives_recomputings_tokens(tmp_path, dev
         finally:
             clear_faults()
         _until(lambda: not ctrl.deadline_stats()["stuck_calls"], "the stalled read never returned")
-        assert ctrl.deadline_stats()["fenced_pages"] == 0 and not ctrl._fenced and not ctrl._free_after
+        assert ctrl.deadline_stats()["fenced_pages"] == 0 and not ctrl.planning._fenced and not ctrl.planning._free_after
         assert _nothing_leaked(tier), "a tail page leaked from the host pool"
 
 

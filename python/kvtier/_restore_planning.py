@@ -1,18 +1,22 @@
-"""The restore-planning half of :class:`kvtier.TierController` (a mixin): what every tier measured about itself,
-the plan for a request's cached prefix (:func:`kvtier.planner.plan_restore`), and what the engine reports back
-(its forwards' times for the prefill model, each planned request's time to first token)."""
+"""The restore-planning part of :class:`kvtier.TierController`, a component it owns (:class:`RestorePlanning`):
+what every tier measured about itself, the plan for a request's cached prefix (:func:`kvtier.planner.plan_restore`),
+the store reads and lookups that plan leads to, and what the engine reports back (its forwards' times for the
+prefill model, each planned request's time to first token)."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import torch
 
 from ._errors import InvalidArgumentError
+from ._parts import Owner, Part
 from .deadlines import TierIO, check_deadline
+from .host_pages import page_slots
 from .planner import PlannerStats, PrefillModel, RestorePlan, TierEstimate, TierMeter, plan_restore
 from .pools import device_of
 
@@ -21,55 +25,83 @@ from .pools import device_of
 AUTO_FACTOR, AUTO_SLACK_S, AUTO_FLOOR_S, AUTO_UNKNOWN_S = 1.5, 0.05, 0.5, 2.0
 AUTO_CAP_S = 10.0  # and at most this
 
+T = TypeVar("T")
+
+
+def prefill_model(prefill: PrefillModel | float | None) -> PrefillModel | None:
+    """The ``prefill`` argument of :class:`kvtier.TierController` checked: a model, a fixed one for a number of
+    tokens/s, or None (a learned one)."""
+    if isinstance(prefill, (int, float)) and not isinstance(prefill, bool):
+        return PrefillModel.fixed(prefill, name="prefill")
+    if prefill is not None and not isinstance(prefill, PrefillModel):
+        raise InvalidArgumentError(f"invalid argument `prefill`: a PrefillModel or tokens/s, got {prefill!r}")
+    return prefill
+
 
 class RestorePlanning:
-    """Mixed into :class:`kvtier.TierController`, whose pools, store, lock and index it reads."""
+    """Owned by a :class:`kvtier.TierController` (its ``planning``). Owns the prefill model (``prefill``), the
+    planner's counters (``planner_stats``), the host tier's meter (``host_meter``), the restore and lookup
+    deadlines, and the fences of store reads past their deadline (private host pages such a read may still
+    write). Reaches the controller's store and counters through ``owner`` (an :class:`kvtier._parts.Owner`), its
+    host index through ``usable_run`` (the leading run of keys on the host and usable, its pending backups
+    polled) and its background work through ``track``; ``lock`` is the controller's, which guards the fences
+    too."""
 
-    host: Any
-    device_pool: Any
-    store: Any
-    ps: int
-    page_bytes: int
-    prefetch_budget: int
-    prefill: PrefillModel
-    planner_stats: PlannerStats
-    host_meter: TierMeter
-
-    lock: Any
-    pages: Any
-    stats: Any
-    _pending: list[concurrent.futures.Future[Any]]
-    tier_io: TierIO
-    _fenced: set[int]
-    _free_after: set[int]
-    lookup_deadline_s: float | None
-    restore_deadline: float | str | None
+    def __init__(self, owner: Owner, *, host_pool: Any, device_pool: Any, page_tokens: int, page_bytes: int,
+                 prefetch_budget: int, lock: threading.RLock, tier_io: TierIO,
+                 usable_run: Callable[[list[str]], int], track: Callable[[concurrent.futures.Future[Any]], None],
+                 prefill: PrefillModel | None, restore_deadline: float | str | None,
+                 lookup_deadline_s: float | None) -> None:
+        self.owner, self.host, self.device_pool = owner, host_pool, device_pool
+        self.ps, self.page_bytes, self.prefetch_budget = page_tokens, page_bytes, prefetch_budget
+        self.lock, self.tier_io, self.usable_run, self.track = lock, tier_io, usable_run, track
+        #: how long a store read may take (``"auto"``, seconds or None) and a lookup (seconds or None)
+        self.restore_deadline, self.lookup_deadline_s = restore_deadline, lookup_deadline_s
+        #: the engine's prefill cost (learned from observe_prefill unless given) and every decision counted
+        self.prefill = prefill if prefill is not None else PrefillModel()
+        self.planner_stats = PlannerStats()
+        #: the host tier's estimate of itself: host -> device copies (probed once; CPU loads observed)
+        self.host_meter = TierMeter("host")
+        self._fenced: set[int] = set()  # private page starts a read past its deadline may still write
+        self._free_after: set[int] = set()  # fenced starts given back meanwhile: freed when their read returns
 
     def _slots(self, starts: Sequence[int]) -> torch.Tensor:
-        raise NotImplementedError  # TierController's
+        return page_slots(starts, self.ps)
 
-    def _poll_locked(self) -> None:
-        raise NotImplementedError  # TierController's
-
-    def _track(self, fut: concurrent.futures.Future[Any]) -> None:
-        raise NotImplementedError  # TierController's
-
-
-    def _host_run(self, keys: list[str]) -> int:
-        with self.lock:
-            self._poll_locked()
-            n = 0
-            while n < len(keys) and keys[n] in self.pages and self.pages[keys[n]].usable:
-                n += 1
+    def host_run(self, keys: list[str]) -> int:
+        """The leading run of ``keys`` on the host and usable, observed by the host tier's meter."""
+        n = self.usable_run(keys)
         self.host_meter.observe_lookup(n, len(keys))
         return n
 
-    def _count_lookup(self, keys: list[str], n: int, m: int) -> None:
-        self.stats.host_hit_pages += n
-        self.stats.store_hit_pages += m
-        self.stats.miss_pages += len(keys) - n - m
+    def count_lookup(self, keys: list[str], n: int, m: int) -> None:
+        stats = self.owner.stats
+        stats.host_hit_pages += n
+        stats.store_hit_pages += m
+        stats.miss_pages += len(keys) - n - m
 
-    def _probe_host(self) -> None:
+    def match(self, page_keys: Sequence[str]) -> tuple[int, int]:
+        """See :meth:`kvtier.TierController.match`."""
+        keys, store = list(page_keys), self.owner.store
+        n = self.host_run(keys)
+        m = 0
+        if store is not None and n < len(keys):
+            m = int(self.lookup(lambda: store.batch_exists(keys[n:]), 0))
+        self.count_lookup(keys, n, m)
+        return n, m
+
+    def fenced_among(self, starts: Sequence[int]) -> set[int]:
+        """Those of ``starts`` a read past its deadline may still write (lock held)."""
+        return {int(s) for s in starts} & self._fenced
+
+    def free_later(self, starts: Sequence[int]) -> list[int]:
+        """Of private pages given back, those free now; the fenced ones are freed when their read returns (lock
+        held)."""
+        late = self.fenced_among(starts)
+        self._free_after |= late
+        return [int(s) for s in starts if int(s) not in late]
+
+    def probe_host(self) -> None:
         """Times a copy of up to 16 MiB of the host pool's memory to the device (the second of two), the
         host tier's seed figure. Reads host memory only; a probe that cannot run seeds nothing."""
         try:
@@ -94,10 +126,10 @@ class RestorePlanning:
             self.host_meter.seed(read_GBps=src.numel() / dt / 1e9)
 
     # ------------------------------------------------------------------ restore planning
-    def _lookup(self, fn: Any, missing: Any) -> Any:
+    def lookup(self, fn: Any, missing: Any) -> Any:
         """A store lookup within ``lookup_deadline_s``: its answer, or ``missing`` (past the deadline, failed,
         or the store out of use); on this thread when the store's lookups never wait on IO."""
-        if not getattr(self.store, "lookups_may_block", True):
+        if not getattr(self.owner.store, "lookups_may_block", True):
             return self.tier_io.run_inline("lookup", fn, missing)
         out = self.tier_io.run("lookup", fn, deadline_s=self.lookup_deadline_s, pages=0,
                                on_done=lambda r, late: missing if late or isinstance(r, BaseException) else r,
@@ -125,7 +157,7 @@ class RestorePlanning:
         """What every tier measured about itself: ``host`` (host → device copies) and the store's tiers
         (``disk``, ``mooncake``, ...), each a :class:`kvtier.planner.TierEstimate`."""
         out = {"host": self.host_meter.estimate()}
-        own = getattr(self.store, "measured", None)
+        own = getattr(self.owner.store, "measured", None)
         if own is not None:
             out.update(own())
         return out
@@ -134,7 +166,8 @@ class RestorePlanning:
     def durable_tier(self) -> str | None:
         """The name of the store's durable tier (a :class:`kvtier.PageStore`'s, or a tier chain's first), whose
         copy of a page makes writing it again unnecessary; None without a store."""
-        return getattr(self.store, "name", None) if self.store is not None else None
+        store = self.owner.store
+        return getattr(store, "name", None) if store is not None else None
 
     def plan_restore(self, page_keys: Sequence[str], prompt_tokens: int, *, can_split: bool = True,
                      overlap: bool = False, trail: bool = False) -> RestorePlan:
@@ -158,16 +191,17 @@ class RestorePlanning:
             raise InvalidArgumentError(f"invalid argument `page_keys`: {len(keys)} pages of {self.ps} tokens are more than "
                                        f"the prompt's {prompt_tokens} tokens")
         keys = keys[: (prompt_tokens - 1) // self.ps]  # the last token is always computed
-        n = self._host_run(keys)
+        n = self.host_run(keys)
         segments: list[tuple[str, int]] = []
-        if self.store is not None and n < len(keys):
-            locate = getattr(self.store, "locate", None)
+        store = self.owner.store
+        if store is not None and n < len(keys):
+            locate = getattr(store, "locate", None)
             if locate is not None:
-                segments = list(self._lookup(lambda: list(locate(keys[n:])), []))
+                segments = list(self.lookup(lambda: list(locate(keys[n:])), []))
             else:
-                m = int(self._lookup(lambda: self.store.batch_exists(keys[n:]), 0))
+                m = int(self.lookup(lambda: store.batch_exists(keys[n:]), 0))
                 segments = [("store", m)] if m else []
-        self._count_lookup(keys, n, sum(p for _, p in segments))
+        self.count_lookup(keys, n, sum(p for _, p in segments))
         # one prefetch brings in at most the budget: pages past it are not loadable by this restore
         segments = _cap(segments, self.prefetch_budget)
         plan = plan_restore(prompt_tokens=prompt_tokens, page_tokens=self.ps, page_bytes=self.page_bytes, host_pages=n,
@@ -193,11 +227,11 @@ class RestorePlanning:
         ``deadline``: seconds (default: :meth:`restore_deadline_s` of these pages); past it the future answers 0
         (no page verified) and the gate opens, while the read, still running, keeps ``starts`` fenced: given
         back with :meth:`free` meanwhile, they are freed only once it returns; :meth:`adopt` refuses them."""
-        keys, starts = list(page_keys), [int(s) for s in starts]
-        split = getattr(self.store, "batch_get_layers_first", None) if first_layers else None
+        keys, starts, store = list(page_keys), [int(s) for s in starts], self.owner.store
+        split = getattr(store, "batch_get_layers_first", None) if first_layers else None
         if len(keys) != len(starts):
             raise InvalidArgumentError(f"invalid argument `starts`: {len(starts)} pages for {len(keys)} keys")
-        if self.store is None and keys:
+        if store is None and keys:
             raise InvalidArgumentError("invalid argument `page_keys`: this controller has no store to read from")
         deadline = check_deadline("deadline", deadline)
         if deadline is None:
@@ -208,7 +242,7 @@ class RestorePlanning:
                 return []
             if split is not None:
                 return list(split(keys, self._slots(starts), self.host.layer_num, first_layers, gate))
-            return list(self.store.batch_get_v1(keys, self._slots(starts)))
+            return list(store.batch_get_v1(keys, self._slots(starts)))
 
         def give_up(started: bool) -> int:
             if started:
@@ -224,7 +258,7 @@ class RestorePlanning:
             if gate is not None:
                 gate.open()
             with self.lock:
-                self._count_reads(ok)
+                self.count_reads(ok)
                 if late:  # the pages are the caller's again; those it gave back meanwhile are freed now
                     self._fenced.difference_update(starts)
                     back = [s for s in starts if s in self._free_after]
@@ -235,14 +269,15 @@ class RestorePlanning:
 
         fut = self.tier_io.run("read", work, deadline_s=deadline, pages=len(keys), on_done=done, on_give_up=give_up,
                                reached=bool)
-        self._track(fut)
+        self.track(fut)
         return fut
 
-    def _count_reads(self, ok: Sequence[bool]) -> None:
-        """A store read's pages, read and missed, in the counters (lock held)."""
-        self.stats.prefetched_pages += sum(ok)
-        self.stats.prefetch_misses += len(ok) - sum(ok)
-        self.stats.bytes_from_store += sum(ok) * self.page_bytes
+    def count_reads(self, ok: Sequence[bool]) -> None:
+        """A store read's pages, read and missed, in the controller's counters (lock held)."""
+        stats = self.owner.stats
+        stats.prefetched_pages += sum(ok)
+        stats.prefetch_misses += len(ok) - sum(ok)
+        stats.bytes_from_store += sum(ok) * self.page_bytes
 
     def observe_prefill(self, new_tokens: int, context_tokens: int, seconds: float) -> None:
         """One forward of the engine: ``new_tokens`` computed after ``context_tokens`` cached ones took
@@ -252,6 +287,13 @@ class RestorePlanning:
     def observe_ttft(self, plan: RestorePlan, seconds: float) -> None:
         """The time to first token measured for a request restored by ``plan`` (predicted against observed)."""
         self.planner_stats.observe(plan, seconds)
+
+
+class Planning(Part[T]):
+    """A :class:`kvtier.TierController` attribute or method that is its ``planning`` component's."""
+
+    def __init__(self, doc: str | None = None) -> None:
+        super().__init__("planning", RestorePlanning, doc)
 
 
 def _cap(segments: list[tuple[str, int]], pages: int) -> list[tuple[str, int]]:

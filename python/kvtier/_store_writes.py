@@ -1,41 +1,40 @@
-"""The store-writing half of :class:`kvtier.TierController` (a mixin): write-through writes in the background
-and write-back spills on the caller's thread, each within its deadline (:mod:`kvtier.deadlines`)."""
+"""The store-writing part of :class:`kvtier.TierController`, a component it owns (:class:`StoreWrites`):
+write-through writes in the background and write-back spills on the caller's thread, each within its deadline
+(:mod:`kvtier.deadlines`)."""
 
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import Sequence
-from typing import Any
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
-import torch
-
+from ._parts import Owner, Part
 from .deadlines import TierIO
+from .host_pages import HostPage, page_slots
+
+T = TypeVar("T")
 
 
 class StoreWrites:
-    """Mixed into :class:`kvtier.TierController`, whose store, lock, index and counters it uses."""
+    """Owned by a :class:`kvtier.TierController` (its ``writes``). Owns the write deadline (``write_deadline_s``).
+    Reaches the controller's store and counters through ``owner`` (an :class:`kvtier._parts.Owner`), its host
+    index through ``pages`` (guarded by ``lock``, which the caller of :meth:`spill` holds) and ``poll_locked`` (its
+    pending backups seen complete, erased pages freed), a spill's deadline through ``spill_deadline`` (the
+    controller's lookup deadline) and its background work through ``track``."""
 
-    store: Any
-    lock: Any
-    pages: Any
-    stats: Any
-    tier_io: TierIO
-    lookup_deadline_s: float | None
-    write_deadline_s: float | None
-    page_bytes: int
-    _pending: list[concurrent.futures.Future[Any]]
+    def __init__(self, owner: Owner, *, pages: dict[str, HostPage], lock: threading.RLock, tier_io: TierIO,
+                 page_tokens: int, page_bytes: int, poll_locked: Callable[[], None],
+                 track: Callable[[concurrent.futures.Future[Any]], None], spill_deadline: Callable[[], float | None],
+                 write_deadline_s: float | None) -> None:
+        self.owner, self.pages, self.lock, self.tier_io = owner, pages, lock, tier_io
+        self.ps, self.page_bytes, self.poll_locked, self.track = page_tokens, page_bytes, poll_locked, track
+        self.spill_deadline = spill_deadline
+        #: how long a store write may hold its host pages before it is given up on (seconds or None)
+        self.write_deadline_s = write_deadline_s
 
-    def _slots(self, starts: Sequence[int]) -> torch.Tensor:
-        raise NotImplementedError  # TierController's
-
-    def _poll_locked(self) -> None:
-        raise NotImplementedError  # TierController's
-
-    def _track(self, fut: concurrent.futures.Future[Any]) -> None:
-        raise NotImplementedError  # TierController's
-
-    def _spill(self, key: str, start: int) -> list[bool] | None:
-        """A write-back spill on the caller's thread (lock held), given ``lookup_deadline_s``: what it wrote, or
+    def spill(self, key: str, start: int) -> list[bool] | None:
+        """A write-back spill on the caller's thread (lock held), given the spill deadline: what it wrote, or
         None when it is past its deadline and still running."""
 
         def done(result: Any, late: bool) -> Any:
@@ -45,13 +44,13 @@ class StoreWrites:
                 pg = self.pages.get(key)
                 if pg is not None and pg.start == start:
                     pg.refs -= 1
-                self._poll_locked()
+                self.poll_locked()
             return None
 
         out = self.tier_io.run("write", lambda: self._store_write([key], [start]), deadline_s=None, pages=1,
                                on_done=done, on_give_up=lambda started: None if started else [False])
         try:
-            return out.result(timeout=self.lookup_deadline_s)
+            return out.result(timeout=self.spill_deadline())
         except concurrent.futures.TimeoutError:
             self.tier_io.abandon(out)
             return out.result()
@@ -63,15 +62,16 @@ class StoreWrites:
 
     def _store_write(self, keys: list[str], starts: list[int]) -> list[bool]:
         try:
-            ok: list[bool] = self.store.batch_set_v1(keys, self._slots(starts))
+            ok: list[bool] = self.owner.store.batch_set_v1(keys, page_slots(starts, self.ps))
         except Exception:  # an IO failure is a miss later, never an engine crash
             ok = [False] * len(keys)
-        self.stats.store_writes += sum(ok)
-        self.stats.store_write_failures += len(ok) - sum(ok)
-        self.stats.bytes_to_store += sum(ok) * self.page_bytes
+        stats = self.owner.stats
+        stats.store_writes += sum(ok)
+        stats.store_write_failures += len(ok) - sum(ok)
+        stats.bytes_to_store += sum(ok) * self.page_bytes
         return ok
 
-    def _write_async(self, keys: list[str], events: list[Any]) -> None:
+    def write_async(self, keys: list[str], events: list[Any]) -> None:
         """Background: wait for the backups, write the pages, release their references (a write past its
         deadline keeps them until it returns; one that never started gives them back at its deadline)."""
         live: list[tuple[str, int]] = []
@@ -86,7 +86,7 @@ class StoreWrites:
         def give_up(started: bool) -> None:
             if not started:
                 with self.lock:
-                    self.stats.store_writes_given_up += len(keys)
+                    self.owner.stats.store_writes_given_up += len(keys)
                     self._release_locked(keys)
 
         def done(result: Any, late: bool) -> None:
@@ -98,14 +98,21 @@ class StoreWrites:
                         pg.in_store = pg.in_store or good
                 self._release_locked(keys)
 
-        self._track(self.tier_io.run("write", work, deadline_s=self.write_deadline_s, pages=len(keys),
+        self.track(self.tier_io.run("write", work, deadline_s=self.write_deadline_s, pages=len(keys),
                                      on_done=done, on_give_up=give_up, reached=write_reached))
 
     def _release_locked(self, keys: Sequence[str]) -> None:
         for k in keys:
             if k in self.pages:
                 self.pages[k].refs -= 1
-        self._poll_locked()
+        self.poll_locked()
+
+
+class Writes(Part[T]):
+    """A :class:`kvtier.TierController` attribute that is its ``writes`` component's."""
+
+    def __init__(self, doc: str | None = None) -> None:
+        super().__init__("writes", StoreWrites, doc)
 
 
 def write_reached(result: Any) -> bool:

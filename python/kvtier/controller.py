@@ -25,26 +25,26 @@ import concurrent.futures
 import threading
 import time
 from typing import Any
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from ._errors import InvalidArgumentError
 from .deadlines import Breaker, TierIO, check_deadline
-from .host_pages import Stats, HostPage
+from .host_pages import Stats, HostPage, page_slots
 from .tenants import erase_tag, tenant_of, tenant_tag
 from .overlap import LayerLoad, LayerLoader, backup_async
-from ._restore_planning import RestorePlanning
-from ._store_writes import StoreWrites, write_reached
-from .planner import PlannerStats, PrefillModel, TierMeter
+from ._restore_planning import Planning, RestorePlanning, prefill_model
+from ._store_writes import StoreWrites, Writes, write_reached
+from .planner import PlannerStats, PrefillModel, RestorePlan, TierEstimate, TierMeter
 from .pools import device_of
-from .tier import Tier
+from .tier import Tier, check_registered
 
 POLICIES = ("write_through", "write_back", "write_through_selective")
 
 
-class TierController(RestorePlanning, StoreWrites):
-    """See the module docs.
+class TierController:
+    """See the module docs. Owns ``planning`` (:class:`RestorePlanning`) and ``writes`` (:class:`StoreWrites`).
 
     Args:
         device_pool: the engine's device KV pool (kvtier or SGLang attribute names).
@@ -70,6 +70,8 @@ class TierController(RestorePlanning, StoreWrites):
             :class:`kvtier.deadlines.Breaker`: 2 misses in a row, back after 2 s if a probe answers in time).
     """
 
+    store: Any  # a Tier, or None
+
     def __init__(
         self,
         device_pool: Any,
@@ -89,26 +91,15 @@ class TierController(RestorePlanning, StoreWrites):
     ) -> None:
         if device_pool is None or host_pool is None:
             raise InvalidArgumentError("invalid argument `device_pool`/`host_pool`: both are required (got None)")
-        if isinstance(prefill, (int, float)) and not isinstance(prefill, bool):
-            prefill = PrefillModel.fixed(prefill, name="prefill")
-        elif prefill is not None and not isinstance(prefill, PrefillModel):
-            raise InvalidArgumentError(f"invalid argument `prefill`: a PrefillModel or tokens/s, got {prefill!r}")
-        self.restore_deadline = check_deadline("restore_deadline", restore_deadline, auto=True)
-        self.write_deadline_s = check_deadline("write_deadline_s", write_deadline_s)
-        self.lookup_deadline_s = check_deadline("lookup_deadline_s", lookup_deadline_s)
+        prefill = prefill_model(prefill)
+        restore_deadline = check_deadline("restore_deadline", restore_deadline, auto=True)
+        write_deadline_s = check_deadline("write_deadline_s", write_deadline_s)
+        lookup_deadline_s = check_deadline("lookup_deadline_s", lookup_deadline_s)
         if breaker is not None and not isinstance(breaker, Breaker):
             raise InvalidArgumentError(f"invalid argument `breaker`: a kvtier.deadlines.Breaker, got {breaker!r}")
         if write_policy not in POLICIES:
             raise InvalidArgumentError(f"invalid argument `write_policy`: {write_policy!r}; expected one of {POLICIES}")
-        if store is not None:
-            bound = getattr(store, "pool", None)
-            if bound is None:
-                raise InvalidArgumentError("invalid argument `store`: it has no host pool; call store."
-                                           "register_mem_pool_host(host_pool) before building the TierController")
-            if bound is not host_pool:
-                raise InvalidArgumentError("invalid argument `store`: it is registered with another host pool than "
-                                           "`host_pool`; its batches would read and write that pool's memory at "
-                                           "this pool's indices")
+        check_registered(store, host_pool)
         self.device_pool, self.host, self.store = device_pool, host_pool, store
         self.io_backend, self.write_policy, self.hit_threshold = io_backend, write_policy, hit_threshold
         self.ps = host_pool.page_size
@@ -119,21 +110,40 @@ class TierController(RestorePlanning, StoreWrites):
         self.loader = LayerLoader(host_pool, device_pool, io_backend)
         self._io = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-release")
         self._pending: list[concurrent.futures.Future[Any]] = []
-        #: the store's calls, with their deadlines and breaker
-        self.tier_io = TierIO(breaker=breaker, name="store")
-        self._fenced: set[int] = set()  # private page starts a read past its deadline may still write
-        self._free_after: set[int] = set()  # fenced starts given back meanwhile: freed when their read returns
+        self.tier_io = TierIO(breaker=breaker, name="store")  # the store's calls, with their deadlines and breaker
         self.page_bytes = host_pool.get_size_per_token() * self.ps
-        #: the engine's prefill cost (learned from observe_prefill unless given) and every decision counted
-        self.prefill = prefill if prefill is not None else PrefillModel()
-        self.planner_stats = PlannerStats()
-        #: the host tier's estimate of itself: host -> device copies (probed once; CPU loads observed)
-        self.host_meter = TierMeter("host")
+        self.planning = RestorePlanning(
+            self, host_pool=host_pool, device_pool=device_pool, page_tokens=self.ps, page_bytes=self.page_bytes,
+            prefetch_budget=self.prefetch_budget, lock=self.lock, tier_io=self.tier_io, usable_run=self._usable_run,
+            track=self._track, prefill=prefill, restore_deadline=restore_deadline, lookup_deadline_s=lookup_deadline_s)
+        self.writes = StoreWrites(self, pages=self.pages, lock=self.lock, tier_io=self.tier_io, page_tokens=self.ps,
+                                  page_bytes=self.page_bytes, poll_locked=self._poll_locked, track=self._track,
+                                  spill_deadline=lambda: self.lookup_deadline_s, write_deadline_s=write_deadline_s)
         if probe:
-            self._probe_host()
+            self.planning.probe_host()
+
+    prefill: Planning[PrefillModel] = Planning("The engine's prefill cost (:class:`kvtier.planner.PrefillModel`).")
+    planner_stats: Planning[PlannerStats] = Planning("Every restore decision counted.")
+    host_meter: Planning[TierMeter] = Planning("The host tier's estimate of itself: host -> device copies.")
+    restore_deadline: Planning[float | str | None] = Planning("How long a store read may take: \"auto\", s or None.")
+    lookup_deadline_s: Planning[float | None] = Planning("How long a store lookup (or write-back spill) may take.")
+    durable_tier: Planning[str | None] = Planning()
+    plan_restore: Planning[Callable[..., RestorePlan]] = Planning()
+    read_into: Planning[Callable[..., concurrent.futures.Future[int]]] = Planning()
+    restore_deadline_s: Planning[Callable[..., float | None]] = Planning()
+    measured: Planning[Callable[[], dict[str, TierEstimate]]] = Planning()
+    observe_prefill: Planning[Callable[[int, int, float], None]] = Planning()
+    observe_ttft: Planning[Callable[[RestorePlan, float], None]] = Planning()
+    deadline_stats: Planning[Callable[[], dict[str, Any]]] = Planning()
+    write_deadline_s: Writes[float | None] = Writes("How long a store write may hold its host pages (s or None).")
 
     def _slots(self, starts: Sequence[int]) -> torch.Tensor:
-        return (torch.tensor(starts, dtype=torch.int64)[:, None] + torch.arange(self.ps)[None]).reshape(-1)
+        return page_slots(starts, self.ps)
+
+    def _usable_run(self, keys: list[str]) -> int:  # the leading run of keys on the host and usable
+        with self.lock:
+            self._poll_locked()
+            return next((i for i, k in enumerate(keys) if k not in self.pages or not self.pages[k].usable), len(keys))
 
     def _poll_locked(self) -> None:  # backups seen complete; erased pages nothing holds wiped and freed
         doomed = []
@@ -160,7 +170,7 @@ class TierController(RestorePlanning, StoreWrites):
         """Evicts ``key`` (False: a spill past its deadline still reads it; it stays, held, until that returns)."""
         pg = self.pages[key]
         if self.write_policy == "write_back" and self.store is not None and not pg.in_store:
-            ok = self._spill(key, pg.start)  # before the memory is reused
+            ok = self.writes.spill(key, pg.start)  # before the memory is reused
             if ok is None:
                 pg.refs += 1  # the spill's: given back when it returns
                 return False
@@ -223,7 +233,7 @@ class TierController(RestorePlanning, StoreWrites):
             if self.store is not None and self.write_policy == "write_through":
                 for i in new:
                     self.pages[keys[i]].refs += 1
-                self._write_async([keys[i] for i in new], [ev] * len(new))
+                self.writes.write_async([keys[i] for i in new], [ev] * len(new))
         return ev
 
     def _drain(self) -> None:
@@ -236,13 +246,7 @@ class TierController(RestorePlanning, StoreWrites):
         """``(host_hits, store_hits)``: the leading run of keys on the host and usable (a page still being
         read from the store is not), then how many of the following keys are in the store (the store part of
         the prefix)."""
-        keys = list(page_keys)
-        n = self._host_run(keys)
-        m = 0
-        if self.store is not None and n < len(keys):
-            m = int(self._lookup(lambda: self.store.batch_exists(keys[n:]), 0))
-        self._count_lookup(keys, n, m)
-        return n, m
+        return self.planning.match(page_keys)
 
     def prefetch(self, page_keys: Sequence[str], *, deadline: float | None = None) -> concurrent.futures.Future[int]:
         """Bring the pages of ``page_keys`` that are not on the host in from the store, in the background
@@ -294,7 +298,7 @@ class TierController(RestorePlanning, StoreWrites):
                         del self.pages[k]
                         self.host.free(self._slots([pg.start]))
                 self._poll_locked()  # (a page read for a tenant erased meanwhile: wiped and freed)
-                self._count_reads(ok)
+                self.planning.count_reads(ok)
                 return sum(1 for k in keys if k in self.pages and self.pages[k].usable)
 
         fut = self.tier_io.run("read", work, deadline_s=deadline, pages=lambda: len(want), on_done=done,
@@ -330,7 +334,7 @@ class TierController(RestorePlanning, StoreWrites):
             t0 = time.perf_counter()
             load = self.loader.load(self._slots(starts), device_indices, after=after)
             if not self.loader.cuda:  # a CPU load is done on return: its time is the host tier's
-                self.host_meter.observe("read", len(keys) * self.page_bytes, time.perf_counter() - t0)
+                self.planning.host_meter.observe("read", len(keys) * self.page_bytes, time.perf_counter() - t0)
         except BaseException:  # an error, or a Ctrl-C: the references go back once nothing reads the pages
             self._drain()
             with self.lock:
@@ -358,7 +362,7 @@ class TierController(RestorePlanning, StoreWrites):
             if selective:
                 for k in selective:
                     self.pages[k].refs += 1
-                self._write_async(selective, [None] * len(selective))
+                self.writes.write_async(selective, [None] * len(selective))
         return load
 
     # ------------------------------------------------------------------ pages an engine fills itself
@@ -377,10 +381,7 @@ class TierController(RestorePlanning, StoreWrites):
         still write is freed when that read returns)."""
         if starts:
             with self.lock:
-                late = {int(s) for s in starts} & self._fenced
-                self._free_after |= late
-                now = [int(s) for s in starts if int(s) not in late]
-                if now:
+                if now := self.planning.free_later(starts):
                     self.host.free(self._slots(now))
 
     def adopt(self, page_keys: Sequence[str], starts: Sequence[int], *, event: Any = None,
@@ -398,7 +399,7 @@ class TierController(RestorePlanning, StoreWrites):
             raise InvalidArgumentError(f"invalid argument `stored`: {len(stored)} flags for {len(keys)} keys")
         held = {k for k, s in zip(keys, stored) if s} if stored is not None else set()
         with self.lock:
-            if fenced := {int(s) for s in starts} & self._fenced:
+            if fenced := self.planning.fenced_among(starts):
                 raise InvalidArgumentError(f"invalid argument `starts`: page(s) {sorted(fenced)} are still being "
                                            "written by a store read past its deadline")
             self._poll_locked()
@@ -416,7 +417,7 @@ class TierController(RestorePlanning, StoreWrites):
             if new and self.store is not None and self.write_policy == "write_through":
                 for k in new:
                     self.pages[k].refs += 1
-                self._write_async(new, [event] * len(new))
+                self.writes.write_async(new, [event] * len(new))
         return done
 
     def acquire(self, page_keys: Sequence[str]) -> list[int]:

@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import torch
+
+
+def page_slots(starts: Sequence[int], page_tokens: int) -> torch.Tensor:
+    """The host token slots of the pages that start at ``starts`` (``page_tokens`` each), in order."""
+    return (torch.tensor(starts, dtype=torch.int64)[:, None] + torch.arange(page_tokens)[None]).reshape(-1)
 
 
 @dataclass

@@ -19,6 +19,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from ._errors import InvalidArgumentError
 from ._tier_meter import TierEstimate
 
 
@@ -83,3 +84,17 @@ class Tier(Protocol):
 
     def close(self) -> None:
         """Finish pending writes and release the tier's files, connections and registered memory."""
+
+
+def check_registered(store: Any, host_pool: Any) -> None:
+    """Refuses a ``store`` (None: no store) that is not registered with ``host_pool``."""
+    if store is None:
+        return
+    bound = getattr(store, "pool", None)
+    if bound is None:
+        raise InvalidArgumentError("invalid argument `store`: it has no host pool; call store."
+                                   "register_mem_pool_host(host_pool) before building the TierController")
+    if bound is not host_pool:
+        raise InvalidArgumentError("invalid argument `store`: it is registered with another host pool than "
+                                   "`host_pool`; its batches would read and write that pool's memory at "
+                                   "this pool's indices")
