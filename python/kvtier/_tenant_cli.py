@@ -14,6 +14,7 @@ import sys
 from typing import Any
 
 from ._errors import KvtierError
+from .namespace import Namespace
 
 
 def add_parsers(sub: Any) -> None:
@@ -118,9 +119,8 @@ def cmd_keys(args: argparse.Namespace) -> int:
 
 def _sealed_id(ns: str | None) -> str | None:
     """The keyring id a namespace string is sealed with, or None for a clear one."""
-    if not ns or "|sealed=" not in ns:
-        return None
-    return ns.rsplit("|sealed=", 1)[1].split("|", 1)[0]
+    parsed = Namespace.parse_or_none(ns)
+    return parsed.sealed if parsed is not None else None
 
 
 def _plan_disk(path: str, kr: Any) -> tuple[list[dict[str, Any]], list[str]]:
