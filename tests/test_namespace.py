@@ -103,3 +103,25 @@ def test_cli_readers_see_model_and_seal() -> None:
     assert model_of(text) == "m" and names_model(text, "m") and names_model(text, "m|mla")
     assert not names_model(text, "m2") and model_of(None) is None and model_of("junk|x") is None
     assert _sealed_id(text) == "kr-1" and _sealed_id("kvtier-v1|model=m") is None
+
+
+def test_ranks_travel_as_one_value(tmp_path) -> None:
+    from kvtier import PageStore
+    from kvtier.namespace import Ranks
+
+    r = Ranks(tp_rank=1, tp_size=4, pp_rank=1, pp_size=2, dp_rank=3, dcp_rank=1, dcp_size=2)
+    a = PageStore(str(tmp_path), ranks=r)
+    b = PageStore(str(tmp_path), tp_rank=1, tp_size=4, pp_rank=1, pp_size=2, dp_rank=3, dcp_rank=1, dcp_size=2)
+    assert a.ranks == b.ranks == r.table()
+    assert Ranks.pick(None, tp_rank=2, tp_size=3) == (2, 3)
+    assert Ranks.pick(Ranks(tp_rank=1, tp_size=2), tp_rank=0, tp_size=1) == (1, 2)
+    with pytest.raises(InvalidArgumentError, match="`tp_rank`: pass `ranks` or the rank keywords"):
+        PageStore(str(tmp_path), ranks=r, tp_rank=1, tp_size=4)
+    with pytest.raises(InvalidArgumentError, match="`ranks`: dp_rank is not a rank of this tier"):
+        Ranks.pick(Ranks(dp_rank=1), tp_rank=0, tp_size=1)
+    with pytest.raises(InvalidArgumentError, match="`ranks`"):
+        PageStore(str(tmp_path), ranks={"tp": (0, 1)})  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match="`tp_rank`"):
+        Ranks(tp_rank=4, tp_size=4)
+    with pytest.raises(InvalidArgumentError, match="`dp_rank`"):
+        Ranks(dp_rank=-1)

@@ -15,8 +15,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from ._errors import InvalidArgumentError
+from .config import check_ints, check_ranks
 
-__all__ = ["Namespace", "fields_of", "rank_fields"]
+__all__ = ["Namespace", "Ranks", "fields_of", "rank_fields"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +110,52 @@ class Namespace:
             return cls.parse(text) if text else None
         except InvalidArgumentError:
             return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Ranks:
+    """Where a store or tier sits in the engine's parallel layout: the tensor-, pipeline- and
+    context-parallel rank and size, the data-parallel rank and the decode context-parallel shard. One value
+    in place of the rank keywords of :class:`kvtier.PageStore` and :class:`kvtier.tiers.MooncakeTier`
+    (``ranks=Ranks(tp_rank=1, tp_size=4)``); checked when made (InvalidArgumentError naming ``<name>_rank``)."""
+
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    cp_rank: int = 0
+    cp_size: int = 1
+    dp_rank: int = 0
+    dcp_rank: int = 0
+    dcp_size: int = 1
+
+    def __post_init__(self) -> None:
+        check_ints(dp_rank=(self.dp_rank, 0))
+        check_ranks(tp=(self.tp_rank, self.tp_size), pp=(self.pp_rank, self.pp_size), cp=(self.cp_rank, self.cp_size),
+                    dcp=(self.dcp_rank, self.dcp_size))
+
+    def table(self) -> dict[str, tuple[int, int]]:
+        """``{"tp": (rank, size), "pp": ..., "cp": ..., "dcp": ..., "dp": (rank, 0)}``: a store's ``ranks``."""
+        return dict(tp=(self.tp_rank, self.tp_size), pp=(self.pp_rank, self.pp_size), cp=(self.cp_rank, self.cp_size),
+                    dcp=(self.dcp_rank, self.dcp_size), dp=(self.dp_rank, 0))
+
+    @classmethod
+    def pick(cls, ranks: Ranks | None, **given: int) -> tuple[int, ...]:
+        """The values of the rank keywords ``given`` (in their order): those given when ``ranks`` is None,
+        else ``ranks``'s. Passing ``ranks`` with a rank keyword set too is an InvalidArgumentError, as is a
+        ``ranks`` that sets a field the caller has no keyword for."""
+        if ranks is None:
+            return tuple(given.values())
+        if not isinstance(ranks, Ranks):
+            raise InvalidArgumentError(f"invalid argument `ranks`: a kvtier.namespace.Ranks, got {type(ranks).__name__}")
+        default = cls()
+        for name, value in given.items():
+            if value != getattr(default, name):
+                raise InvalidArgumentError(f"invalid argument `{name}`: pass `ranks` or the rank keywords, not both")
+        for f in dataclasses.fields(cls):
+            if f.name not in given and getattr(ranks, f.name) != getattr(default, f.name):
+                raise InvalidArgumentError(f"invalid argument `ranks`: {f.name} is not a rank of this tier")
+        return tuple(getattr(ranks, name) for name in given)
 
 
 def fields_of(fragment: str) -> dict[str, str]:

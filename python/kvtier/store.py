@@ -32,7 +32,7 @@ from ._errors import ClosedError, InvalidArgumentError, KvtierError
 from .config import check_ints, check_ranks, parse_size
 from .tenants import check_keys as _keys, erase_tag, open_keyring, scope_keys
 from .staging import StagingPages
-from .namespace import Namespace, fields_of, rank_fields
+from .namespace import Namespace, Ranks, fields_of, rank_fields
 from .compression import COMPRESSION, codec_for, compression_stats, effective_read_GBps  # noqa: F401 - re-exported
 from .page_layout import PAGE_LAYOUTS, heads_of as _heads, host_buffers, logical_dtype, page_layout as _page_layout  # noqa: F401
 
@@ -59,7 +59,8 @@ class PageStore:
         model_name, tp_rank, tp_size, pp_rank, pp_size, cp_rank, cp_size, dp_rank, dcp_rank, dcp_size: identify
             the KV this store holds (``dp_rank``: with DP attention the TP rank is group-local, so ranks of
             different DP groups need their own namespace; ``dcp_*``: a decode-context-parallel shard);
-            with the registered pool's geometry they form the namespace.
+            with the registered pool's geometry they form the namespace. ``ranks``: a
+            :class:`kvtier.namespace.Ranks` in place of the rank keywords.
         io_threads: IO requests in flight per batch (default 16).
         read_only: read the namespace another process writes (SGLang's MLA ranks other than the writer):
             no lock is taken, nothing is written, the writer's new pages are seen as it commits them, and
@@ -105,6 +106,7 @@ class PageStore:
         dp_rank: int = 0,
         dcp_rank: int = 0,
         dcp_size: int = 1,
+        ranks: Ranks | None = None,
         io_threads: int = 16,
         direct: bool | None = None,
         read_only: bool = False,
@@ -129,6 +131,9 @@ class PageStore:
                                            f"got {budget_bytes}")
         if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
             raise InvalidArgumentError(f"invalid argument `path`: the store's root directory (a non-empty path), got {path!r}")
+        tp_rank, tp_size, pp_rank, pp_size, cp_rank, cp_size, dp_rank, dcp_rank, dcp_size = Ranks.pick(
+            ranks, tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size, cp_rank=cp_rank,
+            cp_size=cp_size, dp_rank=dp_rank, dcp_rank=dcp_rank, dcp_size=dcp_size)
         check_ranks(tp=(tp_rank, tp_size), pp=(pp_rank, pp_size), cp=(cp_rank, cp_size), dcp=(dcp_rank, dcp_size))
         self.path = os.fspath(path)
         self.capacity_bytes = capacity_bytes
