@@ -125,3 +125,21 @@ def test_ranks_travel_as_one_value(tmp_path) -> None:
         Ranks(tp_rank=4, tp_size=4)
     with pytest.raises(InvalidArgumentError, match="`dp_rank`"):
         Ranks(dp_rank=-1)
+
+
+def test_build_tier_by_name(tmp_path) -> None:
+    from kvtier import PageStore
+    from kvtier.namespace import Ranks
+    from kvtier.tier import TIERS, build_tier
+
+    t = build_tier({"disk": {"path": str(tmp_path), "ranks": Ranks(tp_rank=1, tp_size=2)}}, model_name="m")
+    assert isinstance(t, PageStore) and t.model_name == "m" and t.ranks["tp"] == (1, 2)
+    assert isinstance(build_tier("disk", path=str(tmp_path)), PageStore)
+    with pytest.raises(InvalidArgumentError, match="unknown tier 's3'; registered tiers: disk, mooncake"):
+        build_tier("s3")
+    with pytest.raises(InvalidArgumentError, match="needs `path`"):
+        build_tier("disk")
+    for bad in ({"disk": {}, "mooncake": {}}, {"disk": 1}, 3):
+        with pytest.raises(InvalidArgumentError, match="`spec`"):
+            build_tier(bad)  # type: ignore[arg-type]
+    assert sorted(TIERS) == ["disk", "mooncake"]
