@@ -12,6 +12,7 @@ from typing import Any
 
 from ._errors import KvtierError
 from .config import parse_size
+from .namespace import Namespace
 
 _AGE_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
@@ -45,9 +46,17 @@ def human_age(seconds: float | None) -> str:
 
 def model_of(namespace: str | None) -> str | None:
     """The model a namespace string names (``...|model=NAME|...``), as far as it can be told."""
-    if not namespace or "|model=" not in namespace:
-        return None
-    return namespace.split("|model=", 1)[1].split("|", 1)[0]
+    ns = Namespace.parse_or_none(namespace)
+    model = ns.model if ns is not None else None
+    # (SGLang names an MLA model "NAME|mla": the model is NAME)
+    return model.split("|", 1)[0] if model is not None else None
+
+
+def names_model(namespace: str | None, model: str) -> bool:
+    """Whether a namespace string names ``model`` (an MLA model's ``NAME|mla`` matches ``NAME`` too)."""
+    ns = Namespace.parse_or_none(namespace)
+    named = ns.model if ns is not None else None
+    return named is not None and (named == model or named.startswith(model + "|"))
 
 
 def _objects(path: str, ns: str) -> tuple[int | None, str | None]:
@@ -134,7 +143,7 @@ def cmd_remove(args: argparse.Namespace) -> int:
     if not args.dirs:
         chosen = list(info["namespaces"])
     if args.model:
-        chosen = [e for e in chosen if e["namespace"] and f"|model={args.model}|" in e["namespace"] + "|"]
+        chosen = [e for e in chosen if names_model(e["namespace"], args.model)]
     if older is not None:
         chosen = [e for e in chosen if e["idle_s"] is None or e["idle_s"] >= older]
     if not chosen:

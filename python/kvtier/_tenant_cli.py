@@ -14,6 +14,7 @@ import sys
 from typing import Any
 
 from ._errors import KvtierError
+from .namespace import Namespace
 
 
 def add_parsers(sub: Any) -> None:
@@ -118,9 +119,8 @@ def cmd_keys(args: argparse.Namespace) -> int:
 
 def _sealed_id(ns: str | None) -> str | None:
     """The keyring id a namespace string is sealed with, or None for a clear one."""
-    if not ns or "|sealed=" not in ns:
-        return None
-    return ns.rsplit("|sealed=", 1)[1].split("|", 1)[0]
+    parsed = Namespace.parse_or_none(ns)
+    return parsed.sealed if parsed is not None else None
 
 
 def _plan_disk(path: str, kr: Any) -> tuple[list[dict[str, Any]], list[str]]:
@@ -187,12 +187,13 @@ def _erase_namespace(path: str, ns: str, kr: Any, tag: str) -> int:
 
 def _open_cluster(master: str, kr: Any) -> Any:
     try:
-        from .tiers.mooncake import MooncakeTier
+        from .tier import build_tier
+        from .tiers.mooncake import MooncakeTier  # noqa: F401 - its packages are checked before anything is erased
     except ImportError as exc:
         raise KvtierError(f"--cluster needs the cluster tier's packages (torch and mooncake-transfer-engine: "
                           f"`pip install kvtier[mooncake]`): {exc}") from exc
     try:
-        return MooncakeTier(master, model_name="kvtier-erase", keyring=kr)
+        return build_tier({"mooncake": {"master_server_address": master, "model_name": "kvtier-erase", "keyring": kr}})
     except Exception as exc:  # noqa: BLE001 - any failure to reach the master stops the erase before it starts
         raise KvtierError(f"--cluster {master}: the cluster's master cannot be reached ({exc}); nothing was "
                           "erased") from exc

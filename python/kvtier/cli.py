@@ -11,6 +11,13 @@ from typing import Any
 
 from ._errors import KvtierError
 from ._progress import run_with_progress
+from .namespace import Namespace
+
+
+def _is_mla(ns: str) -> bool:
+    """Whether a namespace string names an MLA geometry (one object per page)."""
+    parsed = Namespace.parse_or_none(ns)
+    return parsed is not None and parsed.mla
 
 
 def _namespaces(path: str) -> list[tuple[str, str, str | None]]:
@@ -84,7 +91,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             st = s.stats()
             files = {f: os.path.getsize(os.path.join(d, f)) for f in sorted(os.listdir(d)) if f.endswith((".dat", ".log"))}
             print(f"{os.path.basename(d)}  {ns}")
-            per = 1 if "|mla=" in ns else 2  # an MLA page is one object
+            per = 1 if _is_mla(ns) else 2  # an MLA page is one object
             print(f"  objects {st['objects']} ({st['objects'] // per} pages), {st['bytes_used'] / 1e6:.1f} MB in slots"
                   + ("  [open in a running process: a snapshot]" if st["live_writer"] else ""))
             if st["coded_objects"]:
@@ -127,7 +134,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
         finally:
             s.close()
         st = {k: st[k] for k in _DISK_STATS if k in st}
-        st["pages"] = st["objects"] // (1 if "|mla=" in ns else 2)
+        st["pages"] = st["objects"] // (1 if _is_mla(ns) else 2)
         st["compression_ratio"] = round(st["content_bytes"] / st["stored_bytes"], 4) if st.get("stored_bytes") else 1.0
         st["namespace"] = ns
         st["store_budget_bytes"] = budget

@@ -32,6 +32,7 @@ from ._errors import ClosedError, InvalidArgumentError, KvtierError
 from .config import check_ints, check_ranks, parse_size
 from .tenants import check_keys as _keys, erase_tag, open_keyring, scope_keys
 from .staging import StagingPages
+from .namespace import Namespace, Ranks, fields_of, rank_fields
 from .compression import COMPRESSION, codec_for, compression_stats, effective_read_GBps  # noqa: F401 - re-exported
 from .page_layout import PAGE_LAYOUTS, heads_of as _heads, host_buffers, logical_dtype, page_layout as _page_layout  # noqa: F401
 
@@ -58,7 +59,8 @@ class PageStore:
         model_name, tp_rank, tp_size, pp_rank, pp_size, cp_rank, cp_size, dp_rank, dcp_rank, dcp_size: identify
             the KV this store holds (``dp_rank``: with DP attention the TP rank is group-local, so ranks of
             different DP groups need their own namespace; ``dcp_*``: a decode-context-parallel shard);
-            with the registered pool's geometry they form the namespace.
+            with the registered pool's geometry they form the namespace. ``ranks``: a
+            :class:`kvtier.namespace.Ranks` in place of the rank keywords.
         io_threads: IO requests in flight per batch (default 16).
         read_only: read the namespace another process writes (SGLang's MLA ranks other than the writer):
             no lock is taken, nothing is written, the writer's new pages are seen as it commits them, and
@@ -104,6 +106,7 @@ class PageStore:
         dp_rank: int = 0,
         dcp_rank: int = 0,
         dcp_size: int = 1,
+        ranks: Ranks | None = None,
         io_threads: int = 16,
         direct: bool | None = None,
         read_only: bool = False,
@@ -128,6 +131,9 @@ class PageStore:
                                            f"got {budget_bytes}")
         if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
             raise InvalidArgumentError(f"invalid argument `path`: the store's root directory (a non-empty path), got {path!r}")
+        tp_rank, tp_size, pp_rank, pp_size, cp_rank, cp_size, dp_rank, dcp_rank, dcp_size = Ranks.pick(
+            ranks, tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size, cp_rank=cp_rank,
+            cp_size=cp_size, dp_rank=dp_rank, dcp_rank=dcp_rank, dcp_size=dcp_size)
         check_ranks(tp=(tp_rank, tp_size), pp=(pp_rank, pp_size), cp=(cp_rank, cp_size), dcp=(dcp_rank, dcp_size))
         self.path = os.fspath(path)
         self.capacity_bytes = capacity_bytes
@@ -165,18 +171,11 @@ class PageStore:
     def namespace_for(self, pool: Any) -> str:
         """The namespace string for ``pool`` (model, ranks, dtype, layout, page size, layers, heads, dims; for
         an MLA pool its latent and rope dims)."""
-        r = self.ranks
-        # the DP rank (with DP attention the TP rank is group-local, so two processes share it) and a decode
-        # context-parallel shard name the namespace only when set: stores written before they existed keep
-        # their names
-        extra = (f"|dp={r['dp'][0]}" if r["dp"][0] else "") + (
-            f"|dcp={r['dcp'][0]}/{r['dcp'][1]}" if r["dcp"][1] > 1 else "")
-        return (
-            f"kvtier-v1|model={self.model_name}|tp={r['tp'][0]}/{r['tp'][1]}|pp={r['pp'][0]}/{r['pp'][1]}"
-            f"|cp={r['cp'][0]}/{r['cp'][1]}{extra}|dtype={self.dtype_of(pool)}|layout={pool.layout}"
-            f"|page={pool.page_size}|layers={pool.layer_num}|{_heads(pool)}"
-            + (f"|sealed={self.keyring.id}" if self.keyring is not None else "")
-        )
+        # (the DP rank and a decode context-parallel shard are named only when set: kvtier.namespace.rank_fields)
+        return Namespace.build("kvtier-v1", model=str(self.model_name), **rank_fields(self.ranks),
+                               dtype=str(self.dtype_of(pool)), layout=str(pool.layout), page=pool.page_size,
+                               layers=pool.layer_num, **fields_of(_heads(pool)),
+                               sealed=self.keyring.id if self.keyring is not None else None).format()
 
     def dtype_of(self, pool: Any) -> str:
         """The KV cache's logical dtype: the explicit ``kv_cache_dtype``, else what the pool (kvtier's:

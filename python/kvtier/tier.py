@@ -14,7 +14,7 @@ under a deadline on a thread of their own."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -98,3 +98,41 @@ def check_registered(store: Any, host_pool: Any) -> None:
         raise InvalidArgumentError("invalid argument `store`: it is registered with another host pool than "
                                    "`host_pool`; its batches would read and write that pool's memory at "
                                    "this pool's indices")
+
+
+def _disk(path: Any = None, **options: Any) -> Tier:
+    from .store import PageStore
+
+    if path is None:
+        raise InvalidArgumentError("invalid argument `spec`: the disk tier needs `path` (its store directory)")
+    return PageStore(path, **options)
+
+
+def _mooncake(master_server_address: Any = None, **options: Any) -> Tier:
+    from .tiers.mooncake import MooncakeTier
+
+    if master_server_address is None:
+        raise InvalidArgumentError("invalid argument `spec`: the mooncake tier needs `master_server_address`")
+    return MooncakeTier(master_server_address, **options)
+
+
+#: the tiers :func:`build_tier` builds, by name: each a constructor of keyword options (register a new tier here)
+TIERS: dict[str, Callable[..., Tier]] = {"disk": _disk, "mooncake": _mooncake}
+
+
+def build_tier(spec: str | Mapping[str, Mapping[str, Any]], **defaults: Any) -> Tier:
+    """The tier ``spec`` names: ``"disk"`` or ``{"disk": {"path": ..., ...}}`` (a :class:`kvtier.PageStore`),
+    ``{"mooncake": {"master_server_address": ..., "model_name": ..., ...}}`` (a
+    :class:`~kvtier.tiers.mooncake.MooncakeTier`), or any name in :data:`TIERS`; its options over
+    ``defaults``. An unknown name is an InvalidArgumentError listing the registered ones."""
+    options: Mapping[str, Any] = {}
+    if isinstance(spec, str):
+        name = spec
+    elif isinstance(spec, Mapping) and len(spec) == 1 and isinstance(next(iter(spec.values())), Mapping):
+        name, options = next(iter(spec.items()))
+    else:
+        raise InvalidArgumentError(f"invalid argument `spec`: a tier name or {{name: {{options}}}}, got {spec!r}")
+    if name not in TIERS:
+        raise InvalidArgumentError(f"invalid argument `spec`: unknown tier {name!r}; registered tiers: "
+                                   + ", ".join(sorted(TIERS)))
+    return TIERS[name](**{**defaults, **options})

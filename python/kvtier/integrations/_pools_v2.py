@@ -24,6 +24,7 @@ from .._errors import ClosedError, InvalidArgumentError, KvtierError
 from ..tenants import scope_keys
 from ..buffer import HostBuffer
 from ..metrics import LatencyHistogram
+from ..namespace import Namespace
 
 
 def pool_tensors(pool: Any) -> list[torch.Tensor]:
@@ -87,8 +88,9 @@ class PoolStore:
                 )
             dummy = pool.get_dummy_flat_data_page()
             self.sizes = [int(dummy.numel() * dummy.element_size())]
-        self.namespace = (namespace + f"|bufs={pool_geometry(pool)}" + ("|objs=flat:" if self.flat else "|objs=")
-                          + "+".join(map(str, self.sizes)) + (f"|sealed={keyring.id}" if keyring is not None else ""))
+        objs = ("flat:" if self.flat else "") + "+".join(map(str, self.sizes))
+        self.namespace = Namespace.parse(namespace).with_fields(
+            bufs=pool_geometry(pool), objs=objs, sealed=keyring.id if keyring is not None else None).format()
         self._open_args = (root, self.namespace, capacity_bytes, io_threads, direct, read_only, budget_bytes,
                            keyring.native if keyring is not None else None)
         self._native: Any = None

@@ -27,6 +27,7 @@ from .._paths import default_store_dir, volatile_warning
 from ..buffer import HostBuffer
 from ..config import parse_size
 from ..deadlines import check_deadline
+from ..namespace import Namespace, rank_fields
 from ..metrics_server import DEFAULT_HOST, MetricsEndpoint
 from ..staging import DEFAULT_STAGING_BYTES, StagedDisk, StagedIO, auto_read_deadline_s
 from ..store import DEFAULT_CAPACITY, PageStore
@@ -225,14 +226,13 @@ class KvtierStorage(HiCacheStorage):
         cfg = self.storage_config
         sharded = name in RANK_SHARDED_POOLS or not self.is_mla
         tp = (cfg.tp_rank, cfg.tp_size) if sharded else (0, 1)
-        r = self.store.ranks
-        extra = (f"|dp={r['dp'][0]}" if r["dp"][0] else "") + (f"|dcp={r['dcp'][0]}/{r['dcp'][1]}" if r["dcp"][1] > 1 else "")
         # (a KV pool's logical dtype, as the anchor's; a state pool's own: its buffers are named in full below)
         dtype = str(getattr(host_pool, "dtype", "")).removeprefix("torch.") if name in RANK_SHARDED_POOLS \
             else self.store.dtype_of(host_pool)
-        ns = (f"kvtier-v1|model={self.store.model_name}|tp={tp[0]}/{tp[1]}|pp={r['pp'][0]}/{r['pp'][1]}"
-              f"|cp={r['cp'][0]}/{r['cp'][1]}{extra}|pool={name}|dtype={dtype}|layout={getattr(host_pool, 'layout', None)}"
-              f"|page={getattr(host_pool, 'page_size', 1)}")
+        ns = Namespace.build("kvtier-v1", model=str(self.store.model_name),
+                             **rank_fields(self.store.ranks, tp=tp), pool=name, dtype=str(dtype),
+                             layout=str(getattr(host_pool, "layout", None)),
+                             page=getattr(host_pool, "page_size", 1)).format()
         old = self._pools.pop(name, None)
         if old is not None:  # a pool registered again: its namespace's lock must be free for the new store
             old.close()

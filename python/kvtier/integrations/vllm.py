@@ -46,6 +46,7 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 from .._errors import ClosedError, InvalidArgumentError
 from .._paths import volatile_warning
 from ..metrics_server import MetricsEndpoint
+from ..namespace import Namespace
 from ..staging import StagedIO, auto_read_deadline_s
 from ..store import PageStore
 from ._engine_planner import EnginePlanner
@@ -80,24 +81,25 @@ def namespace(config: OffloadingConfig, row_bytes: int, tag: str | None = None) 
         f"{_digest(g.layer_names)}"
         for g in config.groups
     )
-    return (
-        f"kvtier-vllm-v1|model={config.model.name}|dtype={config.model.dtype}|tag={tag or ''}"
-        f"|tokens_per_hash={config.cache.tokens_per_hash}|blocks_per_chunk={config.cache.blocks_per_chunk}"
-        f"|groups={groups}|worker_block_bytes={config.worker_kv_bytes_per_block}|row={row_bytes}"
-        f"|kv_layout={config.kv_cache_layout}|canonical={int(config.canonical_layout)}{_canonical_id(config)}"
-        f"|replicated={int(config.replicated_layout)}|world={p.world_size}|tp={p.tp_size}|pp={p.pp_size}"
-        f"|pcp={p.pcp_size}|dcp={p.dcp_size}|rank={p.rank}|dp={p.data_parallel_index}"
-    )
+    return Namespace.build(
+        "kvtier-vllm-v1", model=str(config.model.name), dtype=str(config.model.dtype), tag=tag or "",
+        tokens_per_hash=str(config.cache.tokens_per_hash), blocks_per_chunk=str(config.cache.blocks_per_chunk),
+        groups=groups, worker_block_bytes=str(config.worker_kv_bytes_per_block), row=str(row_bytes),
+        kv_layout=str(config.kv_cache_layout),
+        canonical=int(config.canonical_layout), canonical_format=_canonical_id(config),
+        replicated=int(config.replicated_layout),
+        **{k: str(v) for k, v in (("world", p.world_size), ("tp", p.tp_size), ("pp", p.pp_size), ("pcp", p.pcp_size),
+                                  ("dcp", p.dcp_size), ("rank", p.rank), ("dp", p.data_parallel_index))}).format()
 
 
-def _canonical_id(config: OffloadingConfig) -> str:
+def _canonical_id(config: OffloadingConfig) -> str | None:
     """vLLM's canonical row format id (``v{version}-{family}``) when rows are canonical: a vLLM that changes
     the canonical format gets another namespace."""
     if not config.canonical_layout:
-        return ""
+        return None
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.canonical_mapping import canonical_format_id
 
-    return f"|canonical_format={canonical_format_id(config.kv_cache_layout)}"
+    return str(canonical_format_id(config.kv_cache_layout))
 
 
 class _Rows:
@@ -124,7 +126,8 @@ class _RowStore(PageStore):
 
     def __init__(self, path: str, ns: str, **kwargs: Any) -> None:
         super().__init__(path, **kwargs)
-        self._namespace = ns + (f"|sealed={self.keyring.id}" if self.keyring is not None else "")
+        self._namespace = Namespace.parse(ns).with_fields(
+            sealed=self.keyring.id if self.keyring is not None else None).format()
 
     def namespace_for(self, pool: Any) -> str:
         return self._namespace

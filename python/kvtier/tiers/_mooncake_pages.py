@@ -14,6 +14,7 @@ import torch
 
 from .._errors import InvalidArgumentError, KvtierError
 from ..buffer import HostBuffer
+from ..namespace import Namespace, fields_of
 from ..page_layout import heads_of as _heads, logical_dtype
 from ._records import SEAL, SLOT, record_bytes, record_size
 
@@ -39,14 +40,15 @@ class PageObjects:
         # TP 4 and rank 1 of TP 8 hold different heads under one key, so the TP size is named (an MLA page is
         # the same on every rank); PP ranks may hold different layers in equal numbers (start layer named)
         cp = ranks["cp"]
-        named = (f"pp={pp[0]}/{pp[1]}" if mla else f"tp={tp[0]}/{tp[1]}|pp={pp[0]}/{pp[1]}") + f"|cp={cp[0]}/{cp[1]}"
+        named = {"pp": f"{pp[0]}/{pp[1]}"} if mla else {"tp": f"{tp[0]}/{tp[1]}", "pp": f"{pp[0]}/{pp[1]}"}
         # the key tag too: a tagged page "x" and an untagged page "<tag>_x" of one model are the same objects
         # (SGLang joins the names with "_"), and only the record tells them apart
-        self.fingerprint_text = (
-            f"kvtier-mooncake-v1|model={model_name}|key_tag={key_tag!r}|suffix={self.suffix}|{named}"
-            f"|start_layer={getattr(pool, 'start_layer', 0)}|dtype={logical_dtype(pool, kv_cache_dtype)}"
-            f"|layout={pool.layout}|page={pool.page_size}|layers={pool.layer_num}|{_heads(pool)}"
-            f"|objects={layout[2]},{layout[5]}" + (f"|sealed={sealed}" if sealed is not None else ""))
+        self.fingerprint_text = Namespace.build(
+            "kvtier-mooncake-v1", model=str(model_name), key_tag=repr(key_tag), suffix=self.suffix, **named,
+            cp=f"{cp[0]}/{cp[1]}", start_layer=str(getattr(pool, "start_layer", 0)),
+            dtype=str(logical_dtype(pool, kv_cache_dtype)), layout=str(pool.layout), page=str(pool.page_size),
+            layers=str(pool.layer_num), **fields_of(_heads(pool)), objects=f"{layout[2]},{layout[5]}",
+            sealed=sealed).format()
         digest = hashlib.sha256(self.fingerprint_text.encode())
         #: the first 8 bytes of the fingerprint's sha256: what every record of this geometry carries
         self.fp = digest.digest()[:8]

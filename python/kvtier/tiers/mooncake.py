@@ -35,10 +35,10 @@ from .._errors import ClosedError, InvalidArgumentError, KvtierError
 from ..buffer import HostBuffer
 from ..planner import TierEstimate, TierMeter
 from ..page_layout import PAGE_LAYOUTS, host_buffers, page_layout as _page_layout
-from ..tenants import check_keys as _keys
 from ._mooncake_env import connect
 from ._mooncake_pages import PageObjects, RegisteredScratch
-from ..tenants import erase_tag, open_keyring, scope_keys, tenant_of
+from ..namespace import Ranks
+from ..tenants import check_keys as _keys, erase_tag, open_keyring, scope_keys, tenant_of
 from ._mooncake_seal import SealedCopies
 from ._records import NO_KEY, SEAL, Taint, check_read, validate_options
 
@@ -50,7 +50,7 @@ class MooncakeTier:
         model_name: names the keys as SGLang does (``/`` becomes ``-``); with ``key_tag`` (SGLang's
             ``extra_backend_tag``) it forms the key prefix.
         tp_rank, tp_size, pp_rank, pp_size: the rank suffix of the keys (SGLang's); an MLA pool's pages are
-            shared by all TP ranks.
+            shared by all TP ranks. ``ranks``: a :class:`kvtier.namespace.Ranks` in place of the rank keywords.
         protocol: ``"tcp"`` or ``"rdma"``; device_name: RDMA devices (``""`` for TCP).
         local_hostname: this node's address as the other nodes reach it.
         metadata_server: ``"P2PHANDSHAKE"`` (no metadata server) or a Mooncake metadata URL.
@@ -77,7 +77,11 @@ class MooncakeTier:
                  local_hostname: str = "127.0.0.1", metadata_server: str = "P2PHANDSHAKE",
                  global_segment_size: int = 0, local_buffer_size: int = 16 << 20, replica_num: int = 1,
                  accept_unverified: bool = False, kv_cache_dtype: str | None = None,
-                 setup_timeout_s: float = 30.0, keyring: Any = None, tenant: str | None = None) -> None:
+                 setup_timeout_s: float = 30.0, keyring: Any = None, tenant: str | None = None,
+                 ranks: Ranks | None = None) -> None:
+        tp_rank, tp_size, pp_rank, pp_size, cp_rank, cp_size, dcp_size = Ranks.pick(
+            ranks, tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size, cp_rank=cp_rank,
+            cp_size=cp_size, dcp_size=dcp_size)
         self.validate_options(master_server_address=master_server_address, model_name=model_name,
                               key_tag=key_tag, tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size,
                               cp_rank=cp_rank, cp_size=cp_size, dcp_size=dcp_size, protocol=protocol,
@@ -95,17 +99,14 @@ class MooncakeTier:
         parts += [str(key_tag)] if key_tag is not None else []
         parts.append("-".join(str(model_name).split("/")))
         self.prefix = "_".join(parts)
-        self.key_tag = key_tag
-        self.model_name = model_name
+        self.key_tag, self.model_name = key_tag, model_name
         self.ranks = {"tp": (tp_rank, tp_size), "pp": (pp_rank, pp_size), "cp": (cp_rank, cp_size)}
-        self.accept_unverified = accept_unverified
+        self.accept_unverified, self.master_server_address = accept_unverified, master_server_address
         self.kv_cache_dtype = None if kv_cache_dtype is None else str(kv_cache_dtype).removeprefix("torch.")
-        self.master_server_address = master_server_address
         self.page_bytes = 0
         self._pool: Any = None
         self._objs: PageObjects | None = None  # the registered pool's pages as Mooncake objects
-        self._ranges = _native.HostRanges()
-        self._lock = threading.Lock()
+        self._ranges, self._lock = _native.HostRanges(), threading.Lock()
         self._stats: dict[str, float] = dict.fromkeys(("hits", "misses", "corrupt", "stale", "unverified_served", "unverified_skipped",
                                      "put_pages", "put_failures", "skipped_present", "errors", "bytes_read",
                                      "bytes_written"), 0)

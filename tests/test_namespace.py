@@ -1,0 +1,145 @@
+"""kvtier.namespace: the one namespace type writes the strings the builders wrote before it (store
+directories, Mooncake fingerprints and vLLM row stores keep their names), and reads them back."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from kvtier import InvalidArgumentError
+from kvtier.namespace import Namespace, fields_of, rank_fields
+
+
+def _pool(mla: bool = False, **kw: object) -> types.SimpleNamespace:
+    geo = {"kv_lora_rank": 512, "qk_rope_head_dim": 64} if mla else {"head_num": 8, "head_dim": 128}
+    return types.SimpleNamespace(layout="page_first", page_size=64, layer_num=32, start_layer=4, **geo, **kw)
+
+
+def _ranks(dp: int = 0, dcp: tuple[int, int] = (0, 1)) -> dict[str, tuple[int, int]]:
+    return {"tp": (1, 4), "pp": (0, 2), "cp": (0, 1), "dp": (dp, 2), "dcp": dcp}
+
+
+def _heads(pool: types.SimpleNamespace) -> str:
+    if getattr(pool, "kv_lora_rank", None) is not None:
+        return f"mla={pool.kv_lora_rank}+{pool.qk_rope_head_dim}"
+    return f"heads={pool.head_num}|k={pool.head_dim}|v={getattr(pool, 'v_head_dim', None) or pool.head_dim}"
+
+
+def _old_store(model: str, r: dict, dtype: str, pool: types.SimpleNamespace, sealed: str | None) -> str:
+    """PageStore.namespace_for as it was written before kvtier.namespace."""
+    extra = (f"|dp={r['dp'][0]}" if r["dp"][0] else "") + (
+        f"|dcp={r['dcp'][0]}/{r['dcp'][1]}" if r["dcp"][1] > 1 else "")
+    return (f"kvtier-v1|model={model}|tp={r['tp'][0]}/{r['tp'][1]}|pp={r['pp'][0]}/{r['pp'][1]}"
+            f"|cp={r['cp'][0]}/{r['cp'][1]}{extra}|dtype={dtype}|layout={pool.layout}"
+            f"|page={pool.page_size}|layers={pool.layer_num}|{_heads(pool)}"
+            + (f"|sealed={sealed}" if sealed is not None else ""))
+
+
+@pytest.mark.parametrize("mla", [False, True])
+@pytest.mark.parametrize("dp,dcp", [(0, (0, 1)), (1, (0, 1)), (0, (1, 2)), (3, (1, 4))])
+@pytest.mark.parametrize("sealed", [None, "kr-0123"])
+def test_store_namespace_is_byte_identical(mla: bool, dp: int, dcp: tuple[int, int], sealed: str | None) -> None:
+    from kvtier.store import PageStore
+
+    pool = _pool(mla)
+    model = "org/Model-7B" + ("|mla" if mla else "")
+    store = types.SimpleNamespace(model_name=model, ranks=_ranks(dp, dcp), dtype_of=lambda p: "bfloat16",
+                                  keyring=types.SimpleNamespace(id=sealed) if sealed else None)
+    text = PageStore.namespace_for(store, pool)  # type: ignore[arg-type]
+    assert text == _old_store(model, _ranks(dp, dcp), "bfloat16", pool, sealed)
+    ns = Namespace.parse(text)
+    assert ns.format() == text and str(ns) == text and Namespace.parse(ns.format()) == ns
+    assert ns.model == model and ns.sealed == sealed and ns.mla == mla
+    assert ns.get("dp") == (str(dp) if dp else None)
+
+
+@pytest.mark.parametrize("mla", [False, True])
+@pytest.mark.parametrize("sealed", [None, "kr-9"])
+def test_mooncake_fingerprint_is_byte_identical(mla: bool, sealed: str | None) -> None:
+    from kvtier.tiers._mooncake_pages import PageObjects
+
+    pool = _pool(mla, dtype="bfloat16")
+    layout = (0, 4096, 4096, 0, 0, 0) if mla else (0, 8192, 4096, 4096, 8192, 4096)
+    ranks = {"tp": (1, 4), "pp": (1, 2), "cp": (0, 1)}
+    po = PageObjects(pool, layout, 8, prefix="p", model_name="m", key_tag="t|x", ranks=ranks,
+                     kv_cache_dtype="bfloat16", sealed=sealed)
+    tp, pp, cp = ranks["tp"], ranks["pp"], ranks["cp"]
+    named = (f"pp={pp[0]}/{pp[1]}" if mla else f"tp={tp[0]}/{tp[1]}|pp={pp[0]}/{pp[1]}") + f"|cp={cp[0]}/{cp[1]}"
+    old = (f"kvtier-mooncake-v1|model=m|key_tag={'t|x'!r}|suffix={po.suffix}|{named}"
+           f"|start_layer=4|dtype=bfloat16|layout=page_first|page=64|layers=32|{_heads(pool)}"
+           f"|objects={layout[2]},{layout[5]}" + (f"|sealed={sealed}" if sealed is not None else ""))
+    assert po.fingerprint_text == old
+
+
+def test_build_leaves_out_none_and_appends() -> None:
+    ns = Namespace.build("kvtier-v1", model="m", **rank_fields(_ranks()), dtype="fp8")
+    assert ns.format() == "kvtier-v1|model=m|tp=1/4|pp=0/2|cp=0/1|dtype=fp8"
+    assert ns.with_fields(bufs="a:1", objs="flat:3", sealed=None).format() == ns.format() + "|bufs=a:1|objs=flat:3"
+    assert rank_fields(_ranks(), tp=(0, 1))["tp"] == "0/1"
+    assert fields_of("heads=8|k=128|v=64") == {"heads": "8", "k": "128", "v": "64"}
+    assert Namespace.parse("kvtier-vllm-v1|model=m|tag=|groups=0:16:None:2:ab,1:16:4:2:cd").get("tag") == ""
+
+
+@pytest.mark.parametrize("text", ["", "model=m|tp=0/1", "|model=m", "kvtier-v1|bare", "kvtier-v1|=x", None, 7])
+def test_parse_rejects_what_is_not_a_namespace(text: object) -> None:
+    with pytest.raises(InvalidArgumentError, match="`text`"):
+        Namespace.parse(text)  # type: ignore[arg-type]
+    assert Namespace.parse_or_none(text) is None  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("scheme,fields,arg", [("", (), "scheme"), ("a|b", (), "scheme"), ("s", (("", "v"),), "fields"),
+                                               ("s", (("a=b", "v"),), "fields"), ("s", (("k", 3),), "fields")])
+def test_namespace_rejects_bad_parts(scheme: str, fields: tuple, arg: str) -> None:
+    with pytest.raises(InvalidArgumentError, match=f"`{arg}`"):
+        Namespace(scheme, fields)
+
+
+def test_cli_readers_see_model_and_seal() -> None:
+    from kvtier._store_cli import model_of, names_model
+    from kvtier._tenant_cli import _sealed_id
+
+    text = "kvtier-v1|model=m|mla|tp=0/1|pp=0/1|cp=0/1|mla=512+64|sealed=kr-1"
+    assert model_of(text) == "m" and names_model(text, "m") and names_model(text, "m|mla")
+    assert not names_model(text, "m2") and model_of(None) is None and model_of("junk|x") is None
+    assert _sealed_id(text) == "kr-1" and _sealed_id("kvtier-v1|model=m") is None
+
+
+def test_ranks_travel_as_one_value(tmp_path) -> None:
+    from kvtier import PageStore
+    from kvtier.namespace import Ranks
+
+    r = Ranks(tp_rank=1, tp_size=4, pp_rank=1, pp_size=2, dp_rank=3, dcp_rank=1, dcp_size=2)
+    a = PageStore(str(tmp_path), ranks=r)
+    b = PageStore(str(tmp_path), tp_rank=1, tp_size=4, pp_rank=1, pp_size=2, dp_rank=3, dcp_rank=1, dcp_size=2)
+    assert a.ranks == b.ranks == r.table()
+    assert Ranks.pick(None, tp_rank=2, tp_size=3) == (2, 3)
+    assert Ranks.pick(Ranks(tp_rank=1, tp_size=2), tp_rank=0, tp_size=1) == (1, 2)
+    with pytest.raises(InvalidArgumentError, match="`tp_rank`: pass `ranks` or the rank keywords"):
+        PageStore(str(tmp_path), ranks=r, tp_rank=1, tp_size=4)
+    with pytest.raises(InvalidArgumentError, match="`ranks`: dp_rank is not a rank of this tier"):
+        Ranks.pick(Ranks(dp_rank=1), tp_rank=0, tp_size=1)
+    with pytest.raises(InvalidArgumentError, match="`ranks`"):
+        PageStore(str(tmp_path), ranks={"tp": (0, 1)})  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match="`tp_rank`"):
+        Ranks(tp_rank=4, tp_size=4)
+    with pytest.raises(InvalidArgumentError, match="`dp_rank`"):
+        Ranks(dp_rank=-1)
+
+
+def test_build_tier_by_name(tmp_path) -> None:
+    from kvtier import PageStore
+    from kvtier.namespace import Ranks
+    from kvtier.tier import TIERS, build_tier
+
+    t = build_tier({"disk": {"path": str(tmp_path), "ranks": Ranks(tp_rank=1, tp_size=2)}}, model_name="m")
+    assert isinstance(t, PageStore) and t.model_name == "m" and t.ranks["tp"] == (1, 2)
+    assert isinstance(build_tier("disk", path=str(tmp_path)), PageStore)
+    with pytest.raises(InvalidArgumentError, match="unknown tier 's3'; registered tiers: disk, mooncake"):
+        build_tier("s3")
+    with pytest.raises(InvalidArgumentError, match="needs `path`"):
+        build_tier("disk")
+    for bad in ({"disk": {}, "mooncake": {}}, {"disk": 1}, 3):
+        with pytest.raises(InvalidArgumentError, match="`spec`"):
+            build_tier(bad)  # type: ignore[arg-type]
+    assert sorted(TIERS) == ["disk", "mooncake"]
