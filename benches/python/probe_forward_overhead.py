@@ -30,9 +30,9 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from probe_restore_forward import build  # noqa: E402
+from probe_restore_forward import setup  # noqa: E402
 
-from kvtier.integrations.transformers import KVTier, cache_kwarg  # noqa: E402
+from kvtier.integrations.transformers import KVTier  # noqa: E402
 from kvtier.integrations.transformers import cache as tc  # noqa: E402
 from kvtier.integrations.transformers import state as ts  # noqa: E402
 from kvtier.integrations.transformers import window as tw  # noqa: E402
@@ -96,13 +96,7 @@ def main() -> None:
     ap.add_argument("--no-cudnn", action="store_true")
     ap.add_argument("--out", default="forward-overhead.json")
     a = ap.parse_args()
-    if a.no_cudnn:
-        torch.backends.cuda.enable_cudnn_sdp(False)
-    dev = "cuda" if torch.cuda.is_available() and not a.tiny else "cpu"
-    cuda = dev == "cuda"
-    model = build(a.tiny, dev)
-    cfg, kw = model.config, cache_kwarg(model)
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    dev, cuda, model, cfg, kw, sync = setup(a.tiny, a.no_cudnn)
     ctx, suffix, ps = a.ctx, a.suffix, a.ps
     gen = torch.Generator().manual_seed(5)
     base = torch.randint(0, cfg.vocab_size, (1, ctx), generator=gen)

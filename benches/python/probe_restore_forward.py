@@ -66,6 +66,16 @@ def build(tiny: bool, dev: str) -> LlamaForCausalLM:
         return LlamaForCausalLM(cfg).to(torch.bfloat16 if dev == "cuda" else torch.float32).eval()
 
 
+def setup(tiny: bool, no_cudnn: bool) -> tuple:
+    """(device, on CUDA, the model, its config, its cache keyword, a device synchronize) for a probe's options."""
+    if no_cudnn:
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    dev = "cuda" if torch.cuda.is_available() and not tiny else "cpu"
+    model = build(tiny, dev)
+    return (dev, dev == "cuda", model, model.config, cache_kwarg(model),
+            torch.cuda.synchronize if dev == "cuda" else (lambda: None))
+
+
 def recompute_row(a, model, kw, cfg, dev, window, sync, gen) -> dict:
     """The whole prompt (ctx + suffix tokens, nothing cached) through kvtier's cache and through DynamicCache,
     alternated, timed to the first token's logits (the model's stream; kvtier's backups after it untimed)."""
@@ -135,13 +145,7 @@ def main() -> None:
     ap.add_argument("--recompute", action="store_true",
                     help="also the whole prompt through kvtier's cache with nothing cached, against DynamicCache's")
     a = ap.parse_args()
-    if a.no_cudnn:
-        torch.backends.cuda.enable_cudnn_sdp(False)
-    dev = "cuda" if torch.cuda.is_available() and not a.tiny else "cpu"
-    cuda = dev == "cuda"
-    model = build(a.tiny, dev)
-    cfg, kw = model.config, cache_kwarg(model)
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    dev, cuda, model, cfg, kw, sync = setup(a.tiny, a.no_cudnn)
     ps, ctx, suffix = a.ps, a.ctx, a.suffix
     if ctx % ps or ctx <= 0 or suffix <= 0:
         raise SystemExit(f"--ctx must be a positive multiple of --ps ({ps}) and --suffix positive")
