@@ -143,3 +143,12 @@ def test_build_tier_by_name(tmp_path) -> None:
         with pytest.raises(InvalidArgumentError, match="`spec`"):
             build_tier(bad)  # type: ignore[arg-type]
     assert sorted(TIERS) == ["disk", "mooncake"]
+
+
+def test_a_value_may_hold_a_bare_equals_and_none_is_written_as_before() -> None:
+    from kvtier._tenant_cli import _sealed_id
+
+    text = "kvtier-v1|model=org/M|=x|tp=0/1|sealed=kr-1"
+    ns = Namespace.parse(text)
+    assert ns.model == "org/M|=x" and ns.format() == text and _sealed_id(text) == "kr-1"
+    assert Namespace.build("kvtier-v1", model="m", page=str(None)).format() == "kvtier-v1|model=m|page=None"

@@ -23,17 +23,17 @@ def _kvtier(*args, stdin=None):
                           timeout=120, input=stdin)
 
 
-def _fill(path, salt, keyring=None, hp=None):
+def _fill(path, salt, keyring=None, hp=None, **kw):
     hp = hp or make_pool(seed=1)
     keys = page_hashes(TOKENS[: 2 * PS], PS, salt=salt)
-    with PageStore(path, capacity_bytes=1 << 30, keyring=keyring) as st:
+    with PageStore(path, capacity_bytes=1 << 30, keyring=keyring, **kw) as st:
         st.register_mem_pool_host(hp)
         assert all(st.batch_set_v1(keys, pages_idx([0, 1])))
     return hp, keys
 
 
-def _stored(path, hp, keys, keyring=None):
-    with PageStore(path, capacity_bytes=1 << 30, keyring=keyring) as st:
+def _stored(path, hp, keys, keyring=None, **kw):
+    with PageStore(path, capacity_bytes=1 << 30, keyring=keyring, **kw) as st:
         st.register_mem_pool_host(hp)
         return st.batch_exists(keys)
 
@@ -168,3 +168,16 @@ def test_erase_and_repair_that_change_nothing_keep_the_engines_counters(tmp_path
     with open(tmp_path / "s" / after["dir"].rsplit("/", 1)[1] / "STATS", encoding="utf-8") as f:
         assert json.load(f)["maintained_unix_ms"] > 0
     assert _stored(tmp_path / "s", hp, keys) == 2
+
+
+def test_a_sealed_namespace_whose_model_name_holds_a_bare_equals_stays_sealed(tmp_path):
+    """A model name may hold `|=` (its namespace string still parses: the piece belongs to the model): the
+    namespace is seen sealed, kept without its keyring, and erased with it."""
+    kr = Keyring.init(tmp_path / "keys")
+    hp, keys = _fill(tmp_path / "s", "alice", keyring=kr, model_name="org/M|=x")
+    r = _kvtier("erase", tmp_path / "s", "--tenant", "alice", "--yes")
+    assert r.returncode == 1 and "sealed" in r.stdout, r.stdout
+    assert _stored(tmp_path / "s", hp, keys, kr, model_name="org/M|=x") == 2
+    r = _kvtier("erase", tmp_path / "s", "--tenant", "alice", "--keyring", tmp_path / "keys", "--yes")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert kr.erased("alice") or Keyring(tmp_path / "keys").erased("alice")

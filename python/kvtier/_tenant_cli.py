@@ -148,6 +148,10 @@ def _plan_disk(path: str, kr: Any) -> tuple[list[dict[str, Any]], list[str]]:
             kept.append(f"{e['dir']}: open by {who}; erase through it (PageStore.erase_tenant / "
                         "TierController.erase_tenant), or stop it and run this again")
             continue
+        if Namespace.parse_or_none(ns) is None:  # (never erased as clear: it may be sealed)
+            kept.append(f"{e['dir']}: its namespace string does not parse ({ns!r}); it may hold the tenant's "
+                        f"pages: remove it (`kvtier remove {path} {e['dir']} --yes`)")
+            continue
         sid = _sealed_id(ns)
         if sid is not None and kr is None:
             kept.append(f"{e['dir']}: sealed (keyring id {sid}); give its keyring with --keyring, which erases "

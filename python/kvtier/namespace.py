@@ -96,7 +96,7 @@ class Namespace:
             key, eq, value = piece.partition("=")
             if eq and key:
                 fields.append((key, value))
-            elif not eq and fields:
+            elif fields:  # (a piece with no key: part of the value before it, as a model name may hold `|` or `|=`)
                 fields[-1] = (fields[-1][0], fields[-1][1] + "|" + piece)
             else:
                 raise InvalidArgumentError(f"invalid argument `text`: {text!r} has a field {piece!r} that is not "

@@ -173,8 +173,8 @@ class PageStore:
         an MLA pool its latent and rope dims)."""
         # (the DP rank and a decode context-parallel shard are named only when set: kvtier.namespace.rank_fields)
         return Namespace.build("kvtier-v1", model=str(self.model_name), **rank_fields(self.ranks),
-                               dtype=str(self.dtype_of(pool)), layout=str(pool.layout), page=pool.page_size,
-                               layers=pool.layer_num, **fields_of(_heads(pool)),
+                               dtype=str(self.dtype_of(pool)), layout=str(pool.layout), page=str(pool.page_size),
+                               layers=str(pool.layer_num), **fields_of(_heads(pool)),
                                sealed=self.keyring.id if self.keyring is not None else None).format()
 
     def dtype_of(self, pool: Any) -> str:

@@ -232,7 +232,7 @@ class KvtierStorage(HiCacheStorage):
         ns = Namespace.build("kvtier-v1", model=str(self.store.model_name),
                              **rank_fields(self.store.ranks, tp=tp), pool=name, dtype=str(dtype),
                              layout=str(getattr(host_pool, "layout", None)),
-                             page=getattr(host_pool, "page_size", 1)).format()
+                             page=str(getattr(host_pool, "page_size", 1))).format()
         old = self._pools.pop(name, None)
         if old is not None:  # a pool registered again: its namespace's lock must be free for the new store
             old.close()
