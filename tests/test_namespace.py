@@ -6,6 +6,8 @@ from __future__ import annotations
 import types
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvtier import InvalidArgumentError
 from kvtier.namespace import Namespace, fields_of, rank_fields
@@ -152,3 +154,24 @@ def test_a_value_may_hold_a_bare_equals_and_none_is_written_as_before() -> None:
     ns = Namespace.parse(text)
     assert ns.model == "org/M|=x" and ns.format() == text and _sealed_id(text) == "kr-1"
     assert Namespace.build("kvtier-v1", model="m", page=str(None)).format() == "kvtier-v1|model=m|page=None"
+
+
+@pytest.mark.parametrize("model", ["m|sealed=kr-1", "org/M|tp=9/9", "a|b|c=d", "x|mla|sealed=k"])
+def test_a_value_that_would_read_back_as_a_field_is_refused(model: str, tmp_path) -> None:
+    from kvtier import PageStore
+    with pytest.raises(InvalidArgumentError, match="`fields`.*'model'"):
+        Namespace.build("kvtier-v1", model=model, tp="0/1")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(InvalidArgumentError, match="`model_name`"):
+        PageStore(str(tmp_path / "s"), model_name=model)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+@given(st.lists(st.tuples(st.text("ab=|", min_size=1, max_size=4).filter(lambda k: "|" not in k and "=" not in k),
+                          st.text("ab=|x", max_size=8)), max_size=4))
+def test_every_namespace_that_can_be_made_reads_back_as_itself(fields: list[tuple[str, str]]) -> None:
+    try:
+        ns = Namespace("kvtier-v1", tuple(fields))
+    except InvalidArgumentError:
+        return
+    assert Namespace.parse(ns.format()) == ns

@@ -32,7 +32,7 @@ from ._errors import ClosedError, InvalidArgumentError, KvtierError
 from .config import check_ints, check_ranks, parse_size
 from .tenants import check_keys as _keys, erase_tag, open_keyring, scope_keys
 from .staging import StagingPages
-from .namespace import Namespace, Ranks, fields_of, rank_fields
+from .namespace import Namespace, Ranks, check_value, fields_of, rank_fields
 from .compression import COMPRESSION, codec_for, compression_stats, effective_read_GBps  # noqa: F401 - re-exported
 from .page_layout import PAGE_LAYOUTS, heads_of as _heads, host_buffers, logical_dtype, page_layout as _page_layout  # noqa: F401
 
@@ -138,6 +138,7 @@ class PageStore:
         self.path = os.fspath(path)
         self.capacity_bytes = capacity_bytes
         self.budget_bytes: int | None = budget_bytes
+        check_value("model_name", str(model_name))
         self.model_name = str(model_name)
         self.kv_cache_dtype = None if kv_cache_dtype is None else str(kv_cache_dtype).removeprefix("torch.")
         self.ranks = dict(tp=(tp_rank, tp_size), pp=(pp_rank, pp_size), cp=(cp_rank, cp_size),
