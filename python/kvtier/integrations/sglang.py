@@ -28,6 +28,7 @@ from ..buffer import HostBuffer
 from ..config import parse_size
 from ..deadlines import check_deadline
 from ..namespace import Namespace, rank_fields
+from ..metrics import MetricsSource, Scrape
 from ..metrics_server import DEFAULT_HOST, MetricsEndpoint
 from ..staging import DEFAULT_STAGING_BYTES, StagedDisk, StagedIO, auto_read_deadline_s
 from ..store import DEFAULT_CAPACITY, PageStore
@@ -430,9 +431,8 @@ class KvtierStorage(HiCacheStorage):
         return m
 
     def kvtier_stats(self) -> dict:
-        """The page store's counters (:meth:`kvtier.PageStore.get_stats`); with the cluster tier, per tier
-        (``{"disk": {...}, "mooncake": {...}}``: hits, misses, fills, writes, errors, bytes, GB/s and each
-        tier's own counters under ``"store"``)."""
+        """The page store's counters (:meth:`kvtier.PageStore.get_stats`); with the cluster tier, the chain's per
+        tier (hits, misses, fills, writes, errors, bytes, GB/s; each tier's own counters under ``"store"``)."""
         st = self.tiers.get_stats() if self.tiers is not None else self.store.get_stats()
         st["restore_planner"] = self.planner.stats.as_dict()
         st["deadlines"] = self.staged.stats()
@@ -446,6 +446,12 @@ class KvtierStorage(HiCacheStorage):
     def measured(self) -> dict[str, Any]:
         """What the tiers behind the v1 batches measured about themselves (the page store's, or the chain's)."""
         return dict(self._v1.measured())
+
+    def report_metrics(self, scrape: Scrape, name: str) -> list[MetricsSource]:
+        """Its restore decisions and store calls, labelled ``name`` (kvtier.metrics); its stores report theirs."""
+        scrape.planner(name, self.planner.stats.as_dict(), self.measured)
+        scrape.deadlines({"backend": name}, self.staged.stats)
+        return [self.store, *self.pool_stores, *([self.tiers] if self.tiers is not None else [])]
 
     def close(self) -> None:
         self.metrics_endpoint.close()  # first: a scrape no longer reads what closes

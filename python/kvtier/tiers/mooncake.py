@@ -33,6 +33,7 @@ import torch
 from .. import _native
 from .._errors import ClosedError, InvalidArgumentError, KvtierError
 from ..buffer import HostBuffer
+from ..metrics import Scrape
 from ..planner import TierEstimate, TierMeter
 from ..page_layout import PAGE_LAYOUTS, host_buffers, page_layout as _page_layout
 from ._mooncake_env import connect
@@ -108,8 +109,7 @@ class MooncakeTier:
         self._objs: PageObjects | None = None  # the registered pool's pages as Mooncake objects
         self._ranges, self._lock = _native.HostRanges(), threading.Lock()
         self._stats: dict[str, float] = dict.fromkeys(("hits", "misses", "corrupt", "stale", "unverified_served", "unverified_skipped",
-                                     "put_pages", "put_failures", "skipped_present", "errors", "bytes_read",
-                                     "bytes_written"), 0)
+                                     "put_pages", "put_failures", "skipped_present", "errors", "bytes_read", "bytes_written"), 0)
         self._stats.update(get_s=0.0, put_s=0.0)
         self._closed = False
         #: this tier's moving estimate of itself (see :meth:`measured`); no probe at open (it would put
@@ -117,7 +117,6 @@ class MooncakeTier:
         self.meter = TierMeter(self.name)
         self._cv = threading.Condition()
         self._inflight = 0
-        #: page keys served without a record (bounded, oldest forgotten first); never adopted, never filled
         self._unverified = Taint()  # keys served without a record: never vouched for nor filled, however many
         self._store, self._replicate = connect(master_server_address, protocol, device_name, local_hostname,
                                                metadata_server, global_segment_size, local_buffer_size, replica_num,
@@ -223,10 +222,8 @@ class MooncakeTier:
     def _pages(self, keys: Sequence[str], host_indices: Any) -> tuple[PageObjects, list[str], np.ndarray]:
         """The registered pages, their stored keys, and the checked page numbers of ``host_indices`` (whole,
         aligned, in-range pages), before any IO."""
-        if self._objs is None:
-            raise KvtierError("MooncakeTier: call register_mem_pool_host(pool) first")
-        keys = self._stored(scope_keys(self.tenant, _keys(keys)))
-        return self._objs, keys, self._objs.pages(keys, host_indices)
+        objs, keys = self._map(), self._stored(scope_keys(self.tenant, _keys(keys)))
+        return objs, keys, objs.pages(keys, host_indices)
 
     def _count(self, **kw: float) -> None:
         with self._lock:
@@ -479,6 +476,11 @@ class MooncakeTier:
         st["write_GBps"] = st["bytes_written"] / st["put_s"] / 1e9 if st["put_s"] else 0.0
         return st
 
+    def report_metrics(self, scrape: Scrape, name: str) -> tuple[()]:
+        """Its integrity counters (:mod:`kvtier.metrics`); the chain it is in reports its view of it."""
+        scrape.cluster_pages(self.get_stats())
+        return ()
+
     def close(self) -> None:
         """Release the Mooncake client, after the calls in flight finish (new ones raise ClosedError).
         Idempotent."""
@@ -487,10 +489,8 @@ class MooncakeTier:
                 return
             self._closed = True
             self._cv.wait_for(lambda: self._inflight == 0)
-        try:
+        with contextlib.suppress(Exception):
             self._store.close()
-        except Exception:
-            pass
         self._scratch.close()
 
     def __enter__(self) -> MooncakeTier:
