@@ -161,16 +161,17 @@ class Ranks:
         return tuple(getattr(ranks, name) for name in given)
 
 
-def check_value(arg: str, value: str, key: str = "model") -> None:
-    """InvalidArgumentError naming ``arg`` when ``value`` could not be a namespace field's value: a ``|`` piece
-    of it that holds ``key=`` would read back as a field of its own (a model name holding ``|sealed=k`` would
-    name a sealed namespace)."""
+def check_value(arg: str, value: str, key: str = "model") -> str:
+    """``value``, or InvalidArgumentError naming ``arg`` when it could not be a namespace field's value: a ``|``
+    piece of it that holds ``key=`` would read back as a field of its own (a model name holding ``|sealed=k``
+    would name a sealed namespace)."""
     planted = next((p for p in value.split("|")[1:] if "=" in p and p.partition("=")[0]), None)
     if planted is not None:
         raise InvalidArgumentError(
             f"invalid argument `{arg}`: the value of {key!r} ({value!r}) holds `|{planted}`, which a namespace "
             "would read back as a field of its own; a value may hold '|' only before a piece without '=' (as "
             "`model|mla`)")
+    return value
 
 
 def fields_of(fragment: str) -> dict[str, str]:

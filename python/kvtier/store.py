@@ -138,8 +138,7 @@ class PageStore:
         self.path = os.fspath(path)
         self.capacity_bytes = capacity_bytes
         self.budget_bytes: int | None = budget_bytes
-        check_value("model_name", str(model_name))
-        self.model_name = str(model_name)
+        self.model_name = check_value("model_name", str(model_name))
         self.kv_cache_dtype = None if kv_cache_dtype is None else str(kv_cache_dtype).removeprefix("torch.")
         self.ranks = dict(tp=(tp_rank, tp_size), pp=(pp_rank, pp_size), cp=(cp_rank, cp_size),
                           dcp=(dcp_rank, dcp_size), dp=(dp_rank, 0))
