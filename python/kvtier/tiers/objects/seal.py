@@ -32,7 +32,8 @@ class SealedCopies:
 
     def stored(self, keys: Sequence[str]) -> list[str]:
         """The keyed name each page key is stored under (a tenant's carries the tenant's stored tag)."""
-        return self.keyring.stored_names(keys)
+        names: list[str] = self.keyring.stored_names(keys)
+        return names
 
     def record_names(self, base: Any, skeys: Sequence[str], create: bool) -> list[str]:
         """The record name of each stored page key: ``..._kvtier-<key id>``, the id of the tenant's current key,
@@ -50,7 +51,7 @@ class SealedCopies:
         return [f"{fp}\0{n}" for n in names]
 
     def _buffer(self, need: int) -> HostBuffer:
-        buf = getattr(self._local, "buf", None)
+        buf: HostBuffer | None = getattr(self._local, "buf", None)
         if buf is None or buf.nbytes < need:
             buf = self._tier.registered_buffer(max(need, 1 << 20), "sealing")
             self._local.buf = buf
