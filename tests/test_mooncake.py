@@ -16,7 +16,7 @@ from kvtier import PageStore, TierController, host_pool_for
 from kvtier._errors import InvalidArgumentError, KvtierError
 from kvtier.tiers import TieredStore
 from kvtier.tiers.local_cluster import LocalCluster, free_port
-from kvtier.tiers._records import record_bytes as _record
+from kvtier.tiers.objects.records import record_bytes as _record
 from kvtier.tiers.mooncake import MooncakeTier
 from bench_checkout import run_bench
 from mla_pools import filled, rows
@@ -581,7 +581,7 @@ def test_a_truncated_or_extended_object_is_counted_corrupt(cluster):
 def test_unverified_pages_stay_unvouched_past_the_exact_memory(tmp_path, cluster):
     """More pages served unverified than the tier remembers exactly: none of them is filled into the disk or
     given a record afterwards (the older ones live on in the tier's filter)."""
-    from kvtier.tiers._records import Taint
+    from kvtier.tiers.objects.records import Taint
 
     stock = make_pool(seed=33)
     keys = [f"stock-many-{i}" for i in range(6)]
