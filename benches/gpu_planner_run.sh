@@ -6,7 +6,7 @@
 # 1. bench_transformers.py's time-to-first-token rows (one invocation per context and window) (recompute, every page
 #    loaded, planned: host, disk, mixed, a disk throttled to 0.3 GB/s) at 8K and 32K, for each KVTier window in
 #    WINDOWS (default "2"; "all": every layer resident), then the split curve at 8K with the first window;
-#    2. `kvtier demo` on the GPU; 3. the CUDA tests of the transformers cache and the planner.
+#    2. the demo (`python -m kvtier_demo`) on the GPU; 3. the CUDA tests of the transformers cache and the planner.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: gpu_planner_run.sh OUTDIR [WINDOWS]}
@@ -27,6 +27,6 @@ w=${windows%% *}
 timeout 200 python3 benches/python/probe_split_curve.py --ctx 8192 --window "$w" --label "window $w" \
   --out "$out/h200-split-curve-w$w.json" > "$out/split-curve-w$w.log" 2>&1
 echo "split curve exit $?"; tail -10 "$out/split-curve-w$w.log" | cut -c1-250
-timeout 150 python3 -m kvtier demo > "$out/demo.log" 2>&1; echo "demo exit $?"; tail -14 "$out/demo.log"
+timeout 150 python3 -m kvtier_demo > "$out/demo.log" 2>&1; echo "demo exit $?"; tail -14 "$out/demo.log"
 timeout 150 python3 -m pytest tests/test_restore_planning.py tests/test_transformers.py tests/test_restore_tail.py \
   -m cuda -p no:cacheprovider -q -rs > "$out/pytest-planner-cuda.log" 2>&1; tail -4 "$out/pytest-planner-cuda.log"
