@@ -19,6 +19,7 @@ from kvtier.tiers.local_cluster import LocalCluster, free_port
 from kvtier.tiers.objects.records import record_bytes as _record
 from kvtier.tiers.mooncake import MooncakeTier
 from bench_checkout import run_bench
+from demo_checkout import run_demo
 from mla_pools import filled, rows
 from store_pools import make_pool, page_bytes, pages_idx
 
@@ -364,8 +365,8 @@ def test_prometheus_collector_reports_each_tier(tmp_path, cluster):
 
 @pytest.mark.timeout(600)  # a hang guard: ~20 s alone, ~95 s with both cores of a 2-core machine busy
 def test_demo_cluster_node_b_serves_node_as_prefixes_from_the_cluster(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "kvtier", "demo", "--cluster", "--conversations", "2", "--turns", "2",
-                        "--store-dir", str(tmp_path / "demo")], capture_output=True, text=True, timeout=540)
+    r = run_demo("--cluster", "--conversations", "2", "--turns", "2", "--store-dir", str(tmp_path / "demo"),
+                 timeout=540)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     b = r.stdout.split("== node B")[1]
     assert "cluster hit" in b and "integrity misses 0" in b

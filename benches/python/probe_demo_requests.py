@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from kvtier.demo import workload_transformers as wt
+from kvtier_demo import workload_transformers as wt
 from kvtier.integrations.transformers import cache as tc
 from kvtier.integrations import transformers as kt
 
