@@ -313,10 +313,14 @@ pub fn table() -> String {
         "A del or a clear put is `{} + key_len` bytes",
         record_len(PUT, 0)
     )];
-    clauses.extend(
-        puts.iter()
-            .map(|k| format!("a {} `{} + key_len`", k.name, record_len(k.kind, 0))),
-    );
+    clauses.extend(puts.iter().map(|k| {
+        let a = if k.name.starts_with(['a', 'e', 'i', 'o', 'u']) {
+            "an"
+        } else {
+            "a"
+        };
+        format!("{a} {} `{} + key_len`", k.name, record_len(k.kind, 0))
+    }));
     let mut line = String::new();
     out.push('\n');
     for (i, c) in clauses.iter().enumerate() {

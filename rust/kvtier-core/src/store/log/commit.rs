@@ -11,7 +11,6 @@ use crate::store::index::{Entry, JOURNAL_SLACK};
 use crate::store::journal::{encoded_len, put_len, Placement, PutParts, Record};
 use crate::store::space::files::fallocate;
 
-/// A put to commit: `(key, class, slot, len, crc, seal)`.
 /// A put to commit: its key and where its bytes were written.
 pub(in crate::store) type PutItem = (String, Placement);
 use crate::error::{Error, Result};
