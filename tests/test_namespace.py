@@ -140,14 +140,14 @@ def test_build_tier_by_name(tmp_path) -> None:
     t = build_tier({"disk": {"path": str(tmp_path), "ranks": Ranks(tp_rank=1, tp_size=2)}}, model_name="m")
     assert isinstance(t, PageStore) and t.model_name == "m" and t.ranks["tp"] == (1, 2)
     assert isinstance(build_tier("disk", path=str(tmp_path)), PageStore)
-    with pytest.raises(InvalidArgumentError, match="unknown tier 's3'; registered tiers: disk, mooncake"):
-        build_tier("s3")
+    with pytest.raises(InvalidArgumentError, match="unknown tier 'no-such-tier'; registered tiers: disk, (.*, )?mooncake"):
+        build_tier("no-such-tier")  # (the built-in tiers in order, any other registered one among them)
     with pytest.raises(InvalidArgumentError, match="needs `path`"):
         build_tier("disk")
     for bad in ({"disk": {}, "mooncake": {}}, {"disk": 1}, 3):
         with pytest.raises(InvalidArgumentError, match="`spec`"):
             build_tier(bad)  # type: ignore[arg-type]
-    assert sorted(TIERS) == ["disk", "mooncake"]
+    assert {"disk", "mooncake"} <= set(TIERS)  # (a deployment may register more: docs/ARCHITECTURE.md)
 
 
 def test_a_value_may_hold_a_bare_equals_and_none_is_written_as_before() -> None:
