@@ -572,3 +572,8 @@ def test_pages_another_cache_kept_first_still_chain_the_keys(model):
         b.release()
         with pytest.raises(kvtier.ClosedError, match="released"):
             gen(model, seq, b, 1)
+
+
+def test_a_model_id_that_would_plant_a_namespace_field_is_refused(model):
+    with pytest.raises(kvtier.InvalidArgumentError, match="`model_id`.*sealed=k"):
+        KVTier(model, model_id="org/m|sealed=k", page_size=PS, host_tokens=256)
