@@ -27,7 +27,7 @@ use std::time::Instant;
 
 use kvtier_core::buffer::{HostRegion, HugePages, RegionOptions};
 use kvtier_core::journal::{self, layout, Placement, Record};
-use kvtier_core::store::{namespace_dir, PageStore, StoreOptions};
+use kvtier_core::store::{namespace_dir, PageStore, StoreOptions, MAX_OBJECT};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngSeed, TestCaseError, TestRunner};
 
@@ -240,10 +240,12 @@ fn record() -> impl Strategy<Value = Record> {
 fn record_with_slots(slot: impl Strategy<Value = u32>) -> impl Strategy<Value = Record> {
     prop_oneof![
         // a put of a shape the store writes (a class that is a positive multiple of 4096, a length in
-        // (0, class]): any other shape is not a record (`Break::Shape`)
+        // (0, class]): any other shape is not a record (`Break::Shape`); clear, sealed, coded (a decoded
+        // length the parser takes: 1..=MAX_OBJECT) or coded and sealed
         3 => (key(), (1u32..=(u32::MAX / 4096)).prop_flat_map(|c| (Just(c * 4096), 1..=u64::from(c) * 4096)),
-              slot, any::<u32>(), proptest::option::of(any::<[u8; 32]>()))
-            .prop_map(|(key, (class, len), slot, crc, seal)| Record::Put { key, at: Placement::new(class, slot, len, crc).with_seal(seal), }),
+              slot, any::<u32>(), proptest::option::of(any::<[u8; 32]>()), proptest::option::of(1..=MAX_OBJECT))
+            .prop_map(|(key, (class, len), slot, crc, seal, coded)| Record::Put {
+                key, at: Placement::new(class, slot, len, crc).with_seal(seal).with_coded(coded), }),
         1 => key().prop_map(|key| Record::Del { key }),
     ]
 }
@@ -260,7 +262,7 @@ enum Break {
     Truncate(prop::sample::Index),
     /// Change the key length field, record crc not updated.
     KeyLen(u16),
-    /// A kind other than put/del/sealed put, record crc updated.
+    /// A kind byte no version wrote (none of `layout::KINDS`), record crc updated.
     Kind(u8),
     /// A key that is not UTF-8, record crc updated.
     BadUtf8(prop::sample::Index),
@@ -282,7 +284,9 @@ fn brk() -> impl Strategy<Value = Break> {
         any::<prop::sample::Index>().prop_map(Break::Truncate),
         any::<u16>().prop_map(Break::KeyLen),
         any::<u8>()
-            .prop_filter("not put/del/sealed put", |k| !(1..=3).contains(k))
+            .prop_filter("a kind no version wrote", |k| {
+                !layout::KINDS.iter().any(|x| x.kind == *k)
+            })
             .prop_map(Break::Kind),
         any::<prop::sample::Index>().prop_map(Break::BadUtf8),
         ((journal::MAX_KEY as u16 + 1)..=u16::MAX).prop_map(Break::LongKey),
