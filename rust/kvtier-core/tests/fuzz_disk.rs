@@ -27,7 +27,7 @@ use std::time::Instant;
 
 use kvtier_core::buffer::{HostRegion, HugePages, RegionOptions};
 use kvtier_core::journal::{self, layout, Placement, Record};
-use kvtier_core::store::{namespace_dir, PageStore, StoreOptions};
+use kvtier_core::store::{namespace_dir, PageStore, StoreOptions, MAX_OBJECT};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngSeed, TestCaseError, TestRunner};
 
@@ -240,10 +240,12 @@ fn record() -> impl Strategy<Value = Record> {
 fn record_with_slots(slot: impl Strategy<Value = u32>) -> impl Strategy<Value = Record> {
     prop_oneof![
         // a put of a shape the store writes (a class that is a positive multiple of 4096, a length in
-        // (0, class]): any other shape is not a record (`Break::Shape`)
+        // (0, class]): any other shape is not a record (`Break::Shape`); clear, sealed, coded (a decoded
+        // length the parser takes: 1..=MAX_OBJECT) or coded and sealed
         3 => (key(), (1u32..=(u32::MAX / 4096)).prop_flat_map(|c| (Just(c * 4096), 1..=u64::from(c) * 4096)),
-              slot, any::<u32>(), proptest::option::of(any::<[u8; 32]>()))
-            .prop_map(|(key, (class, len), slot, crc, seal)| Record::Put { key, at: Placement::new(class, slot, len, crc).with_seal(seal), }),
+              slot, any::<u32>(), proptest::option::of(any::<[u8; 32]>()), proptest::option::of(1..=MAX_OBJECT))
+            .prop_map(|(key, (class, len), slot, crc, seal, coded)| Record::Put {
+                key, at: Placement::new(class, slot, len, crc).with_seal(seal).with_coded(coded), }),
         1 => key().prop_map(|key| Record::Del { key }),
     ]
 }
@@ -260,7 +262,7 @@ enum Break {
     Truncate(prop::sample::Index),
     /// Change the key length field, record crc not updated.
     KeyLen(u16),
-    /// A kind other than put/del/sealed put, record crc updated.
+    /// A kind byte no version wrote (none of `layout::KINDS`), record crc updated.
     Kind(u8),
     /// A key that is not UTF-8, record crc updated.
     BadUtf8(prop::sample::Index),
@@ -282,7 +284,9 @@ fn brk() -> impl Strategy<Value = Break> {
         any::<prop::sample::Index>().prop_map(Break::Truncate),
         any::<u16>().prop_map(Break::KeyLen),
         any::<u8>()
-            .prop_filter("not put/del/sealed put", |k| !(1..=3).contains(k))
+            .prop_filter("a kind no version wrote", |k| {
+                !layout::KINDS.iter().any(|x| x.kind == *k)
+            })
             .prop_map(Break::Kind),
         any::<prop::sample::Index>().prop_map(Break::BadUtf8),
         ((journal::MAX_KEY as u16 + 1)..=u16::MAX).prop_map(Break::LongKey),
@@ -481,7 +485,7 @@ const CLASSES: [u32; 4] = [4096, 8192, 12288, 0];
 #[derive(Clone, Debug)]
 enum Op {
     /// key index, class (index into CLASSES, or another value), slot, len, whether the crc is the one of
-    /// the data file's bytes (else `bad_crc`).
+    /// the data file's bytes (else `bad_crc`), and for a coded put the length it decodes to.
     Put {
         key: usize,
         class: Result<usize, u32>,
@@ -489,6 +493,7 @@ enum Op {
         len: u64,
         good_crc: bool,
         bad_crc: u32,
+        coded: Option<u64>,
     },
     Del(usize),
 }
@@ -511,8 +516,8 @@ fn replay_op() -> impl Strategy<Value = Op> {
     ];
     prop_oneof![
         4 => (0..REPLAY_KEYS.len(), class, prop_oneof![4 => 0u32..6, 1 => 0u32..64], 1u64..=3 * PAGE + 7,
-              any::<bool>(), any::<u32>())
-            .prop_map(|(key, class, slot, len, good_crc, bad_crc)| Op::Put { key, class, slot, len, good_crc, bad_crc }),
+              any::<bool>(), any::<u32>(), prop::option::weighted(0.25, 1u64..=3 * PAGE + 7))
+            .prop_map(|(key, class, slot, len, good_crc, bad_crc, coded)| Op::Put { key, class, slot, len, good_crc, bad_crc, coded }),
         1 => (0..REPLAY_KEYS.len()).prop_map(Op::Del),
     ]
 }
@@ -585,7 +590,8 @@ enum Expect {
 /// records (last put wins, deletes remove, LRU eviction down to the capacity at open), a torn tail is cut
 /// and reported, compaction keeps every live object, and each object reads back exactly as the data file
 /// holds it when its crc matches — otherwise it is a miss (and a checksum miss drops it, also across a
-/// reopen). `verify` agrees with `get`.
+/// reopen). A coded put is indexed at the length it decodes to and, its bytes being noise, reads as corrupt
+/// whatever its crc. `verify` agrees with `get`.
 #[test]
 fn journal_replay_matches_model() {
     fuzz("journal_replay_matches_model", replay_case(), |c| {
@@ -608,8 +614,8 @@ fn journal_replay_matches_model() {
         } else {
             Vec::new()
         };
-        // model: key -> (class, slot, len, crc), in LRU order (oldest first)
-        let mut model: Vec<(String, (u32, u32, u64, u32))> = Vec::new();
+        // model: key -> the placement of its put, in LRU order (oldest first)
+        let mut model: Vec<(String, Placement)> = Vec::new();
         let mut last_valid = 0; // records up to the last one that parses
         for op in &c.ops {
             match op {
@@ -620,6 +626,7 @@ fn journal_replay_matches_model() {
                     len,
                     good_crc,
                     bad_crc,
+                    coded,
                 } => {
                     let key = REPLAY_KEYS[*key].to_owned();
                     let class = match class {
@@ -634,9 +641,10 @@ fn journal_replay_matches_model() {
                         Some(b) if *good_crc => object_crc(b, &key),
                         _ => *bad_crc,
                     };
+                    let at = Placement::new(class, *slot, *len, crc).with_coded(*coded);
                     recs.push(Record::Put {
                         key: key.clone(),
-                        at: Placement::new(class, *slot, *len, crc),
+                        at,
                     });
                     // a shape the store never writes is not a record: damaged bytes, or part of the tail
                     if !plausible_shape(class, *len) {
@@ -650,8 +658,8 @@ fn journal_replay_matches_model() {
                     let plausible = *slot as u64 * class as u64 + *len <= flen;
                     if plausible {
                         // a later put naming a slot another live key holds overwrote that key's bytes
-                        model.retain(|(_, e)| (e.0, e.1) != (class, *slot));
-                        model.push((key, (class, *slot, *len, crc)));
+                        model.retain(|(_, e)| (e.class, e.slot) != (class, *slot));
+                        model.push((key, at));
                     }
                 }
                 Op::Del(k) => {
@@ -709,18 +717,23 @@ fn journal_replay_matches_model() {
             );
         }
         let mut expect = BTreeMap::new();
-        for (k, (class, slot, len, crc)) in &model {
-            prop_assert_eq!(s.len_of(k), Some(*len));
-            let off = *slot as u64 * *class as u64;
+        for (k, at) in &model {
+            // a reader asks for what a coded object decodes to
+            let read_len = at.coded.unwrap_or(at.len);
+            prop_assert_eq!(s.len_of(k), Some(read_len));
+            let off = at.slot as u64 * at.class as u64;
             let e = match data
-                .get(class)
-                .and_then(|d| d.get(off as usize..(off + len) as usize))
+                .get(&at.class)
+                .and_then(|d| d.get(off as usize..(off + at.len) as usize))
             {
                 None => Expect::ReadFails,
-                Some(b) if object_crc(b, k) == *crc => Expect::Hit,
+                // the data files are noise, with no codec header: a coded object never decodes (whatever its
+                // crc), a corrupt read
+                Some(_) if at.coded.is_some() => Expect::Corrupt,
+                Some(b) if object_crc(b, k) == at.crc => Expect::Hit,
                 Some(_) => Expect::Corrupt,
             };
-            expect.insert(k.clone(), (e, off, *len, *class));
+            expect.insert(k.clone(), (e, off, at.len, at.class, read_len));
         }
         let rep = s
             .verify(false)
@@ -734,9 +747,9 @@ fn journal_replay_matches_model() {
             .map(|(k, _)| k.clone())
             .collect();
         prop_assert_eq!(&bad, &want_bad);
-        for (k, &(e, off, len, class)) in &expect {
-            prop_assert_eq!(get(&s, k, len + 1)?, None, "a wrong length must miss");
-            let got = get(&s, k, len)?;
+        for (k, &(e, off, len, class, read_len)) in &expect {
+            prop_assert_eq!(get(&s, k, read_len + 1)?, None, "a wrong length must miss");
+            let got = get(&s, k, read_len)?;
             match e {
                 Expect::Hit => {
                     let d = &data[&class][off as usize..(off + len) as usize];
@@ -757,7 +770,7 @@ fn journal_replay_matches_model() {
             .map(|(k, _)| k.clone())
             .collect();
         prop_assert_eq!(&keys, &want);
-        for (k, &(e, off, len, class)) in &expect {
+        for (k, &(e, off, len, class, _)) in &expect {
             if e == Expect::Hit {
                 let d = &data[&class][off as usize..(off + len) as usize];
                 let got = get(&s, k, len)?;
