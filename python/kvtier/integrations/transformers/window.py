@@ -127,8 +127,8 @@ def _wide(t: torch.Tensor, width: int) -> bool:
     """Whether ``t`` can be seen as elements of ``width`` bytes (its bytes unchanged): its rows contiguous, every
     stride and its offset a multiple of ``width`` bytes."""
     es = t.element_size()
-    return t.dim() > 0 and t.stride(-1) == 1 and (t.shape[-1] * es) % width == 0 and \
-        (t.storage_offset() * es) % width == 0 and all((st * es) % width == 0 for st in t.stride()[:-1])
+    return bool(t.dim() > 0 and t.stride(-1) == 1 and (t.shape[-1] * es) % width == 0 and
+                (t.storage_offset() * es) % width == 0 and all((st * es) % width == 0 for st in t.stride()[:-1]))
 
 
 def copy_rows(dst: torch.Tensor, src: torch.Tensor) -> None:
