@@ -123,8 +123,8 @@ def main() -> None:
                         marks["head_end"] = st.head_stream().record_event(torch.cuda.Event(enable_timing=True))
                         loads = getattr(st, "_tail_stream", None) or st.stream  # (the tail stream: window all)
                         marks["loads_end"] = loads.record_event(torch.cuda.Event(enable_timing=True))
-                        if c._tail is not None:
-                            c._tail.future.add_done_callback(lambda _f, _m=marks: _m.setdefault("read_t", time.perf_counter()))
+                        if c._restorer.tail is not None:
+                            c._restorer.tail.future.add_done_callback(lambda _f, _m=marks: _m.setdefault("read_t", time.perf_counter()))
                     model(input_ids=ids[:, c.get_seq_length():].to(dev), use_cache=True, logits_to_keep=1, **{kw: c})
                     t_queued = time.perf_counter()  # the host has queued the rest's forward
                     if dev == "cuda":
