@@ -13,8 +13,8 @@ TEST_STAMP := $(VENV)/.kvtier-test-deps
 BUILD_STAMP := $(VENV)/.kvtier-build
 RUST_SRC := $(shell find rust -name '*.rs' -o -name Cargo.toml) Cargo.toml pyproject.toml
 # The transformers release the dev environment tests kvtier.integrations.transformers with (its Cache API changes
-# between minor releases; engine-envs tests the releases SGLang and vLLM pin); the demo serves its workload with
-# transformers' LlamaForCausalLM.
+# between minor releases; engine-envs tests the releases SGLang and vLLM pin); the demo (examples/kvtier_demo) serves
+# its workload with transformers' LlamaForCausalLM.
 TRANSFORMERS_VERSION := 5.24.0
 TRANSFORMERS := transformers==$(TRANSFORMERS_VERSION)
 # What building kvtier and running the demo need (torch's PyPI build is a CUDA build; it runs on CPU too).
@@ -94,8 +94,8 @@ build: $(BUILD_STAMP) ## Build the extension in release mode into .venv (maturin
 build-profiling: $(DEPS_STAMP) ## Release build with debug symbols, for perf/flamegraphs
 	$(VENV)/bin/maturin develop --profile profiling -q
 
-demo: build ## Run the main job (kvtier demo)
-	$(VPY) -m kvtier demo
+demo: build ## Run the verified demo from examples/ (python -m kvtier_demo): make demo [ARGS="--conversations 4"] (ARGS=--help lists them)
+	PYTHONPATH=python:examples $(VPY) -m kvtier_demo $(ARGS)
 
 test: test-rust test-python test-wheel sanitize-quick sanitize-tsan ## cargo test, pytest (CUDA tests skip without a GPU; short soak, fuzz and fault runs included), the wheel in a fresh virtualenv, ASan quick run, TSan
 
@@ -140,7 +140,7 @@ lint: build $(TEST_STAMP) ## cargo fmt --check, clippy, ruff, mypy (strict on th
 	$(VPY) scripts/safety_inventory.py --check
 	cargo fmt --all --check
 	cargo clippy --workspace --all-targets --quiet -- -D warnings
-	$(VENV)/bin/ruff check python tests benches
+	$(VENV)/bin/ruff check python tests benches examples
 	$(VENV)/bin/mypy
 	$(VPY) -m mypy.stubtest kvtier._native
 

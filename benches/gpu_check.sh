@@ -12,7 +12,7 @@ mkdir -p "$out"
 python3 -c "import kvtier, torch; print('kvtier', kvtier.__version__, 'from', kvtier.__file__, '| torch', torch.__version__, torch.cuda.get_device_name())"
 rc=0
 python3 -m pytest tests -p no:cacheprovider -q -rs --ignore=tests/test_sglang.py --ignore=tests/test_sglang_v2.py --ignore=tests/test_vllm.py 2>&1 | tee "$out/pytest.log" || rc=1
-python3 -m kvtier demo 2>&1 | tee "$out/demo.log" || rc=1
+python3 -m kvtier_demo 2>&1 | tee "$out/demo.log" || rc=1
 for b in ${KVTIER_GPU_BENCHES:-pin transfer}; do
   python3 "benches/python/bench_$b.py" --out "$out" 2>&1 | tee "$out/bench_$b.log" || rc=1
 done

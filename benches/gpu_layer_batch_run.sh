@@ -9,7 +9,7 @@
 #              one process (benches/python/loop_tests.py: every stack on a hang)
 #   bench-on   bench_transformers.py --skip-decode at 8K and 32K, a window of every layer in one call per forward
 #   bench-off  the same at 8K, layer by layer (the path before), in the same call: compare within it
-#   demo       python -m kvtier demo (the multi-turn chat workload, 8B shape)
+#   demo       python -m kvtier_demo (the multi-turn chat workload, 8B shape)
 #   serving    concurrent requests through SGLang's HiCacheController with kvtier as L3 and an 8B-shaped model:
 #              the engine planner on and off, SGLang's best_effort and wait_complete policies (sglang_serving.py)
 #   probe      where a demo-sized host hit's time goes (probe_restore_forward.py: 3,136 cached + 576 new tokens, every
@@ -39,7 +39,7 @@ for s in $steps; do
                 --layer-batch on --out "$out/transformers-on.json" ;;
     bench-off) step bench-off 120 python3 benches/python/bench_transformers.py --skip-decode --contexts 8192 \
                  --layer-batch off --out "$out/transformers-off.json" ;;
-    demo) step demo 240 python3 -m kvtier demo ;;
+    demo) step demo 240 python3 -m kvtier_demo ;;
     probe) step probe 200 python3 benches/python/probe_restore_forward.py --ctx 3136 --suffix 576 --variants w32 \
              --reps 5 --recompute --no-cudnn --profile "$out/probe" --out "$out/probe.json" ;;
     overhead) step overhead 150 python3 benches/python/probe_forward_overhead.py --ctx 3136 --suffix 576 --no-cudnn \

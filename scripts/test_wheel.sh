@@ -5,8 +5,8 @@
 #    wheel; then the source distribution (`maturin sdist`) installed into a third one (a build from what the
 #    sdist holds: nothing the checkout has and the sdist lacks);
 # 2. in the wheel's virtualenv (no torch, nothing from the repository on the path) what a storage host runs:
-#    `kvtier --help`, `--version`, `inspect`, `stats` and `verify` on a store, and `import kvtier` with a clear
-#    error where torch is needed.
+#    `kvtier --help`, `--version`, `inspect`, `stats` and `verify` on a store, `import kvtier` with a clear
+#    error where torch is needed, and `kvtier demo` saying where the demo runs (the wheel holds no demo).
 # Builds reuse target/ (CARGO_TARGET_DIR), so only kvtier's own crates compile. Usage: scripts/test_wheel.sh
 # [PYTHON]  (run by `make test`).
 set -euo pipefail
@@ -71,4 +71,10 @@ except kvtier.KvtierError as e:
 else:
     raise SystemExit("kvtier.PageStore without torch should say torch is needed")
 PY
-echo "wheel test: ok (installed into a fresh virtualenv without torch: --help, --version, inspect, stats, verify)"
+# the demo runs from a checkout (examples/kvtier_demo): none of it in the wheel, and `kvtier demo` says where (exit 2)
+"$work/venv/bin/python" -c "import importlib.util as u, sys; sys.exit(u.find_spec('kvtier.demo') is not None)" \
+  || { echo "wheel test: the wheel holds kvtier.demo" >&2; exit 1; }
+rc=0; out=$("$kv" demo 2>&1) || rc=$?
+[ "$rc" = 2 ] && grep -q "make demo" <<<"$out" \
+  || { echo "wheel test: 'kvtier demo' exited $rc without saying where the demo runs:" >&2; echo "$out" >&2; exit 1; }
+echo "wheel test: ok (installed into a fresh virtualenv without torch: --help, --version, inspect, stats, verify, demo)"

@@ -1,7 +1,8 @@
 """The command line as an operator meets it: `import kvtier`, `--help`, `inspect` and `verify` do not import
 torch (seconds saved on every call, and they work on a storage host without torch); bench options are
 reachable with `python -m kvtier_bench NAME --help` from a checkout (the benches are not in the package), also for
-the GPU benches on a CPU machine, and the replay's with `kvtier replay --help`."""
+the GPU benches on a CPU machine, and the replay's with `kvtier replay --help`; the demo runs from a checkout too
+(`python -m kvtier_demo`, examples/kvtier_demo), and `kvtier demo` says so."""
 
 import hashlib
 import json
@@ -21,6 +22,7 @@ import kvtier
 from kvtier import DeviceKVPool, PageStore, host_pool_for
 
 from bench_checkout import bench_env, import_benches, run_bench
+from demo_checkout import demo_cmd, demo_env, run_demo
 
 
 def py(code, *args):
@@ -100,6 +102,32 @@ def test_a_bench_that_left_the_package_says_where_it_runs():
     assert main(["bench", "store", "--help"]) == 2  # (in this process too: the status, not an exception)
 
 
+def test_the_demo_that_left_the_package_says_where_it_runs():
+    """The demo runs from a source checkout (examples/kvtier_demo), not the installed package: `kvtier demo` (with
+    or without options, --help too) says where and how, with the demo's options, in one message, exit status 2,
+    no traceback; `python -m kvtier_demo --help` lists those options and needs no torch."""
+    from kvtier.cli import main
+
+    for extra in ((), ("--help",), ("--layers", "2", "--cluster")):
+        r = kv("demo", *extra)
+        assert r.returncode == 2 and r.stdout == "" and "Traceback" not in r.stderr, (extra, r.stderr)
+        assert "make demo" in r.stderr and "python -m kvtier_demo" in r.stderr and "examples" in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "demo" in kv("--help").stdout
+    package = Path(kvtier.__file__).parent
+    assert not (package / "demo").exists()
+    imports = re.compile(r"^\s*(from|import)\s+kvtier_demo\b", re.M)
+    assert not [f for f in package.rglob("*.py") if imports.search(f.read_text())], "the package imports no demo"
+    assert main(["demo", "--seed", "1"]) == 2  # (in this process too: the status, not an exception)
+    r = subprocess.run([sys.executable, "-c", "import sys; sys.modules['torch'] = None\n"
+                        "from kvtier_demo.__main__ import main\nsys.exit(main(['--help']))"],
+                       capture_output=True, text=True, env=demo_env())
+    assert r.returncode == 0 and "usage: python -m kvtier_demo" in r.stdout, r.stdout + r.stderr
+    options = re.findall(r"--[a-z-]+", r.stdout)
+    moved = kv("demo").stderr
+    assert options and all(o in moved for o in options if o != "--help"), (options, moved)
+
+
 def test_bench_help_needs_no_torch():
     """`python -m kvtier_bench NAME --help` and `kvtier replay --help` answer on a machine without torch (the
     top-level help sends users there), from the benches' own option definitions (kvtier_bench.options, and
@@ -128,19 +156,19 @@ def kv(*args, cwd=None):
 
 def test_demo_arguments_are_checked_before_any_work(tmp_path):
     for args, word in ((["--pages", "-5"], "--pages"), (["--turns", "0"], "--turns"), (["--layers", "0"], "--layers")):
-        r = kv("demo", *args, cwd=tmp_path)
+        r = run_demo(*args, cwd=tmp_path)
         assert r.returncode == 1 and word in r.stderr and "Traceback" not in r.stderr, r.stderr
         assert len(r.stderr.strip().splitlines()) == 1
-    r = kv("demo", "--store-dir", str(tmp_path / "no" / "such" / "tree"))
+    r = run_demo("--store-dir", str(tmp_path / "no" / "such" / "tree"))
     assert r.returncode == 1 and "not an existing directory" in r.stderr and not (tmp_path / "no").exists(), r.stderr
     for args, word in ((["--store-dir", ""], "--store-dir"), (["--seed", str(2**70)], "--seed"),
                        (["--layers", "100000"], "--layers"), (["--window", "0"], "--window"),
                        (["--window", "two"], "--window"), (["--window", "-1"], "--window"),
                        (["--window", "²"], "--window"), (["--window", "2", "--cluster"], "--window")):
-        r = kv("demo", *args, cwd=tmp_path)
+        r = run_demo(*args, cwd=tmp_path)
         assert r.returncode == 1 and word in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     (tmp_path / "file").write_text("x")
-    r = kv("demo", "--store-dir", str(tmp_path / "file"))
+    r = run_demo("--store-dir", str(tmp_path / "file"))
     assert r.returncode == 1 and "not a directory" in r.stderr, r.stderr
     assert list(tmp_path.iterdir()) == [tmp_path / "file"], "nothing written in the working directory"
 
@@ -151,7 +179,7 @@ def test_ctrl_c_during_the_demo_is_one_line(tmp_path):
 
     # a terminal's Ctrl-C: SIGINT at its default in the demo, whatever this runner inherited (a background job
     # of a non-interactive shell starts with SIGINT ignored, and Python keeps it so)
-    p = subprocess.Popen([sys.executable, "-m", "kvtier", "demo", "--store-dir", str(tmp_path / "s")],
+    p = subprocess.Popen(demo_cmd("--store-dir", str(tmp_path / "s")), env=demo_env(),
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 120
@@ -159,7 +187,7 @@ def test_ctrl_c_during_the_demo_is_one_line(tmp_path):
         time.sleep(0.1)
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=120)
-    assert p.returncode == 130 and err.strip() == "kvtier: interrupted", (p.returncode, err[-2000:])
+    assert p.returncode == 130 and err.strip() == "kvtier_demo: interrupted", (p.returncode, err[-2000:])
 
 
 def _store(tmp_path):
@@ -320,11 +348,11 @@ def test_bench_plot_and_out_are_checked_first_and_created_last(tmp_path):
 
 
 def test_commands_that_need_torch_say_so_in_one_line():
-    for module, argv in (("kvtier.cli", ["demo"]), ("kvtier.cli", ["replay", "--trace", "x"]),
+    for module, argv in (("kvtier_demo.__main__", []), ("kvtier.cli", ["replay", "--trace", "x"]),
                          ("kvtier_bench.__main__", ["store", "--reps", "1"])):  # (`NAME --help` needs none)
         code = (f"import sys; sys.modules['torch'] = None\nfrom {module} import main\n"
                 f"sys.exit(main({argv!r}))")
-        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=bench_env())
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=demo_env(bench_env()))
         assert r.returncode == 1 and "needs torch" in r.stderr and "Traceback" not in r.stderr, (argv, r.stderr)
         assert len(r.stderr.strip().splitlines()) == 1
 

@@ -1,11 +1,12 @@
-"""The main job runs and verifies itself; the command line reports errors in one line."""
+"""The main job (examples/kvtier_demo) runs and verifies itself; its command line reports errors in one line."""
 
 import subprocess
 import sys
 
 import pytest
 
-from kvtier.demo.tour import run
+from demo_checkout import run_demo
+from kvtier_demo.tour import run
 
 
 def test_demo_verifies_everything(capsys):
@@ -21,7 +22,7 @@ def test_demo_verifies_everything(capsys):
 
 
 def test_cli_bad_arguments_exit_nonzero_without_traceback():
-    r = subprocess.run([sys.executable, "-m", "kvtier", "demo", "--layers", "0"], capture_output=True, text=True)
+    r = run_demo("--layers", "0")
     assert r.returncode != 0
     assert "Traceback" not in r.stderr and "--layers" in r.stderr  # the option as the user typed it
     r = subprocess.run([sys.executable, "-m", "kvtier", "nope"], capture_output=True, text=True)
@@ -29,7 +30,7 @@ def test_cli_bad_arguments_exit_nonzero_without_traceback():
 
 
 def test_toy_workload_where_transformers_is_missing():
-    from kvtier.demo.workload import run_workload
+    from kvtier_demo.workload import run_workload
 
     out = run_workload(device="cpu", model="toy", n_conv=2, turns=2, quiet=True)
     assert out["failures"] == [] and out["model"] == "toy" and len(out["results"]) == 4
@@ -39,7 +40,7 @@ def test_the_workload_serves_a_real_architecture():
     import pytest
 
     pytest.importorskip("transformers")
-    from kvtier.demo.workload import run_workload
+    from kvtier_demo.workload import run_workload
 
     out = run_workload(device="cpu", quiet=True, restore="all")
     sources = {r["source"] for r in out["results"]}
@@ -52,7 +53,7 @@ def test_the_workload_with_every_layer_resident():
     import pytest
 
     pytest.importorskip("transformers")
-    from kvtier.demo.workload import run_workload
+    from kvtier_demo.workload import run_workload
 
     out = run_workload(device="cpu", quiet=True, n_conv=2, turns=2, window=0)
     assert out["window"] == out["config"].num_hidden_layers and out["failures"] == []
@@ -63,12 +64,12 @@ def test_the_workload_with_every_layer_resident():
 def test_the_demo_restores_from_the_host_and_the_disk_bit_exact():
     """The demo's workload, planner on (its default): requests are served from the host pool and from the disk,
     every restored page and every output is the recomputed one. Whether kvtier beat no tier is the demo's own
-    report (`kvtier demo`, timed against no tier in the same run), not a test: a loaded 2-core machine decides
+    report (`python -m kvtier_demo`, timed against no tier in the same run), not a test: a loaded 2-core machine decides
     timings."""
     import pytest
 
     pytest.importorskip("transformers")
-    from kvtier.demo.workload import run_workload
+    from kvtier_demo.workload import run_workload
 
     out = run_workload(device="cpu", quiet=True)
     assert out["failures"] == [] and out["restore"] == "plan"
@@ -81,7 +82,7 @@ def test_the_gpu_demo_serves_a_model_the_gpu_can_hold():
     import pytest
 
     pytest.importorskip("transformers")
-    from kvtier.demo import workload_transformers as wt
+    from kvtier_demo import workload_transformers as wt
 
     assert wt.size_key("cpu") == "cpu"
     assert wt.size_key("cuda", 141 << 30) == "cuda"  # an H200: Llama-3.1-8B's shape
@@ -102,7 +103,7 @@ def test_the_chat_workload_is_shaped_like_bench_multiturn():
     import pytest
 
     pytest.importorskip("transformers")
-    from kvtier.demo import workload_transformers as wt
+    from kvtier_demo import workload_transformers as wt
 
     assert {k: wt.SIZES["cuda"][k] for k in ("request", "output", "rounds")} == dict(request=512, output=64, rounds=5)
     assert {k: wt.SIZES["cpu"][k] for k in ("request", "output", "rounds")} == dict(request=128, output=16, rounds=5)
@@ -131,7 +132,7 @@ def test_the_report_gives_rounds_and_percentiles(capsys):
     import pytest
 
     pytest.importorskip("transformers")
-    from kvtier.demo import workload_transformers as wt
+    from kvtier_demo import workload_transformers as wt
 
     assert wt.ratio_quantile([0.5, 0.1, 0.9, 0.3], 0.5) == 0.3 and wt.ratio_quantile([0.5, 0.1, 0.9, 0.3], 0.9) == 0.9
     assert wt.ratio_quantile([2.0], 0.9) == 2.0 and wt.ratio_quantile(list(range(10)), 0.9) == 8
@@ -145,12 +146,12 @@ def test_the_report_gives_rounds_and_percentiles(capsys):
 
 
 def test_a_failed_cluster_demo_keeps_the_logs_it_points_to(tmp_path, monkeypatch, capsys):
-    """`kvtier demo --cluster` whose cluster fails keeps its directory of logs (it removed the log its error
+    """`python -m kvtier_demo --cluster` whose cluster fails keeps its directory of logs (it removed the log its error
     named) and says where it is; with nothing logged there is nothing to keep."""
     from pathlib import Path
 
     from kvtier import KvtierError
-    from kvtier.demo import cluster
+    from kvtier_demo import cluster
     from kvtier.tiers import local_cluster
 
     class Broken:

@@ -9,7 +9,7 @@ import pytest
 
 import kvtier
 from kvtier import testing
-from kvtier.demo.workload import run_workload
+from kvtier_demo.workload import run_workload
 
 
 @pytest.fixture(autouse=True)

@@ -128,3 +128,102 @@ def test_declined_tokens_are_exported(tmp_path):
     finally:
         c.close()
         st.close()
+
+
+class _ToyTier:
+    """A tier of a caller's own behind the disk (what docs/ARCHITECTURE.md's recipe for a new tier builds):
+    it keeps nothing and reports one family of its own."""
+
+    name = "toy"
+
+    def __init__(self, pool):
+        self.pool, self.page_bytes, self.sets = pool, 0, 0
+
+    def batch_set_v1(self, keys, host_indices, extra_info=None):
+        self.sets += len(keys)
+        return [True] * len(keys)
+
+    def batch_get_v1(self, keys, host_indices, extra_info=None):
+        return [False] * len(keys)
+
+    def batch_exists(self, keys, extra_info=None):
+        return 0
+
+    def get_stats(self):
+        return {"sets": self.sets}
+
+    def close(self):
+        pass
+
+    def report_metrics(self, scrape, name):
+        scrape.counter("toy_pages", "pages the toy tier was given", ["op"]).add_metric(["set"], float(self.sets))
+        return ()
+
+
+class _Quiet(_ToyTier):
+    """A tier that reports nothing of its own (``report_metrics = None``: not a MetricsSource)."""
+
+    name = "quiet"
+    report_metrics = None
+
+
+def test_a_new_tier_reports_its_own_families(tmp_path):
+    from kvtier.tiers import TieredStore
+
+    dp, hp, st, c = setup(tmp_path)
+    try:
+        toy, quiet = _ToyTier(hp), _Quiet(hp)
+        chain = TieredStore([("disk", st), ("toy", toy), ("quiet", quiet)])
+        keys = page_hashes(list(range(2 * PS)), PS)
+        assert chain.batch_set_v1(keys, torch.arange(PS, 3 * PS)) == [True, True]
+        s = scrape(KvtierCollector(stores=[chain, st, toy]))  # each object once, however many name it
+        assert value(s, "kvtier_toy_pages_total", op="set") == 2
+        assert value(s, "kvtier_tier_pages_total", tier="toy", event="write") == 2
+        assert value(s, "kvtier_tier_pages_total", tier="quiet", event="write") == 2  # the chain's view of it
+        assert value(s, "kvtier_store_objects") == 4  # the disk tier's own
+    finally:
+        c.close()
+        st.close()
+
+
+def test_an_object_that_reports_no_metrics_is_refused(tmp_path):
+    from kvtier import InvalidArgumentError
+    from kvtier.metrics_server import MetricsEndpoint
+    from kvtier.staging import StagedDisk
+
+    dp, hp, st, c = setup(tmp_path)
+    try:
+        with pytest.raises(InvalidArgumentError, match=r"`stores\[1\]`: TierController reports no metrics"):
+            KvtierCollector(stores=[st, c])
+        with pytest.raises(InvalidArgumentError, match="`stores`"):
+            KvtierCollector(stores="disk")
+        with pytest.raises(InvalidArgumentError, match="`controller`: a kvtier.TierController, got PageStore"):
+            KvtierCollector(controller=st)
+        with pytest.raises(InvalidArgumentError, match="`source`: object reports no metrics"):
+            MetricsEndpoint.claim(None).attach(object())
+        # a store seen through its staging view is reported once, as itself
+        s = scrape(KvtierCollector(stores=[StagedDisk(st, None), st]))
+        assert len([k for k in s if k[0] == "kvtier_store_objects"]) == 1
+    finally:
+        c.close()
+        st.close()
+
+
+@pytest.mark.parametrize("where", ["kvtier.store:PageStore", "kvtier.tiers.chain:TieredStore",
+                                   "kvtier.tiers.mooncake:MooncakeTier", "kvtier.staging:StagedDisk",
+                                   "kvtier.integrations._pools_v2:PoolStore", "kvtier.integrations.sglang:KvtierStorage",
+                                   "kvtier.integrations.vllm:KvtierTier"])
+def test_every_tier_and_engine_backend_reports_its_metrics(where):
+    """Checked on the classes, without opening anything: each one is a MetricsSource, with its parameters."""
+    import importlib
+    import inspect
+
+    from kvtier.metrics import MetricsSource
+
+    module, name = where.split(":")
+    if module.startswith("kvtier.integrations."):
+        pytest.importorskip(module.rsplit(".", 1)[1].lstrip("_").replace("pools_v2", "sglang"))
+    cls = getattr(importlib.import_module(module), name)
+    assert issubclass(cls, MetricsSource)
+    params = [p.name for p in inspect.signature(cls.report_metrics).parameters.values()]
+    assert params == ["self", "scrape", "name"]

@@ -16,9 +16,10 @@ from kvtier import PageStore, TierController, host_pool_for
 from kvtier._errors import InvalidArgumentError, KvtierError
 from kvtier.tiers import TieredStore
 from kvtier.tiers.local_cluster import LocalCluster, free_port
-from kvtier.tiers._records import record_bytes as _record
+from kvtier.tiers.objects.records import record_bytes as _record
 from kvtier.tiers.mooncake import MooncakeTier
 from bench_checkout import run_bench
+from demo_checkout import run_demo
 from mla_pools import filled, rows
 from store_pools import make_pool, page_bytes, pages_idx
 
@@ -364,8 +365,8 @@ def test_prometheus_collector_reports_each_tier(tmp_path, cluster):
 
 @pytest.mark.timeout(600)  # a hang guard: ~20 s alone, ~95 s with both cores of a 2-core machine busy
 def test_demo_cluster_node_b_serves_node_as_prefixes_from_the_cluster(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "kvtier", "demo", "--cluster", "--conversations", "2", "--turns", "2",
-                        "--store-dir", str(tmp_path / "demo")], capture_output=True, text=True, timeout=540)
+    r = run_demo("--cluster", "--conversations", "2", "--turns", "2", "--store-dir", str(tmp_path / "demo"),
+                 timeout=540)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     b = r.stdout.split("== node B")[1]
     assert "cluster hit" in b and "integrity misses 0" in b
@@ -581,7 +582,7 @@ def test_a_truncated_or_extended_object_is_counted_corrupt(cluster):
 def test_unverified_pages_stay_unvouched_past_the_exact_memory(tmp_path, cluster):
     """More pages served unverified than the tier remembers exactly: none of them is filled into the disk or
     given a record afterwards (the older ones live on in the tier's filter)."""
-    from kvtier.tiers._records import Taint
+    from kvtier.tiers.objects.records import Taint
 
     stock = make_pool(seed=33)
     keys = [f"stock-many-{i}" for i in range(6)]

@@ -179,3 +179,32 @@ def test_a_stopped_storage_process_never_stalls_sglangs_prefetch_nor_lands_in_it
             time.sleep(0.5)
         assert all(same_pages(src, i, dst, 4 + i) for i in range(4))
         be.close()
+
+
+def test_metrics_report_the_disk_once_and_the_cluster_tier_itself(tmp_path, cluster):
+    """kvtier.metrics over a backend with the cluster tier, whose chain reads the disk through its staging view
+    (deadlines on): the disk's store families once, even with the chain named too; the chain's view of each
+    tier; the cluster tier's own integrity counters."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvtier.metrics import KvtierCollector
+
+    be = kvtier_store(tmp_path, cluster, sglang_pool("page_first_direct", seed=4))
+    try:
+        keys = [f"metrics-{i}" for i in range(4)]
+        assert be.batch_set_v1(keys, idx(range(4))) == [True] * 4
+        be.store.delete(keys[:2])
+        assert be.batch_get_v1(keys, idx(range(4, 8))) == [True] * 4
+        reg = CollectorRegistry()
+        reg.register(KvtierCollector(stores=[be, be.tiers]))
+        samples = [(s.name, s.labels, s.value) for f in text_string_to_metric_families(generate_latest(reg).decode())
+                   for s in f.samples]
+    finally:
+        be.close()
+    assert len([s for s in samples if s[0] == "kvtier_store_objects"]) == 1
+    assert ("kvtier_tier_pages_total", {"tier": "mooncake", "event": "hit"}, 2.0) in samples
+    assert ("kvtier_tier_pages_total", {"tier": "disk", "event": "fill"}, 2.0) in samples
+    assert ("kvtier_cluster_pages_total", {"event": "corrupt"}, 0.0) in samples
+    assert [v for n, ls, v in samples if n == "kvtier_store_calls_total" and ls == {"backend": "store0", "kind": "read"}
+            and v >= 1]

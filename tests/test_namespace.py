@@ -3,9 +3,12 @@ directories, Mooncake fingerprints and vLLM row stores keep their names), and re
 
 from __future__ import annotations
 
+import hashlib
 import types
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvtier import InvalidArgumentError
 from kvtier.namespace import Namespace, fields_of, rank_fields
@@ -57,19 +60,21 @@ def test_store_namespace_is_byte_identical(mla: bool, dp: int, dcp: tuple[int, i
 @pytest.mark.parametrize("mla", [False, True])
 @pytest.mark.parametrize("sealed", [None, "kr-9"])
 def test_mooncake_fingerprint_is_byte_identical(mla: bool, sealed: str | None) -> None:
-    from kvtier.tiers._mooncake_pages import PageObjects
+    from kvtier.tiers.objects.pages import PageObjects
 
     pool = _pool(mla, dtype="bfloat16")
     layout = (0, 4096, 4096, 0, 0, 0) if mla else (0, 8192, 4096, 4096, 8192, 4096)
     ranks = {"tp": (1, 4), "pp": (1, 2), "cp": (0, 1)}
     po = PageObjects(pool, layout, 8, prefix="p", model_name="m", key_tag="t|x", ranks=ranks,
-                     kv_cache_dtype="bfloat16", sealed=sealed)
+                     kv_cache_dtype="bfloat16", sealed=sealed, scheme="kvtier-mooncake-v1",
+                     seal_scheme="kvtier-mooncake-seal-v1")
     tp, pp, cp = ranks["tp"], ranks["pp"], ranks["cp"]
     named = (f"pp={pp[0]}/{pp[1]}" if mla else f"tp={tp[0]}/{tp[1]}|pp={pp[0]}/{pp[1]}") + f"|cp={cp[0]}/{cp[1]}"
     old = (f"kvtier-mooncake-v1|model=m|key_tag={'t|x'!r}|suffix={po.suffix}|{named}"
            f"|start_layer=4|dtype=bfloat16|layout=page_first|page=64|layers=32|{_heads(pool)}"
            f"|objects={layout[2]},{layout[5]}" + (f"|sealed={sealed}" if sealed is not None else ""))
     assert po.fingerprint_text == old
+    assert po.aad == "kvtier-mooncake-seal-v1:" + hashlib.sha256(old.encode()).hexdigest()
 
 
 def test_build_leaves_out_none_and_appends() -> None:
@@ -152,3 +157,24 @@ def test_a_value_may_hold_a_bare_equals_and_none_is_written_as_before() -> None:
     ns = Namespace.parse(text)
     assert ns.model == "org/M|=x" and ns.format() == text and _sealed_id(text) == "kr-1"
     assert Namespace.build("kvtier-v1", model="m", page=str(None)).format() == "kvtier-v1|model=m|page=None"
+
+
+@pytest.mark.parametrize("model", ["m|sealed=kr-1", "org/M|tp=9/9", "a|b|c=d", "x|mla|sealed=k"])
+def test_a_value_that_would_read_back_as_a_field_is_refused(model: str, tmp_path) -> None:
+    from kvtier import PageStore
+    with pytest.raises(InvalidArgumentError, match="`fields`.*'model'"):
+        Namespace.build("kvtier-v1", model=model, tp="0/1")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(InvalidArgumentError, match="`model_name`"):
+        PageStore(str(tmp_path / "s"), model_name=model)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+@given(st.lists(st.tuples(st.text("ab=|", min_size=1, max_size=4).filter(lambda k: "|" not in k and "=" not in k),
+                          st.text("ab=|x", max_size=8)), max_size=4))
+def test_every_namespace_that_can_be_made_reads_back_as_itself(fields: list[tuple[str, str]]) -> None:
+    try:
+        ns = Namespace("kvtier-v1", tuple(fields))
+    except InvalidArgumentError:
+        return
+    assert Namespace.parse(ns.format()) == ns

@@ -281,7 +281,7 @@ def test_tiered_locate_total_is_batch_exists_with_deleted_keys(tmp_path):
 
 # ------------------------------------------------------------------------------------ metrics
 def test_planner_metric_families_have_one_series_per_planner(tmp_path):
-    """KvtierCollector._planner_families (metrics.py) adds every source's counters under the same label
+    """The planner families of kvtier.metrics (_planner_families) add every source's counters under the same label
     set (kind / source / which / tier+direction, no store label), although the collector takes "any number of"
     SGLang backends (the store families carry a ``store`` label for this). Two backends give two samples of
     kvtier_restore_tokens_total{source="recomputed"} (and of every plan kind and tier rate) in one

@@ -88,7 +88,7 @@ def test_a_probe_file_left_by_a_killed_process_is_removed(tmp_path):
 
 
 def test_taint_finds_every_key_it_was_given_however_many():
-    from kvtier.tiers._records import Taint
+    from kvtier.tiers.objects.records import Taint
 
     t = Taint(exact=4, bits=1 << 16)
     added = [f"page-{i}" for i in range(500)]

@@ -14,7 +14,7 @@ import torch
 
 from kvtier import page_hashes
 from kvtier.tenants import Keyring, tenant_keys, tenant_tag
-from kvtier.tiers._records import HEAD, OBJ
+from kvtier.tiers.objects.records import HEAD, OBJ
 from kvtier.tiers.mooncake import MooncakeTier
 from store_pools import PS, make_pool, page_bytes, pages_idx
 

@@ -1,7 +1,7 @@
 """Where each request of the demo's transformers workload spends its time with kvtier: ``KVTier.cache`` (the
 restore: planning, taking host pages, a split's head forward and tail read), the host time inside the cache's
 ``update`` calls during the rest of the prompt, and the rest, per request, beside its plan and no tier's
-time. The workload is `kvtier demo`'s (``kvtier.demo.workload_transformers``), run as the demo runs it (on CUDA
+time. The workload is the demo's (``kvtier_demo.workload_transformers``, examples/), run as the demo runs it (on CUDA
 without cuDNN's attention: the workload turns it off, see ``CUDNN_NOTE``).
 
     PYTHONPATH=python python benches/python/probe_demo_requests.py [--window N|all] [--out probe.json]
@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from kvtier.demo import workload_transformers as wt
+from kvtier_demo import workload_transformers as wt
 from kvtier.integrations.transformers import cache as tc
 from kvtier.integrations import transformers as kt
 

@@ -141,7 +141,7 @@ def main() -> None:
     ap.add_argument("--variants", default="w2,w4,w8")
     ap.add_argument("--profile", default=None, help="a directory for one profiled forward per variant")
     ap.add_argument("--out", default="restore-forward.json")
-    ap.add_argument("--no-cudnn", action="store_true", help="SDPA without its cuDNN backend (as `kvtier demo` runs)")
+    ap.add_argument("--no-cudnn", action="store_true", help="SDPA without its cuDNN backend (as the demo runs)")
     ap.add_argument("--recompute", action="store_true",
                     help="also the whole prompt through kvtier's cache with nothing cached, against DynamicCache's")
     a = ap.parse_args()

@@ -43,7 +43,7 @@ _LAZY = {
     "TieredStore": "tiers.chain",
     "Tier": "tier",
 }
-_SUBMODULES = {"buffer", "cli", "config", "controller", "demo", "hashes", "kernels", "metrics", "overlap", "planner", "pools",
+_SUBMODULES = {"buffer", "cli", "config", "controller", "hashes", "kernels", "metrics", "overlap", "planner", "pools",
                "pools_mla", "store", "testing",
                "transfer", "replay", "integrations", "tiers"}
 

@@ -191,13 +191,14 @@ def _erase_namespace(path: str, ns: str, kr: Any, tag: str) -> int:
 
 def _open_cluster(master: str, kr: Any) -> Any:
     try:
-        from .tier import build_tier
+        from .tier import TierContext, build_tier
         from .tiers.mooncake import MooncakeTier  # noqa: F401 - its packages are checked before anything is erased
     except ImportError as exc:
         raise KvtierError(f"--cluster needs the cluster tier's packages (torch and mooncake-transfer-engine: "
                           f"`pip install kvtier[mooncake]`): {exc}") from exc
     try:
-        return build_tier({"mooncake": {"master_server_address": master, "model_name": "kvtier-erase", "keyring": kr}})
+        return build_tier({"mooncake": {"master_server_address": master}},
+                          TierContext(model_name="kvtier-erase", keyring=kr))
     except Exception as exc:  # noqa: BLE001 - any failure to reach the master stops the erase before it starts
         raise KvtierError(f"--cluster {master}: the cluster's master cannot be reached ({exc}); nothing was "
                           "erased") from exc

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import re
 import sys
 from typing import Any
 
@@ -189,43 +188,21 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 1 if (damaged and not repair) or unrepaired else 0
 
 
-def cmd_demo(args: argparse.Namespace) -> int:
-    for name, most in (("layers", 256), ("pages", 65536), ("conversations", 1000), ("turns", 1000)):
-        value = getattr(args, name)
-        if value is not None and not 1 <= value <= most:
-            raise KvtierError(f"--{name} must be in [1, {most}], got {value}")
-    if not 0 <= args.seed < 2**63:
-        raise KvtierError(f"--seed must be in [0, 2**63), got {args.seed}")
-    window = None
-    if args.window is not None:
-        if args.window == "all":
-            window = 0
-        elif re.fullmatch(r"[0-9]{1,4}", args.window) and 1 <= int(args.window) <= 1024:
-            window = int(args.window)
-        else:
-            raise KvtierError(f"--window must be 'all' or a number of layers in [1, 1024], got {args.window!r}")
-    if args.store_dir is not None:
-        if not args.store_dir.strip():
-            raise KvtierError("--store-dir must name a directory, got an empty string")
-        d = os.path.abspath(args.store_dir)
-        if os.path.exists(d) and not os.path.isdir(d):
-            raise KvtierError(f"--store-dir {args.store_dir}: exists and is not a directory")
-        if not os.path.isdir(os.path.dirname(d)):
-            raise KvtierError(f"--store-dir {args.store_dir}: its parent {os.path.dirname(d)} is not an existing "
-                              "directory (the demo creates one directory, not a tree)")
-        if not os.access(d if os.path.isdir(d) else os.path.dirname(d), os.W_OK):
-            raise KvtierError(f"--store-dir {args.store_dir}: not writable")
-    if args.cluster:
-        if window is not None:
-            raise KvtierError("--window applies to the one-node demo, not to --cluster")
-        from .demo.cluster import run_cluster
+#: the options of the demo (examples/kvtier_demo, ``python -m kvtier_demo --help`` describes each)
+DEMO_OPTIONS = ("[--layers N] [--pages N] [--conversations N] [--turns N] [--store-dir DIR] [--keep] [--seed N] "
+                "[--window N|all] [--cluster]")
 
-        return run_cluster(conversations=args.conversations or 3, turns=args.turns or 3, seed=args.seed,
-                           store_dir=args.store_dir)
-    from .demo.tour import run
 
-    return run(layers=args.layers, pages=args.pages, seed=args.seed, conversations=args.conversations,
-               turns=args.turns, keep=args.keep, store_dir=args.store_dir, window=window)
+def moved_demo_text() -> str:
+    """What ``kvtier demo`` says: the demo is not part of the package; where it runs, with its options."""
+    return ("kvtier demo: the demo runs from kvtier's source checkout (examples/kvtier_demo/), not from the installed "
+            "package: make demo, or PYTHONPATH=python:examples python -m kvtier_demo " + DEMO_OPTIONS
+            + " (python -m kvtier_demo --help describes them; --cluster needs kvtier[mooncake]; README 'Try it')")
+
+
+def cmd_demo() -> int:
+    print(moved_demo_text(), file=sys.stderr)
+    return 2
 
 
 #: the benches that moved out of the package into the source checkout (benches/python/kvtier_bench)
@@ -267,24 +244,9 @@ def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="kvtier", description="Host-memory and disk tier for LLM KV caches.")
     parser.add_argument("--version", action="version", version=f"kvtier {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="the verified end-to-end demo (GPU if present, else CPU)")
-    demo.add_argument("--layers", type=int, default=8, help="layers of the transfer round trip (default 8)")
-    demo.add_argument("--pages", type=int, default=32, help="pages of the transfer round trip (default 32)")
-    demo.add_argument("--conversations", type=int, default=None,
-                      help="conversations served (default: 16 on a GPU, 8 on the CPU; 3 with --cluster)")
-    demo.add_argument("--turns", type=int, default=None,
-                      help="rounds per conversation (default 5, as SGLang's bench_multiturn; 3 with --cluster)")
-    demo.add_argument("--store-dir", default=None,
-                      help="directory for every store the demo writes (created if missing; its parent must exist; kept "
-                      "after the run). Default: temp directories under the working directory, removed unless --keep")
-    demo.add_argument("--keep", action="store_true", help="keep the default store directory after the run")
-    demo.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    demo.add_argument("--window", default=None,
-                      help="layers the served model's KVTier keeps on the device: a number, or 'all' (default: KVTier's "
-                      "'auto', every layer where half the free device memory holds them; more than the model has means all)")
-    demo.add_argument("--cluster", action="store_true",
-                      help="two inference-node processes sharing prefixes through a local Mooncake cluster "
-                      "(needs kvtier[mooncake]; README 'Use it across nodes')")
+    sub.add_parser("demo", add_help=False,
+                   help="the verified end-to-end demo: it runs from a source checkout (make demo, or python -m "
+                   "kvtier_demo; `kvtier demo` says how)")
     sub.add_parser("replay", add_help=False,
                    help="replay a request trace through kvtier's real tiers beside an LRU model of them: hit rates, "
                    "bytes moved and time to first token for a host tier and store capacity (a sizing tool; "
@@ -334,11 +296,11 @@ def _main(argv: list[str] | None) -> int:
     _cluster_cli.add_parser(sub)
     _tenant_cli.add_parsers(sub)
     args, rest = parser.parse_known_args(argv)
-    if rest and args.command not in ("bench", "replay", "cluster"):
+    if rest and args.command not in ("bench", "replay", "cluster", "demo"):
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if isinstance(getattr(args, "path", None), str) and not args.path.strip():
         parser.error(f"`kvtier {args.command}`: PATH must name a store directory, got an empty string")
-    commands = {"demo": lambda: cmd_demo(args), "bench": lambda: cmd_bench(args, rest, bench),
+    commands = {"demo": lambda: cmd_demo(), "bench": lambda: cmd_bench(args, rest, bench),
                 "replay": lambda: cmd_replay(rest, "kvtier replay"),
                 "inspect": lambda: cmd_inspect(args), "verify": lambda: cmd_verify(args),
                 "stats": lambda: cmd_stats(args), "cluster": lambda: _cluster_cli.run(args, rest),

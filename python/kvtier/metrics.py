@@ -1,6 +1,7 @@
 """Prometheus metrics for operators: per-tier hits and misses, bytes per path, batch latency histograms, write
-failures, corrupt reads and dropped journal records, for a :class:`~kvtier.TierController`, any number of
-:class:`~kvtier.PageStore` s, and SGLang's :class:`~kvtier.integrations.sglang.KvtierStorage`.
+failures, corrupt reads and dropped journal records, for a :class:`~kvtier.TierController` and any number of
+page stores, chains of tiers, cluster tiers and engine backends (SGLang's
+:class:`~kvtier.integrations.sglang.KvtierStorage`, vLLM's ``KvtierTier``).
 
     from prometheus_client import start_http_server, REGISTRY
     from kvtier.metrics import KvtierCollector
@@ -11,6 +12,10 @@ failures, corrupt reads and dropped journal records, for a :class:`~kvtier.TierC
 Needs ``prometheus-client`` (``pip install 'kvtier[metrics]'``); the collector reads the objects' counters on
 each scrape (nothing is sampled in between), so it costs nothing while nobody scrapes. Latency histograms
 (:class:`LatencyHistogram`) are kept by the objects themselves whether or not this module is used.
+
+Each object reports its own families (:class:`MetricsSource`, one method): at a scrape the collector asks
+every object it was given, and every object those name in turn (a chain its tiers, an engine backend its
+page stores), to add its samples to the scrape's families (:class:`Scrape`).
 """
 
 from __future__ import annotations
@@ -18,8 +23,10 @@ from __future__ import annotations
 import bisect
 import os
 import threading
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from ._errors import InvalidArgumentError
 
 #: upper bounds (seconds) of the batch latency histograms: 100 µs … 10 s
 BUCKETS: tuple[float, ...] = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -105,205 +112,284 @@ _CONTROLLER_BYTES = (
 )
 
 
+@runtime_checkable
+class MetricsSource(Protocol):
+    """What :class:`KvtierCollector` exports: an object that adds its own samples to a scrape and names the
+    objects inside it that report theirs. :class:`~kvtier.PageStore`, :class:`~kvtier.tiers.TieredStore`,
+    :class:`~kvtier.tiers.mooncake.MooncakeTier`, SGLang's ``KvtierStorage`` and vLLM's ``KvtierTier``
+    implement it; a new tier adds its metrics with this one method."""
+
+    def report_metrics(self, scrape: Scrape, name: str) -> Iterable[MetricsSource]:
+        """Add this object's samples to ``scrape`` and return the objects inside it that report their own (a
+        chain its tiers, an engine backend its page stores). Each object is reported once per scrape, however
+        many sources name it. ``name``: the label of the source the collector reached this object through
+        (``controller``, or ``store<i>``: its position in ``stores``), which the planner and deadline families
+        of an engine backend carry."""
+        ...
+
+
+class Scrape:
+    """The families of one scrape, which the sources fill (:class:`MetricsSource`): each family is exported
+    once, with the samples of every source in the order the collector reached them; families a tier adds of
+    its own (:meth:`counter`, :meth:`gauge`) come after kvtier's."""
+
+    def __init__(self, core: Any, prefix: str) -> None:
+        self.core, self.prefix = core, prefix
+        p = prefix
+        self._counters = {key: core.CounterMetricFamily(f"{p}_store_{name}", doc, labels=["store"])
+                          for key, name, doc in _STORE_COUNTERS}
+        self._gauges = {key: core.GaugeMetricFamily(f"{p}_store_{name}", doc, labels=["store"])
+                        for key, name, doc in _STORE_GAUGES}
+        self._latency = core.HistogramMetricFamily(f"{p}_store_batch_seconds", "duration of one store batch (write: "
+                                                   "until durable; read: until verified)", labels=["store", "op"])
+        self._stores: set[str] = set()
+        self._pages = core.CounterMetricFamily(f"{p}_tier_pages", "pages per tier of a TieredStore, by event (hit, "
+                                               "miss, fill: written after a later tier served it, write, "
+                                               "write_failure)", labels=["tier", "event"])
+        self._errors = core.CounterMetricFamily(f"{p}_tier_errors", "calls into a tier that raised (counted as "
+                                                "misses or failed writes)", labels=["tier"])
+        self._bytes = core.CounterMetricFamily(f"{p}_tier_bytes", "bytes per tier, by direction (in: served, out: "
+                                               "written)", labels=["tier", "direction"])
+        self._integrity = core.CounterMetricFamily(f"{p}_cluster_pages", "the cluster tier's own page counters "
+                                                   "(corrupt, stale, unverified_served, unverified_skipped, ...)",
+                                                   labels=["event"])
+        self._planners: list[tuple[str, Mapping[str, Any], Callable[[], Mapping[str, Any]] | None]] = []
+        self._deadlines: list[tuple[dict[str, str], Mapping[str, Any]]] = []
+        self._own: dict[str, Any] = {}
+
+    def page_store(self, stats: Callable[[], Mapping[str, Any] | None],
+                   latency: Mapping[str, LatencyHistogram]) -> None:
+        """A page-store namespace: its counters and gauges (:meth:`kvtier.PageStore.get_stats`) and batch
+        latencies, labelled ``store`` by its directory's name. ``stats`` is called now; a store whose
+        ``stats`` raises or gives None (closed, or a reader whose writer has not started) is left out of this
+        scrape, and so is a second store of a name already reported (a later disk tier of a chain over the same
+        host pool: its series would repeat the first's, which Prometheus refuses)."""
+        try:
+            got = stats()
+        except Exception:  # noqa: BLE001 - a scrape must not fail because one store is closed
+            return
+        if got is None:
+            return
+        label = [os.path.basename(str(got.get("dir", ""))) or "?"]
+        if label[0] in self._stores:
+            return
+        self._stores.add(label[0])
+        for key, fam in self._counters.items():
+            fam.add_metric(label, float(got.get(key, 0) or 0))
+        for key, fam in self._gauges.items():
+            fam.add_metric(label, float(got.get(key, 0) or 0))
+        for op, hist in latency.items():
+            buckets, total, _ = hist.snapshot()
+            self._latency.add_metric([label[0], op], buckets, total)
+
+    def chain(self, stats: Callable[[], Mapping[str, Mapping[str, Any]]]) -> None:
+        """A chain's view of each of its tiers (:meth:`kvtier.tiers.TieredStore.get_stats`): pages by event,
+        errors, bytes; nothing when ``stats`` raises (a closed chain)."""
+        try:
+            got = stats()
+        except Exception:  # noqa: BLE001 - a closed chain must not fail the scrape
+            return
+        for tier, st in got.items():
+            for key, event in (("hits", "hit"), ("misses", "miss"), ("fills", "fill"), ("writes", "write"),
+                               ("write_failures", "write_failure")):
+                self._pages.add_metric([tier, event], float(st.get(key, 0)))
+            self._errors.add_metric([tier], float(st.get("errors", 0)))
+            self._bytes.add_metric([tier, "in"], float(st.get("bytes_in", 0)))
+            self._bytes.add_metric([tier, "out"], float(st.get("bytes_out", 0)))
+
+    def cluster_pages(self, stats: Mapping[str, Any]) -> None:
+        """The cluster tier's integrity counters (:meth:`kvtier.tiers.mooncake.MooncakeTier.get_stats`)."""
+        for key in ("corrupt", "stale", "unverified_served", "unverified_skipped", "put_failures"):
+            self._integrity.add_metric([key], float(stats.get(key, 0)))
+
+    def planner(self, who: str, stats: Mapping[str, Any],
+                measured: Callable[[], Mapping[str, Any]] | None = None) -> None:
+        """One planner's restore decisions (``PlannerStats.as_dict()``), labelled ``planner=who``, and the
+        estimates ``measured`` returns (each tier's read and write GB/s; none when it raises)."""
+        self._planners.append((who, stats, measured))
+
+    def deadlines(self, labels: dict[str, str], stats: Callable[[], Mapping[str, Any]]) -> None:
+        """One caller's store calls against their deadlines (``StagedIO.stats()``, or the controller's
+        ``deadline_stats()``), with ``labels``; nothing when ``stats`` raises (a closed backend)."""
+        try:
+            self._deadlines.append((labels, stats()))
+        except Exception:  # noqa: BLE001 - a closed backend must not fail the scrape
+            pass
+
+    def counter(self, name: str, doc: str, labels: Sequence[str] = ()) -> Any:
+        """The counter family ``<prefix>_<name>`` of a tier's own (a ``prometheus_client``
+        ``CounterMetricFamily``: ``.add_metric(label values, value)``), made at its first use in this scrape."""
+        return self._family(self.core.CounterMetricFamily, name, doc, labels)
+
+    def gauge(self, name: str, doc: str, labels: Sequence[str] = ()) -> Any:
+        """As :meth:`counter`, a gauge family."""
+        return self._family(self.core.GaugeMetricFamily, name, doc, labels)
+
+    def _family(self, kind: Any, name: str, doc: str, labels: Sequence[str]) -> Any:
+        fam = self._own.get(name)
+        if fam is None:
+            fam = self._own[name] = kind(f"{self.prefix}_{name}", doc, labels=list(labels))
+        return fam
+
+    def families(self) -> Iterator[Any]:
+        """Every family, in the order the exposition keeps (the controller's own come after, from the
+        collector)."""
+        yield from self._counters.values()
+        yield from self._gauges.values()
+        yield self._latency
+        yield from (self._pages, self._errors, self._bytes, self._integrity)
+        yield from _planner_families(self.core, self.prefix, self._planners)
+        yield from _deadline_families(self.core, self.prefix, self._deadlines)
+        yield from self._own.values()
+
+
+@runtime_checkable
+class _Controller(Protocol):
+    """What the collector reads of a :class:`~kvtier.TierController` (``controller=``)."""
+
+    store: Any
+    stats: Any
+    planner_stats: Any
+
+    def measured(self) -> Any: ...
+
+    def deadline_stats(self) -> Any: ...
+
+
 class KvtierCollector:
     """A Prometheus collector (``REGISTRY.register(KvtierCollector(...))``) over live kvtier objects.
 
     Args:
         controller: a :class:`~kvtier.TierController` (its store is included).
-        stores: further :class:`~kvtier.PageStore` s (or SGLang ``KvtierStorage`` backends, whose page store
-            and extra v2 pools are included).
+        stores: further objects that report metrics (:class:`MetricsSource`): :class:`~kvtier.PageStore` s,
+            :class:`~kvtier.tiers.TieredStore` s, :class:`~kvtier.tiers.mooncake.MooncakeTier` s, and the engine
+            backends (SGLang's ``KvtierStorage``, whose extra v2 pools and cluster tier are included, and vLLM's
+            ``KvtierTier``). Anything else is an :class:`~kvtier.InvalidArgumentError` naming its position.
         prefix: metric name prefix (default ``kvtier``).
     """
 
     def __init__(self, *, controller: Any = None, stores: Sequence[Any] = (), prefix: str = "kvtier") -> None:
         require_prometheus()  # fail at construction, not at the first scrape
-        self.controller = controller
+        if controller is not None and not isinstance(controller, _Controller):
+            raise InvalidArgumentError(f"invalid argument `controller`: a kvtier.TierController, got "
+                                       f"{type(controller).__name__}")
+        if isinstance(stores, (str, bytes)) or not isinstance(stores, Iterable):
+            raise InvalidArgumentError(f"invalid argument `stores`: a list of objects that report metrics, got "
+                                       f"{type(stores).__name__}")
         self.stores = list(stores)
+        for i, s in enumerate(self.stores):
+            check_source(s, f"stores[{i}]")
+        self.controller = controller
         self.prefix = prefix
-
-    def _page_stores(self) -> list[Any]:
-        out: list[Any] = []
-        cands = ([self.controller.store] if self.controller is not None and self.controller.store is not None else [])
-        for s in [*cands, *self.stores]:
-            if hasattr(s, "tiers") and hasattr(s, "first"):  # a TieredStore: its disk tier
-                out.append(s.first)
-            elif hasattr(s, "store") and hasattr(s, "kvtier_stats"):  # an engine backend (KvtierStorage, KvtierTier)
-                if s.store is not None:  # (None: a vLLM tier after shutdown)
-                    out.append(s.store)
-                out.extend(getattr(s, "pool_stores", ()))
-            else:
-                out.append(s)
-        seen, unique = set(), []
-        for s in out:
-            if id(s) not in seen:
-                seen.add(id(s))
-                unique.append(s)
-        return unique
-
-    def _chains(self) -> list[Any]:
-        """The TieredStores attached (directly, through the controller, or inside an SGLang backend)."""
-        cands = [self.controller.store] if self.controller is not None else []
-        out: list[Any] = []
-        for s in [*cands, *self.stores]:
-            chain = s if hasattr(s, "tiers") and hasattr(s, "first") else getattr(s, "tiers", None)
-            if chain is not None and hasattr(chain, "first") and all(chain is not c for c in out):
-                out.append(chain)
-        return out
-
-    def _tier_families(self, core: Any) -> Iterator[Any]:
-        """Per tier of each chain: pages by event, errors, bytes; the cluster tier's integrity counters."""
-        p = self.prefix
-        pages = core.CounterMetricFamily(f"{p}_tier_pages", "pages per tier of a TieredStore, by event (hit, miss, "
-                                         "fill: written after a later tier served it, write, write_failure)",
-                                         labels=["tier", "event"])
-        errors = core.CounterMetricFamily(f"{p}_tier_errors", "calls into a tier that raised (counted as misses or "
-                                          "failed writes)", labels=["tier"])
-        nbytes = core.CounterMetricFamily(f"{p}_tier_bytes", "bytes per tier, by direction (in: served, out: "
-                                          "written)", labels=["tier", "direction"])
-        integrity = core.CounterMetricFamily(f"{p}_cluster_pages", "the cluster tier's own page counters (corrupt, "
-                                             "stale, unverified_served, unverified_skipped, ...)", labels=["event"])
-        for chain in self._chains():
-            try:
-                stats = chain.get_stats()
-            except Exception:  # noqa: BLE001 - a closed chain must not fail the scrape
-                continue
-            for tier, st in stats.items():
-                for key, event in (("hits", "hit"), ("misses", "miss"), ("fills", "fill"), ("writes", "write"),
-                                   ("write_failures", "write_failure")):
-                    pages.add_metric([tier, event], float(st.get(key, 0)))
-                errors.add_metric([tier], float(st.get("errors", 0)))
-                nbytes.add_metric([tier, "in"], float(st.get("bytes_in", 0)))
-                nbytes.add_metric([tier, "out"], float(st.get("bytes_out", 0)))
-                own = st.get("store", {})
-                if "unverified_served" in own:
-                    for key in ("corrupt", "stale", "unverified_served", "unverified_skipped", "put_failures"):
-                        integrity.add_metric([key], float(own.get(key, 0)))
-        yield from (pages, errors, nbytes, integrity)
-
-    def _planner_families(self, core: Any) -> Iterator[Any]:
-        """Every restore decision (the controller's and SGLang backends'): plans by kind, tokens by source,
-        predicted against observed time to first token; each tier's measured read and write GB/s."""
-        p = self.prefix
-        plans = core.CounterMetricFamily(f"{p}_restore_plans", "restore decisions, by kind (recompute, host, load, "
-                                         "split)", labels=["planner", "kind"])
-        tokens = core.CounterMetricFamily(f"{p}_restore_tokens", "prompt tokens of planned restores, by where their "
-                                          "KV came from (a tier, or recomputed)", labels=["planner", "source"])
-        timing = core.CounterMetricFamily(f"{p}_restore_ttft_seconds", "time to first token of the planned restores "
-                                          "the engine timed, summed: predicted and observed", labels=["planner", "which"])
-        declined = core.CounterMetricFamily(f"{p}_restore_declined_tokens", "prompt tokens some tier held that the "
-                                            "chosen plans computed again (reading them was predicted slower)",
-                                            labels=["planner"])
-        slow = core.CounterMetricFamily(f"{p}_restore_slow_plans", "planned restores whose time to first token came "
-                                        "out more than 10% over the prediction, by kind", labels=["planner", "kind"])
-        rates = core.GaugeMetricFamily(f"{p}_tier_measured_gbps", "each tier's moving estimate of itself (GB/s)",
-                                       labels=["planner", "tier", "direction"])
-        # (one label value per planner: the controller's, and each SGLang backend's by its position in `stores`)
-        sources: list[tuple[str, Any, Any]] = []
-        if self.controller is not None:
-            sources.append(("controller", self.controller.planner_stats, self.controller.measured))
-        for i, s in enumerate(self.stores):
-            planner = getattr(s, "planner", None)
-            if planner is not None and hasattr(planner, "stats"):
-                sources.append((f"store{i}", planner.stats, getattr(s, "measured", None)))
-        if not sources:
-            return
-        for who, stats, measured in sources:
-            d = stats.as_dict()
-            for kind, n in d["plans"].items():
-                plans.add_metric([who, kind], float(n))
-            for tier, n in d["tokens_loaded"].items():
-                tokens.add_metric([who, tier], float(n))
-            tokens.add_metric([who, "recomputed"], float(d["tokens_recomputed"]))
-            declined.add_metric([who], float(d["declined_tokens"]))
-            timing.add_metric([who, "predicted"], float(d["predicted_s"]))
-            timing.add_metric([who, "observed"], float(d["observed_s"]))
-            for kind, n in d["slow_plans"].items():
-                slow.add_metric([who, kind], float(n))
-            try:
-                estimates = measured() if measured is not None else {}
-            except Exception:  # noqa: BLE001 - a closed store must not fail the scrape
-                estimates = {}
-            for name, est in estimates.items():
-                rates.add_metric([who, name, "read"], float(est.read_GBps))
-                rates.add_metric([who, name, "write"], float(est.write_GBps))
-        yield from (plans, tokens, declined, timing, slow, rates)
-
-    def _deadline_sources(self) -> list[tuple[dict[str, str], dict[str, Any]]]:
-        """The controller's store calls (no label) and each engine backend's, labelled by its position in
-        ``stores`` as its planner is."""
-        out: list[tuple[dict[str, str], dict[str, Any]]] = []
-        if self.controller is not None:
-            out.append(({}, self.controller.deadline_stats()))
-        for i, s in enumerate(self.stores):
-            staged = getattr(s, "staged", None)
-            if hasattr(s, "kvtier_stats") and staged is not None:
-                try:
-                    out.append(({"backend": f"store{i}"}, staged.stats()))
-                except Exception:  # noqa: BLE001 - a closed backend must not fail the scrape
-                    continue
-        return out
 
     def describe(self) -> list[Any]:
         return []  # unchecked collector: metric families depend on what is attached at scrape time
 
     def collect(self) -> Iterator[Any]:
-        core = require_prometheus()
-        p = self.prefix
-        counters = {key: core.CounterMetricFamily(f"{p}_store_{name}", doc, labels=["store"])
-                    for key, name, doc in _STORE_COUNTERS}
-        gauges = {key: core.GaugeMetricFamily(f"{p}_store_{name}", doc, labels=["store"])
-                  for key, name, doc in _STORE_GAUGES}
-        latency = core.HistogramMetricFamily(f"{p}_store_batch_seconds", "duration of one store batch (write: until "
-                                             "durable; read: until verified)", labels=["store", "op"])
-        for st in self._page_stores():
-            stats = _store_stats(st)
-            if stats is None:
-                continue
-            label = [os.path.basename(str(stats.get("dir", ""))) or "?"]
-            for key, fam in counters.items():
-                fam.add_metric(label, float(stats.get(key, 0) or 0))
-            for key, fam in gauges.items():
-                fam.add_metric(label, float(stats.get(key, 0) or 0))
-            for op, hist in getattr(st, "latency", {}).items():
-                buckets, total, _ = hist.snapshot()
-                latency.add_metric([label[0], op], buckets, total)
-        yield from counters.values()
-        yield from gauges.values()
-        yield latency
-        yield from self._tier_families(core)
-        yield from self._planner_families(core)
-        yield from _deadline_families(core, p, self._deadline_sources())
+        scrape = Scrape(require_prometheus(), self.prefix)
         c = self.controller
-        if c is None:
-            return
-        s = c.stats
-        lookups = core.CounterMetricFamily(f"{p}_tier_lookup_pages", "pages looked up by TierController.match, by "
-                                           "the tier that holds them (host, disk) or miss", labels=["tier"])
-        for tier, n in (("host", s.host_hit_pages), ("disk", s.store_hit_pages), ("miss", s.miss_pages)):
-            lookups.add_metric([tier], float(n))
-        yield lookups
-        pages = core.CounterMetricFamily(f"{p}_controller_pages", "pages moved by TierController, by path",
-                                         labels=["path"])
-        for attr, path in _CONTROLLER_PAGES:
-            pages.add_metric([path], float(getattr(s, attr)))
-        yield pages
-        nbytes = core.CounterMetricFamily(f"{p}_controller_bytes", "bytes moved by TierController, by path",
-                                          labels=["path"])
-        for attr, path in _CONTROLLER_BYTES:
-            nbytes.add_metric([path], float(getattr(s, attr)))
-        yield nbytes
-        for attr, doc in (("store_write_failures", "pages whose write to the store failed (they stay on the host)"),
-                          ("prefetch_misses", "pages a prefetch did not find or could not read (recomputed)"),
-                          ("host_evictions", "host pages evicted to make room"),
-                          ("store_writes_given_up", "pages whose store write was given up before it started "
-                           "(its deadline passed, or the store was out of use)"),
-                          ("spills_given_up", "write-back evictions whose spill was skipped or missed its deadline")):
-            fam = core.CounterMetricFamily(f"{p}_controller_{attr}", doc)
-            fam.add_metric([], float(getattr(s, attr)))
-            yield fam
+        roots: list[tuple[str, Any]] = []
+        if c is not None:
+            scrape.planner("controller", c.planner_stats.as_dict(), c.measured)
+            scrape.deadlines({}, c.deadline_stats)
+            if isinstance(c.store, MetricsSource):  # (a tier of the caller's own may report nothing)
+                roots.append(("controller", c.store))
+        roots += [(f"store{i}", s) for i, s in enumerate(self.stores)]
+        seen: set[int] = set()
+
+        def visit(source: MetricsSource, name: str) -> None:
+            if id(source) in seen:
+                return
+            seen.add(id(source))
+            for inner in source.report_metrics(scrape, name):
+                visit(inner, name)
+
+        for name, source in roots:
+            visit(source, name)
+        yield from scrape.families()
+        if c is not None:
+            yield from _controller_families(scrape.core, self.prefix, c.stats)
 
 
-def _deadline_families(core: Any, p: str, sources: list[tuple[dict[str, str], dict[str, Any]]]) -> Iterator[Any]:
+def check_source(source: Any, argument: str) -> None:
+    """Raises :class:`~kvtier.InvalidArgumentError` naming ``argument`` unless ``source`` reports metrics
+    (:class:`MetricsSource`)."""
+    if not isinstance(source, MetricsSource):
+        raise InvalidArgumentError(
+            f"invalid argument `{argument}`: {type(source).__name__} reports no metrics (it has no "
+            "report_metrics, kvtier.metrics.MetricsSource); pass PageStores, TieredStores, MooncakeTiers or "
+            "engine backends (SGLang's KvtierStorage, vLLM's KvtierTier), and a TierController as `controller`")
+
+
+def _planner_families(core: Any, p: str, sources: list[tuple[str, Mapping[str, Any], Any]]) -> Iterator[Any]:
+    """Every restore decision (the controller's and the engine backends'): plans by kind, tokens by source,
+    predicted against observed time to first token; each tier's measured read and write GB/s. One label value
+    per planner: ``controller``, and each backend's ``store<i>``."""
+    if not sources:
+        return
+    plans = core.CounterMetricFamily(f"{p}_restore_plans", "restore decisions, by kind (recompute, host, load, "
+                                     "split)", labels=["planner", "kind"])
+    tokens = core.CounterMetricFamily(f"{p}_restore_tokens", "prompt tokens of planned restores, by where their "
+                                      "KV came from (a tier, or recomputed)", labels=["planner", "source"])
+    timing = core.CounterMetricFamily(f"{p}_restore_ttft_seconds", "time to first token of the planned restores "
+                                      "the engine timed, summed: predicted and observed", labels=["planner", "which"])
+    declined = core.CounterMetricFamily(f"{p}_restore_declined_tokens", "prompt tokens some tier held that the "
+                                        "chosen plans computed again (reading them was predicted slower)",
+                                        labels=["planner"])
+    slow = core.CounterMetricFamily(f"{p}_restore_slow_plans", "planned restores whose time to first token came "
+                                    "out more than 10% over the prediction, by kind", labels=["planner", "kind"])
+    rates = core.GaugeMetricFamily(f"{p}_tier_measured_gbps", "each tier's moving estimate of itself (GB/s)",
+                                   labels=["planner", "tier", "direction"])
+    for who, d, measured in sources:
+        for kind, n in d["plans"].items():
+            plans.add_metric([who, kind], float(n))
+        for tier, n in d["tokens_loaded"].items():
+            tokens.add_metric([who, tier], float(n))
+        tokens.add_metric([who, "recomputed"], float(d["tokens_recomputed"]))
+        declined.add_metric([who], float(d["declined_tokens"]))
+        timing.add_metric([who, "predicted"], float(d["predicted_s"]))
+        timing.add_metric([who, "observed"], float(d["observed_s"]))
+        for kind, n in d["slow_plans"].items():
+            slow.add_metric([who, kind], float(n))
+        try:
+            estimates = measured() if measured is not None else {}
+        except Exception:  # noqa: BLE001 - a closed store must not fail the scrape
+            estimates = {}
+        for name, est in estimates.items():
+            rates.add_metric([who, name, "read"], float(est.read_GBps))
+            rates.add_metric([who, name, "write"], float(est.write_GBps))
+    yield from (plans, tokens, declined, timing, slow, rates)
+
+
+def _controller_families(core: Any, p: str, s: Any) -> Iterator[Any]:
+    """The controller's own counters (:class:`kvtier.TierController`'s ``stats``)."""
+    lookups = core.CounterMetricFamily(f"{p}_tier_lookup_pages", "pages looked up by TierController.match, by "
+                                       "the tier that holds them (host, disk) or miss", labels=["tier"])
+    for tier, n in (("host", s.host_hit_pages), ("disk", s.store_hit_pages), ("miss", s.miss_pages)):
+        lookups.add_metric([tier], float(n))
+    yield lookups
+    pages = core.CounterMetricFamily(f"{p}_controller_pages", "pages moved by TierController, by path",
+                                     labels=["path"])
+    for attr, path in _CONTROLLER_PAGES:
+        pages.add_metric([path], float(getattr(s, attr)))
+    yield pages
+    nbytes = core.CounterMetricFamily(f"{p}_controller_bytes", "bytes moved by TierController, by path",
+                                      labels=["path"])
+    for attr, path in _CONTROLLER_BYTES:
+        nbytes.add_metric([path], float(getattr(s, attr)))
+    yield nbytes
+    for attr, doc in (("store_write_failures", "pages whose write to the store failed (they stay on the host)"),
+                      ("prefetch_misses", "pages a prefetch did not find or could not read (recomputed)"),
+                      ("host_evictions", "host pages evicted to make room"),
+                      ("store_writes_given_up", "pages whose store write was given up before it started "
+                       "(its deadline passed, or the store was out of use)"),
+                      ("spills_given_up", "write-back evictions whose spill was skipped or missed its deadline")):
+        fam = core.CounterMetricFamily(f"{p}_controller_{attr}", doc)
+        fam.add_metric([], float(getattr(s, attr)))
+        yield fam
+
+
+def _deadline_families(core: Any, p: str, sources: list[tuple[dict[str, str], Mapping[str, Any]]]) -> Iterator[Any]:
     """The store's calls against their deadlines: the controller's (:meth:`kvtier.TierController.deadline_stats`,
     unlabelled) and each engine backend's (``backend="store<i>"``: ``kvtier_stats()["deadlines"]``)."""
     if not sources:
@@ -331,14 +417,3 @@ def _deadline_families(core: Any, p: str, sources: list[tuple[dict[str, str], di
     for labels, d in sources:
         trips.add_sample(f"{p}_store_breaker_trips_total", labels, float(d["breaker_trips"]))
     yield trips
-
-
-def _store_stats(store: Any) -> dict[str, Any] | None:
-    """A store's counters, or None while it cannot report (closed, or a reader whose writer has not started)."""
-    try:
-        if hasattr(store, "get_stats"):
-            return dict(store.get_stats())
-        native = store.native_store()  # a v2 pool store
-        return dict(native.stats()) if native is not None else None
-    except Exception:  # noqa: BLE001 - a scrape must not fail because one store is closed
-        return None

@@ -30,7 +30,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from ._errors import InvalidArgumentError, KvtierError
-from .metrics import KvtierCollector, require_prometheus
+from .metrics import KvtierCollector, check_source, require_prometheus
 
 logger = logging.getLogger("kvtier.metrics")
 
@@ -209,7 +209,9 @@ class MetricsEndpoint:
     def attach(self, source: Any) -> None:
         """Serves ``source``'s families from now on: a :class:`~kvtier.PageStore`, a
         :class:`~kvtier.tiers.TieredStore`, or an engine backend (what ``KvtierCollector(stores=...)``
-        takes). No-op when off."""
+        takes: a :class:`kvtier.metrics.MetricsSource`; anything else is an
+        :class:`~kvtier.InvalidArgumentError` naming ``source``). No-op when off."""
+        check_source(source, "source")
         if self._server is not None:
             try:
                 ref: Any = weakref.ref(source)

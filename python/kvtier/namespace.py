@@ -5,7 +5,9 @@ A namespace string is a scheme followed by ``|key=value`` fields in a fixed orde
 It names a store directory (``ns-<hash>``), a Mooncake record's fingerprint and a vLLM row store, so its
 bytes never change: :meth:`Namespace.format` writes exactly what the builders wrote before it existed, and
 :meth:`Namespace.parse` reads one back. A value may hold ``|`` only where the piece after it holds no ``=``
-(SGLang's MLA model names end in ``|mla``); such a piece is read as part of the value before it.
+(SGLang's MLA model names end in ``|mla``); such a piece is read as part of the value before it. A value whose
+``|`` piece holds ``key=`` is refused when the namespace is made (it would read back as a field of its own:
+a model name holding ``|sealed=k`` would name a sealed namespace), so ``parse(format(ns)) == ns`` always.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 from ._errors import InvalidArgumentError
 from .config import check_ints, check_ranks
 
-__all__ = ["Namespace", "Ranks", "fields_of", "rank_fields"]
+__all__ = ["Namespace", "Ranks", "check_value", "fields_of", "rank_fields"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +42,7 @@ class Namespace:
             if not isinstance(value, str):
                 raise InvalidArgumentError(f"invalid argument `fields`: the value of {key!r} must be a string, "
                                            f"got {type(value).__name__}")
+            check_value("fields", value, key)
 
     @classmethod
     def build(cls, scheme: str, fields: Mapping[str, Any] | None = None, /, **more: Any) -> Namespace:
@@ -156,6 +159,19 @@ class Ranks:
             if f.name not in given and getattr(ranks, f.name) != getattr(default, f.name):
                 raise InvalidArgumentError(f"invalid argument `ranks`: {f.name} is not a rank of this tier")
         return tuple(getattr(ranks, name) for name in given)
+
+
+def check_value(arg: str, value: str, key: str = "model") -> str:
+    """``value``, or InvalidArgumentError naming ``arg`` when it could not be a namespace field's value: a ``|``
+    piece of it that holds ``key=`` would read back as a field of its own (a model name holding ``|sealed=k``
+    would name a sealed namespace)."""
+    planted = next((p for p in value.split("|")[1:] if "=" in p and p.partition("=")[0]), None)
+    if planted is not None:
+        raise InvalidArgumentError(
+            f"invalid argument `{arg}`: the value of {key!r} ({value!r}) holds `|{planted}`, which a namespace "
+            "would read back as a field of its own; a value may hold '|' only before a piece without '=' (as "
+            "`model|mla`)")
+    return value
 
 
 def fields_of(fragment: str) -> dict[str, str]:

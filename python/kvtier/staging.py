@@ -34,6 +34,7 @@ import torch
 from ._errors import InvalidArgumentError
 from .buffer import HostBuffer
 from .deadlines import Breaker, TierIO, check_deadline
+from .metrics import MetricsSource, Scrape
 from .tenants import check_keys
 from . import native_calls
 
@@ -108,6 +109,10 @@ class StagedDisk:
 
     def batch_set_v1(self, keys: Any, host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
         return self.store.batch_staged(True, keys, host_indices, self.pool.staging.generation)
+
+    def report_metrics(self, scrape: Scrape, name: str) -> tuple[MetricsSource]:
+        """Nothing of its own: the store reports its metrics (:mod:`kvtier.metrics`)."""
+        return (self.store,)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.store, name)

@@ -25,14 +25,14 @@ import numpy as np
 import torch
 
 from . import _native, native_calls
-from .metrics import LatencyHistogram
+from .metrics import LatencyHistogram, Scrape
 from .hashes import page_hashes  # noqa: F401 - kvtier.store.page_hashes stays importable
 from .planner import TierEstimate, TierMeter
 from ._errors import ClosedError, InvalidArgumentError, KvtierError
 from .config import check_ints, check_ranks, parse_size
 from .tenants import check_keys as _keys, erase_tag, open_keyring, scope_keys
 from .staging import StagingPages
-from .namespace import Namespace, Ranks, fields_of, rank_fields
+from .namespace import Namespace, Ranks, check_value, fields_of, rank_fields
 from .compression import COMPRESSION, codec_for, compression_stats, effective_read_GBps  # noqa: F401 - re-exported
 from .page_layout import PAGE_LAYOUTS, heads_of as _heads, host_buffers, logical_dtype, page_layout as _page_layout  # noqa: F401
 
@@ -138,12 +138,11 @@ class PageStore:
         self.path = os.fspath(path)
         self.capacity_bytes = capacity_bytes
         self.budget_bytes: int | None = budget_bytes
-        self.model_name = str(model_name)
+        self.model_name = check_value("model_name", str(model_name))
         self.kv_cache_dtype = None if kv_cache_dtype is None else str(kv_cache_dtype).removeprefix("torch.")
         self.ranks = dict(tp=(tp_rank, tp_size), pp=(pp_rank, pp_size), cp=(cp_rank, cp_size),
                           dcp=(dcp_rank, dcp_size), dp=(dp_rank, 0))
-        self.io_threads = io_threads
-        self.direct = direct
+        self.io_threads, self.direct = io_threads, direct
         self.keyring, self.tenant = open_keyring(keyring), tenant
         self._native: Any = None
         self._pool: Any = None
@@ -156,12 +155,10 @@ class PageStore:
         self.read_only = bool(read_only)
         self._pending: Any = None  # what opening needs (kept for a reader whose writer is not there yet)
         self._staging: StagingPages | None = None  # bound at every open (:meth:`stage`)
-        self._next_try = 0.0
-        self._closed = False
+        self._next_try, self._closed = 0.0, False
         self._lock = threading.Lock()
         self._erased_tags: set[str] = set()  # tenants erased through this store: refused again after a reopen
-        #: batch latency histograms ("write": until durable, "read": until verified), for kvtier.metrics
-        self.latency = {"write": LatencyHistogram(), "read": LatencyHistogram()}
+        self.latency = {"write": LatencyHistogram(), "read": LatencyHistogram()}  # per batch (write: until durable, read: verified)
         self.probe_bytes = probe_bytes
         #: this tier's moving estimate of itself (read/write GB/s, batch latency, hit rate): see :meth:`measured`
         self.meter = TierMeter(self.name)
@@ -478,6 +475,11 @@ class PageStore:
         st["read_GBps"] = st["bytes_read"] / st["get_ns"] if st["get_ns"] else 0.0
         st.update(compression_stats(st))
         return st
+
+    def report_metrics(self, scrape: Scrape, name: str) -> tuple[()]:
+        """Its counters, gauges and batch latencies (:mod:`kvtier.metrics`; none while closed)."""
+        scrape.page_store(self.get_stats, self.latency)
+        return ()
 
     def verify(self, repair: bool = False) -> dict[str, Any]:
         """Re-read every object and check its checksum: ``{"checked", "corrupt", "unreadable"}`` (object keys).

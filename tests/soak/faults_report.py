@@ -1,13 +1,16 @@
 """The fault-injection runs of tests/test_faults.py as a table: for each fault, the demo workload (9 multi-turn
 requests through TierController and PageStore, verified against a fresh recomputation) and what the stats
-say. `python tests/soak/faults_report.py` — the figures in docs/RELIABILITY.md."""
+say. `python tests/soak/faults_report.py` — the figures in docs/RELIABILITY.md. The workload is the demo's,
+imported from the checkout (examples/kvtier_demo)."""
 
 import errno
 import sys
 import time
+from pathlib import Path
 
 from kvtier import testing
-from kvtier.demo.workload import run_workload
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 CASES = [
     ("none", None, None, {}),
@@ -23,6 +26,10 @@ CASES = [
 
 
 def main() -> int:
+    if str(EXAMPLES) not in sys.path:
+        sys.path.insert(0, str(EXAMPLES))
+    from kvtier_demo.workload import run_workload
+
     print("| fault | requests | bit-exact | sources | store writes ok / failed | reads ok / failed / corrupt | faults hit | wall s |")
     print("|---|---|---|---|---|---|---|---|")
     bad = 0

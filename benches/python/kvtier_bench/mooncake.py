@@ -29,7 +29,7 @@ import torch
 from kvtier import DeviceKVPool, MLADeviceKVPool, host_pool_for
 
 from kvtier.tiers.local_cluster import LocalCluster
-from kvtier.tiers._records import record_size
+from kvtier.tiers.objects.records import record_size
 from kvtier.tiers.mooncake import MooncakeTier
 from .options import parser
 from ._common import out_dir, write_results

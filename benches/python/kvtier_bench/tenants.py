@@ -32,7 +32,7 @@ from kvtier import DeviceKVPool, PageStore, _native, host_pool_for, page_hashes
 from kvtier._cleanup import remove_tree
 from kvtier.buffer import HostBuffer
 from kvtier.tenants import Keyring
-from kvtier.tiers._records import SEAL
+from kvtier.tiers.objects.records import SEAL
 from . import store as store_bench
 from .options import parser
 from ._common import fs_type, out_dir, write_results

@@ -23,7 +23,7 @@ from .. import _native
 from .._errors import ClosedError, InvalidArgumentError, KvtierError
 from ..tenants import scope_keys
 from ..buffer import HostBuffer
-from ..metrics import LatencyHistogram
+from ..metrics import LatencyHistogram, Scrape
 from ..namespace import Namespace
 
 
@@ -243,6 +243,16 @@ class PoolStore:
         if store is None or self.read_only:
             return 0
         return int(store.erase_tenant(tag))
+
+    def report_metrics(self, scrape: Scrape, name: str) -> tuple[()]:
+        """Its namespace's counters and batch latencies (:mod:`kvtier.metrics`); none while closed or while a
+        reader's writer has not created the namespace."""
+        scrape.page_store(self._native_stats, self.latency)
+        return ()
+
+    def _native_stats(self) -> dict[str, Any] | None:
+        native = self.native_store()
+        return dict(native.stats()) if native is not None else None
 
     def close(self) -> None:
         with self._lock:

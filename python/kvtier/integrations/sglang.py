@@ -27,11 +27,13 @@ from .._paths import default_store_dir, volatile_warning
 from ..buffer import HostBuffer
 from ..config import parse_size
 from ..deadlines import check_deadline
-from ..namespace import Namespace, rank_fields
+from ..metrics import MetricsSource, Scrape
+from ..namespace import Namespace, Ranks, rank_fields
 from ..metrics_server import DEFAULT_HOST, MetricsEndpoint
 from ..staging import DEFAULT_STAGING_BYTES, StagedDisk, StagedIO, auto_read_deadline_s
 from ..store import DEFAULT_CAPACITY, PageStore
 from ..tenants import erase_tag, open_keyring
+from ..tier import TIERS, TierContext, build_tiers, check_tier_chain, check_tier_spec
 from ._engine_planner import EnginePlanner
 from ._pools_v2 import PoolStore
 
@@ -50,7 +52,9 @@ OPTIONS: dict[str, Any] = {
     "io_threads": 16,  # IO requests in flight per batch
     "direct": None,  # None: O_DIRECT if the file system allows it (warns otherwise); False: buffered
     "kv_cache_dtype": None,  # the --kv-cache-dtype of an fp8 cache (SGLang's host pools hold fp8 as uint8)
-    "tiers": ["disk"],  # the tiers in order: ["disk"] or ["disk", "mooncake"] (the cluster tier, kvtier.tiers)
+    # the tiers in order: "disk", then any tiers of kvtier.tier.TIERS behind it, each a name or {name: {options}}:
+    # ["disk"], ["disk", "mooncake"] (the cluster tier, kvtier.tiers) or ["disk", {"mooncake": {...}}]
+    "tiers": ["disk"],
     "mooncake": None,  # the cluster tier's options (MOONCAKE_OPTIONS), with "tiers": ["disk", "mooncake"]
     # batch_exists answers with the leading pages worth loading (kvtier.integrations._engine_planner):
     # SGLang recomputes the rest instead of waiting on a tier measured slower than its prefill
@@ -73,9 +77,8 @@ OPTIONS: dict[str, Any] = {
     "metrics_port": None,
     "metrics_host": DEFAULT_HOST,
 }
-#: Options of the ``"mooncake"`` object (see :class:`kvtier.tiers.mooncake.MooncakeTier`).
-MOONCAKE_OPTIONS = {"master_server_address", "protocol", "device_name", "local_hostname", "metadata_server",
-                    "global_segment_size", "local_buffer_size", "replica_num", "accept_unverified", "key_tag"}
+#: Options of the ``"mooncake"`` object (see :class:`kvtier.tiers.mooncake.MooncakeTier`): its registered spec's.
+MOONCAKE_OPTIONS = TIERS["mooncake"].options
 #: Keys SGLang itself reads from the extra config; accepted and ignored here.
 SGLANG_KEYS = {"backend_name", "module_path", "class_name", "interface_v1", "interface_v2", "prefetch_threshold",
                "prefetch_timeout_base", "prefetch_timeout_per_ki_token", "hicache_storage_pass_prefix_keys",
@@ -95,10 +98,11 @@ class KvtierStorage(HiCacheStorage):
                 f"{sorted(OPTIONS)} and SGLang's own {sorted(SGLANG_KEYS)}"
             )
         opts = {k: extra.get(k, v) for k, v in OPTIONS.items()}
-        self._remote_opts = _tier_options(opts["tiers"], opts["mooncake"])
-        if self._remote_opts is not None and (getattr(storage_config, "dcp_size", 1) or 1) > 1:
-            raise InvalidArgumentError("invalid argument `tiers`: the cluster tier does not support decode context "
-                                       "parallelism (dcp_size > 1) yet; use \"tiers\": [\"disk\"]")
+        self._remote = _tier_specs(opts["tiers"], opts["mooncake"])
+        if self._remote and (getattr(storage_config, "dcp_size", 1) or 1) > 1:
+            names = [n for n, _ in self._remote]
+            raise InvalidArgumentError(f"invalid argument `tiers`: the tiers behind the disk ({names}) do not support "
+                                       "decode context parallelism (dcp_size > 1) yet; use \"tiers\": [\"disk\"]")
         self.storage_config = storage_config
         self.is_mla = bool(storage_config.is_mla_model)
         # Rank-replicated KV (MLA): every rank reads the same pages, one rank writes them.
@@ -158,7 +162,7 @@ class KvtierStorage(HiCacheStorage):
         # the v1 batches with deadlines, through staging pages (kvtier.staging)
         self.staged = StagedIO(self.store, read_deadline_s=read_deadline, write_deadline_s=write_deadline,
                                staging_bytes=staging, name="sglang")
-        self.tiers: Any = None  # the disk store and the cluster tier in order, once the KV pool is registered
+        self.tiers: Any = None  # the disk store and the tiers behind it in order, once the KV pool is registered
         self._v1: Any = self.store  # what the v1 batches go to: the page store, or that chain
         # One scratch buffer per calling thread (a shared one let a concurrent set store another page's
         # bytes under its key); all of them are registered with the store and closed with it.
@@ -184,35 +188,30 @@ class KvtierStorage(HiCacheStorage):
         super().register_mem_pool_host(mem_pool_host)
         self.store.register_mem_pool_host(mem_pool_host)
         self.staged.prepare()
-        if self._remote_opts is not None:
-            self._attach_cluster_tier(mem_pool_host)
+        if self._remote:
+            self._attach_tiers(mem_pool_host)
 
-    def _attach_cluster_tier(self, pool: Any) -> None:
-        """host -> local disk (durable) -> Mooncake: the chain the v1 batches go through."""
+    def _attach_tiers(self, pool: Any) -> None:
+        """host -> local disk (durable) -> the tiers behind it (Mooncake, ...): the chain the v1 batches go
+        through, each tier built by name (:func:`kvtier.tier.build_tier`) against this rank's context."""
         from ..tiers import TieredStore
-        from ..tiers.mooncake import MooncakeTier
 
-        if self.tiers is not None:
-            self.tiers.tiers[1][1].close()
+        self._close_tiers()
         cfg = self.storage_config
         tp = (0, 1) if self.is_mla else (cfg.tp_rank, cfg.tp_size)
-        assert self._remote_opts is not None
-        remote = MooncakeTier(model_name=cfg.model_name or "default", tp_rank=tp[0], tp_size=tp[1],
-                              pp_rank=cfg.pp_rank, pp_size=cfg.pp_size, cp_rank=getattr(cfg, "attn_cp_rank", 0) or 0,
-                              cp_size=getattr(cfg, "attn_cp_size", 1) or 1, dcp_size=getattr(cfg, "dcp_size", 1) or 1,
-                              kv_cache_dtype=self._opts["kv_cache_dtype"], keyring=self.keyring,
-                              tenant=self._opts["tenant"], **self._remote_opts)
+        context = TierContext(model_name=cfg.model_name or "default", ranks=Ranks(
+            tp_rank=tp[0], tp_size=tp[1], pp_rank=cfg.pp_rank, pp_size=cfg.pp_size,
+            cp_rank=getattr(cfg, "attn_cp_rank", 0) or 0, cp_size=getattr(cfg, "attn_cp_size", 1) or 1,
+            dcp_size=getattr(cfg, "dcp_size", 1) or 1), keyring=self.keyring, tenant=self._opts["tenant"],
+            kv_cache_dtype=self._opts["kv_cache_dtype"])
         staged = self.staged.read_deadline_s is not None or self.staged.write_deadline_s is not None
-        # with deadlines the cluster tier reads into and writes from the staging pages (see kvtier.staging)
+        # with deadlines the tiers behind the disk read into and write from the staging pages (kvtier.staging)
         staging = self.staged.staging_pool() if staged else None
-        try:
-            remote.register_mem_pool_host(staging if staging is not None else pool)
-        except BaseException:
-            remote.close()
-            raise
+        remotes = build_tiers(self._remote, context, staging if staging is not None else pool)
         # ranks that do not write replicated (MLA) pages read the writer's disk namespace: nothing to fill
         first = StagedDisk(self.store, staging) if staging is not None else self.store
-        self.tiers = TieredStore([("disk", first), ("mooncake", remote)], fill=self.is_writer)
+        names = [n for n, _ in self._remote]
+        self.tiers = TieredStore([("disk", first), *zip(names, remotes)], fill=self.is_writer)
         self.staged.use_tier(self.tiers if staging is not None else None, staging)
         self._v1 = self.tiers
 
@@ -430,9 +429,8 @@ class KvtierStorage(HiCacheStorage):
         return m
 
     def kvtier_stats(self) -> dict:
-        """The page store's counters (:meth:`kvtier.PageStore.get_stats`); with the cluster tier, per tier
-        (``{"disk": {...}, "mooncake": {...}}``: hits, misses, fills, writes, errors, bytes, GB/s and each
-        tier's own counters under ``"store"``)."""
+        """The page store's counters (:meth:`kvtier.PageStore.get_stats`); with the cluster tier, the chain's per
+        tier (hits, misses, fills, writes, errors, bytes, GB/s; each tier's own counters under ``"store"``)."""
         st = self.tiers.get_stats() if self.tiers is not None else self.store.get_stats()
         st["restore_planner"] = self.planner.stats.as_dict()
         st["deadlines"] = self.staged.stats()
@@ -447,10 +445,21 @@ class KvtierStorage(HiCacheStorage):
         """What the tiers behind the v1 batches measured about themselves (the page store's, or the chain's)."""
         return dict(self._v1.measured())
 
+    def report_metrics(self, scrape: Scrape, name: str) -> list[MetricsSource]:
+        """Its restore decisions and store calls, labelled ``name`` (kvtier.metrics); its stores report theirs."""
+        scrape.planner(name, self.planner.stats.as_dict(), self.measured)
+        scrape.deadlines({"backend": name}, self.staged.stats)
+        return [self.store, *self.pool_stores, *([self.tiers] if self.tiers is not None else [])]
+
+    def _close_tiers(self) -> None:
+        """Closes the tiers behind the disk (the disk store is closed with the backend)."""
+        if self.tiers is not None:
+            for _, tier in self.tiers.tiers[1:]:
+                tier.close()
+
     def close(self) -> None:
         self.metrics_endpoint.close()  # first: a scrape no longer reads what closes
-        if self.tiers is not None:
-            self.tiers.tiers[1][1].close()
+        self._close_tiers()
         self.staged.close()
         self.store.close()
         for pool in self._pools.values():
@@ -462,31 +471,25 @@ class KvtierStorage(HiCacheStorage):
             self._scratches = []
 
 
-def _tier_options(tiers: Any, mooncake: Any) -> dict | None:
-    """The cluster tier's options, checked before anything is opened (None: the disk alone)."""
-    if not isinstance(tiers, (list, tuple)) or not tiers or any(not isinstance(t, str) for t in tiers):
-        raise InvalidArgumentError(f"invalid argument `tiers`: expected a list of tier names, got {tiers!r}")
-    tiers = list(tiers)
-    if tiers == ["disk"]:
-        if mooncake is not None:
-            raise InvalidArgumentError('invalid argument `mooncake`: given, but `tiers` does not list "mooncake" '
-                                       '(use "tiers": ["disk", "mooncake"])')
-        return None
-    if tiers != ["disk", "mooncake"]:
-        raise InvalidArgumentError(f'invalid argument `tiers`: {tiers!r}; supported: ["disk"] and ["disk", "mooncake"] '
-                                   "(the cluster tier is a cache behind the durable local disk: acknowledgements "
-                                   "come from the disk)")
+def _tier_specs(tiers: Any, mooncake: Any) -> list[tuple[str, dict[str, Any]]]:
+    """The tiers behind the disk, each ``(name, options)``, checked before anything is opened (``[]``: the
+    disk alone). ``"mooncake"`` by name takes its options from the ``"mooncake"`` key."""
+    if not isinstance(tiers, (list, tuple)) or not tiers:
+        raise InvalidArgumentError(f"invalid argument `tiers`: expected a list of tiers, got {tiers!r}")
+    if tiers[0] != "disk":
+        raise InvalidArgumentError(f'invalid argument `tiers`: {list(tiers)!r}; the first is "disk" (the tiers '
+                                   "behind it are caches of the durable local disk: acknowledgements come from "
+                                   "the disk)")
+    if mooncake is not None and "mooncake" not in tiers:
+        raise InvalidArgumentError('invalid argument `mooncake`: given, but `tiers` does not list "mooncake" '
+                                   '(use "tiers": ["disk", "mooncake"])')
+    if "mooncake" not in tiers:
+        return check_tier_chain(list(tiers[1:]), "tiers")
     if not isinstance(mooncake, dict) or "master_server_address" not in mooncake:
         raise InvalidArgumentError('invalid argument `mooncake`: with "tiers": ["disk", "mooncake"] give '
                                    '{"master_server_address": "host:port", ...}')
-    unknown = sorted(set(mooncake) - MOONCAKE_OPTIONS)
-    if unknown:
-        raise InvalidArgumentError(f"invalid argument `mooncake`: unknown key(s) {unknown}; accepted: "
-                                   f"{sorted(MOONCAKE_OPTIONS)}")
-    from ..tiers.mooncake import MooncakeTier
-
-    MooncakeTier.validate_options(**mooncake)  # each option's type and range, before anything opens
-    return dict(mooncake)
+    check_tier_spec({"mooncake": mooncake}, "mooncake")  # (its keys named as `mooncake`'s)
+    return check_tier_chain([{"mooncake": mooncake} if s == "mooncake" else s for s in tiers[1:]], "tiers")
 
 
 def _pool_name(name: Any) -> str:

@@ -45,6 +45,7 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 
 from .._errors import ClosedError, InvalidArgumentError
 from .._paths import volatile_warning
+from ..metrics import MetricsSource, Scrape
 from ..metrics_server import MetricsEndpoint
 from ..namespace import Namespace
 from ..staging import StagedIO, auto_read_deadline_s
@@ -421,6 +422,13 @@ class KvtierTier(SecondaryTierManager):
     def store(self) -> PageStore | None:
         """The page store (for ``kvtier.metrics.KvtierCollector(stores=[tier.store])``); None after shutdown."""
         return self._store
+
+    def report_metrics(self, scrape: Scrape, name: str) -> list[MetricsSource]:
+        """Its restore decisions and store calls labelled ``name`` (:mod:`kvtier.metrics`); its page store
+        reports its own (none after shutdown)."""
+        scrape.planner(name, self.planner.stats.as_dict())
+        scrape.deadlines({"backend": name}, self.staged.stats)
+        return [self._store] if self._store is not None else []
 
     def kvtier_stats(self) -> dict[str, Any]:
         """The store's counters (``PageStore.get_stats``) and the tier's: keys refused for a short block hash,

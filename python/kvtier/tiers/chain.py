@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from .._errors import ClosedError, InvalidArgumentError
+from ..metrics import MetricsSource, Scrape
 from ..tenants import erase_tag
 from ..transfer.indices import index_array
 from ..planner import TierEstimate
@@ -351,6 +352,12 @@ class TieredStore:
             with self._lock:
                 out[name] = {**self._counters[name].as_dict(), "store": own}
         return out
+
+    def report_metrics(self, scrape: Scrape, name: str) -> list[MetricsSource]:
+        """Its view of each tier (pages by event, errors, bytes: :mod:`kvtier.metrics`); each tier that reports
+        metrics of its own (:class:`kvtier.metrics.MetricsSource`) is returned to add them."""
+        scrape.chain(self.get_stats)
+        return [tier for _, tier in self.tiers if isinstance(tier, MetricsSource)]
 
     def close(self) -> None:
         for _, tier in self.tiers:

@@ -2,22 +2,21 @@
 on top (``pip install 'kvtier[mooncake]'``; design and fault table: docs/CLUSTER.md).
 
 Data objects are SGLang's: one K and one V object per page (one object for MLA) under SGLang's Mooncake keys
-``{prefix}_{page hash}_{rank suffix}_k`` / ``_v``, byte for byte the pool's page, so a page written by a stock
-SGLang node (``--hicache-storage-backend mooncake``) and one written by kvtier are the same objects. A sealed tier
-(``keyring``) names them by the keyring's keyed names of the page keys (:mod:`._mooncake_seal`).
+``{prefix}_{page hash}_{rank suffix}_k`` / ``_v``, byte for byte the pool's page, so a page written by a stock SGLang
+node (``--hicache-storage-backend mooncake``) and one written by kvtier are the same objects. A sealed tier
+(``keyring``) names them by the keyring's keyed names of the page keys (:mod:`.objects.seal`).
 
 Integrity: beside each page kvtier writes a small **integrity record** ``{...}_{rank suffix}_kvtier`` *after* the
-data: the geometry fingerprint (model, dtype, layout, page size, layers, heads and dims, object sizes) and a
-crc32c of each data object bound to its key. A page is present only when its record and its data objects all
-exist, and is served only when the record matches this reader's fingerprint and every object read back has
-the recorded size and checksum — otherwise it is a miss. A torn, stale, swapped, re-sized or missing object
-is a miss, never wrong bytes. Pages a stock SGLang node wrote have no record: they are misses unless
-``accept_unverified=True`` (then served on size alone, and counted).
+data: the geometry fingerprint (model, dtype, layout, page size, layers, heads and dims, object sizes) and a crc32c of
+each data object bound to its key. A page is present only when its record and its data objects all exist, and is
+served only when the record matches this reader's fingerprint and every object read back has the recorded size and
+checksum — otherwise it is a miss. A torn, stale, swapped, re-sized or missing object is a miss, never wrong bytes.
+Pages a stock SGLang node wrote have no record: they are misses unless ``accept_unverified=True`` (then served on size
+alone, and counted).
 
-A Mooncake acknowledgement is not durability (it reports success for a re-put of a key it does not store,
-and loses objects when a storage process dies); the durable copy is the local :class:`kvtier.PageStore`
-before this tier in a :class:`kvtier.tiers.TieredStore`.
-"""
+A Mooncake acknowledgement is not durability (it reports success for a re-put of a key it does not store, and loses
+objects when a storage process dies); the durable copy is the local :class:`kvtier.PageStore` before this tier in a
+:class:`kvtier.tiers.TieredStore`."""
 
 from __future__ import annotations
 
@@ -33,14 +32,17 @@ import torch
 from .. import _native
 from .._errors import ClosedError, InvalidArgumentError, KvtierError
 from ..buffer import HostBuffer
+from ..metrics import Scrape
 from ..planner import TierEstimate, TierMeter
 from ..page_layout import PAGE_LAYOUTS, host_buffers, page_layout as _page_layout
 from ._mooncake_env import connect
-from ._mooncake_pages import PageObjects, RegisteredScratch
+from ._mooncake_options import validate_options
+from ._mooncake_scratch import RegisteredScratch
 from ..namespace import Ranks
 from ..tenants import check_keys as _keys, erase_tag, open_keyring, scope_keys, tenant_of
-from ._mooncake_seal import SealedCopies
-from ._records import NO_KEY, SEAL, Taint, check_read, validate_options
+from .objects.pages import PageObjects
+from .objects.records import NO_KEY, SEAL, Taint, check_read
+from .objects.seal import SealedCopies
 
 class MooncakeTier:
     """See the module docs. Same batch interface as :class:`kvtier.PageStore`.
@@ -108,8 +110,7 @@ class MooncakeTier:
         self._objs: PageObjects | None = None  # the registered pool's pages as Mooncake objects
         self._ranges, self._lock = _native.HostRanges(), threading.Lock()
         self._stats: dict[str, float] = dict.fromkeys(("hits", "misses", "corrupt", "stale", "unverified_served", "unverified_skipped",
-                                     "put_pages", "put_failures", "skipped_present", "errors", "bytes_read",
-                                     "bytes_written"), 0)
+                                     "put_pages", "put_failures", "skipped_present", "errors", "bytes_read", "bytes_written"), 0)
         self._stats.update(get_s=0.0, put_s=0.0)
         self._closed = False
         #: this tier's moving estimate of itself (see :meth:`measured`); no probe at open (it would put
@@ -117,7 +118,6 @@ class MooncakeTier:
         self.meter = TierMeter(self.name)
         self._cv = threading.Condition()
         self._inflight = 0
-        #: page keys served without a record (bounded, oldest forgotten first); never adopted, never filled
         self._unverified = Taint()  # keys served without a record: never vouched for nor filled, however many
         self._store, self._replicate = connect(master_server_address, protocol, device_name, local_hostname,
                                                metadata_server, global_segment_size, local_buffer_size, replica_num,
@@ -157,7 +157,8 @@ class MooncakeTier:
                 raise KvtierError(f"MooncakeTier: registering {n} bytes of host pool memory failed (code {rc})")
         objs = PageObjects(pool, lay, page_num, prefix=self.prefix, model_name=self.model_name, key_tag=self.key_tag,
                            ranks=self.ranks, kv_cache_dtype=self.kv_cache_dtype,
-                           sealed=self.keyring.id if self.keyring is not None else None)
+                           sealed=self.keyring.id if self.keyring is not None else None,
+                           scheme="kvtier-mooncake-v1", seal_scheme="kvtier-mooncake-seal-v1")
         self._pool, self._objs, self.page_bytes = pool, objs, objs.page_bytes
         self.fingerprint_text = objs.fingerprint_text
 
@@ -183,8 +184,7 @@ class MooncakeTier:
 
     @contextlib.contextmanager
     def _busy(self) -> Iterator[None]:
-        """A call in flight: close() waits for every one to finish before it releases the Mooncake client and
-        the buffers a call may be using."""
+        """A call in flight: close() waits for every one before it releases the client and the buffers."""
         with self._cv:
             if self._closed:
                 raise ClosedError("MooncakeTier is closed")
@@ -223,10 +223,8 @@ class MooncakeTier:
     def _pages(self, keys: Sequence[str], host_indices: Any) -> tuple[PageObjects, list[str], np.ndarray]:
         """The registered pages, their stored keys, and the checked page numbers of ``host_indices`` (whole,
         aligned, in-range pages), before any IO."""
-        if self._objs is None:
-            raise KvtierError("MooncakeTier: call register_mem_pool_host(pool) first")
-        keys = self._stored(scope_keys(self.tenant, _keys(keys)))
-        return self._objs, keys, self._objs.pages(keys, host_indices)
+        objs, keys = self._map(), self._stored(scope_keys(self.tenant, _keys(keys)))
+        return objs, keys, objs.pages(keys, host_indices)
 
     def _count(self, **kw: float) -> None:
         with self._lock:
@@ -479,6 +477,10 @@ class MooncakeTier:
         st["write_GBps"] = st["bytes_written"] / st["put_s"] / 1e9 if st["put_s"] else 0.0
         return st
 
+    def report_metrics(self, scrape: Scrape, name: str) -> tuple[()]:  # (the chain it is in reports its view of it)
+        scrape.cluster_pages(self.get_stats())
+        return ()
+
     def close(self) -> None:
         """Release the Mooncake client, after the calls in flight finish (new ones raise ClosedError).
         Idempotent."""
@@ -487,10 +489,8 @@ class MooncakeTier:
                 return
             self._closed = True
             self._cv.wait_for(lambda: self._inflight == 0)
-        try:
+        with contextlib.suppress(Exception):
             self._store.close()
-        except Exception:
-            pass
         self._scratch.close()
 
     def __enter__(self) -> MooncakeTier:

@@ -4,10 +4,10 @@ it, and 5.24.0).
 
 :class:`KVTier` is built once per model: a pinned kvtier host pool that holds every layer's KV of the live
 sequence and the pages kept for reuse, a :class:`kvtier.TierController` over it, and optionally a
-:class:`kvtier.PageStore` (and a Mooncake cluster tier behind it). :meth:`KVTier.cache` gives a
-:class:`KvtierCache` for one sequence, which ``model(...)`` and ``generate()`` take as ``cache=`` (or the
-deprecated ``past_key_values=``; releases before the ``cache`` name, such as 5.19 and 5.20, take only
-``past_key_values=``: :func:`cache_kwarg` tells which)::
+:class:`kvtier.PageStore` (and tiers behind it: a Mooncake cluster, any tier of :data:`kvtier.tier.TIERS`).
+:meth:`KVTier.cache` gives a :class:`KvtierCache` for one sequence, which ``model(...)`` and ``generate()`` take
+as ``cache=`` (or the deprecated ``past_key_values=``; releases before the ``cache`` name, such as 5.19 and 5.20,
+take only ``past_key_values=``: :func:`cache_kwarg` tells which)::
 
     tier = KVTier(model, model_id="my-org/my-model", page_size=16)
     out = model.generate(ids, cache=tier.cache(ids), max_new_tokens=32)  # past_key_values= before the rename
@@ -58,6 +58,7 @@ from ...deadlines import check_deadline
 from ...planner import PrefillModel
 from ...pools import host_pool_for
 from ...store import DEFAULT_CAPACITY, PageStore
+from ...tier import TierContext, TierSpec, build_tiers, check_tier_chain
 from .cache import KvtierCache
 from .plan import calibrate as _calibrate
 from .state import TierRuntime, TransformersStats
@@ -136,7 +137,12 @@ class KVTier:
         store_dir: a directory for a :class:`kvtier.PageStore` (pages persist across processes), or None.
         store_capacity_bytes: the disk budget of the whole ``store_dir`` directory (every model's namespace in
             it, in every process, together); least-recently-used pages of this model are evicted to keep it.
-        cluster: a Mooncake master address: a cluster tier behind the local store (``store_dir`` required).
+        tiers: tiers behind the local store (``store_dir`` required), in order: specs of
+            :func:`kvtier.tier.build_tier` (``"name"`` or ``{"name": {options}}``; any name in
+            :data:`kvtier.tier.TIERS`, e.g. ``[{"mooncake": {"master_server_address": "host:port"}}]``), built
+            for this model (its namespace's name, the store's keyring).
+        cluster: a Mooncake master address: shorthand for ``tiers=[{"mooncake": {"master_server_address":
+            cluster}}]``.
         pin_memory: pin the host pool (CUDA).
         restore: ``"plan"`` (default): every restore is decided with measurements — the prefix's pages are
             loaded, recomputed, or its head recomputed while its tail loads, whichever the tiers' measured
@@ -159,7 +165,7 @@ class KVTier:
                  store_capacity_bytes: int | str = DEFAULT_CAPACITY, cluster: str | None = None, pin_memory: bool = True,
                  restore: str = "plan", prefill: PrefillModel | float | None = None, calibrate: bool = True,
                  keyring: Any = None, store_compression: str = "auto",
-                 restore_deadline: float | str | None = "auto") -> None:
+                 restore_deadline: float | str | None = "auto", tiers: Sequence[TierSpec] | None = None) -> None:
         config = getattr(model, "config", None)
         if config is None or not callable(model) or not hasattr(config, "get_text_config"):
             raise InvalidArgumentError(f"invalid argument `model`: expected a transformers model, got {type(model).__name__}")
@@ -185,6 +191,7 @@ class KVTier:
             raise InvalidArgumentError(f"invalid argument `prefill`: a PrefillModel or tokens/s, got {prefill!r}")
         if cluster is not None and (not isinstance(cluster, str) or store_dir is None):
             raise InvalidArgumentError("invalid argument `cluster`: a Mooncake master address (str), with `store_dir` set")
+        remote, remote_arg = _tier_chain(cluster, tiers, store_dir), "cluster" if cluster is not None else "tiers"
         if model_id is None:
             name = getattr(config, "name_or_path", "")
             if not name:
@@ -263,16 +270,15 @@ class KVTier:
                                             keyring=keyring, compression=store_compression)
                 self.page_store.register_mem_pool_host(self.host)
                 self.store = self.page_store
-                if cluster is not None:
+                if remote:
                     from ...tiers import TieredStore
-                    from ...tiers.mooncake import MooncakeTier
 
+                    context = TierContext(model_name=self.model_name, keyring=self.page_store.keyring)
                     try:
-                        remote = MooncakeTier(cluster, model_name=self.model_name, keyring=self.page_store.keyring)
+                        built = build_tiers(remote, context, self.host)
                     except InvalidArgumentError as exc:
-                        raise InvalidArgumentError(f"invalid argument `cluster`: {exc}") from exc
-                    remote.register_mem_pool_host(self.host)
-                    self.store = TieredStore([("disk", self.page_store), ("mooncake", remote)])
+                        raise InvalidArgumentError(f"invalid argument `{remote_arg}`: {exc}") from exc
+                    self.store = TieredStore([("disk", self.page_store), *zip([n for n, _ in remote], built)])
             self.controller = TierController(self._template, self.host, self.store, write_policy="write_through",
                                              prefill=prefill, probe=restore == "plan",
                                              restore_deadline=restore_deadline)
@@ -414,6 +420,23 @@ class KVTier:
 
     def stats_dict(self) -> dict[str, Any]:
         return dict(asdict(self.stats), controller=asdict(self.controller.stats))
+
+
+def _tier_chain(cluster: Any, tiers: Any, store_dir: Any) -> list[tuple[str, dict[str, Any]]]:
+    """The tiers behind the local store (``tiers``, or ``cluster``'s shorthand), checked before anything opens."""
+    if tiers is None:
+        if cluster is None:
+            return []
+        try:
+            return check_tier_chain([{"mooncake": {"master_server_address": cluster}}], "cluster")
+        except InvalidArgumentError as exc:
+            raise InvalidArgumentError(f"invalid argument `cluster`: {exc}") from exc
+    if cluster is not None:
+        raise InvalidArgumentError("invalid argument `tiers`: pass `tiers` or its shorthand `cluster`, not both")
+    specs = check_tier_chain(tiers, "tiers")
+    if specs and store_dir is None:
+        raise InvalidArgumentError("invalid argument `tiers`: tiers behind the local store need `store_dir` set")
+    return specs
 
 
 def _unhook(*undo: Any) -> None:

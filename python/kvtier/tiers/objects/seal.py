@@ -1,12 +1,12 @@
-"""The cluster tier's encryption at rest (docs/SECURITY.md): a page's data objects are copied into registered
+"""An object tier's encryption at rest (docs/SECURITY.md): a page's data objects are copied into the tier's
 scratch memory and sealed there (AES-256-GCM, the tenant's key; associated data: the page geometry's
-fingerprint and the object's full name) before Mooncake sends them; their seals travel in the page's integrity
-record; a read lands in the host pool and is opened in place once its record and checksums match. The host pool
-itself stays in clear.
+fingerprint and the object's full name) before the store sends them; their seals travel in the page's
+integrity record (:mod:`kvtier.tiers.objects.records`); a read lands in the host pool and is opened in place
+once its record and checksums match. The host pool itself stays in clear.
 
 Every object is named by the keyring's keyed name of its page key (:meth:`kvtier.Keyring.stored_names`), and
-sealed under its tenant's stored tag, so the cluster's object names show no engine key and no tenant tag to
-whoever holds the cluster but not the keyring."""
+sealed under its tenant's stored tag, so the store's object names show no engine key and no tenant tag to
+whoever holds the store but not the keyring."""
 
 from __future__ import annotations
 
@@ -14,14 +14,16 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from ..buffer import HostBuffer
-from ..tenants import tenant_of
-from ._records import NO_KEY, SEAL
+from ...buffer import HostBuffer
+from ...tenants import tenant_of
+from .records import NO_KEY, SEAL
 
 
 class SealedCopies:
-    """Per-thread scratch a sealed :class:`~kvtier.tiers.mooncake.MooncakeTier` seals its puts into, and the
-    names its objects are stored under."""
+    """Per-thread scratch a sealed object tier (such as :class:`~kvtier.tiers.mooncake.MooncakeTier`) seals its
+    puts into, and the names its objects are stored under. ``tier`` gives ``page_objects`` (its
+    :class:`~kvtier.tiers.objects.pages.PageObjects`), ``ranges`` (its registered host memory) and
+    ``registered_buffer(nbytes, what)`` (scratch memory inside those ranges)."""
 
     def __init__(self, tier: Any, keyring: Any) -> None:
         self._tier = tier
@@ -30,7 +32,8 @@ class SealedCopies:
 
     def stored(self, keys: Sequence[str]) -> list[str]:
         """The keyed name each page key is stored under (a tenant's carries the tenant's stored tag)."""
-        return self.keyring.stored_names(keys)
+        names: list[str] = self.keyring.stored_names(keys)
+        return names
 
     def record_names(self, base: Any, skeys: Sequence[str], create: bool) -> list[str]:
         """The record name of each stored page key: ``..._kvtier-<key id>``, the id of the tenant's current key,
@@ -48,7 +51,7 @@ class SealedCopies:
         return [f"{fp}\0{n}" for n in names]
 
     def _buffer(self, need: int) -> HostBuffer:
-        buf = getattr(self._local, "buf", None)
+        buf: HostBuffer | None = getattr(self._local, "buf", None)
         if buf is None or buf.nbytes < need:
             buf = self._tier.registered_buffer(max(need, 1 << 20), "sealing")
             self._local.buf = buf

@@ -1,5 +1,5 @@
-"""The multi-turn workload of ``kvtier demo``: conversations sharing a system prompt, each turn extending its
-conversation, served with prefix reuse through kvtier — on a real architecture, transformers'
+"""The multi-turn workload of ``python -m kvtier_demo``: conversations sharing a system prompt, each turn
+extending its conversation, served with prefix reuse through kvtier — on a real architecture, transformers'
 ``LlamaForCausalLM`` built from a small config (random seeded weights, nothing downloaded) behind
 :class:`kvtier.integrations.transformers.KVTier`; or, where transformers is not installed, on a toy
 transformer (:class:`TinyModel`, asymmetric K/V head dims) through :class:`kvtier.TierController`.
@@ -27,10 +27,9 @@ from typing import Any
 
 import torch
 
-from .._cleanup import remove_tree
-from .._progress import Progress
-from .. import DeviceKVPool, PageStore, TierController, host_pool_for, page_hashes
-from .._errors import InvalidArgumentError
+from kvtier import DeviceKVPool, InvalidArgumentError, PageStore, TierController, host_pool_for, page_hashes
+from kvtier._cleanup import remove_tree
+from kvtier._progress import Progress
 
 
 @dataclass
@@ -161,8 +160,8 @@ def run_workload(
         raise
     chain = None
     if cluster is not None:
-        from ..tiers import TieredStore
-        from ..tiers.mooncake import MooncakeTier
+        from kvtier.tiers import TieredStore
+        from kvtier.tiers.mooncake import MooncakeTier
 
         try:
             remote = MooncakeTier(cluster, model_name="demo/tiny-mimo")
@@ -247,7 +246,7 @@ def run_workload(
 
 
 def llama_config(device: str) -> Any:
-    """The demo's Llama on ``device`` (see :mod:`kvtier.demo.workload_transformers`)."""
+    """The demo's Llama on ``device`` (see :mod:`kvtier_demo.workload_transformers`)."""
     from .workload_transformers import llama_config as config
 
     return config(device)

@@ -1,7 +1,7 @@
-"""``kvtier demo --cluster``: two inference nodes sharing one KV cache through a Mooncake cluster.
+"""``python -m kvtier_demo --cluster``: two inference nodes sharing one KV cache through a Mooncake cluster.
 
 A local cluster (a Mooncake master and one storage process on 127.0.0.1) and two node processes, each with its
-own host pool and its own local disk store, serving the same multi-turn workload (kvtier.demo.workload) through
+own host pool and its own local disk store, serving the same multi-turn workload (kvtier_demo.workload) through
 ``TierController`` over the tier chain disk → cluster. Node A runs first: it computes the prefixes and writes
 every page through to its disk and the cluster. Node B runs next with an empty host pool and an empty disk:
 every prefix A computed is a **cluster hit** for B. Both print TTFT by source against recomputing the same
@@ -17,23 +17,27 @@ import subprocess
 import sys
 import tempfile
 
-from .._cleanup import remove_tree
+from kvtier._cleanup import remove_tree
 
 
 def run_cluster(*, conversations: int = 3, turns: int = 3, seed: int = 0, store_dir: str | None = None) -> int:
-    from ..tiers.local_cluster import LocalCluster
+    from kvtier.tiers.local_cluster import LocalCluster
 
     root = store_dir or tempfile.mkdtemp(prefix="kvtier-demo-cluster-", dir=os.getcwd())
     failures, finished = 0, False
     try:
+        # the node processes import this package: its directory goes on their path (a test may have put it on
+        # sys.path only)
+        examples = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        path = os.pathsep.join(p for p in (examples, os.environ.get("PYTHONPATH")) if p)
         with LocalCluster(storage_nodes=1, segment_bytes=256 << 20, log_dir=os.path.join(root, "logs")) as c:
             print(f"cluster: Mooncake master at {c.master_address} and one storage process (logs in {c.log_dir})")
             summary = {}
             for node, what in (("A", "computes the prefixes, writes them through to its disk and the cluster"),
                                ("B", "another node: empty host pool, empty disk; the cluster has A's pages")):
                 print(f"\n== node {node}: {what}", flush=True)
-                env = {**os.environ, "MC_LOG_LEVEL": os.environ.get("MC_LOG_LEVEL", "ERROR")}
-                cmd = [sys.executable, "-m", "kvtier.demo.cluster", "--node", node, "--master", c.master_address,
+                env = {**os.environ, "MC_LOG_LEVEL": os.environ.get("MC_LOG_LEVEL", "ERROR"), "PYTHONPATH": path}
+                cmd = [sys.executable, "-m", "kvtier_demo.cluster", "--node", node, "--master", c.master_address,
                        "--conversations", str(conversations), "--turns", str(turns), "--seed", str(seed),
                        "--store-dir", os.path.join(root, f"node-{node}")]
                 log = os.path.join(str(c.log_dir), f"node-{node}.log")
@@ -91,7 +95,7 @@ def _node(a: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kvtier.demo.cluster")
+    ap = argparse.ArgumentParser(prog="python -m kvtier_demo.cluster")
     ap.add_argument("--node", required=True)
     ap.add_argument("--master", required=True)
     ap.add_argument("--conversations", type=int, default=3)

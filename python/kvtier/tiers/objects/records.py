@@ -1,5 +1,7 @@
-"""The cluster tier's integrity record (its bytes, written and parsed) and the checks of its options; see
-docs/CLUSTER.md and :mod:`kvtier.tiers.mooncake`."""
+"""A page's integrity record in an object store (its bytes, written and parsed), the check of a read against
+it, and the keys served without one: what makes an object a tier can serve or a miss, never wrong bytes. The
+record's format and its names are the cluster tier's (docs/CLUSTER.md, :mod:`kvtier.tiers.mooncake`); any
+object tier may keep its pages so."""
 
 from __future__ import annotations
 
@@ -12,11 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from .. import _native
-from .._errors import InvalidArgumentError
-from ..tenants import tenant_of
+from ... import _native
+from ...tenants import tenant_of
 
-PROTOCOLS = ("tcp", "rdma")
 MAGIC, VERSION = b"KVTM", 1
 HEAD = struct.Struct("<4sHH8s")  # magic, version, objects, fingerprint (first 8 bytes of sha256)
 OBJ = struct.Struct("<QI")  # size, crc32c(bytes + key)
@@ -26,7 +26,7 @@ SEAL = _native.SEAL_LEN  # a sealed object's nonce, tag and key id (kvtier.tenan
 NO_KEY = "_kvtier-nokey"  # the record name of a sealed page whose tenant has no key: never written
 UNVERIFIED_KEPT = 1 << 16  # page keys remembered exactly as served without a record (the rest: in a filter)
 FILTER_BITS = 1 << 24  # the filter behind them: 2 MiB, under 0.5 % false positives at a million keys
-TOO_SMALL = -600  # Mooncake: the object is larger than the buffer given for it
+TOO_SMALL = -600  # a read's result for an object larger than the buffer given for it (Mooncake's code)
 
 
 def record_bytes(fp: bytes, objs: Sequence[tuple[int, int]], seals: bytes = b"") -> bytes:
@@ -36,6 +36,7 @@ def record_bytes(fp: bytes, objs: Sequence[tuple[int, int]], seals: bytes = b"")
 
 
 def record_size(nobj: int, sealed: bool) -> int:
+    """Bytes of the record of a page of ``nobj`` objects (``sealed``: with their seals)."""
     return HEAD.size + nobj * (OBJ.size + (SEAL if sealed else 0)) + TAIL.size
 
 
@@ -57,66 +58,6 @@ def parse_record(raw: bytes, fp: bytes, nobj: int, sealed: bool = False) -> list
     if magic != MAGIC or ver != VERSION or n != nobj or got_fp != fp:
         return None
     return [OBJ.unpack_from(raw, HEAD.size + i * OBJ.size) for i in range(nobj)]
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _int(name: str, v: Any, lo: int) -> int:
-    if not _is_int(v) or v < lo:
-        raise InvalidArgumentError(f"invalid argument `{name}`: must be an int >= {lo}, got {v!r}")
-    return int(v)
-
-
-
-def validate_options(*, master_server_address: Any, model_name: Any = "default", key_tag: Any = None,
-                     tp_rank: Any = 0, tp_size: Any = 1, pp_rank: Any = 0, pp_size: Any = 1, cp_rank: Any = 0,
-                     cp_size: Any = 1, dcp_size: Any = 1, protocol: Any = "tcp", device_name: Any = "",
-                     local_hostname: Any = "127.0.0.1", metadata_server: Any = "P2PHANDSHAKE",
-                     global_segment_size: Any = 0, local_buffer_size: Any = 16 << 20, replica_num: Any = 1,
-                     accept_unverified: Any = False, setup_timeout_s: Any = 30.0, tenant: Any = None) -> None:
-    """Every option checked without connecting (what construction checks first; SGLang's extra config is
-    checked with it before anything opens). Raises InvalidArgumentError naming the option."""
-    if not isinstance(master_server_address, str) or ":" not in master_server_address:
-        raise InvalidArgumentError(f"invalid argument `master_server_address`: expected 'host:port', got "
-                                   f"{master_server_address!r}")
-    host, _, port = master_server_address.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise InvalidArgumentError(f"invalid argument `master_server_address`: bad host or port in "
-                                   f"{master_server_address!r}")
-    if not isinstance(model_name, str) or not model_name:
-        raise InvalidArgumentError(f"invalid argument `model_name`: a non-empty str names the keys (pages of "
-                                   f"different models must never share them), got {model_name!r}")
-    if key_tag is not None and (not isinstance(key_tag, str) or not key_tag):
-        raise InvalidArgumentError(f"invalid argument `key_tag`: a non-empty str or None, got {key_tag!r}")
-    if protocol not in PROTOCOLS:
-        raise InvalidArgumentError(f"invalid argument `protocol`: {protocol!r}; expected one of {PROTOCOLS}")
-    for name, v in (("device_name", device_name), ("local_hostname", local_hostname),
-                    ("metadata_server", metadata_server)):
-        if not isinstance(v, str):
-            raise InvalidArgumentError(f"invalid argument `{name}`: expected a str, got {v!r}")
-    if protocol == "rdma" and not device_name:
-        raise InvalidArgumentError("invalid argument `device_name`: protocol 'rdma' needs the RDMA devices "
-                                   "(e.g. 'mlx5_0')")
-    for name, rank, size in (("tp", tp_rank, tp_size), ("pp", pp_rank, pp_size), ("cp", cp_rank, cp_size)):
-        if not (_is_int(size) and size >= 1 and _is_int(rank) and 0 <= rank < size):
-            raise InvalidArgumentError(f"invalid argument `{name}_rank`: {rank!r} is not in [0, {name}_size={size!r})")
-    if dcp_size != 1:
-        raise InvalidArgumentError(f"invalid argument `dcp_size`: {dcp_size!r}; decode context parallelism is not "
-                                   "supported by the cluster tier (SGLang 0.5.23 sends it to its file and "
-                                   "mooncake backends only)")
-    _int("global_segment_size", global_segment_size, 0)
-    _int("local_buffer_size", local_buffer_size, 0)
-    _int("replica_num", replica_num, 1)
-    if isinstance(setup_timeout_s, bool) or not isinstance(setup_timeout_s, (int, float)) or not setup_timeout_s > 0:
-        raise InvalidArgumentError(
-            f"invalid argument `setup_timeout_s`: must be a number of seconds > 0, got {setup_timeout_s!r}")
-    if not isinstance(accept_unverified, bool):
-        raise InvalidArgumentError(f"invalid argument `accept_unverified`: expected true or false, got "
-                                   f"{accept_unverified!r}")
-    if tenant is not None and (not isinstance(tenant, str) or not tenant):
-        raise InvalidArgumentError(f"invalid argument `tenant`: a non-empty salt string or None, got {tenant!r}")
 
 
 class Taint:
@@ -155,8 +96,9 @@ class Taint:
 def check_read(m: Any, n_pages: int, res: Sequence[int], rview: np.ndarray, keys: Sequence[str], names: Sequence[str],
                ptrs: Sequence[int], sizes: Sequence[int], ranges: Any, seal: Any,
                accept_unverified: bool) -> tuple[list[int], list[int], list[int], int]:
-    """Which pages of one read (``m``: the tier's :class:`~kvtier.tiers._mooncake_pages.PageObjects`; ``res``:
-    Mooncake's results, the records' first, then each page's data objects; ``rview``: the record buffer) arrived
+    """Which pages of one read (``m``: the tier's :class:`~kvtier.tiers.objects.pages.PageObjects`; ``res``: the
+    store's result per object — the bytes read, or a negative code (``TOO_SMALL``: larger than its buffer) —
+    the records' first, then each page's data objects; ``rview``: the record buffer) arrived
     whole and match their records: ``(served, unverified, corrupt, stale)`` — the pages served, the pages served
     without a record (``accept_unverified``), the pages whose record vouches for bytes that are not there, and
     how many records were another geometry's, version's or torn. A sealed tier's (``seal``) pages are opened in

@@ -1,32 +1,32 @@
-"""The cluster tier's view of a registered host pool (see :mod:`kvtier.tiers.mooncake`): each page's Mooncake keys
-(SGLang's names), its data objects' addresses and sizes, the checks on the slots a batch names, the geometry
-fingerprint its integrity records carry; and the scratch memory the tier registers with Mooncake."""
+"""A registered host pool's pages as objects of an object store: each page's object names (SGLang's), its data
+objects' addresses and sizes inside the pool's buffers, the checks on the slots a batch names, and the
+geometry fingerprint its integrity records carry (:mod:`kvtier.tiers.objects.records`)."""
 
 from __future__ import annotations
 
 import hashlib
-import threading
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from .._errors import InvalidArgumentError, KvtierError
-from ..buffer import HostBuffer
-from ..namespace import Namespace, fields_of
-from ..page_layout import heads_of as _heads, logical_dtype
-from ._records import SEAL, SLOT, record_bytes, record_size
+from ..._errors import InvalidArgumentError
+from ...namespace import Namespace, fields_of
+from ...page_layout import heads_of as _heads, logical_dtype
+from .records import SEAL, SLOT, record_bytes, record_size
 
 
 class PageObjects:
-    """One registered pool's pages as Mooncake objects. ``layout``: the pool's page layout
-    (``kvtier.store``'s ``(k_base, k_stride, k_len, v_base, v_stride, v_len)``); ``ranks``: the tier's
-    ``{"tp": (rank, size), "pp": ..., "cp": ...}``; ``sealed``: the keyring id of a sealed tier, else None."""
+    """One registered pool's pages as objects. ``layout``: the pool's page layout (``kvtier.store``'s
+    ``(k_base, k_stride, k_len, v_base, v_stride, v_len)``); ``ranks``: the tier's ``{"tp": (rank, size),
+    "pp": ..., "cp": ...}``; ``sealed``: the keyring id of a sealed tier, else None; ``scheme`` and
+    ``seal_scheme``: the names the tier's fingerprint and its seals' associated data start with (its format:
+    pages of two schemes never vouch for each other)."""
 
     def __init__(self, pool: Any, layout: tuple[int, int, int, int, int, int], page_num: int, *, prefix: str,
                  model_name: str, key_tag: str | None, ranks: dict[str, tuple[int, int]],
-                 kv_cache_dtype: str | None, sealed: str | None) -> None:
+                 kv_cache_dtype: str | None, sealed: str | None, scheme: str, seal_scheme: str) -> None:
         mla = layout[5] == 0
         self.pool, self.layout, self.page_num, self.mla, self.prefix = pool, layout, page_num, mla, prefix
         self.page_bytes = layout[2] + layout[5]
@@ -44,7 +44,7 @@ class PageObjects:
         # the key tag too: a tagged page "x" and an untagged page "<tag>_x" of one model are the same objects
         # (SGLang joins the names with "_"), and only the record tells them apart
         self.fingerprint_text = Namespace.build(
-            "kvtier-mooncake-v1", model=str(model_name), key_tag=repr(key_tag), suffix=self.suffix, **named,
+            scheme, model=str(model_name), key_tag=repr(key_tag), suffix=self.suffix, **named,
             cp=f"{cp[0]}/{cp[1]}", start_layer=str(getattr(pool, "start_layer", 0)),
             dtype=str(logical_dtype(pool, kv_cache_dtype)), layout=str(pool.layout), page=str(pool.page_size),
             layers=str(pool.layer_num), **fields_of(_heads(pool)), objects=f"{layout[2]},{layout[5]}",
@@ -54,14 +54,14 @@ class PageObjects:
         self.fp = digest.digest()[:8]
         #: what a sealed tier's seals authenticate before each object's name: the whole fingerprint's sha256
         #: (a record is only checksummed, so a forged one could name any geometry; a seal cannot be forged)
-        self.aad = f"kvtier-mooncake-seal-v1:{digest.hexdigest()}"
+        self.aad = f"{seal_scheme}:{digest.hexdigest()}"
 
     def base(self, key: str) -> str:
         """The name every object of the page ``key`` starts with."""
         return f"{self.prefix}_{key}_{self.suffix}"
 
     def data_keys(self, key: str) -> list[str]:
-        """The Mooncake keys of one page's data objects (SGLang's names)."""
+        """The names of one page's data objects (SGLang's)."""
         b = self.base(key)
         return [f"{b}_{s}" for s in self.sides]
 
@@ -109,62 +109,3 @@ class PageObjects:
             rec = record_bytes(self.fp, [(sizes[n * k + s], crcs[n * k + s]) for s in range(k)],
                                seals[n * k * SEAL:(n + 1) * k * SEAL])
             rview[n * self.slot: n * self.slot + self.rec_bytes] = np.frombuffer(rec, dtype=np.uint8)
-
-
-class RegisteredScratch:
-    """Scratch memory registered with Mooncake (``client``) and with the tier's range checks (``ranges``), kept
-    (registered) until :meth:`close`: a batch may still use an older buffer."""
-
-    def __init__(self, client: Any, ranges: Any) -> None:
-        self.client, self.ranges = client, ranges
-        self._buffers: list[HostBuffer] = []
-        self._lock = threading.Lock()
-        self._local = threading.local()
-        self._adopt: HostBuffer | None = None  # read-back space for objects stored without a record
-        self._adopt_lock = threading.Lock()
-
-    def buffer(self, nbytes: int, what: str) -> HostBuffer:
-        """A new registered buffer of ``nbytes`` (``what``: its use, named in the error)."""
-        buf = HostBuffer(nbytes, pin=False)
-        with self._lock:
-            self._buffers.append(buf)
-        self.ranges.register_region(buf.region)
-        if self.client.register_buffer(buf.ptr, buf.nbytes) != 0:
-            raise KvtierError(f"MooncakeTier: registering the {what} buffer with Mooncake failed")
-        return buf
-
-    def records(self, nbytes: int) -> tuple[int, np.ndarray]:
-        """This thread's record buffer of at least ``nbytes``: its address and a numpy view of it."""
-        buf = getattr(self._local, "buf", None)
-        if buf is None or buf.nbytes < nbytes:
-            buf = self.buffer(max(nbytes, 1 << 16), "record")
-            self._local.buf = buf
-        return buf.ptr, buf.as_tensor(torch.uint8, (buf.nbytes,)).numpy()
-
-    def foreign_pages(self, k: int, held: list[int], names: list[str], ptrs: list[int], sizes: list[int]) -> set[int]:
-        """Pages (indices; ``k`` objects each) among the objects ``held`` whose stored bytes differ from this
-        writer's (or cannot be read back): read back into a scratch buffer and compared by checksum."""
-        with self._adopt_lock:
-            need = sum(sizes[j] for j in held)
-            if self._adopt is None or self._adopt.nbytes < need:
-                buf = HostBuffer(max(need, 1 << 20), pin=False)
-                self._buffers.append(buf)
-                self.ranges.register_region(buf.region)
-                if self.client.register_buffer(buf.ptr, buf.nbytes) != 0:
-                    return {j // k for j in held}
-                self._adopt = buf
-            dst, off = [], self._adopt.ptr
-            for j in held:
-                dst.append(off)
-                off += sizes[j]
-            hn, hs = [names[j] for j in held], [sizes[j] for j in held]
-            got = self.client.batch_get_into(hn, dst, hs)
-            stored = self.ranges.crc32c(hn, dst, hs)
-        ours = self.ranges.crc32c(hn, [ptrs[j] for j in held], hs)
-        return {j // k for j, g, a, b in zip(held, got, stored, ours) if g != sizes[j] or a != b}
-
-    def close(self) -> None:
-        """Closes every buffer (after the client that used them is closed)."""
-        for buf in self._buffers:
-            buf.close()
-        self._buffers = []

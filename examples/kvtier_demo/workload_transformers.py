@@ -34,8 +34,8 @@ from typing import Any
 
 import torch
 
-from .._cleanup import remove_tree
-from .._progress import Progress
+from kvtier._cleanup import remove_tree
+from kvtier._progress import Progress
 
 #: Per device: the model config, tokens per page, and the chat workload (tokens): the shared system prompt,
 #: each round's user request and the answer appended after it, rounds and conversations by default, and the
@@ -154,7 +154,7 @@ def _run(*, device: str, n_conv: int | None, turns: int | None, seed: int, store
          quiet: bool, cluster: str | None, restore: str = "plan", window: int | None = None) -> dict:
     from transformers import DynamicCache, LlamaForCausalLM
 
-    from ..integrations.transformers import KVTier
+    from kvtier.integrations.transformers import KVTier
 
     cfg = llama_config(device)
     s = SIZES[size_key(device)]
@@ -354,7 +354,7 @@ def _remember(tier: Any, tokens: list[int], sums: dict[str, int], own: dict[str,
     refreshed only where the controller's page is that very slot). A page whose stored copy was lost or refused
     is computed again, and KV computed in another chunk of the prompt may differ in its last bits: the
     controller may then keep the new bytes, which later reuses must return."""
-    from ..store import page_hashes
+    from kvtier.store import page_hashes
 
     ps, ctrl = tier.page_size, tier.controller
     keys = page_hashes(tokens[: len(tokens) // ps * ps], ps)

@@ -1,4 +1,4 @@
-"""The main job (``make demo`` / ``kvtier demo``): a short, verified tour of what kvtier does today.
+"""The main job (``make demo`` / ``python -m kvtier_demo``): a short, verified tour of what kvtier does today.
 
 1. Allocates a host buffer, views it from torch, and reports alignment, huge pages and pinning.
 2. Builds a MiMo-like asymmetric KV cache (K 192, V 128, scaled down) and a DeepSeek-like MLA cache
@@ -9,7 +9,7 @@
    device, reads them back from disk, loads them to the device, and checks every byte again.
 4. Serves a multi-turn workload with transformers' real ``LlamaForCausalLM`` (random weights; sized per
    device so a prompt's prefill is real work) through kvtier's transformers cache, every restore decided
-   by kvtier's planner (kvtier.demo.workload_transformers): each request is timed with kvtier and with no tier
+   by kvtier's planner (kvtier_demo.workload_transformers): each request is timed with kvtier and with no tier
    (the same prompt, transformers' default cache), by source (recomputed / host / disk / cluster), with one
    summary line (how much faster, and the worst request against no tier); every reused page is checked
    bit for bit against the bytes stored for it, and every first token against no tier's. Where
@@ -28,8 +28,8 @@ import warnings
 
 import torch
 
-from .._cleanup import remove_tree
-from .. import DeviceKVPool, HostBuffer, MLADeviceKVPool, PageStore, __version__, device_layers, host_pool_for, page_hashes
+from kvtier import DeviceKVPool, HostBuffer, MLADeviceKVPool, PageStore, __version__, device_layers, host_pool_for, page_hashes
+from kvtier._cleanup import remove_tree
 
 
 def _gbps(nbytes: int, seconds: float) -> str:
