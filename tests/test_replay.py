@@ -22,7 +22,7 @@ from kvtier.replay import trace as tr
 from kvtier.replay.model import LruTier, ModelNode, one_lru_pct
 from kvtier.replay.report import disagreements
 from kvtier.replay.runner import Setup, run
-from kvtier.replay.tiers import disk_page_bytes, store_capacity_bytes
+from kvtier.replay.tiers import RECORD_FIXED, disk_page_bytes, store_capacity_bytes
 
 pytestmark = pytest.mark.timeout(120)
 SAMPLE = os.path.join(os.path.dirname(__file__), "data", "replay_sample.jsonl")
@@ -197,6 +197,13 @@ def test_store_capacity_holds_the_pages_and_its_journal():
         cap = store_capacity_bytes(pages, 16384, 5)
         assert pages * 16384 < cap < pages * 16384 * 1.06, pages
     assert store_capacity_bytes(None, 16384, 5) >= 1 << 50
+
+
+def test_record_fixed_is_the_clear_put_record_of_the_store_layout():
+    # docs/STORE.md's layout table is made from the core's record layout (a Rust test holds it to it)
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "STORE.md").read_text()
+    want = f"A del or a clear put is `{RECORD_FIXED} + key_len` bytes"
+    assert want in doc, "RECORD_FIXED differs from docs/STORE.md's clear put record"
 
 
 def test_disagreements_name_the_row_and_the_share():

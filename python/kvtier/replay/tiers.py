@@ -29,7 +29,9 @@ from kvtier.planner import PrefillModel, TierEstimate
 from .._errors import KvtierError
 from .trace import BLOCK_TOKENS
 
-#: a journal record is 31 bytes plus its key (docs/STORE.md, "Journal records")
+#: a clear put record (the replay's store seals and compresses nothing) is 31 bytes plus its key: docs/STORE.md,
+#: "Journal records" ("A del or a clear put is `31 + key_len` bytes"), made from the core's record layout;
+#: tests/test_replay.py holds this to that line
 RECORD_FIXED = 31
 
 

@@ -243,7 +243,7 @@ fn record_with_slots(slot: impl Strategy<Value = u32>) -> impl Strategy<Value = 
         // (0, class]): any other shape is not a record (`Break::Shape`)
         3 => (key(), (1u32..=(u32::MAX / 4096)).prop_flat_map(|c| (Just(c * 4096), 1..=u64::from(c) * 4096)),
               slot, any::<u32>(), proptest::option::of(any::<[u8; 32]>()))
-            .prop_map(|(key, (class, len), slot, crc, seal)| Record::Put { key, at: Placement { class, slot, len, crc, seal, coded: None }, }),
+            .prop_map(|(key, (class, len), slot, crc, seal)| Record::Put { key, at: Placement::new(class, slot, len, crc).with_seal(seal), }),
         1 => key().prop_map(|key| Record::Del { key }),
     ]
 }
@@ -564,14 +564,7 @@ fn churn() -> &'static [u8] {
             let key = format!("churn-{i:0>60}");
             recs.push(Record::Put {
                 key: key.clone(),
-                at: Placement {
-                    class: 4096,
-                    slot: 0,
-                    len: 1,
-                    crc: 0,
-                    seal: None,
-                    coded: None,
-                },
+                at: Placement::new(4096, 0, 1, 0),
             });
             recs.push(Record::Del { key });
         }
@@ -643,14 +636,7 @@ fn journal_replay_matches_model() {
                     };
                     recs.push(Record::Put {
                         key: key.clone(),
-                        at: Placement {
-                            class,
-                            slot: *slot,
-                            len: *len,
-                            crc,
-                            seal: None,
-                            coded: None,
-                        },
+                        at: Placement::new(class, *slot, *len, crc),
                     });
                     // a shape the store never writes is not a record: damaged bytes, or part of the tail
                     if !plausible_shape(class, *len) {
@@ -1569,14 +1555,7 @@ fn journal_only(recs: &[Record]) -> TempDir {
 fn bug_replay_slot_u32_max_panics() {
     let tmp = journal_only(&[Record::Put {
         key: "k".into(),
-        at: Placement {
-            class: 4096,
-            slot: u32::MAX,
-            len: 1,
-            crc: 0,
-            seal: None,
-            coded: None,
-        },
+        at: Placement::new(4096, u32::MAX, 1, 0),
     }]);
     let r = std::panic::catch_unwind(|| {
         PageStore::open(&tmp.0, "bug", opts(1 << 30, false)).map(|_| ())
@@ -1595,14 +1574,7 @@ fn bug_replay_slot_u32_max_panics() {
 fn bug_replay_large_slot_allocates_free_list() {
     let tmp = journal_only(&[Record::Put {
         key: "k".into(),
-        at: Placement {
-            class: 4096,
-            slot: 1 << 22,
-            len: 1,
-            crc: 0,
-            seal: None,
-            coded: None,
-        },
+        at: Placement::new(4096, 1 << 22, 1, 0),
     }]);
     let s = PageStore::open(&tmp.0, "bug", opts(1 << 30, false)).unwrap();
     // the record names bytes past the (missing) class file: dropped, counted, nothing reserved
@@ -1618,14 +1590,7 @@ fn bug_replay_large_slot_allocates_free_list() {
 fn a_dropped_record_does_not_come_back_when_the_file_grows() {
     let tmp = journal_only(&[Record::Put {
         key: "stale".into(),
-        at: Placement {
-            class: 4096,
-            slot: 0,
-            len: 4096,
-            crc: 0,
-            seal: None,
-            coded: None,
-        },
+        at: Placement::new(4096, 0, 4096, 0),
     }]);
     let src = region(4096);
     fill(&src, &[9u8; 4096]);
@@ -1650,14 +1615,7 @@ fn a_dropped_record_does_not_come_back_when_the_file_grows() {
 fn bug_verify_huge_len_panics() {
     let tmp = journal_only(&[Record::Put {
         key: "k".into(),
-        at: Placement {
-            class: 4096,
-            slot: 0,
-            len: u64::MAX,
-            crc: 0,
-            seal: None,
-            coded: None,
-        },
+        at: Placement::new(4096, 0, u64::MAX, 0),
     }]);
     let s = PageStore::open(&tmp.0, "bug", opts(1 << 30, false)).unwrap();
     let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {

@@ -1,7 +1,8 @@
 //! The page store's journal: an append-only log of `put` and `del` records, each checksummed.
 //!
-//! Record layout: [`layout`], its one definition (magic, kind, key_len, class, slot, len, crc, then a
-//! coded put's decoded_len and a sealed put's seal, the key and record_crc; little-endian).
+//! Record layout: [`layout`], its one definition (magic, kind, key_len, class, slot, len, crc, then the
+//! optional parts a put's kind says it carries — a coded put's decoded_len, a sealed put's seal — the key
+//! and record_crc; little-endian).
 //!
 //! A sealed put is the put of an object encrypted at rest (`crate::seal`): its seal is the nonce and
 //! authentication tag, and `crc` covers the stored (encrypted) bytes. A coded put is the put of an object
@@ -17,6 +18,7 @@
 pub mod layout;
 
 use crate::seal::{Seal, SEAL_LEN};
+pub use layout::PutParts;
 use layout::FIXED;
 
 /// The on-disk format this kvtier writes and reads: the journal records below, data files, namespace files and
@@ -36,7 +38,8 @@ pub const MAGIC: u32 = 0x4b56_544a;
 pub const MAX_KEY: usize = 1024;
 
 /// Where a put record says an object lives and how to check it: every field of a put but its key. Replay,
-/// followers and the index take it whole, so a field added here reaches them without a change there.
+/// followers and the index take it whole, so a field added here reaches them without a change there. Made
+/// with [`Placement::new`] and the `with_` methods (an optional field added later is `None` there).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Placement {
     /// Size class (slot size in bytes).
@@ -76,7 +79,7 @@ impl Record {
     pub fn encode(&self, out: &mut Vec<u8>) {
         match self {
             Record::Put { key, at } => encode_put(out, key, at),
-            Record::Del { key } => encode_raw(out, layout::DEL, key, &Placement::default(), None),
+            Record::Del { key } => encode_raw(out, layout::DEL, key, &Placement::default()),
         }
     }
 }
@@ -95,18 +98,49 @@ impl Default for Placement {
     }
 }
 
+impl Placement {
+    /// An object of `len` bytes in `slot` of size class `class`, its crc `crc`, stored in clear and as given
+    /// (no optional part: the `with_` methods add them).
+    pub fn new(class: u32, slot: u32, len: u64, crc: u32) -> Self {
+        Placement {
+            class,
+            slot,
+            len,
+            crc,
+            ..Placement::default()
+        }
+    }
+    /// This placement with `seal` (`None`: stored in clear).
+    pub fn with_seal(self, seal: Option<Seal>) -> Self {
+        Placement { seal, ..self }
+    }
+    /// This placement with `coded` (`Some(length it decodes to)`: stored compressed).
+    pub fn with_coded(self, coded: Option<u64>) -> Self {
+        Placement { coded, ..self }
+    }
+}
+
+impl PutParts {
+    /// The optional parts the put record of `at` carries: one line per optional field of [`Placement`].
+    pub fn of(at: &Placement) -> PutParts {
+        PutParts::NONE
+            .with(PutParts::CODED, at.coded.is_some())
+            .with(PutParts::SEALED, at.seal.is_some())
+    }
+}
+
 /// Appends the encoded put record of `key` to `out` (as `Record::Put`'s `encode`, without a `Record`).
 pub fn encode_put(out: &mut Vec<u8>, key: &str, at: &Placement) {
-    let kind = layout::put_kind(at.seal.is_some(), at.coded.is_some());
-    encode_raw(out, kind, key, at, at.seal.as_ref())
+    encode_raw(out, layout::put_kind(PutParts::of(at)), key, at)
 }
 
-/// Bytes of a put record of a `key_len`-byte key, sealed or not, coded or not, once encoded.
-pub const fn put_len(key_len: usize, sealed: bool, coded: bool) -> usize {
-    layout::record_len(layout::put_kind(sealed, coded), key_len)
+/// Bytes of a put record of a `key_len`-byte key carrying `parts` once encoded (the longest:
+/// [`PutParts::ALL`] and [`MAX_KEY`]).
+pub const fn put_len(key_len: usize, parts: PutParts) -> usize {
+    parts.record_len(key_len)
 }
 
-fn encode_raw(out: &mut Vec<u8>, kind: u8, key: &str, at: &Placement, seal: Option<&Seal>) {
+fn encode_raw(out: &mut Vec<u8>, kind: u8, key: &str, at: &Placement) {
     let start = out.len();
     debug_assert!(key.len() <= MAX_KEY);
     out.extend_from_slice(&MAGIC.to_le_bytes());
@@ -117,11 +151,24 @@ fn encode_raw(out: &mut Vec<u8>, kind: u8, key: &str, at: &Placement, seal: Opti
     out.extend_from_slice(&at.len.to_le_bytes());
     out.extend_from_slice(&at.crc.to_le_bytes());
     debug_assert_eq!(out.len() - start, FIXED);
-    if let (true, Some(c)) = (layout::is_coded(kind), at.coded) {
-        out.extend_from_slice(&c.to_le_bytes());
+    // each optional part at its place ([`layout::PARTS`]); a del carries none
+    let parts = layout::parts_of(kind).unwrap_or(PutParts::NONE);
+    out.resize(start + parts.key_at(), 0);
+    let mut part = |p: PutParts, bytes: &[u8]| {
+        debug_assert!(
+            parts.has(p)
+                && layout::PARTS
+                    .iter()
+                    .any(|x| x.bit == p && x.len == bytes.len())
+        );
+        let o = start + parts.at(p);
+        out[o..o + bytes.len()].copy_from_slice(bytes);
+    };
+    if let Some(c) = at.coded {
+        part(PutParts::CODED, &c.to_le_bytes());
     }
-    if let Some(s) = seal {
-        out.extend_from_slice(s);
+    if let Some(s) = &at.seal {
+        part(PutParts::SEALED, s);
     }
     debug_assert_eq!(out.len() - start, layout::key_at(kind));
     out.extend_from_slice(key.as_bytes());
@@ -279,8 +326,8 @@ pub(super) fn put_shape_ok(class: u32, len: u64) -> bool {
     class > 0 && u64::from(class) % 4096 == 0 && len > 0 && len <= u64::from(class)
 }
 
-/// Bytes of a del or clear put record of a `key_len`-byte key once encoded (a sealed put has
-/// [`SEAL_LEN`] more).
+/// Bytes of a del or clear put record of a `key_len`-byte key once encoded (a put carrying optional
+/// parts: [`put_len`]).
 pub const fn encoded_len(key_len: usize) -> usize {
     layout::record_len(layout::DEL, key_len)
 }
@@ -309,12 +356,12 @@ fn decode(b: &[u8], check: bool) -> Option<(RecordRef<'_>, usize)> {
         return None;
     }
     let key = std::str::from_utf8(&b[head..head + key_len]).ok()?;
-    let rec = match kind {
+    let rec = match layout::parts_of(kind) {
         // a put of a shape the store never writes is not a record either (see `no_record_is_found_inside_an_accepted_key`)
-        layout::PUT | layout::SEALED_PUT | layout::CODED_PUT | layout::CODED_SEALED_PUT
-            if put_shape_ok(u32_at(b, layout::CLASS.at), u64_at(b, layout::LEN.at)) =>
-        {
-            let coded = layout::is_coded(kind).then(|| u64_at(b, layout::DECODED_LEN.at));
+        Some(parts) if put_shape_ok(u32_at(b, layout::CLASS.at), u64_at(b, layout::LEN.at)) => {
+            // the offset of each optional part the kind carries
+            let part = |p: PutParts| parts.has(p).then(|| parts.at(p));
+            let coded = part(PutParts::CODED).map(|o| u64_at(b, o));
             // a coded object decodes to at least one byte, at most what the store takes
             if coded.is_some_and(|c| c == 0 || c > super::MAX_OBJECT) {
                 return None;
@@ -326,17 +373,17 @@ fn decode(b: &[u8], check: bool) -> Option<(RecordRef<'_>, usize)> {
                     slot: u32_at(b, layout::SLOT.at),
                     len: u64_at(b, layout::LEN.at),
                     crc: u32_at(b, layout::CRC.at),
-                    seal: layout::is_sealed(kind).then(|| {
-                        let at = layout::seal_at(kind);
-                        b[at..at + SEAL_LEN].try_into().expect("SEAL_LEN bytes")
-                    }),
+                    seal: part(PutParts::SEALED)
+                        .map(|o| b[o..o + SEAL_LEN].try_into().expect("SEAL_LEN bytes")),
                     coded,
                 },
             }
         }
         // a del's unused fields are zero (as `encode` writes them): one fewer way for bytes that are not a
         // record to pass for one
-        layout::DEL if b[layout::CLASS.at..FIXED].iter().all(|&x| x == 0) => RecordRef::Del { key },
+        None if kind == layout::DEL && b[layout::CLASS.at..FIXED].iter().all(|&x| x == 0) => {
+            RecordRef::Del { key }
+        }
         _ => return None,
     };
     Some((rec, total))

@@ -18,8 +18,8 @@ pub(super) const JOURNAL_SLACK: u64 = 4096;
 /// plus a byte of rounding): 3.5 records (docs/STORE.md, "Capacity, exactly"). Evicting an object gives
 /// as much back while the journal is within its allowance, so a full store evicts one object per object
 /// it takes, however many batches it runs.
-pub(super) fn put_journal_cost(key_len: usize, sealed: bool, coded: bool) -> u64 {
-    let rec = super::journal::put_len(key_len, sealed, coded);
+pub(super) fn put_journal_cost(key_len: usize, parts: super::journal::PutParts) -> u64 {
+    let rec = super::journal::put_len(key_len, parts);
     (7 * rec as u64).div_ceil(2) + 1
 }
 

@@ -12,7 +12,7 @@ use crate::error::{Error, Result};
 use crate::fault;
 use crate::seal::Seal;
 use crate::store::index::put_journal_cost;
-use crate::store::journal::Placement;
+use crate::store::journal::{Placement, PutParts};
 use crate::store::log::commit::PutItem;
 use crate::store::space::files::ClassFile;
 use crate::store::stats::phase;
@@ -164,14 +164,11 @@ impl Shared {
         let items: Vec<PutItem> = done
             .iter()
             .map(|(s, crc, seal)| {
-                let at = Placement {
-                    class: s.class,
-                    slot: s.slot,
-                    len: objs[s.i].2,
-                    crc: *crc,
-                    seal: *seal,
-                    coded: coded[s.i],
-                };
+                let at = Placement::new(s.class, s.slot, objs[s.i].2, *crc)
+                    .with_seal(*seal)
+                    .with_coded(coded[s.i]);
+                // the record is no longer than what `reserve` counted for it
+                debug_assert!(put_journal_cost(objs[s.i].0.len(), PutParts::of(&at)) <= s.journal);
                 (objs[s.i].0.to_owned(), at)
             })
             .collect();
@@ -220,7 +217,9 @@ impl Shared {
         dups: &mut Vec<(usize, usize)>,
     ) -> Vec<Slot> {
         let mut want: Vec<(usize, u32, u64)> = Vec::new(); // (index, class, journal bytes)
-        let sealed = keys.is_some();
+
+        // the optional parts of the put records the batch commits (`put_rest` makes their `Placement`s)
+        let sealed = PutParts::NONE.with(PutParts::SEALED, keys.is_some());
         {
             let mut ix = self.log.index();
             let have = stored_pages(&ix, objs, per, keys);
@@ -244,11 +243,8 @@ impl Shared {
                 }
                 // MAX_OBJECT keeps every class within u32 (checked by the caller)
                 let class = u32::try_from(class).expect("class <= MAX_OBJECT fits u32");
-                want.push((
-                    i,
-                    class,
-                    put_journal_cost(k.len(), sealed, coded[i].is_some()),
-                ));
+                let parts = sealed.with(PutParts::CODED, coded[i].is_some());
+                want.push((i, class, put_journal_cost(k.len(), parts)));
             }
         }
         let mut plan = Vec::new();

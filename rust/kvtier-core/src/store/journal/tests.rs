@@ -8,59 +8,27 @@ fn round_trip_and_torn_tail() {
     let recs = vec![
         Record::Put {
             key: "a".repeat(64),
-            at: Placement {
-                class: 8192,
-                slot: 3,
-                len: 5000,
-                crc: 77,
-                seal: None,
-                coded: None,
-            },
+            at: Placement::new(8192, 3, 5000, 77),
         },
         Record::Del { key: "b".into() },
         Record::Put {
             key: "t0123456789abcdef.x.k".into(),
-            at: Placement {
-                class: 8192,
-                slot: 4,
-                len: 8192,
-                crc: 78,
-                seal: Some(std::array::from_fn(|i| i as u8 + 1)),
-                coded: None,
-            },
+            at: Placement::new(8192, 4, 8192, 78)
+                .with_seal(Some(std::array::from_fn(|i| i as u8 + 1))),
         },
         Record::Put {
             key: "coded.k".into(),
-            at: Placement {
-                class: 4096,
-                slot: 5,
-                len: 3000,
-                crc: 79,
-                seal: None,
-                coded: Some(4 << 20),
-            },
+            at: Placement::new(4096, 5, 3000, 79).with_coded(Some(4 << 20)),
         },
         Record::Put {
             key: "coded sealed.v".into(),
-            at: Placement {
-                class: 8192,
-                slot: 6,
-                len: 5000,
-                crc: 80,
-                seal: Some(std::array::from_fn(|i| i as u8 + 7)),
-                coded: Some(9000),
-            },
+            at: Placement::new(8192, 6, 5000, 80)
+                .with_seal(Some(std::array::from_fn(|i| i as u8 + 7)))
+                .with_coded(Some(9000)),
         },
         Record::Put {
             key: "../../etc/x".into(),
-            at: Placement {
-                class: 4096,
-                slot: 0,
-                len: 1,
-                crc: 1,
-                seal: None,
-                coded: None,
-            },
+            at: Placement::new(4096, 0, 1, 1),
         },
     ];
     let mut buf = Vec::new();
@@ -116,7 +84,7 @@ proptest! {
         let recs: Vec<Record> = keys.iter().enumerate().map(|(i, parts)| {
             let key: String = parts.concat();
             if puts[i] {
-                Record::Put { key, at: Placement { class: 4096 * (i as u32 + 1), slot: i as u32, len: 4096, crc: crcs[i], seal: None, coded: None }, }
+                Record::Put { key, at: Placement::new(4096 * (i as u32 + 1), i as u32, 4096, crcs[i]), }
             } else {
                 Record::Del { key }
             }
@@ -143,7 +111,7 @@ proptest! {
     fn mutated_journal_yields_a_prefix(seed_keys in proptest::collection::vec("[a-f0-9]{1,70}", 1..6),
                                        flip in any::<usize>()) {
         let recs: Vec<Record> = seed_keys.iter().enumerate().map(|(i, k)| Record::Put {
-            key: k.clone(), at: Placement { class: 4096, slot: i as u32, len: 10, crc: i as u32, seal: None, coded: None }, }).collect();
+            key: k.clone(), at: Placement::new(4096, i as u32, 10, i as u32), }).collect();
         let mut buf = Vec::new();
         for r in &recs { r.encode(&mut buf); }
         let i = flip % buf.len();
@@ -159,7 +127,7 @@ proptest! {
                                                flip in any::<usize>(), width in 1usize..6) {
         let recs: Vec<Record> = seed_keys.iter().enumerate().map(|(i, k)| if i % 3 == 2 {
             Record::Del { key: k.clone() } } else { Record::Put {
-            key: k.clone(), at: Placement { class: 4096, slot: i as u32, len: 10, crc: i as u32, seal: None, coded: None }, } }).collect();
+            key: k.clone(), at: Placement::new(4096, i as u32, 10, i as u32), } }).collect();
         let mut buf = Vec::new();
         let mut starts = Vec::new();
         for r in &recs { starts.push(buf.len()); r.encode(&mut buf); }
@@ -219,14 +187,9 @@ fn store_md_layout_table_is_the_layout() {
 /// The layout's offsets are where the encoder puts each field.
 #[test]
 fn layout_offsets_are_where_records_are_encoded() {
-    let at = Placement {
-        class: 0x0102_0304,
-        slot: 0x0506_0708,
-        len: 0x1112_1314_1516_1718,
-        crc: 0x2122_2324,
-        seal: Some([0xAB; SEAL_LEN]),
-        coded: Some(0x3132_3334_3536_3738),
-    };
+    let at = Placement::new(0x0102_0304, 0x0506_0708, 0x1112_1314_1516_1718, 0x2122_2324)
+        .with_seal(Some([0xAB; SEAL_LEN]))
+        .with_coded(Some(0x3132_3334_3536_3738));
     let mut e = Vec::new();
     encode_put(&mut e, "key", &at);
     let field = |f: layout::Field| &e[f.range()];
@@ -237,13 +200,47 @@ fn layout_offsets_are_where_records_are_encoded() {
     assert_eq!(field(layout::SLOT), at.slot.to_le_bytes());
     assert_eq!(field(layout::LEN), at.len.to_le_bytes());
     assert_eq!(field(layout::CRC), at.crc.to_le_bytes());
+    let parts = PutParts::of(&at);
+    assert_eq!(parts, PutParts::CODED.with(PutParts::SEALED, true));
+    let decoded = parts.at(PutParts::CODED);
     assert_eq!(
-        field(layout::DECODED_LEN),
+        e[decoded..decoded + 8],
         0x3132_3334_3536_3738u64.to_le_bytes()
     );
-    let seal = layout::seal_at(layout::CODED_SEALED_PUT);
+    let seal = parts.at(PutParts::SEALED);
     assert_eq!(e[seal..seal + SEAL_LEN], [0xAB; SEAL_LEN]);
     let key = layout::key_at(layout::CODED_SEALED_PUT);
     assert_eq!(&e[key..key + 3], b"key");
     assert_eq!(e.len(), layout::record_len(layout::CODED_SEALED_PUT, 3));
+    assert_eq!(e.len(), put_len(3, parts));
+}
+
+/// Every combination of optional parts has exactly one put kind ([`layout::KINDS`]), which reads back as
+/// those parts; no two kinds share a byte; the longest put carries them all.
+#[test]
+fn every_combination_of_parts_has_one_kind() {
+    let mut bytes: Vec<u8> = layout::KINDS.iter().map(|k| k.kind).collect();
+    bytes.sort_unstable();
+    bytes.dedup();
+    assert_eq!(bytes.len(), layout::KINDS.len(), "a kind byte used twice");
+    let n = layout::PARTS.len();
+    for combo in 0..1u32 << n {
+        let parts = (0..n).fold(PutParts::NONE, |p, i| {
+            p.with(layout::PARTS[i].bit, combo & (1 << i) != 0)
+        });
+        let with: Vec<_> = layout::KINDS
+            .iter()
+            .filter(|k| k.put == Some(parts))
+            .collect();
+        assert_eq!(with.len(), 1, "{parts:?}: one kind");
+        assert_eq!(layout::parts_of(layout::put_kind(parts)), Some(parts));
+        assert!(put_len(0, parts) <= put_len(0, PutParts::ALL));
+    }
+    assert_eq!(
+        layout::KINDS.len(),
+        (1 << n) + 1,
+        "the put kinds and the del"
+    );
+    assert_eq!(layout::parts_of(layout::DEL), None);
+    assert_eq!(layout::key_at(layout::DEL), FIXED);
 }

@@ -8,10 +8,9 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 
 use crate::store::index::{Entry, JOURNAL_SLACK};
-use crate::store::journal::{encoded_len, Placement, Record};
+use crate::store::journal::{encoded_len, put_len, Placement, PutParts, Record};
 use crate::store::space::files::fallocate;
 
-/// A put to commit: `(key, class, slot, len, crc, seal)`.
 /// A put to commit: its key and where its bytes were written.
 pub(in crate::store) type PutItem = (String, Placement);
 use crate::error::{Error, Result};
@@ -236,17 +235,10 @@ impl Shared {
     pub(in crate::store) fn commit_puts(&self, items: &[PutItem]) -> io::Result<()> {
         let mut t = std::time::Instant::now();
         let mut j = self.log.journal();
-        // each put's record (with its seal, if any) and its prepaid del
+        // each put's record (with the optional parts it carries) and its prepaid del
         let new: u64 = items
             .iter()
-            .map(|(key, at)| {
-                (encoded_len(key.len())
-                    + crate::store::journal::put_len(
-                        key.len(),
-                        at.seal.is_some(),
-                        at.coded.is_some(),
-                    )) as u64
-            })
+            .map(|(key, at)| (encoded_len(key.len()) + put_len(key.len(), PutParts::of(at))) as u64)
             .sum();
         self.ensure_reserve(&j, new)?;
         self.stats.lap(phase::JOURNAL_RESERVE, &mut t);

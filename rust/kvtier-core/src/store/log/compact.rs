@@ -29,8 +29,8 @@ const STEP_FACTOR: u64 = 4;
 const STEP_MIN: u64 = 16 << 10;
 /// Entries encoded per hold of the index lock.
 const CHUNK: usize = 512;
-/// The longest record (a coded sealed put with a key of `journal::MAX_KEY` bytes).
-const MAX_RECORD: u64 = journal::put_len(journal::MAX_KEY, true, true) as u64;
+/// The longest record (a put carrying every optional part, with a key of `journal::MAX_KEY` bytes).
+const MAX_RECORD: u64 = journal::put_len(journal::MAX_KEY, journal::PutParts::ALL) as u64;
 
 /// A replaced journal holding at least this many bytes is closed by the background thread (freeing 1 MiB
 /// of blocks costs about 0.3 ms on ext4); a smaller one in the call. Tests lower it.

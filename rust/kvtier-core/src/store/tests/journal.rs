@@ -315,14 +315,7 @@ fn a_key_that_could_hold_a_journal_record_is_refused() {
     let mut rec = Vec::new();
     Record::Put {
         key: evil.clone(),
-        at: Placement {
-            class: 4096,
-            slot: 1,
-            len: 4096,
-            crc: 0,
-            seal: None,
-            coded: None,
-        },
+        at: Placement::new(4096, 1, 4096, 0),
     }
     .encode(&mut rec);
     let torn = parse_resync(&rec[..rec.len() / 2]);

@@ -3,7 +3,7 @@
 
 use super::budget::{claims, held, with_budget, OBJ};
 use super::{get1, opts, payload, put1, tmp, SERIAL};
-use crate::store::format::{format_text, FORMAT_FILE, FORMAT_VERSION};
+use crate::store::format::{format_text, FORMATS_READ, FORMAT_FILE, FORMAT_VERSION};
 use crate::store::lifecycle::{namespaces, remove_namespace};
 use crate::store::space::budget;
 use crate::store::*;
@@ -57,16 +57,19 @@ fn format_files_are_written_checked_and_a_future_or_foreign_one_is_refused() {
         );
     }
     // a future format, at the root or in one namespace: refused, naming both versions and what to do
+    let future = FORMAT_VERSION + 5;
     for at in [root.clone(), ns_dir.clone()] {
-        std::fs::write(at.join(FORMAT_FILE), "kvtier page store format 7\n").unwrap();
+        std::fs::write(at.join(FORMAT_FILE), format_text(future)).unwrap();
         for e in [
             PageStore::open(&root, "m", opts(1 << 30)).err().unwrap(),
             PageStore::open_read_only(&root, "m").err().unwrap(),
         ] {
             let msg = e.to_string();
             assert!(
-                msg.contains("format 7")
-                    && msg.contains(&format!("reads formats [1] and {FORMAT_VERSION}"))
+                msg.contains(&format!("format {future}"))
+                    && msg.contains(&format!(
+                        "reads formats {FORMATS_READ:?} and {FORMAT_VERSION}"
+                    ))
                     && msg.contains("rm -rf"),
                 "{msg}"
             );
@@ -74,7 +77,7 @@ fn format_files_are_written_checked_and_a_future_or_foreign_one_is_refused() {
         std::fs::write(at.join(FORMAT_FILE), format_text(FORMAT_VERSION)).unwrap();
     }
     // a new namespace is not created in a root of a future format
-    std::fs::write(root.join(FORMAT_FILE), "kvtier page store format 3\n").unwrap();
+    std::fs::write(root.join(FORMAT_FILE), format_text(FORMAT_VERSION + 1)).unwrap();
     assert!(PageStore::open(&root, "other", opts(1 << 30)).is_err());
     assert!(!root.join(namespace_dir("other")).exists());
     // a damaged or foreign file
