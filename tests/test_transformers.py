@@ -574,25 +574,6 @@ def test_pages_another_cache_kept_first_still_chain_the_keys(model):
             gen(model, seq, b, 1)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int8])
-@pytest.mark.parametrize("heads,dim", [(8, 128), (1, 64), (3, 3), (2, 6)])
-def test_slot_rows_move_the_exact_bytes(dtype, heads, dim):
-    """The window's copies (moved as wider integers where the shapes allow it) keep every byte, NaN payloads
-    and odd head dims included, and hand attention contiguous (1, heads, tokens, dim) tensors."""
-    from kvtier.integrations.transformers.window import copy_rows, slot_rows
-
-    src = (torch.randn(1, heads, 37, dim, generator=torch.Generator().manual_seed(1)) * 100).to(dtype)
-    if dtype == torch.bfloat16:
-        src.view(torch.int16)[..., 0] = 0x7FC3  # a NaN with a payload
-    slot = torch.zeros(PS + 64, heads, dim, dtype=dtype)
-    copy_rows(slot[PS + 5 : PS + 42], src[0].transpose(0, 1))
-    assert torch.equal(slot[PS + 5 : PS + 42].view(torch.uint8), src[0].transpose(0, 1).contiguous().view(torch.uint8))
-    out = slot_rows(slot, PS, 42)
-    assert out.is_contiguous() and out.shape == (1, heads, 42, dim)
-    assert torch.equal(out[0, :, 5:].reshape(-1).view(torch.uint8), src[0].reshape(-1).view(torch.uint8))
-    assert not out[0, :, :5].any()
-
-
 def test_a_layers_first_tokens_reach_attention_as_the_model_made_them(model):
     """Like DynamicCache, a layer's first update hands attention the model's own key and value tensors (no
     copy); a later one a contiguous copy of the slot's rows."""

@@ -14,8 +14,7 @@ from ...store import page_hashes
 from ...tenants import tenant_keys
 from .state import TierRuntime
 from .restore import CacheSteps, Restorer
-from .window import (DeviceWindow, LayerBatch, LayerLength, PageTable, copy_rows, release_now, release_table,
-                     slot_bytes, slot_rows)
+from .window import DeviceWindow, LayerBatch, LayerLength, PageTable, release_now, release_table, slot_bytes
 
 # forward arguments that do not change the KV a token gets (positions and masks are checked, not listed here)
 _PLAIN = frozenset({"input_ids", "cache", "past_key_values", "use_cache", "logits_to_keep", "return_dict",
@@ -309,11 +308,14 @@ class KvtierCache(DynamicCache):
         compute = torch.cuda.current_stream(st.device) if st.cuda else None
         st.wait(compute, win.loaded[s])
         ks, vs = win.k_slots[s], win.v_slots[s]
-        copy_rows(ks[ps + t0 : ps + t1], key_states[0].transpose(0, 1))
-        copy_rows(vs[ps + t0 : ps + t1], value_states[0].transpose(0, 1))
+        ks[ps + t0 : ps + t1].copy_(key_states[0].transpose(0, 1))
+        vs[ps + t0 : ps + t1].copy_(value_states[0].transpose(0, 1))
         # attention gets the model's own tensors for a layer's first tokens (as DynamicCache), else copies of the
-        # slot's rows (never views: the slot may be loaded with the layer `window` ahead before attention runs)
-        keys, values = (key_states, value_states) if t0 == 0 else (slot_rows(ks, ps, t1), slot_rows(vs, ps, t1))
+        # slot's rows (never views: the slot may be loaded with the layer `window` ahead before attention runs;
+        # with one head a transposed view would count as contiguous and .contiguous() would not copy)
+        keys, values = (key_states, value_states) if t0 == 0 else (
+            ks[ps : ps + t1].transpose(0, 1).unsqueeze(0).clone(memory_format=torch.contiguous_format),
+            vs[ps : ps + t1].transpose(0, 1).unsqueeze(0).clone(memory_format=torch.contiguous_format))
         layer.length = t1
         win.state[s] = (layer_idx, t1, self._epoch)
         # the pages this step wrote go to the host (this layer only); then the slot takes the layer `window`

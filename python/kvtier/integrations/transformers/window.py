@@ -149,33 +149,6 @@ class LayerBatch:
                 win.loaded[layer_idx % win.window] = st.transfer(win, layer_idx, host, dev, to_host=True)
 
 
-def _wide(t: torch.Tensor, width: int) -> bool:
-    """Whether ``t`` can be seen as elements of ``width`` bytes (its bytes unchanged): its rows contiguous, every
-    stride and its offset a multiple of ``width`` bytes."""
-    es = t.element_size()
-    return bool(t.dim() > 0 and t.stride(-1) == 1 and (t.shape[-1] * es) % width == 0 and
-                (t.storage_offset() * es) % width == 0 and all((st * es) % width == 0 for st in t.stride()[:-1]))
-
-
-def copy_rows(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src)`` for tensors of one dtype, moved as 8- or 4-byte integers where both allow it: a
-    strided (transposing) copy then handles a quarter or half as many elements, and the bytes are the same."""
-    for wide in (torch.int64, torch.int32):
-        width = torch.empty((), dtype=wide).element_size()
-        if width > src.element_size() and _wide(dst, width) and _wide(src, width):
-            dst.view(wide).copy_(src.view(wide))
-            return
-    dst.copy_(src)
-
-
-def slot_rows(slot: torch.Tensor, page_size: int, tokens: int) -> torch.Tensor:
-    """A copy of a layer slot's first ``tokens`` rows shaped as transformers' caches hold them:
-    ``(1, heads, tokens, dim)``, contiguous."""
-    out = torch.empty((1, slot.shape[1], tokens, slot.shape[2]), dtype=slot.dtype, device=slot.device)
-    copy_rows(out[0], slot[page_size : page_size + tokens].transpose(0, 1))
-    return out
-
-
 def slot_tokens(tokens: int, page_size: int) -> int:
     """Tokens a layer slot is made for when the sequence has ``tokens``: room for some more, so decoding does
     not reallocate at every page."""
