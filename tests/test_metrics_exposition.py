@@ -7,15 +7,20 @@ text, its labels and their order, and every value that does not depend on the cl
 import os
 import re
 
+import pytest
 import torch
-from prometheus_client import CollectorRegistry, generate_latest
-from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
-from sglang_pools import config, hybrid, idx, keys_for
 
-from kvtier import DeviceKVPool, PageStore, TierController, host_pool_for, page_hashes
-from kvtier.integrations.sglang import KvtierStorage
-from kvtier.metrics import KvtierCollector
-from kvtier.tiers import TieredStore
+pytest.importorskip("sglang")  # an SGLang backend is one of the sources (in vLLM's environment: skipped)
+pytest.importorskip("prometheus_client")
+
+from prometheus_client import CollectorRegistry, generate_latest  # noqa: E402
+from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer  # noqa: E402
+from sglang_pools import config, hybrid, idx, keys_for  # noqa: E402
+
+from kvtier import DeviceKVPool, PageStore, TierController, host_pool_for, page_hashes  # noqa: E402
+from kvtier.integrations.sglang import KvtierStorage  # noqa: E402
+from kvtier.metrics import KvtierCollector  # noqa: E402
+from kvtier.tiers import TieredStore  # noqa: E402
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "data", "metrics_exposition.txt")
 PS = 4

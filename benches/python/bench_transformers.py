@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
             bad.append(f"ttft {c}: {r['error']}")
             continue
         bad += [f"ttft {c} {k}" for k in r if k.endswith("_exact_vs_gpu_copy") and not r[k]]
-        bad += [f"ttft {c} {k}" for k in r if k.endswith(("_same_token_as_recompute", "_bit_identical")) and not r[k]]
+        bad += [f"ttft {c} {k}" for k in r if k.endswith(("_token_of_recompute_or_reuse", "_bit_identical")) and not r[k]]
     print(f"\nwrote {a.out}; bit-exact: {'all' if not bad else 'NOT ' + ', '.join(bad)}")
     return 1 if bad else 0
 
