@@ -173,7 +173,7 @@ def test_the_memory_tier_has_the_interfaces_signatures_and_builds_by_name(memory
     assert check_tier_spec("memory") == ("memory", {})
     with pytest.raises(InvalidArgumentError, match=r"invalid argument `tiers`: unknown key\(s\) \['bukket'\]"):
         check_tier_spec({"memory": {"bukket": "b"}}, "tiers")
-    with pytest.raises(InvalidArgumentError, match="unknown tier 'nosuch'; registered tiers: disk, memory, mooncake"):
+    with pytest.raises(InvalidArgumentError, match="unknown tier 'nosuch'; registered tiers: disk, (.*, )?memory, (.*, )?mooncake"):
         check_tier_spec("nosuch", "tiers")
 
 
@@ -216,7 +216,7 @@ def test_sglang_takes_a_registered_tier_by_its_spec(memory_tier, tmp_path, deadl
 
 def test_sglang_refuses_an_unknown_tier_before_anything_opens(memory_tier, tmp_path):
     KvtierStorage, config, *_ = _sglang()
-    for tiers, match in ((["disk", "nosuch"], "registered tiers: disk, memory, mooncake"),
+    for tiers, match in ((["disk", "nosuch"], "registered tiers: disk, (.*, )?memory, (.*, )?mooncake"),
                          (["disk", {"memory": {"size": 1}}], r"unknown key\(s\) \['size'\]"),
                          (["disk", "memory", "memory"], "each tier once"), (["memory"], "first is \"disk\"")):
         with pytest.raises(InvalidArgumentError, match=match):

@@ -587,3 +587,8 @@ def test_a_layers_first_tokens_reach_attention_as_the_model_made_them(model):
         keys, values = cache.update(k + 1, v + 1, 0)
         assert keys.is_contiguous() and torch.equal(keys[:, :, :5], k) and torch.equal(values[:, :, 5:], v + 1)
         cache.release()
+
+
+def test_a_model_id_that_would_plant_a_namespace_field_is_refused(model):
+    with pytest.raises(kvtier.InvalidArgumentError, match="`model_id`.*sealed=k"):
+        KVTier(model, model_id="org/m|sealed=k", page_size=PS, host_tokens=256)

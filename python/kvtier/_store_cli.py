@@ -56,7 +56,7 @@ def names_model(namespace: str | None, model: str) -> bool:
     """Whether a namespace string names ``model`` (an MLA model's ``NAME|mla`` matches ``NAME`` too)."""
     ns = Namespace.parse_or_none(namespace)
     named = ns.model if ns is not None else None
-    return named is not None and (named == model or named.startswith(model + "|"))
+    return named is not None and named in (model, model + "|mla")
 
 
 def _objects(path: str, ns: str) -> tuple[int | None, str | None]:

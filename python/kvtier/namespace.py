@@ -7,7 +7,10 @@ bytes never change: :meth:`Namespace.format` writes exactly what the builders wr
 :meth:`Namespace.parse` reads one back. A value may hold ``|`` only where the piece after it holds no ``=``
 (SGLang's MLA model names end in ``|mla``); such a piece is read as part of the value before it. A value whose
 ``|`` piece holds ``key=`` is refused when the namespace is made (it would read back as a field of its own:
-a model name holding ``|sealed=k`` would name a sealed namespace), so ``parse(format(ns)) == ns`` always.
+a model name holding ``|sealed=k`` would name a sealed namespace), so ``parse(format(ns)) == ns`` always; and
+:meth:`parse` refuses a string that repeats a field or has fields after ``sealed`` (every builder writes the
+seal last), such as a store made before that check whose model name planted ``|sealed=k``: the CLI keeps such
+a namespace and names it instead of reading it as sealed.
 """
 
 from __future__ import annotations
@@ -43,6 +46,9 @@ class Namespace:
                 raise InvalidArgumentError(f"invalid argument `fields`: the value of {key!r} must be a string, "
                                            f"got {type(value).__name__}")
             check_value("fields", value, key)
+        keys = [k for k, _ in self.fields]
+        if len(set(keys)) != len(keys) or ("sealed" in keys and keys[-1] != "sealed"):
+            raise InvalidArgumentError(f"invalid argument `fields`: each key once and `sealed` last, got {keys}")
 
     @classmethod
     def build(cls, scheme: str, fields: Mapping[str, Any] | None = None, /, **more: Any) -> Namespace:
@@ -104,7 +110,11 @@ class Namespace:
             else:
                 raise InvalidArgumentError(f"invalid argument `text`: {text!r} has a field {piece!r} that is not "
                                            "`key=value`")
-        return cls(scheme, tuple(fields))
+        try:  # (each key once and the seal last, as every builder writes: a string otherwise was not written by
+            return cls(scheme, tuple(fields))  # one, e.g. a store whose model name planted `|sealed=k` before
+        except InvalidArgumentError as exc:  # model names were checked)
+            raise InvalidArgumentError(f"invalid argument `text`: {text!r} is not a namespace kvtier writes "
+                                       f"({exc})") from None
 
     @classmethod
     def parse_or_none(cls, text: str | None) -> Namespace | None:

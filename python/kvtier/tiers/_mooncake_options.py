@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from .._errors import InvalidArgumentError
+from ..namespace import check_value
 
 PROTOCOLS = ("tcp", "rdma")
 
@@ -41,6 +42,8 @@ def validate_options(*, master_server_address: Any, model_name: Any = "default",
                                    f"different models must never share them), got {model_name!r}")
     if key_tag is not None and (not isinstance(key_tag, str) or not key_tag):
         raise InvalidArgumentError(f"invalid argument `key_tag`: a non-empty str or None, got {key_tag!r}")
+    check_value("model_name", model_name)  # (both name the record's fingerprint: no field may be planted)
+    check_value("key_tag", repr(key_tag), "key_tag")
     if protocol not in PROTOCOLS:
         raise InvalidArgumentError(f"invalid argument `protocol`: {protocol!r}; expected one of {PROTOCOLS}")
     for name, v in (("device_name", device_name), ("local_hostname", local_hostname),

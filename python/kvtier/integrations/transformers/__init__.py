@@ -56,6 +56,7 @@ from ...config import parse_size
 from ...controller import TierController
 from ...deadlines import check_deadline
 from ...planner import PrefillModel
+from ...namespace import check_value
 from ...pools import host_pool_for
 from ...store import DEFAULT_CAPACITY, PageStore
 from ...tier import TierContext, TierSpec, build_tiers, check_tier_chain
@@ -206,6 +207,7 @@ class KVTier:
             model_id = f"{name}@{commit}"
         if not isinstance(model_id, str) or not model_id:
             raise InvalidArgumentError(f"invalid argument `model_id`: expected a non-empty str, got {model_id!r}")
+        check_value("model_id", model_id)
         if transformers.__version__ not in TESTED_TRANSFORMERS:
             tested = ", ".join(sorted(TESTED_TRANSFORMERS, key=lambda v: tuple(map(int, v.split(".")))))
             warnings.warn(f"kvtier.integrations.transformers is tested with transformers {tested}; this is "
