@@ -98,7 +98,7 @@ def _stored_then_dropped(tier, model, ids):
 
 
 def test_the_tail_read_cannot_evict_the_host_pages_the_plan_counts_on(tmp_path):
-    """KvtierCache._restore (transformers/cache.py) starts ``prefetch(keys[j:k])`` *before*
+    """Restorer.restore (transformers/restore.py) starts ``prefetch(keys[j:k])`` *before*
     ``acquire(keys[:h])``; prefetch protects (move_to_end, controller.py) only the keys it was given, so when the host pool
     is short of room its allocation evicts the LRU unreferenced pages — the very host pages [0, h) the plan
     counted as free (restore="all" passed them to prefetch, which is what the controller's docstring relies
@@ -141,7 +141,7 @@ def test_the_tail_read_cannot_evict_the_host_pages_the_plan_counts_on(tmp_path):
 
 def test_a_plan_loads_no_more_than_one_prefetch_brings_in(tmp_path):
     """plan_restore (planner.py, called at controller.py) knows nothing of the controller's prefetch
-    budget (half the host pool, controller.py): it plans a 30-page load, _restore's single prefetch brings
+    budget (half the host pool, controller.py): it plans a 30-page load, Restorer.restore's single prefetch brings
     in 21, the other 9 are recomputed by generate. PlannerStats.record (planner.py) still counts 30
     pages as loaded from the disk (exported as kvtier_restore_tokens{source="disk"}) and the observed time to
     first token is compared with the prediction of the 30-page plan."""
@@ -161,8 +161,8 @@ def test_a_plan_loads_no_more_than_one_prefetch_brings_in(tmp_path):
 
 
 def test_split_head_pages_only_a_later_tier_holds_reach_the_durable_tier(tmp_path):
-    """_restore flags the head's pages ``stored`` because *some* tier of the chain holds them
-    (transformers/cache.py, from TieredStore.locate), and TierController.adopt (controller.py)
+    """Restorer.restore flags the head's pages ``stored`` because *some* tier of the chain holds them
+    (transformers/restore.py, from TieredStore.locate), and TierController.adopt (controller.py)
     then never writes them anywhere. With a TieredStore the chain's own rule is that only the first, durable
     tier counts as stored (a later tier — Mooncake — may drop them: tiers/chain.py module docs), and a load
     would have filled them into the disk. After a split restore of a prefix that only the cluster tier

@@ -47,7 +47,7 @@ def _failing_split(tmp_path, monkeypatch, name, model=None, bad=None):
 def test_release_then_another_call_never_adopts_freed_tail_pages(tmp_path, monkeypatch, then):
     """Used to go wrong (now ``release()`` settles the tail first and drops it): ``release()`` gives the tail's private pages back (PageTable.release frees every page whose
     key is None) but leaves ``_tail`` set; a later ``host_kv``/``reset``/``crop`` runs ``_settled`` ->
-    ``_settle_tail``, which hands those FREED pages to the controller's index (``adopt``). The index then
+    ``Restorer.settle_tail``, which hands those FREED pages to the controller's index (``adopt``). The index then
     holds pages the host pool will give to the next allocation: another sequence overwrites them and a
     later restore serves its bytes under these keys (and the eviction of them frees memory twice)."""
     model = llama()
@@ -82,7 +82,7 @@ def test_release_then_another_call_never_adopts_freed_tail_pages(tmp_path, monke
 
 def test_a_failed_tail_used_by_an_inputs_embeds_forward_is_never_served(tmp_path, monkeypatch):
     """Used to go wrong: a forward fed ``inputs_embeds`` (no input_ids) has ``_span`` None (before_forward sets it
-    only for 2-D ids), so ``after_forward`` skips ``_recover`` although ``_redo`` says a tail page failed: the
+    only for 2-D ids), so ``after_forward`` skips ``Restorer.recover`` although ``_redo`` says a tail page failed: the
     guard in ``recompute_forward`` that should refuse such a forward is unreachable. The logits computed
     from the garbage page are returned, ``_redo`` is cleared, and the cache keeps the garbage KV for every
     later forward. Expected: a KvtierError (as recompute_forward intends) or recomputing's logits."""
@@ -129,7 +129,7 @@ def test_an_interrupt_after_the_tail_settled_leaves_no_stale_recovery(tmp_path, 
     final norm) skips the forward hook, so ``_redo`` stays set (and the garbage pages stay in the cache).
     ``reset()``/``crop()`` do not clear it; the next forward is then "recovered" from the stale page:
 
-    - reset / crop below the failed page: ``_recover`` cuts the cache to the old failed page — past what it
+    - reset / crop below the failed page: ``Restorer.recover`` cuts the cache to the old failed page — past what it
       holds (``_truncate`` sets every layer's length to it over nothing) — and feeds only the new ids there;
       the pre-hook's prompt check then refuses the caller's valid forward (InvalidArgumentError "not the
       prompt") and the cache is left corrupted.
@@ -194,7 +194,7 @@ def test_a_recomputed_forward_keeps_the_attentions_shape(tmp_path, monkeypatch):
 
 
 def test_a_failed_tail_released_unsettled_keeps_the_counters(tmp_path, monkeypatch):
-    """Used to go wrong: the tail's pages are counted restored when attached; only ``_settle_tail`` takes
+    """Used to go wrong: the tail's pages are counted restored when attached; only ``Restorer.settle_tail`` takes
     failed ones back. A cache released (or collected) before its first forward never settles: the tier's
     ``restored_pages``/``restored_store_pages`` keep pages that failed their check."""
     model, ids, tier = _failing_split(tmp_path, monkeypatch, "counters")

@@ -574,6 +574,21 @@ def test_pages_another_cache_kept_first_still_chain_the_keys(model):
             gen(model, seq, b, 1)
 
 
+def test_a_layers_first_tokens_reach_attention_as_the_model_made_them(model):
+    """Like DynamicCache, a layer's first update hands attention the model's own key and value tensors (no
+    copy); a later one a contiguous copy of the slot's rows."""
+    ids = prompt(2 * PS + 3)
+    with KVTier(model, model_id="test/llama", page_size=PS, host_tokens=512) as tier:
+        cache = tier.cache(ids)
+        k = torch.randn(1, tier.heads, 5, tier.k_dim).to(tier.dtype)
+        v = torch.randn(1, tier.heads, 5, tier.v_dim).to(tier.dtype)
+        keys, values = cache.update(k, v, 0)
+        assert keys is k and values is v
+        keys, values = cache.update(k + 1, v + 1, 0)
+        assert keys.is_contiguous() and torch.equal(keys[:, :, :5], k) and torch.equal(values[:, :, 5:], v + 1)
+        cache.release()
+
+
 def test_a_model_id_that_would_plant_a_namespace_field_is_refused(model):
     with pytest.raises(kvtier.InvalidArgumentError, match="`model_id`.*sealed=k"):
         KVTier(model, model_id="org/m|sealed=k", page_size=PS, host_tokens=256)

@@ -7,46 +7,21 @@ import weakref
 from typing import Any
 
 import torch
-from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicCache
 
 from ..._errors import ClosedError, InvalidArgumentError, KvtierError
-from ...planner import RestorePlan
 from ...store import page_hashes
 from ...tenants import tenant_keys
 from .state import TierRuntime
-from .restore import PendingTail, RestoreSteps
-from .window import DeviceWindow, LayerBatch, PageTable, release_now, release_table, slot_bytes
+from .restore import CacheSteps, Restorer
+from .window import DeviceWindow, LayerBatch, LayerLength, PageTable, release_now, release_table, slot_bytes
 
 # forward arguments that do not change the KV a token gets (positions and masks are checked, not listed here)
 _PLAIN = frozenset({"input_ids", "cache", "past_key_values", "use_cache", "logits_to_keep", "return_dict",
                     "output_attentions", "output_hidden_states", "labels"})
 
 
-class _Layer(DynamicLayer):
-    """One layer's view of a :class:`KvtierCache`: its length (the KV itself lives in kvtier's pools)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.length = 0
-        self.is_initialized = True
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        pass
-
-    def get_seq_length(self) -> int:
-        return self.length
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.length + query_length, 0
-
-    def offload(self) -> None:
-        pass
-
-    def prefetch(self) -> None:
-        pass
-
-
-class KvtierCache(RestoreSteps, DynamicCache):
+class KvtierCache(DynamicCache):
     """The KV cache of one sequence, kept in a :class:`KVTier` (see the module docs); made by
     :meth:`KVTier.cache`. ``restored_tokens``, ``restored_host_pages`` and ``restored_store_pages`` say what
     its prompt did not have to compute."""
@@ -55,7 +30,7 @@ class KvtierCache(RestoreSteps, DynamicCache):
                  keep: bool = True, salt: str | None = None) -> None:
         """``tier``: the KVTier that makes it (``cache.tier``); ``state``: that tier's runtime; ``keep=False``:
         nothing of the sequence is ever kept (counted as unverified)."""
-        Cache.__init__(self, layers=[_Layer() for _ in range(state.layers)])
+        Cache.__init__(self, layers=[LayerLength() for _ in range(state.layers)])
         self.tier = tier
         self._state = state
         self.salt = salt  # the tenant: its keys are tenant_keys(salt, chain) (kvtier.tenants)
@@ -78,15 +53,10 @@ class KvtierCache(RestoreSteps, DynamicCache):
         need = slot_bytes(max(len(token_ids), 1), state.heads, state.k_dim, state.v_dim, state.dtype, state.page_size)
         self.resident_layers = state.stats.resident_layers = state.resident_layers(need)
         self._batch = LayerBatch()  # every layer resident: the forward's backups, sent after its last layer
-        self._in_head = False  # a split restore's head is being computed (its backups are never deferred)
         self._idx: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.restored_tokens = self.restored_host_pages = self.restored_store_pages = 0
-        self.recomputed_tokens = 0  # tokens of the cached prefix recomputed by the restore (a split plan's head)
-        self.plan: RestorePlan | None = None  # the restore's plan (None: restore="all", or nothing cached)
         self._forward: Any = None  # (start, new tokens, cached tokens) of the forward in flight
-        self._ttft: Any = None  # (plan, start) until the forward that completes the prompt
-        self._stored: set[str] = set()  # keys of pages recomputed by a split plan that the store already has
-        self._tail: PendingTail | None = None  # a split restore's tail still being read (restore.py)
+        self._restorer = Restorer(state, self.table, self.resident_layers)  # plan, tail in flight, head (restore.py)
         # (first failed tail page, the cached tokens from it on) when the forward in flight used a failed tail
         self._redo: tuple[int, list[int]] | None = None
         self._span: tuple[int, int] | None = None  # (length before, tokens fed) of the forward in flight
@@ -97,7 +67,9 @@ class KvtierCache(RestoreSteps, DynamicCache):
         if not keep:
             self._unverified()
         if restore:
-            self._restore(token_ids)
+            self._restorer.restore(self, CacheSteps(self._salted, self._attach, self._ensure_window, self._load),
+                                   token_ids)
+        self.plan, self.recomputed_tokens = self._restorer.plan, self._restorer.recomputed_tokens  # (restore.py)
 
     def _salted(self, chain: list[str]) -> list[str]:
         return tenant_keys(self.salt, chain) if self.salt is not None and chain else chain
@@ -127,9 +99,9 @@ class KvtierCache(RestoreSteps, DynamicCache):
         st.stats.restored_pages += r
         st.stats.restored_host_pages += min(host, r)
         st.stats.restored_store_pages += r - min(host, r)
-        win = self._ensure_window((first + r) * ps)
+        win, pending = self._ensure_window((first + r) * ps), self._restorer.tail
         if load and not tail and self._batch.load(win, st, self._slots, self._epoch, (first + r) * ps,
-                                                  self._tail.wait if self._tail is not None else None):
+                                                  pending.wait if pending is not None else None):
             return
         for layer_idx in range(win.window if load else 0):  # the first layers move while the embeddings compute
             self._load(win, layer_idx, (first + r) * ps, tail=tail)
@@ -149,21 +121,21 @@ class KvtierCache(RestoreSteps, DynamicCache):
         if isinstance(ids, torch.Tensor) and ids.dim() == 2:
             n = int(ids.shape[1])
             self._span = (self.get_seq_length(), n)
-            if st.observe and (n >= st.page_size or self._ttft is not None):
+            if st.observe and (n >= st.page_size or self._restorer.ttft is not None):
                 st.marks.poll()
                 # a forward on a tail still being read waits for the disk: not a prefill to learn from
-                self._forward = (st.marks.mark(), n, self.get_seq_length(), self._tail is None)
+                self._forward = (st.marks.mark(), n, self.get_seq_length(), self._restorer.tail is None)
 
     def after_forward(self, model: Any = None, kwargs: dict[str, Any] | None = None, output: Any = None) -> Any:
         """The forward hook: the forward's time goes to the prefill model (forwards of a page or more: decode
         steps say little about prefill); the first forward that completes the prompt ends the time to first
         token of the cache's plan. Returns None, or the output that replaces ``output`` when the forward used a
-        tail page that failed its check (:meth:`_recover`)."""
+        tail page that failed its check (:meth:`Restorer.recover`)."""
         started, self._forward = self._forward, None
         redo, self._redo = self._redo, None
         self._hooked = False
         if redo is not None and self._span is not None:
-            return self._recover(model, kwargs or {}, output, self._span, redo)
+            return self._restorer.recover(model, kwargs or {}, output, self._span, redo)
         if started is None:
             return None
         st = self._state
@@ -172,9 +144,9 @@ class KvtierCache(RestoreSteps, DynamicCache):
         ctrl = st.controller
         if n >= st.page_size and learn:
             st.marks.after(start, end, lambda s: ctrl.observe_prefill(n, ctx, s))
-        ttft = self._ttft
+        ttft = self._restorer.ttft
         if ttft is not None and len(self._fed) >= len(self._prompt):
-            self._ttft = None
+            self._restorer.ttft = None
             plan, t0 = ttft
             st.marks.after(t0, end, lambda s: ctrl.observe_ttft(plan, s))
         return None
@@ -281,8 +253,8 @@ class KvtierCache(RestoreSteps, DynamicCache):
         as the head has computed this layer and the tail has arrived (the rest of the prompt trails the head
         layer by layer instead of waiting for all of it)."""
         st = self._state
-        if self._tail is not None and not st.cuda:  # (on CUDA the transfer stream waits at the tail's gate)
-            self._tail.wait()
+        if self._restorer.tail is not None and not st.cuda:  # (on CUDA the transfer stream waits at its gate)
+            self._restorer.tail.wait()
         s = layer_idx % win.window
         # a slot that still holds this layer's first `held` tokens (a window of every layer: the head a split
         # restore computed, or the last forward's) gets only the pages from the one `held` ends in
@@ -338,10 +310,12 @@ class KvtierCache(RestoreSteps, DynamicCache):
         ks, vs = win.k_slots[s], win.v_slots[s]
         ks[ps + t0 : ps + t1].copy_(key_states[0].transpose(0, 1))
         vs[ps + t0 : ps + t1].copy_(value_states[0].transpose(0, 1))
-        # copies (never views: the slot is reused as soon as attention has been enqueued; with one head a
-        # transposed view would count as contiguous and .contiguous() would not copy)
-        keys = ks[ps : ps + t1].transpose(0, 1).unsqueeze(0).clone(memory_format=torch.contiguous_format)
-        values = vs[ps : ps + t1].transpose(0, 1).unsqueeze(0).clone(memory_format=torch.contiguous_format)
+        # attention gets the model's own tensors for a layer's first tokens (as DynamicCache), else copies of the
+        # slot's rows (never views: the slot may be loaded with the layer `window` ahead before attention runs;
+        # with one head a transposed view would count as contiguous and .contiguous() would not copy)
+        keys, values = (key_states, value_states) if t0 == 0 else (
+            ks[ps : ps + t1].transpose(0, 1).unsqueeze(0).clone(memory_format=torch.contiguous_format),
+            vs[ps : ps + t1].transpose(0, 1).unsqueeze(0).clone(memory_format=torch.contiguous_format))
         layer.length = t1
         win.state[s] = (layer_idx, t1, self._epoch)
         # the pages this step wrote go to the host (this layer only); then the slot takes the layer `window`
@@ -353,18 +327,43 @@ class KvtierCache(RestoreSteps, DynamicCache):
         nxt_len = self.layers[nxt].get_seq_length()
         # the slot's next writer (a load below, ordered after it on the transfer stream, or the compute stream
         # when no load is needed, as in a prefill) must wait until the backup has read it
-        if not self._batch.defer(win, st.layers, layer_idx, t0, t1, self._in_head):
+        if not self._batch.defer(win, st.layers, layer_idx, t0, t1, self._restorer.in_head):
             win.loaded[s] = st.transfer(win, layer_idx, host, dev, to_host=True)
         if nxt != layer_idx and nxt_len:
             self._load(win, nxt, nxt_len)
         if layer_idx == st.layers - 1:
             self._batch.flush(win, st, self._slots)
             st.stats.computed_tokens += t1 - t0
-            if self._tail is not None:  # this forward ran on the tail: its pages are checked before anything is kept
-                self._failed_tail(self._settle_tail(), t0)
+            if self._restorer.tail is not None:  # this forward ran on the tail: checked before anything is kept
+                self._failed_tail(self._restorer.settle_tail(self), t0)
             if self._redo is None:
                 self._adopt(t1)
         return keys, values
+
+    def _settled(self) -> None:
+        """Settle a pending tail outside a forward: a failed page cuts the sequence back to the verified ones."""
+        if self._restorer.tail is not None:
+            failed = self._restorer.settle_tail(self)
+            if failed is not None and self.get_seq_length() > failed * self._state.page_size:
+                self._truncate(failed * self._state.page_size)
+
+    def _failed_tail(self, failed: int | None, ctx: int) -> None:
+        """At the last layer of the forward that ran on the tail (``ctx``: the sequence's length before it):
+        ``failed`` is the first tail page that failed its check (None: none did). The sequence is cut back to
+        the verified pages at once, so nothing of this forward is kept; the model's hook then computes the
+        forward again (:meth:`Restorer.recover`), or — a forward its hooks do not see (a base model's) or cannot
+        repeat (no ``input_ids``) — this raises."""
+        if failed is None:
+            return
+        ps = self._state.page_size
+        prior = self._fed[failed * ps : ctx]  # the cached tokens from the failed page on (prompt or not)
+        self._truncate(failed * ps)
+        if not self._this_hooked or self._span is None or len(prior) != ctx - failed * ps:
+            raise KvtierError(
+                "a restored page failed its check after this forward had used it: its output is not returned; "
+                f"the cache was cut back to the {failed * ps} tokens verified: call the model again from there "
+                "with input_ids (through the model kvtier hooked, not its base model)")
+        self._redo = (failed, prior)
 
     def _adopt(self, tokens: int) -> None:
         """Hand the sequence's newly completed pages to the controller's index (keyed by the fed tokens)."""
@@ -389,7 +388,7 @@ class KvtierCache(RestoreSteps, DynamicCache):
         self._chain[first:] = chain
         self._page_keys[first:] = keys
         event = st.fence()
-        stored = [k in self._stored for k in keys] if self._stored else None
+        stored = [k in self._restorer.stored for k in keys] if self._restorer.stored else None
         took = st.controller.adopt(keys, self.table.starts[first:full], event=event, stored=stored)
         for j, (k, ok) in enumerate(zip(keys, took), start=first):
             if ok:
@@ -415,7 +414,7 @@ class KvtierCache(RestoreSteps, DynamicCache):
         st, ps = self._state, self._state.page_size
         st.check_open()
         self._redo = None
-        if self._tail is not None:
+        if self._restorer.tail is not None:
             self._settled()
             tokens = min(tokens, self.get_seq_length())
         self._batch.flush(self._window, st, self._slots)  # (a forward that raised: its rows, before pages go)
@@ -448,11 +447,11 @@ class KvtierCache(RestoreSteps, DynamicCache):
     def release(self) -> None:
         """Give the sequence's host pages back now (else when the cache is garbage collected); the cache cannot
         be used afterwards."""
-        if self._tail is not None and not self._state.closed:
+        if self._restorer.tail is not None and not self._state.closed:
             self._settled()  # (its verified pages to the index, the counters right)
         if self._finalizer.detach() is not None:  # (here: the tail's private pages once its read has finished)
             release_now(self._state, self.table)
-        self._tail = self._redo = None  # never settled afterwards: its pages are no longer the sequence's
+        self._restorer.tail = self._redo = None  # never settled afterwards: its pages are no longer the sequence's
         self._released = True
         for layer in self.layers:
             layer.length = 0

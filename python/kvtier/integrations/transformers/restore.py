@@ -1,12 +1,12 @@
-"""How kvtier's transformers cache restores a prompt's cached prefix (:class:`RestoreSteps`, mixed into
-``KvtierCache``): the restore planner's plan carried out — the host pages attached, the head of the prefix
+"""How kvtier's transformers cache restores a prompt's cached prefix (:class:`Restorer`, a component each
+``KvtierCache`` owns): the restore planner's plan carried out — the host pages attached, the head of the prefix
 computed while its tail is read from the store — and the tail in flight: read into private host pages, used by
 the next forward before the read has finished, and checked before anything that forward made is kept or
 returned.
 
 How it stays correct (kvtier's promise: a wrong byte is never served):
 
-- The tail's pages are the sequence's private pages (``PageTable.keys`` None) until :meth:`KvtierCache._settle_tail`
+- The tail's pages are the sequence's private pages (``PageTable.keys`` None) until :meth:`Restorer.settle_tail`
   has seen the read's result; only the verified leading pages then go to the controller's index.
 - On CUDA the loads of those pages wait on the transfer stream behind a host gate that opens when the read has
   finished (``TierRuntime.hold_transfers_until``), so no load reads a page before its bytes are there; on the
@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import concurrent.futures
 from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -29,6 +30,8 @@ from ... import _native
 from ..._errors import ClosedError, KvtierError
 from ...planner import RestorePlan
 from ...store import page_hashes
+from .state import TierRuntime
+from .window import PageTable
 
 
 @dataclass
@@ -108,64 +111,56 @@ def _trimmed(out: Any, like: Any) -> Any:
     return out
 
 
-class RestoreSteps:
-    """How a :class:`~kvtier.integrations.transformers.cache.KvtierCache` restores its prompt's cached prefix (a
-    mixin): the plan carried out (host pages attached, the head computed while the tail is read), the tail
-    attached and settled, and the recomputation when a page of it failed (see the module docs)."""
+class RestoreHost(Protocol):
+    """What a :class:`Restorer` reads and changes of the cache it restores into, besides :class:`CacheSteps`:
+    the cache itself is what the head's forward is given."""
 
-    _state: Any
-    _tail: PendingTail | None
-    _redo: tuple[int, list[int]] | None
-    _this_hooked: bool
-    _span: tuple[int, int] | None
-    _prompt: list[int]
-    _fed: list[int]
-    _page_keys: list[str]
-    _chain: list[str]
-    _adopted: int
-    _stored: set[str]
-    _ttft: Any
-    plan: RestorePlan | None
-    recomputed_tokens: int
-    table: Any
-    layers: Any
     restored_tokens: int
     restored_store_pages: int
-    resident_layers: int
-    _in_head: bool
 
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        raise NotImplementedError  # the cache's
+    def get_seq_length(self, layer_idx: int = 0) -> int: ...
 
-    def _ensure_window(self, tokens: int) -> Any:
-        raise NotImplementedError  # the cache's
 
-    def _load(self, win: Any, layer_idx: int, tokens: int, *, tail: bool = False) -> None:
-        raise NotImplementedError  # the cache's
+class CacheSteps(NamedTuple):
+    """The cache's own steps a restore runs (handed for that call only: the restorer keeps no hold on its cache)."""
 
-    def _truncate(self, tokens: int) -> None:
-        raise NotImplementedError  # the cache's
+    salted: Callable[[list[str]], list[str]]  # the tenant's keys of a chain of page hashes
+    attach: Callable[..., None]  # pages acquired from the controller become the sequence's (KvtierCache._attach)
+    ensure_window: Callable[[int], Any]  # the device window, for at least that many tokens
+    load: Callable[..., None]  # host -> a layer's slot (KvtierCache._load)
 
-    def _salted(self, chain: list[str]) -> list[str]:
-        raise NotImplementedError  # the cache's
 
-    def _attach(self, starts: list[int], keys: list[str], chain: list[str], host: int, *, first: int = 0,
-                private: bool = False, tail: bool = False, load: bool = True) -> None:
-        raise NotImplementedError  # the cache's
+class Restorer:
+    """How a :class:`~kvtier.integrations.transformers.cache.KvtierCache` restores its prompt's cached prefix (a
+    component each cache owns): the plan carried out (host pages attached, the head computed while the tail is
+    read), the tail in flight and its settling, and the recomputation when a page of it failed (see the module
+    docs). It holds the restore's own state (the plan, the tail, the head's stored keys); the cache's steps come
+    with each call."""
 
-    def _restore(self, tokens: list[int]) -> None:
+    def __init__(self, state: TierRuntime, table: PageTable, resident_layers: int) -> None:
+        self._state = state
+        self.table = table  # the cache's PageTable (the tail's read is registered there)
+        self.resident_layers = resident_layers
+        self.plan: RestorePlan | None = None  # the restore's plan (None: restore="all", or nothing cached)
+        self.recomputed_tokens = 0  # tokens of the cached prefix recomputed by the restore (a split plan's head)
+        self.ttft: Any = None  # (plan, start) until the forward that completes the prompt (its time to first token)
+        self.stored: set[str] = set()  # keys of pages recomputed by a split plan that the store already has
+        self.tail: PendingTail | None = None  # a split restore's tail still being read
+        self.in_head = False  # a split restore's head is being computed (its backups are never deferred)
+
+    def restore(self, cache: RestoreHost, steps: CacheSteps, tokens: list[int]) -> None:
         st, ps = self._state, self._state.page_size
         n = (len(tokens) - 1) // ps  # at least one token is left to compute (the model must give logits)
         if n <= 0:
             return
         chain = page_hashes(tokens[: n * ps], ps)
-        keys = self._salted(chain)
+        keys = steps.salted(chain)
         ctrl = st.controller
         if st.restore == "all":  # every cached page, loaded: no measurement, no planning
             host, disk = ctrl.match(keys)
             if disk:
                 ctrl.prefetch(keys[: host + disk]).result()
-            self._attach(ctrl.acquire(keys), keys, chain, host)
+            steps.attach(ctrl.acquire(keys), keys, chain, host)
             return
         t0 = st.marks.mark()
         # on CUDA the next forward is queued before the tail's read ends (its loads wait behind a gate); with
@@ -176,7 +171,7 @@ class RestoreSteps:
         h, j, k = plan.host_pages, plan.recompute_to, plan.load_to
         # the host pages are held first (a reference each): the tail's read cannot evict them to make room
         got = ctrl.acquire(keys[:h]) if h else []
-        self._attach(got, keys, chain, len(got))
+        steps.attach(got, keys, chain, len(got))
         r = len(got)
         # the tail is read into private pages in the background from now on (while the head is computed),
         # and used by the next forward before the read has finished (restore.py)
@@ -186,7 +181,7 @@ class RestoreSteps:
         # the prompt's first layers, run while it reads the other half
         half = st.layers // 2 if trail else 0
         if starts is not None:
-            self._ensure_window(len(tokens))  # (never reallocated, so never drained, while the read runs)
+            steps.ensure_window(len(tokens))  # (never reallocated, so never drained, while the read runs)
             first_gate = _native.HostGate() if half else None
             read = ctrl.read_into(keys[j:k], starts, first_layers=half, gate=first_gate,
                                   deadline=ctrl.restore_deadline_s((k - j) * ps, plan=plan))
@@ -195,29 +190,29 @@ class RestoreSteps:
         # (no room for the tail in the host pool: the next forward computes it)
         try:
             if j > r:  # the head: computed here, while the tail streams in
-                self._compute_head(plan, keys, tokens, r, j)
+                self._compute_head(cache, steps, plan, keys, tokens, r, j)
         except BaseException:
-            self._tail = pending
-            self._drop_tail()
+            self.tail = pending
+            self.drop_tail()
             raise
-        self._tail = pending
+        self.tail = pending
         if pending is not None:
-            if self.get_seq_length() == j * ps and not trail:
+            if cache.get_seq_length() == j * ps and not trail:
                 # loads of the tail's pages wait (on the device) for the read
                 pending.gate = st.hold_transfers_until(pending.future)
-                self._attach(pending.starts, keys, chain, 0, first=j, private=True)  # (the index's once settled)
-            elif self.get_seq_length() == j * ps:
-                self._attach(pending.starts, keys, chain, 0, first=j, private=True, tail=True, load=False)
-                self._load_tail(pending, k * ps, half)
+                steps.attach(pending.starts, keys, chain, 0, first=j, private=True)  # (the index's once settled)
+            elif cache.get_seq_length() == j * ps:
+                steps.attach(pending.starts, keys, chain, 0, first=j, private=True, tail=True, load=False)
+                self._load_tail(steps, pending, k * ps, half)
             else:
-                self._drop_tail()
-        self._ttft = (plan, t0)
+                self.drop_tail()
+        self.ttft = (plan, t0)
 
-    def _load_tail(self, tail: PendingTail, tokens: int, half: int) -> None:
+    def _load_tail(self, steps: CacheSteps, tail: PendingTail, tokens: int, half: int) -> None:
         """Every layer's tail on the tail stream (CUDA, every layer resident): the first ``half`` layers behind
         the gate the read opens once their bytes are in, the others behind the read's end."""
         st = self._state
-        win = self._ensure_window(0)
+        win = steps.ensure_window(0)
         if tail.first_gate is not None:
             st.hold_tail_at(tail.first_gate)
         else:
@@ -225,12 +220,13 @@ class RestoreSteps:
         for layer_idx in range(st.layers):
             if layer_idx == half and tail.first_gate is not None:
                 tail.gate = st.hold_transfers_until(tail.future, tail=True)
-            self._load(win, layer_idx, tokens, tail=True)
+            steps.load(win, layer_idx, tokens, tail=True)
         for t in (*win.k_slots, *win.v_slots):  # never reused by the allocator before the loads are done
             t.record_stream(st.tail_stream())
 
-    def _compute_head(self, plan: RestorePlan, keys: list[str], tokens: list[int], r: int, j: int) -> None:
-        """Pages ``[r, j)`` of the prompt computed by the model (a split plan's head)."""
+    def _compute_head(self, cache: RestoreHost, steps: CacheSteps, plan: RestorePlan, keys: list[str],
+                      tokens: list[int], r: int, j: int) -> None:
+        """Pages ``[r, j)`` of the prompt computed by the model into ``cache`` (a split plan's head)."""
         st, ps, ctrl = self._state, self._state.page_size, self._state.controller
         model = st.model()
         if model is None:
@@ -240,24 +236,24 @@ class RestoreSteps:
         durable, pos = ctrl.durable_tier, plan.host_pages
         for name, count in plan.segments:
             if name == durable:
-                self._stored.update(keys[max(pos, plan.host_pages) : min(pos + count, j)])
+                self.stored.update(keys[max(pos, plan.host_pages) : min(pos + count, j)])
             pos += count
         ids = torch.tensor([tokens[r * ps : j * ps]], device=st.device)
-        self._in_head = True  # (its backups go layer by layer: the rest of the prompt follows them)
+        self.in_head = True  # (its backups go layer by layer: the rest of the prompt follows them)
         try:
-            self._run_head(ids)
+            self._run_head(cache, steps, ids)
         finally:
-            self._in_head = False
+            self.in_head = False
         self.recomputed_tokens = (j - r) * ps
         st.stats.recomputed_head_tokens += self.recomputed_tokens
 
-    def _run_head(self, ids: torch.Tensor) -> None:
+    def _run_head(self, cache: RestoreHost, steps: CacheSteps, ids: torch.Tensor) -> None:
         st = self._state
         model = st.model()
         side = st.head_stream()
         if side is None:
             with torch.no_grad():
-                model(input_ids=ids, use_cache=True, logits_to_keep=1, **{st.cache_kwarg: self})
+                model(input_ids=ids, use_cache=True, logits_to_keep=1, **{st.cache_kwarg: cache})
         else:
             # On CUDA the head runs on its own stream: a caller that synchronizes the current stream before its
             # next forward (torch does, for every blocking host-to-device copy; generate makes several) does not
@@ -266,24 +262,24 @@ class RestoreSteps:
             compute = torch.cuda.current_stream(st.device)
             side.wait_stream(compute)  # (the window's slots, the ids: made on the current stream)
             with torch.no_grad(), torch.cuda.stream(side):
-                model(input_ids=ids, use_cache=True, logits_to_keep=1, **{st.cache_kwarg: self})
-            win = self._ensure_window(0)
+                model(input_ids=ids, use_cache=True, logits_to_keep=1, **{st.cache_kwarg: cache})
+            win = steps.ensure_window(0)
             for t in (*win.k_slots, *win.v_slots):  # never reused by the allocator before the head is done
                 t.record_stream(side)
 
-    def _drop_tail(self) -> None:
+    def drop_tail(self) -> None:
         """A tail that never became the sequence's: its private pages go back once the read has finished."""
-        tail, self._tail = self._tail, None
+        tail, self.tail = self.tail, None
         self.table.reading = None
         if tail is not None:
             tail.wait()
             self._state.controller.free(tail.starts)
 
-    def _settle_tail(self) -> int | None:
+    def settle_tail(self, cache: RestoreHost) -> int | None:
         """The pending tail's read has finished: its verified leading pages go to the index (the sequence keeps
         a reference to each). Returns None when every page was verified, else the first failed page (from then
-        on the sequence's pages hold wrong bytes until it is cut back)."""
-        tail, self._tail = self._tail, None
+        on the sequence's pages hold wrong bytes until it is cut back); ``cache``'s counts lose the failed ones."""
+        tail, self.tail = self.tail, None
         if tail is None:
             return None
         self.table.reading = None
@@ -297,39 +293,14 @@ class RestoreSteps:
         bad = len(tail.keys) - good
         if not bad:
             return None
-        self.restored_tokens -= bad * ps
-        self.restored_store_pages -= bad
+        cache.restored_tokens -= bad * ps
+        cache.restored_store_pages -= bad
         st.stats.restored_pages -= bad
         st.stats.restored_store_pages -= bad
         return tail.first + good
 
-    def _settled(self) -> None:
-        """Settle a pending tail outside a forward: a failed page cuts the sequence back to the verified ones."""
-        if self._tail is not None:
-            failed = self._settle_tail()
-            if failed is not None and self.get_seq_length() > failed * self._state.page_size:
-                self._truncate(failed * self._state.page_size)
-
-    def _failed_tail(self, failed: int | None, ctx: int) -> None:
-        """At the last layer of the forward that ran on the tail (``ctx``: the sequence's length before it):
-        ``failed`` is the first tail page that failed its check (None: none did). The sequence is cut back to
-        the verified pages at once, so nothing of this forward is kept; the model's hook then computes the
-        forward again (:meth:`_recover`), or — a forward its hooks do not see (a base model's) or cannot
-        repeat (no ``input_ids``) — this raises."""
-        if failed is None:
-            return
-        ps = self._state.page_size
-        prior = self._fed[failed * ps : ctx]  # the cached tokens from the failed page on (prompt or not)
-        self._truncate(failed * ps)
-        if not self._this_hooked or self._span is None or len(prior) != ctx - failed * ps:
-            raise KvtierError(
-                "a restored page failed its check after this forward had used it: its output is not returned; "
-                f"the cache was cut back to the {failed * ps} tokens verified: call the model again from there "
-                "with input_ids (through the model kvtier hooked, not its base model)")
-        self._redo = (failed, prior)
-
-    def _recover(self, model: Any, kwargs: dict[str, Any], output: Any, span: tuple[int, int],
-                 redo: tuple[int, list[int]]) -> Any:
+    def recover(self, model: Any, kwargs: dict[str, Any], output: Any, span: tuple[int, int],
+                redo: tuple[int, list[int]]) -> Any:
         """The forward that just ran used tail pages from ``redo[0]`` on, which failed their check (the
         sequence was cut back to them at its last layer): the output of that forward computed again, the
         failed pages' tokens (``redo[1]``) first. ``span``: (the sequence's length before that forward, the

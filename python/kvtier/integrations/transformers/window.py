@@ -1,5 +1,6 @@
 """The device and host halves of one sequence in kvtier's transformers cache: :class:`DeviceWindow` (the device
-layer slots, seen as a kvtier device pool) and :class:`PageTable` (the sequence's host pages)."""
+layer slots, seen as a kvtier device pool), :class:`PageTable` (the sequence's host pages) and :class:`LayerLength`
+(a layer's length, the only part of a transformers cache layer that kvtier keeps outside its pools)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,33 @@ import threading
 from typing import Any
 
 import torch
+from transformers.cache_utils import DynamicLayer
 
 from .state import TierRuntime
+
+
+class LayerLength(DynamicLayer):
+    """One layer's view of a :class:`KvtierCache`: its length (the KV itself lives in kvtier's pools)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.length = 0
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        pass
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def offload(self) -> None:
+        pass
+
+    def prefetch(self) -> None:
+        pass
 
 
 class DeviceWindow:
