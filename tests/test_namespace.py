@@ -159,7 +159,8 @@ def test_a_value_may_hold_a_bare_equals_and_none_is_written_as_before() -> None:
     assert Namespace.build("kvtier-v1", model="m", page=str(None)).format() == "kvtier-v1|model=m|page=None"
 
 
-@pytest.mark.parametrize("model", ["m|sealed=kr-1", "org/M|tp=9/9", "a|b|c=d", "x|mla|sealed=k"])
+@pytest.mark.parametrize("model", ["m|sealed=kr-1", "org/M|tp=9/9", "a|b|c=d", "x|mla|sealed=k",
+                                   "m)\nkept ns-0000: forged line (", "m\x1b[2K", "m\x7f"])
 def test_a_value_that_would_read_back_as_a_field_is_refused(model: str, tmp_path) -> None:
     from kvtier import PageStore
     with pytest.raises(InvalidArgumentError, match="`fields`.*'model'"):

@@ -175,6 +175,10 @@ def check_value(arg: str, value: str, key: str = "model") -> str:
     """``value``, or InvalidArgumentError naming ``arg`` when it could not be a namespace field's value: a ``|``
     piece of it that holds ``key=`` would read back as a field of its own (a model name holding ``|sealed=k``
     would name a sealed namespace)."""
+    control = next((c for c in value if ord(c) < 0x20 or ord(c) == 0x7F), None)
+    if control is not None:  # (a newline in a model name forged lines of the CLI's reports)
+        raise InvalidArgumentError(f"invalid argument `{arg}`: the value of {key!r} ({value!r}) holds the control "
+                                   f"character {control!r}")
     planted = next((p for p in value.split("|")[1:] if "=" in p and p.partition("=")[0]), None)
     if planted is not None:
         raise InvalidArgumentError(
