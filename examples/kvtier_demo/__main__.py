@@ -11,7 +11,7 @@ import re
 import sys
 
 from kvtier import KvtierError
-from kvtier.cli import os_error_text
+from kvtier.cli import exit_status
 
 PROG = "kvtier_demo"
 
@@ -84,26 +84,8 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """The demo's command line; Ctrl-C at any point is one line and exit status 130."""
-    try:
-        return run(parser().parse_args(sys.argv[1:] if argv is None else argv))
-    except BrokenPipeError:  # `python -m kvtier_demo | head`: the reader left; say nothing, as other tools do
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 141
-    except KeyboardInterrupt:
-        print(f"{PROG}: interrupted", file=sys.stderr)
-        return 130
-    except ModuleNotFoundError as exc:
-        if exc.name != "torch":
-            raise
-        print(f"{PROG}: error: the demo needs torch, which is not installed: pip install torch", file=sys.stderr)
-        return 1
-    except (KvtierError, OSError, ValueError) as exc:
-        print(f"{PROG}: error: {os_error_text(exc) if isinstance(exc, OSError) else exc}", file=sys.stderr)
-        return 1
-    except (MemoryError, RuntimeError) as exc:  # e.g. an allocation the machine cannot make
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        print(f"{PROG}: error: {type(exc).__name__}: {first}", file=sys.stderr)
-        return 1
+    return exit_status(PROG, lambda: run(parser().parse_args(sys.argv[1:] if argv is None else argv)),
+                       "the demo needs torch, which is not installed: pip install torch")
 
 
 if __name__ == "__main__":

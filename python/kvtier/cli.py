@@ -6,6 +6,7 @@ import argparse
 import functools
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from ._errors import KvtierError
@@ -307,26 +308,34 @@ def _main(argv: list[str] | None) -> int:
                 "namespaces": lambda: _store_cli.cmd_namespaces(args), "remove": lambda: _store_cli.cmd_remove(args),
                 "budget": lambda: _store_cli.cmd_budget(args), "keys": lambda: _tenant_cli.cmd_keys(args),
                 "erase": lambda: _tenant_cli.cmd_erase(args)}
+    return exit_status("kvtier", commands[args.command],
+                       f"`kvtier {args.command}` needs torch, which is not installed: pip install 'kvtier[torch]' "
+                       "(or torch itself)")
+
+
+def exit_status(prog: str, command: Callable[[], int], needs_torch: str) -> int:
+    """``command()``'s exit status, its errors as one line each on stderr, led by ``prog``: a reader that left
+    (141, silent), Ctrl-C (130), torch missing (``needs_torch``), kvtier's, the OS's and bad values, an
+    allocation the machine cannot make (1). The kvtier CLI's, and the checkout's bench and demo commands'."""
     try:
-        return commands[args.command]()
+        return command()
     except BrokenPipeError:  # `kvtier stats DIR | head`: the reader left; say nothing, as other tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
     except KeyboardInterrupt:
-        print("kvtier: interrupted", file=sys.stderr)
+        print(f"{prog}: interrupted", file=sys.stderr)
         return 130
     except ModuleNotFoundError as exc:
         if exc.name != "torch":
             raise
-        print(f"kvtier: error: `kvtier {args.command}` needs torch, which is not installed: pip install "
-              "'kvtier[torch]' (or torch itself)", file=sys.stderr)
+        print(f"{prog}: error: {needs_torch}", file=sys.stderr)
         return 1
     except (KvtierError, OSError, ValueError) as exc:
-        print(f"kvtier: error: {os_error_text(exc) if isinstance(exc, OSError) else exc}", file=sys.stderr)
+        print(f"{prog}: error: {os_error_text(exc) if isinstance(exc, OSError) else exc}", file=sys.stderr)
         return 1
     except (MemoryError, RuntimeError) as exc:  # e.g. an allocation the machine cannot make
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        print(f"kvtier: error: {type(exc).__name__}: {first}", file=sys.stderr)
+        print(f"{prog}: error: {type(exc).__name__}: {first}", file=sys.stderr)
         return 1
 
 

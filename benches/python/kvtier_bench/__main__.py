@@ -10,7 +10,7 @@ import importlib
 import sys
 
 from kvtier._errors import KvtierError
-from kvtier.cli import os_error_text
+from kvtier.cli import exit_status
 
 from .options import BENCHES, parser
 
@@ -46,24 +46,8 @@ def run(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    prog = "kvtier_bench"
-    try:
-        return run(sys.argv[1:] if argv is None else argv)
-    except KeyboardInterrupt:
-        print(f"{prog}: interrupted", file=sys.stderr)
-        return 130
-    except ModuleNotFoundError as exc:
-        if exc.name != "torch":
-            raise
-        print(f"{prog}: error: each bench needs torch, which is not installed: pip install torch", file=sys.stderr)
-        return 1
-    except (KvtierError, OSError, ValueError) as exc:
-        print(f"{prog}: error: {os_error_text(exc) if isinstance(exc, OSError) else exc}", file=sys.stderr)
-        return 1
-    except (MemoryError, RuntimeError) as exc:  # e.g. an allocation the machine cannot make
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        print(f"{prog}: error: {type(exc).__name__}: {first}", file=sys.stderr)
-        return 1
+    return exit_status("kvtier_bench", lambda: run(sys.argv[1:] if argv is None else argv),
+                       "each bench needs torch, which is not installed: pip install torch")
 
 
 if __name__ == "__main__":
